@@ -1,0 +1,1 @@
+"""The attach API that inference code imports, re-exported by modelload.loader."""

@@ -1,0 +1,1 @@
+"""The modelload command line: one entry point, subcommands registered through entry points."""

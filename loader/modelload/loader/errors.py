@@ -1,0 +1,239 @@
+"""The one error tree of modelload, sorted by what the caller does next.
+
+Every error that modelload raises on purpose is a :class:`ModelloadError`. Catch the branch that matches what
+you can do about it::
+
+    ModelloadError
+    ├── ConfigError                    a setting, flag or URI is wrong: fix the configuration
+    ├── FormatError                    a model file breaks its format's rules: re-create or re-upload it
+    │   ├── BadMagicError              not a file of the expected format
+    │   ├── UnsupportedVersionError    a format version this build does not read
+    │   ├── TruncatedError             the file ends before a structure it declares
+    │   ├── BoundsError                an offset or size points outside the file
+    │   ├── OverlapError               two tensors claim the same bytes
+    │   ├── DuplicateNameError         two tensors share a name
+    │   ├── HeaderError                a header or index entry that cannot be parsed
+    │   ├── SizeMismatchError          a tensor's byte count disagrees with its dtype and shape
+    │   ├── UnsupportedDtypeError      a dtype this build cannot represent
+    │   └── HashMismatchError          the bytes read do not match the file's own hash
+    ├── EncryptionError                decryption is impossible with what was given
+    │   ├── MissingKeyError            the file is encrypted and no key or password was given
+    │   ├── WrongKeyError              a key or password was given and does not open the file
+    │   └── NotEncryptedError          a key was given for a file that is not encrypted
+    ├── SourceError                    reading the model's source failed
+    │   ├── SourceNotFoundError        the object does not exist (check the URI)
+    │   ├── SourceAccessDeniedError    credentials were refused (check the Secret or role)
+    │   ├── SourceChangedError         the object changed while it was being read
+    │   ├── RangeNotSupportedError     the server cannot serve byte ranges
+    │   └── TransientSourceError       worth retrying, after ``retry_after`` seconds when known
+    ├── SegmentError                   the shared-memory segment cannot be used
+    │   ├── SegmentLayoutError         the segment breaks its layout's rules (see segment/SPEC.md)
+    │   ├── SegmentVersionError        a layout version this loader does not know: upgrade the loader
+    │   ├── SegmentSpaceError          the volume has no room for the model
+    │   └── LoadFailedError            the writer gave up; ``reason`` says why
+    ├── LoadTimeoutError               waiting for tensors took longer than allowed (also a TimeoutError)
+    └── SidecarUnavailableError        no sidecar serves the segment this process was pointed to
+
+Third-party exceptions (botocore, HTTP clients, libsodium) are translated into this tree at one boundary,
+inside the module that calls the library, and chained as ``__cause__``. Messages name the file, object or
+setting involved and what to do; they never carry credentials, keys or passwords.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BadMagicError",
+    "BoundsError",
+    "ConfigError",
+    "DuplicateNameError",
+    "EncryptionError",
+    "FormatError",
+    "HashMismatchError",
+    "HeaderError",
+    "LoadFailedError",
+    "LoadTimeoutError",
+    "MissingKeyError",
+    "ModelloadError",
+    "NotEncryptedError",
+    "OverlapError",
+    "RangeNotSupportedError",
+    "SegmentError",
+    "SegmentLayoutError",
+    "SegmentSpaceError",
+    "SegmentVersionError",
+    "SidecarUnavailableError",
+    "SizeMismatchError",
+    "SourceAccessDeniedError",
+    "SourceChangedError",
+    "SourceError",
+    "SourceNotFoundError",
+    "TransientSourceError",
+    "TruncatedError",
+    "UnsupportedDtypeError",
+    "UnsupportedVersionError",
+    "WrongKeyError",
+]
+
+
+class ModelloadError(Exception):
+    """The base of every error modelload raises on purpose."""
+
+
+class ConfigError(ModelloadError, ValueError):
+    """A setting, flag, environment variable or URI is invalid. Fix the configuration; retrying will not help."""
+
+
+# --- files -------------------------------------------------------------------------------------------------
+
+
+class FormatError(ModelloadError):
+    """A model file (tensorizer or safetensors) breaks a rule of its format.
+
+    ``source`` names the file or object when known. The file has to be re-created or re-uploaded: reading it
+    again gives the same answer.
+    """
+
+    def __init__(self, message: str, *, source: str | None = None) -> None:
+        self.source = source
+        super().__init__(f"{source}: {message}" if source else message)
+
+
+class BadMagicError(FormatError):
+    """The first bytes are not the format's magic: the file is of another format, or not a model at all."""
+
+
+class UnsupportedVersionError(FormatError):
+    """The file declares a format version this build does not read."""
+
+
+class TruncatedError(FormatError):
+    """The file ends before a structure it declares (an interrupted upload or download)."""
+
+
+class BoundsError(FormatError):
+    """An offset or size in the file points outside the file or past a declared limit."""
+
+
+class OverlapError(FormatError):
+    """Two tensors claim overlapping bytes, or the data has holes a strict format forbids."""
+
+
+class DuplicateNameError(FormatError):
+    """Two tensors share one name."""
+
+
+class HeaderError(FormatError):
+    """A header or index entry cannot be parsed (bad JSON, bad UTF-8, an impossible field)."""
+
+
+class SizeMismatchError(FormatError):
+    """A tensor's byte count disagrees with its dtype and shape."""
+
+
+class UnsupportedDtypeError(FormatError):
+    """A dtype this build cannot represent (for example a quantized torch type)."""
+
+
+class HashMismatchError(FormatError):
+    """The bytes read do not match the hash the file stores for them: the file or the transfer is corrupt."""
+
+
+# --- encryption --------------------------------------------------------------------------------------------
+
+
+class EncryptionError(ModelloadError):
+    """Encrypted data cannot be opened with what was given. Never carries the key or the password."""
+
+
+class MissingKeyError(EncryptionError):
+    """The file is encrypted and no key or password was given: pass --key-file or a password."""
+
+
+class WrongKeyError(EncryptionError):
+    """A key or password was given and the file's authentication tags do not verify with it."""
+
+
+class NotEncryptedError(EncryptionError):
+    """A key was given for a file that is not encrypted: drop the key, or check you have the right file."""
+
+
+# --- sources -----------------------------------------------------------------------------------------------
+
+
+class SourceError(ModelloadError):
+    """Reading the model's source (a file, an HTTP(S) URL, an S3 object) failed.
+
+    ``uri`` names the object without credentials. The subclasses say whether to fix something or retry.
+    """
+
+    def __init__(self, message: str, *, uri: str | None = None) -> None:
+        self.uri = uri
+        super().__init__(message)
+
+
+class SourceNotFoundError(SourceError):
+    """The object, bucket, file or URL does not exist. Check the URI."""
+
+
+class SourceAccessDeniedError(SourceError):
+    """The source refused the credentials, or none were found. Check the Secret, role or bucket policy."""
+
+
+class SourceChangedError(SourceError):
+    """The object changed (its ETag or size) while it was being read; the load would mix two versions."""
+
+
+class RangeNotSupportedError(SourceError):
+    """The server ignores HTTP Range requests, so the object cannot be read in parallel ranges."""
+
+
+class TransientSourceError(SourceError):
+    """A failure worth retrying: a reset connection, a 5xx, throttling, a stalled stream.
+
+    ``retry_after`` is the delay the source asked for, in seconds, when it named one.
+    """
+
+    def __init__(self, message: str, *, uri: str | None = None, retry_after: float | None = None) -> None:
+        self.retry_after = retry_after
+        super().__init__(message, uri=uri)
+
+
+# --- segments ----------------------------------------------------------------------------------------------
+
+
+class SegmentError(ModelloadError):
+    """The shared-memory segment cannot be created, read or used."""
+
+
+class SegmentLayoutError(SegmentError):
+    """The segment breaks a rule of its layout (segment/SPEC.md): it is corrupt, truncated or hostile."""
+
+
+class SegmentVersionError(SegmentError):
+    """The segment uses a layout version this loader does not know. Upgrade the loader to match the sidecar."""
+
+
+class SegmentSpaceError(SegmentError, OSError):
+    """The volume has no room for the segment. Raise the emptyDir sizeLimit or the memory limit."""
+
+
+class LoadFailedError(SegmentError):
+    """The writer of the segment marked the load failed. ``reason`` is the writer's message."""
+
+    def __init__(self, reason: str, *, path: str | None = None) -> None:
+        self.reason = reason
+        self.path = path
+        where = f" ({path})" if path else ""
+        super().__init__(f"the model load failed{where}: {reason}")
+
+
+class LoadTimeoutError(ModelloadError, TimeoutError):
+    """Waiting for tensors took longer than the timeout. ``pending`` names the tensors still missing."""
+
+    def __init__(self, message: str, *, pending: tuple[str, ...] = ()) -> None:
+        self.pending = pending
+        super().__init__(message)
+
+
+class SidecarUnavailableError(ModelloadError):
+    """No segment or sidecar is where this process was told to look (check MODELLOAD_SEGMENT)."""

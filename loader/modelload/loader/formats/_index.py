@@ -1,0 +1,91 @@
+"""What a model file holds, as far as planning a load needs: the index every format reader returns.
+
+An index is read from the first bytes of a file alone (the tensorizer metadata block, the safetensors JSON
+header), so a remote reader can plan its byte ranges from one or two small reads. It says where each
+tensor's bytes are in the file and how many bytes the tensor takes in memory; the bytes themselves are read
+later, by range.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from modelload.loader.dtypes import DType
+
+__all__ = ["FormatName", "ModelIndex", "RangeRead", "TensorEntry"]
+
+FormatName = Literal["tensorizer", "safetensors"]
+
+RangeRead = Callable[[int, int], bytes]
+"""``read(offset, length) -> bytes``: at most ``length`` bytes of the file from ``offset`` (fewer only at
+the end of the file). Format readers take one of these to read an index without knowing the source."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a model file.
+
+    The bytes to fetch for this tensor are ``[record_offset, data_offset + data_length)``. For safetensors the
+    record is the data alone; for tensorizer it starts with the per-tensor header (hashes, encryption
+    parameters), which the reader parses to verify and decrypt.
+    """
+
+    name: str
+    """The tensor's name (a state_dict key; tensorizer structured paths are rendered as dotted keys)."""
+    dtype: DType
+    shape: tuple[int, ...]
+    record_offset: int
+    """Absolute file offset of the first byte to fetch for this tensor."""
+    data_offset: int
+    """Absolute file offset of the tensor's data bytes."""
+    data_length: int
+    """Bytes of data in the file: ``nbytes``, or 0 for a tensorizer meta tensor (no data, zeros)."""
+    kind: Literal["param", "buffer", "state_dict"] = "state_dict"
+    """tensorizer's tensor type; safetensors tensors are all ``state_dict``."""
+    encrypted: bool = False
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the tensor takes in memory: element size times the number of elements."""
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def record_length(self) -> int:
+        return self.data_offset + self.data_length - self.record_offset
+
+    @property
+    def is_meta(self) -> bool:
+        """A tensor with a shape and no data in the file (tensorizer v4); it loads as zeros."""
+        return self.data_length == 0 and self.nbytes > 0
+
+
+@dataclass(frozen=True)
+class ModelIndex:
+    """The tensors of one model file, in file order, and what the file says about itself."""
+
+    format: FormatName
+    version: int
+    """The format's data version (tensorizer 1-5; safetensors has none and reports 1)."""
+    tensors: tuple[TensorEntry, ...]
+    index_length: int
+    """Bytes from the start of the file that hold the index (what a remote reader fetches first)."""
+    data_end: int
+    """The smallest file size the index is consistent with: the end of the last tensor's record."""
+    encrypted: bool = False
+    metadata: dict[str, str] = field(default_factory=dict)
+    """Free-form string metadata the file carries (safetensors ``__metadata__``)."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all tensors in memory."""
+        return sum(t.nbytes for t in self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)

@@ -1,0 +1,1 @@
+"""The tensorizer file format (CoreWeave), read and written independently of the tensorizer package."""

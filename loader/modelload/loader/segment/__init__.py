@@ -1,0 +1,1 @@
+"""The shared-memory segment: the versioned layout a sidecar writes and loaders attach to (SPEC.md)."""

@@ -1,0 +1,1 @@
+"""The modelload operator: the ModelLoad resource, its status, and the pod injection webhook."""
