@@ -43,6 +43,9 @@ class TensorEntry:
     """Absolute file offset of the tensor's data bytes."""
     data_length: int
     """Bytes of data in the file: ``nbytes``, or 0 for a tensorizer meta tensor (no data, zeros)."""
+    path: tuple[str | int, ...] | None = None
+    """The structured state_dict path when the file stores one (tensorizer's ``\\x1e[...]`` names); the
+    ``name`` is then its components joined with dots."""
     kind: Literal["param", "buffer", "state_dict"] = "state_dict"
     """tensorizer's tensor type; safetensors tensors are all ``state_dict``."""
     encrypted: bool = False
