@@ -141,7 +141,9 @@ def from_numpy(dtype: Any) -> DType:
     """The dtype of a numpy array's elements. Big-endian arrays are refused: segments are little-endian."""
     dt = np.dtype(dtype)
     if dt.byteorder == ">" or (dt.byteorder == "=" and np.little_endian is False):
-        raise UnsupportedDtypeError(f"big-endian dtype {dt.str!r}; convert with .astype({dt.newbyteorder('<')})")
+        raise UnsupportedDtypeError(
+            f"big-endian dtype {dt.str!r}; convert with .astype({dt.newbyteorder('<')})"
+        )
     try:
         return _BY_NUMPY[dt.str]
     except KeyError:

@@ -80,7 +80,7 @@ class ModelloadError(Exception):
 
 
 class ConfigError(ModelloadError, ValueError):
-    """A setting, flag, environment variable or URI is invalid. Fix the configuration; retrying will not help."""
+    """A setting, flag, environment variable or URI is invalid. Fix it: retrying will not help."""
 
 
 # --- files -------------------------------------------------------------------------------------------------
@@ -210,7 +210,7 @@ class SegmentLayoutError(SegmentError):
 
 
 class SegmentVersionError(SegmentError):
-    """The segment uses a layout version this loader does not know. Upgrade the loader to match the sidecar."""
+    """The segment's layout version is unknown to this loader. Upgrade the loader to match the sidecar."""
 
 
 class SegmentSpaceError(SegmentError, OSError):

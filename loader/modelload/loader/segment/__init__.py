@@ -1,1 +1,34 @@
-"""The shared-memory segment: the versioned layout a sidecar writes and loaders attach to (SPEC.md)."""
+"""The shared-memory segment: the versioned layout a sidecar writes and loaders attach to.
+
+SPEC.md beside this file is the contract, byte by byte. ``layout`` plans and validates it, ``writer`` fills
+it, ``reader`` maps it and waits for tensors.
+"""
+
+from modelload.loader.segment.layout import (
+    ALIGNMENT,
+    LAYOUT_VERSION,
+    Layout,
+    Slot,
+    TensorFlags,
+    TensorSpec,
+    TensorState,
+    WriterState,
+    plan_layout,
+)
+from modelload.loader.segment.reader import SegmentReader, Waiter
+from modelload.loader.segment.writer import SegmentWriter
+
+__all__ = [
+    "ALIGNMENT",
+    "LAYOUT_VERSION",
+    "Layout",
+    "SegmentReader",
+    "SegmentWriter",
+    "Slot",
+    "TensorFlags",
+    "TensorSpec",
+    "TensorState",
+    "Waiter",
+    "WriterState",
+    "plan_layout",
+]

@@ -1,0 +1,408 @@
+"""The segment's byte layout (SPEC.md beside this file): planning a layout and validating one that was read.
+
+This module is pure bytes: it plans where every region and tensor slot goes, packs the header and the
+manifest, and checks a header and manifest read from a file against every rule of the spec before anything
+of the size they declare is allocated. Reading and writing the file itself is in ``reader`` and ``writer``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import struct
+import zlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import IntEnum, IntFlag
+from typing import Any
+
+from modelload.loader import dtypes
+from modelload.loader.dtypes import DType
+from modelload.loader.errors import (
+    ModelloadError,
+    SegmentLayoutError,
+    SegmentVersionError,
+)
+
+__all__ = [
+    "ALIGNMENT",
+    "HEADER_LENGTH",
+    "LAYOUT_VERSION",
+    "MAGIC",
+    "MAX_MANIFEST_LENGTH",
+    "MAX_TENSORS",
+    "STATE_ENTRY_LENGTH",
+    "Header",
+    "Layout",
+    "Slot",
+    "TensorFlags",
+    "TensorSpec",
+    "TensorState",
+    "WriterState",
+    "align",
+    "parse_header",
+    "parse_manifest",
+    "plan_layout",
+]
+
+MAGIC = b"MODELSEG"
+LAYOUT_VERSION = 1
+HEADER_LENGTH = 4096
+ALIGNMENT = 4096
+STATE_ENTRY_LENGTH = 32
+MAX_TENSORS = 1 << 20
+MAX_MANIFEST_LENGTH = 64 << 20
+MAX_NDIM = 64
+ERROR_CAPACITY = 1024
+
+# Field offsets in the header (SPEC.md, "Header").
+_FIXED = struct.Struct("<8sIIQQQIIQQQQQQ32s")  # bytes 0-127, written once
+OFF_WRITER_STATE = 128
+OFF_WRITER_PID = 132
+OFF_TENSORS_READY = 136
+OFF_BYTES_READY = 144
+OFF_FINISHED_NS = 152
+OFF_ERROR_LENGTH = 160
+OFF_HEARTBEAT_NS = 168
+OFF_ERROR = 176
+_RESERVED_TAIL = (OFF_ERROR + ERROR_CAPACITY, HEADER_LENGTH)
+_MANIFEST_KEYS = frozenset({"tensors", "metadata"})
+_TENSOR_KEYS = frozenset({"name", "dtype", "shape", "offset", "nbytes", "sha256"})
+_HEX = frozenset("0123456789abcdef")
+
+
+class WriterState(IntEnum):
+    CREATING = 0
+    LOADING = 1
+    COMPLETE = 2
+    FAILED = 3
+
+
+class TensorState(IntEnum):
+    PENDING = 0
+    READY = 1
+    FAILED = 2
+
+
+class TensorFlags(IntFlag):
+    NONE = 0
+    VERIFIED = 1
+    DECRYPTED = 2
+    CRC32 = 4
+
+
+def align(value: int, to: int = ALIGNMENT) -> int:
+    """The smallest multiple of ``to`` at or above ``value``."""
+    return -(-value // to) * to
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor to place in a segment: what the writer knows before any byte arrives."""
+
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+    sha256: str | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A tensor's place in a segment: its spec and the absolute offset of its bytes."""
+
+    index: int
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    sha256: str | None = None
+
+
+@dataclass(frozen=True)
+class Header:
+    """The write-once part of a segment header (bytes 0-127)."""
+
+    segment_length: int
+    manifest_length: int
+    manifest_crc32: int
+    state_offset: int
+    tensor_count: int
+    data_offset: int
+    data_length: int
+    load_id: int
+    created_ns: int
+    manifest_offset: int = HEADER_LENGTH
+    layout_version: int = LAYOUT_VERSION
+
+    def pack(self) -> bytes:
+        return _FIXED.pack(
+            MAGIC,
+            self.layout_version,
+            HEADER_LENGTH,
+            self.segment_length,
+            self.manifest_offset,
+            self.manifest_length,
+            self.manifest_crc32,
+            ALIGNMENT,
+            self.state_offset,
+            self.tensor_count,
+            self.data_offset,
+            self.data_length,
+            self.load_id,
+            self.created_ns,
+            bytes(32),
+        )
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A complete plan for a segment: every region's place, every slot, and the manifest bytes."""
+
+    slots: tuple[Slot, ...]
+    metadata: Mapping[str, str]
+    manifest: bytes
+    state_offset: int
+    data_offset: int
+    data_length: int
+    by_name: Mapping[str, int] = field(repr=False)
+
+    @property
+    def segment_length(self) -> int:
+        return self.data_offset + self.data_length
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data (without padding)."""
+        return sum(s.nbytes for s in self.slots)
+
+    def header(self, *, load_id: int, created_ns: int) -> Header:
+        return Header(
+            segment_length=self.segment_length,
+            manifest_length=len(self.manifest),
+            manifest_crc32=zlib.crc32(self.manifest),
+            state_offset=self.state_offset,
+            tensor_count=len(self.slots),
+            data_offset=self.data_offset,
+            data_length=self.data_length,
+            load_id=load_id,
+            created_ns=created_ns,
+        )
+
+
+def plan_layout(tensors: Iterable[TensorSpec], *, metadata: Mapping[str, str] | None = None) -> Layout:
+    """Place ``tensors`` in a segment, in the given order, each slot on a 4096-byte boundary.
+
+    >>> from modelload.loader.dtypes import by_name
+    >>> layout = plan_layout([TensorSpec("w", by_name("float32"), (2, 3))])
+    >>> layout.slots[0].offset, layout.slots[0].nbytes, layout.segment_length
+    (12288, 24, 16384)
+    """
+    specs = list(tensors)
+    meta = dict(metadata or {})
+    if len(specs) > MAX_TENSORS:
+        raise SegmentLayoutError(f"{len(specs)} tensors is more than a segment holds ({MAX_TENSORS})")
+    for key, value in meta.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise SegmentLayoutError(f"segment metadata must map strings to strings, got {key!r}: {value!r}")
+    by_name: dict[str, int] = {}
+    for i, spec in enumerate(specs):
+        if spec.name in by_name:
+            raise SegmentLayoutError(f"tensor name {spec.name!r} appears twice")
+        if len(spec.shape) > MAX_NDIM or any(d < 0 for d in spec.shape):
+            raise SegmentLayoutError(f"tensor {spec.name!r} has an invalid shape {spec.shape}")
+        by_name[spec.name] = i
+
+    # The manifest holds the slot offsets, which depend on where the data starts, which depends on the
+    # manifest's length: plan with the offsets of a first guess, and re-plan until the length is stable.
+    data_offset = align(HEADER_LENGTH + 1) + align(STATE_ENTRY_LENGTH * max(len(specs), 1))
+    while True:
+        slots = _place(specs, data_offset)
+        manifest = _encode_manifest(slots, meta)
+        if len(manifest) > MAX_MANIFEST_LENGTH:
+            raise SegmentLayoutError(f"manifest of {len(manifest)} bytes exceeds {MAX_MANIFEST_LENGTH}")
+        state_offset = align(HEADER_LENGTH + len(manifest))
+        needed = align(state_offset + STATE_ENTRY_LENGTH * len(specs))
+        if needed == data_offset:
+            break
+        data_offset = needed
+    data_end = max((s.offset + align(s.nbytes) for s in slots), default=data_offset)
+    return Layout(
+        slots=tuple(slots),
+        metadata=meta,
+        manifest=manifest,
+        state_offset=state_offset,
+        data_offset=data_offset,
+        data_length=max(data_end - data_offset, 0),
+        by_name=by_name,
+    )
+
+
+def _place(specs: list[TensorSpec], data_offset: int) -> list[Slot]:
+    slots = []
+    offset = data_offset
+    for i, spec in enumerate(specs):
+        slots.append(Slot(i, spec.name, spec.dtype, tuple(spec.shape), offset, spec.nbytes, spec.sha256))
+        offset += align(spec.nbytes)
+    return slots
+
+
+def _encode_manifest(slots: Iterable[Slot], metadata: Mapping[str, str]) -> bytes:
+    tensors = []
+    for s in slots:
+        entry: dict[str, Any] = {
+            "name": s.name,
+            "dtype": s.dtype.name,
+            "shape": list(s.shape),
+            "offset": s.offset,
+            "nbytes": s.nbytes,
+        }
+        if s.sha256 is not None:
+            entry["sha256"] = s.sha256
+        tensors.append(entry)
+    document = {"tensors": tensors, "metadata": dict(metadata)}
+    return json.dumps(document, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+# --- validation of what was read ----------------------------------------------------------------------------
+
+
+def _fail(message: str) -> SegmentLayoutError:
+    return SegmentLayoutError(f"{message}; the segment is corrupt or was not written by modelload")
+
+
+def parse_header(buf: bytes | memoryview, *, file_size: int) -> Header:
+    """Check the header's write-once bytes and geometry (reader rule 1) and return them.
+
+    ``buf`` holds at least the first 4096 bytes. Nothing of the sizes the header declares is allocated.
+    """
+    if file_size < HEADER_LENGTH or len(buf) < HEADER_LENGTH:
+        raise _fail(f"segment is {file_size} bytes, shorter than its {HEADER_LENGTH}-byte header (truncated)")
+    (magic, version, header_length, segment_length, manifest_offset, manifest_length, manifest_crc32,
+     alignment, state_offset, tensor_count, data_offset, data_length, load_id, created_ns,
+     reserved) = _FIXED.unpack_from(buf, 0)  # fmt: skip
+    if magic != MAGIC:
+        raise SegmentLayoutError(
+            f"not a modelload segment: first bytes are {bytes(magic).hex(' ')}, expected {MAGIC.hex(' ')}"
+        )
+    if version != LAYOUT_VERSION:
+        raise SegmentVersionError(
+            f"segment layout version {version} is not known to this loader, which reads version "
+            f"{LAYOUT_VERSION}; install the modelload loader that matches the sidecar's version"
+        )
+    if header_length != HEADER_LENGTH:
+        raise _fail(f"header length {header_length}, expected {HEADER_LENGTH}")
+    if alignment != ALIGNMENT:
+        raise _fail(f"alignment {alignment}, expected {ALIGNMENT}")
+    if segment_length != file_size:
+        raise _fail(f"header says the segment is {segment_length} bytes, the file is {file_size}")
+    if manifest_offset != HEADER_LENGTH:
+        raise _fail(f"manifest offset {manifest_offset}, expected {HEADER_LENGTH}")
+    if manifest_length > MAX_MANIFEST_LENGTH:
+        raise _fail(f"manifest length {manifest_length} exceeds the limit of {MAX_MANIFEST_LENGTH}")
+    if tensor_count > MAX_TENSORS:
+        raise _fail(f"tensor count {tensor_count} exceeds the limit of {MAX_TENSORS}")
+    if state_offset % ALIGNMENT or state_offset < manifest_offset + manifest_length:
+        raise _fail(f"state table offset {state_offset} is unaligned or inside the manifest")
+    if data_offset % ALIGNMENT or data_offset < state_offset + STATE_ENTRY_LENGTH * tensor_count:
+        raise _fail(f"data offset {data_offset} is unaligned or inside the state table")
+    if data_offset + data_length > segment_length:
+        raise _fail(
+            f"data region [{data_offset}, {data_offset + data_length}) runs past the end of the segment"
+        )
+    if any(reserved) or any(bytes(buf[_RESERVED_TAIL[0] : _RESERVED_TAIL[1]])) or any(bytes(buf[164:168])):
+        raise _fail("reserved header bytes are not zero")
+    state = struct.unpack_from("<I", buf, OFF_WRITER_STATE)[0]
+    if state not in WriterState._value2member_map_:
+        raise _fail(f"unknown writer state {state}")
+    error_length = struct.unpack_from("<I", buf, OFF_ERROR_LENGTH)[0]
+    if error_length > ERROR_CAPACITY:
+        raise _fail(f"error length {error_length} exceeds {ERROR_CAPACITY}")
+    return Header(
+        segment_length=segment_length,
+        manifest_length=manifest_length,
+        manifest_crc32=manifest_crc32,
+        state_offset=state_offset,
+        tensor_count=tensor_count,
+        data_offset=data_offset,
+        data_length=data_length,
+        load_id=load_id,
+        created_ns=created_ns,
+    )
+
+
+def parse_manifest(data: bytes | memoryview, header: Header) -> tuple[tuple[Slot, ...], dict[str, str]]:
+    """Check the manifest against its CRC and every manifest rule (reader rule 2).
+
+    Returns the slots in manifest order and the metadata.
+    """
+    if zlib.crc32(data) != header.manifest_crc32:
+        raise _fail("manifest checksum does not match the header")
+    try:
+        document = json.loads(bytes(data).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _fail(f"manifest is not UTF-8 JSON ({exc})") from exc
+    if not isinstance(document, dict) or set(document) != _MANIFEST_KEYS:
+        raise _fail('manifest must be an object with exactly "tensors" and "metadata"')
+    metadata, entries = document["metadata"], document["tensors"]
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise _fail("manifest metadata must map strings to strings")
+    if not isinstance(entries, list) or len(entries) != header.tensor_count:
+        count = len(entries) if isinstance(entries, list) else "no"
+        raise _fail(f"manifest lists {count} tensors, the header says {header.tensor_count}")
+    slots = tuple(_parse_slot(i, entry, header) for i, entry in enumerate(entries))
+    _check_disjoint(slots)
+    return slots, metadata
+
+
+def _parse_slot(index: int, entry: object, header: Header) -> Slot:
+    if not isinstance(entry, dict) or not _TENSOR_KEYS.issuperset(entry) or len(entry) < 5:
+        raise _fail(
+            f"manifest tensor {index} must have name, dtype, shape, offset, nbytes (and maybe sha256)"
+        )
+    name, dtype_name, shape = entry.get("name"), entry.get("dtype"), entry.get("shape")
+    offset, nbytes, sha256 = entry.get("offset"), entry.get("nbytes"), entry.get("sha256")
+    label = f"manifest tensor {index} ({name!r})"
+    if not isinstance(name, str) or not isinstance(dtype_name, str):
+        raise _fail(f"{label}: name and dtype must be strings")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_NDIM
+        or not all(type(d) is int and d >= 0 for d in shape)
+    ):
+        raise _fail(f"{label}: shape must be at most {MAX_NDIM} integers >= 0")
+    if type(offset) is not int or type(nbytes) is not int or offset < 0 or nbytes < 0:
+        raise _fail(f"{label}: offset and nbytes must be integers >= 0")
+    if sha256 is not None and (
+        not isinstance(sha256, str) or len(sha256) != 64 or not _HEX.issuperset(sha256)
+    ):
+        raise _fail(f"{label}: sha256 must be 64 lowercase hex digits")
+    try:
+        dtype = dtypes.by_name(dtype_name)
+    except ModelloadError:
+        raise _fail(f"{label}: unknown dtype {dtype_name!r}") from None
+    if math.prod(shape) * dtype.itemsize != nbytes:
+        raise _fail(f"{label}: nbytes {nbytes} does not match {dtype_name} of shape {shape}")
+    if offset % ALIGNMENT:
+        raise _fail(f"{label}: offset {offset} is not a multiple of {ALIGNMENT}")
+    data_end = header.data_offset + header.data_length
+    if offset < header.data_offset or offset + nbytes > data_end:
+        raise _fail(f"{label}: slot [{offset}, {offset + nbytes}) lies outside the data region")
+    return Slot(index, name, dtype, tuple(shape), offset, nbytes, sha256)
+
+
+def _check_disjoint(slots: tuple[Slot, ...]) -> None:
+    names: set[str] = set()
+    for slot in slots:
+        if slot.name in names:
+            raise _fail(f"tensor name {slot.name!r} appears twice in the manifest")
+        names.add(slot.name)
+    placed = sorted((s for s in slots if s.nbytes), key=lambda s: s.offset)
+    for before, after in itertools.pairwise(placed):
+        if before.offset + before.nbytes > after.offset:
+            raise _fail(f"tensors {before.name!r} and {after.name!r} overlap")

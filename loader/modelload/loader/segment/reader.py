@@ -1,0 +1,296 @@
+"""Map a segment and wait for its tensors: the reader's side of SPEC.md.
+
+A reader checks the header and manifest against every rule before it maps the data, then maps two regions:
+the header and state table shared and read-only (so the writer's progress shows), and the data region
+copy-on-write (so numpy and torch get writable arrays, and an in-place change stays in this process). Several
+processes may read one segment at once; a reader never writes to it.
+
+Waiting polls the state table. A caller that has a faster way to learn of progress (the loader's pyzmq
+subscription) passes it as ``waiter``, which blocks until something happens or its timeout passes; the state
+table stays the truth either way, so a missed message costs at most one wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import struct
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+from modelload.loader.errors import (
+    LoadFailedError,
+    LoadTimeoutError,
+    SegmentLayoutError,
+    SidecarUnavailableError,
+)
+from modelload.loader.segment import _memory
+from modelload.loader.segment.layout import (
+    HEADER_LENGTH,
+    OFF_BYTES_READY,
+    OFF_ERROR,
+    OFF_ERROR_LENGTH,
+    OFF_FINISHED_NS,
+    OFF_HEARTBEAT_NS,
+    OFF_TENSORS_READY,
+    OFF_WRITER_PID,
+    OFF_WRITER_STATE,
+    STATE_ENTRY_LENGTH,
+    Header,
+    Slot,
+    TensorFlags,
+    TensorState,
+    WriterState,
+    parse_header,
+    parse_manifest,
+)
+
+__all__ = ["SegmentReader", "Waiter"]
+
+Waiter = Callable[[float], None]
+"""Block for at most the given seconds, returning early when the writer may have made progress."""
+
+STALE_AFTER = 60.0
+"""Seconds without a heartbeat after which a LOADING writer is taken for dead (SPEC.md reader rule 5)."""
+
+_POLL_MIN, _POLL_MAX = 0.0005, 0.02
+
+
+class SegmentReader:
+    """A read-only attachment to one segment. Open with :meth:`open`."""
+
+    def __init__(
+        self,
+        path: Path,
+        header: Header,
+        slots: tuple[Slot, ...],
+        metadata: dict[str, str],
+        control: mmap.mmap,
+        data: mmap.mmap | None,
+        data_base: int,
+    ) -> None:
+        self.path = path
+        self.header = header
+        self.slots = slots
+        self.metadata: Mapping[str, str] = metadata
+        self.by_name = {s.name: s.index for s in slots}
+        self._control = control
+        self._data = data
+        self._data_base = data_base
+        self._data_view = memoryview(data) if data is not None else memoryview(b"")
+        self._u32: npt.NDArray[np.uint32] = np.frombuffer(control, dtype="<u4")
+        first = header.state_offset // 4
+        self._states = self._u32[
+            first : first + len(slots) * (STATE_ENTRY_LENGTH // 4) : STATE_ENTRY_LENGTH // 4
+        ]
+        self.stale_after = STALE_AFTER
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> SegmentReader:
+        """Check and map the segment at ``path``.
+
+        Raises :class:`SidecarUnavailableError` when there is no file, :class:`SegmentLayoutError` or
+        :class:`SegmentVersionError` when it breaks the layout, before mapping anything of the size it
+        declares.
+        """
+        target = Path(path)
+        try:
+            fd = os.open(target, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise SidecarUnavailableError(
+                f"no segment at {target}: is the modelload sidecar running, and is its volume mounted here?"
+            ) from None
+        try:
+            size = os.fstat(fd).st_size
+            header_bytes = os.pread(fd, HEADER_LENGTH, 0)
+            header = parse_header(header_bytes, file_size=size)
+            if struct.unpack_from("<I", header_bytes, OFF_WRITER_STATE)[0] == WriterState.CREATING:
+                raise SegmentLayoutError(
+                    f"segment {target} was never published (its writer died creating it)"
+                )
+            manifest = os.pread(fd, header.manifest_length, header.manifest_offset)
+            if len(manifest) != header.manifest_length:
+                raise SegmentLayoutError(f"segment {target} is truncated inside its manifest")
+            slots, metadata = parse_manifest(manifest, header)
+            control = mmap.mmap(fd, header.data_offset, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            data, base = _map_data(fd, header)
+        finally:
+            os.close(fd)
+        return cls(target, header, slots, metadata, control, data, base)
+
+    # --- state ----------------------------------------------------------------------------------------------
+
+    @property
+    def load_id(self) -> int:
+        return self.header.load_id
+
+    @property
+    def writer_state(self) -> WriterState:
+        value = int(self._u32[OFF_WRITER_STATE // 4])
+        try:
+            return WriterState(value)
+        except ValueError:
+            raise SegmentLayoutError(f"segment {self.path} has an unknown writer state {value}") from None
+
+    @property
+    def error(self) -> str:
+        """The writer's reason for failing ('' unless FAILED)."""
+        length = min(int(self._u32[OFF_ERROR_LENGTH // 4]), 1024)
+        return bytes(self._control[OFF_ERROR : OFF_ERROR + length]).decode("utf-8", errors="replace")
+
+    @property
+    def writer_pid(self) -> int:
+        return int(self._u32[OFF_WRITER_PID // 4])
+
+    @property
+    def tensors_ready(self) -> int:
+        return int(self._u64(OFF_TENSORS_READY))
+
+    @property
+    def bytes_ready(self) -> int:
+        return int(self._u64(OFF_BYTES_READY))
+
+    @property
+    def finished_ns(self) -> int:
+        return int(self._u64(OFF_FINISHED_NS))
+
+    @property
+    def heartbeat_ns(self) -> int:
+        return int(self._u64(OFF_HEARTBEAT_NS))
+
+    def state(self, index: int) -> TensorState:
+        value = int(self._states[index])
+        try:
+            return TensorState(value)
+        except ValueError:
+            raise SegmentLayoutError(
+                f"tensor {self.slots[index].name!r} has an unknown state {value}"
+            ) from None
+
+    def flags(self, index: int) -> TensorFlags:
+        return TensorFlags(int(self._u32[(self.header.state_offset + STATE_ENTRY_LENGTH * index) // 4 + 1]))
+
+    def crc32(self, index: int) -> int | None:
+        """The writer's CRC-32 of the tensor's bytes, when it recorded one."""
+        if TensorFlags.CRC32 not in self.flags(index):
+            return None
+        return int(self._u32[(self.header.state_offset + STATE_ENTRY_LENGTH * index) // 4 + 4])
+
+    def ready_ns(self, index: int) -> int:
+        return int(self._u64(self.header.state_offset + STATE_ENTRY_LENGTH * index + 8))
+
+    def ready_mask(self, indices: Sequence[int] | None = None) -> npt.NDArray[np.bool_]:
+        """Which of ``indices`` (all tensors when None) are READY, read in one pass over the state table."""
+        states = self._states if indices is None else self._states[np.asarray(indices, dtype=np.intp)]
+        mask: npt.NDArray[np.bool_] = states == TensorState.READY
+        _memory.acquire_fence()
+        return mask
+
+    def view(self, index: int) -> memoryview:
+        """The bytes of tensor ``index``: meaningful only once it is READY (see :meth:`wait`)."""
+        slot = self.slots[index]
+        start = slot.offset - self._data_base
+        return self._data_view[start : start + slot.nbytes]
+
+    # --- waiting --------------------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Raise :class:`LoadFailedError` when the writer failed or stopped beating."""
+        state = self.writer_state
+        if state == WriterState.FAILED:
+            raise LoadFailedError(self.error or "no reason recorded", path=str(self.path))
+        if state == WriterState.LOADING and self.stale_after:
+            silent = (time.time_ns() - self.heartbeat_ns) / 1e9
+            if silent > self.stale_after:
+                raise LoadFailedError(
+                    f"the writer (pid {self.writer_pid}) has not updated the segment for {silent:.0f} s; "
+                    "it probably died: check the sidecar's logs and restarts",
+                    path=str(self.path),
+                )
+
+    def wait(
+        self,
+        indices: Iterable[int] | None = None,
+        *,
+        timeout: float | None = None,
+        waiter: Waiter | None = None,
+    ) -> None:
+        """Block until every tensor in ``indices`` (all when None) is READY.
+
+        Raises :class:`LoadFailedError` when the writer failed (with its reason) or a tensor failed, and
+        :class:`LoadTimeoutError` naming the missing tensors when ``timeout`` seconds pass first.
+        """
+        pending = (
+            np.arange(len(self.slots), dtype=np.intp)
+            if indices is None
+            else np.fromiter(indices, dtype=np.intp)
+        )
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = _POLL_MIN
+        while True:
+            pending = pending[self._states[pending] != TensorState.READY]
+            if not len(pending):
+                _memory.acquire_fence()
+                return
+            self.check()
+            states = self._states[pending]
+            if (states > TensorState.FAILED).any():
+                self.state(int(pending[states > TensorState.FAILED][0]))  # raises, naming the tensor
+            failed = pending[states == TensorState.FAILED]
+            if len(failed):
+                name = self.slots[int(failed[0])].name
+                reason = self.error or "see the sidecar's log"
+                raise LoadFailedError(f"tensor {name!r} failed: {reason}", path=str(self.path))
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                names = tuple(self.slots[int(i)].name for i in pending)
+                shown = ", ".join(repr(n) for n in names[:5]) + (", ..." if len(names) > 5 else "")
+                raise LoadTimeoutError(
+                    f"{len(names)} tensors not ready after {timeout:g} s ({shown}); "
+                    f"{self.tensors_ready}/{len(self.slots)} loaded so far",
+                    pending=names,
+                )
+            step = pause if remaining is None else min(pause, remaining)
+            if waiter is not None:
+                waiter(0.05 if remaining is None else min(0.05, remaining))
+            else:
+                time.sleep(step)
+                pause = min(pause * 2, _POLL_MAX)
+
+    def _u64(self, offset: int) -> int:
+        return int(struct.unpack_from("<Q", self._control, offset)[0])
+
+    # --- closing ----------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Unmap what no array still uses. Arrays handed out keep their mapping alive until they are freed."""
+        self._data_view.release()
+        self._states = self._u32 = np.empty(0, dtype="<u4")
+        for mm in (self._data, self._control):
+            if mm is not None:
+                with contextlib.suppress(BufferError):
+                    mm.close()
+
+    def __enter__(self) -> SegmentReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<SegmentReader {self.path} tensors={len(self.slots)} state={self.writer_state.name}>"
+
+
+def _map_data(fd: int, header: Header) -> tuple[mmap.mmap | None, int]:
+    """Map the data region copy-on-write, from the allocation boundary at or below data_offset."""
+    if header.data_length == 0:
+        return None, header.data_offset
+    base = header.data_offset - header.data_offset % mmap.ALLOCATIONGRANULARITY
+    length = header.data_offset + header.data_length - base
+    data = mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=base)
+    return data, base

@@ -1,0 +1,335 @@
+"""Create a segment and fill it: the writer's side of SPEC.md.
+
+One process writes a segment; its threads may fill slots concurrently (each slot by one thread at a time)
+and mark them ready in any order. The writer publishes the header and manifest before any tensor data, by
+creating the file under a temporary name and renaming it into place, so a reader never sees half a header.
+
+Pages are reserved up front with ``posix_fallocate``: on tmpfs a write through a mapping into a full volume
+is a SIGBUS that kills the process, while a failed reservation is an ordinary error we can report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import mmap
+import os
+import secrets
+import struct
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from modelload.loader.errors import SegmentError, SegmentSpaceError
+from modelload.loader.segment import _memory
+from modelload.loader.segment.layout import (
+    ERROR_CAPACITY,
+    HEADER_LENGTH,
+    OFF_BYTES_READY,
+    OFF_ERROR,
+    OFF_ERROR_LENGTH,
+    OFF_FINISHED_NS,
+    OFF_HEARTBEAT_NS,
+    OFF_TENSORS_READY,
+    OFF_WRITER_PID,
+    OFF_WRITER_STATE,
+    STATE_ENTRY_LENGTH,
+    Layout,
+    TensorFlags,
+    TensorState,
+    WriterState,
+)
+
+__all__ = ["SegmentWriter"]
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL = 2.0
+"""Seconds between heartbeats of a LOADING writer; SPEC.md asks for at most 5."""
+
+
+class SegmentWriter:
+    """The writing side of one segment. Create it with :meth:`create`.
+
+    >>> from modelload.loader.dtypes import by_name
+    >>> from modelload.loader.segment.layout import TensorSpec, plan_layout
+    >>> layout = plan_layout([TensorSpec("w", by_name("uint8"), (3,))])
+    >>> with SegmentWriter.create(tmp / "model.seg", layout) as writer:  # doctest: +SKIP
+    ...     writer.slot(0)[:] = b"abc"
+    ...     writer.mark_ready(0)
+    ...     writer.mark_complete()
+    """
+
+    def __init__(self, path: Path, layout: Layout, fd: int, mm: mmap.mmap, load_id: int) -> None:
+        self.path = path
+        self.layout = layout
+        self.load_id = load_id
+        self._fd = fd
+        self._mm = mm
+        self._view = memoryview(mm)
+        self._u32 = np.frombuffer(mm, dtype="<u4")
+        self._u64 = np.frombuffer(mm, dtype="<u8")
+        self._lock = threading.Lock()
+        self._ready = 0
+        self._bytes_ready = 0
+        self._closed = False
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+
+    # --- creation ---------------------------------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        path: str | os.PathLike[str],
+        layout: Layout,
+        *,
+        reserve: bool = True,
+        load_id: int | None = None,
+        created_ns: int | None = None,
+        heartbeat: bool = True,
+    ) -> SegmentWriter:
+        """Create, size and publish a segment for ``layout`` at ``path``, ready for tensor data.
+
+        ``reserve`` allocates every page now (``posix_fallocate``), so a full volume fails here with
+        :class:`SegmentSpaceError`. A LOADING segment already at ``path`` is marked FAILED (superseded)
+        before the new one replaces it, so processes still attached to it stop waiting.
+        """
+        target = Path(path)
+        load_id = load_id or (secrets.randbits(64) | 1)
+        created_ns = created_ns or time.time_ns()
+        _check_space(target.parent, layout.segment_length)
+        temp = target.with_name(f".{target.name}.{load_id:016x}.tmp")
+        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            os.ftruncate(fd, layout.segment_length)
+            if reserve and layout.segment_length:
+                _reserve(fd, layout.segment_length, target)
+            mm = mmap.mmap(fd, layout.segment_length, flags=mmap.MAP_SHARED)
+            writer = cls(target, layout, fd, mm, load_id)
+            writer._write_prologue(created_ns)
+            _supersede(target, load_id)
+            temp.rename(target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                temp.unlink()
+            os.close(fd)
+            raise
+        if heartbeat:
+            writer._start_heartbeat()
+        return writer
+
+    def _write_prologue(self, created_ns: int) -> None:
+        header = self.layout.header(load_id=self.load_id, created_ns=created_ns).pack()
+        self._view[: len(header)] = header
+        struct.pack_into("<I", self._mm, OFF_WRITER_PID, os.getpid() & 0xFFFFFFFF)
+        struct.pack_into("<Q", self._mm, OFF_HEARTBEAT_NS, time.time_ns())
+        manifest = self.layout.manifest
+        self._view[HEADER_LENGTH : HEADER_LENGTH + len(manifest)] = manifest
+        # The state table is zero (PENDING) from ftruncate. LOADING last: the file is then complete.
+        self._u32[OFF_WRITER_STATE // 4] = WriterState.LOADING
+
+    # --- filling --------------------------------------------------------------------------------------------
+
+    def fileno(self) -> int:
+        """The segment's file descriptor, for ``os.pwrite``/``os.splice`` straight into a slot's offset."""
+        return self._fd
+
+    def slot(self, index: int) -> memoryview:
+        """A writable view of slot ``index``'s bytes. Fill it completely, then :meth:`mark_ready`."""
+        s = self.layout.slots[index]
+        return self._view[s.offset : s.offset + s.nbytes]
+
+    def state(self, index: int) -> TensorState:
+        return TensorState(int(self._u32[self._state_word(index)]))
+
+    def mark_ready(
+        self,
+        index: int,
+        *,
+        verified: bool = False,
+        decrypted: bool = False,
+        crc32: int | None = None,
+    ) -> None:
+        """Publish tensor ``index``: every byte of its slot must be in. A tensor is published once."""
+        slot = self.layout.slots[index]
+        flags = TensorFlags.NONE
+        flags |= TensorFlags.VERIFIED if verified else TensorFlags.NONE
+        flags |= TensorFlags.DECRYPTED if decrypted else TensorFlags.NONE
+        flags |= TensorFlags.CRC32 if crc32 is not None else TensorFlags.NONE
+        word = self._state_word(index)
+        with self._lock:
+            self._check_open()
+            if self._u32[word] != TensorState.PENDING:
+                raise SegmentError(f"tensor {slot.name!r} was already marked {self.state(index).name}")
+            self._u64[(word * 4 + 8) // 8] = time.time_ns()
+            self._u32[word + 1] = int(flags)
+            self._u32[word + 4] = (crc32 or 0) & 0xFFFFFFFF
+            # SPEC.md, writer rule 2: the slot's bytes, then the entry, then the state word last.
+            _memory.release_fence()
+            self._u32[word] = TensorState.READY
+            self._ready += 1
+            self._bytes_ready += slot.nbytes
+            self._u64[OFF_TENSORS_READY // 8] = self._ready
+            self._u64[OFF_BYTES_READY // 8] = self._bytes_ready
+
+    def mark_tensor_failed(self, index: int) -> None:
+        """Mark one tensor FAILED, so a reader waiting for it stops. Follow with :meth:`mark_failed`."""
+        with self._lock:
+            self._check_open()
+            self._u32[self._state_word(index)] = TensorState.FAILED
+
+    def mark_complete(self) -> None:
+        """Declare the load complete. Every tensor must be READY."""
+        with self._lock:
+            self._check_open()
+            if self._ready != len(self.layout.slots):
+                missing = [s.name for s in self.layout.slots if self.state(s.index) != TensorState.READY]
+                raise SegmentError(f"cannot complete: {len(missing)} tensors are not ready ({missing[:5]})")
+            self._finish(WriterState.COMPLETE)
+
+    def mark_failed(self, reason: str) -> None:
+        """Declare the load failed with ``reason`` (truncated to 1024 bytes of UTF-8). Final."""
+        encoded = _truncate_utf8(reason, ERROR_CAPACITY)
+        with self._lock:
+            self._check_open()
+            if self.writer_state in (WriterState.COMPLETE, WriterState.FAILED):
+                return
+            self._view[OFF_ERROR : OFF_ERROR + ERROR_CAPACITY] = bytes(ERROR_CAPACITY)
+            self._view[OFF_ERROR : OFF_ERROR + len(encoded)] = encoded
+            self._u32[OFF_ERROR_LENGTH // 4] = len(encoded)
+            self._finish(WriterState.FAILED)
+
+    @property
+    def writer_state(self) -> WriterState:
+        return WriterState(int(self._u32[OFF_WRITER_STATE // 4]))
+
+    @property
+    def tensors_ready(self) -> int:
+        return self._ready
+
+    @property
+    def bytes_ready(self) -> int:
+        return self._bytes_ready
+
+    def _finish(self, state: WriterState) -> None:
+        self._u64[OFF_FINISHED_NS // 8] = time.time_ns()
+        _memory.release_fence()
+        self._u32[OFF_WRITER_STATE // 4] = state
+        self._stop.set()
+
+    def _state_word(self, index: int) -> int:
+        if not 0 <= index < len(self.layout.slots):
+            raise IndexError(f"tensor index {index} out of range 0..{len(self.layout.slots) - 1}")
+        return (self.layout.state_offset + STATE_ENTRY_LENGTH * index) // 4
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SegmentError(f"segment writer for {self.path} is closed")
+
+    # --- heartbeat and closing --------------------------------------------------------------------------
+
+    def _start_heartbeat(self) -> None:
+        def beat() -> None:
+            while not self._stop.wait(HEARTBEAT_INTERVAL):
+                with self._lock:
+                    if self._closed:
+                        return
+                    self._u64[OFF_HEARTBEAT_NS // 8] = time.time_ns()
+
+        self._heartbeat = threading.Thread(target=beat, name="segment-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def close(self) -> None:
+        """Unmap and close. The file stays for its readers; a LOADING segment stays LOADING."""
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            del self._u32, self._u64
+            self._view.release()
+            # Views from slot() that a caller still holds keep the mapping alive; it goes with the last one.
+            with contextlib.suppress(BufferError):
+                self._mm.close()
+            os.close(self._fd)
+
+    def __enter__(self) -> SegmentWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        ready = f"{self._ready}/{len(self.layout.slots)}"
+        return f"<SegmentWriter {self.path} load_id={self.load_id:016x} ready={ready}>"
+
+
+def _check_space(directory: Path, needed: int) -> None:
+    try:
+        stats = os.statvfs(directory)
+    except FileNotFoundError:
+        raise SegmentError(
+            f"segment directory {directory} does not exist; create it or mount the volume"
+        ) from None
+    available = stats.f_bavail * stats.f_frsize
+    if needed > available:
+        raise SegmentSpaceError(
+            errno.ENOSPC,
+            f"the segment needs {needed} bytes and {directory} has {available} free; "
+            "raise the volume's sizeLimit (emptyDir medium: Memory) or free space",
+        )
+
+
+def _reserve(fd: int, length: int, target: Path) -> None:
+    try:
+        os.posix_fallocate(fd, 0, length)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
+            raise SegmentSpaceError(
+                exc.errno,
+                f"no room for a {length}-byte segment at {target}: {os.strerror(exc.errno)}; raise the "
+                "volume's sizeLimit and the writer's memory limit (tmpfs pages count against it)",
+            ) from exc
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        log.debug("posix_fallocate is not supported at %s; pages are allocated on first write", target)
+
+
+def _supersede(target: Path, load_id: int) -> None:
+    """Mark a LOADING segment at ``target`` FAILED, so its readers stop waiting (SPEC.md writer rule 4)."""
+    try:
+        fd = os.open(target, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        size = os.fstat(fd).st_size
+        if size < HEADER_LENGTH:
+            return
+        with mmap.mmap(fd, HEADER_LENGTH, flags=mmap.MAP_SHARED) as old:
+            if old[:8] != b"MODELSEG" or struct.unpack_from("<I", old, OFF_WRITER_STATE)[0] != 1:
+                return
+            reason = _truncate_utf8(
+                f"superseded by a new load ({load_id:016x}); attach again", ERROR_CAPACITY
+            )
+            old[OFF_ERROR : OFF_ERROR + len(reason)] = reason
+            struct.pack_into("<I", old, OFF_ERROR_LENGTH, len(reason))
+            struct.pack_into("<Q", old, OFF_FINISHED_NS, time.time_ns())
+            _memory.release_fence()
+            struct.pack_into("<I", old, OFF_WRITER_STATE, WriterState.FAILED)
+    except (OSError, ValueError) as exc:
+        log.warning("could not mark the previous segment at %s superseded: %s", target, exc)
+    finally:
+        os.close(fd)
+
+
+def _truncate_utf8(text: str, limit: int) -> bytes:
+    encoded = text.encode("utf-8", errors="replace")
+    if len(encoded) <= limit:
+        return encoded
+    return encoded[:limit].decode("utf-8", errors="ignore").encode()

@@ -1,0 +1,35 @@
+"""Small builders shared by the segment tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from modelload.loader.dtypes import by_name
+from modelload.loader.segment import SegmentWriter, TensorSpec, plan_layout
+from modelload.loader.segment.layout import Layout
+
+
+def expected_bytes(seed: int, index: int, nbytes: int) -> bytes:
+    """Deterministic content for tensor ``index`` of a test segment, reproducible in another process."""
+    return np.random.default_rng([seed, index]).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+
+
+def small_layout() -> Layout:
+    return plan_layout(
+        [
+            TensorSpec("embed.weight", by_name("bfloat16"), (2, 3)),
+            TensorSpec("bias", by_name("float32"), (2,)),
+        ],
+        metadata={"format": "safetensors"},
+    )
+
+
+def write_complete(path: Path, layout: Layout, *, seed: int = 0) -> None:
+    """A finished segment whose tensor ``i`` holds ``expected_bytes(seed, i, ...)``."""
+    with SegmentWriter.create(path, layout, heartbeat=False) as writer:
+        for slot in layout.slots:
+            writer.slot(slot.index)[:] = expected_bytes(seed, slot.index, slot.nbytes)
+            writer.mark_ready(slot.index)
+        writer.mark_complete()
