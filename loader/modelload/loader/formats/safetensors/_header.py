@@ -1,0 +1,381 @@
+"""Reading and checking a safetensors header: the index of a safetensors file, from its first bytes.
+
+A safetensors file is ``N`` (u64, little-endian), ``N`` bytes of UTF-8 JSON, then the data buffer. The JSON
+header is the whole index, so a remote reader gets it with one or two range reads. Every rule is checked
+before anything the header claims is trusted or allocated; each rule fails with its own error class:
+
+========================================================  ==========================
+rule                                                      error when broken
+========================================================  ==========================
+the file holds the 8-byte size and the whole header       TruncatedError
+``N`` is at most :data:`HEADER_SIZE_CAP`                  BoundsError
+the header starts with ``{``, is UTF-8 JSON (an object),  HeaderError
+may end in JSON whitespace (the writers' padding)
+no tensor name appears twice                              DuplicateNameError
+no key repeats inside an entry or ``__metadata__``        HeaderError
+``__metadata__`` maps strings to strings                  HeaderError
+each entry has a string dtype, a shape of non-negative    HeaderError
+ints, ``data_offsets`` of two ints with begin <= end
+the dtype is one we can represent                         UnsupportedDtypeError
+``end - begin`` is the dtype's size times the elements    SizeMismatchError
+a self-consistent header whose data runs past the file    TruncatedError
+any other range that reaches past the file                BoundsError
+the ranges cover the data buffer exactly: no overlap,     OverlapError
+no hole, no bytes after the last tensor
+========================================================  ==========================
+
+The file size is needed for the last three rules. It is known when the caller passes ``size`` or when the
+first read comes back short (a small file); otherwise the caller checks ``data_end`` against the size it
+learns from its source.
+
+The JSON subset is the one the reference implementation (serde_json) accepts: no ``NaN``/``Infinity``, no
+floats where integers are due, integers up to 2**64 - 1, no unpaired UTF-16 surrogates in names.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+from modelload.loader import dtypes
+from modelload.loader.errors import (
+    BoundsError,
+    DuplicateNameError,
+    HeaderError,
+    OverlapError,
+    SizeMismatchError,
+    TruncatedError,
+    UnsupportedDtypeError,
+)
+from modelload.loader.formats._index import ModelIndex, RangeRead, TensorEntry
+
+__all__ = ["FIRST_READ_LENGTH", "HEADER_SIZE_CAP", "METADATA_KEY", "read_index"]
+
+HEADER_SIZE_CAP = 100_000_000
+"""The largest header accepted, in bytes: the reference implementation's limit, so files we accept it
+accepts too. It bounds what one hostile size field can make us read and parse."""
+
+FIRST_READ_LENGTH = 64 * 1024
+"""The speculative first read. It holds the whole header of most models (a few hundred tensors), so a remote
+source answers one request; a bigger header costs exactly one more."""
+
+METADATA_KEY = "__metadata__"
+
+_U64_MAX = 2**64 - 1
+_REWRITE = "re-export the file (safetensors' save_file, or modelload's writer)"
+
+
+def read_index(read: RangeRead, *, source: str | None = None, size: int | None = None) -> ModelIndex:
+    """Read and check the header of a safetensors file through ``read(offset, length)``.
+
+    At most two reads: :data:`FIRST_READ_LENGTH` bytes from offset 0, then the rest of the header when it is
+    longer. ``size`` is the file's size when the caller knows it (a local ``fstat``, an HTTP
+    ``Content-Length``); with it, the data ranges are checked against the file too.
+
+    >>> from modelload.loader.formats.safetensors import serialize
+    >>> import numpy as np
+    >>> blob = serialize({"w": np.zeros((2, 3), np.float32)})
+    >>> index = read_index(lambda offset, length: blob[offset : offset + length])
+    >>> [(t.name, t.dtype.name, t.shape, t.data_offset, t.data_length) for t in index.tensors]
+    [('w', 'float32', (2, 3), 72, 24)]
+    """
+    first = read(0, FIRST_READ_LENGTH)
+    if size is None and len(first) < FIRST_READ_LENGTH:
+        size = len(first)
+    if len(first) < 8:
+        raise TruncatedError(
+            f"the file is {len(first)} bytes, too short for the 8-byte header size of a safetensors file; "
+            "the upload or download was cut short",
+            source=source,
+        )
+    (header_size,) = struct.unpack_from("<Q", first)
+    if header_size > HEADER_SIZE_CAP:
+        raise BoundsError(
+            f"the header size field says {header_size} bytes, over the {HEADER_SIZE_CAP}-byte limit of "
+            "safetensors readers; the file is corrupt or not a safetensors file",
+            source=source,
+        )
+    header_end = 8 + header_size
+    if size is not None and header_end > size:
+        raise TruncatedError(
+            f"the file is {size} bytes, but its header size field says the header alone ends at byte "
+            f"{header_end}; the file was cut short or its first 8 bytes are corrupt",
+            source=source,
+        )
+    view = memoryview(first)
+    if header_end <= len(first):
+        header: bytes | memoryview = view[8:header_end]
+    else:
+        rest = read(len(first), header_end - len(first))
+        if len(rest) < header_end - len(first):
+            raise TruncatedError(
+                f"the file ends at byte {len(first) + len(rest)}, inside its {header_size}-byte header; "
+                "the file was cut short",
+                source=source,
+            )
+        header = b"".join((view[8:], rest))
+    return parse_header(header, size=size, source=source)
+
+
+def parse_header(
+    header: bytes | memoryview, *, size: int | None = None, source: str | None = None
+) -> ModelIndex:
+    """Check the ``N`` header bytes (without the 8-byte size) and build the index, tensors in file order."""
+    base = 8 + len(header)
+    top = _load_json(header, source)
+    metadata = _metadata(top.pop(METADATA_KEY, None), source)
+    entries = sorted(
+        (_entry(name, raw, base, source) for name, raw in top.items()),
+        key=lambda e: (e.data_offset, e.data_length),
+    )
+    buffer_end = _check_layout(entries, base=base, size=size, source=source)
+    return ModelIndex(
+        format="safetensors",
+        version=1,
+        tensors=tuple(entries),
+        index_length=base,
+        data_end=base + buffer_end,
+        metadata=metadata,
+    )
+
+
+# --- JSON --------------------------------------------------------------------------------------------------
+
+
+class _Repeated(dict[str, Any]):
+    """A JSON object that repeated a key. ``json.loads`` would keep the last value silently; the parser
+    returns this marker instead, and the caller reports the key where it knows what the object is."""
+
+    def __init__(self, pairs: list[tuple[str, Any]]) -> None:
+        super().__init__(pairs)
+        seen: set[str] = set()
+        self.repeated = ""
+        for key, _ in pairs:
+            if key in seen:
+                self.repeated = key
+                break
+            seen.add(key)
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result = dict(pairs)
+    return result if len(result) == len(pairs) else _Repeated(pairs)
+
+
+def _no_constant(name: str) -> Any:
+    raise HeaderError(
+        f"the header holds the JSON extension {name}, which safetensors does not allow; {_REWRITE}"
+    )
+
+
+def _load_json(header: bytes | memoryview, source: str | None) -> dict[str, Any]:
+    if len(header) == 0 or header[0] != 0x7B:
+        first = f"0x{header[0]:02x}" if len(header) else "nothing"
+        raise HeaderError(
+            f"the header must start with '{{' and starts with {first}; the file is corrupt or not "
+            "a safetensors file",
+            source=source,
+        )
+    try:
+        text = str(header, "utf-8")
+    except UnicodeDecodeError as exc:
+        raise HeaderError(
+            f"the header is not valid UTF-8 (byte {exc.start}: {exc.reason}); {_REWRITE}", source=source
+        ) from exc
+    try:
+        top = json.loads(text, object_pairs_hook=_object, parse_constant=_no_constant)
+    except HeaderError as exc:
+        raise HeaderError(str(exc), source=source) from None
+    except (ValueError, RecursionError) as exc:
+        raise HeaderError(f"the header is not valid JSON ({exc}); {_REWRITE}", source=source) from exc
+    if not isinstance(top, dict):
+        raise HeaderError(f"the header must be a JSON object; {_REWRITE}", source=source)
+    if isinstance(top, _Repeated):
+        raise DuplicateNameError(
+            f"the header names {top.repeated!r} twice, and readers disagree on which one wins; {_REWRITE} "
+            "with unique names",
+            source=source,
+        )
+    return top
+
+
+def _metadata(raw: Any, source: str | None) -> dict[str, str]:
+    if raw is None:  # the reference implementation reads null as "no metadata"
+        return {}
+    if not isinstance(raw, dict):
+        raise HeaderError(
+            f"{METADATA_KEY} must be an object of strings, not {_json_type(raw)}; {_REWRITE}", source=source
+        )
+    if isinstance(raw, _Repeated):
+        raise HeaderError(f"{METADATA_KEY} repeats the key {raw.repeated!r}; {_REWRITE}", source=source)
+    for key, value in raw.items():
+        if not isinstance(value, str):
+            raise HeaderError(
+                f"{METADATA_KEY}[{key!r}] is {_json_type(value)}; safetensors metadata values must be "
+                "strings (encode structured values as JSON text)",
+                source=source,
+            )
+        _check_text(key, f"{METADATA_KEY} key", source)
+        _check_text(value, f"{METADATA_KEY}[{key!r}]", source)
+    return dict(raw)
+
+
+# --- entries -----------------------------------------------------------------------------------------------
+
+
+def _entry(name: str, raw: Any, base: int, source: str | None) -> TensorEntry:
+    _check_text(name, "a tensor name", source)
+    where = f"tensor {name!r}"
+    if not isinstance(raw, dict):
+        raise HeaderError(f"{where} must be an object, not {_json_type(raw)}; {_REWRITE}", source=source)
+    if isinstance(raw, _Repeated):
+        raise HeaderError(f"{where} repeats the key {raw.repeated!r}; {_REWRITE}", source=source)
+    for key in ("dtype", "shape", "data_offsets"):
+        if key not in raw:
+            raise HeaderError(f"{where} has no {key!r}; {_REWRITE}", source=source)
+    code, shape_raw, offsets = raw["dtype"], raw["shape"], raw["data_offsets"]
+    if not isinstance(code, str):
+        raise HeaderError(
+            f"{where}: dtype must be a string, not {_json_type(code)}; {_REWRITE}", source=source
+        )
+    if not isinstance(shape_raw, list) or not all(_is_u64(d) for d in shape_raw):
+        raise HeaderError(
+            f"{where}: shape must be a list of non-negative integers, got {_short(shape_raw)}; {_REWRITE}",
+            source=source,
+        )
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_u64(o) for o in offsets):
+        raise HeaderError(
+            f"{where}: data_offsets must be two non-negative integers [begin, end], got {_short(offsets)}; "
+            f"{_REWRITE}",
+            source=source,
+        )
+    begin, end = offsets
+    if end < begin:
+        raise HeaderError(
+            f"{where}: data_offsets [{begin}, {end}] end before they begin; {_REWRITE}", source=source
+        )
+    try:
+        dtype = dtypes.from_safetensors(code)
+    except UnsupportedDtypeError as exc:
+        raise UnsupportedDtypeError(
+            f"{where} has dtype {code!r}, which this build cannot represent (supported: "
+            f"{', '.join(_SUPPORTED)}); convert the tensor to a supported dtype before loading",
+            source=source,
+        ) from exc
+    shape = tuple(shape_raw)
+    length = end - begin
+    needed = _nbytes_up_to(shape, dtype.itemsize, _U64_MAX)
+    if needed != length:
+        takes = f"{needed} bytes" if needed <= _U64_MAX else "more than 2**64 bytes"
+        raise SizeMismatchError(
+            f"{where} is {code} with shape {_short(list(shape))}, which takes {takes}, but its data_offsets "
+            f"[{begin}, {end}] span {length}; {_REWRITE}",
+            source=source,
+        )
+    return TensorEntry(
+        name=name,
+        dtype=dtype,
+        shape=shape,
+        record_offset=base + begin,
+        data_offset=base + begin,
+        data_length=length,
+    )
+
+
+_SUPPORTED = tuple(code for code in (dtypes.by_name(n).safetensors for n in dtypes.names()) if code)
+
+
+def _nbytes_up_to(shape: tuple[int, ...], itemsize: int, limit: int) -> int:
+    """The tensor's byte count, or some number above ``limit`` once the product passes it: a hostile shape of
+    many huge dimensions must not make us multiply (or print) integers of millions of digits."""
+    if 0 in shape:
+        return 0
+    total = itemsize
+    for dim in shape:
+        total *= dim
+        if total > limit:
+            return total
+    return total
+
+
+def _check_layout(entries: list[TensorEntry], *, base: int, size: int | None, source: str | None) -> int:
+    """Check that the sorted ranges tile the data buffer; returns the buffer's length the header implies."""
+    cursor = 0
+    problem: str | None = None
+    previous = "the start of the data buffer"
+    for entry in entries:
+        begin = entry.data_offset - base
+        if problem is None and begin < cursor:
+            problem = (
+                f"tensor {entry.name!r} starts at data byte {begin}, inside {previous} (ending at {cursor})"
+            )
+        elif problem is None and begin > cursor:
+            problem = (
+                f"data bytes [{cursor}, {begin}) before tensor {entry.name!r} belong to no tensor; "
+                "safetensors forbids holes (they could hide a second file in the first)"
+            )
+        if begin + entry.data_length >= cursor:
+            cursor = begin + entry.data_length
+            previous = f"tensor {entry.name!r}"
+    if size is not None:
+        available = size - base
+        if problem is None and cursor > available:
+            raise TruncatedError(
+                f"the file is {size} bytes, but its header places data up to byte {base + cursor}; the file "
+                "was cut short (an interrupted upload or download): fetch or upload it again",
+                source=source,
+            )
+        for entry in entries:
+            if entry.data_offset + entry.data_length > size:
+                raise BoundsError(
+                    f"tensor {entry.name!r} claims file bytes [{entry.data_offset}, "
+                    f"{entry.data_offset + entry.data_length}), past the end of the {size}-byte file; "
+                    f"{_REWRITE}",
+                    source=source,
+                )
+        if problem is None and cursor < available:
+            problem = (
+                f"the file has {available - cursor} bytes after the last tensor's data that belong to no "
+                "tensor; safetensors forbids holes"
+            )
+    if problem is not None:
+        raise OverlapError(f"{problem}; {_REWRITE}", source=source)
+    return cursor
+
+
+# --- small helpers -----------------------------------------------------------------------------------------
+
+
+def _is_u64(value: Any) -> bool:
+    return type(value) is int and 0 <= value <= _U64_MAX
+
+
+def _check_text(text: str, what: str, source: str | None) -> None:
+    """JSON escapes can spell unpaired UTF-16 surrogates, which are no UTF-8 text; serde_json refuses them."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise HeaderError(
+                f"{what} holds an unpaired UTF-16 surrogate escape ({_short(text)}), which is not text; "
+                f"{_REWRITE}",
+                source=source,
+            ) from None
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    return {
+        dict: "an object",
+        _Repeated: "an object",
+        list: "a list",
+        str: "a string",
+        int: "an integer",
+    }.get(type(value), "null" if value is None else "a number")
+
+
+def _short(value: Any) -> str:
+    text = ascii(value)
+    return text if len(text) <= 80 else text[:77] + "..."
