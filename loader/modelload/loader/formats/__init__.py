@@ -2,8 +2,18 @@
 
 Each format reads its index from the first bytes of a file (:func:`read_index`), so a remote reader plans
 its byte ranges from one small read, and reads or writes tensors from byte ranges alone.
+:func:`read_index` here detects the format (:func:`detect_format`) and dispatches to the format's reader.
 """
 
+from modelload.loader.formats._detect import PrefixedRead, detect_format, read_index
 from modelload.loader.formats._index import FormatName, ModelIndex, RangeRead, TensorEntry
 
-__all__ = ["FormatName", "ModelIndex", "RangeRead", "TensorEntry"]
+__all__ = [
+    "FormatName",
+    "ModelIndex",
+    "PrefixedRead",
+    "RangeRead",
+    "TensorEntry",
+    "detect_format",
+    "read_index",
+]
