@@ -213,6 +213,45 @@ class SegmentReader:
                     path=str(self.path),
                 )
 
+    def wait_any(
+        self,
+        indices: Iterable[int],
+        *,
+        timeout: float | None = None,
+        waiter: Waiter | None = None,
+    ) -> npt.NDArray[np.intp]:
+        """Block until at least one tensor in ``indices`` is READY; return every one of them that is.
+
+        Raises :class:`LoadFailedError` when the writer failed (with its reason) or one of the tensors
+        failed, and :class:`LoadTimeoutError` naming the missing tensors when ``timeout`` seconds pass first.
+        An empty ``indices`` returns at once.
+        """
+        pending = np.fromiter(indices, dtype=np.intp)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = _POLL_MIN
+        while len(pending):
+            states = self._states[pending]
+            ready = pending[states == TensorState.READY]
+            if len(ready):
+                _memory.acquire_fence()
+                return ready
+            self.check()
+            if (states > TensorState.FAILED).any():
+                self.state(int(pending[states > TensorState.FAILED][0]))  # raises, naming the tensor
+            if (states == TensorState.FAILED).any():
+                name = self.slots[int(pending[states == TensorState.FAILED][0])].name
+                reason = self.error or "see the sidecar's log"
+                raise LoadFailedError(f"tensor {name!r} failed: {reason}", path=str(self.path))
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise self._timed_out(pending, timeout)
+            if waiter is not None:
+                waiter(0.05 if remaining is None else min(0.05, remaining))
+            else:
+                time.sleep(pause if remaining is None else min(pause, remaining))
+                pause = min(pause * 2, _POLL_MAX)
+        return pending
+
     def wait(
         self,
         indices: Iterable[int] | None = None,
@@ -220,47 +259,27 @@ class SegmentReader:
         timeout: float | None = None,
         waiter: Waiter | None = None,
     ) -> None:
-        """Block until every tensor in ``indices`` (all when None) is READY.
-
-        Raises :class:`LoadFailedError` when the writer failed (with its reason) or a tensor failed, and
-        :class:`LoadTimeoutError` naming the missing tensors when ``timeout`` seconds pass first.
-        """
+        """Block until every tensor in ``indices`` (all when None) is READY; errors as :meth:`wait_any`."""
         pending = (
-            np.arange(len(self.slots), dtype=np.intp)
-            if indices is None
-            else np.fromiter(indices, dtype=np.intp)
+            np.arange(len(self.slots), dtype=np.intp) if indices is None else np.fromiter(indices, np.intp)
         )
         deadline = None if timeout is None else time.monotonic() + timeout
-        pause = _POLL_MIN
-        while True:
-            pending = pending[self._states[pending] != TensorState.READY]
-            if not len(pending):
-                _memory.acquire_fence()
-                return
-            self.check()
-            states = self._states[pending]
-            if (states > TensorState.FAILED).any():
-                self.state(int(pending[states > TensorState.FAILED][0]))  # raises, naming the tensor
-            failed = pending[states == TensorState.FAILED]
-            if len(failed):
-                name = self.slots[int(failed[0])].name
-                reason = self.error or "see the sidecar's log"
-                raise LoadFailedError(f"tensor {name!r} failed: {reason}", path=str(self.path))
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                names = tuple(self.slots[int(i)].name for i in pending)
-                shown = ", ".join(repr(n) for n in names[:5]) + (", ..." if len(names) > 5 else "")
-                raise LoadTimeoutError(
-                    f"{len(names)} tensors not ready after {timeout:g} s ({shown}); "
-                    f"{self.tensors_ready}/{len(self.slots)} loaded so far",
-                    pending=names,
-                )
-            step = pause if remaining is None else min(pause, remaining)
-            if waiter is not None:
-                waiter(0.05 if remaining is None else min(0.05, remaining))
-            else:
-                time.sleep(step)
-                pause = min(pause * 2, _POLL_MAX)
+        while len(pending):
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            try:
+                ready = self.wait_any(pending, timeout=remaining, waiter=waiter)
+            except LoadTimeoutError:
+                raise self._timed_out(pending, timeout) from None
+            pending = pending[~np.isin(pending, ready)]
+
+    def _timed_out(self, pending: npt.NDArray[np.intp], timeout: float | None) -> LoadTimeoutError:
+        names = tuple(self.slots[int(i)].name for i in pending)
+        shown = ", ".join(repr(n) for n in names[:5]) + (", ..." if len(names) > 5 else "")
+        return LoadTimeoutError(
+            f"{len(names)} tensors not ready after {timeout or 0:g} s ({shown}); "
+            f"{self.tensors_ready}/{len(self.slots)} loaded so far",
+            pending=names,
+        )
 
     def _u64(self, offset: int) -> int:
         return int(struct.unpack_from("<Q", self._control, offset)[0])

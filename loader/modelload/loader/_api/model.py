@@ -1,0 +1,291 @@
+"""A model attached from a segment: tensors by name, as they arrive, as numpy arrays or torch tensors.
+
+Every tensor handed out is a view of the segment: nothing is copied on the host. Arrays of tensors that are
+not ready yet are never handed out: each accessor waits for its tensor first (or raises, with
+``wait=False``). Views are copy-on-write: changing one in place is private to this process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from modelload.loader._api import torch as torch_api
+from modelload.loader._api.notify import Subscriber
+from modelload.loader.errors import LoadTimeoutError
+from modelload.loader.segment import SegmentReader, Slot, WriterState
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DEFAULT", "Model", "Progress"]
+
+
+class _Default:
+    """The type of :data:`DEFAULT`: "use the model's own timeout", as opposed to None (wait forever)."""
+
+    def __repr__(self) -> str:
+        return "DEFAULT"
+
+
+DEFAULT = _Default()
+
+
+class Progress:
+    """A snapshot of a load: tensors and bytes ready out of the total, and the writer's state."""
+
+    __slots__ = ("bytes_ready", "bytes_total", "state", "tensors_ready", "tensors_total")
+
+    def __init__(self, reader: SegmentReader) -> None:
+        mask = reader.ready_mask()
+        self.state = reader.writer_state.name.lower()
+        self.tensors_ready = int(mask.sum())
+        self.tensors_total = len(reader.slots)
+        self.bytes_total = sum(s.nbytes for s in reader.slots)
+        self.bytes_ready = sum(s.nbytes for s, ready in zip(reader.slots, mask, strict=True) if ready)
+
+    def __repr__(self) -> str:
+        return (
+            f"<Progress {self.state}: {self.tensors_ready}/{self.tensors_total} tensors, "
+            f"{self.bytes_ready}/{self.bytes_total} bytes>"
+        )
+
+
+class Model:
+    """A model attached from a shared-memory segment. Get one from :func:`modelload.loader.attach`.
+
+    >>> model = attach()                                    # doctest: +SKIP
+    >>> model.names[:2]                                     # doctest: +SKIP
+    ('model.embed_tokens.weight', 'model.layers.0.input_layernorm.weight')
+    >>> model.numpy("lm_head.weight").shape                 # doctest: +SKIP
+    (32000, 2048)
+    >>> with torch.device("meta"):                          # doctest: +SKIP
+    ...     net = MyModel(config)
+    >>> model.load_into_module(net, device="cuda")          # doctest: +SKIP
+    """
+
+    def __init__(
+        self, reader: SegmentReader, subscriber: Subscriber | None, *, timeout: float | None
+    ) -> None:
+        self._reader = reader
+        self._subscriber = subscriber
+        self.timeout = timeout
+        """Default seconds to wait for tensors (None waits as long as the writer lives)."""
+
+    # --- what is in it --------------------------------------------------------------------------------------
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every tensor's name, in the segment's order (the file's order)."""
+        return tuple(s.name for s in self._reader.slots)
+
+    @property
+    def metadata(self) -> Mapping[str, str]:
+        """What the writer recorded: ``format``, ``source`` (without credentials), ``source_etag``, ..."""
+        return self._reader.metadata
+
+    @property
+    def path(self) -> str:
+        return str(self._reader.path)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self._reader.slots)
+
+    def progress(self) -> Progress:
+        return Progress(self._reader)
+
+    @property
+    def complete(self) -> bool:
+        return self._reader.writer_state == WriterState.COMPLETE
+
+    def __len__(self) -> int:
+        return len(self._reader.slots)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._reader.by_name
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __getitem__(self, name: str) -> npt.NDArray[Any]:
+        return self.numpy(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._slot(name).shape
+
+    def dtype(self, name: str) -> str:
+        """The tensor's canonical dtype name (torch's, without ``torch.``)."""
+        return self._slot(name).dtype.name
+
+    # --- waiting --------------------------------------------------------------------------------------------
+
+    def is_ready(self, name: str) -> bool:
+        return bool(self._reader.ready_mask([self._slot(name).index])[0])
+
+    def wait(
+        self,
+        names: Iterable[str] | None = None,
+        *,
+        prefix: str | None = None,
+        timeout: float | _Default | None = DEFAULT,
+    ) -> None:
+        """Block until the named tensors (those starting with ``prefix``; all when neither) are ready.
+
+        Raises :class:`~modelload.loader.errors.LoadTimeoutError` or
+        :class:`~modelload.loader.errors.LoadFailedError` (with the sidecar's reason).
+        """
+        self._reader.wait(self._indices(names, prefix), timeout=self._timeout(timeout), waiter=self._waiter)
+
+    def iter_ready(
+        self,
+        names: Iterable[str] | None = None,
+        *,
+        timeout: float | _Default | None = DEFAULT,
+    ) -> Iterator[str]:
+        """Yield tensor names in the order they become ready (those ready already first, in segment order).
+
+        ``timeout`` bounds the whole iteration.
+        """
+        pending = np.asarray(self._indices(names, None), dtype=np.intp)
+        limit = self._timeout(timeout)
+        deadline = None if limit is None else time.monotonic() + limit
+        while len(pending):
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            ready = self._reader.wait_any(pending, timeout=remaining, waiter=self._waiter)
+            for index in ready:
+                yield self._reader.slots[int(index)].name
+            pending = pending[~np.isin(pending, ready)]
+
+    # --- tensors --------------------------------------------------------------------------------------------
+
+    def numpy(self, name: str, *, wait: bool = True) -> npt.NDArray[Any]:
+        """Tensor ``name`` as a numpy array over the segment.
+
+        Types numpy lacks (bfloat16, float8, ...) come as unsigned integers of the same width.
+        """
+        slot = self._ready_slot(name, wait)
+        return np.frombuffer(self._reader.view(slot.index), dtype=slot.dtype.numpy).reshape(slot.shape)
+
+    def tensor(self, name: str, *, wait: bool = True) -> torch.Tensor:
+        """Tensor ``name`` as a torch tensor over the segment, with its real dtype (bfloat16, float8, ...)."""
+        slot = self._ready_slot(name, wait)
+        return torch_api.as_tensor(self._reader.view(slot.index), slot.dtype, slot.shape)
+
+    def state_dict(
+        self,
+        *,
+        device: str | torch.device | None = None,
+        names: Iterable[str] | None = None,
+        timeout: float | _Default | None = DEFAULT,
+    ) -> dict[str, torch.Tensor]:
+        """Every tensor (or ``names``) as torch tensors, waiting for each as needed.
+
+        With no ``device`` (or ``"cpu"``) the tensors are zero-copy views of the segment. With a CUDA
+        device, each tensor is copied as soon as it is ready, through pinned memory, so the copies overlap
+        the rest of the load.
+        """
+        wanted = list(self.names if names is None else names)
+        order = self.iter_ready(wanted, timeout=timeout)
+        host = ((name, self.tensor(name, wait=False)) for name in order)
+        if device is None or _is_cpu(device):
+            result = dict(host)
+        else:
+            result = dict(torch_api.copy_all(host, device))
+        return {name: result[name] for name in wanted}
+
+    def load_into_module(
+        self,
+        module: torch.nn.Module,
+        *,
+        device: str | torch.device | None = None,
+        strict: bool = True,
+        timeout: float | _Default | None = DEFAULT,
+    ) -> Any:
+        """Put the segment's tensors into ``module``'s parameters and buffers, by name.
+
+        The module may live on the ``meta`` device: its tensors are replaced, not copied into (so a model is
+        built without allocating its weights twice). Names written by tensorizer's ``write_module`` for the
+        root module (``".weight"``) match ``"weight"``. Returns torch's ``(missing_keys, unexpected_keys)``;
+        with ``strict`` a mismatch raises.
+        """
+        wanted = set(module.state_dict(keep_vars=True))
+        names = {_module_key(name, wanted): name for name in self.names}
+        selected = [n for key, n in names.items() if key in wanted] if not strict else list(names.values())
+        tensors = self.state_dict(device=device, names=selected, timeout=timeout)
+        renamed = {_module_key(name, wanted): tensor for name, tensor in tensors.items()}
+        return module.load_state_dict(renamed, strict=strict, assign=True)
+
+    # --- internals --------------------------------------------------------------------------------------
+
+    def _slot(self, name: str) -> Slot:
+        try:
+            return self._reader.slots[self._reader.by_name[name]]
+        except KeyError:
+            raise KeyError(f"no tensor named {name!r} in {self.path}") from None
+
+    def _ready_slot(self, name: str, wait: bool) -> Slot:
+        slot = self._slot(name)
+        if wait:
+            self._reader.wait([slot.index], timeout=self.timeout, waiter=self._waiter)
+        elif not self._reader.ready_mask([slot.index])[0]:
+            self._reader.check()
+            raise LoadTimeoutError(f"tensor {name!r} is not ready yet", pending=(name,))
+        return slot
+
+    def _indices(self, names: Iterable[str] | None, prefix: str | None) -> list[int]:
+        slots = self._reader.slots
+        if names is None and prefix is None:
+            return list(range(len(slots)))
+        if names is not None and not isinstance(names, str):
+            chosen = [self._slot(n).index for n in names]
+        elif isinstance(names, str):
+            chosen = [self._slot(names).index]
+        else:
+            chosen = list(range(len(slots)))
+        if prefix is not None:
+            chosen = [i for i in chosen if slots[i].name.startswith(prefix)]
+            if not chosen:
+                raise KeyError(f"no tensor name starts with {prefix!r} in {self.path}")
+        return chosen
+
+    def _timeout(self, timeout: float | _Default | None) -> float | None:
+        return self.timeout if isinstance(timeout, _Default) else timeout
+
+    @property
+    def _waiter(self) -> Any:
+        return self._subscriber.wait if self._subscriber is not None else None
+
+    # --- closing ----------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Detach. Tensors already handed out stay valid; they keep their part of the mapping alive."""
+        if self._subscriber is not None:
+            self._subscriber.close()
+            self._subscriber = None
+        self._reader.close()
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        progress = self.progress()
+        return f"<Model {self.path}: {len(self)} tensors, {progress.tensors_ready} ready, {progress.state}>"
+
+
+def _is_cpu(device: Any) -> bool:
+    return str(device).split(":")[0] == "cpu"
+
+
+def _module_key(name: str, wanted: set[str]) -> str:
+    """Map a file's tensor name to the module's key: tensorizer names root parameters ``".weight"``."""
+    if name.startswith(".") and name not in wanted and name[1:] in wanted:
+        return name[1:]
+    return name

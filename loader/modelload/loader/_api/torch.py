@@ -1,0 +1,144 @@
+"""torch interop: zero-copy tensors over the segment, and copies to a GPU through pinned memory.
+
+torch is optional; this module imports it only inside its functions, so ``import modelload.loader`` works in
+an image without it.
+
+The copy to a GPU pins the tensor's pages where they are: ``cudaHostRegister`` on the segment's own mapping
+with the read-only flag, then an asynchronous host-to-device copy on a side stream. The data is mapped
+copy-on-write, and pinning it writable would make the kernel copy every page (doubling the memory and cutting
+the view off from the segment), so only read-only registration is used. Where the driver refuses it (old
+drivers, some platforms), the copy goes through two pinned staging buffers instead: one CPU memcpy more, the
+same overlap of copying with loading.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from contextlib import suppress
+from typing import TYPE_CHECKING, Any
+
+from modelload.loader.dtypes import DType
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DeviceCopier", "as_tensor"]
+
+log = logging.getLogger(__name__)
+
+_HOST_REGISTER_PORTABLE = 1
+_HOST_REGISTER_READ_ONLY = 8
+_STAGING_BYTES = 64 << 20
+
+
+def as_tensor(view: memoryview, dtype: DType, shape: tuple[int, ...]) -> torch.Tensor:
+    """A torch tensor over ``view``'s bytes, without a copy, with ``dtype`` and ``shape``."""
+    import torch
+
+    target = dtype.torch()
+    if not len(view):
+        return torch.empty(shape, dtype=target)
+    flat = torch.frombuffer(view, dtype=torch.uint8)
+    if dtype.itemsize > 1 or target is not torch.uint8:
+        flat = flat.view(target)
+    return flat.reshape(shape)
+
+
+class DeviceCopier:
+    """Copies host tensors to one CUDA device as they are handed in, overlapping copies with loading."""
+
+    def __init__(self, device: str | torch.device) -> None:
+        import torch
+
+        self.device = torch.device(device)
+        if self.device.type != "cuda":
+            raise ValueError(f"DeviceCopier copies to CUDA devices, not {self.device}")
+        self._torch = torch
+        self._stream = torch.cuda.Stream(self.device)
+        self._registered: list[tuple[Any, int, torch.Tensor]] = []  # (event, pointer, keep-alive)
+        self._staging: list[tuple[torch.Tensor, Any]] | None = None
+        self._next_stage = 0
+        self._pin_in_place = True
+
+    def copy(self, host: torch.Tensor) -> torch.Tensor:
+        """Start copying ``host`` to the device. The result may be used once :meth:`finish` returns."""
+        torch = self._torch
+        target = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+        if not host.numel():
+            return target
+        if self._pin_in_place and self._register(host):
+            with torch.cuda.stream(self._stream):
+                target.copy_(host, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+            self._registered.append((event, host.data_ptr(), host))
+            self._release_finished()
+        else:
+            self._copy_staged(host, target)
+        return target
+
+    def finish(self) -> None:
+        """Wait for every copy, release the pinned pages, and order the current stream after the copies."""
+        torch = self._torch
+        self._stream.synchronize()
+        torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        for _, pointer, _ in self._registered:
+            _unregister(pointer)
+        self._registered.clear()
+
+    def _register(self, host: torch.Tensor) -> bool:
+        cudart = self._torch.cuda.cudart()
+        nbytes = host.numel() * host.element_size()
+        flags = _HOST_REGISTER_PORTABLE | _HOST_REGISTER_READ_ONLY
+        status = cudart.cudaHostRegister(host.data_ptr(), nbytes, flags)
+        if int(status) == 0:
+            return True
+        self._pin_in_place = False
+        log.info("cudaHostRegister(read-only) failed (%s); copying through pinned staging buffers", status)
+        return False
+
+    def _release_finished(self) -> None:
+        keep = []
+        for entry in self._registered:
+            if entry[0].query():
+                _unregister(entry[1])
+            else:
+                keep.append(entry)
+        self._registered = keep
+
+    def _copy_staged(self, host: torch.Tensor, target: torch.Tensor) -> None:
+        torch = self._torch
+        if self._staging is None:
+            self._staging = [
+                (torch.empty(_STAGING_BYTES, dtype=torch.uint8, pin_memory=True), torch.cuda.Event())
+                for _ in range(2)
+            ]
+        source = host.reshape(-1).view(torch.uint8)
+        destination = target.reshape(-1).view(torch.uint8)
+        for start in range(0, source.numel(), _STAGING_BYTES):
+            stop = min(start + _STAGING_BYTES, source.numel())
+            buffer, event = self._staging[self._next_stage]
+            self._next_stage ^= 1
+            event.synchronize()  # the buffer's previous copy has left it
+            buffer[: stop - start].copy_(source[start:stop])
+            with torch.cuda.stream(self._stream):
+                destination[start:stop].copy_(buffer[: stop - start], non_blocking=True)
+                event.record(self._stream)
+
+
+def copy_all(
+    items: Iterable[tuple[str, torch.Tensor]], device: str | torch.device
+) -> Iterator[tuple[str, Any]]:
+    """Copy each ``(name, host tensor)`` to ``device`` as it comes; yield the device tensors at the end."""
+    copier = DeviceCopier(device)
+    results = [(name, copier.copy(host)) for name, host in items]
+    copier.finish()
+    yield from results
+
+
+def _unregister(pointer: int) -> None:
+    import torch
+
+    with suppress(RuntimeError):
+        torch.cuda.cudart().cudaHostUnregister(pointer)

@@ -1,0 +1,250 @@
+"""attach() and the Model handle, against real segments written by the segment writer."""
+
+from __future__ import annotations
+
+import multiprocessing
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from modelload.loader import LoadFailedError, LoadTimeoutError, Model, attach
+from modelload.loader.dtypes import by_name, names
+from modelload.loader.errors import SidecarUnavailableError
+from modelload.loader.segment import SegmentWriter, TensorSpec, plan_layout
+
+
+def _segment(path: Path, tensors: dict[str, torch.Tensor]) -> SegmentWriter:
+    specs = [TensorSpec(n, by_name(str(t.dtype)), tuple(t.shape)) for n, t in tensors.items()]
+    return SegmentWriter.create(path, plan_layout(specs, metadata={"format": "test"}))
+
+
+def _fill(writer: SegmentWriter, index: int, tensor: torch.Tensor) -> None:
+    if tensor.numel():
+        writer.slot(index)[:] = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    writer.mark_ready(index)
+
+
+def _publish_all(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    with _segment(path, tensors) as writer:
+        for i, tensor in enumerate(tensors.values()):
+            _fill(writer, i, tensor)
+        writer.mark_complete()
+
+
+def _every_dtype() -> dict[str, torch.Tensor]:
+    result = {}
+    generator = torch.Generator().manual_seed(0)
+    for name in names():
+        dtype = getattr(torch, name)
+        raw = torch.randint(0, 256, (3, 4 * by_name(name).itemsize), dtype=torch.uint8, generator=generator)
+        result[name] = raw.view(dtype)
+    return result
+
+
+def test_every_dtype_comes_back_as_a_zero_copy_tensor_of_the_right_type(shm_dir: Path) -> None:
+    tensors = _every_dtype()
+    path = shm_dir / "model.seg"
+    _publish_all(path, tensors)
+    with attach(path, notify=False) as model:
+        assert model.names == tuple(tensors)
+        for name, expected in tensors.items():
+            got = model.tensor(name)
+            assert got.dtype == expected.dtype
+            assert got.shape == expected.shape
+            assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+            array = model.numpy(name)
+            assert array.dtype == by_name(name).numpy
+            assert got.data_ptr() == array.ctypes.data, "torch and numpy views share the segment's memory"
+            assert array.tobytes() == expected.view(torch.uint8).numpy().tobytes()
+
+
+def test_views_are_the_segment_not_a_copy(shm_dir: Path) -> None:
+    path = shm_dir / "model.seg"
+    _publish_all(path, {"w": torch.arange(8, dtype=torch.float32)})
+    with attach(path, notify=False) as model:
+        first, second = model.numpy("w"), model.numpy("w")
+        assert first.ctypes.data == second.ctypes.data
+        assert first.ctypes.data % 4096 == 0, "slots are page-aligned, for pinned DMA"
+
+
+def test_tensors_are_yielded_in_the_order_they_become_ready(shm_dir: Path) -> None:
+    tensors = {f"t{i}": torch.full((4,), float(i)) for i in range(4)}
+    path = shm_dir / "model.seg"
+    writer = _segment(path, tensors)
+    model = attach(path, notify=False, timeout=10)
+    order = [2, 0, 3, 1]
+
+    def produce() -> None:
+        for i in order:
+            time.sleep(0.03)
+            _fill(writer, i, tensors[f"t{i}"])
+        writer.mark_complete()
+
+    thread = threading.Thread(target=produce)
+    thread.start()
+    assert list(model.iter_ready()) == [f"t{i}" for i in order]
+    thread.join()
+    model.close()
+    writer.close()
+
+
+def test_a_tensor_is_usable_before_the_rest_arrives(shm_dir: Path) -> None:
+    tensors = {"layers.0.w": torch.ones(2), "layers.1.w": torch.zeros(2)}
+    path = shm_dir / "model.seg"
+    with _segment(path, tensors) as writer:
+        _fill(writer, 0, tensors["layers.0.w"])
+        with attach(path, notify=False, timeout=0.05) as model:
+            model.wait(prefix="layers.0.")
+            assert model.tensor("layers.0.w").tolist() == [1.0, 1.0]
+            assert not model.is_ready("layers.1.w")
+            with pytest.raises(LoadTimeoutError, match=r"layers\.1\.w"):
+                model.tensor("layers.1.w")
+            with pytest.raises(LoadTimeoutError):
+                model.tensor("layers.1.w", wait=False)
+            progress = model.progress()
+            assert (progress.tensors_ready, progress.tensors_total, progress.state) == (1, 2, "loading")
+
+
+def test_a_failed_load_reaches_the_waiting_inference_process(shm_dir: Path) -> None:
+    path = shm_dir / "model.seg"
+    with _segment(path, {"w": torch.ones(2)}) as writer:
+        model = attach(path, notify=False, timeout=10)
+        threading.Timer(0.05, writer.mark_failed, args=("s3://models/llama: access denied",)).start()
+        with pytest.raises(LoadFailedError, match="access denied"):
+            model.state_dict()
+        model.close()
+
+
+def test_attach_finds_the_segment_from_the_environment(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = shm_dir / "model.seg"
+    _publish_all(path, {"w": torch.ones(1)})
+    monkeypatch.setenv("MODELLOAD_SEGMENT", str(path))
+    monkeypatch.delenv("MODELLOAD_NOTIFY", raising=False)
+    with attach(notify=False) as model:
+        assert model.path == str(path)
+
+
+def test_attach_without_a_path_or_environment_says_what_to_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MODELLOAD_SEGMENT", raising=False)
+    with pytest.raises(SidecarUnavailableError, match="MODELLOAD_SEGMENT is not set"):
+        attach()
+
+
+def test_attach_waits_for_a_segment_that_is_still_being_created(shm_dir: Path) -> None:
+    path = shm_dir / "model.seg"
+    threading.Timer(0.1, _publish_all, args=(path, {"w": torch.ones(1)})).start()
+    with attach(path, timeout=5, notify=False) as model:
+        assert model.tensor("w").item() == 1.0
+
+
+def test_attach_gives_up_on_a_segment_that_never_appears(shm_dir: Path) -> None:
+    with pytest.raises(SidecarUnavailableError, match="no segment appeared"):
+        attach(shm_dir / "never.seg", timeout=0.05)
+
+
+def test_state_dict_and_module_loading_assign_without_copying(shm_dir: Path) -> None:
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3), torch.nn.Linear(3, 2))
+    reference.register_buffer("scale", torch.tensor([2.0]))
+    state = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+    path = shm_dir / "model.seg"
+    _publish_all(path, state)
+    with attach(path, notify=False) as model:
+        with torch.device("meta"):
+            net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3), torch.nn.Linear(3, 2))
+            net.register_buffer("scale", torch.empty(1))
+        model.load_into_module(net)
+        assert net[0].weight.device.type == "cpu"
+        assert net[0].weight.data_ptr() == model.tensor("0.weight").data_ptr()
+        x = torch.randn(5, 4)
+        assert torch.equal(net(x), reference(x))
+        assert torch.equal(net.scale, reference.scale)
+        sd = model.state_dict(names=["2.bias"])
+        assert list(sd) == ["2.bias"]
+
+
+def test_strict_loading_reports_a_mismatch_and_lenient_loading_skips_it(shm_dir: Path) -> None:
+    path = shm_dir / "model.seg"
+    _publish_all(path, {".weight": torch.ones(2, 2), ".bias": torch.zeros(2), "extra": torch.ones(1)})
+    with attach(path, notify=False) as model:
+        with torch.device("meta"):
+            net = torch.nn.Linear(2, 2)
+        with pytest.raises(RuntimeError, match="extra"):
+            model.load_into_module(net)
+        with torch.device("meta"):
+            net = torch.nn.Linear(2, 2)
+        result = model.load_into_module(net, strict=False)
+        assert result.missing_keys == []
+        assert torch.equal(net.weight, torch.ones(2, 2)), "root names written as '.weight' match 'weight'"
+
+
+def _checksum_in_child(path: str, queue: multiprocessing.Queue) -> None:
+    model = attach(path, notify=False, timeout=30)
+    model.wait()
+    queue.put({name: zlib.crc32(model.numpy(name).tobytes()) for name in model.names})
+
+
+def test_several_processes_attach_to_one_segment_at_once(shm_dir: Path) -> None:
+    tensors = {f"t{i}": torch.randn(1000 + i) for i in range(8)}
+    path = shm_dir / "model.seg"
+    context = multiprocessing.get_context("spawn")
+    queue: multiprocessing.Queue = context.Queue()
+    children = [context.Process(target=_checksum_in_child, args=(str(path), queue)) for _ in range(3)]
+    with _segment(path, tensors) as writer:
+        for child in children:
+            child.start()
+        for i, tensor in enumerate(tensors.values()):
+            _fill(writer, i, tensor)
+            time.sleep(0.01)
+        writer.mark_complete()
+    expected = {n: zlib.crc32(t.numpy().tobytes()) for n, t in tensors.items()}
+    assert [queue.get(timeout=60) for _ in children] == [expected] * 3
+    for child in children:
+        child.join(timeout=10)
+        assert child.exitcode == 0
+
+
+def test_importing_the_loader_pulls_in_neither_torch_nor_zmq() -> None:
+    code = "import sys, modelload.loader; print(sorted({'torch', 'zmq', 'boto3'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_the_public_surface_is_small_sorted_and_complete() -> None:
+    import modelload.loader as loader
+
+    assert loader.__all__ == sorted(loader.__all__)
+    for name in loader.__all__:
+        assert hasattr(loader, name)
+    assert isinstance(loader.Model, type)
+    assert np.__name__ == "numpy"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_state_dict_copies_to_the_gpu_through_pinned_memory(shm_dir: Path) -> None:
+    tensors = {f"t{i}": torch.randn(256, 1024) for i in range(6)} | {"bf": torch.randn(64).bfloat16()}
+    path = shm_dir / "model.seg"
+    _publish_all(path, tensors)
+    with attach(path, notify=False) as model:
+        on_gpu = model.state_dict(device="cuda")
+        for name, tensor in tensors.items():
+            assert on_gpu[name].device.type == "cuda"
+            assert torch.equal(on_gpu[name].cpu(), tensor)
+
+
+def test_model_repr_names_the_segment(shm_dir: Path) -> None:
+    path = shm_dir / "model.seg"
+    _publish_all(path, {"w": torch.ones(1)})
+    with attach(path, notify=False) as model:
+        assert isinstance(model, Model)
+        assert "1 tensors, 1 ready, complete" in repr(model)
