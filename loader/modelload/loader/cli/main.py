@@ -1,0 +1,75 @@
+"""The ``modelload`` command: one entry point, subcommands registered by each part of the distribution.
+
+Each part (loader, sidecar, operator) lists its subcommands in the ``modelload.commands`` entry-point group,
+as ``name = "module:register"``. The loader's CLI never imports the sidecar or the operator: it loads each
+entry point, and a part whose extra is not installed still shows its command, which then says which extra
+to install. ``register(subparsers)`` adds a parser whose ``func(args)`` runs the command and returns an exit
+status; heavy imports belong inside ``func``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from importlib.metadata import entry_points
+
+from modelload.loader.errors import ModelloadError
+
+__all__ = ["build_parser", "main"]
+
+_EXTRAS = {"sidecar": "sidecar", "monitor": "sidecar", "operator": "operator"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="modelload",
+        description="Stream model weights into shared memory and attach to them.",
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for entry in sorted(entry_points(group="modelload.commands"), key=lambda e: e.name):
+        try:
+            register = entry.load()
+        except ImportError as exc:
+            _register_missing(subparsers, entry.name, exc)
+            continue
+        register(subparsers)
+    return parser
+
+
+def _register_missing(subparsers: argparse._SubParsersAction, name: str, exc: ImportError) -> None:
+    extra = _EXTRAS.get(name, "dev")
+    if (exc.name or "").startswith("modelload"):
+        reason = f"this build of modelload lacks {exc.name}; reinstall modelload"
+    else:
+        reason = f"it needs the '{extra}' extra (missing {exc.name or exc}): pip install 'modelload[{extra}]'"
+    parser = subparsers.add_parser(name, help="(unavailable)", add_help=False)
+    parser.add_argument("rest", nargs=argparse.REMAINDER)
+
+    def unavailable(_: argparse.Namespace) -> int:
+        print(f"modelload {name} is unavailable: {reason}", file=sys.stderr)
+        return 2
+
+    parser.set_defaults(func=unavailable)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (2 for usage and configuration errors)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        status = args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except ModelloadError as exc:
+        print(f"modelload {args.command}: {exc}", file=sys.stderr)
+        return 1
+    return int(status or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

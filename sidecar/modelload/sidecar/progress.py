@@ -1,0 +1,211 @@
+"""What the engine tells the rest of the sidecar while it loads: events as they happen, and a status snapshot.
+
+The engine (``modelload.sidecar.engine``) calls a :class:`LoadObserver` from its threads; the status API,
+the Prometheus metrics and the pyzmq notifications are observers. :class:`LoadTracker` is the observer that
+keeps the running totals and answers :meth:`LoadTracker.snapshot` for ``/status``, ``/startupz`` and
+``/readyz``. Observers must be quick and must not raise: they run on the readers' hot path.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import Literal, Protocol
+
+__all__ = ["LoadObserver", "LoadPhase", "LoadStatus", "LoadTracker", "Observers"]
+
+log = logging.getLogger(__name__)
+
+LoadPhase = Literal["starting", "loading", "complete", "failed", "stopped"]
+
+
+class LoadObserver(Protocol):
+    """Callbacks from the engine. Every method has a default no-op in :class:`Observers`'s fan-out."""
+
+    def load_started(self, *, source: str, segment: str) -> None:
+        """The engine starts: nothing is known of the model yet."""
+
+    def manifest_published(self, *, model_format: str, tensors: int, nbytes: int, notify: str | None) -> None:
+        """The segment's header and manifest are in place: an app can attach now (the startup probe)."""
+
+    def bytes_loaded(self, count: int) -> None:
+        """``count`` more bytes of tensor data landed in the segment."""
+
+    def tensor_ready(self, *, index: int, name: str, nbytes: int) -> None:
+        """Tensor ``index`` is published READY in the segment."""
+
+    def retried(self, *, kind: str, message: str) -> None:
+        """A range request failed transiently and is retried (``kind``: reset, timeout, 5xx, throttled...)."""
+
+    def load_finished(self, *, seconds: float, nbytes: int) -> None:
+        """Every tensor is READY and the segment is COMPLETE."""
+
+    def load_failed(self, *, kind: str, reason: str) -> None:
+        """The load gave up; the segment is marked FAILED with ``reason`` (never holding credentials)."""
+
+
+@dataclass(frozen=True)
+class LoadStatus:
+    """A consistent snapshot of a load, as ``/status`` reports it (times are Unix seconds)."""
+
+    phase: LoadPhase
+    source: str
+    segment: str
+    format: str | None = None
+    tensors_total: int = 0
+    tensors_ready: int = 0
+    bytes_total: int = 0
+    bytes_done: int = 0
+    started_at: float | None = None
+    manifest_at: float | None = None
+    first_tensor_at: float | None = None
+    finished_at: float | None = None
+    retries: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    error: str | None = None
+    notify: str | None = None
+
+    @property
+    def published(self) -> bool:
+        """The manifest is in the segment (the startup check passes)."""
+        return self.manifest_at is not None
+
+    @property
+    def ready(self) -> bool:
+        return self.phase == "complete"
+
+    @property
+    def elapsed(self) -> float:
+        if self.started_at is None:
+            return 0.0
+        end = self.finished_at if self.finished_at is not None else time.time()
+        return max(end - self.started_at, 0.0)
+
+    @property
+    def throughput(self) -> float:
+        """Bytes per second since the load started."""
+        return self.bytes_done / self.elapsed if self.elapsed else 0.0
+
+    @property
+    def eta(self) -> float | None:
+        """Seconds left at the current throughput; None when unknown, 0 when done."""
+        if self.phase == "complete":
+            return 0.0
+        if not self.throughput or not self.bytes_total:
+            return None
+        return (self.bytes_total - self.bytes_done) / self.throughput
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "phase": self.phase,
+            "source": self.source,
+            "segment": self.segment,
+            "format": self.format,
+            "tensors_total": self.tensors_total,
+            "tensors_ready": self.tensors_ready,
+            "bytes_total": self.bytes_total,
+            "bytes_done": self.bytes_done,
+            "throughput_bytes_per_s": self.throughput,
+            "started_at": self.started_at,
+            "manifest_at": self.manifest_at,
+            "first_tensor_at": self.first_tensor_at,
+            "finished_at": self.finished_at,
+            "elapsed_s": self.elapsed,
+            "eta_s": self.eta,
+            "retries": self.retries,
+            "errors": dict(self.errors),
+            "error": self.error,
+            "notify": self.notify,
+        }
+
+
+class LoadTracker:
+    """The observer that keeps totals; thread-safe; :meth:`snapshot` for the API."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._status = LoadStatus(phase="starting", source="", segment="")
+        self._bytes = 0
+        self._ready = 0
+        self._retries = 0
+        self._errors: Counter[str] = Counter()
+
+    def snapshot(self) -> LoadStatus:
+        with self._lock:
+            return _replace(
+                self._status,
+                bytes_done=self._bytes,
+                tensors_ready=self._ready,
+                retries=self._retries,
+                errors=dict(self._errors),
+            )
+
+    def load_started(self, *, source: str, segment: str) -> None:
+        with self._lock:
+            self._status = LoadStatus(
+                phase="starting", source=source, segment=segment, started_at=time.time()
+            )
+
+    def manifest_published(self, *, model_format: str, tensors: int, nbytes: int, notify: str | None) -> None:
+        with self._lock:
+            self._status = _replace(
+                self._status,
+                phase="loading",
+                format=model_format,
+                tensors_total=tensors,
+                bytes_total=nbytes,
+                manifest_at=time.time(),
+                notify=notify,
+            )
+
+    def bytes_loaded(self, count: int) -> None:
+        with self._lock:
+            self._bytes += count
+
+    def tensor_ready(self, *, index: int, name: str, nbytes: int) -> None:
+        with self._lock:
+            self._ready += 1
+            if self._status.first_tensor_at is None:
+                self._status = _replace(self._status, first_tensor_at=time.time())
+
+    def retried(self, *, kind: str, message: str) -> None:
+        with self._lock:
+            self._retries += 1
+            self._errors[kind] += 1
+
+    def load_finished(self, *, seconds: float, nbytes: int) -> None:
+        with self._lock:
+            self._status = _replace(self._status, phase="complete", finished_at=time.time())
+
+    def load_failed(self, *, kind: str, reason: str) -> None:
+        with self._lock:
+            self._errors[kind] += 1
+            phase: LoadPhase = "stopped" if kind == "stopped" else "failed"
+            self._status = _replace(self._status, phase=phase, finished_at=time.time(), error=reason)
+
+
+class Observers:
+    """Fans each event out to several observers; an observer that raises is logged and skipped."""
+
+    def __init__(self, *observers: object) -> None:
+        self._observers = observers
+
+    def __getattr__(self, event: str) -> object:
+        methods = [getattr(o, event) for o in self._observers if hasattr(o, event)]
+
+        def fan_out(*args: object, **kwargs: object) -> None:
+            for method in methods:
+                try:
+                    method(*args, **kwargs)
+                except Exception:
+                    log.exception("observer %r failed on %s", method, event)
+
+        self.__dict__[event] = fan_out  # built once per event: this runs on the readers' hot path
+        return fan_out
+
+
+def _replace(status: LoadStatus, **changes: object) -> LoadStatus:
+    return replace(status, **changes)  # type: ignore[arg-type]
