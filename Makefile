@@ -43,7 +43,7 @@ check: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	$(BIN)/lint-imports
+	PYTHONPATH=loader:sidecar:operator $(BIN)/lint-imports
 
 fmt: venv
 	$(BIN)/ruff format .
