@@ -1,1 +1,45 @@
-"""The tensorizer file format (CoreWeave), read and written independently of the tensorizer package."""
+"""The tensorizer file format (CoreWeave), read and written independently of the tensorizer package.
+
+Facts: ``shared/specs/tensorizer-format.md``. Data versions 1-5 as tensorizer 2.12 writes them; pure bytes,
+no network: the caller hands in a ``read(offset, length)`` function, a file, or buffers.
+
+Reading remotely (what the sidecar does)::
+
+    index = read_index(read, source=uri, size=object_size)         # one or two range reads
+    for entry in index.tensors:                                    # records are [header][data]
+        header = parse_tensor_header(header_bytes, entry=entry, encrypted_file=index.encrypted)
+        decrypt_in_place(header, data_view, key)                   # if header.encrypted
+        verify(header, data_view)                                  # CRC32 and SHA-256 of the plaintext
+
+Reading a local file: :class:`TensorizerReader`. Writing: :class:`TensorizerWriter`. Keys:
+:class:`DecryptionKey` (reading) and :class:`EncryptionParams` (writing).
+"""
+
+from modelload.loader.formats.tensorizer.crypt_info import CryptInfo
+from modelload.loader.formats.tensorizer.crypto import TensorDecryptor, decrypt_in_place
+from modelload.loader.formats.tensorizer.file_header import FileHeader, parse_file_header
+from modelload.loader.formats.tensorizer.hashes import TensorHasher, verify
+from modelload.loader.formats.tensorizer.index import read_index
+from modelload.loader.formats.tensorizer.keys import Argon2Limits, DecryptionKey, EncryptionParams
+from modelload.loader.formats.tensorizer.reader import TensorizerReader
+from modelload.loader.formats.tensorizer.tensor_header import TensorHash, TensorHeader, parse_tensor_header
+from modelload.loader.formats.tensorizer.writer import TensorizerWriter
+
+__all__ = [
+    "Argon2Limits",
+    "CryptInfo",
+    "DecryptionKey",
+    "EncryptionParams",
+    "FileHeader",
+    "TensorDecryptor",
+    "TensorHash",
+    "TensorHasher",
+    "TensorHeader",
+    "TensorizerReader",
+    "TensorizerWriter",
+    "decrypt_in_place",
+    "parse_file_header",
+    "parse_tensor_header",
+    "read_index",
+    "verify",
+]

@@ -1,0 +1,121 @@
+"""Checking a tensor's stored CRC32 and SHA-256 (spec 4.8), streaming and without copies.
+
+Both hashes cover the tensor header (hash values zeroed, crypt_info cut out; :attr:`TensorHeader.hashable`)
+followed by the *plaintext* data, so an encrypted tensor is verified after it is decrypted. zlib and hashlib
+release the GIL on large buffers, so hashing a memoryview of shared memory in a worker thread runs beside
+other work; nothing here copies the data.
+
+The hashes are unkeyed and stored in clear: they catch corruption in storage or transfer, not tampering
+(the Poly1305 MACs of an encrypted file do that).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import zlib
+from typing import TYPE_CHECKING
+
+from modelload.loader.errors import HashMismatchError, SizeMismatchError
+from modelload.loader.formats.tensorizer.tensor_header import HASH_CRC32, HASH_SHA256, TensorHeader
+
+if TYPE_CHECKING:
+    from hashlib import _Hash
+
+    from typing_extensions import Buffer
+
+__all__ = ["RunningHashes", "TensorHasher", "verify"]
+
+
+class TensorHasher:
+    """Hashes a tensor's data as it arrives, in order, then checks it against the header.
+
+    >>> hasher = TensorHasher(header)                       # doctest: +SKIP
+    >>> for piece in pieces_in_order: hasher.update(piece)  # memoryviews of the segment
+    >>> hasher.verify()                                     # raises HashMismatchError
+    """
+
+    __slots__ = ("_crc", "_header", "_length", "_sha", "_source")
+
+    def __init__(self, header: TensorHeader, *, source: str | None = None) -> None:
+        self._header = header
+        self._source = source
+        self._length = 0
+        kinds = {h.kind for h in header.hashes}
+        self._crc: int | None = zlib.crc32(header.hashable) if HASH_CRC32 in kinds else None
+        self._sha: _Hash | None = hashlib.sha256(header.hashable) if HASH_SHA256 in kinds else None
+
+    def update(self, data: Buffer) -> None:
+        """Feed the next plaintext bytes of the tensor (a memoryview is hashed in place)."""
+        view = memoryview(data)
+        if view.ndim != 1 or view.format != "B":
+            view = view.cast("B")
+        if self._crc is not None:
+            self._crc = zlib.crc32(view, self._crc)
+        if self._sha is not None:
+            self._sha.update(view)
+        self._length += view.nbytes
+
+    def verify(self) -> None:
+        """Raise HashMismatchError naming the tensor when a stored hash differs from the bytes fed."""
+        header = self._header
+        if self._length != header.data_length:
+            raise SizeMismatchError(
+                f"tensor {header.name!r}: {self._length} bytes were hashed but the header has "
+                f"{header.data_length}",
+                source=self._source,
+            )
+        for stored in header.hashes:
+            if stored.kind == HASH_CRC32:
+                assert self._crc is not None
+                got = self._crc.to_bytes(4, "little")
+            else:
+                assert self._sha is not None
+                got = self._sha.digest()
+            if got != stored.value:
+                raise HashMismatchError(
+                    f"tensor {header.name!r}: {stored.label} of the bytes read is {got.hex()} but the file "
+                    f"stores {stored.value.hex()}; the file or the transfer is corrupt: read it again, or "
+                    "re-create it",
+                    source=self._source,
+                )
+
+
+class RunningHashes:
+    """Both hashes over the header's hashable parts, then data fed in order: what a writer stores."""
+
+    __slots__ = ("_crc", "_sha")
+
+    def __init__(self, *parts: Buffer) -> None:
+        self._crc = 0
+        self._sha = hashlib.sha256()
+        for part in parts:
+            self.update(part)
+
+    def update(self, data: Buffer) -> None:
+        self._crc = zlib.crc32(data, self._crc)
+        self._sha.update(data)
+
+    def digests(self) -> tuple[int, bytes]:
+        """(CRC32 as an int, SHA-256 digest)."""
+        return self._crc, self._sha.digest()
+
+
+def verify(header: TensorHeader, data: Buffer, *, source: str | None = None) -> None:
+    """Check a whole tensor's plaintext against its header's hashes; raises HashMismatchError.
+
+    ``data`` is the tensor's ``header.data_length`` bytes. For a meta tensor (no data in the file) it may be
+    the zero-filled buffer the tensor loads as: only the header is hashed then, as the writer did.
+    """
+    hasher = TensorHasher(header, source=source)
+    if header.data_length:
+        view = memoryview(data)
+        if view.ndim != 1 or view.format != "B":
+            view = view.cast("B")
+        if view.nbytes != header.data_length:
+            raise SizeMismatchError(
+                f"tensor {header.name!r}: {view.nbytes} bytes given to verify, the header has "
+                f"{header.data_length}",
+                source=source,
+            )
+        hasher.update(view)
+    hasher.verify()

@@ -1,0 +1,211 @@
+"""A whole-file reader for local tensorizer files: the index, then any tensor into a buffer you give.
+
+This is what ``modelload stage`` and ``modelload inspect`` use on files on disk; the sidecar instead reads
+ranges from remote sources and calls the same pieces (:func:`read_index`, :func:`parse_tensor_header`,
+:func:`decrypt_in_place`, :func:`verify`) itself.
+
+Data goes straight from the file into the caller's buffer with ``os.preadv`` (one syscall for the header and
+the data when the file has a descriptor), is decrypted there, and verified there. Reads use positional I/O,
+so several threads may call :meth:`TensorizerReader.readinto` at once on one reader.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+import numpy as np
+
+from modelload.loader.errors import ConfigError, NotEncryptedError, TruncatedError
+from modelload.loader.formats._index import ModelIndex, TensorEntry
+from modelload.loader.formats.tensorizer._arrays import as_numpy, as_torch
+from modelload.loader.formats.tensorizer.crypto import decrypt_in_place
+from modelload.loader.formats.tensorizer.hashes import verify as verify_hashes
+from modelload.loader.formats.tensorizer.index import read_index
+from modelload.loader.formats.tensorizer.keys import DecryptionKey
+from modelload.loader.formats.tensorizer.tensor_header import TensorHeader, parse_tensor_header
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+__all__ = ["TensorizerReader"]
+
+
+class TensorizerReader:
+    """Reads a local tensorizer file (a path, or a binary file object that can seek).
+
+    >>> key = DecryptionKey.from_file("key")                          # doctest: +SKIP
+    >>> with TensorizerReader("model.tensors", key=key) as reader:
+    ...     for entry in reader.index.tensors:
+    ...         out = bytearray(entry.nbytes)
+    ...         reader.readinto(entry, out)             # decrypted and verified in place
+    ...     weights = reader.read_numpy("lm_head.weight")
+    """
+
+    def __init__(
+        self,
+        file: str | os.PathLike[str] | IO[bytes],
+        *,
+        key: DecryptionKey | None = None,
+        verify: bool = True,
+    ) -> None:
+        if isinstance(file, str | os.PathLike):
+            self._file: IO[bytes] = Path(file).open("rb")  # noqa: SIM115 - closed by close()
+            self._owned = True
+            self.source = os.fspath(file)
+        else:
+            self._file = file
+            self._owned = False
+            self.source = str(getattr(file, "name", "<file object>"))
+        try:
+            self._fd: int | None = self._file.fileno()
+        except (OSError, AttributeError, io.UnsupportedOperation):
+            self._fd = None
+        self._lock = threading.Lock()
+        self._key = key
+        self._verify = verify
+        self._key_proven = False
+        try:
+            self.size = self._size()
+            self.index: ModelIndex = read_index(self._read_range, source=self.source, size=self.size)
+            if key is not None and not self.index.encrypted:
+                raise NotEncryptedError(
+                    f"{self.source}: a key was given but the file is not encrypted; drop the key, or check "
+                    "that this is the file you meant"
+                )
+        except BaseException:
+            self.close()
+            raise
+        self._by_name = {t.name: t for t in self.index.tensors}
+
+    # --- file access -------------------------------------------------------------------------------------
+
+    def _size(self) -> int:
+        if self._fd is not None:
+            return os.fstat(self._fd).st_size
+        with self._lock:
+            return self._file.seek(0, io.SEEK_END)
+
+    def _read_range(self, offset: int, length: int) -> bytes:
+        if self._fd is not None:
+            return os.pread(self._fd, length, offset)
+        with self._lock:
+            self._file.seek(offset)
+            return self._file.read(length)
+
+    def _readinto(self, views: list[memoryview], offset: int) -> None:
+        """Fill ``views`` in order from ``offset``; a short read means the file ends early."""
+        wanted = sum(v.nbytes for v in views)
+        done = 0
+        while views:
+            if self._fd is not None:
+                got = os.preadv(self._fd, views, offset + done)
+            else:
+                with self._lock:
+                    self._file.seek(offset + done)
+                    got = self._file.readinto(views[0]) or 0  # type: ignore[attr-defined]
+            if got == 0:
+                raise TruncatedError(
+                    f"the file ends at byte {offset + done}, inside a tensor record that should end at byte "
+                    f"{offset + wanted}; re-upload or re-create it",
+                    source=self.source,
+                )
+            done += got
+            while views and got >= views[0].nbytes:
+                got -= views[0].nbytes
+                views.pop(0)
+            if views and got:
+                views[0] = views[0][got:]
+
+    # --- tensors -----------------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.index.tensors)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._by_name)
+
+    def entry(self, tensor: str | TensorEntry) -> TensorEntry:
+        if isinstance(tensor, TensorEntry):
+            return tensor
+        try:
+            return self._by_name[tensor]
+        except KeyError:
+            raise KeyError(f"{self.source} has no tensor named {tensor!r}") from None
+
+    def read_header(self, tensor: str | TensorEntry) -> TensorHeader:
+        """The parsed per-tensor header (module index, hashes, encryption parameters), checked against
+        its index entry."""
+        entry = self.entry(tensor)
+        buf = bytearray(entry.data_offset - entry.record_offset)
+        self._readinto([memoryview(buf)], entry.record_offset)
+        return self._parse(buf, entry)
+
+    def _parse(self, buf: bytearray, entry: TensorEntry) -> TensorHeader:
+        return parse_tensor_header(buf, entry=entry, encrypted_file=self.index.encrypted, source=self.source)
+
+    def readinto(self, tensor: str | TensorEntry, out: Buffer) -> TensorHeader:
+        """Read one tensor's bytes into ``out`` (writable, exactly ``nbytes``), decrypt and verify them there.
+
+        A meta tensor (no data in the file) comes out as zeros. Returns the tensor's parsed header.
+        """
+        entry = self.entry(tensor)
+        view = memoryview(out)
+        if view.ndim != 1 or view.format != "B":
+            view = view.cast("B")
+        if view.readonly or view.nbytes != entry.nbytes:
+            raise ConfigError(
+                f"readinto({entry.name!r}) needs a writable buffer of exactly {entry.nbytes} bytes, got "
+                f"{'a read-only one of ' if view.readonly else ''}{view.nbytes}"
+            )
+        header_buf = bytearray(entry.data_offset - entry.record_offset)
+        data = view[: entry.data_length]
+        self._readinto(
+            [memoryview(header_buf), data] if entry.data_length else [memoryview(header_buf)],
+            entry.record_offset,
+        )
+        header = self._parse(header_buf, entry)
+        if header.encrypted:
+            decrypt_in_place(header, data, self._key, source=self.source, key_known_good=self._key_proven)
+            self._key_proven = True
+        if self._verify:
+            verify_hashes(header, data, source=self.source)
+        if entry.data_length == 0 and entry.nbytes:
+            np.frombuffer(view, dtype=np.uint8)[:] = 0
+        return header
+
+    def read_numpy(self, tensor: str | TensorEntry) -> np.ndarray[Any, Any]:
+        """A new numpy array with the tensor (opaque dtypes as same-width unsigned integers)."""
+        entry = self.entry(tensor)
+        storage = np.empty(entry.nbytes, dtype=np.uint8)
+        self.readinto(entry, storage.data)
+        return as_numpy(storage, entry.dtype, entry.shape)
+
+    def read_torch(self, tensor: str | TensorEntry) -> Any:
+        """A new CPU torch tensor with the tensor's true dtype. Imports torch."""
+        entry = self.entry(tensor)
+        return as_torch(self.read_numpy(entry), entry.dtype)
+
+    def iter_numpy(self) -> Iterator[tuple[str, np.ndarray[Any, Any]]]:
+        """Every tensor in file order, as (name, numpy array)."""
+        for entry in self.index.tensors:
+            yield entry.name, self.read_numpy(entry)
+
+    # --- lifetime ----------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._owned:
+            self._file.close()
+
+    def __enter__(self) -> TensorizerReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"TensorizerReader({self.source!r}, {len(self.index.tensors)} tensors, v{self.index.version})"
