@@ -1,1 +1,63 @@
-"""Model sources: read a byte range of a file, an HTTP(S) URL or an S3 object into a buffer."""
+"""Model sources: read byte ranges of a file, an HTTP(S) URL or an S3 object into a caller's buffer.
+
+This layer stands alone: it imports the error tree of ``modelload.loader`` and the standard library, and
+botocore lazily inside the S3 source. The operator imports it to read a model's index; the engine to stream.
+
+Open a source from a URI, read ranges from many threads, retry through :func:`read_range`::
+
+    from modelload.sidecar.sources import SourceSettings, open_source, read_range
+
+    settings = SourceSettings()  # built from flags and env at the edge
+    with open_source("s3://models/llama.tensors", settings) as source:
+        size = source.stat().size
+        header = source.read_bytes(0, 4096)           # small reads (an index)
+        view = memoryview(segment)[4096 : 4096 + 32 << 20]
+        read_range(source, 0, view, policy=settings.retry)   # the hot path: straight into the buffer
+
+Sources are thread-safe; each thread gets its own persistent connection. Plain ``http://`` sources (and S3
+over plain HTTP, and files) also land bytes in a file without user-space copies
+(:meth:`Source.read_into_fd`, when ``supports_fd``). Errors are branches of ``modelload.loader.errors``:
+SourceNotFoundError, SourceAccessDeniedError, SourceChangedError, RangeNotSupportedError are permanent;
+TransientSourceError (here always :class:`InterruptedReadError`, with ``landed`` and ``retry_after``) is
+what :func:`read_range` retries.
+"""
+
+from __future__ import annotations
+
+from ._base import InterruptedReadError, ObjectInfo, Source, SourceBase, check_range
+from ._file import FileSource
+from ._http import HttpSource
+from ._memory import Interrupt, MemorySource, put_memory_object, remove_memory_object
+from ._registry import SourceFactory, open_source, register_source, registered_schemes
+from ._retry import RetryEvent, read_range, read_range_into_fd
+from ._s3 import S3Location, S3Source, plan_s3_location
+from ._settings import HttpSettings, RetryPolicy, S3Addressing, S3Settings, SourceSettings
+
+__all__ = [
+    "FileSource",
+    "HttpSettings",
+    "HttpSource",
+    "Interrupt",
+    "InterruptedReadError",
+    "MemorySource",
+    "ObjectInfo",
+    "RetryEvent",
+    "RetryPolicy",
+    "S3Addressing",
+    "S3Location",
+    "S3Settings",
+    "S3Source",
+    "Source",
+    "SourceBase",
+    "SourceFactory",
+    "SourceSettings",
+    "check_range",
+    "open_source",
+    "plan_s3_location",
+    "put_memory_object",
+    "read_range",
+    "read_range_into_fd",
+    "register_source",
+    "registered_schemes",
+    "remove_memory_object",
+]

@@ -1,0 +1,166 @@
+"""The one protocol every source implements, and what they share.
+
+A source is one object (a file, a URL, an S3 key) read by byte ranges. The engine calls :meth:`read_into`
+from many threads at once, each with a slice of the shared-memory segment as the buffer; the operator calls
+:meth:`read_bytes` a few times to read a model's index. Everything else (retries, resume, planning) lives
+above this protocol, so a new backend is one small class.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Protocol, runtime_checkable
+
+from modelload.loader.errors import TransientSourceError, TruncatedError
+
+__all__ = ["InterruptedReadError", "ObjectInfo", "Source", "SourceBase", "check_range"]
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What a source knows about its object, from the first request.
+
+    ``size`` in bytes. ``etag`` is the server's entity tag, quotes included (``'"abc"'``), or a synthetic
+    one for files; ``last_modified`` the server's Last-Modified header, when sent. Either is used to notice
+    that the object changed during the load. ``accepts_ranges`` is False when the server answered a
+    range request with the whole object: such a source can only be read from its start, in one stream.
+    """
+
+    size: int
+    etag: str | None = None
+    last_modified: str | None = None
+    accepts_ranges: bool = True
+
+
+class InterruptedReadError(TransientSourceError):
+    """A transient failure of :meth:`Source.read_into` that says how far it got.
+
+    ``landed`` bytes at the start of the buffer are valid; a retry only needs the rest. Every transient
+    error a built-in source raises from ``read_into`` is of this class (``landed`` is 0 when nothing
+    arrived). It extends the error tree without changing it: callers that catch TransientSourceError
+    still catch it.
+    """
+
+    def __init__(
+        self, message: str, *, uri: str | None = None, landed: int = 0, retry_after: float | None = None
+    ) -> None:
+        self.landed = landed
+        super().__init__(message, uri=uri, retry_after=retry_after)
+
+
+@runtime_checkable
+class Source(Protocol):
+    """A byte-addressable object. Implementations are thread-safe."""
+
+    @property
+    def display_uri(self) -> str:
+        """The object's URI for messages and logs: never credentials, signatures or query strings."""
+        ...
+
+    @property
+    def supports_fd(self) -> bool:
+        """Whether :meth:`read_into_fd` can land bytes in a file without passing through user space."""
+        ...
+
+    def stat(self) -> ObjectInfo:
+        """The object's size and validators; the first call asks the source, later calls are cached."""
+        ...
+
+    def read_into(self, offset: int, buf: memoryview) -> None:
+        """Fill all of ``buf`` with the bytes at ``[offset, offset + len(buf))``, or raise.
+
+        Raises :class:`InterruptedReadError` (``landed`` set) for transient failures, and the permanent
+        branches of SourceError otherwise. A range past the end raises TruncatedError before any request.
+        """
+        ...
+
+    def read_bytes(self, offset: int, length: int) -> bytes:
+        """The bytes at ``[offset, offset + length)``, for small reads such as a file's header."""
+        ...
+
+    def read_into_fd(self, offset: int, length: int, fd: int, fd_offset: int) -> None:
+        """Like :meth:`read_into`, but write the bytes into file ``fd`` at ``fd_offset`` (pwrite-style).
+
+        Only when :attr:`supports_fd` is true. ``landed`` on an interruption counts bytes written.
+        """
+        ...
+
+    def close(self) -> None:
+        """Release connections and file descriptors. Reads after close are an error."""
+        ...
+
+
+class SourceBase:
+    """Shared plumbing: the cached stat, range checks, ``read_bytes`` and the context manager.
+
+    Subclasses implement ``_stat`` (one uncached look-up) and ``read_into``; ``read_into_fd`` when they can.
+    """
+
+    supports_fd: bool = False
+
+    def __init__(self, display_uri: str) -> None:
+        self._display_uri = display_uri
+        self._info: ObjectInfo | None = None
+        self._stat_lock = threading.Lock()
+
+    @property
+    def display_uri(self) -> str:
+        return self._display_uri
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._display_uri!r})"
+
+    def stat(self) -> ObjectInfo:
+        info = self._info
+        if info is None:
+            with self._stat_lock:
+                if self._info is None:
+                    self._info = self._stat()
+                info = self._info
+        return info
+
+    def _stat(self) -> ObjectInfo:
+        raise NotImplementedError
+
+    def read_into(self, offset: int, buf: memoryview) -> None:
+        raise NotImplementedError
+
+    def read_bytes(self, offset: int, length: int) -> bytes:
+        out = bytearray(length)
+        self.read_into(offset, memoryview(out))
+        return bytes(out)
+
+    def read_into_fd(self, offset: int, length: int, fd: int, fd_offset: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot write into a file descriptor")
+
+    def close(self) -> None:
+        """Nothing to release by default."""
+
+    def __enter__(self) -> SourceBase:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def _checked_range(self, offset: int, length: int) -> ObjectInfo:
+        """Stat the object and check the range lies inside it, before any transfer or allocation."""
+        info = self.stat()
+        check_range(offset, length, info.size, uri=self._display_uri)
+        return info
+
+
+def check_range(offset: int, length: int, size: int, *, uri: str) -> None:
+    """Refuse a range that starts below 0 or ends past ``size`` (a truncated file, or a bad index)."""
+    if offset < 0 or length < 0:
+        raise ValueError(
+            f"a range needs a non-negative offset and length, got offset={offset} length={length}"
+        )
+    if offset + length > size:
+        raise TruncatedError(
+            f"the range [{offset}, {offset + length}) reaches past the end of the object ({size} bytes)",
+            source=uri,
+        )

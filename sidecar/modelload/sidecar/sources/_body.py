@@ -1,0 +1,129 @@
+"""Reading one response body into a buffer or a file, counting every byte that landed.
+
+``http.client`` parses the status line and headers; the body is then read from the socket directly: first
+the few bytes the response's buffered reader already pulled in with the headers, then ``recv_into`` on the
+socket (into the caller's memoryview) or ``os.splice`` (into the caller's file). Reading in our own loop is
+what lets an interrupted transfer say exactly how many bytes arrived, so a retry asks only for the rest;
+``BufferedReader.readinto`` would lose that count when the connection breaks mid-call.
+
+Chunked bodies (never used by S3 or nginx for files, possible behind other servers) go through
+``HTTPResponse.readinto``, which decodes the chunks.
+"""
+
+from __future__ import annotations
+
+import http.client
+import io
+import os
+import socket
+
+from ._splice import HAVE_SPLICE, Progress, splice_socket
+
+__all__ = ["Body"]
+
+# The buffer of the reader http.client parses headers with (socket.makefile("rb") uses this size).
+_READER_BUFFER = io.DEFAULT_BUFFER_SIZE
+_BOUNCE_SIZE = 1 << 20
+
+
+class Body:
+    """The remaining body of one response. Methods raise EOFError (the server closed early),
+    TimeoutError (a stall) or OSError; ``Progress`` objects passed in say how far they got."""
+
+    def __init__(
+        self, response: http.client.HTTPResponse, sock: socket.socket, *, stall_timeout: float
+    ) -> None:
+        self._response = response
+        self._sock = sock
+        self._stall_timeout = stall_timeout
+        self._buffer_drained = False
+        self._chunked = bool(response.chunked)
+
+    def readinto(self, view: memoryview) -> int:
+        """Read at least one byte into ``view`` (which must not extend past the body) and return the count."""
+        if self._chunked:
+            try:
+                got = self._response.readinto(view)
+            except http.client.IncompleteRead as exc:
+                raise EOFError("the chunked body ended early") from exc
+        elif not self._buffer_drained:
+            prefix = self._take_buffered(len(view))
+            got = len(prefix)
+            view[:got] = prefix
+        else:
+            got = self._sock.recv_into(view, len(view))
+        if got == 0:
+            raise EOFError("the server closed the connection before the body was complete")
+        return got
+
+    def fill(self, view: memoryview, progress: Progress) -> None:
+        """Fill all of ``view``; ``progress.done`` counts the bytes already in it."""
+        length = len(view)
+        while progress.done < length:
+            progress.done += self.readinto(view[progress.done :])
+
+    def skip(self, count: int) -> None:
+        """Read and drop ``count`` bytes (single-stream fallback for servers that ignore Range)."""
+        scratch = memoryview(bytearray(min(count, _BOUNCE_SIZE)))
+        while count:
+            count -= self.readinto(scratch[: min(count, len(scratch))])
+
+    def splice_into(self, fd: int, fd_offset: int, count: int, progress: Progress) -> None:
+        """Write ``count`` body bytes into file ``fd`` at ``fd_offset``; ``progress.done`` counts them.
+
+        Spliced from the socket when it is a plain TCP socket; TLS and chunked bodies bounce through a
+        1 MiB buffer and ``os.pwrite``.
+        """
+        if self._chunked or not HAVE_SPLICE or hasattr(self._sock, "cipher"):
+            self._bounce_into(fd, fd_offset, count, progress)
+            return
+        while not self._buffer_drained and progress.done < count:
+            prefix = self._take_buffered(count - progress.done)
+            if not prefix:
+                raise EOFError("the server closed the connection before the body was complete")
+            _pwrite_all(fd, memoryview(prefix), fd_offset + progress.done, progress)
+        rest = count - progress.done
+        if rest:
+            splice_socket(
+                self._sock.fileno(),
+                rest,
+                fd,
+                fd_offset + progress.done,
+                stall_timeout=self._stall_timeout,
+                progress=progress,
+            )
+
+    def _take_buffered(self, limit: int) -> bytes:
+        """The next body bytes that the response's buffered reader pulled in with the headers.
+
+        ``read1`` returns buffered bytes without touching the socket (or does one socket read when the
+        buffer is empty). A call that asks for the whole buffer size, or gets fewer bytes than it asked
+        for, leaves the buffer empty: from then on the socket is read directly.
+        """
+        fp = self._response.fp
+        if fp is None:
+            self._buffer_drained = True
+            return b""
+        want = min(limit, _READER_BUFFER)
+        data: bytes = fp.read1(want)
+        if want == _READER_BUFFER or len(data) < want:
+            self._buffer_drained = True
+        return data
+
+    def _bounce_into(self, fd: int, fd_offset: int, count: int, progress: Progress) -> None:
+        scratch = memoryview(bytearray(min(count, _BOUNCE_SIZE)))
+        while progress.done < count:
+            got = self.readinto(scratch[: min(count - progress.done, len(scratch))])
+            _pwrite_all(fd, scratch[:got], fd_offset + progress.done, progress)
+
+    def finish(self) -> None:
+        """Mark the response consumed, so its connection can carry the next request."""
+        self._response.close()
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int, progress: Progress) -> None:
+    while data:
+        written = os.pwrite(fd, data, offset)
+        data = data[written:]
+        offset += written
+        progress.done += written

@@ -1,0 +1,145 @@
+"""Persistent HTTP(S) connections: one per thread per origin, reused across requests (HTTP/1.1 keep-alive).
+
+The standard library's ``http.client`` is used on purpose: its connections expose the socket, so a response
+body can be read with ``recv_into`` straight into the caller's buffer (or spliced into a file), which runs at
+2.5-3.3 GiB/s here against 0.9 for urllib3-based clients that read into a new bytes object and copy.
+
+One connection per thread keeps the pool lock-free on the hot path and makes the pool exactly as large as the
+reader count. A pool remembers every connection it opened so :meth:`ConnectionPool.close` can close them all.
+"""
+
+from __future__ import annotations
+
+import http.client
+import socket
+import ssl
+import threading
+from dataclasses import dataclass
+
+from ._settings import HttpSettings
+
+__all__ = ["ConnectionPool", "Origin"]
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Scheme, host and port: what a connection is bound to."""
+
+    scheme: str
+    host: str
+    port: int
+
+    @property
+    def netloc(self) -> str:
+        """The Host header value: the port only when it is not the scheme's default."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        if self.port == _DEFAULT_PORTS[self.scheme]:
+            return host
+        return f"{host}:{self.port}"
+
+    @property
+    def is_tls(self) -> bool:
+        return self.scheme == "https"
+
+    @classmethod
+    def parse(cls, scheme: str, host: str | None, port: int | None) -> Origin:
+        if scheme not in _DEFAULT_PORTS:
+            raise ValueError(f"not an http(s) scheme: {scheme!r}")
+        if not host:
+            raise ValueError("the URL has no host")
+        return cls(scheme, host, port or _DEFAULT_PORTS[scheme])
+
+
+class ConnectionPool:
+    """Thread-local persistent connections to any number of origins.
+
+    :meth:`acquire` returns this thread's connection to an origin, connected, with ``stall_timeout`` as its
+    socket timeout, and whether it was reused (a reused connection may have been closed by the server while
+    idle, so a failure before any response byte on it is worth one immediate retry on a fresh one).
+    """
+
+    def __init__(self, settings: HttpSettings, *, ca_bundle: str | None = None) -> None:
+        self._settings = settings
+        self._ca_bundle = settings.ca_bundle or ca_bundle
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._open: set[http.client.HTTPConnection] = set()
+        self._ssl_context: ssl.SSLContext | None = None
+        self._closed = False
+        self.connections_opened = 0
+
+    def _context(self) -> ssl.SSLContext:
+        with self._lock:
+            if self._ssl_context is None:
+                if self._settings.verify_tls:
+                    context = ssl.create_default_context(cafile=self._ca_bundle)
+                else:
+                    context = ssl.create_default_context()
+                    context.check_hostname = False
+                    context.verify_mode = ssl.CERT_NONE
+                self._ssl_context = context
+            return self._ssl_context
+
+    def _connections(self) -> dict[Origin, http.client.HTTPConnection]:
+        conns: dict[Origin, http.client.HTTPConnection] | None = getattr(self._local, "conns", None)
+        if conns is None:
+            conns = self._local.conns = {}
+        return conns
+
+    def acquire(self, origin: Origin) -> tuple[http.client.HTTPConnection, bool]:
+        """This thread's connection to ``origin`` and whether it was already open."""
+        if self._closed:
+            raise RuntimeError("the source is closed")
+        conns = self._connections()
+        conn = conns.get(origin)
+        if conn is not None and conn.sock is not None:
+            return conn, True
+        if conn is None:
+            conn = self._new(origin)
+            conns[origin] = conn
+        conn.connect()  # raises OSError / ssl.SSLError; the caller translates
+        assert conn.sock is not None
+        conn.sock.settimeout(self._settings.stall_timeout)
+        with self._lock:
+            self.connections_opened += 1
+        return conn, False
+
+    def _new(self, origin: Origin) -> http.client.HTTPConnection:
+        timeout = self._settings.connect_timeout
+        conn: http.client.HTTPConnection
+        if origin.is_tls:
+            conn = http.client.HTTPSConnection(
+                origin.host, origin.port, timeout=timeout, context=self._context()
+            )
+        else:
+            conn = http.client.HTTPConnection(origin.host, origin.port, timeout=timeout)
+        with self._lock:
+            self._open.add(conn)
+        return conn
+
+    def discard(self, origin: Origin, conn: http.client.HTTPConnection) -> None:
+        """Close a connection whose state is unknown (an error mid-request, an unread body)."""
+        conn.close()
+        conns = self._connections()
+        if conns.get(origin) is conn:
+            del conns[origin]
+        with self._lock:
+            self._open.discard(conn)
+
+    def close(self) -> None:
+        """Close every connection of every thread. Call when no thread is reading any more."""
+        with self._lock:
+            self._closed = True
+            conns, self._open = list(self._open), set()
+        for conn in conns:
+            conn.close()
+
+
+def socket_of(conn: http.client.HTTPConnection) -> socket.socket:
+    """The connected socket of ``conn``, taken before ``getresponse`` (which drops it on close)."""
+    sock = conn.sock
+    if sock is None:  # pragma: no cover - acquire() always returns a connected connection
+        raise ConnectionError("the connection is not open")
+    return sock

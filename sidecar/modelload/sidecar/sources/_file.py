@@ -1,0 +1,133 @@
+"""A local file (``file:///path`` or a plain path): positional reads into the caller's buffer.
+
+``os.preadv`` reads straight into the memoryview and takes the offset, so one descriptor serves every thread
+with no seek and no lock. Each read compares the file's size and modification time with the first stat, so
+an in-place rewrite during a load is reported as a change rather than mixed into the segment.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat as stat_module
+from urllib.parse import unquote, urlsplit
+
+from modelload.loader.errors import (
+    ConfigError,
+    SegmentSpaceError,
+    SourceAccessDeniedError,
+    SourceChangedError,
+    SourceError,
+    SourceNotFoundError,
+)
+
+from ._base import InterruptedReadError, ObjectInfo, SourceBase
+from ._settings import SourceSettings
+from ._splice import HAVE_SPLICE, Progress, splice_file
+
+__all__ = ["FileSource", "open_file"]
+
+
+class FileSource(SourceBase):
+    """A regular file, opened read-only at construction (so a missing file fails at once)."""
+
+    supports_fd = HAVE_SPLICE
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self._path = path
+        try:
+            self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as exc:
+            raise _translate(exc, path, "open") from exc
+        mode = os.fstat(self._fd).st_mode
+        if not stat_module.S_ISREG(mode):
+            os.close(self._fd)
+            raise ConfigError(f"{path} is not a regular file: point the source at the model file itself")
+
+    def _fingerprint(self) -> tuple[int, int]:
+        st = os.fstat(self._fd)
+        return st.st_size, st.st_mtime_ns
+
+    def _stat(self) -> ObjectInfo:
+        size, mtime_ns = self._fingerprint()
+        return ObjectInfo(size=size, etag=f'"{mtime_ns:x}-{size:x}"', accepts_ranges=True)
+
+    def _check_unchanged(self, info: ObjectInfo) -> None:
+        size, mtime_ns = self._fingerprint()
+        etag = f'"{mtime_ns:x}-{size:x}"'
+        if etag != info.etag:
+            raise SourceChangedError(
+                f"{self._path} changed while it was being read (its size or mtime differ from the"
+                " first look); restart the load once the file is complete",
+                uri=self._path,
+            )
+
+    def read_into(self, offset: int, buf: memoryview) -> None:
+        info = self._checked_range(offset, len(buf))
+        self._check_unchanged(info)
+        done, length = 0, len(buf)
+        while done < length:
+            try:
+                got = os.preadv(self._fd, [buf[done:]], offset + done)
+            except OSError as exc:
+                raise _translate(exc, self._path, "read", landed=done) from exc
+            if got == 0:
+                self._check_unchanged(info)
+                raise SourceChangedError(
+                    f"{self._path} ended at {offset + done} bytes, before the {info.size} it had at first",
+                    uri=self._path,
+                )
+            done += got
+
+    def read_into_fd(self, offset: int, length: int, fd: int, fd_offset: int) -> None:
+        info = self._checked_range(offset, length)
+        self._check_unchanged(info)
+        progress = Progress()
+        try:
+            splice_file(self._fd, offset, length, fd, fd_offset, progress=progress)
+        except EOFError as exc:
+            raise SourceChangedError(
+                f"{self._path} ended before offset {offset + length}: it shrank during the load",
+                uri=self._path,
+            ) from exc
+        except SegmentSpaceError:
+            raise
+        except OSError as exc:
+            raise _translate(exc, self._path, "read", landed=progress.done) from exc
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
+def _translate(exc: OSError, path: str, action: str, *, landed: int = 0) -> SourceError:
+    """Map an OSError of ``action`` on ``path`` to the branch of the error tree that says what to do."""
+    reason = os.strerror(exc.errno) if exc.errno else str(exc)
+    if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+        return SourceNotFoundError(f"no file at {path}: check the path and the volume mount", uri=path)
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return SourceAccessDeniedError(
+            f"cannot {action} {path}: permission denied; check the file's mode and the container's user",
+            uri=path,
+        )
+    if exc.errno == errno.EISDIR:
+        return SourceNotFoundError(f"{path} is a directory: point the source at the model file", uri=path)
+    return InterruptedReadError(f"cannot {action} {path}: {reason}", uri=path, landed=landed)
+
+
+def open_file(uri: str, settings: SourceSettings) -> FileSource:
+    """The registry's factory for ``file://`` URIs and plain paths."""
+    if uri.startswith("file:"):
+        parts = urlsplit(uri)
+        if parts.netloc not in ("", "localhost"):
+            raise ConfigError(
+                f"file URIs name a local path (file:///path), got host {parts.netloc!r} in {uri}"
+            )
+        path = unquote(parts.path)
+    else:
+        path = uri
+    if not path:
+        raise ConfigError("the source path is empty")
+    return FileSource(path)

@@ -1,0 +1,379 @@
+"""Range reads over HTTP(S): the hot path shared by the HTTP and S3 sources, and the plain HTTP source.
+
+Each read is one ``GET`` with ``Range: bytes=a-b`` on this thread's persistent connection. The answer must be
+``206`` with exactly the asked ``Content-Range`` and ``Content-Length`` and, once the object's ETag is known,
+the same ETag (``If-Match`` asks the server to refuse with 412 when the object was replaced; the comparison
+catches servers that ignore ``If-Match``). The body goes straight from the socket into the caller's buffer
+(``recv_into``) or file (``os.splice``), see ``_body.py``.
+
+Every failure becomes a branch of ``modelload.loader.errors`` here, never later: a transient one carries
+how many bytes landed (:class:`InterruptedReadError`), so the retry layer resumes where the stream broke.
+"""
+
+from __future__ import annotations
+
+import base64
+import errno
+import http.client
+import logging
+import socket
+import ssl
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from urllib.parse import unquote, urljoin, urlsplit
+
+from modelload.loader.errors import (
+    ConfigError,
+    ModelloadError,
+    RangeNotSupportedError,
+    SegmentSpaceError,
+    SourceChangedError,
+    SourceError,
+)
+
+from ._base import InterruptedReadError, ObjectInfo, SourceBase
+from ._body import Body
+from ._connections import ConnectionPool, Origin, socket_of
+from ._responses import display_url, error_for_status, parse_content_range, same_etag
+from ._settings import HttpSettings, SourceSettings
+from ._splice import HAVE_SPLICE, Progress
+
+__all__ = ["HttpObject", "HttpSource", "Target", "open_http"]
+
+_log = logging.getLogger("modelload.sidecar.sources")
+_REDIRECTS = frozenset({301, 302, 303, 307, 308})
+_ERROR_BODY_MAX = 65536
+# A failure of these kinds before any response byte, on a connection that served earlier requests, most
+# likely means the server closed it while idle: retried once, at once, on a fresh connection.
+_STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one request goes: the origin, the path with query as sent, and the headers to send."""
+
+    origin: Origin
+    path: str
+    headers: Mapping[str, str]
+
+
+@dataclass
+class _Exchange:
+    origin: Origin
+    conn: http.client.HTTPConnection
+    sock: socket.socket
+    response: http.client.HTTPResponse
+
+    @property
+    def status(self) -> int:
+        return self.response.status
+
+    def header(self, name: str) -> str | None:
+        return self.response.getheader(name)
+
+
+class HttpObject(SourceBase):
+    """An object read by HTTP range requests. Subclasses say where requests go (:meth:`_target`) and may
+    refine how error responses read (:meth:`_error`) and whether redirects are followed
+    (:meth:`_redirect`)."""
+
+    def __init__(self, display_uri: str, settings: HttpSettings, *, ca_bundle: str | None = None) -> None:
+        super().__init__(display_uri)
+        self._settings = settings
+        self._pool = ConnectionPool(settings, ca_bundle=ca_bundle)
+        self._fallback_warned = False
+
+    @property
+    def connections_opened(self) -> int:
+        """How many connections this source opened (the reader count, when keep-alive works)."""
+        return self._pool.connections_opened
+
+    # --- hooks -------------------------------------------------------------------------------------------
+
+    def _target(self, method: str, headers: Mapping[str, str]) -> Target:
+        raise NotImplementedError
+
+    def _error(self, exchange: _Exchange, body: bytes) -> ModelloadError:
+        return error_for_status(
+            exchange.status, exchange.response.reason, exchange.response.headers, uri=self.display_uri
+        )
+
+    def _redirect(self, location: str) -> bool:
+        """Point later requests at ``location`` and return True, or return False to treat it as an error."""
+        return False
+
+    # --- requests ----------------------------------------------------------------------------------------
+
+    def _open(self, method: str, headers: Mapping[str, str], *, accept: frozenset[int]) -> _Exchange:
+        """Send a request and return the exchange when its status is in ``accept``; raise otherwise."""
+        hops = 0
+        while True:
+            exchange = self._send(method, self._target(method, headers))
+            status = exchange.status
+            if status in accept:
+                return exchange
+            location = exchange.header("Location")
+            body = self._small_body(exchange)
+            if status in _REDIRECTS and location and hops < self._settings.max_redirects:
+                current = f"{exchange.origin.scheme}://{exchange.origin.netloc}"
+                if self._redirect(urljoin(current + "/", location)):
+                    hops += 1
+                    continue
+            raise self._error(exchange, body)
+
+    def _send(self, method: str, target: Target) -> _Exchange:
+        for attempt in range(2):
+            try:
+                conn, reused = self._pool.acquire(target.origin)
+            except (OSError, ssl.SSLError) as exc:
+                raise self._translate(exc, connecting=target.origin) from exc
+            sock = socket_of(conn)
+            try:
+                conn.request(method, target.path, headers=dict(target.headers))
+                response = conn.getresponse()
+            except _STALE as exc:
+                self._pool.discard(target.origin, conn)
+                if reused and attempt == 0:
+                    continue
+                raise self._translate(exc) from exc
+            except (OSError, http.client.HTTPException) as exc:
+                self._pool.discard(target.origin, conn)
+                raise self._translate(exc) from exc
+            return _Exchange(target.origin, conn, sock, response)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _small_body(self, exchange: _Exchange) -> bytes:
+        """Read an error or probe body when it is small, keeping the connection; else drop the connection."""
+        response = exchange.response
+        try:
+            if response.length is not None and response.length <= _ERROR_BODY_MAX:
+                body = response.read()
+                response.close()
+                return body
+            body = response.read(_ERROR_BODY_MAX)
+        except (OSError, http.client.HTTPException):
+            body = b""
+        self._pool.discard(exchange.origin, exchange.conn)
+        return body
+
+    # --- the Source protocol -----------------------------------------------------------------------------
+
+    def _stat(self) -> ObjectInfo:
+        # A one-byte range GET rather than HEAD: presigned URLs are signed for GET only, it tells whether
+        # ranges work, and S3 answers it with an XML error body that names the problem.
+        exchange = self._open("GET", {"Range": "bytes=0-0"}, accept=frozenset({200, 206, 416}))
+        status = exchange.status
+        etag, last_modified = exchange.header("ETag"), exchange.header("Last-Modified")
+        if status == 200:
+            size = exchange.response.length
+            self._pool.discard(exchange.origin, exchange.conn)  # the whole object follows: do not read it
+            if size is None:
+                raise RangeNotSupportedError(
+                    f"{self.display_uri}: the server ignores Range requests and does not give the size",
+                    uri=self.display_uri,
+                )
+            return ObjectInfo(size=size, etag=etag, last_modified=last_modified, accepts_ranges=size == 0)
+        self._small_body(exchange)
+        _, _, total = parse_content_range(exchange.header("Content-Range"))
+        if total is None and status == 416:
+            # An empty object cannot serve byte 0; not every server says its size in Content-Range then.
+            head = self._open("HEAD", {}, accept=frozenset({200}))
+            declared = head.header("Content-Length")
+            total = int(declared) if declared and declared.isdigit() else None
+            etag, last_modified = head.header("ETag"), head.header("Last-Modified")
+            head.response.close()
+        if total is None:
+            raise SourceError(
+                f"{self.display_uri}: HTTP {status} without a usable Content-Range: the size is unknown",
+                uri=self.display_uri,
+            )
+        return ObjectInfo(size=total, etag=etag, last_modified=last_modified, accepts_ranges=True)
+
+    def read_into(self, offset: int, buf: memoryview) -> None:
+        info = self._checked_range(offset, len(buf))
+        if not buf:
+            return
+        progress = Progress()
+        self._transfer(info, offset, len(buf), progress, lambda body: body.fill(buf, progress))
+
+    def read_into_fd(self, offset: int, length: int, fd: int, fd_offset: int) -> None:
+        info = self._checked_range(offset, length)
+        if not length:
+            return
+        progress = Progress()
+        self._transfer(
+            info, offset, length, progress, lambda body: body.splice_into(fd, fd_offset, length, progress)
+        )
+
+    def close(self) -> None:
+        self._pool.close()
+
+    # --- one ranged GET ----------------------------------------------------------------------------------
+
+    def _transfer(
+        self, info: ObjectInfo, offset: int, length: int, progress: Progress, land: Callable[[Body], None]
+    ) -> None:
+        headers = {"Range": f"bytes={offset}-{offset + length - 1}"}
+        if info.etag and not info.etag.startswith("W/"):
+            headers["If-Match"] = info.etag
+        exchange = self._open("GET", headers, accept=frozenset({200, 206}))
+        reusable = False
+        try:
+            body = Body(exchange.response, exchange.sock, stall_timeout=self._settings.stall_timeout)
+            whole = self._check_answer(exchange, info, offset, length)
+            if whole is False:
+                body.skip(offset)
+            land(body)
+            body.finish()
+            reusable = whole is not False
+        except (OSError, EOFError, http.client.HTTPException) as exc:
+            raise self._translate(exc, landed=progress.done, total=length) from exc
+        finally:
+            if not reusable:
+                self._pool.discard(exchange.origin, exchange.conn)
+
+    def _check_answer(self, exchange: _Exchange, info: ObjectInfo, offset: int, length: int) -> bool | None:
+        """Check a 200/206 answer matches what was asked and the object is unchanged.
+
+        Returns None for a 206 of exactly the range, True for a 200 that is exactly the (whole-object)
+        range, False for a 200 whose first ``offset`` bytes must be skipped (the single-stream fallback).
+        """
+        uri = self.display_uri
+        etag = exchange.header("ETag")
+        if not same_etag(info.etag, etag):
+            raise SourceChangedError(
+                f"{uri} changed while it was being read (ETag {info.etag} -> {etag})", uri=uri
+            )
+        modified = exchange.header("Last-Modified")
+        if info.etag is None and info.last_modified and modified and modified != info.last_modified:
+            raise SourceChangedError(
+                f"{uri} changed while it was being read (Last-Modified {info.last_modified} -> {modified})",
+                uri=uri,
+            )
+        declared = exchange.response.length
+        if exchange.status == 206:
+            first, last, total = parse_content_range(exchange.header("Content-Range"))
+            if total is not None and total != info.size:
+                raise SourceChangedError(
+                    f"{uri} changed size during the load ({info.size} -> {total} bytes)", uri=uri
+                )
+            if (first, last) != (offset, offset + length - 1) or declared not in (None, length):
+                raise SourceError(
+                    f"{uri} answered the range request for bytes {offset}-{offset + length - 1} with"
+                    f" Content-Range {exchange.header('Content-Range')!r} and Content-Length {declared}",
+                    uri=uri,
+                )
+            return None
+        if declared is not None and declared != info.size:
+            raise SourceChangedError(
+                f"{uri} changed size during the load ({info.size} -> {declared} bytes)", uri=uri
+            )
+        if offset == 0 and length == info.size:
+            return True
+        if not self._settings.range_fallback:
+            raise RangeNotSupportedError(
+                f"{uri}: the server ignored the Range header (it answered 200 with the whole object), so the"
+                " object cannot be read in parallel ranges; serve it from a server with Range support, or"
+                " allow the single-stream fallback (one reader, whole-object reads)",
+                uri=uri,
+            )
+        if not self._fallback_warned:
+            self._fallback_warned = True
+            _log.warning("%s ignores Range requests: reading from the start of a single stream", uri)
+        return False
+
+    # --- errors ------------------------------------------------------------------------------------------
+
+    def _translate(
+        self, exc: BaseException, *, landed: int = 0, total: int = 0, connecting: Origin | None = None
+    ) -> ModelloadError:
+        """Map a socket, TLS, HTTP-parsing or file error to the error tree, with the bytes that landed."""
+        uri = self.display_uri
+        where = f"after {landed} of {total} bytes" if total else "before the response"
+        if isinstance(exc, SegmentSpaceError):
+            return exc
+        if isinstance(exc, ssl.SSLCertVerificationError):
+            return ConfigError(
+                f"{uri}: the server's TLS certificate cannot be verified ({exc.verify_message});"
+                " set the CA bundle for a private CA"
+            )
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return SegmentSpaceError(f"no room left in the destination while reading {uri}")
+        if connecting is not None:
+            if isinstance(exc, socket.gaierror):
+                reason = f"cannot resolve {connecting.host}"
+            elif isinstance(exc, TimeoutError):
+                reason = f"no connection to {connecting.netloc} within {self._settings.connect_timeout:g} s"
+            else:
+                reason = f"cannot connect to {connecting.netloc}: {_describe(exc)}"
+            return InterruptedReadError(f"{uri}: {reason}", uri=uri)
+        if isinstance(exc, TimeoutError):
+            reason = f"the stream stalled (no bytes for {self._settings.stall_timeout:g} s) {where}"
+        elif isinstance(exc, EOFError):
+            reason = f"the server closed the connection {where} (short body)"
+        else:
+            reason = f"the connection broke {where}: {_describe(exc)}"
+        return InterruptedReadError(f"{uri}: {reason}", uri=uri, landed=landed)
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{type(exc).__name__}: {exc.strerror}"
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class HttpSource(HttpObject):
+    """A plain ``http://`` or ``https://`` URL, such as a file server or a presigned URL.
+
+    Credentials in the URL (``https://user:password@host/...``) become a Basic Authorization header sent to
+    that origin only; query strings (presigned signatures) are sent but never shown. Redirects are followed
+    up to ``max_redirects`` and remembered, so range reads go straight to the final location.
+    """
+
+    def __init__(self, url: str, settings: HttpSettings) -> None:
+        parts = urlsplit(url)
+        try:
+            origin = Origin.parse(parts.scheme, parts.hostname, parts.port)
+        except ValueError as exc:
+            raise ConfigError(f"not a usable HTTP(S) URL: {display_url(url)} ({exc})") from exc
+        super().__init__(display_url(url), settings)
+        self.supports_fd = HAVE_SPLICE and not origin.is_tls
+        self._lock = threading.Lock()
+        self._location = (origin, _request_path(url))
+        self._auth: tuple[Origin, str] | None = None
+        if parts.username is not None:
+            user_pass = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
+            self._auth = (origin, "Basic " + base64.b64encode(user_pass).decode("ascii"))
+
+    def __repr__(self) -> str:
+        return f"HttpSource({self.display_uri!r})"
+
+    def _target(self, method: str, headers: Mapping[str, str]) -> Target:
+        origin, path = self._location
+        if self._auth is not None and self._auth[0] == origin:
+            headers = {**headers, "Authorization": self._auth[1]}
+        return Target(origin, path, headers)
+
+    def _redirect(self, location: str) -> bool:
+        parts = urlsplit(location)
+        try:
+            origin = Origin.parse(parts.scheme, parts.hostname, parts.port)
+        except ValueError:
+            return False
+        with self._lock:
+            self._location = (origin, _request_path(location))
+        _log.info("%s redirects to %s", self.display_uri, display_url(location))
+        return True
+
+
+def _request_path(url: str) -> str:
+    parts = urlsplit(url)
+    path = parts.path or "/"
+    return f"{path}?{parts.query}" if parts.query else path
+
+
+def open_http(uri: str, settings: SourceSettings) -> HttpSource:
+    """The registry's factory for ``http://`` and ``https://`` URLs."""
+    return HttpSource(uri, settings.http)

@@ -1,0 +1,119 @@
+"""Reading HTTP response headers: Content-Range, Retry-After, ETags, and status codes mapped to our errors.
+
+Pure functions over header values, shared by the HTTP and S3 sources, so every rule about what a response
+means is in one place and testable without a server.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import math
+import re
+import time
+from collections.abc import Mapping
+from email.message import Message
+from urllib.parse import urlsplit, urlunsplit
+
+from modelload.loader.errors import (
+    SourceAccessDeniedError,
+    SourceChangedError,
+    SourceError,
+    SourceNotFoundError,
+)
+
+from ._base import InterruptedReadError
+
+__all__ = [
+    "RETRYABLE_STATUSES",
+    "display_url",
+    "error_for_status",
+    "parse_content_range",
+    "parse_retry_after",
+    "same_etag",
+]
+
+RETRYABLE_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
+_CONTENT_RANGE = re.compile(r"^\s*bytes\s+(?:(\d+)-(\d+)|\*)/(\d+|\*)\s*$", re.IGNORECASE)
+
+
+def display_url(url: str) -> str:
+    """``url`` without user info, query string or fragment: safe for logs even when presigned."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    shown = urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+    return f"{shown}?…" if parts.query else shown
+
+
+def parse_content_range(value: str | None) -> tuple[int | None, int | None, int | None]:
+    """``bytes a-b/n`` as ``(a, b, n)``; ``bytes */n`` as ``(None, None, n)``; unknown parts are None."""
+    if not value:
+        return None, None, None
+    match = _CONTENT_RANGE.match(value)
+    if match is None:
+        return None, None, None
+    first, last, total = match.groups()
+    return (
+        int(first) if first is not None else None,
+        int(last) if last is not None else None,
+        int(total) if total not in (None, "*") else None,
+    )
+
+
+def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:
+    """Seconds to wait from a Retry-After header (delta seconds or an HTTP date); None when absent or bad."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        seconds = float(value)  # RFC 9110 says whole seconds; fractions are accepted
+    except ValueError:
+        pass
+    else:
+        return seconds if math.isfinite(seconds) and seconds >= 0 else None
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    delay = when.timestamp() - (time.time() if now is None else now)
+    return max(0.0, delay)
+
+
+def same_etag(a: str | None, b: str | None) -> bool:
+    """Whether two ETags name the same version (weak comparison: ``W/"x"`` equals ``"x"``)."""
+    if a is None or b is None:
+        return True
+    return a.removeprefix("W/") == b.removeprefix("W/")
+
+
+def error_for_status(
+    status: int, reason: str, headers: Mapping[str, str] | Message, *, uri: str, detail: str = ""
+) -> SourceError:
+    """The error for an HTTP status that is not a successful read, with what to do about it."""
+    what = f"HTTP {status} {reason}".rstrip() + (f" ({detail})" if detail else "")
+    if status in (404, 410):
+        return SourceNotFoundError(f"{uri} does not exist ({what}): check the URL", uri=uri)
+    if status in (401, 403, 407):
+        return SourceAccessDeniedError(
+            f"{uri} refused access ({what}): check the URL's token or signature (a presigned URL may have"
+            " expired) and the server's access rules",
+            uri=uri,
+        )
+    if status in (412, 416):
+        return SourceChangedError(
+            f"{uri} changed while it was being read ({what}): the object was replaced; restart the load",
+            uri=uri,
+        )
+    if 300 <= status < 400:
+        return SourceError(
+            f"{uri} redirects elsewhere ({what}) and the redirect was not followed: too many redirects, or"
+            " none allowed (max_redirects)",
+            uri=uri,
+        )
+    if status in RETRYABLE_STATUSES or status >= 500:
+        return InterruptedReadError(
+            f"{uri} failed with {what}", uri=uri, retry_after=parse_retry_after(headers.get("Retry-After"))
+        )
+    return SourceError(f"{uri} answered {what}, which this loader does not know how to handle", uri=uri)

@@ -1,0 +1,229 @@
+"""S3 and S3-compatible stores: botocore resolves credentials, region and endpoint and signs; we move bytes.
+
+botocore's own client reads bodies through urllib3, which copies every chunk (0.9 GiB/s here against 2.5-3.3
+for ``http.client`` reading into the caller's buffer). So botocore does what it is best at, once per source
+or per request, and nothing else:
+
+- a ``botocore.session.Session`` resolves the endpoint (``endpoint_url`` setting, ``AWS_ENDPOINT_URL_S3``,
+  ``AWS_ENDPOINT_URL``, the shared config's ``services`` section, else AWS's regional endpoint), the region
+  and the CA bundle (``AWS_CA_BUNDLE``), when the source is opened (no network);
+- its credential chain (env, shared files, web identity / IRSA, container credentials, instance metadata)
+  runs on the first request; ``get_frozen_credentials()`` per request returns refreshed temporary
+  credentials when they are about to expire;
+- ``S3SigV4Auth`` signs each GET (with ``X-Amz-Security-Token`` for session credentials).
+
+The request itself goes through :class:`HttpObject`: persistent per-thread connections, range checks,
+If-Match, resume. ``unsigned`` sends no Authorization header at all (public buckets).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+from modelload.loader.errors import ConfigError, ModelloadError, SourceAccessDeniedError
+
+from ._base import InterruptedReadError
+from ._connections import Origin
+from ._http import HttpObject, Target, _Exchange
+from ._s3_errors import s3_error
+from ._settings import S3Addressing, SourceSettings
+from ._splice import HAVE_SPLICE
+
+__all__ = ["S3Location", "S3Source", "open_s3", "plan_s3_location"]
+
+_BUCKET_DNS = re.compile(r"^[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
+_AWS_HOST = re.compile(r"(^|\.)amazonaws\.com(\.cn)?$")
+# Connection-level failures while fetching credentials (STS, instance metadata) are worth a retry; every
+# other credential failure means the chain found nothing usable.
+_TRANSIENT_CREDENTIAL_ERRORS = frozenset(
+    {"EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError"}
+)
+
+
+def _botocore() -> Any:
+    """botocore with the submodules used here, imported on first use: only S3 sources pay for it (~0.2 s)."""
+    import botocore.auth
+    import botocore.awsrequest
+    import botocore.config
+    import botocore.exceptions
+    import botocore.session
+
+    _quiet_signer_debug_logs()
+    return botocore
+
+
+def _drop_debug(record: logging.LogRecord) -> bool:
+    return record.levelno > logging.DEBUG
+
+
+def _quiet_signer_debug_logs() -> None:
+    """Drop botocore.auth's DEBUG records: they print the canonical request, session token included.
+
+    A sidecar run with debug logging would otherwise write temporary credentials into the pod's logs.
+    Installed once, on the ``botocore.auth`` logger only; its warnings and errors still pass.
+    """
+    signer_log = logging.getLogger("botocore.auth")
+    if _drop_debug not in signer_log.filters:
+        signer_log.addFilter(_drop_debug)
+
+
+@dataclass(frozen=True)
+class S3Location:
+    """Where requests for one object go: the origin, the request path, and the addressing used."""
+
+    origin: Origin
+    path: str
+    addressing: S3Addressing
+
+    @property
+    def url(self) -> str:
+        return f"{self.origin.scheme}://{self.origin.netloc}{self.path}"
+
+
+def is_aws_endpoint(endpoint_url: str) -> bool:
+    """Whether an endpoint is AWS's own (virtual-hosted addressing is safe there)."""
+    host = urlsplit(endpoint_url).hostname or ""
+    return bool(_AWS_HOST.search(host))
+
+
+def plan_s3_location(bucket: str, key: str, *, endpoint_url: str, addressing: S3Addressing) -> S3Location:
+    """Build the request URL of ``s3://bucket/key`` at ``endpoint_url``.
+
+    ``auto`` picks virtual-hosted addressing (``bucket.host/key``) for AWS endpoints and DNS-safe bucket
+    names without dots, and path addressing (``host/bucket/key``) otherwise: custom endpoints rarely have
+    wildcard DNS, and dotted names break TLS wildcard certificates.
+    """
+    parts = urlsplit(endpoint_url)
+    try:
+        origin = Origin.parse(parts.scheme, parts.hostname, parts.port)
+    except ValueError as exc:
+        raise ConfigError(f"not a usable S3 endpoint: {endpoint_url!r} ({exc})") from exc
+    if addressing == "auto":
+        dns_safe = bool(_BUCKET_DNS.match(bucket)) and "." not in bucket
+        addressing = "virtual" if dns_safe and is_aws_endpoint(endpoint_url) else "path"
+    prefix = parts.path.rstrip("/")
+    quoted_key = quote(key, safe="/~")
+    if addressing == "virtual":
+        return S3Location(
+            Origin(origin.scheme, f"{bucket}.{origin.host}", origin.port), f"{prefix}/{quoted_key}", "virtual"
+        )
+    return S3Location(origin, f"{prefix}/{quote(bucket, safe='')}/{quoted_key}", "path")
+
+
+def parse_s3_uri(uri: str) -> tuple[str, str]:
+    """``s3://bucket/key`` as ``(bucket, key)``; a ConfigError when either is missing."""
+    rest = uri.removeprefix("s3://")
+    bucket, _, key = rest.partition("/")
+    if not bucket or not key:
+        raise ConfigError(f"an S3 source is s3://BUCKET/KEY, got {uri!r}")
+    return bucket, key
+
+
+class S3Source(HttpObject):
+    """One S3 object, read by signed range GETs over persistent ``http.client`` connections."""
+
+    def __init__(self, bucket: str, key: str, settings: SourceSettings) -> None:
+        botocore = _botocore()
+        display = f"s3://{bucket}/{key}"
+        s3 = settings.s3
+        self._bucket, self._key, self._unsigned = bucket, key, s3.unsigned
+        try:
+            session = botocore.session.Session()
+            client = session.create_client(
+                "s3",
+                region_name=s3.region,
+                endpoint_url=s3.endpoint_url,
+                config=botocore.config.Config(signature_version=botocore.UNSIGNED),
+            )
+            endpoint_url: str = client.meta.endpoint_url
+            self._region: str = client.meta.region_name or "us-east-1"
+            ca_bundle = session.get_config_variable("ca_bundle")
+        except (botocore.exceptions.BotoCoreError, ValueError) as exc:
+            raise ConfigError(f"cannot set up S3 access for {display}: {type(exc).__name__}: {exc}") from exc
+        self._session = session
+        self._location = plan_s3_location(bucket, key, endpoint_url=endpoint_url, addressing=s3.addressing)
+        super().__init__(display, settings.http, ca_bundle=ca_bundle)
+        self.supports_fd = HAVE_SPLICE and not self._location.origin.is_tls
+        self._credentials: Any = None
+        self._credentials_lock = threading.Lock()
+
+    @property
+    def location(self) -> S3Location:
+        """The endpoint, path and addressing style in use."""
+        return self._location
+
+    @property
+    def region(self) -> str:
+        """The signing region."""
+        return self._region
+
+    def _target(self, method: str, headers: Mapping[str, str]) -> Target:
+        location = self._location
+        headers = {**headers, "Host": location.origin.netloc}
+        if self._unsigned:
+            return Target(location.origin, location.path, headers)
+        botocore = _botocore()
+        frozen = self._frozen_credentials()
+        request = botocore.awsrequest.AWSRequest(method=method, url=location.url, headers=headers)
+        botocore.auth.S3SigV4Auth(frozen, "s3", self._region).add_auth(request)
+        return Target(location.origin, location.path, dict(request.headers.items()))
+
+    def _frozen_credentials(self) -> Any:
+        """This request's credentials: resolved through botocore's chain once, refreshed by botocore."""
+        exceptions = _botocore().exceptions
+        try:
+            with self._credentials_lock:
+                if self._credentials is None:
+                    self._credentials = self._session.get_credentials()
+                credentials = self._credentials
+            if credentials is None:
+                raise SourceAccessDeniedError(
+                    f"{self.display_uri}: no AWS credentials found (looked in AWS_ACCESS_KEY_ID /"
+                    " AWS_SECRET_ACCESS_KEY, the shared credentials and config files, web identity (IRSA),"
+                    " container credentials and instance metadata): mount the credentials Secret or bind a"
+                    " role, or use unsigned access for a public bucket",
+                    uri=self.display_uri,
+                )
+            return credentials.get_frozen_credentials()
+        except (exceptions.BotoCoreError, exceptions.ClientError) as exc:
+            raise self._credential_error(exc) from exc
+
+    def _credential_error(self, exc: Exception) -> ModelloadError:
+        name = type(exc).__name__
+        provider = getattr(exc, "kwargs", {}).get("provider")
+        source = f" from the {provider} provider" if provider else ""
+        if name in _TRANSIENT_CREDENTIAL_ERRORS:
+            return InterruptedReadError(
+                f"{self.display_uri}: fetching AWS credentials{source} failed ({name}); will retry",
+                uri=self.display_uri,
+            )
+        return SourceAccessDeniedError(
+            f"{self.display_uri}: AWS credentials could not be obtained{source} ({name}): check the"
+            " credentials Secret, AWS_PROFILE, the role binding (IRSA / pod identity) and its token file",
+            uri=self.display_uri,
+        )
+
+    def _error(self, exchange: _Exchange, body: bytes) -> ModelloadError:
+        return s3_error(
+            exchange.status,
+            exchange.response.headers,
+            body,
+            bucket=self._bucket,
+            key=self._key,
+            unsigned=self._unsigned,
+        )
+
+    def __repr__(self) -> str:
+        return f"S3Source({self.display_uri!r}, endpoint={self._location.origin.netloc!r})"
+
+
+def open_s3(uri: str, settings: SourceSettings) -> S3Source:
+    """The registry's factory for ``s3://bucket/key``."""
+    bucket, key = parse_s3_uri(uri)
+    return S3Source(bucket, key, settings)

@@ -1,0 +1,121 @@
+"""S3 error responses mapped to the error tree, each with what to check.
+
+S3 answers errors with a small XML document whose ``<Code>`` names the problem (NoSuchKey, AccessDenied,
+SlowDown...). Only the code, the bucket and key and the request id go into our messages: the server's own
+``<Message>`` and the rest of the document are left out, since S3-compatible servers echo request details
+(the access key id, the string to sign) there.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+from collections.abc import Mapping
+from email.message import Message
+
+from modelload.loader.errors import (
+    ConfigError,
+    ModelloadError,
+    SourceAccessDeniedError,
+    SourceChangedError,
+    SourceError,
+    SourceNotFoundError,
+)
+
+from ._base import InterruptedReadError
+from ._responses import RETRYABLE_STATUSES, parse_retry_after
+
+__all__ = ["error_code", "s3_error"]
+
+_NOT_FOUND = frozenset({"NoSuchKey", "NoSuchBucket", "NoSuchVersion", "NotFound"})
+_CHANGED = frozenset({"PreconditionFailed", "InvalidRange"})
+_RETRYABLE = frozenset(
+    {
+        "SlowDown",
+        "ServiceUnavailable",
+        "InternalError",
+        "RequestTimeout",
+        "Throttling",
+        "ThrottlingException",
+        "RequestLimitExceeded",
+        "TooManyRequests",
+        "OperationAborted",
+    }
+)
+_WRONG_REGION = frozenset(
+    {"PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException"}
+)
+_DENIED_HINTS = {
+    "InvalidAccessKeyId": "the access key id is unknown to this endpoint: check AWS_ACCESS_KEY_ID in the"
+    " Secret and that the endpoint is the store that issued it",
+    "SignatureDoesNotMatch": "the secret key does not match the access key id: check AWS_SECRET_ACCESS_KEY",
+    "ExpiredToken": "the temporary credentials expired: check that the role's token is refreshed (IRSA token"
+    " file, pod identity) or renew AWS_SESSION_TOKEN",
+    "TokenRefreshRequired": "the temporary credentials expired: check the role's token refresh",
+    "InvalidToken": "the session token is malformed or not valid here: check AWS_SESSION_TOKEN",
+    "RequestTimeTooSkewed": "this machine's clock is too far from the server's: fix the clock (NTP)",
+    "AllAccessDisabled": "all access to this bucket or object has been disabled by its owner",
+    "AccountProblem": "the bucket owner's account has a problem that blocks access",
+}
+
+
+def error_code(body: bytes) -> str | None:
+    """The ``<Code>`` of an S3 XML error body, or None."""
+    match = re.search(rb"<Code>([^<]{1,128})</Code>", body)
+    return html.unescape(match.group(1).decode("utf-8", "replace")).strip() if match else None
+
+
+def s3_error(
+    status: int, headers: Mapping[str, str] | Message, body: bytes, *, bucket: str, key: str, unsigned: bool
+) -> ModelloadError:
+    """The error for an S3 response that is not a successful read of ``s3://bucket/key``."""
+    uri = f"s3://{bucket}/{key}"
+    code = error_code(body)
+    request_id = headers.get("x-amz-request-id")
+    tail = (
+        f" (HTTP {status}{', ' + code if code else ''}{', request id ' + request_id if request_id else ''})"
+    )
+    if code in _NOT_FOUND or (code is None and status == 404):
+        if code == "NoSuchBucket":
+            text = f"bucket {bucket!r} does not exist: check the bucket name, the endpoint and the region"
+        elif code is None:
+            text = f"no object {key!r} in bucket {bucket!r} (or no such bucket): check the URI"
+        else:
+            text = f"no object {key!r} in bucket {bucket!r}: check the key"
+        return SourceNotFoundError(f"{uri}: {text}{tail}", uri=uri)
+    if code in _WRONG_REGION or status == 301:
+        region = headers.get("x-amz-bucket-region") or _region_in(body)
+        where = f"region {region}" if region else "another region or endpoint"
+        return ConfigError(
+            f"{uri}: bucket {bucket!r} is in {where}: set the S3 region (--s3-region) to match{tail}"
+        )
+    if code in _DENIED_HINTS or code == "AccessDenied" or status in (401, 403):
+        if code in _DENIED_HINTS:
+            hint = _DENIED_HINTS[code]
+        elif unsigned:
+            hint = (
+                "anonymous access was refused, the object is not public: drop --s3-unsigned and provide"
+                " credentials"
+            )
+        else:
+            hint = (
+                f"the credentials are not allowed to read it: grant s3:GetObject on"
+                f" arn:aws:s3:::{bucket}/{key} to the role or user, and check the bucket policy"
+            )
+        return SourceAccessDeniedError(f"{uri}: access denied, {hint}{tail}", uri=uri)
+    if code in _CHANGED or status in (412, 416):
+        return SourceChangedError(
+            f"{uri} changed while it was being read (replaced or shortened); restart the load{tail}", uri=uri
+        )
+    if code in _RETRYABLE or status in RETRYABLE_STATUSES or status >= 500:
+        return InterruptedReadError(
+            f"{uri}: the store asked to retry{tail}",
+            uri=uri,
+            retry_after=parse_retry_after(headers.get("Retry-After")),
+        )
+    return SourceError(f"{uri}: the store refused the request{tail}", uri=uri)
+
+
+def _region_in(body: bytes) -> str | None:
+    match = re.search(rb"<Region>([a-z0-9-]{1,64})</Region>", body)
+    return match.group(1).decode("ascii") if match else None

@@ -1,0 +1,155 @@
+"""Typed settings of the sources layer, built once at the edge (CLI, operator) and passed down.
+
+Nothing in this package reads ``os.environ`` for its own settings. The one deliberate exception is the S3
+source, which hands credentials, region, endpoint and CA bundle resolution to botocore's own chain (env vars,
+shared config files, web identity / IRSA, container credentials, instance metadata): that is where users
+expect those settings to come from, and it is documented on :class:`S3Settings`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from modelload.loader.errors import ConfigError
+
+__all__ = ["HttpSettings", "RetryPolicy", "S3Addressing", "S3Settings", "SourceSettings"]
+
+S3Addressing = Literal["auto", "path", "virtual"]
+
+
+def _require_positive(name: str, value: float) -> None:
+    if not (value > 0 and math.isfinite(value)):
+        raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+
+
+@dataclass(frozen=True)
+class HttpSettings:
+    """How the HTTP(S) and S3 sources talk to servers.
+
+    ``connect_timeout``: seconds to open a TCP (and TLS) connection; a refused or slow connect is retried by
+    the retry policy. Default 10 s.
+
+    ``stall_timeout``: seconds without a single byte, after which a request counts as stalled and fails as
+    a transient error (a resumable one when part of the body arrived). It is the socket timeout, so it
+    bounds each wait, not the whole transfer. Default 30 s: long enough for a slow object store's first
+    byte, short enough that a stuck reader does not hold the load for minutes.
+
+    ``ca_bundle``: a PEM file of CA certificates for HTTPS, for private CAs. ``None`` uses the system store
+    (for S3: botocore's ``AWS_CA_BUNDLE`` / ``ca_bundle`` setting when set).
+
+    ``verify_tls``: check the server's certificate and host name. Turn off only for testing.
+
+    ``range_fallback``: when a server ignores Range requests (it answers 200 with the whole object), read the
+    wanted bytes from the single stream instead of failing with RangeNotSupportedError. Such an object can
+    only be loaded by one reader, from its start; reads at later offsets download and discard the bytes
+    before them. Off by default: a silent 8x slowdown is worse than a clear error. A warning is logged.
+
+    ``max_redirects``: how many HTTP redirects (301, 302, 303, 307, 308) to follow, for hubs that redirect
+    to a CDN. 0 turns redirects into errors.
+    """
+
+    connect_timeout: float = 10.0
+    stall_timeout: float = 30.0
+    ca_bundle: str | None = None
+    verify_tls: bool = True
+    range_fallback: bool = False
+    max_redirects: int = 5
+
+    def __post_init__(self) -> None:
+        _require_positive("connect_timeout", self.connect_timeout)
+        _require_positive("stall_timeout", self.stall_timeout)
+        if self.max_redirects < 0:
+            raise ConfigError(f"max_redirects must be 0 or more, got {self.max_redirects}")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How :func:`read_range` retries transient source errors.
+
+    ``attempts``: tries per range counted without progress: a failure that landed some bytes (a broken
+    stream that is then resumed) does not use one up, so a long range over a flaky link still completes,
+    while a server that keeps failing before the first byte is given up on after this many tries.
+    Default 8 (about a minute of backoff with the defaults below).
+
+    ``initial_backoff`` / ``max_backoff``: the first delay in seconds, doubled after each failed try up to
+    the maximum. A server's ``Retry-After`` raises the delay to what it asked for (still bounded by
+    ``deadline``).
+
+    ``jitter``: the fraction of each delay that is randomised (0 = none, 1 = anywhere from 0 to the delay),
+    so that N readers that failed together do not come back together.
+
+    ``deadline``: seconds after which a range is given up on, whatever ``attempts`` says. ``None`` means no
+    overall limit.
+    """
+
+    attempts: int = 8
+    initial_backoff: float = 0.2
+    max_backoff: float = 15.0
+    jitter: float = 0.5
+    deadline: float | None = 600.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ConfigError(f"retry attempts must be at least 1, got {self.attempts}")
+        if self.initial_backoff < 0 or self.max_backoff < self.initial_backoff:
+            raise ConfigError(
+                f"retry backoff needs 0 <= initial ({self.initial_backoff}) <= max ({self.max_backoff})"
+            )
+        if not 0.0 <= self.jitter <= 1.0:
+            raise ConfigError(f"retry jitter must be between 0 and 1, got {self.jitter}")
+        if self.deadline is not None:
+            _require_positive("retry deadline", self.deadline)
+
+    def backoff(self, failures: int) -> float:
+        """The delay after ``failures`` consecutive failures (1 for the first), before jitter."""
+        return min(self.max_backoff, self.initial_backoff * (2.0 ** max(0, failures - 1)))
+
+
+@dataclass(frozen=True)
+class S3Settings:
+    """Where and how to reach S3 or an S3-compatible store.
+
+    ``endpoint_url``: an S3-compatible endpoint (``http(s)://host[:port]``, MinIO, Ceph, R2, CoreWeave...).
+    ``None`` lets botocore decide: ``AWS_ENDPOINT_URL_S3``, then ``AWS_ENDPOINT_URL``, then the shared
+    config's ``services`` section, then AWS's regional endpoint.
+
+    ``region``: the signing region. ``None`` lets botocore decide (``AWS_DEFAULT_REGION``, the profile's
+    ``region``), falling back to us-east-1. botocore does not read ``AWS_REGION``: the CLI maps it (and
+    ``MODELLOAD_S3_REGION``) to this field.
+
+    ``addressing``: ``path`` puts the bucket in the path (``endpoint/bucket/key``), ``virtual`` in the host
+    name (``bucket.endpoint/key``). ``auto`` uses virtual for AWS endpoints with DNS-safe bucket names
+    without dots, and path for everything else (custom endpoints rarely have wildcard DNS; dotted names
+    break TLS wildcard certificates).
+
+    ``unsigned``: send requests without an Authorization header, for public buckets; no credentials are
+    looked up.
+
+    Credentials always come from botocore's chain (``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` /
+    ``AWS_SESSION_TOKEN``, ``AWS_PROFILE`` and the shared files, web identity (IRSA), container credentials
+    (EKS Pod Identity), instance metadata), and are refreshed when they expire.
+    """
+
+    endpoint_url: str | None = None
+    region: str | None = None
+    addressing: S3Addressing = "auto"
+    unsigned: bool = False
+
+    def __post_init__(self) -> None:
+        if self.addressing not in ("auto", "path", "virtual"):
+            raise ConfigError(f"S3 addressing must be auto, path or virtual, got {self.addressing!r}")
+        if self.endpoint_url is not None and not self.endpoint_url.startswith(("http://", "https://")):
+            raise ConfigError(
+                f"the S3 endpoint must start with http:// or https://, got {self.endpoint_url!r}"
+            )
+
+
+@dataclass(frozen=True)
+class SourceSettings:
+    """Everything :func:`open_source` and :func:`read_range` need, grouped by concern."""
+
+    http: HttpSettings = field(default_factory=HttpSettings)
+    s3: S3Settings = field(default_factory=S3Settings)
+    retry: RetryPolicy = field(default_factory=RetryPolicy)

@@ -1,0 +1,129 @@
+"""Move bytes from a socket or file into a file at an offset without passing through user space.
+
+``os.splice`` moves pages from a socket (or a file's page cache) into a pipe and from the pipe into the
+destination file; the kernel fills the destination's tmpfs pages itself, so there are no user-space page
+faults and no copy through a Python buffer. Measured here, landing an HTTP body in a fresh /dev/shm file
+this way runs at 2.0-2.4 GiB/s against 1.6-1.8 for ``readinto`` into a fresh mmap (specs/benchmarking.md).
+
+Linux only, plain sockets only: TLS needs the bytes decrypted in user space. Each thread keeps one pipe,
+enlarged to 1 MiB when the system allows, so a 32 MiB range is about 64 system calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import select
+import threading
+
+from modelload.loader.errors import SegmentSpaceError
+
+__all__ = ["HAVE_SPLICE", "Progress", "splice_file", "splice_socket"]
+
+HAVE_SPLICE = hasattr(os, "splice") and hasattr(os, "SPLICE_F_MOVE")
+_PIPE_SIZE = 1 << 20
+_SOCKET_FLAGS = (os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK | os.SPLICE_F_MORE) if HAVE_SPLICE else 0
+
+
+class Progress:
+    """How many bytes reached the destination so far; readable after an exception interrupted a transfer."""
+
+    __slots__ = ("done",)
+
+    def __init__(self) -> None:
+        self.done = 0
+
+
+class _Pipe:
+    """One pipe, closed when its thread's local storage goes away."""
+
+    def __init__(self) -> None:
+        self.r, self.w = os.pipe()
+        self.capacity = 65536
+        set_size = getattr(fcntl, "F_SETPIPE_SZ", None)
+        if set_size is not None:
+            with contextlib.suppress(OSError):
+                self.capacity = fcntl.fcntl(self.w, set_size, _PIPE_SIZE)
+
+    def __del__(self) -> None:
+        for fd in (self.r, self.w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+_local = threading.local()
+
+
+def _pipe() -> _Pipe:
+    pipe: _Pipe | None = getattr(_local, "pipe", None)
+    if pipe is None:
+        pipe = _local.pipe = _Pipe()
+    return pipe
+
+
+def _drain(pipe: _Pipe, count: int, dst_fd: int, dst_offset: int, progress: Progress) -> None:
+    """Move ``count`` bytes that sit in the pipe into ``dst_fd`` at ``dst_offset``."""
+    while count:
+        try:
+            moved = os.splice(pipe.r, dst_fd, count, offset_dst=dst_offset, flags=os.SPLICE_F_MOVE)
+        except OSError as exc:
+            # The pipe now holds bytes that belong nowhere: replace it so the next transfer starts empty.
+            _local.pipe = None
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise SegmentSpaceError(
+                    f"no room left to write {count} bytes at offset {dst_offset} of the destination file"
+                ) from exc
+            raise
+        if moved == 0:  # pragma: no cover - a pipe with bytes in it never reads as empty
+            raise OSError(errno.EIO, "splice moved nothing out of a non-empty pipe")
+        count -= moved
+        dst_offset += moved
+        progress.done += moved
+
+
+def splice_socket(
+    sock_fd: int, count: int, dst_fd: int, dst_offset: int, *, stall_timeout: float, progress: Progress
+) -> None:
+    """Move exactly ``count`` bytes from a non-blocking socket into ``dst_fd`` at ``dst_offset``.
+
+    Raises TimeoutError when no byte arrives for ``stall_timeout`` seconds, EOFError when the peer closes
+    early, OSError for socket errors; ``progress.done`` then says how many bytes reached the file.
+    """
+    pipe = _pipe()
+    poller = select.poll()
+    poller.register(sock_fd, select.POLLIN)
+    timeout_ms = max(1, int(stall_timeout * 1000))
+    while count:
+        try:
+            got = os.splice(sock_fd, pipe.w, min(count, pipe.capacity), flags=_SOCKET_FLAGS)
+        except BlockingIOError:
+            if not poller.poll(timeout_ms):
+                raise TimeoutError(f"no bytes for {stall_timeout:g} s") from None
+            continue
+        if got == 0:
+            raise EOFError("the server closed the connection before the body was complete")
+        _drain(pipe, got, dst_fd, dst_offset, progress)
+        count -= got
+        dst_offset += got
+
+
+def splice_file(
+    src_fd: int, src_offset: int, count: int, dst_fd: int, dst_offset: int, *, progress: Progress
+) -> None:
+    """Move ``count`` bytes of file ``src_fd`` at ``src_offset`` into ``dst_fd`` at ``dst_offset``.
+
+    Raises EOFError when the source ends early (it shrank), with ``progress.done`` bytes written.
+    """
+    pipe = _pipe()
+    while count:
+        got = os.splice(
+            src_fd, pipe.w, min(count, pipe.capacity), offset_src=src_offset, flags=os.SPLICE_F_MOVE
+        )
+        if got == 0:
+            raise EOFError("the file ended before the range was complete")
+        _drain(pipe, got, dst_fd, dst_offset, progress)
+        count -= got
+        src_offset += got
+        dst_offset += got
