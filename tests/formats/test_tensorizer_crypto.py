@@ -26,7 +26,7 @@ from modelload.loader.formats.tensorizer import (
     verify,
 )
 from modelload.loader.formats.tensorizer.crypt_info import Cipher, CryptInfo
-from modelload.loader.formats.tensorizer.crypto import nonce_add
+from modelload.loader.formats.tensorizer.crypto import NonceLedger, nonce_add
 from modelload.loader.formats.tensorizer.tensor_header import HASH_SHA256, build_tensor_header
 
 KEY = bytes(range(100, 132))
@@ -113,6 +113,18 @@ def test_nonces_increase_as_192_bit_little_endian_integers() -> None:
         lib.sodium_increment(buf, ctypes.c_size_t(24))  # libsodium's own increment, as tensorizer uses
     del buf
     assert bytes(nonce) == expected
+
+
+def test_the_writer_never_reuses_a_nonce_range() -> None:
+    ledger = NonceLedger()
+    base = (10**20).to_bytes(24, "little")
+    assert ledger.claim(base, 4)
+    assert not ledger.claim(nonce_add(base, 3), 1), "overlaps the last chunk"
+    assert not ledger.claim(nonce_add(base, -2), 3), "runs into the first chunk"
+    assert ledger.claim(nonce_add(base, 4), 2) and ledger.claim(nonce_add(base, -2), 2)
+    top = (2**192 - 1).to_bytes(24, "little")
+    assert ledger.claim(top, 3), "wraps around to 0 and 1"
+    assert not ledger.claim(bytes(24), 1)
 
 
 def test_a_sequential_chunk_decrypts_as_one_box() -> None:

@@ -116,6 +116,12 @@ def test_a_file_cut_in_its_header_or_index_is_truncated(plain: Path, keep: int, 
     expect(errors.TruncatedError, match, lambda: read_index(data))
 
 
+def test_a_file_cut_inside_its_index_is_truncated_before_a_second_read(plain: Path, tmp_path: Path) -> None:
+    cut = tmp_path / "cut.tensors"
+    cut.write_bytes(plain.read_bytes()[:100])
+    expect(errors.TruncatedError, "the metadata block ends at byte", lambda: load_all(cut))
+
+
 def test_a_file_cut_inside_a_record_is_truncated(plain: Path, tmp_path: Path) -> None:
     cut = tmp_path / "cut.tensors"
     cut.write_bytes(plain.read_bytes()[:-12])  # the end marker and 4 bytes of the last tensor

@@ -13,6 +13,7 @@ a failure can only be corruption, and is reported as HashMismatchError instead o
 
 from __future__ import annotations
 
+import bisect
 from typing import TYPE_CHECKING
 
 from modelload.loader.errors import HashMismatchError, MissingKeyError, NotEncryptedError, WrongKeyError
@@ -24,7 +25,7 @@ from modelload.loader.formats.tensorizer.tensor_header import TensorHeader
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-__all__ = ["ChunkSealer", "TensorDecryptor", "decrypt_in_place", "nonce_add"]
+__all__ = ["ChunkSealer", "NonceLedger", "TensorDecryptor", "decrypt_in_place", "nonce_add"]
 
 _NONCE_SPACE = 1 << 192
 
@@ -161,3 +162,35 @@ class ChunkSealer:
         if len(self.macs) != 16 * index:
             raise AssertionError("chunks must be sealed in order")
         self.macs += _sodium.seal_in_place(view, nonce_add(self.nonce, index), self._key)
+
+
+class NonceLedger:
+    """The nonce ranges a writer has used in one file, so no (key, nonce) pair is ever used twice.
+
+    Each tensor takes a random 24-byte first nonce and the ``chunks`` nonces after it; a collision is
+    astronomically unlikely, and checked anyway, as tensorizer does. Ranges are kept sorted, so a check
+    costs a binary search, not a set entry per chunk.
+    """
+
+    __slots__ = ("_ends", "_starts")
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+
+    def claim(self, nonce: bytes, chunks: int) -> bool:
+        """Record ``chunks`` nonces from ``nonce``; False (nothing recorded) if any was used before."""
+        first = int.from_bytes(nonce, "little")
+        end = first + chunks
+        spans = [(first, end)] if end <= _NONCE_SPACE else [(first, _NONCE_SPACE), (0, end - _NONCE_SPACE)]
+        for start, stop in spans:
+            i = bisect.bisect_right(self._starts, start)
+            if i and self._ends[i - 1] > start:
+                return False
+            if i < len(self._starts) and self._starts[i] < stop:
+                return False
+        for start, stop in spans:
+            i = bisect.bisect_right(self._starts, start)
+            self._starts.insert(i, start)
+            self._ends.insert(i, stop)
+        return True

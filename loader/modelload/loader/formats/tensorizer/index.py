@@ -63,9 +63,16 @@ def read_index(
     ...     index = read_index(lambda off, n: os.pread(f.fileno(), n, off), size=os.fstat(f.fileno()).st_size)
     """
     reader = _prefix_reader(read) if isinstance(read, bytes | bytearray | memoryview) else read
-    first = bytes(reader(0, FIRST_READ))[:FIRST_READ]
+    first_length = FIRST_READ if size is None else min(FIRST_READ, size)
+    first = bytes(reader(0, first_length))[:first_length]
     header = parse_file_header(first, source=source)
     need = header.index_length
+    if size is not None and need > size:
+        raise TruncatedError(
+            f"the metadata block ends at byte {need} but the file has {size} bytes; re-upload or "
+            "re-create it",
+            source=source,
+        )
     block = first[PROLOGUE_SIZE:need]
     if len(first) < need and len(first) == FIRST_READ:
         block += bytes(reader(FIRST_READ, need - FIRST_READ))[: need - FIRST_READ]

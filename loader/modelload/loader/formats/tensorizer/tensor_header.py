@@ -135,30 +135,12 @@ def parse_tensor_header(
     ``encrypted_file`` (the index's ``encrypted``), when given, says whether a crypt_info block must be
     present.
     """
-    view = memoryview(buf)
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
     what = f"tensor header of {entry.name!r}" if entry is not None else "tensor header"
-    if len(view) < 8:
-        raise TruncatedError(f"{what}: {len(view)} bytes, less than the 8-byte size field", source=source)
-    size = int.from_bytes(view[:8], "little")
-    if size == 0:
-        raise HeaderError(
-            f"{what}: found the end-of-file marker where a tensor header should be", source=source
-        )
-    if size > len(view):
-        raise TruncatedError(
-            f"{what}: says it is {size} bytes but only {len(view)} were given", source=source
-        )
-    if size < _FIXED:
-        raise HeaderError(
-            f"{what}: a size of {size} bytes is below the smallest possible {_FIXED}", source=source
-        )
-    view = view[:size]
+    view = _sized_view(buf, what=what, source=source)
+    size = len(view)
     if long_dims is None:
         long_dims = entry is not None and any(d >= LONG_DIM for d in entry.shape)
-    cur = Cursor(view, what=what, source=source, end=size - 8)
-    cur.pos = 8
+    cur = Cursor(view, what=what, source=source, start=8, end=size - 8)
     module_idx = cur.u16("module index")
     kind_code = cur.u8("tensor type")
     if kind_code >= len(KINDS):
@@ -171,8 +153,7 @@ def parse_tensor_header(
         raise HeaderError(f"{what}: {exc}", source=source) from None
     dtype = decode_dtype(cur.take(cur.u8("dtype length"), "dtype"), what=what, source=source)
     shape = cur.dims(cur.u8("ndim"), wide=long_dims, field="dimensions")
-    section = cur.u16("hash section length")
-    hashes, value_spans = _parse_hashes(cur, section, what=what, source=source)
+    hashes, value_spans = _parse_hashes(cur, cur.u16("hash section length"), what=what, source=source)
     crypt_start = cur.pos
     (data_length,) = _I64.unpack_from(view, size - 8)
     if data_length < 0:
@@ -203,8 +184,48 @@ def parse_tensor_header(
         data_length=data_length,
         hashable=bytes(hashable),
     )
-    _check_sizes(header, what=what, source=source)
-    if encrypted_file is not None and (crypt is not None) != encrypted_file:
+    _check_consistency(header, entry, encrypted_file, what=what, source=source)
+    return header
+
+
+def _sized_view(buf: bytes | bytearray | memoryview, *, what: str, source: str | None) -> memoryview:
+    """The header's bytes, exactly as many as its size field says (the buffer may hold more)."""
+    view = memoryview(buf)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    if len(view) < 8:
+        raise TruncatedError(f"{what}: {len(view)} bytes, less than the 8-byte size field", source=source)
+    size = int.from_bytes(view[:8], "little")
+    if size == 0:
+        raise HeaderError(
+            f"{what}: found the end-of-file marker where a tensor header should be", source=source
+        )
+    if size > len(view):
+        raise TruncatedError(
+            f"{what}: says it is {size} bytes but only {len(view)} were given", source=source
+        )
+    if size < _FIXED:
+        raise HeaderError(
+            f"{what}: a size of {size} bytes is below the smallest possible {_FIXED}", source=source
+        )
+    return view[:size]
+
+
+def _check_consistency(
+    header: TensorHeader,
+    entry: TensorEntry | None,
+    encrypted_file: bool | None,
+    *,
+    what: str,
+    source: str | None,
+) -> None:
+    if header.data_length not in (header.nbytes, 0):
+        raise SizeMismatchError(
+            f"{what}: {header.data_length} data bytes for {header.dtype.name}{list(header.shape)}, "
+            f"which takes {header.nbytes}",
+            source=source,
+        )
+    if encrypted_file is not None and (header.crypt is not None) != encrypted_file:
         state = "encrypted" if encrypted_file else "not encrypted"
         raise HeaderError(
             f"{what}: the file is {state} but this header {'lacks' if encrypted_file else 'has'} a "
@@ -213,7 +234,6 @@ def parse_tensor_header(
         )
     if entry is not None:
         _check_against_entry(header, entry, what=what, source=source)
-    return header
 
 
 def _parse_hashes(
@@ -244,15 +264,6 @@ def _parse_hashes(
             source=source,
         )
     return tuple(hashes), spans
-
-
-def _check_sizes(header: TensorHeader, *, what: str, source: str | None) -> None:
-    if header.data_length not in (header.nbytes, 0):
-        raise SizeMismatchError(
-            f"{what}: {header.data_length} data bytes for {header.dtype.name}{list(header.shape)}, "
-            f"which takes {header.nbytes}",
-            source=source,
-        )
 
 
 def _check_against_entry(header: TensorHeader, entry: TensorEntry, *, what: str, source: str | None) -> None:

@@ -32,7 +32,7 @@ from typing import IO, Any
 from modelload.loader.errors import ConfigError, DuplicateNameError
 from modelload.loader.formats.tensorizer._arrays import TensorSpec, describe, flat_bytes, is_torch_tensor
 from modelload.loader.formats.tensorizer.crypt_info import NONCE_BYTES, Cipher, CryptInfo
-from modelload.loader.formats.tensorizer.crypto import ChunkSealer
+from modelload.loader.formats.tensorizer.crypto import ChunkSealer, NonceLedger
 from modelload.loader.formats.tensorizer.file_header import (
     DEFAULT_METADATA_SIZE,
     FLAG_ENCRYPTED,
@@ -84,6 +84,11 @@ class _Entry:
 class TensorizerWriter:
     """Writes a tensorizer file from numpy arrays and torch tensors.
 
+    ``file`` is a path (created or truncated) or a seekable binary file object, written from offset 0. One
+    writer is used from one thread at a time. After an error inside a ``with`` block the writer aborts and
+    the file stays unreadable; outside one, call :meth:`abort` or :meth:`close` yourself (a tensor that
+    was refused was not written, so closing keeps the ones before it).
+
     >>> with TensorizerWriter("model.tensors") as writer:                    # doctest: +SKIP
     ...     writer.write_state_dict(model.state_dict())
     >>> with TensorizerWriter("m.tensors", encryption=EncryptionParams.random()) as writer:  # doctest: +SKIP
@@ -120,7 +125,7 @@ class TensorizerWriter:
         self._names: set[str] = set()
         self._version = VERSION_ENCRYPTED if encryption is not None else VERSION_PLAIN
         self._tensor_size = 0
-        self._nonces: set[int] = set()
+        self._nonces = NonceLedger()
         self._scratch: bytearray | None = None
         self._closed = False
         self._pwrite(bytes(PROLOGUE_SIZE), 0)
@@ -357,10 +362,7 @@ class TensorizerWriter:
         """A random first nonce whose ``chunks`` consecutive nonces were never used in this file."""
         while True:
             nonce = secrets.token_bytes(NONCE_BYTES)
-            first = int.from_bytes(nonce, "little")
-            span = {(first + k) % (1 << 192) for k in range(chunks)}
-            if not span & self._nonces:
-                self._nonces |= span
+            if self._nonces.claim(nonce, chunks):
                 return nonce
 
     def _write_sealed(self, data: memoryview, at: int, hashes: RunningHashes, sealer: ChunkSealer) -> None:
