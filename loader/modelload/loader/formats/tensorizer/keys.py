@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from modelload.loader.errors import ConfigError, WrongKeyError
+from modelload.loader.errors import ConfigError, EncryptionError, WrongKeyError
 from modelload.loader.formats.tensorizer.crypt_info import (
     ALG_ARGON2ID13,
     CHUNK_QUANTUM,
@@ -70,7 +70,7 @@ def _derive(password: bytes, params: PWHashParams) -> bytes:
             KEY_BYTES, password, params.salt, params.opslimit, params.memlimit, params.alg
         )
     except (exceptions.CryptoError, ValueError, TypeError, MemoryError) as exc:
-        raise WrongKeyError(
+        raise EncryptionError(
             f"Argon2id key derivation failed (opslimit={params.opslimit}, memlimit={params.memlimit}): "
             f"{type(exc).__name__}; give the raw key instead, or more memory"
         ) from None
