@@ -17,9 +17,11 @@ from modelload.sidecar.sources import (
     Interrupt,
     InterruptedReadError,
     MemorySource,
+    ObjectInfo,
     RetryEvent,
     RetryPolicy,
     read_range,
+    stat_source,
 )
 
 from .conftest import payload
@@ -155,3 +157,37 @@ def test_zero_length_ranges_succeed_without_retries() -> None:
     data, events = _read(source, 1000, 0)
     assert data == b""
     assert events == []
+
+
+class _FlakyStat(MemorySource):
+    """A memory source whose first look-ups fail transiently."""
+
+    def __init__(self, failures: list[Exception]) -> None:
+        super().__init__(DATA)
+        self.stat_failures = failures
+        self.stat_calls = 0
+
+    def _stat(self) -> ObjectInfo:
+        self.stat_calls += 1
+        if self.stat_failures:
+            raise self.stat_failures.pop(0)
+        return super()._stat()
+
+
+def test_stat_source_retries_a_throttled_first_look_up() -> None:
+    source = _FlakyStat([InterruptedReadError("503", retry_after=0.01), InterruptedReadError("reset")])
+    events: list[RetryEvent] = []
+    info = stat_source(source, policy=FAST, on_retry=events.append)
+    assert info.size == len(DATA)
+    assert source.stat_calls == 3
+    assert [e.retry for e in events] == [1, 2]
+    assert events[0].delay >= 0.01
+
+
+def test_stat_source_gives_up_and_never_retries_permanent_errors() -> None:
+    with pytest.raises(InterruptedReadError, match="gave up looking up"):
+        stat_source(_FlakyStat([InterruptedReadError("x")] * 5), policy=FAST)
+    denied = _FlakyStat([SourceAccessDeniedError("no")])
+    with pytest.raises(SourceAccessDeniedError):
+        stat_source(denied, policy=FAST)
+    assert denied.stat_calls == 1

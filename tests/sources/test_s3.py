@@ -183,6 +183,33 @@ def test_unsigned_requests_for_private_objects_say_it_is_not_public(
         open_source(URI, _settings(moto_s3.endpoint, unsigned=True)).stat()
 
 
+def test_a_bucket_policy_granting_public_read_lets_unsigned_requests_in(
+    moto_s3: MotoS3Server, aws_env: Credentials
+) -> None:
+    bucket = "sources-s3-policy"
+    uri = moto_s3.put(bucket, "open.bin", DATA)  # a private ACL: only the policy makes it public
+    settings = _settings(moto_s3.endpoint, unsigned=True)
+    with pytest.raises(SourceAccessDeniedError):
+        open_source(uri, settings).stat()
+    statement = {
+        "Effect": "Allow",
+        "Principal": "*",
+        "Action": "s3:GetObject",
+        "Resource": f"arn:aws:s3:::{bucket}/*",
+    }
+    moto_s3.set_bucket_policy(bucket, {"Version": "2012-10-17", "Statement": [statement]})
+    with open_source(uri, settings) as source:
+        assert source.read_bytes(0, 100) == DATA[:100]
+
+
+def test_the_endpoint_can_come_from_aws_endpoint_url(
+    moto_s3: MotoS3Server, uploaded: str, aws_env: Credentials, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_s3.endpoint)
+    with open_source(URI, SourceSettings()) as source:
+        assert source.read_bytes(5, 10) == DATA[5:15]
+
+
 def test_the_endpoint_can_come_from_aws_endpoint_url_s3(
     moto_s3: MotoS3Server, uploaded: str, aws_env: Credentials, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 from modelload.loader.errors import TransientSourceError
 
-from ._base import InterruptedReadError, Source
+from ._base import InterruptedReadError, ObjectInfo, Source
 from ._settings import RetryPolicy
 
-__all__ = ["RetryEvent", "read_range", "read_range_into_fd"]
+__all__ = ["RetryEvent", "read_range", "read_range_into_fd", "stat_source"]
 
 _log = logging.getLogger("modelload.sidecar.sources")
 
@@ -90,6 +90,36 @@ def read_range_into_fd(
     _retrying(source.display_uri, offset, length, step, policy, on_retry)
 
 
+class _Budget:
+    """The retry bookkeeping of one operation: consecutive failures without progress, retries, time."""
+
+    def __init__(self, policy: RetryPolicy) -> None:
+        self.policy = policy
+        self.started = time.monotonic()
+        self.failures = 0
+        self.retries = 0
+
+    def delay_after(self, exc: TransientSourceError, *, progressed: bool) -> float | None:
+        """The delay before the next try, or None when the policy says to give up."""
+        self.failures = 0 if progressed else self.failures + 1
+        delay = _delay(self.policy, max(self.failures, 1), exc.retry_after)
+        deadline = self.policy.deadline
+        if self.failures >= self.policy.attempts or (
+            deadline is not None and self.elapsed() + delay > deadline
+        ):
+            return None
+        self.retries += 1
+        return delay
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def why(self) -> str:
+        if self.failures >= self.policy.attempts:
+            return f"{self.failures} tries without progress"
+        return f"{self.elapsed():.1f} s"
+
+
 def _retrying(
     uri: str,
     offset: int,
@@ -98,10 +128,8 @@ def _retrying(
     policy: RetryPolicy,
     on_retry: RetryCallback | None,
 ) -> None:
-    started = time.monotonic()
+    budget = _Budget(policy)
     done = 0
-    failures = 0  # consecutive failures that landed nothing
-    retries = 0
     while True:
         try:
             step(done)
@@ -110,37 +138,58 @@ def _retrying(
             landed = exc.landed if isinstance(exc, InterruptedReadError) else 0
             landed = max(0, min(landed, length - done))
             done += landed
-            failures = 0 if landed else failures + 1
             if done >= length:  # the failure came after the last byte (for example while closing)
                 return
-            delay = _delay(policy, max(failures, 1), exc.retry_after)
-            elapsed = time.monotonic() - started
-            out_of_time = policy.deadline is not None and elapsed + delay > policy.deadline
-            if failures >= policy.attempts or out_of_time:
-                why = (
-                    f"{failures} tries without progress"
-                    if failures >= policy.attempts
-                    else f"{elapsed:.1f} s"
-                )
+            delay = budget.delay_after(exc, progressed=landed > 0)
+            if delay is None:
                 raise InterruptedReadError(
-                    f"gave up reading bytes [{offset}, {offset + length}) of {uri} after {why}"
-                    f" ({retries} retries, {done} bytes read): {exc}",
+                    f"gave up reading bytes [{offset}, {offset + length}) of {uri} after {budget.why()}"
+                    f" ({budget.retries} retries, {done} bytes read): {exc}",
                     uri=uri,
                     landed=done,
                 ) from exc
-            retries += 1
-            event = RetryEvent(uri, retries, delay, exc, offset + done, landed, length - done)
+            event = RetryEvent(uri, budget.retries, delay, exc, offset + done, landed, length - done)
             _log.warning(
                 "retrying %s at offset %d in %.2f s (retry %d, %d bytes left): %s",
                 uri,
                 offset + done,
                 delay,
-                retries,
+                budget.retries,
                 length - done,
                 exc,
             )
             if on_retry is not None:
                 on_retry(event)
+            time.sleep(delay)
+
+
+def stat_source(source: Source, *, policy: RetryPolicy, on_retry: RetryCallback | None = None) -> ObjectInfo:
+    """``source.stat()``, retrying transient errors under ``policy`` (the first request of a load).
+
+    A throttled or briefly unreachable store at start-up then costs a retry, not the load. Permanent errors
+    (not found, denied) propagate at once.
+    """
+    budget = _Budget(policy)
+    while True:
+        try:
+            return source.stat()
+        except TransientSourceError as exc:
+            delay = budget.delay_after(exc, progressed=False)
+            if delay is None:
+                raise InterruptedReadError(
+                    f"gave up looking up {source.display_uri} after {budget.why()}"
+                    f" ({budget.retries} retries): {exc}",
+                    uri=source.display_uri,
+                ) from exc
+            _log.warning(
+                "retrying the look-up of %s in %.2f s (retry %d): %s",
+                source.display_uri,
+                delay,
+                budget.retries,
+                exc,
+            )
+            if on_retry is not None:
+                on_retry(RetryEvent(source.display_uri, budget.retries, delay, exc, 0, 0, 0))
             time.sleep(delay)
 
 
