@@ -1,0 +1,156 @@
+"""The operator process: kopf's handlers and the pod webhook's HTTPS server in one event loop.
+
+Start-up, in order:
+
+1. connect to the API server (the pod's service account, or ``$KUBECONFIG``);
+2. decide the sidecar mode: ``native`` (an init container with ``restartPolicy: Always``) when the setting
+   says so, or in ``auto`` mode when the API server reports 1.29 or later (SidecarContainers is beta and on
+   by default from 1.29, GA in 1.33); ``regular`` otherwise, and when the version cannot be read;
+3. TLS: read or create the CA and certificate and patch the CA into the webhook configuration
+   (self-signed), or load cert-manager's files and watch them for renewals;
+4. serve the webhook, then run kopf until SIGTERM/SIGINT (or ``stop``).
+
+The webhook reports ready (``/readyz``) once kopf's own start-up is done, so the Service sends admissions
+only to replicas that can also see ModelLoads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from modelload.operator.kube import Kube, KubeError, KubeNotFoundError, load_configuration
+from modelload.operator.settings import OperatorSettings
+from modelload.operator.tls import (
+    TlsFiles,
+    ensure_self_signed,
+    patch_ca_bundle,
+    server_context,
+    watch_and_reload,
+)
+from modelload.operator.webhook import PodWebhook, kube_lookup, serve
+
+__all__ = ["NATIVE_SIDECARS_SINCE", "RunningOperator", "native_sidecars", "run", "running"]
+
+logger = logging.getLogger(__name__)
+
+NATIVE_SIDECARS_SINCE = (1, 29)
+
+
+async def native_sidecars(kube: Kube, mode: str) -> bool:
+    """Whether to inject a native sidecar, per the setting or the API server's version."""
+    if mode != "auto":
+        return mode == "native"
+    try:
+        version = await kube.server_version()
+    except KubeError as exc:
+        logger.warning("cannot read the API server's version (%s): injecting regular containers", exc)
+        return False
+    native = version >= NATIVE_SIDECARS_SINCE
+    logger.info(
+        "API server %d.%d: injecting %s",
+        *version,
+        "native sidecars" if native else "regular sidecar containers",
+    )
+    return native
+
+
+@dataclass
+class RunningOperator:
+    webhook_port: int
+    ca_pem: bytes | None
+    native: bool
+    task: asyncio.Task[None]
+    stop: asyncio.Event
+
+    async def wait(self) -> None:
+        await self.task
+
+
+async def _tls(kube: Kube, settings: OperatorSettings) -> tuple[Any, TlsFiles, bytes | None]:
+    webhook = settings.webhook
+    if webhook.tls == "files":
+        files = TlsFiles(cert=webhook.cert_dir / "tls.crt", key=webhook.cert_dir / "tls.key")
+        ca_file = webhook.cert_dir / "ca.crt"
+        return server_context(files), files, (ca_file.read_bytes() if ca_file.is_file() else None)
+    bundle, files = await ensure_self_signed(kube, namespace=settings.namespace, webhook=webhook)
+    try:
+        await patch_ca_bundle(
+            kube,
+            configuration=webhook.configuration,
+            namespace=settings.namespace,
+            service=webhook.service,
+            ca_pem=bundle.ca_pem,
+        )
+    except KubeNotFoundError:
+        logger.warning(
+            "MutatingWebhookConfiguration %r not found: install the chart, or set --webhook-configuration",
+            webhook.configuration,
+        )
+    return server_context(files), files, bundle.ca_pem
+
+
+@contextlib.asynccontextmanager
+async def running(
+    settings: OperatorSettings,
+    *,
+    configuration: Any = None,
+    login: Any = None,
+    liveness: bool = True,
+) -> AsyncIterator[RunningOperator]:
+    """Run the operator for the duration of the block.
+
+    Tests pass an emulated API server's client ``configuration`` and kopf ``login`` handler.
+    """
+    import kopf
+
+    from modelload.operator.handlers import build_registry
+
+    kube = Kube(configuration if configuration is not None else load_configuration())
+    stop = asyncio.Event()
+    ready = asyncio.Event()
+    try:
+        native = await native_sidecars(kube, settings.sidecar.mode)
+        context, files, ca_pem = await _tls(kube, settings)
+        reloader = asyncio.create_task(watch_and_reload(context, files), name="modelload-tls-reload")
+        webhook = PodWebhook(lookup=kube_lookup(kube), sidecar=settings.sidecar, native=native)
+        registry = build_registry(settings=settings, kube=kube, login=login)
+        hook = settings.webhook
+        async with serve(
+            webhook, host=hook.host, port=hook.port, path=hook.path, ssl_context=context, ready=ready.is_set
+        ) as port:
+            task = asyncio.create_task(
+                kopf.operator(
+                    registry=registry,
+                    standalone=True,
+                    clusterwide=not settings.watch_namespaces,
+                    namespaces=settings.watch_namespaces,
+                    stop_flag=stop,
+                    ready_flag=ready,
+                    liveness_endpoint=f"http://0.0.0.0:{settings.liveness_port}/healthz"
+                    if liveness
+                    else None,
+                ),
+                name="modelload-kopf",
+            )
+            try:
+                yield RunningOperator(webhook_port=port, ca_pem=ca_pem, native=native, task=task, stop=stop)
+            finally:
+                stop.set()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                reloader.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reloader
+    finally:
+        await kube.close()
+
+
+async def run(settings: OperatorSettings) -> None:
+    """Run until kopf stops (SIGTERM/SIGINT)."""
+    async with running(settings) as operator:
+        await operator.wait()

@@ -1,0 +1,198 @@
+"""The kopf handlers: resolve ModelLoads, and fold their pods' states into their status.
+
+:func:`build_registry` returns a fresh ``kopf.OperatorRegistry`` (never kopf's global one), so a test can run
+the real handlers against an emulated API server in its own event loop, and two registries never mix.
+
+* ``resolve`` (create, spec update, resume): :mod:`modelload.operator.resolve` does the work; this module
+  turns its outcome into the status patch, an Event, and kopf's retry decision (``TemporaryError(delay=)``
+  or ``PermanentError``).
+* Two in-memory indices: ModelLoads by the label value that selects their pods, and each labelled pod's
+  load state (:mod:`modelload.operator.pods`). kopf updates an index before it calls handlers for the same
+  event, so a pod event handler sees the pod's new state.
+* A pod event (any change, including deletion) recomputes its ModelLoad's ``status.pods`` and patches it
+  when it changed. Pods are never written to, and get no finalizers.
+
+No handler needs a finalizer on ModelLoads: deleting one releases nothing outside it (running pods keep
+their sidecar; new pods are refused by the webhook), so deletion is immediate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import kopf
+
+from modelload.operator.conditions import now_rfc3339
+from modelload.operator.kube import Kube, KubeNotFoundError
+from modelload.operator.pods import PodLoad, aggregate, classify
+from modelload.operator.resolve import classify_failure, failure_status, resolve, success_status
+from modelload.operator.resource import label_value
+from modelload.operator.schema import GROUP, MODEL_LABEL, PLURAL, VERSION, PodsStatus, parse_spec
+from modelload.operator.settings import OperatorSettings
+
+__all__ = ["PodAggregator", "build_registry", "configure_kopf"]
+
+logger = logging.getLogger(__name__)
+ANNOTATION_PREFIX = "kopf.modelload.dev"
+
+LoginFn = Callable[..., Any]
+
+
+def configure_kopf(settings: kopf.OperatorSettings) -> None:
+    """kopf's own settings: standalone, no cluster scanning, our annotation prefix, short watch timeouts."""
+    settings.peering.standalone = True  # every replica serves; handlers are idempotent status writers
+    settings.scanning.disabled = True  # no list/watch of CRDs and namespaces: RBAC stays minimal
+    settings.persistence.finalizer = f"{GROUP}/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
+    )
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+
+
+def pods_body(status: PodsStatus) -> dict[str, Any]:
+    """``status.pods`` as a merge patch: every field present, None deleting a stale value."""
+    return {
+        "injected": status.injected,
+        "loading": status.loading,
+        "ready": status.ready,
+        "failed": status.failed,
+        "lastLoadSeconds": status.last_load_seconds,
+        "medianLoadSeconds": status.median_load_seconds,
+        "lastThroughputBytesPerSecond": status.last_throughput_bytes_per_second,
+    }
+
+
+class PodAggregator:
+    """Writes ``status.pods`` of one ModelLoad at a time, only when it changed.
+
+    A lock per ModelLoad makes each computation read the index after the previous write, so two pods'
+    events cannot land an older sum after a newer one.
+    """
+
+    def __init__(self, kube: Kube) -> None:
+        self._kube = kube
+        self._locks: collections.defaultdict[tuple[str, str], asyncio.Lock] = collections.defaultdict(
+            asyncio.Lock
+        )
+        self._written: dict[tuple[str, str], dict[str, Any]] = {}
+
+    async def refresh(
+        self,
+        namespace: str,
+        name: str,
+        loads: Callable[[], Iterable[PodLoad]],
+        *,
+        model_bytes: int | None,
+        force: bool = False,
+    ) -> None:
+        key = (namespace, name)
+        async with self._locks[key]:
+            body = pods_body(aggregate(loads(), model_bytes=model_bytes))
+            if not force and self._written.get(key) == body:
+                return
+            try:
+                await self._kube.patch_modelload_status(namespace, name, {"pods": body})
+            except KubeNotFoundError:
+                self._written.pop(key, None)  # deleted meanwhile: nothing to report to
+                return
+            self._written[key] = body
+
+
+def build_registry(
+    *, settings: OperatorSettings, kube: Kube, login: LoginFn | None = None
+) -> kopf.OperatorRegistry:
+    """The operator's handlers on a new registry. ``login`` replaces kopf's client-based login (tests)."""
+    registry = kopf.OperatorRegistry()
+    aggregator = PodAggregator(kube)
+    sizing = settings.sidecar.sizing
+
+    @kopf.on.startup(registry=registry)
+    def _configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        configure_kopf(settings)
+
+    @kopf.on.login(registry=registry)
+    def _login(**kwargs: Any) -> Any:
+        return login(**kwargs) if login is not None else kopf.login_via_client(**kwargs)
+
+    @kopf.index(GROUP, VERSION, PLURAL, id="modelloads_by_label", registry=registry)
+    def modelloads_by_label(
+        *, namespace: str | None, name: str, body: kopf.Body, status: kopf.Status, **_: Any
+    ) -> Any:
+        nbytes = status.get("bytes")
+        return {(namespace, label_value(body)): (name, nbytes if isinstance(nbytes, int) else None)}
+
+    @kopf.index("v1", "pods", id="pod_loads", labels={MODEL_LABEL: kopf.PRESENT}, registry=registry)
+    def pod_loads(*, namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> Any:
+        load = classify(body)
+        return None if load is None else {(namespace, labels[MODEL_LABEL]): load}
+
+    @kopf.on.resume(GROUP, VERSION, PLURAL, id="resolve", registry=registry)
+    @kopf.on.create(GROUP, VERSION, PLURAL, id="resolve", registry=registry)
+    @kopf.on.update(GROUP, VERSION, PLURAL, id="resolve", field="spec", registry=registry)
+    async def resolve_model(
+        *,
+        body: kopf.Body,
+        meta: kopf.Meta,
+        status: kopf.Status,
+        namespace: str | None,
+        name: str,
+        patch: kopf.Patch,
+        retry: int,
+        **kwargs: Any,
+    ) -> None:
+        namespace = namespace or "default"
+        pod_loads = kwargs["pod_loads"]
+        generation = meta.get("generation")
+        conditions = status.get("conditions")
+        now = now_rfc3339()
+        try:
+            spec = parse_spec(body.get("spec"))
+            resolution = await resolve(kube=kube, namespace=namespace, spec=spec, sizing=sizing)
+        except Exception as exc:
+            failure = classify_failure(exc, retry=retry)
+            if failure is None:
+                raise
+            keep = isinstance(status.get("bytes"), int) and status.get("observedGeneration") == generation
+            for key, value in failure_status(
+                failure, generation=generation, conditions=conditions, keep_resolved=keep, now=now
+            ).items():
+                patch.status[key] = value
+            kopf.warn(body, reason=failure.reason, message=failure.message)
+            if failure.retry_after is None:
+                raise kopf.PermanentError(f"{failure.reason}: {failure.message}") from None
+            raise kopf.TemporaryError(
+                f"{failure.reason}: {failure.message}", delay=failure.retry_after
+            ) from None
+        new_status = success_status(resolution, generation=generation, conditions=conditions, now=now)
+        for key, value in new_status.items():
+            patch.status[key] = value
+        kopf.info(body, reason="Resolved", message=new_status["conditions"][-1]["message"])
+        selector = (namespace, label_value(body))
+        await aggregator.refresh(
+            namespace,
+            name,
+            lambda: pod_loads.get(selector, []),
+            model_bytes=resolution.summary.bytes,
+            force=True,
+        )
+
+    @kopf.on.event("v1", "pods", id="pod_changed", labels={MODEL_LABEL: kopf.PRESENT}, registry=registry)
+    async def pod_changed(*, namespace: str | None, labels: Mapping[str, str], **kwargs: Any) -> None:
+        namespace = namespace or "default"
+        pod_loads, modelloads_by_label = kwargs["pod_loads"], kwargs["modelloads_by_label"]
+        selector = (namespace, str(labels.get(MODEL_LABEL)))
+        owners = list(modelloads_by_label.get(selector, []))
+        if len(owners) != 1:
+            return  # no ModelLoad (the webhook refused such pods), or an ambiguous label: nothing to report
+        name, model_bytes = owners[0]
+        await aggregator.refresh(
+            namespace, name, lambda: pod_loads.get(selector, []), model_bytes=model_bytes
+        )
+
+    return registry

@@ -1,0 +1,320 @@
+"""The pod mutation: a JSON patch that adds the loader sidecar, its memory volume, mounts and environment.
+
+Pure: a pod and a resolved ModelLoad in, RFC 6902 operations out. The webhook never returns a whole pod,
+because a full replacement drops fields that the webhook's own libraries do not know (the failure that
+strips ``restartPolicy`` from native sidecars, KEP-753's first rollout hazard).
+
+What a pod gets (the pod-wiring contract in the team's CONTRACTS.md):
+
+* volume ``modelload``: ``emptyDir{medium: Memory, sizeLimit}`` sized from the model (:mod:`sizing`);
+* the sidecar ``modelload``: an init container with ``restartPolicy: Always`` (a native sidecar) or, where
+  the cluster lacks them, a regular container that never exits; probes on /startupz, /readyz, /healthz;
+  its port is not declared (KNative allows one port across all containers);
+* S3 credentials as the sidecar's env from the Secret (``secretKeyRef``), the decryption key or password as
+  a file mounted in the sidecar only: no other container can read them;
+* target containers (all of them, or those the pod's ``modelload.dev/containers`` annotation or the spec
+  names) get the volume at /run/modelload and ``MODELLOAD_SEGMENT``/``_NOTIFY``/``_STATUS_URL``.
+
+Idempotent: a pod that already has the sidecar gets only what its target containers still lack (empty for
+a pod sent twice; the missing pieces for containers another webhook added when the API server re-invokes
+this one under ``reinvocationPolicy: IfNeeded``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from modelload.operator.quantity import parse_size
+from modelload.operator.resource import ResolvedModel
+from modelload.operator.schema import MODEL_LABEL
+from modelload.operator.settings import SidecarSettings
+from modelload.operator.sizing import plan_sizing
+
+__all__ = [
+    "CONTAINERS_ANNOTATION",
+    "INJECTED_ANNOTATION",
+    "SIDECAR_NAME",
+    "InjectionError",
+    "build_patch",
+    "has_sidecar",
+    "pointer",
+]
+
+SIDECAR_NAME = "modelload"
+VOLUME_NAME = "modelload"
+KEY_VOLUME = "modelload-key"
+PASSWORD_VOLUME = "modelload-password"  # noqa: S105 - a volume name
+MOUNT_PATH = "/run/modelload"
+SEGMENT_PATH = f"{MOUNT_PATH}/model.seg"
+NOTIFY_ENDPOINT = f"ipc://{MOUNT_PATH}/notify.sock"
+KEY_DIR = "/var/run/secrets/modelload/key"
+PASSWORD_DIR = "/var/run/secrets/modelload/password"  # noqa: S105 - a path
+CONTAINERS_ANNOTATION = "modelload.dev/containers"
+INJECTED_ANNOTATION = "modelload.dev/injected"
+MODE_ANNOTATION = "modelload.dev/sidecar-mode"
+SECRET_FILE_MODE = 0o444
+"""World-readable inside the one container that mounts it: the sidecar runs as a non-root user that does
+not own the files, and no other container mounts the volume."""
+
+Op = dict[str, Any]
+
+
+class InjectionError(Exception):
+    """The pod cannot be given the model as asked (a bad annotation, a name clash); the message says why."""
+
+
+def pointer(*parts: str | int) -> str:
+    """A JSON pointer (RFC 6901) with ``~`` and ``/`` escaped in each part."""
+    return "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in parts)
+
+
+def has_sidecar(pod: Mapping[str, Any]) -> bool:
+    spec = pod.get("spec") or {}
+    containers = list(spec.get("containers") or []) + list(spec.get("initContainers") or [])
+    return any(c.get("name") == SIDECAR_NAME for c in containers)
+
+
+def build_patch(
+    *, pod: Mapping[str, Any], model: ResolvedModel, sidecar: SidecarSettings, native: bool
+) -> list[Op]:
+    """The JSON patch that gives ``pod`` the model; ``[]`` when it already has everything.
+
+    Raises :class:`InjectionError` for a pod that cannot be injected as asked, and
+    :class:`~modelload.loader.errors.ConfigError` when the model's overrides cannot hold it.
+    """
+    spec = pod.get("spec") or {}
+    containers: list[Mapping[str, Any]] = list(spec.get("containers") or [])
+    targets = _target_indices(pod, containers, model)
+    _check_clashes(spec, containers, targets)
+    ops: list[Op] = []
+    if not has_sidecar(pod):
+        sizing = plan_sizing(
+            model_bytes=model.bytes, tensors=model.tensors, spec=model.spec, defaults=sidecar.sizing
+        )
+        ops += _append(("spec", "volumes"), spec.get("volumes"), _volumes(model, sizing.volume_size_limit))
+        container = _sidecar_container(model, sidecar, sizing.resources, native=native)
+        where = ("spec", "initContainers") if native else ("spec", "containers")
+        ops += _append(where, spec.get(where[1]), [container])
+        ops += _annotations(pod, {INJECTED_ANNOTATION: model.name, MODE_ANNOTATION: _mode(native)})
+    for index in targets:
+        ops += _wire_target(index, containers[index])
+    return ops
+
+
+def _mode(native: bool) -> str:
+    return "native" if native else "regular"
+
+
+# --- what goes where ---------------------------------------------------------------------------------------
+
+
+def _append(path: Sequence[str | int], existing: Any, items: Sequence[Any]) -> list[Op]:
+    """Add ``items`` to the array at ``path``: one ``add`` of a new array, or ``/-`` adds to an existing."""
+    if not items:
+        return []
+    if existing is None:
+        return [{"op": "add", "path": pointer(*path), "value": list(items)}]
+    return [{"op": "add", "path": pointer(*path, "-"), "value": item} for item in items]
+
+
+def _annotations(pod: Mapping[str, Any], values: Mapping[str, str]) -> list[Op]:
+    existing = (pod.get("metadata") or {}).get("annotations")
+    if existing is None:
+        return [{"op": "add", "path": pointer("metadata", "annotations"), "value": dict(values)}]
+    return [
+        {"op": "add", "path": pointer("metadata", "annotations", k), "value": v} for k, v in values.items()
+    ]
+
+
+def _volumes(model: ResolvedModel, size_limit: str) -> list[dict[str, Any]]:
+    volumes: list[dict[str, Any]] = [
+        {"name": VOLUME_NAME, "emptyDir": {"medium": "Memory", "sizeLimit": size_limit}}
+    ]
+    key_ref = model.spec.decryption_key_secret_ref
+    if key_ref is not None:
+        volumes.append(_secret_volume(KEY_VOLUME, key_ref.name, key_ref.key))
+    password_ref = model.spec.password_secret_ref
+    if password_ref is not None:
+        volumes.append(_secret_volume(PASSWORD_VOLUME, password_ref.name, password_ref.key))
+    return volumes
+
+
+def _secret_volume(name: str, secret: str, key: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "secret": {
+            "secretName": secret,
+            "items": [{"key": key, "path": key}],
+            "defaultMode": SECRET_FILE_MODE,
+        },
+    }
+
+
+def _sidecar_container(
+    model: ResolvedModel, sidecar: SidecarSettings, resources: Mapping[str, Any], *, native: bool
+) -> dict[str, Any]:
+    options = model.spec.sidecar
+    mounts: list[dict[str, Any]] = [{"name": VOLUME_NAME, "mountPath": MOUNT_PATH}]
+    if model.spec.decryption_key_secret_ref is not None:
+        mounts.append({"name": KEY_VOLUME, "mountPath": KEY_DIR, "readOnly": True})
+    if model.spec.password_secret_ref is not None:
+        mounts.append({"name": PASSWORD_VOLUME, "mountPath": PASSWORD_DIR, "readOnly": True})
+    probe = {"port": sidecar.port, "scheme": "HTTP"}
+    container: dict[str, Any] = {
+        "name": SIDECAR_NAME,
+        "image": (options.image if options and options.image else None) or sidecar.image,
+        "imagePullPolicy": (options.image_pull_policy if options else None) or sidecar.image_pull_policy,
+        "command": ["modelload", "sidecar"],
+        "env": sidecar_env(model, port=sidecar.port),
+        "resources": {k: dict(v) for k, v in resources.items()},
+        "volumeMounts": mounts,
+        # Passes once the segment header and manifest are published: a native sidecar then lets the app
+        # start while the weights stream. 600 tries a second cover a slow first byte from object storage.
+        "startupProbe": {
+            "httpGet": {"path": "/startupz", **probe},
+            "periodSeconds": 1,
+            "failureThreshold": 600,
+        },
+        "readinessProbe": {
+            "httpGet": {"path": "/readyz", **probe},
+            "periodSeconds": 2,
+            "failureThreshold": 1,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/healthz", **probe},
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 3,
+        },
+        "securityContext": {
+            "runAsNonRoot": True,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    if native:
+        container["restartPolicy"] = "Always"
+    return container
+
+
+def sidecar_env(model: ResolvedModel, *, port: int) -> list[dict[str, Any]]:
+    """The sidecar's configuration (CONTRACTS.md's MODELLOAD_* variables) and credential references."""
+    spec = model.spec
+    env: list[dict[str, Any]] = [
+        {"name": "MODELLOAD_SOURCE", "value": spec.source},
+        {"name": "MODELLOAD_SEGMENT", "value": SEGMENT_PATH},
+        {"name": "MODELLOAD_NOTIFY", "value": NOTIFY_ENDPOINT},
+        {"name": "MODELLOAD_FORMAT", "value": spec.format},
+        {"name": "MODELLOAD_READERS", "value": str(spec.readers)},
+        {"name": "MODELLOAD_CHUNK_SIZE", "value": str(parse_size(spec.chunk_size))},
+        {"name": "MODELLOAD_VERIFY", "value": "true" if spec.verify_hashes else "false"},
+        {"name": "MODELLOAD_PORT", "value": str(port)},
+        {"name": "MODELLOAD_HOST", "value": "0.0.0.0"},  # noqa: S104 - kubelet probes come from outside the pod
+    ]
+    if spec.priority:
+        env.append({"name": "MODELLOAD_PRIORITY", "value": ",".join(spec.priority)})
+    s3 = spec.s3
+    if s3 is not None:
+        if s3.endpoint:
+            env.append({"name": "MODELLOAD_S3_ENDPOINT", "value": s3.endpoint})
+        if s3.region:
+            env.append({"name": "MODELLOAD_S3_REGION", "value": s3.region})
+        if s3.addressing != "auto":
+            env.append({"name": "MODELLOAD_S3_ADDRESSING", "value": s3.addressing})
+        if s3.unsigned:
+            env.append({"name": "MODELLOAD_S3_UNSIGNED", "value": "true"})
+    creds = spec.credentials_secret_ref
+    if creds is not None and not (s3 is not None and s3.unsigned):
+        env += [
+            _secret_env("AWS_ACCESS_KEY_ID", creds.name, creds.access_key_id_key, optional=False),
+            _secret_env("AWS_SECRET_ACCESS_KEY", creds.name, creds.secret_access_key_key, optional=False),
+            _secret_env("AWS_SESSION_TOKEN", creds.name, creds.session_token_key, optional=True),
+        ]
+    if spec.decryption_key_secret_ref is not None:
+        env.append({"name": "MODELLOAD_KEY_FILE", "value": f"{KEY_DIR}/{spec.decryption_key_secret_ref.key}"})
+    if spec.password_secret_ref is not None:
+        path = f"{PASSWORD_DIR}/{spec.password_secret_ref.key}"
+        env.append({"name": "MODELLOAD_PASSWORD_FILE", "value": path})
+    return env
+
+
+def _secret_env(name: str, secret: str, key: str, *, optional: bool) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key, "optional": optional}}}
+
+
+def target_env(port: int = 8479) -> list[dict[str, str]]:
+    """What the loader library in an inference container reads (CONTRACTS.md, pod wiring)."""
+    return [
+        {"name": "MODELLOAD_SEGMENT", "value": SEGMENT_PATH},
+        {"name": "MODELLOAD_NOTIFY", "value": NOTIFY_ENDPOINT},
+        {"name": "MODELLOAD_STATUS_URL", "value": f"http://127.0.0.1:{port}"},
+    ]
+
+
+def _wire_target(index: int, container: Mapping[str, Any]) -> list[Op]:
+    mounts = container.get("volumeMounts")
+    ops: list[Op] = []
+    if not any(m.get("name") == VOLUME_NAME for m in mounts or ()):
+        ops += _append(
+            ("spec", "containers", index, "volumeMounts"),
+            mounts,
+            [{"name": VOLUME_NAME, "mountPath": MOUNT_PATH}],
+        )
+    env = container.get("env")
+    defined = {e.get("name") for e in env or ()}
+    ops += _append(
+        ("spec", "containers", index, "env"), env, [e for e in target_env() if e["name"] not in defined]
+    )
+    return ops
+
+
+# --- which containers, and what could clash ----------------------------------------------------------------
+
+
+def _target_indices(
+    pod: Mapping[str, Any], containers: Sequence[Mapping[str, Any]], model: ResolvedModel
+) -> list[int]:
+    names = [str(c.get("name")) for c in containers]
+    annotation = ((pod.get("metadata") or {}).get("annotations") or {}).get(CONTAINERS_ANNOTATION)
+    if annotation is not None:
+        wanted = [n.strip() for n in str(annotation).split(",") if n.strip()]
+        origin = f"the pod's annotation {CONTAINERS_ANNOTATION}"
+    else:
+        wanted = list(model.spec.containers)
+        origin = f"ModelLoad {model.name!r} spec.containers"
+    if not wanted:
+        return [i for i, n in enumerate(names) if n != SIDECAR_NAME]
+    missing = [n for n in wanted if n not in names]
+    if missing:
+        raise InjectionError(
+            f"{origin} names container(s) {', '.join(missing)} that the pod does not have "
+            f"(it has: {', '.join(names) or 'none'})"
+        )
+    return [i for i, n in enumerate(names) if n in wanted and n != SIDECAR_NAME]
+
+
+def _check_clashes(
+    spec: Mapping[str, Any], containers: Sequence[Mapping[str, Any]], targets: Sequence[int]
+) -> None:
+    for volume in spec.get("volumes") or ():
+        if volume.get("name") == VOLUME_NAME and (volume.get("emptyDir") or {}).get("medium") != "Memory":
+            raise InjectionError(
+                f"the pod already has a volume named {VOLUME_NAME!r} that is not a memory emptyDir; rename it"
+            )
+    for index in targets:
+        container = containers[index]
+        for mount in container.get("volumeMounts") or ():
+            if mount.get("mountPath") == MOUNT_PATH and mount.get("name") != VOLUME_NAME:
+                raise InjectionError(
+                    f"container {container.get('name')!r} already mounts {mount.get('name')!r} at "
+                    f"{MOUNT_PATH}, where the model's volume goes; move that mount"
+                )
+
+
+def model_label(pod: Mapping[str, Any]) -> str | None:
+    value = ((pod.get("metadata") or {}).get("labels") or {}).get(MODEL_LABEL)
+    return str(value) if value else None

@@ -1,0 +1,106 @@
+"""The one place the operator reads a model: the sidecar's sources layer plus the loader's index readers.
+
+The operator needs a model's size before any pod asks for it (the webhook sizes the memory volume and the
+sidecar's memory from it), so it reads the index once: a ``stat`` and the first bytes of the file (the
+tensorizer metadata block or the safetensors header; usually one request). Everything that ties the operator
+to those two layers' APIs is in this module, so aligning with a change there is a change here only.
+
+Credentials come from the ModelLoad's Secret, read through the Kubernetes API, and are handed to the source
+as explicit settings: the operator's own environment is never changed (it serves many namespaces at once,
+each with its own Secret). The call is blocking; the handlers run it in a thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from modelload.loader.formats import read_index
+from modelload.operator.schema import ModelLoadSpec
+
+__all__ = ["ModelSummary", "S3Credentials", "read_summary"]
+
+
+@dataclass(frozen=True)
+class S3Credentials:
+    """An access key pair from a Secret. The secret parts are left out of ``repr`` (and so of logs)."""
+
+    access_key_id: str
+    secret_access_key: str = field(repr=False)
+    session_token: str | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class ModelSummary:
+    """What the status reports about a model file."""
+
+    format: str
+    format_version: int
+    tensors: int
+    bytes: int
+    """Bytes of all tensors in memory (what the segment must hold, before alignment)."""
+    file_bytes: int
+    encrypted: bool
+
+
+def read_summary(spec: ModelLoadSpec, *, credentials: S3Credentials | None) -> ModelSummary:
+    """Read the model's index at ``spec.source`` and summarise it.
+
+    Raises the loader's error tree: ConfigError (a bad URI or setting), the SourceError branches (not found,
+    access denied, transient), FormatError (not a model file, or a corrupt one).
+    """
+    from modelload.sidecar.sources import open_source
+
+    settings = _source_settings(spec)
+    source = open_source(spec.source, settings)
+    try:
+        if credentials is not None:
+            _use_credentials(source, credentials)
+        size = source.stat().size
+        index = read_index(
+            source.read_bytes, format=_format(spec.format), source=source.display_uri, size=size
+        )
+    finally:
+        source.close()
+    return ModelSummary(
+        format=index.format,
+        format_version=index.version,
+        tensors=len(index.tensors),
+        bytes=index.nbytes,
+        file_bytes=size,
+        encrypted=index.encrypted,
+    )
+
+
+def _format(name: str) -> Any:
+    return name  # one of auto/tensorizer/safetensors: the schema's enum is the loader's list
+
+
+def _source_settings(spec: ModelLoadSpec) -> Any:
+    from modelload.sidecar.sources import RetryPolicy, S3Settings, SourceSettings
+
+    s3 = spec.s3
+    s3_settings = S3Settings(
+        endpoint_url=s3.endpoint if s3 else None,
+        region=s3.region if s3 else None,
+        addressing=s3.addressing if s3 else "auto",  # type: ignore[arg-type]
+        unsigned=s3.unsigned if s3 else False,
+    )
+    # One quick try per read: the handler's own retry (with kopf's backoff) covers transient errors, and a
+    # handler must not sit in a thread for a minute of in-source backoff.
+    retry = RetryPolicy(attempts=2, initial_backoff=0.2, max_backoff=1.0, deadline=30.0)
+    return SourceSettings(s3=s3_settings, retry=retry)
+
+
+def _use_credentials(source: Any, credentials: S3Credentials) -> None:
+    """Give an S3 source the Secret's keys instead of botocore's chain.
+
+    Stopgap until ``S3Settings`` takes explicit credentials: it sets them on the source's botocore session
+    before its first request, which is what an explicit setting would do.
+    """
+    session = getattr(source, "_session", None)
+    if session is None:
+        return  # not an S3 source: HTTP and file sources take no S3 keys
+    session.set_credentials(
+        credentials.access_key_id, credentials.secret_access_key, credentials.session_token
+    )

@@ -1,0 +1,129 @@
+"""What a pod's own status says about its model load, and the sum over a model's pods.
+
+The operator learns about loads from the pods alone: the kubelet records the sidecar's state, readiness and
+start time, and the pod's Ready condition. The sidecar needs no RBAC and the operator opens no connection to
+pods (NetworkPolicies often forbid one). A native sidecar reports in ``initContainerStatuses``, a regular one
+in ``containerStatuses``; both are read.
+
+Load time is measured from the sidecar container's start to the pod's Ready transition. With a native
+sidecar the pod is Ready only once the sidecar's readiness (every tensor in) and the app's are true, so this
+is the time until the pod could serve with the model loaded: an upper bound of the sidecar's own load time
+(the sidecar's /status has the exact figure).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal
+
+from modelload.operator.schema import PodsStatus
+
+__all__ = ["PodLoad", "aggregate", "classify"]
+
+SIDECAR_NAME = "modelload"
+FAILED_WAITING_REASONS = frozenset(
+    {
+        "CrashLoopBackOff",
+        "ErrImagePull",
+        "ImagePullBackOff",
+        "InvalidImageName",
+        "CreateContainerConfigError",
+        "CreateContainerError",
+        "RunContainerError",
+    }
+)
+
+State = Literal["pending", "loading", "ready", "failed"]
+
+
+@dataclass(frozen=True)
+class PodLoad:
+    """One injected pod's load, as far as its status tells."""
+
+    state: State
+    load_seconds: float | None = None
+    ready_at: str | None = None
+    """The pod's Ready transition time (RFC 3339), to find the most recent load."""
+
+
+def classify(pod: Mapping[str, Any]) -> PodLoad | None:
+    """The load state of an injected pod, or None for a pod without the sidecar, terminating, or done."""
+    meta = pod.get("metadata") or {}
+    spec = pod.get("spec") or {}
+    status = pod.get("status") or {}
+    declared = list(spec.get("initContainers") or []) + list(spec.get("containers") or [])
+    if not any(c.get("name") == SIDECAR_NAME for c in declared):
+        return None
+    if meta.get("deletionTimestamp") or status.get("phase") == "Succeeded":
+        return None
+    if status.get("phase") == "Failed":
+        return PodLoad("failed")
+    sidecar = _sidecar_status(status)
+    if sidecar is None:
+        return PodLoad("pending")
+    state = sidecar.get("state") or {}
+    waiting = state.get("waiting") or {}
+    if waiting.get("reason") in FAILED_WAITING_REASONS or "terminated" in state:
+        return PodLoad("failed")
+    if sidecar.get("ready"):
+        ready_at = _ready_transition(status)
+        started = (state.get("running") or {}).get("startedAt")
+        return PodLoad("ready", load_seconds=_seconds_between(started, ready_at), ready_at=ready_at)
+    if "running" in state:
+        return PodLoad("loading")
+    return PodLoad("pending")
+
+
+def _sidecar_status(status: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    for key in ("initContainerStatuses", "containerStatuses"):
+        for entry in status.get(key) or ():
+            if entry.get("name") == SIDECAR_NAME:
+                return entry
+    return None
+
+
+def _ready_transition(status: Mapping[str, Any]) -> str | None:
+    for condition in status.get("conditions") or ():
+        if condition.get("type") == "Ready" and condition.get("status") == "True":
+            value = condition.get("lastTransitionTime")
+            return str(value) if value else None
+    return None
+
+
+def _parse_time(value: str) -> datetime:
+    return datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+def _seconds_between(start: str | None, end: str | None) -> float | None:
+    if not start or not end:
+        return None
+    try:
+        seconds = (_parse_time(end) - _parse_time(start)).total_seconds()
+    except ValueError:
+        return None
+    return round(seconds, 3) if seconds >= 0 else None
+
+
+def aggregate(loads: Iterable[PodLoad], *, model_bytes: int | None) -> PodsStatus:
+    """The ``status.pods`` of a ModelLoad from its pods' loads."""
+    items = list(loads)
+    counts = {state: sum(1 for p in items if p.state == state) for state in ("loading", "ready", "failed")}
+    timed = [p for p in items if p.state == "ready" and p.load_seconds is not None and p.ready_at]
+    last = max(timed, key=lambda p: _parse_time(p.ready_at or ""), default=None)
+    last_seconds = last.load_seconds if last is not None else None
+    median = round(statistics.median(p.load_seconds or 0.0 for p in timed), 3) if timed else None
+    throughput = None
+    if last_seconds and model_bytes:
+        throughput = int(model_bytes / last_seconds)
+    return PodsStatus(
+        injected=len(items),
+        loading=counts["loading"],
+        ready=counts["ready"],
+        failed=counts["failed"],
+        last_load_seconds=last_seconds,
+        median_load_seconds=median,
+        last_throughput_bytes_per_second=throughput,
+    )

@@ -1,0 +1,298 @@
+"""Resolving a ModelLoad: check its spec and Secrets, read its model's index, and say what happened.
+
+:func:`resolve` does the work; :func:`classify_failure` sorts every way it can fail by what happens next,
+which the handler turns into a condition, an Event and kopf's retry decision:
+
+==================  ========  =======================================================================
+reason              phase     next
+==================  ========  =======================================================================
+BadSpec/BadSource   Failed    stop (kopf.PermanentError): only a spec change re-runs the handler
+BadModel            Failed    stop: the file is not a model, or is corrupt; upload it again
+MissingKey, BadKey  Failed    stop: the file is encrypted and no (or a wrong-sized) key is referenced
+NotEncrypted        Failed    stop: a key is referenced for a file that is not encrypted
+SecretNotFound,     Failed    retry every minute: the fix (creating the Secret, adding a key) happens
+SecretKeyMissing              outside this resource, so a permanent stop would never notice it
+SourceNotFound,     Failed    retry every two minutes: the object may still be uploading, the policy
+AccessDenied                  may still be changing
+Forbidden           Failed    retry every minute: the operator's RBAC lacks a rule (a chart problem)
+SourceUnreadable    Retrying  retry with backoff (5 s doubling to 5 min, or the source's Retry-After)
+APIUnavailable      Retrying  the same backoff
+==================  ========  =======================================================================
+
+Messages never carry credentials, keys or query strings: the sources layer names objects by their
+``display_uri`` and the Secret's values never leave :func:`read_credentials`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from modelload.loader.errors import (
+    ConfigError,
+    FormatError,
+    ModelloadError,
+    RangeNotSupportedError,
+    SourceAccessDeniedError,
+    SourceChangedError,
+    SourceNotFoundError,
+    TransientSourceError,
+)
+from modelload.operator.conditions import set_condition
+from modelload.operator.kube import (
+    Kube,
+    KubeError,
+    KubeForbiddenError,
+    KubeNotFoundError,
+    KubeUnavailableError,
+)
+from modelload.operator.model_source import ModelSummary, S3Credentials, read_summary
+from modelload.operator.quantity import humanize_bytes
+from modelload.operator.schema import ModelLoadSpec
+from modelload.operator.sizing import Sizing, SizingDefaults, plan_sizing
+
+__all__ = [
+    "Failure",
+    "Resolution",
+    "SecretProblemError",
+    "classify_failure",
+    "failure_status",
+    "resolve",
+    "success_status",
+]
+
+KEY_BYTES = 32
+
+
+class SecretProblemError(Exception):
+    """A referenced Secret is missing, lacks a key, or holds a value of the wrong shape."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        self.reason = reason
+        super().__init__(message)
+
+
+@dataclass(frozen=True)
+class Resolution:
+    summary: ModelSummary
+    sizing: Sizing
+
+
+@dataclass(frozen=True)
+class Failure:
+    reason: str
+    message: str
+    phase: Literal["Failed", "Retrying"]
+    retry_after: float | None
+    """Seconds until the next try; None for a permanent failure that waits for a spec change."""
+
+
+async def resolve(*, kube: Kube, namespace: str, spec: ModelLoadSpec, sizing: SizingDefaults) -> Resolution:
+    """Check the Secrets, read the index (in a thread), and size the pods' volume and sidecar."""
+    credentials = await read_credentials(kube, namespace, spec)
+    await check_decryption_secret(kube, namespace, spec)
+    summary = await asyncio.to_thread(read_summary, spec, credentials=credentials)
+    has_key = spec.decryption_key_secret_ref is not None or spec.password_secret_ref is not None
+    if summary.encrypted and not has_key:
+        raise SecretProblemError(
+            "MissingKey",
+            "the model file is encrypted: reference its key with spec.decryptionKeySecretRef "
+            "(or a password with spec.passwordSecretRef)",
+        )
+    if has_key and not summary.encrypted:
+        raise SecretProblemError(
+            "NotEncrypted",
+            "a decryption key or password is referenced but the model file is not encrypted: "
+            "remove the reference, or check that spec.source names the encrypted file",
+        )
+    planned = plan_sizing(model_bytes=summary.bytes, tensors=summary.tensors, spec=spec, defaults=sizing)
+    return Resolution(summary=summary, sizing=planned)
+
+
+async def _secret(kube: Kube, namespace: str, name: str, purpose: str) -> dict[str, bytes]:
+    try:
+        return await kube.read_secret(namespace, name)
+    except KubeNotFoundError:
+        raise SecretProblemError(
+            "SecretNotFound",
+            f"the Secret {name!r} ({purpose}) does not exist in namespace {namespace!r}: create it",
+        ) from None
+
+
+def _key(data: Mapping[str, bytes], secret: str, key: str, purpose: str) -> bytes:
+    if key not in data:
+        raise SecretProblemError(
+            "SecretKeyMissing",
+            f"the Secret {secret!r} has no key {key!r} ({purpose}); "
+            f"it has: {', '.join(sorted(data)) or 'no keys'}",
+        )
+    return data[key]
+
+
+async def read_credentials(kube: Kube, namespace: str, spec: ModelLoadSpec) -> S3Credentials | None:
+    """The S3 keys of ``spec.credentialsSecretRef``, or None (unsigned, or the sidecar's own identity)."""
+    ref = spec.credentials_secret_ref
+    if ref is None or (spec.s3 is not None and spec.s3.unsigned):
+        return None
+    data = await _secret(kube, namespace, ref.name, "S3 credentials")
+    access = _key(data, ref.name, ref.access_key_id_key, "the access key id")
+    secret = _key(data, ref.name, ref.secret_access_key_key, "the secret access key")
+    token = data.get(ref.session_token_key)
+    try:
+        return S3Credentials(
+            access_key_id=access.decode().strip(),
+            secret_access_key=secret.decode().strip(),
+            session_token=token.decode().strip() if token else None,
+        )
+    except UnicodeDecodeError:
+        raise SecretProblemError(
+            "BadCredentials", f"the Secret {ref.name!r} holds S3 credentials that are not text"
+        ) from None
+
+
+async def check_decryption_secret(kube: Kube, namespace: str, spec: ModelLoadSpec) -> None:
+    """The key Secret exists and holds 32 bytes (a password: a non-empty value). The values are dropped."""
+    if spec.decryption_key_secret_ref is not None:
+        ref = spec.decryption_key_secret_ref
+        value = _key(
+            await _secret(kube, namespace, ref.name, "the decryption key"), ref.name, ref.key, "the key"
+        )
+        if len(value) != KEY_BYTES:
+            raise SecretProblemError(
+                "BadKey",
+                f"the key {ref.key!r} in Secret {ref.name!r} holds {len(value)} bytes; a decryption key is "
+                f"exactly {KEY_BYTES} raw bytes (create it with --from-file, not base64 text)",
+            )
+    if spec.password_secret_ref is not None:
+        ref_p = spec.password_secret_ref
+        data = await _secret(kube, namespace, ref_p.name, "the password")
+        if not _key(data, ref_p.name, ref_p.key, "the password"):
+            raise SecretProblemError(
+                "BadKey", f"the password {ref_p.key!r} in Secret {ref_p.name!r} is empty"
+            )
+
+
+# --- outcomes ----------------------------------------------------------------------------------------------
+
+_SLOW_RETRY = {"SecretNotFound": 60.0, "SecretKeyMissing": 60.0, "Forbidden": 60.0}
+_SLOW_RETRY.update({"SourceNotFound": 120.0, "AccessDenied": 120.0})
+
+
+def backoff(retry: int, retry_after: float | None = None) -> float:
+    """5 s doubling to 5 minutes, or what the source asked for when longer."""
+    delay = min(300.0, 5.0 * 2 ** min(retry, 10))
+    return max(delay, retry_after or 0.0)
+
+
+def classify_failure(exc: BaseException, *, retry: int) -> Failure | None:
+    """What a failure of :func:`resolve` means; None for an unexpected error (let kopf retry and log it)."""
+    reason, message = _reason(exc)
+    if reason is None:
+        return None
+    if isinstance(exc, (TransientSourceError, SourceChangedError, KubeUnavailableError)):
+        retry_after = exc.retry_after if isinstance(exc, TransientSourceError) else None
+        return Failure(reason, message, "Retrying", backoff(retry, retry_after))
+    return Failure(reason, message, "Failed", _SLOW_RETRY.get(reason))
+
+
+def _reason(exc: BaseException) -> tuple[str | None, str]:
+    message = str(exc)
+    if isinstance(exc, SecretProblemError):
+        return exc.reason, message
+    if isinstance(exc, ConfigError):
+        return ("BadSource" if "source" in message.split(":", maxsplit=1)[0] else "BadSpec"), message
+    if isinstance(exc, FormatError):
+        return "BadModel", f"{message}. The file is not a readable model: upload it again, or fix spec.format"
+    if isinstance(exc, SourceNotFoundError):
+        return "SourceNotFound", message
+    if isinstance(exc, SourceAccessDeniedError):
+        return "AccessDenied", message
+    if isinstance(exc, RangeNotSupportedError):
+        return "BadSource", message
+    if isinstance(exc, (TransientSourceError, SourceChangedError)):
+        return "SourceUnreadable", f"{message} (retrying)"
+    if isinstance(exc, KubeForbiddenError):
+        return "Forbidden", message
+    if isinstance(exc, KubeUnavailableError):
+        return "APIUnavailable", f"{message} (retrying)"
+    if isinstance(exc, (ModelloadError, KubeError)):
+        return "Error", message
+    return None, message
+
+
+# --- status bodies -----------------------------------------------------------------------------------------
+
+
+def success_status(
+    resolution: Resolution, *, generation: int | None, conditions: Any, now: str
+) -> dict[str, Any]:
+    s = resolution.summary
+    message = (
+        f"{s.tensors} tensors, {humanize_bytes(s.bytes)} ({s.format} v{s.format_version}"
+        f"{', encrypted' if s.encrypted else ''}); "
+        f"pods get a {resolution.sizing.volume_size_limit} memory volume"
+    )
+    return {
+        "phase": "Ready",
+        "observedGeneration": generation,
+        "format": s.format,
+        "formatVersion": s.format_version,
+        "tensors": s.tensors,
+        "bytes": s.bytes,
+        "size": humanize_bytes(s.bytes),
+        "fileBytes": s.file_bytes,
+        "encrypted": s.encrypted,
+        "volumeSizeLimit": resolution.sizing.volume_size_limit,
+        "resolvedAt": now,
+        "conditions": set_condition(
+            conditions,
+            type="Ready",
+            status="True",
+            reason="Resolved",
+            message=message,
+            generation=generation,
+            now=now,
+        ),
+    }
+
+
+RESOLVED_FIELDS = (
+    "format",
+    "formatVersion",
+    "tensors",
+    "bytes",
+    "size",
+    "fileBytes",
+    "encrypted",
+    "volumeSizeLimit",
+)
+
+
+def failure_status(
+    failure: Failure, *, generation: int | None, conditions: Any, keep_resolved: bool, now: str
+) -> dict[str, Any]:
+    """The status after a failure.
+
+    A transient failure to re-read the model of a generation that was already resolved (an operator restart
+    during an S3 outage) changes nothing: the last good index still describes the file, and pods keep being
+    admitted. Every other failure clears the resolved fields, so the webhook refuses pods until it is fixed.
+    """
+    if keep_resolved and failure.phase == "Retrying":
+        return {}
+    status: dict[str, Any] = {
+        "conditions": set_condition(
+            conditions,
+            type="Ready",
+            status="False",
+            reason=failure.reason,
+            message=failure.message,
+            generation=generation,
+            now=now,
+        )
+    }
+    status["phase"] = failure.phase
+    status["observedGeneration"] = generation
+    status.update(dict.fromkeys(RESOLVED_FIELDS))  # None deletes the field in a merge patch
+    return status

@@ -1,0 +1,65 @@
+"""Reading ModelLoad objects as the webhook and the pod aggregation need them.
+
+A pod asks for a model by label value; :func:`label_value` says which value a ModelLoad answers to, and
+:class:`ResolvedModel` is a ModelLoad whose index has been read (the webhook cannot size a pod without it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from modelload.operator.schema import ModelLoadSpec, parse_spec
+
+__all__ = ["NotResolvedError", "ResolvedModel", "label_value"]
+
+
+class NotResolvedError(Exception):
+    """The ModelLoad exists but its index has not been read for its current spec; the message says why."""
+
+
+def label_value(body: Mapping[str, Any]) -> str:
+    """The ``modelload.dev/model`` label value that selects pods for this ModelLoad."""
+    spec = body.get("spec") or {}
+    value = spec.get("podLabelValue") if isinstance(spec, Mapping) else None
+    return str(value) if value else str(body["metadata"]["name"])
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A ModelLoad whose status carries the model's size: everything a pod's injection is computed from."""
+
+    name: str
+    namespace: str
+    spec: ModelLoadSpec
+    bytes: int
+    tensors: int
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> ResolvedModel:
+        """Raises :class:`NotResolvedError` while the status does not describe the current spec, and
+        :class:`~modelload.loader.errors.ConfigError` when the spec itself is invalid."""
+        meta = body.get("metadata") or {}
+        name = str(meta.get("name"))
+        status = body.get("status") or {}
+        spec = parse_spec(body.get("spec"))
+        nbytes, tensors = status.get("bytes"), status.get("tensors")
+        phase = status.get("phase") or "Pending"
+        if not isinstance(nbytes, int) or not isinstance(tensors, int):
+            reason = _failing_message(status)
+            raise NotResolvedError(f"ModelLoad {name!r} is not ready yet (phase {phase}{reason})")
+        generation, observed = meta.get("generation"), status.get("observedGeneration")
+        if generation is not None and observed is not None and observed != generation:
+            raise NotResolvedError(
+                f"ModelLoad {name!r} changed (generation {generation}) and its model has not been re-read "
+                f"yet (status describes generation {observed})"
+            )
+        return cls(name=name, namespace=str(meta.get("namespace")), spec=spec, bytes=nbytes, tensors=tensors)
+
+
+def _failing_message(status: Mapping[str, Any]) -> str:
+    for condition in status.get("conditions") or ():
+        if condition.get("type") == "Ready" and condition.get("status") != "True":
+            return f": {condition.get('reason')}: {condition.get('message')}"
+    return ""

@@ -1,0 +1,330 @@
+"""The ModelLoad resource, declared once: its spec and status as dataclasses that are also its CRD schema.
+
+``python -m modelload.operator.crd --write`` renders these classes into the CustomResourceDefinition (in
+``manifests/crd/`` and the chart); the operator and the webhook parse a resource's ``spec`` with
+:func:`parse_spec`, which applies the same defaults and rules. Change a field here, regenerate, and the
+check in ``make check`` keeps the YAML honest.
+
+A ModelLoad names one model file and says how pods get it::
+
+    apiVersion: modelload.dev/v1alpha1
+    kind: ModelLoad
+    metadata: {name: llama-8b, namespace: serving}
+    spec:
+      source: s3://models/llama-8b.tensors
+      credentialsSecretRef: {name: s3-reader}
+      s3: {endpoint: "https://minio.storage:9000", addressing: path}
+
+Pods opt in with the label ``modelload.dev/model: llama-8b``.
+"""
+
+# ruff: noqa: RUF009 - prop() returns a dataclasses.field carrying the schema rules
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from modelload.loader.errors import ConfigError
+from modelload.operator._dataschema import Quantity, dump, openapi, parse, prop
+from modelload.operator.quantity import parse_size
+
+__all__ = [
+    "API_VERSION",
+    "GROUP",
+    "KIND",
+    "MODEL_LABEL",
+    "PLURAL",
+    "VERSION",
+    "Condition",
+    "CredentialsSecretRef",
+    "KeySecretRef",
+    "ModelLoadSpec",
+    "ModelLoadStatus",
+    "PasswordSecretRef",
+    "PodsStatus",
+    "S3Options",
+    "SidecarOptions",
+    "SidecarResources",
+    "parse_spec",
+    "spec_schema",
+    "status_schema",
+]
+
+GROUP = "modelload.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "ModelLoad"
+PLURAL = "modelloads"
+SINGULAR = "modelload"
+SHORT_NAMES = ("ml",)
+MODEL_LABEL = "modelload.dev/model"
+"""The label a pod carries to ask for a model; its value is the ModelLoad's name (or its podLabelValue)."""
+
+SOURCE_PATTERN = (
+    r"^(s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]/\S+"
+    r"|https?://[^\s/@?#]+/\S*"
+    r"|file:///\S+)$"
+)
+"""s3://bucket/key, http(s)://host/path (no user:password@: credentials belong in a Secret), file:///path."""
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+SECRET_KEY = r"^[-._a-zA-Z0-9]+$"  # noqa: S105 - the pattern of a Secret key name
+LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+CHUNK_SIZE = r"^[1-9][0-9]*(B|KiB|MiB|GiB)?$"
+MIN_CHUNK = 64 << 10
+MAX_CHUNK = 1 << 30
+
+
+# --- spec --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CredentialsSecretRef:
+    """A Secret in the ModelLoad's namespace holding S3 credentials.
+
+    The operator reads it to fetch the model's index; the sidecar gets its keys as environment variables
+    (secretKeyRef), so the values never enter the pod spec, the status or an Event.
+    """
+
+    name: str = prop(doc="Name of the Secret.", pattern=DNS_SUBDOMAIN, max_length=253)
+    access_key_id_key: str = prop(
+        doc="Key of the access key id in the Secret.", default="AWS_ACCESS_KEY_ID", pattern=SECRET_KEY
+    )
+    secret_access_key_key: str = prop(
+        doc="Key of the secret access key in the Secret.", default="AWS_SECRET_ACCESS_KEY", pattern=SECRET_KEY
+    )
+    session_token_key: str = prop(
+        doc="Key of the optional session token in the Secret (used when present).",
+        default="AWS_SESSION_TOKEN",
+        pattern=SECRET_KEY,
+    )
+
+
+@dataclass(frozen=True)
+class KeySecretRef:
+    """A Secret key holding the raw 32-byte decryption key of an encrypted model file."""
+
+    name: str = prop(doc="Name of the Secret.", pattern=DNS_SUBDOMAIN, max_length=253)
+    key: str = prop(doc="Key in the Secret holding the 32 raw bytes.", default="key", pattern=SECRET_KEY)
+
+
+@dataclass(frozen=True)
+class PasswordSecretRef:
+    """A Secret key holding the password an encrypted model file's key is derived from (Argon2id)."""
+
+    name: str = prop(doc="Name of the Secret.", pattern=DNS_SUBDOMAIN, max_length=253)
+    key: str = prop(doc="Key in the Secret holding the password.", default="password", pattern=SECRET_KEY)
+
+
+@dataclass(frozen=True)
+class S3Options:
+    """How to reach an S3-compatible store; every field is optional and AWS's defaults apply."""
+
+    endpoint: str | None = prop(
+        doc="Endpoint URL of an S3-compatible store (MinIO, Ceph, R2...). Empty means AWS.",
+        default=None,
+        pattern=r"^https?://[^\s@/]+(/\S*)?$",
+    )
+    region: str | None = prop(
+        doc="Region; empty uses botocore's chain.", default=None, pattern=r"^[a-z0-9-]+$"
+    )
+    addressing: str = prop(
+        doc="Bucket addressing style: auto, path (bucket in the path) or virtual (bucket in the host).",
+        default="auto",
+        enum=("auto", "path", "virtual"),
+    )
+    unsigned: bool = prop(doc="Anonymous access to a public bucket: no credentials are sent.", default=False)
+
+
+@dataclass(frozen=True)
+class SidecarResources:
+    """Overrides of the sidecar's computed resources, by resource name (cpu, memory...)."""
+
+    requests: dict[str, Quantity] = prop(doc="Requests that replace the computed ones.", default={})
+    limits: dict[str, Quantity] = prop(
+        doc="Limits that replace the computed ones. A memory limit must still cover the model (tmpfs pages "
+        "are charged to the sidecar that writes them).",
+        default={},
+    )
+
+
+@dataclass(frozen=True)
+class SidecarOptions:
+    """Per-model overrides of the injected loader sidecar."""
+
+    image: str | None = prop(
+        doc="Sidecar image; empty uses the operator's default.", default=None, max_length=512
+    )
+    image_pull_policy: str | None = prop(
+        doc="Pull policy of the sidecar image.", default=None, enum=("Always", "IfNotPresent", "Never")
+    )
+    resources: SidecarResources | None = prop(doc="Resource overrides.", default=None)
+
+
+@dataclass(frozen=True)
+class ModelLoadSpec:
+    """Where a model's weights live, how to read them, and which pods get them."""
+
+    source: str = prop(
+        doc="The model file: s3://bucket/key, http(s)://host/path or file:///path (read by the operator from "
+        "its own filesystem, and by the sidecar from its own).",
+        pattern=SOURCE_PATTERN,
+        max_length=2048,
+        hint="s3://bucket/key (bucket: 3-63 lower-case letters, digits, dots, dashes), http(s)://host/path "
+        "without user:password@ (credentials belong in a Secret), or file:///path",
+    )
+    format: str = prop(
+        doc="File format; auto detects tensorizer or safetensors from the first bytes.",
+        default="auto",
+        enum=("auto", "tensorizer", "safetensors"),
+    )
+    credentials_secret_ref: CredentialsSecretRef | None = prop(
+        doc="S3 credentials. Leave empty to use the pod's identity (IRSA, pod identity) or a public bucket.",
+        default=None,
+    )
+    decryption_key_secret_ref: KeySecretRef | None = prop(
+        doc="The raw 32-byte key of an encrypted file, mounted as a file in the sidecar only.", default=None
+    )
+    password_secret_ref: PasswordSecretRef | None = prop(
+        doc="A password for an encrypted file's derived key, mounted as a file in the sidecar only.",
+        default=None,
+    )
+    s3: S3Options | None = prop(doc="S3 endpoint, region and addressing.", default=None)
+    readers: int = prop(doc="Parallel range readers in the sidecar.", default=8, minimum=1, maximum=256)
+    chunk_size: str = prop(
+        doc="Bytes per range request: a number with an optional B, KiB, MiB or GiB suffix (64KiB to 1GiB).",
+        default="32MiB",
+        pattern=CHUNK_SIZE,
+        hint="a number of bytes with an optional B, KiB, MiB or GiB suffix, e.g. 32MiB",
+    )
+    verify_hashes: bool = prop(doc="Check the file's own hashes while loading.", default=True)
+    priority: list[str] = prop(
+        doc="Tensor names or name prefixes to load first, in this order; the rest follow in file order.",
+        default=[],
+        max_items=4096,
+        item_pattern=r"^[^,]+$",
+        hint="a tensor name or prefix without commas",
+        item_max_length=1024,
+    )
+    pod_label_value: str | None = prop(
+        doc="The value of the modelload.dev/model label that selects pods for this model. Default: the "
+        "ModelLoad's name.",
+        default=None,
+        pattern=LABEL_VALUE,
+        max_length=63,
+    )
+    containers: list[str] = prop(
+        doc="Containers that get the model's volume and environment. Empty: every container. A pod's "
+        "annotation modelload.dev/containers (comma-separated) takes precedence.",
+        default=[],
+        max_items=64,
+        item_pattern=DNS_LABEL,
+        hint="a container name (lower-case letters, digits and dashes)",
+        item_max_length=63,
+    )
+    sidecar: SidecarOptions | None = prop(doc="Sidecar image and resource overrides.", default=None)
+    volume_size_limit: Quantity | None = prop(
+        doc="sizeLimit of the memory-backed volume. Default: the model's bytes plus alignment and headroom. "
+        "A value below what the model needs is refused.",
+        default=None,
+    )
+
+
+SPEC_RULES: tuple[tuple[str, str], ...] = (
+    (
+        "!(has(self.decryptionKeySecretRef) && has(self.passwordSecretRef))",
+        "set decryptionKeySecretRef or passwordSecretRef, not both",
+    ),
+)
+
+
+def parse_spec(data: Any) -> ModelLoadSpec:
+    """A ModelLoad's ``spec`` as a typed object, with defaults applied and every rule checked.
+
+    Raises :class:`~modelload.loader.errors.ConfigError` naming the field and what is wrong.
+    """
+    spec = parse(ModelLoadSpec, data, path="spec")
+    chunk = parse_size(spec.chunk_size)
+    if not MIN_CHUNK <= chunk <= MAX_CHUNK:
+        raise ConfigError(f"spec.chunkSize: {spec.chunk_size} is outside 64KiB to 1GiB")
+    if spec.decryption_key_secret_ref is not None and spec.password_secret_ref is not None:
+        raise ConfigError("spec: set decryptionKeySecretRef or passwordSecretRef, not both")
+    return spec
+
+
+def spec_schema() -> dict[str, Any]:
+    schema = openapi(ModelLoadSpec)
+    schema["x-kubernetes-validations"] = [{"rule": rule, "message": msg} for rule, msg in SPEC_RULES]
+    return schema
+
+
+# --- status ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Condition:
+    """One observation about the resource, in the Kubernetes convention (metav1.Condition)."""
+
+    type: str = prop(doc="Ready (the model's index was read) or PodsReady (every injected pod loaded it).")
+    status: str = prop(doc="True, False or Unknown.", enum=("True", "False", "Unknown"))
+    reason: str = prop(doc="A CamelCase reason: Resolved, BadSource, SecretNotFound, SourceUnreadable...")
+    last_transition_time: str = prop(doc="When the status last changed.", format="date-time")
+    message: str = prop(doc="What happened and what to do, for people.", default="", max_length=32768)
+    observed_generation: int | None = prop(doc="The generation this condition describes.", default=None)
+
+
+@dataclass(frozen=True)
+class PodsStatus:
+    """The pods that asked for this model, as their sidecars report through the pods' own status."""
+
+    injected: int = prop(doc="Pods carrying the sidecar and not terminating.", default=0, minimum=0)
+    loading: int = prop(
+        doc="Pods whose sidecar runs and has not loaded every tensor yet.", default=0, minimum=0
+    )
+    ready: int = prop(doc="Pods whose sidecar reports every tensor in.", default=0, minimum=0)
+    failed: int = prop(
+        doc="Pods whose sidecar crashed, cannot start, or whose pod failed.", default=0, minimum=0
+    )
+    last_load_seconds: float | None = prop(
+        doc="Seconds from sidecar start to pod Ready for the most recent pod that got ready.", default=None
+    )
+    median_load_seconds: float | None = prop(doc="Median of that time over the ready pods.", default=None)
+    last_throughput_bytes_per_second: int | None = prop(
+        doc="Model bytes divided by lastLoadSeconds.", default=None
+    )
+
+
+@dataclass(frozen=True)
+class ModelLoadStatus:
+    """What the operator found out about the model and the pods that use it."""
+
+    phase: str | None = prop(
+        doc="Pending (not read yet), Ready (index read: pods are admitted), Retrying (a transient error, "
+        "retried with backoff) or Failed (fix the spec, the Secret or the file).",
+        default=None,
+        enum=("Pending", "Ready", "Retrying", "Failed"),
+    )
+    observed_generation: int | None = prop(doc="The spec generation the status describes.", default=None)
+    conditions: list[Condition] | None = prop(doc="Ready and PodsReady.", default=None)
+    format: str | None = prop(doc="The detected format.", default=None, enum=("tensorizer", "safetensors"))
+    format_version: int | None = prop(doc="The format's data version.", default=None)
+    tensors: int | None = prop(doc="Number of tensors.", default=None, minimum=0)
+    bytes: int | None = prop(doc="Bytes of all tensors in memory.", default=None, minimum=0)
+    size: str | None = prop(doc="bytes, for people (e.g. 15.0 GiB).", default=None)
+    file_bytes: int | None = prop(doc="Size of the model file at the source.", default=None, minimum=0)
+    encrypted: bool | None = prop(doc="Whether the file's tensors are encrypted.", default=None)
+    volume_size_limit: str | None = prop(
+        doc="The sizeLimit the webhook gives the pods' volume.", default=None
+    )
+    resolved_at: str | None = prop(doc="When the index was last read.", default=None, format="date-time")
+    pods: PodsStatus | None = prop(doc="The pods that asked for this model.", default=None)
+
+
+def status_schema() -> dict[str, Any]:
+    return openapi(ModelLoadStatus)
+
+
+def dump_status(status: ModelLoadStatus) -> dict[str, Any]:
+    """The status as a JSON merge patch body (unset fields are left as they are)."""
+    out: dict[str, Any] = dump(status)
+    return out

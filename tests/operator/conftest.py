@@ -1,0 +1,196 @@
+"""The operator under test: the real kopf handlers and webhook server against KMock's Kubernetes emulator.
+
+kopf, the webhook's aiohttp server and KMock share the test's event loop (a kopf runner in a thread would
+block the loop that serves KMock). The emulator serves real HTTP: kopf watches and patches through it, the
+operator's own client (``kubernetes``) reads Secrets and patches status through it, and tests change pods'
+status through it as the kubelet would.
+
+Models live in moto's S3 server (``tests/support``), created with the real safetensors package.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.fixtures import moto_s3  # noqa: F401 - a fixture
+
+NAMESPACE = "serving"
+OPERATOR_NAMESPACE = "modelload-system"
+MODELLOADS = "modelload.dev/v1alpha1/modelloads"
+MWC = "admissionregistration.k8s.io/v1/mutatingwebhookconfigurations"
+MWC_NAME = "modelload"
+
+
+def model_bytes(tensors: int = 3, rows: int = 64) -> bytes:
+    """A small safetensors file written by the real safetensors package."""
+    import numpy as np
+    from safetensors.numpy import save
+
+    arrays = {f"layers.{i}.weight": np.full((rows, 16), i, dtype=np.float32) for i in range(tensors)}
+    return save(arrays)
+
+
+@pytest.fixture
+def no_aws_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """botocore's chain finds nothing: credentials can only come from the ModelLoad's Secret."""
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "missing"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "missing"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+def seeded(obj: dict[str, Any]) -> dict[str, Any]:
+    """An object as KMock must hold it: kopf's patches test metadata.resourceVersion, KMock never sets it."""
+    obj.setdefault("metadata", {}).setdefault("resourceVersion", "1")
+    return obj
+
+
+def modelload(name: str, spec: dict[str, Any], *, namespace: str = NAMESPACE) -> dict[str, Any]:
+    return seeded(
+        {
+            "apiVersion": "modelload.dev/v1alpha1",
+            "kind": "ModelLoad",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": spec,
+        }
+    )
+
+
+def secret(name: str, data: dict[str, bytes], *, namespace: str = NAMESPACE) -> dict[str, Any]:
+    import base64
+
+    return seeded(
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": name, "namespace": namespace},
+            "data": {k: base64.b64encode(v).decode() for k, v in data.items()},
+        }
+    )
+
+
+def webhook_configuration() -> dict[str, Any]:
+    """The chart's MutatingWebhookConfiguration as the API server holds it before the operator starts."""
+    return seeded(
+        {
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "MutatingWebhookConfiguration",
+            "metadata": {"name": MWC_NAME},
+            "webhooks": [
+                {
+                    "name": "pods.modelload.dev",
+                    "clientConfig": {
+                        "service": {
+                            "name": "modelload-webhook",
+                            "namespace": OPERATOR_NAMESPACE,
+                            "path": "/mutate-pods",
+                            "port": 443,
+                        }
+                    },
+                }
+            ],
+        }
+    )
+
+
+async def wait_for(predicate: Callable[[], Any], *, timeout: float = 10.0, what: str = "a condition") -> Any:
+    """Poll ``predicate`` on the event loop until it returns something truthy."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def current(kmock: Any, resource: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+    """The object as KMock holds it now, or None (``in`` on KMock's array does not parse string keys)."""
+    try:
+        obj = kmock.objects[resource, namespace, name]
+    except KeyError:
+        return None
+    return None if obj.deleted else dict(obj.raw)
+
+
+@pytest.fixture
+def kube(kmock: Any) -> Any:
+    """KMock declared like a cluster with the CRD installed, reporting Kubernetes 1.31."""
+    kmock.resources.load_bundled()
+    kmock.resources[MODELLOADS] = {
+        "kind": "ModelLoad",
+        "singular": "modelload",
+        "namespaced": True,
+        "verbs": ["get", "list", "watch", "patch", "create", "delete", "update"],
+        "subresources": ["status"],
+        "shortnames": ["ml"],
+    }
+    # The official client asks /version/ (with the slash); KMock only answers /version by itself.
+    kmock["get /version/"] << {"major": "1", "minor": "31", "gitVersion": "v1.31.2"}
+    kmock.objects[MWC, None, MWC_NAME] = webhook_configuration()
+    return kmock
+
+
+@pytest.fixture
+def client_configuration(kube: Any) -> Any:
+    from kubernetes import client
+
+    return client.Configuration(host=str(kube.url).rstrip("/"))
+
+
+@pytest.fixture
+def api(client_configuration: Any) -> Iterator[Any]:
+    """The official client, as a test's stand-in for kubectl and the kubelet."""
+    from kubernetes import client
+
+    with client.ApiClient(client_configuration) as api_client:
+        yield api_client
+
+
+def operator_settings(tmp_path: Path, **sidecar: Any) -> Any:
+    from modelload.operator.settings import OperatorSettings, SidecarSettings, WebhookSettings
+
+    return OperatorSettings(
+        namespace=OPERATOR_NAMESPACE,
+        webhook=WebhookSettings(host="127.0.0.1", port=0, cert_dir=tmp_path / "certs"),
+        sidecar=SidecarSettings(image="registry.test/modelload-sidecar:1", **sidecar),
+    )
+
+
+@pytest.fixture
+async def start_operator(
+    kube: Any, client_configuration: Any, tmp_path: Path
+) -> AsyncIterator[Callable[..., Awaitable[Any]]]:
+    """Start the operator (kopf and the webhook) in this loop; it stops before KMock does."""
+    import kopf
+
+    from modelload.operator.app import running
+
+    def login(**_: Any) -> Any:
+        return kopf.ConnectionInfo(server=str(kube.url), insecure=True, default_namespace=NAMESPACE)
+
+    async with contextlib.AsyncExitStack() as stack:
+
+        async def start(**sidecar: Any) -> Any:
+            settings = operator_settings(tmp_path, **sidecar)
+            return await stack.enter_async_context(
+                running(settings, configuration=client_configuration, login=login, liveness=False)
+            )
+
+        yield start
+
+
+@pytest.fixture
+async def operator(start_operator: Callable[..., Awaitable[Any]]) -> Any:
+    return await start_operator()

@@ -1,0 +1,122 @@
+"""The ModelLoad spec parser applies the schema's defaults and rules, and says which field is wrong."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jsonschema
+import pytest
+
+from modelload.loader.errors import ConfigError
+from modelload.operator.crd import build_crd
+from modelload.operator.schema import parse_spec
+
+
+def crd_schema() -> dict[str, Any]:
+    return build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+
+
+def test_a_minimal_spec_gets_every_default() -> None:
+    spec = parse_spec({"source": "s3://models/llama.tensors"})
+    assert spec.format == "auto"
+    assert spec.readers == 8
+    assert spec.chunk_size == "32MiB"
+    assert spec.verify_hashes is True
+    assert spec.priority == []
+    assert spec.containers == []
+    assert spec.credentials_secret_ref is None
+    assert spec.s3 is None
+
+
+def test_nested_defaults_apply_when_the_parent_is_given() -> None:
+    spec = parse_spec({"source": "s3://models/m.safetensors", "credentialsSecretRef": {"name": "creds"}})
+    ref = spec.credentials_secret_ref
+    assert ref is not None
+    assert (ref.access_key_id_key, ref.secret_access_key_key, ref.session_token_key) == (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+    )
+
+
+def test_the_crd_schema_declares_the_same_defaults_the_parser_applies() -> None:
+    schema = crd_schema()["properties"]
+    assert schema["readers"]["default"] == parse_spec({"source": "s3://bkt/k"}).readers
+    assert schema["chunkSize"]["default"] == "32MiB"
+    assert schema["verifyHashes"]["default"] is True
+    assert schema["credentialsSecretRef"]["properties"]["accessKeyIdKey"]["default"] == "AWS_ACCESS_KEY_ID"
+    assert schema["credentialsSecretRef"]["required"] == ["name"]
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        ({"source": "ftp://host/model"}, "spec.source"),
+        ({"source": "https://user:pw@host/model"}, "spec.source"),
+        ({"source": "s3://B/key"}, "spec.source"),
+        ({"source": "s3://bucket/k", "format": "gguf"}, "spec.format"),
+        ({"source": "s3://bucket/k", "readers": 0}, "spec.readers"),
+        ({"source": "s3://bucket/k", "readers": "8"}, "spec.readers"),
+        ({"source": "s3://bucket/k", "chunkSize": "32MB"}, "spec.chunkSize"),
+        ({"source": "s3://bucket/k", "s3": {"addressing": "dns"}}, "spec.s3.addressing"),
+        ({"source": "s3://bucket/k", "priority": ["a,b"]}, r"spec.priority\[0\]"),
+        ({"source": "s3://bucket/k", "containers": ["Server"]}, r"spec.containers\[0\]"),
+        ({"source": "s3://bucket/k", "volumeSizeLimit": "lots"}, "spec.volumeSizeLimit"),
+        ({"source": "s3://bucket/k", "sorce": "x"}, "unknown field"),
+        ({"format": "auto"}, "spec.source is required"),
+        (
+            {"source": "s3://bucket/k", "credentialsSecretRef": {}},
+            "spec.credentialsSecretRef.name is required",
+        ),
+    ],
+)
+def test_a_bad_field_is_named_in_the_error(spec: dict[str, Any], field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        parse_spec(spec)
+
+
+def test_a_key_and_a_password_together_are_refused() -> None:
+    with pytest.raises(ConfigError, match="not both"):
+        parse_spec(
+            {
+                "source": "s3://bucket/k",
+                "decryptionKeySecretRef": {"name": "k"},
+                "passwordSecretRef": {"name": "p"},
+            }
+        )
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"source": "s3://models/llama-3.tensors"},
+        {"source": "https://huggingface.co/org/model/resolve/main/model.safetensors"},
+        {"source": "file:///models/tiny.safetensors", "format": "safetensors"},
+        {
+            "source": "s3://my.bucket/a/b.tensors",
+            "s3": {"endpoint": "http://minio.storage:9000", "addressing": "path", "unsigned": True},
+            "sidecar": {"resources": {"requests": {"cpu": 2, "memory": "40Gi"}}},
+            "volumeSizeLimit": 21474836480,
+            "priority": ["model.embed_tokens", "model.layers.0."],
+        },
+    ],
+)
+def test_specs_the_parser_accepts_validate_against_the_crd_schema(spec: dict[str, Any]) -> None:
+    parse_spec(spec)
+    jsonschema.validate(spec, crd_schema())
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"source": "ftp://host/model"},
+        {"source": "s3://bucket/k", "readers": 1000},
+        {"source": "s3://bucket/k", "format": "pickle"},
+        {"source": "s3://bucket/k", "sidecar": {"resources": {"limits": {"memory": "a lot"}}}},
+    ],
+)
+def test_specs_the_parser_refuses_fail_the_crd_schema_too(spec: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError):
+        parse_spec(spec)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(spec, crd_schema())
