@@ -44,6 +44,7 @@ check: venv
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	PYTHONPATH=loader:sidecar:operator $(BIN)/lint-imports
+	$(BIN)/python -m modelload.operator.crd --check
 
 fmt: venv
 	$(BIN)/ruff format .
