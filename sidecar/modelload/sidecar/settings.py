@@ -1,0 +1,507 @@
+"""The sidecar's settings: every flag and ``MODELLOAD_*`` variable, parsed once at the edge into typed values.
+
+CONTRACTS.md lists the flags; each has one environment variable, and a flag given on the command line wins
+over its variable (the operator sets variables; a person debugging a pod adds flags). Values are parsed and
+checked here, and only here: the engine, the API and the notifier receive typed, valid settings and never
+read the environment. A wrong value is a :class:`ConfigError` that names the flag or variable it came from
+and what is expected.
+
+S3 endpoint, region and credentials: the sources layer hands them to botocore's own chain
+(``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, ``AWS_REGION``, ``AWS_DEFAULT_REGION``, profiles, IRSA...),
+so these settings carry only the explicit overrides (``--s3-endpoint``, ``--s3-region`` and their
+``MODELLOAD_S3_*`` variables) and leave the rest to botocore, as users of the AWS tools expect.
+
+Secrets never live here: the key and password are files whose paths are settings, read by the engine;
+a source URI is shown without user info or query string (presigned URLs carry signatures there).
+
+>>> settings = parse_settings(["--source", "s3://models/llama.safetensors", "--readers", "16"], environ={})
+>>> settings.engine.readers, settings.engine.chunk_size, settings.notify.endpoint
+(16, 33554432, 'ipc:///run/modelload/notify.sock')
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal, TypeVar, cast, get_args
+from urllib.parse import urlsplit, urlunsplit
+
+from modelload.loader.errors import ConfigError
+
+if TYPE_CHECKING:
+    from modelload.sidecar.sources import S3Addressing, SourceSettings
+
+__all__ = [
+    "DEFAULT_PORT",
+    "DEFAULT_SEGMENT",
+    "ApiSettings",
+    "LoadSettings",
+    "ModelFormat",
+    "NotifySettings",
+    "SidecarSettings",
+    "add_arguments",
+    "display_source",
+    "parse_bool",
+    "parse_settings",
+    "parse_size",
+]
+
+ModelFormat = Literal["auto", "tensorizer", "safetensors"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+MiB = 1 << 20
+GiB = 1 << 30
+DEFAULT_SEGMENT = Path("/run/modelload/model.seg")
+DEFAULT_PORT = 8479
+MAX_READERS = 256
+MIN_CHUNK, MAX_CHUNK = MiB, GiB
+NOTIFY_OFF = ("none", "off", "false", "")
+_NOTIFY_SCHEMES = ("ipc://", "tcp://", "inproc://")
+
+
+# --- the settings ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    """What to load, where to, and how hard to pull (the engine's group).
+
+    ``source``: the model's URI (``s3://bucket/key``, ``http(s)://...``, ``file:///path`` or a plain path).
+    Required. Shown in reprs and logs through :func:`display_source` (no user info, no query string).
+
+    ``segment``: the segment file to create, absolute. Default ``/run/modelload/model.seg``, inside the
+    memory-backed volume the operator mounts at ``/run/modelload``.
+
+    ``format``: ``auto`` detects tensorizer or safetensors from the file's first bytes; naming it skips
+    the guess and fails clearly on a file of the other format. Default ``auto``.
+
+    ``readers``: parallel range readers, 1 to 256. Default 8: enough to fill a 10 Gbit/s link from S3,
+    whose single streams top out near 100 MB/s, without overloading a small HTTP server.
+
+    ``chunk_size``: bytes per range request, 1 MiB to 1 GiB. Default 32 MiB: large enough that request
+    latency is small against transfer time, small enough that a retry re-reads little and that the
+    readers share a model of a few GB evenly.
+
+    ``verify``: check each tensor against the hash its file stores (tensorizer), when it has one.
+    Default on: a corrupt transfer is then an error, not wrong weights.
+
+    ``key_file`` / ``password_file``: a file holding the raw 32-byte decryption key, or the password of an
+    Argon2id-derived key, for encrypted tensorizer files. At most one; default none. Only the paths are
+    kept here: the engine reads the bytes when it needs them.
+
+    ``priority``: tensor names or name prefixes loaded first, in this order (for example the embeddings and
+    the first layers, so an app can start computing sooner). Default empty: file order.
+    """
+
+    source: str
+    segment: Path = DEFAULT_SEGMENT
+    format: ModelFormat = "auto"
+    readers: int = 8
+    chunk_size: int = 32 * MiB
+    verify: bool = True
+    key_file: Path | None = None
+    password_file: Path | None = None
+    priority: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.source.strip():
+            raise ConfigError(
+                "the source is empty: pass --source or MODELLOAD_SOURCE (s3://, http(s)://, file://)"
+            )
+        if self.format not in get_args(ModelFormat):
+            raise ConfigError(f"format must be auto, tensorizer or safetensors, got {self.format!r}")
+        if not 1 <= self.readers <= MAX_READERS:
+            raise ConfigError(f"readers must be between 1 and {MAX_READERS}, got {self.readers}")
+        if not MIN_CHUNK <= self.chunk_size <= MAX_CHUNK:
+            raise ConfigError(f"chunk size must be between 1 MiB and 1 GiB, got {self.chunk_size} bytes")
+        if self.key_file is not None and self.password_file is not None:
+            raise ConfigError("give a key file or a password file, not both")
+        if not self.segment.is_absolute():
+            object.__setattr__(self, "segment", self.segment.absolute())
+
+    def __repr__(self) -> str:
+        return (
+            f"LoadSettings(source={display_source(self.source)!r}, segment={str(self.segment)!r}, "
+            f"format={self.format!r}, readers={self.readers}, chunk_size={self.chunk_size}, "
+            f"verify={self.verify}, key_file={_opt_path(self.key_file)}, "
+            f"password_file={_opt_path(self.password_file)}, priority={self.priority!r})"
+        )
+
+
+@dataclass(frozen=True)
+class ApiSettings:
+    """Where the status API listens.
+
+    ``host``: the bind address. Default ``0.0.0.0``: the kubelet's probes come from the node, not from the
+    pod's loopback. Use ``127.0.0.1`` outside a pod.
+
+    ``port``: the TCP port, 0 to 65535. Default 8479. 0 picks a free port (for tests; it is logged).
+    """
+
+    host: str = "0.0.0.0"  # noqa: S104 - probes come from the kubelet, outside the pod's loopback
+    port: int = DEFAULT_PORT
+
+    def __post_init__(self) -> None:
+        if not self.host.strip():
+            raise ConfigError("the status API host is empty: give an address such as 0.0.0.0 or 127.0.0.1")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"the status API port must be between 0 and 65535, got {self.port}")
+
+
+@dataclass(frozen=True)
+class NotifySettings:
+    """Where ready notifications are published (a pyzmq PUB socket).
+
+    ``endpoint``: ``ipc:///path``, ``tcp://host:port`` or ``inproc://name``; ``None`` publishes nothing
+    (loaders then poll the segment). Default ``ipc://<segment dir>/notify.sock``, in the shared volume, so
+    the app container can connect. The endpoint is also recorded in the segment's metadata.
+
+    ``send_hwm``: messages queued per subscriber before new ones are dropped. Default 100,000, more than a
+    model's tensor count in practice. Dropping is safe: the segment's state table is the truth and a
+    subscriber re-reads it on its next poll.
+    """
+
+    endpoint: str | None
+    send_hwm: int = 100_000
+
+    def __post_init__(self) -> None:
+        if self.endpoint is not None and not self.endpoint.startswith(_NOTIFY_SCHEMES):
+            raise ConfigError(
+                f"the notify endpoint must start with ipc://, tcp:// or inproc:// (or be 'none'),"
+                f" got {self.endpoint!r}"
+            )
+        if self.send_hwm < 1:
+            raise ConfigError(f"the notify send queue must hold at least 1 message, got {self.send_hwm}")
+
+
+@dataclass(frozen=True)
+class SidecarSettings:
+    """All of the sidecar's settings, grouped by the component that uses them.
+
+    ``log_level``: the level of modelload's own loggers. Default ``info``: start, manifest, finish,
+    failure and retries show in ``kubectl logs``; ``debug`` adds every tensor.
+    """
+
+    engine: LoadSettings
+    sources: SourceSettings
+    api: ApiSettings = field(default_factory=ApiSettings)
+    notify: NotifySettings = field(default_factory=lambda: NotifySettings(endpoint=None))
+    log_level: LogLevel = "info"
+
+
+# --- value parsers -----------------------------------------------------------------------------------------
+
+_SIZE = re.compile(r"^\s*(\d+)\s*([A-Za-z]*)\s*$")
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "ki": 1024,
+    "kib": 1024,
+    "mi": MiB,
+    "mib": MiB,
+    "gi": GiB,
+    "gib": GiB,
+}
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+
+
+def parse_size(text: str, *, name: str = "size") -> int:
+    """A byte count: plain bytes (``33554432``), binary units (``32MiB``, ``1Gi``) or decimal (``500MB``).
+
+    >>> parse_size("32MiB"), parse_size("1 GiB"), parse_size("4096"), parse_size("2MB")
+    (33554432, 1073741824, 4096, 2000000)
+    """
+    match = _SIZE.match(text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise ConfigError(f"{name}: expected a size such as 32MiB, 1GiB or a number of bytes, got {text!r}")
+    return int(match.group(1)) * _UNITS[unit]
+
+
+def parse_bool(text: str, *, name: str = "value") -> bool:
+    """``true``/``false``, ``1``/``0``, ``yes``/``no``, ``on``/``off``, in any case."""
+    value = text.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigError(f"{name}: expected true or false (also 1/0, yes/no), got {text!r}")
+
+
+def _parse_int(text: str, *, name: str) -> int:
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise ConfigError(f"{name}: expected a whole number, got {text!r}") from None
+
+
+def _parse_priority(text: str, *, name: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _parse_choice(choices: Sequence[str]) -> Callable[..., str]:
+    """A parser for one of ``choices``; argparse does not check them, so flags and variables read alike."""
+
+    def parse(text: str, *, name: str) -> str:
+        value = text.strip().lower()
+        if value not in choices:
+            raise ConfigError(f"{name}: expected one of {', '.join(choices)}, got {text!r}")
+        return value
+
+    return parse
+
+
+def display_source(uri: str) -> str:
+    """``uri`` for logs and reprs: no user info (``user:password@``), no query string (presigned URLs)."""
+    parts = urlsplit(uri)
+    if not parts.scheme or not parts.netloc:
+        return uri
+    host = parts.hostname or ""
+    netloc = f"[{host}]" if ":" in host else host
+    if parts.port:
+        netloc = f"{netloc}:{parts.port}"
+    shown = urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+    return f"{shown}?…" if parts.query else shown
+
+
+def _opt_path(path: Path | None) -> str:
+    return repr(str(path)) if path is not None else "None"
+
+
+# --- flags and variables -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Option:
+    """One setting: its flag, its variable, and its help text (which ends up in ``--help``)."""
+
+    dest: str
+    flag: str
+    env: str
+    help: str
+    metavar: str | None = None  # argparse's default: the flag's name in capitals
+    boolean: bool = False
+    choices: tuple[str, ...] | None = None
+
+
+_OPTIONS = (
+    _Option(
+        "source", "--source", "MODELLOAD_SOURCE",
+        "model URI: s3://bucket/key, http(s)://..., file:///path or a path (required)", "URI",
+    ),
+    _Option("segment", "--segment", "MODELLOAD_SEGMENT", f"segment file (default {DEFAULT_SEGMENT})", "PATH"),
+    _Option(
+        "format", "--format", "MODELLOAD_FORMAT", "model format (default auto: from the first bytes)",
+        choices=get_args(ModelFormat),
+    ),
+    _Option("readers", "--readers", "MODELLOAD_READERS", "parallel range readers, 1-256 (default 8)", "N"),
+    _Option(
+        "chunk_size", "--chunk-size", "MODELLOAD_CHUNK_SIZE",
+        "bytes per range request, 1MiB-1GiB (default 32MiB)", "SIZE",
+    ),
+    _Option(
+        "verify", "--verify", "MODELLOAD_VERIFY", "check tensors against the file's hashes (default on)",
+        boolean=True,
+    ),
+    _Option("key_file", "--key-file", "MODELLOAD_KEY_FILE", "file holding the raw 32-byte key", "FILE"),
+    _Option(
+        "password_file", "--password-file", "MODELLOAD_PASSWORD_FILE",
+        "file holding the password of an Argon2id-derived key", "FILE",
+    ),
+    _Option(
+        "priority", "--priority", "MODELLOAD_PRIORITY",
+        "comma-separated tensor names or prefixes to load first (default: file order)", "NAMES",
+    ),
+    _Option(
+        "port", "--port", "MODELLOAD_PORT", f"status API port (default {DEFAULT_PORT}; 0: any)", "PORT",
+    ),
+    _Option(
+        "host", "--host", "MODELLOAD_HOST",
+        "status API bind address (default 0.0.0.0: probes come from the kubelet)", "HOST",
+    ),
+    _Option(
+        "notify", "--notify", "MODELLOAD_NOTIFY",
+        "pyzmq PUB endpoint, or 'none' (default ipc://<segment dir>/notify.sock)", "ENDPOINT",
+    ),
+    _Option(
+        "s3_endpoint", "--s3-endpoint", "MODELLOAD_S3_ENDPOINT",
+        "S3-compatible endpoint URL (default: botocore's: AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, else AWS)",
+        "URL",
+    ),
+    _Option(
+        "s3_region", "--s3-region", "MODELLOAD_S3_REGION",
+        "S3 region (default: botocore's chain: AWS_REGION, AWS_DEFAULT_REGION, the profile)", "REGION",
+    ),
+    _Option(
+        "s3_addressing", "--s3-addressing", "MODELLOAD_S3_ADDRESSING", "S3 addressing style (default auto)",
+        choices=("auto", "path", "virtual"),
+    ),
+    _Option(
+        "s3_unsigned", "--s3-unsigned", "MODELLOAD_S3_UNSIGNED",
+        "anonymous S3 requests, for public buckets (default off)", boolean=True,
+    ),
+    _Option(
+        "log_level", "--log-level", "MODELLOAD_LOG_LEVEL", "modelload's log level (default info)",
+        choices=get_args(LogLevel),
+    ),
+)  # fmt: skip
+ENVIRONMENT = tuple(option.env for option in _OPTIONS)
+"""Every variable the sidecar reads, for documentation and for the operator's tests."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add every sidecar flag to ``parser``; a flag left out stays ``None`` and falls back to its variable.
+
+    Values stay strings here: :class:`_Lookup` parses flags and variables alike, so both get the same checks
+    and the same messages.
+    """
+    for option in _OPTIONS:
+        text = f"{option.help} [env {option.env}]"
+        if option.boolean:
+            parser.add_argument(
+                option.flag, dest=option.dest, action=argparse.BooleanOptionalAction, help=text
+            )
+        else:
+            metavar = "{" + ",".join(option.choices) + "}" if option.choices else option.metavar
+            parser.add_argument(option.flag, dest=option.dest, metavar=metavar, help=text)
+
+
+T = TypeVar("T")
+
+
+class _Lookup:
+    """Where each value comes from: the flag when given, else its variable, else the default."""
+
+    def __init__(self, flags: Mapping[str, object], environ: Mapping[str, str]) -> None:
+        self._flags = flags
+        self._environ = environ
+        self._options = {option.dest: option for option in _OPTIONS}
+
+    def get(self, dest: str, parse: Callable[..., T], default: T) -> T:
+        option = self._options[dest]
+        value = self._flags.get(dest)
+        if value is not None:
+            if isinstance(value, bool):  # --verify / --no-verify arrive parsed
+                return cast("T", value)
+            return parse(str(value), name=option.flag)
+        text = self._environ.get(option.env)
+        if text is None or not text.strip():  # an empty variable is an unset one (a blank Helm value)
+            return default
+        return parse(text, name=option.env)
+
+
+def _text(text: str, *, name: str) -> str:
+    return text.strip()
+
+
+def _path(text: str, *, name: str) -> Path:
+    return Path(text.strip()).absolute()
+
+
+def _int_in(low: int, high: int) -> Callable[..., int]:
+    def parse(text: str, *, name: str) -> int:
+        value = _parse_int(text, name=name)
+        if not low <= value <= high:
+            raise ConfigError(f"{name}: expected a number from {low} to {high}, got {value}")
+        return value
+
+    return parse
+
+
+def _chunk_size(text: str, *, name: str) -> int:
+    value = parse_size(text, name=name)
+    if not MIN_CHUNK <= value <= MAX_CHUNK:
+        raise ConfigError(f"{name}: expected a size from 1MiB to 1GiB, got {text!r} ({value} bytes)")
+    return value
+
+
+def _url(text: str, *, name: str) -> str:
+    value = text.strip()
+    if not value.startswith(("http://", "https://")):
+        raise ConfigError(f"{name}: expected an http:// or https:// URL, got {value!r}")
+    return value
+
+
+def _endpoint(text: str, *, name: str) -> str | None:
+    """A pyzmq endpoint, or None for 'none' (notifications off: loaders poll the segment)."""
+
+    value = text.strip()
+    if value.lower() in NOTIFY_OFF:
+        return None
+    if not value.startswith(_NOTIFY_SCHEMES):
+        raise ConfigError(f"{name}: expected ipc://PATH, tcp://HOST:PORT or none, got {value!r}")
+    return value
+
+
+def parse_settings(
+    argv: Sequence[str] | argparse.Namespace | Mapping[str, object], environ: Mapping[str, str]
+) -> SidecarSettings:
+    """Build the settings from flags (an argv list, parsed args, or a mapping of dests) and ``environ``.
+
+    Raises ConfigError naming the flag or variable of the first bad value.
+    """
+    from modelload.sidecar.sources import HttpSettings, RetryPolicy, S3Settings, SourceSettings
+
+    if isinstance(argv, argparse.Namespace):
+        flags: Mapping[str, object] = vars(argv)
+    elif isinstance(argv, Mapping):
+        flags = argv
+    else:
+        parser = argparse.ArgumentParser(prog="modelload sidecar", exit_on_error=False, allow_abbrev=False)
+        add_arguments(parser)
+        try:
+            namespace, unknown = parser.parse_known_args(list(argv))
+        except argparse.ArgumentError as exc:
+            raise ConfigError(str(exc)) from None
+        if unknown:
+            raise ConfigError(f"unknown arguments: {' '.join(unknown)} (see modelload sidecar --help)")
+        flags = vars(namespace)
+    get = _Lookup(flags, environ).get
+    source = get("source", _text, "")
+    if not source:
+        raise ConfigError(
+            "no model source: pass --source URI or set MODELLOAD_SOURCE (s3://, http(s)://, file://)"
+        )
+    segment = get("segment", _path, DEFAULT_SEGMENT)
+    key_file = get("key_file", _path, None)
+    password_file = get("password_file", _path, None)
+    if key_file is not None and password_file is not None:
+        raise ConfigError(
+            "both a key file (--key-file/MODELLOAD_KEY_FILE) and a password file"
+            " (--password-file/MODELLOAD_PASSWORD_FILE) are set: give one"
+        )
+    engine = LoadSettings(
+        source=source,
+        segment=segment,
+        format=cast("ModelFormat", get("format", _parse_choice(get_args(ModelFormat)), "auto")),
+        readers=get("readers", _int_in(1, MAX_READERS), 8),
+        chunk_size=get("chunk_size", _chunk_size, 32 * MiB),
+        verify=get("verify", parse_bool, True),
+        key_file=key_file,
+        password_file=password_file,
+        priority=get("priority", _parse_priority, ()),
+    )
+    api = ApiSettings(host=get("host", _text, "0.0.0.0"), port=get("port", _int_in(0, 65535), DEFAULT_PORT))  # noqa: S104
+    default_endpoint: str | None = f"ipc://{segment.parent}/notify.sock"
+    notify = NotifySettings(endpoint=get("notify", _endpoint, default_endpoint))
+    s3 = S3Settings(
+        endpoint_url=get("s3_endpoint", _url, None),
+        region=get("s3_region", _text, None),
+        addressing=cast(
+            "S3Addressing", get("s3_addressing", _parse_choice(("auto", "path", "virtual")), "auto")
+        ),
+        unsigned=get("s3_unsigned", parse_bool, False),
+    )
+    log_level = cast("LogLevel", get("log_level", _parse_choice(get_args(LogLevel)), "info"))
+    sources = SourceSettings(http=HttpSettings(), s3=s3, retry=RetryPolicy())
+    return SidecarSettings(engine=engine, sources=sources, api=api, notify=notify, log_level=log_level)
