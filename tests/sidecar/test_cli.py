@@ -204,6 +204,23 @@ def test_retries_are_logged_at_most_once_a_second(caplog: pytest.LogCaptureFixtu
     ]
 
 
+def test_progress_is_logged_while_the_model_loads(
+    run_sidecar: Callable[..., Sidecar], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("modelload.sidecar.cli.PROGRESS_INTERVAL", 0.0)
+    caplog.set_level(logging.INFO, logger="modelload")
+    sidecar = run_sidecar(scripted(tensors=4, pause_at=2))
+    wait_for(lambda: sidecar.tracker.snapshot().tensors_ready == 2)
+    waiter = threading.Thread(target=sidecar.wait)
+    waiter.start()
+    try:
+        wait_for(lambda: "loading: 50.0% 8.0 KiB/16.0 KiB" in caplog.text, timeout=5)
+    finally:
+        sidecar.shutdown.set()
+        waiter.join(5)
+    assert "2/4 tensors, 0 retries, ETA" in caplog.text
+
+
 # --- the command line ---------------------------------------------------------------------------------------
 
 

@@ -252,3 +252,35 @@ def test_reprs_hide_credentials_and_signatures_of_the_source() -> None:
 )
 def test_sources_are_displayed_without_user_info_or_query(uri: str, shown: str) -> None:
     assert display_source(uri) == shown
+
+
+def test_s3_endpoint_and_region_come_from_the_aws_variables_unless_overridden(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from modelload.sidecar.sources import open_source
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://s3-from-aws-env:9000")  # botocore reads it itself
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-west-2")  # botocore reads it itself
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    plain = parse_settings(["--source", "s3://models/m.safetensors"], environ={})
+    assert plain.sources.s3.endpoint_url is None  # not duplicated here
+    with open_source(plain.engine.source, plain.sources) as source:  # no request is made here
+        assert source.location.origin.netloc == "s3-from-aws-env:9000"  # type: ignore[attr-defined]
+        assert source.region == "us-west-2"  # type: ignore[attr-defined]
+    # AWS_REGION (the contract's, EKS's) is read at the edge: botocore does not know it, and it wins over
+    # AWS_DEFAULT_REGION as in the AWS CLI v2.
+    with_region = parse_settings(
+        ["--source", "s3://models/m.safetensors"], environ={"AWS_REGION": "ap-south-2"}
+    )
+    with open_source(with_region.engine.source, with_region.sources) as source:
+        assert source.region == "ap-south-2"  # type: ignore[attr-defined]
+    environ = {
+        "MODELLOAD_S3_ENDPOINT": "http://minio:9000",
+        "MODELLOAD_S3_REGION": "eu-west-3",
+        "AWS_REGION": "x",
+    }
+    overridden = parse_settings(["--source", "s3://models/m.safetensors"], environ=environ)
+    with open_source(overridden.engine.source, overridden.sources) as source:
+        assert source.location.origin.netloc == "minio:9000"  # type: ignore[attr-defined]
+        assert source.region == "eu-west-3"  # type: ignore[attr-defined]

@@ -7,9 +7,12 @@ read the environment. A wrong value is a :class:`ConfigError` that names the fla
 and what is expected.
 
 S3 endpoint, region and credentials: the sources layer hands them to botocore's own chain
-(``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, ``AWS_REGION``, ``AWS_DEFAULT_REGION``, profiles, IRSA...),
-so these settings carry only the explicit overrides (``--s3-endpoint``, ``--s3-region`` and their
-``MODELLOAD_S3_*`` variables) and leave the rest to botocore, as users of the AWS tools expect.
+(``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, ``AWS_DEFAULT_REGION``, profiles, IRSA...), so these
+settings carry only the explicit overrides (``--s3-endpoint``, ``--s3-region`` and their ``MODELLOAD_S3_*``
+variables) and leave the rest to botocore, as users of the AWS tools expect. One exception: botocore (1.44)
+does not read ``AWS_REGION``, which the AWS CLI v2, the newer SDKs and EKS (IRSA, Pod Identity) use, and
+which CONTRACTS.md names; so ``AWS_REGION`` is read here, after ``--s3-region``/``MODELLOAD_S3_REGION``
+and before botocore's own ``AWS_DEFAULT_REGION`` (the CLI v2's order).
 
 Secrets never live here: the key and password are files whose paths are settings, read by the engine;
 a source URI is shown without user info or query string (presigned URLs carry signatures there).
@@ -60,6 +63,7 @@ MAX_READERS = 256
 MIN_CHUNK, MAX_CHUNK = MiB, GiB
 NOTIFY_OFF = ("none", "off", "false", "")
 _NOTIFY_SCHEMES = ("ipc://", "tcp://", "inproc://")
+AWS_REGION_ENV = "AWS_REGION"  # botocore reads AWS_DEFAULT_REGION only
 
 
 # --- the settings ------------------------------------------------------------------------------------------
@@ -355,7 +359,7 @@ _OPTIONS = (
         choices=get_args(LogLevel),
     ),
 )  # fmt: skip
-ENVIRONMENT = tuple(option.env for option in _OPTIONS)
+ENVIRONMENT = (*(option.env for option in _OPTIONS), AWS_REGION_ENV)
 """Every variable the sidecar reads, for documentation and for the operator's tests."""
 
 
@@ -496,7 +500,7 @@ def parse_settings(
     notify = NotifySettings(endpoint=get("notify", _endpoint, default_endpoint))
     s3 = S3Settings(
         endpoint_url=get("s3_endpoint", _url, None),
-        region=get("s3_region", _text, None),
+        region=get("s3_region", _text, None) or environ.get(AWS_REGION_ENV, "").strip() or None,
         addressing=cast(
             "S3Addressing", get("s3_addressing", _parse_choice(("auto", "path", "virtual")), "auto")
         ),
