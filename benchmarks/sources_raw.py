@@ -1,7 +1,8 @@
 """Raw source throughput: how fast each way of reading ranges moves bytes from nginx, before any format work.
 
 Serves a file from /dev/shm with nginx on loopback (the page cache is the disk), then, for each method,
-reads the whole file with N threads in ranges of CHUNK bytes and prints GiB/s (median of R runs):
+reads the whole file with N threads in ranges of CHUNK bytes and prints GiB/s (median of R rounds, each
+round running every method once):
 
 - ``http``: modelload's HttpSource, ``read_into`` a buffer reused per thread (the ceiling of the client);
 - ``s3``: modelload's S3Source (SigV4-signed per request) against nginx's path-style S3 stand-in;
@@ -162,10 +163,14 @@ def main() -> None:
             print(
                 f"{args.size_mib} MiB from nginx (/dev/shm), {threads} threads, {args.chunk_mib} MiB ranges"
             )
-            for name, run in methods.items():
-                figures = [run() for _ in range(args.runs)]
-                shown = " ".join(f"{f:.2f}" for f in figures)
-                print(f"{name:>7}: {statistics.median(figures):5.2f} GiB/s (runs: {shown})", flush=True)
+            # Round-robin over the methods, so minute-to-minute swings of a shared machine hit all alike.
+            figures: dict[str, list[float]] = {name: [] for name in methods}
+            for _ in range(args.runs):
+                for name, run in methods.items():
+                    figures[name].append(run())
+            for name, runs in figures.items():
+                shown = " ".join(f"{f:.2f}" for f in runs)
+                print(f"{name:>7}: {statistics.median(runs):5.2f} GiB/s (runs: {shown})", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
