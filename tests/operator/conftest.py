@@ -159,10 +159,11 @@ def api(client_configuration: Any) -> Iterator[Any]:
 
 
 def operator_settings(tmp_path: Path, **sidecar: Any) -> Any:
-    from modelload.operator.settings import OperatorSettings, SidecarSettings, WebhookSettings
+    from modelload.operator.settings import OperatorSettings, RetrySettings, SidecarSettings, WebhookSettings
 
     return OperatorSettings(
         namespace=OPERATOR_NAMESPACE,
+        retry=RetrySettings(first_delay=0.2, max_delay=1.0),  # a fixed spec is noticed within a second
         webhook=WebhookSettings(host="127.0.0.1", port=0, cert_dir=tmp_path / "certs"),
         sidecar=SidecarSettings(image="registry.test/modelload-sidecar:1", **sidecar),
     )
@@ -194,3 +195,53 @@ async def start_operator(
 @pytest.fixture
 async def operator(start_operator: Callable[..., Awaitable[Any]]) -> Any:
     return await start_operator()
+
+
+@pytest.fixture
+def model_file(tmp_path: Path) -> Path:
+    """A safetensors model on the local filesystem (a file:// source the operator reads itself)."""
+    path = tmp_path / "tiny.safetensors"
+    path.write_bytes(model_bytes(tensors=4, rows=32))
+    return path
+
+
+async def resolved(kube: Any, name: str, *, timeout: float = 15.0) -> dict[str, Any]:
+    """The ModelLoad once the operator has read its index (status.bytes set)."""
+    return await wait_for(
+        lambda: (
+            (obj := current(kube, MODELLOADS, NAMESPACE, name))
+            and (obj.get("status") or {}).get("bytes")
+            and obj
+        ),
+        timeout=timeout,
+        what=f"ModelLoad {name} to be resolved",
+    )
+
+
+def posted_events(kube: Any) -> list[dict[str, Any]]:
+    """Every Event the operator posted (KMock keeps only the first under generateName; its log has all)."""
+    return [
+        r.data
+        for r in list(kube)
+        if str(r.method).upper().endswith("POST") and r.url.path.endswith("/events")
+    ]
+
+
+def request_bodies(kube: Any) -> str:
+    """Everything every client sent to the emulated API server, as text."""
+    return "\n".join(r.text or r.body.decode("utf-8", "replace") for r in list(kube))
+
+
+async def create_modelload(api: Any, name: str, spec: dict[str, Any]) -> None:
+    """POST a ModelLoad through the API, so watchers see it (writing into KMock's store emits nothing)."""
+    from kubernetes import client
+
+    await asyncio.to_thread(
+        client.CustomObjectsApi(api).create_namespaced_custom_object,
+        "modelload.dev",
+        "v1alpha1",
+        NAMESPACE,
+        "modelloads",
+        modelload(name, spec),
+        _preload_content=False,
+    )

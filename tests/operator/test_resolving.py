@@ -6,6 +6,8 @@ tests that pass credentials, so a model is only readable with the keys from the 
 
 from __future__ import annotations
 
+import asyncio
+import base64
 from typing import Any
 
 import pytest
@@ -13,9 +15,12 @@ import pytest
 from tests.operator.conftest import (
     MODELLOADS,
     NAMESPACE,
+    create_modelload,
     current,
     model_bytes,
-    modelload,
+    posted_events,
+    request_bodies,
+    resolved,
     secret,
     wait_for,
 )
@@ -41,7 +46,9 @@ async def settled(kube: Any, name: str, *, timeout: float = 15.0) -> dict[str, A
     )
 
 
-async def test_a_modelload_gets_format_tensors_and_bytes_from_its_s3_model(kube, operator, moto_s3) -> None:
+async def test_a_modelload_gets_format_tensors_and_bytes_from_its_s3_model(
+    kube, operator, moto_s3, api
+) -> None:
     data = model_bytes(tensors=3, rows=64)
     uri = moto_s3.put(BUCKET, "tiny.safetensors", data)
     with moto_s3.enforce_auth() as keys:
@@ -52,7 +59,8 @@ async def test_a_modelload_gets_format_tensors_and_bytes_from_its_s3_model(kube,
                 "AWS_SECRET_ACCESS_KEY": keys.reader.secret_key.encode(),
             },
         )
-        kube.objects[MODELLOADS, NAMESPACE, "tiny"] = modelload(
+        await create_modelload(
+            api,
             "tiny",
             {
                 "source": uri,
@@ -71,3 +79,165 @@ async def test_a_modelload_gets_format_tensors_and_bytes_from_its_s3_model(kube,
     assert status["encrypted"] is False
     assert status["volumeSizeLimit"].endswith("Mi")
     assert keys.reader.secret_key not in repr(obj)
+
+
+async def failed(kube: Any, name: str, reason: str) -> dict[str, Any]:
+    """The ModelLoad once its Ready condition is False with ``reason``."""
+    return await wait_for(
+        lambda: (
+            (obj := current(kube, MODELLOADS, NAMESPACE, name))
+            and (cond := ready_condition(obj))
+            and cond["status"] == "False"
+            and cond["reason"] == reason
+            and obj
+        ),
+        what=f"ModelLoad {name} to fail with {reason}",
+    )
+
+
+def warnings_posted(kube: Any, reason: str) -> list[dict[str, Any]]:
+    return [e for e in posted_events(kube) if e.get("type") == "Warning" and e.get("reason") == reason]
+
+
+async def test_a_bad_uri_is_a_permanent_badsource_condition(kube, operator, api) -> None:
+    await create_modelload(api, "typo", {"source": "s4://models/llama.tensors"})
+    obj = await failed(kube, "typo", "BadSource")
+    assert obj["status"]["phase"] == "Failed"
+    assert "s3://bucket/key" in ready_condition(obj)["message"]
+    assert "bytes" not in obj["status"]
+    await wait_for(lambda: warnings_posted(kube, "BadSource"), what="a BadSource Event")
+
+
+async def test_a_missing_secret_is_named_in_the_condition(kube, operator, moto_s3, api) -> None:
+    uri = moto_s3.put(BUCKET, "tiny.safetensors", model_bytes())
+    spec = {"source": uri, "credentialsSecretRef": {"name": "nope"}, "s3": {"endpoint": moto_s3.endpoint}}
+    await create_modelload(api, "nosecret", spec)
+    obj = await failed(kube, "nosecret", "SecretNotFound")
+    assert (
+        "the Secret 'nope' (S3 credentials) does not exist in namespace 'serving'"
+        in ready_condition(obj)["message"]
+    )
+    assert obj["status"]["phase"] == "Failed"
+
+
+async def test_a_secret_without_the_named_key_lists_the_keys_it_has(kube, operator, moto_s3, api) -> None:
+    uri = moto_s3.put(BUCKET, "tiny.safetensors", model_bytes())
+    kube.objects["v1/secrets", NAMESPACE, "partial"] = secret("partial", {"AWS_ACCESS_KEY_ID": b"AKIA"})
+    spec = {"source": uri, "credentialsSecretRef": {"name": "partial"}, "s3": {"endpoint": moto_s3.endpoint}}
+    await create_modelload(api, "partial", spec)
+    obj = await failed(kube, "partial", "SecretKeyMissing")
+    assert "no key 'AWS_SECRET_ACCESS_KEY'" in ready_condition(obj)["message"]
+    assert "it has: AWS_ACCESS_KEY_ID" in ready_condition(obj)["message"]
+
+
+async def test_a_missing_object_is_a_sourcenotfound_condition(kube, operator, moto_s3, api) -> None:
+    moto_s3.create_bucket(BUCKET)
+    spec = {
+        "source": f"s3://{BUCKET}/not-uploaded.safetensors",
+        "s3": {"endpoint": moto_s3.endpoint, "unsigned": True},
+    }
+    await create_modelload(api, "missing", spec)
+    obj = await failed(kube, "missing", "SourceNotFound")
+    assert "not-uploaded.safetensors" in ready_condition(obj)["message"]
+
+
+async def test_keys_the_store_refuses_are_an_accessdenied_condition_that_never_shows_the_keys(
+    kube, operator, moto_s3, caplog, api
+) -> None:
+    uri = moto_s3.put(BUCKET, "tiny.safetensors", model_bytes())
+    with moto_s3.enforce_auth() as keys:
+        kube.objects["v1/secrets", NAMESPACE, "stranger"] = secret(
+            "stranger",
+            {
+                "AWS_ACCESS_KEY_ID": keys.stranger.access_key.encode(),
+                "AWS_SECRET_ACCESS_KEY": keys.stranger.secret_key.encode(),
+            },
+        )
+        spec = {
+            "source": uri,
+            "credentialsSecretRef": {"name": "stranger"},
+            "s3": {"endpoint": moto_s3.endpoint},
+        }
+        await create_modelload(api, "denied", spec)
+        obj = await failed(kube, "denied", "AccessDenied")
+        await wait_for(lambda: warnings_posted(kube, "AccessDenied"), what="an AccessDenied Event")
+    for leaked in keys.stranger.secrets():
+        assert leaked not in repr(obj)
+        assert leaked not in request_bodies(kube)
+        assert leaked not in caplog.text
+
+
+async def test_a_file_that_is_not_a_model_is_a_badmodel_condition(kube, operator, tmp_path, api) -> None:
+    path = tmp_path / "page.html"
+    path.write_bytes(b"<html><body>Access denied</body></html>" * 10)
+    await create_modelload(api, "html", {"source": f"file://{path}"})
+    obj = await failed(kube, "html", "BadModel")
+    assert "HTML" in ready_condition(obj)["message"]
+    assert obj["status"]["phase"] == "Failed"
+
+
+async def test_a_decryption_key_of_the_wrong_size_is_refused_before_reading(
+    kube, operator, model_file, api
+) -> None:
+    kube.objects["v1/secrets", NAMESPACE, "model-key"] = secret(
+        "model-key", {"key": base64.b64encode(b"k" * 32)}
+    )
+    spec = {"source": f"file://{model_file}", "decryptionKeySecretRef": {"name": "model-key"}}
+    await create_modelload(api, "badkey", spec)
+    obj = await failed(kube, "badkey", "BadKey")
+    assert "holds 44 bytes; a decryption key is exactly 32 raw bytes" in ready_condition(obj)["message"]
+
+
+async def test_a_key_for_a_file_that_is_not_encrypted_is_refused(kube, operator, model_file, api) -> None:
+    kube.objects["v1/secrets", NAMESPACE, "model-key"] = secret("model-key", {"key": bytes(range(32))})
+    spec = {"source": f"file://{model_file}", "decryptionKeySecretRef": {"name": "model-key"}}
+    await create_modelload(api, "plain", spec)
+    await failed(kube, "plain", "NotEncrypted")
+
+
+async def test_an_unreachable_store_is_retried_and_reported_as_transient(kube, operator, api) -> None:
+    import socket
+
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    spec = {
+        "source": "s3://bucket-x/model.tensors",
+        "s3": {"endpoint": f"http://127.0.0.1:{port}", "unsigned": True},
+    }
+    await create_modelload(api, "offline", spec)
+    obj = await failed(kube, "offline", "SourceUnreadable")
+    assert obj["status"]["phase"] == "Retrying"
+    assert "(retrying)" in ready_condition(obj)["message"]
+
+
+async def test_a_spec_change_re_reads_the_model(kube, operator, model_file, tmp_path, api) -> None:
+    from kubernetes import client
+
+    await create_modelload(api, "moving", {"source": f"file://{tmp_path}/absent.safetensors"})
+    await failed(kube, "moving", "SourceNotFound")
+    await asyncio.to_thread(
+        client.CustomObjectsApi(api).patch_namespaced_custom_object,
+        "modelload.dev",
+        "v1alpha1",
+        NAMESPACE,
+        "modelloads",
+        "moving",
+        {"spec": {"source": f"file://{model_file}"}},
+        _content_type="application/merge-patch+json",
+    )
+    obj = await resolved(kube, "moving")
+    assert ready_condition(obj)["status"] == "True"
+    assert obj["status"]["tensors"] == 4
+
+
+async def test_the_ready_transition_time_moves_only_when_the_status_flips() -> None:
+    from modelload.operator.conditions import set_condition
+
+    first = set_condition(None, type="Ready", status="False", reason="A", message="a", generation=1, now="t1")
+    same = set_condition(first, type="Ready", status="False", reason="B", message="b", generation=2, now="t2")
+    flipped = set_condition(
+        same, type="Ready", status="True", reason="C", message="c", generation=2, now="t3"
+    )
+    assert [c["lastTransitionTime"] for c in (first[0], same[0], flipped[0])] == ["t1", "t1", "t3"]
+    assert same[0]["reason"] == "B" and same[0]["observedGeneration"] == 2

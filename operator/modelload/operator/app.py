@@ -19,8 +19,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from modelload.operator.kube import Kube, KubeError, KubeNotFoundError, load_configuration
@@ -106,8 +107,6 @@ async def running(
 
     Tests pass an emulated API server's client ``configuration`` and kopf ``login`` handler.
     """
-    import kopf
-
     from modelload.operator.handlers import build_registry
 
     kube = Kube(configuration if configuration is not None else load_configuration())
@@ -124,7 +123,7 @@ async def running(
             webhook, host=hook.host, port=hook.port, path=hook.path, ssl_context=context, ready=ready.is_set
         ) as port:
             task = asyncio.create_task(
-                kopf.operator(
+                _kopf(
                     registry=registry,
                     standalone=True,
                     clusterwide=not settings.watch_namespaces,
@@ -137,6 +136,7 @@ async def running(
                 ),
                 name="modelload-kopf",
             )
+            await _started(task, ready)
             try:
                 yield RunningOperator(webhook_port=port, ca_pem=ca_pem, native=native, task=task, stop=stop)
             finally:
@@ -148,6 +148,48 @@ async def running(
                     await reloader
     finally:
         await kube.close()
+
+
+class _ForeignTasks(Collection["asyncio.Task[Any]"]):
+    """The tasks kopf must leave alone: those whose coroutine is not kopf's own code."""
+
+    def __init__(self, kopf_dir: str) -> None:
+        self._kopf_dir = kopf_dir
+
+    def __contains__(self, item: object) -> bool:
+        coro = item.get_coro() if isinstance(item, asyncio.Task) else None
+        code = getattr(coro, "cr_code", None)
+        return not (code is not None and code.co_filename.startswith(self._kopf_dir))
+
+    def __iter__(self) -> Iterator[asyncio.Task[Any]]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+async def _kopf(**options: Any) -> None:
+    """``kopf.operator`` with its hung-task sweep limited to kopf's own tasks.
+
+    kopf assumes that every task created after it started is its own, and at exit waits five seconds for
+    them, then cancels them. Here the loop is shared (the webhook's connections, an embedding test), so the
+    sweep only touches tasks running kopf's code; the others are left to their owners.
+    """
+    import kopf
+
+    kopf_dir = str(Path(kopf.__file__).parent)
+    tasks = await kopf.spawn_tasks(**options)
+    await kopf.run_tasks(tasks, ignored=_ForeignTasks(kopf_dir))
+
+
+async def _started(task: asyncio.Task[None], ready: asyncio.Event) -> None:
+    """Wait until kopf has started (indices filled, watches open), or raise why it could not."""
+    waiter = asyncio.create_task(ready.wait())
+    done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        waiter.cancel()
+        task.result()  # raises kopf's start-up error
+        raise RuntimeError("kopf stopped during start-up")
 
 
 async def run(settings: OperatorSettings) -> None:

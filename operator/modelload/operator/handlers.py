@@ -3,9 +3,10 @@
 :func:`build_registry` returns a fresh ``kopf.OperatorRegistry`` (never kopf's global one), so a test can run
 the real handlers against an emulated API server in its own event loop, and two registries never mix.
 
-* ``resolve`` (create, spec update, resume): :mod:`modelload.operator.resolve` does the work; this module
-  turns its outcome into the status patch, an Event, and kopf's retry decision (``TemporaryError(delay=)``
-  or ``PermanentError``).
+* ``resolve`` (create, resume, and any change but the status: a spec change, or an annotation such as
+  ``modelload.dev/refresh`` to re-read a re-uploaded file): :mod:`modelload.operator.resolve` does the work;
+  this module turns its outcome into the status patch, an Event when the problem is new, and kopf's retry
+  decision (``TemporaryError(delay=)`` or ``PermanentError``).
 * Two in-memory indices: ModelLoads by the label value that selects their pods, and each labelled pod's
   load state (:mod:`modelload.operator.pods`). kopf updates an index before it calls handlers for the same
   event, so a pod event handler sees the pod's new state.
@@ -53,6 +54,14 @@ def configure_kopf(settings: kopf.OperatorSettings) -> None:
     )
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
+
+
+def _changed(conditions: Any, reason: str, message: str) -> bool:
+    """Whether the Ready condition did not already say this."""
+    for condition in conditions or ():
+        if condition.get("type") == "Ready":
+            return bool(condition.get("reason") != reason or condition.get("message") != message)
+    return True
 
 
 def pods_body(status: PodsStatus) -> dict[str, Any]:
@@ -134,7 +143,7 @@ def build_registry(
 
     @kopf.on.resume(GROUP, VERSION, PLURAL, id="resolve", registry=registry)
     @kopf.on.create(GROUP, VERSION, PLURAL, id="resolve", registry=registry)
-    @kopf.on.update(GROUP, VERSION, PLURAL, id="resolve", field="spec", registry=registry)
+    @kopf.on.update(GROUP, VERSION, PLURAL, id="resolve", registry=registry)
     async def resolve_model(
         *,
         body: kopf.Body,
@@ -155,7 +164,7 @@ def build_registry(
             spec = parse_spec(body.get("spec"))
             resolution = await resolve(kube=kube, namespace=namespace, spec=spec, sizing=sizing)
         except Exception as exc:
-            failure = classify_failure(exc, retry=retry)
+            failure = classify_failure(exc, retry=retry, policy=settings.retry)
             if failure is None:
                 raise
             keep = isinstance(status.get("bytes"), int) and status.get("observedGeneration") == generation
@@ -163,7 +172,10 @@ def build_registry(
                 failure, generation=generation, conditions=conditions, keep_resolved=keep, now=now
             ).items():
                 patch.status[key] = value
-            kopf.warn(body, reason=failure.reason, message=failure.message)
+            if _changed(
+                conditions, failure.reason, failure.message
+            ):  # one Event per new problem, not per try
+                kopf.warn(body, reason=failure.reason, message=failure.message)
             if failure.retry_after is None:
                 raise kopf.PermanentError(f"{failure.reason}: {failure.message}") from None
             raise kopf.TemporaryError(

@@ -13,10 +13,11 @@ is the time until the pod could serve with the model loaded: an upper bound of t
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from modelload.operator.schema import PodsStatus
@@ -93,8 +94,17 @@ def _ready_transition(status: Mapping[str, Any]) -> str | None:
     return None
 
 
+_RFC3339 = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)$")
+
+
 def _parse_time(value: str) -> datetime:
-    return datetime.fromisoformat(value.replace("Z", "+00:00"))
+    """An RFC 3339 time (Kubernetes writes whole seconds; MicroTime has six digits; any count is read)."""
+    match = _RFC3339.match(value)
+    if match is None:
+        raise ValueError(f"not an RFC 3339 time: {value!r}")
+    base, fraction, zone = match.groups()
+    parsed = datetime.fromisoformat(base + ("+00:00" if zone == "Z" else zone))
+    return parsed + timedelta(microseconds=int((fraction or "0")[:6].ljust(6, "0")))
 
 
 def _seconds_between(start: str | None, end: str | None) -> float | None:

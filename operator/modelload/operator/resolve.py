@@ -6,18 +6,23 @@ which the handler turns into a condition, an Event and kopf's retry decision:
 ==================  ========  =======================================================================
 reason              phase     next
 ==================  ========  =======================================================================
-BadSpec/BadSource   Failed    stop (kopf.PermanentError): only a spec change re-runs the handler
-BadModel            Failed    stop: the file is not a model, or is corrupt; upload it again
-MissingKey, BadKey  Failed    stop: the file is encrypted and no (or a wrong-sized) key is referenced
-NotEncrypted        Failed    stop: a key is referenced for a file that is not encrypted
-SecretNotFound,     Failed    retry every minute: the fix (creating the Secret, adding a key) happens
-SecretKeyMissing              outside this resource, so a permanent stop would never notice it
-SourceNotFound,     Failed    retry every two minutes: the object may still be uploading, the policy
-AccessDenied                  may still be changing
-Forbidden           Failed    retry every minute: the operator's RBAC lacks a rule (a chart problem)
-SourceUnreadable    Retrying  retry with backoff (5 s doubling to 5 min, or the source's Retry-After)
-APIUnavailable      Retrying  the same backoff
+BadSpec/BadSource   Failed    stop (kopf.PermanentError): a change of the ModelLoad re-runs it
+BadModel            Failed    stop: the file is not a model, or is corrupt; upload it again, then
+                              touch the ModelLoad (``kubectl annotate ... modelload.dev/refresh=1``)
+MissingKey,         Failed    stop: the file is encrypted and no key is referenced, or a key is
+NotEncrypted                  referenced for a file that is not encrypted
+SecretNotFound,     Failed    retry with backoff: the fix (creating the Secret, adding a key, fixing
+SecretKeyMissing,             the key, uploading the object, granting access, the chart's RBAC)
+BadKey, Forbidden,            happens outside this resource, so a permanent stop would never notice
+SourceNotFound,               it
+AccessDenied
+SourceUnreadable    Retrying  retry with backoff, or after the source's Retry-After when longer
+APIUnavailable      Retrying  the same
 ==================  ========  =======================================================================
+
+The backoff (:class:`~modelload.operator.settings.RetrySettings`) starts at 5 s and doubles to 2 minutes. It
+is also how soon a spec change is noticed while a retry is pending (kopf re-runs a handler after its delay
+with the object as it is then), which is why it stays short.
 
 Messages never carry credentials, keys or query strings: the sources layer names objects by their
 ``display_uri`` and the Secret's values never leave :func:`read_credentials`.
@@ -51,6 +56,7 @@ from modelload.operator.kube import (
 from modelload.operator.model_source import ModelSummary, S3Credentials, read_summary
 from modelload.operator.quantity import humanize_bytes
 from modelload.operator.schema import ModelLoadSpec
+from modelload.operator.settings import RetrySettings
 from modelload.operator.sizing import Sizing, SizingDefaults, plan_sizing
 
 __all__ = [
@@ -176,25 +182,36 @@ async def check_decryption_secret(kube: Kube, namespace: str, spec: ModelLoadSpe
 
 # --- outcomes ----------------------------------------------------------------------------------------------
 
-_SLOW_RETRY = {"SecretNotFound": 60.0, "SecretKeyMissing": 60.0, "Forbidden": 60.0}
-_SLOW_RETRY.update({"SourceNotFound": 120.0, "AccessDenied": 120.0})
+_FIX_ELSEWHERE = frozenset(
+    {
+        "SecretNotFound",
+        "SecretKeyMissing",
+        "BadCredentials",
+        "BadKey",
+        "Forbidden",
+        "SourceNotFound",
+        "AccessDenied",
+    }
+)
 
 
-def backoff(retry: int, retry_after: float | None = None) -> float:
-    """5 s doubling to 5 minutes, or what the source asked for when longer."""
-    delay = min(300.0, 5.0 * 2 ** min(retry, 10))
+def backoff(retry: int, policy: RetrySettings, retry_after: float | None = None) -> float:
+    """``policy.first_delay`` doubled per retry up to ``policy.max_delay``, or the source's Retry-After."""
+    delay = min(policy.max_delay, policy.first_delay * 2 ** min(retry, 20))
     return max(delay, retry_after or 0.0)
 
 
-def classify_failure(exc: BaseException, *, retry: int) -> Failure | None:
+def classify_failure(exc: BaseException, *, retry: int, policy: RetrySettings) -> Failure | None:
     """What a failure of :func:`resolve` means; None for an unexpected error (let kopf retry and log it)."""
     reason, message = _reason(exc)
     if reason is None:
         return None
     if isinstance(exc, (TransientSourceError, SourceChangedError, KubeUnavailableError)):
         retry_after = exc.retry_after if isinstance(exc, TransientSourceError) else None
-        return Failure(reason, message, "Retrying", backoff(retry, retry_after))
-    return Failure(reason, message, "Failed", _SLOW_RETRY.get(reason))
+        return Failure(reason, message, "Retrying", backoff(retry, policy, retry_after))
+    if reason in _FIX_ELSEWHERE:
+        return Failure(reason, message, "Failed", backoff(retry, policy))
+    return Failure(reason, message, "Failed", None)
 
 
 def _reason(exc: BaseException) -> tuple[str | None, str]:

@@ -17,7 +17,15 @@ from modelload.loader.errors import ConfigError
 from modelload.operator.quantity import parse_bytes
 from modelload.operator.sizing import SizingDefaults
 
-__all__ = ["OPTIONS", "OperatorSettings", "SidecarSettings", "WebhookSettings", "add_arguments", "from_args"]
+__all__ = [
+    "OPTIONS",
+    "OperatorSettings",
+    "RetrySettings",
+    "SidecarSettings",
+    "WebhookSettings",
+    "add_arguments",
+    "from_args",
+]
 
 SidecarMode = Literal["auto", "native", "regular"]
 TlsMode = Literal["self-signed", "files"]
@@ -56,6 +64,16 @@ class WebhookSettings:
 
 
 @dataclass(frozen=True)
+class RetrySettings:
+    """How soon a ModelLoad that could not be resolved is tried again (see modelload.operator.resolve)."""
+
+    first_delay: float = 5.0
+    """Seconds before the first retry; doubled after each failed one."""
+    max_delay: float = 120.0
+    """The longest wait between tries. It also bounds how long a fixed spec waits for a pending retry."""
+
+
+@dataclass(frozen=True)
 class OperatorSettings:
     namespace: str = "modelload-system"
     """The operator's own namespace: its Service, its TLS Secret."""
@@ -65,6 +83,7 @@ class OperatorSettings:
     log_level: str = "INFO"
     webhook: WebhookSettings = field(default_factory=WebhookSettings)
     sidecar: SidecarSettings = field(default_factory=SidecarSettings)
+    retry: RetrySettings = field(default_factory=RetrySettings)
 
 
 @dataclass(frozen=True)
@@ -93,6 +112,16 @@ def _port(text: str) -> int:
     if not 0 < port < 65536:
         raise ConfigError(f"{port} is not a port number (1-65535)")
     return port
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError as exc:
+        raise ConfigError(f"{text!r} is not a number of seconds") from exc
+    if not 0 < value < 86400:
+        raise ConfigError(f"{value} is not a sensible number of seconds (0 to 86400)")
+    return value
 
 
 def _namespaces(text: str) -> tuple[str, ...]:
@@ -158,6 +187,20 @@ OPTIONS: tuple[Option, ...] = (
         "sidecar memory beyond the model (e.g. 512Mi)",
     ),
     Option(
+        "--retry-first-delay",
+        "MODELLOAD_OPERATOR_RETRY_FIRST_DELAY",
+        ("retry", "first_delay"),
+        _seconds,
+        "seconds before re-trying a ModelLoad that could not be resolved (doubled each time)",
+    ),
+    Option(
+        "--retry-max-delay",
+        "MODELLOAD_OPERATOR_RETRY_MAX_DELAY",
+        ("retry", "max_delay"),
+        _seconds,
+        "the longest wait between tries",
+    ),
+    Option(
         "--sidecar-cpu-request",
         "MODELLOAD_OPERATOR_SIDECAR_CPU_REQUEST",
         ("sidecar", "sizing", "cpu_request"),
@@ -204,4 +247,9 @@ def _build(values: Mapping[tuple[str, ...], Any]) -> OperatorSettings:
     sizing = SizingDefaults(**pick(("sidecar", "sizing")))
     sidecar = SidecarSettings(**pick(("sidecar",)), sizing=sizing)
     webhook = WebhookSettings(**pick(("webhook",)))
-    return OperatorSettings(**pick(()), webhook=webhook, sidecar=sidecar)
+    retry = RetrySettings(**pick(("retry",)))
+    if retry.max_delay < retry.first_delay:
+        raise ConfigError(
+            f"the retry max delay {retry.max_delay} is below the first delay {retry.first_delay}"
+        )
+    return OperatorSettings(**pick(()), webhook=webhook, sidecar=sidecar, retry=retry)
