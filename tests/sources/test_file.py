@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import errno
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -123,3 +124,12 @@ def test_os_errors_map_to_what_the_caller_does_next(number: int, error: type[Exc
     assert "/models/m.bin" in str(result)
     if isinstance(result, InterruptedReadError):
         assert result.landed == 7
+
+
+def test_buffers_of_any_item_type_count_bytes(model: Path) -> None:
+    words = array.array("I", bytes(4000))  # 1000 four-byte items
+    with open_source(str(model)) as source:
+        source.read_into(8, memoryview(words))
+        assert words.tobytes() == DATA[8:4008]
+        with pytest.raises(TypeError, match="read-only"):
+            source.read_into(0, memoryview(b"immutable"))

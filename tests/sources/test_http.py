@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -52,6 +53,13 @@ def test_ranges_are_byte_exact_including_the_last_partial_one(model_url: str) ->
         assert info.etag and info.etag.startswith('"')
         assert _read_all(source) == DATA
         assert source.read_bytes(len(DATA) - 1, 1) == DATA[-1:]
+
+
+def test_a_typed_buffer_is_filled_by_bytes(model_url: str) -> None:
+    halves = array.array("H", bytes(20_000))
+    with open_source(model_url, FAST_SETTINGS) as source:
+        source.read_into(3, memoryview(halves))
+    assert halves.tobytes() == DATA[3:20_003]
 
 
 def test_zero_length_reads_need_no_request_and_past_the_end_fails_before_one(model_url: str) -> None:

@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 
 from modelload.loader.errors import TransientSourceError, TruncatedError
 
-__all__ = ["InterruptedReadError", "ObjectInfo", "Source", "SourceBase", "check_range"]
+__all__ = ["InterruptedReadError", "ObjectInfo", "Source", "SourceBase", "byte_view", "check_range"]
 
 
 @dataclass(frozen=True)
@@ -164,3 +164,16 @@ def check_range(offset: int, length: int, size: int, *, uri: str) -> None:
             f"the range [{offset}, {offset + length}) reaches past the end of the object ({size} bytes)",
             source=uri,
         )
+
+
+def byte_view(buf: memoryview | bytearray) -> memoryview:
+    """``buf`` as a flat view of bytes, so lengths and slices count bytes whatever the buffer's item type.
+
+    Raises TypeError for a read-only or non-contiguous buffer: bytes can only land in writable memory.
+    """
+    view = memoryview(buf)
+    if view.readonly:
+        raise TypeError("the destination buffer is read-only")
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view

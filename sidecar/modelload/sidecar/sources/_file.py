@@ -21,7 +21,7 @@ from modelload.loader.errors import (
     SourceNotFoundError,
 )
 
-from ._base import InterruptedReadError, ObjectInfo, SourceBase
+from ._base import InterruptedReadError, ObjectInfo, SourceBase, byte_view
 from ._settings import SourceSettings
 from ._splice import HAVE_SPLICE, Progress, splice_file
 
@@ -64,6 +64,7 @@ class FileSource(SourceBase):
             )
 
     def read_into(self, offset: int, buf: memoryview) -> None:
+        buf = byte_view(buf)
         info = self._checked_range(offset, len(buf))
         self._check_unchanged(info)
         done, length = 0, len(buf)

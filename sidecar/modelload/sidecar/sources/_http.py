@@ -32,7 +32,7 @@ from modelload.loader.errors import (
     SourceError,
 )
 
-from ._base import InterruptedReadError, ObjectInfo, SourceBase
+from ._base import InterruptedReadError, ObjectInfo, SourceBase, byte_view
 from ._body import Body
 from ._connections import ConnectionPool, Origin, socket_of
 from ._responses import display_url, error_for_status, parse_content_range, same_etag
@@ -191,8 +191,9 @@ class HttpObject(SourceBase):
         return ObjectInfo(size=total, etag=etag, last_modified=last_modified, accepts_ranges=True)
 
     def read_into(self, offset: int, buf: memoryview) -> None:
+        buf = byte_view(buf)
         info = self._checked_range(offset, len(buf))
-        if not buf:
+        if not len(buf):
             return
         progress = Progress()
         self._transfer(info, offset, len(buf), progress, lambda body: body.fill(buf, progress))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from modelload.loader.errors import SourceChangedError, SourceError, SourceNotFoundError
 
-from ._base import InterruptedReadError, ObjectInfo, SourceBase
+from ._base import InterruptedReadError, ObjectInfo, SourceBase, byte_view
 from ._settings import SourceSettings
 
 __all__ = ["Interrupt", "MemorySource", "put_memory_object", "remove_memory_object"]
@@ -79,6 +79,7 @@ class MemorySource(SourceBase):
             return ObjectInfo(size=len(self._data), etag=self._etag(), accepts_ranges=self._accepts_ranges)
 
     def read_into(self, offset: int, buf: memoryview) -> None:
+        buf = byte_view(buf)
         length = len(buf)
         info = self._checked_range(offset, length)
         with self._lock:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from modelload.loader.errors import TransientSourceError
 
-from ._base import InterruptedReadError, ObjectInfo, Source
+from ._base import InterruptedReadError, ObjectInfo, Source, byte_view
 from ._settings import RetryPolicy
 
 __all__ = ["RetryEvent", "read_range", "read_range_into_fd", "stat_source"]
@@ -66,10 +66,12 @@ def read_range(
     whose ``landed`` says how much of ``buf`` is filled) when the policy's attempts or deadline run out.
     """
 
-    def step(done: int) -> None:
-        source.read_into(offset + done, buf[done:])
+    view = byte_view(buf)
 
-    _retrying(source.display_uri, offset, len(buf), step, policy, on_retry)
+    def step(done: int) -> None:
+        source.read_into(offset + done, view[done:])
+
+    _retrying(source.display_uri, offset, len(view), step, policy, on_retry)
 
 
 def read_range_into_fd(
