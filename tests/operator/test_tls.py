@@ -1,0 +1,183 @@
+"""The webhook's self-managed CA: certificates the API server accepts, kept in one Secret, renewed in time."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import ssl
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cryptography import x509
+
+from modelload.operator.kube import Kube
+from modelload.operator.settings import WebhookSettings
+from modelload.operator.tls import (
+    bundle_is_usable,
+    ensure_self_signed,
+    generate_bundle,
+    server_context,
+    service_names,
+    watch_and_reload,
+    write_files,
+)
+from tests.operator.conftest import MWC, MWC_NAME, OPERATOR_NAMESPACE, current
+
+NAMES = service_names("modelload-webhook", "modelload-system")
+
+
+def test_the_serving_certificate_names_the_service_and_chains_to_the_ca() -> None:
+    bundle = generate_bundle(NAMES)
+    cert = x509.load_pem_x509_certificate(bundle.cert_pem)
+    ca = x509.load_pem_x509_certificate(bundle.ca_pem)
+    cert.verify_directly_issued_by(ca)
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "modelload-webhook.modelload-system.svc" in sans.get_values_for_type(x509.DNSName)
+    assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca is True
+    assert cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca is False
+    assert "PRIVATE KEY" not in repr(bundle)
+
+
+def test_a_client_trusting_the_ca_verifies_the_service_name(tmp_path: Path) -> None:
+    """What the API server does: trust the caBundle, check the name it dialled."""
+    bundle = generate_bundle(NAMES)
+    files = write_files(bundle, tmp_path)
+    assert files.key.stat().st_mode & 0o777 == 0o600
+    server = server_context(files)
+    client = ssl.create_default_context(cadata=bundle.ca_pem.decode())
+    for name, ok in (("modelload-webhook.modelload-system.svc", True), ("evil.example.com", False)):
+        incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        s_in, s_out = ssl.MemoryBIO(), ssl.MemoryBIO()
+        c = client.wrap_bio(incoming, outgoing, server_hostname=name)
+        s = server.wrap_bio(s_in, s_out, server_side=True)
+        error = None
+        completed = False
+        for _ in range(10):
+            for side in (c, s):
+                try:
+                    side.do_handshake()
+                    completed = completed or side is c
+                except ssl.SSLWantReadError:
+                    pass
+                except ssl.SSLCertVerificationError as exc:
+                    error = exc
+                except ssl.SSLError:
+                    pass
+            s_in.write(outgoing.read())
+            incoming.write(s_out.read())
+            if error or completed:
+                break
+        assert (error is None and completed) is ok, (name, error)
+
+
+def test_old_or_foreign_certificates_are_not_reused() -> None:
+    bundle = generate_bundle(NAMES)
+    assert bundle_is_usable(bundle, NAMES)
+    later = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(days=340)
+    assert not bundle_is_usable(bundle, NAMES, now=later)  # under 30 days left: renew
+    assert not bundle_is_usable(bundle, service_names("other", "modelload-system"))
+    other = generate_bundle(NAMES)
+    mixed = type(bundle)(ca_pem=other.ca_pem, cert_pem=bundle.cert_pem, key_pem=bundle.key_pem)
+    assert not bundle_is_usable(mixed, NAMES)
+
+
+@pytest.fixture
+def webhook(tmp_path: Path) -> WebhookSettings:
+    return WebhookSettings(cert_dir=tmp_path / "certs")
+
+
+async def test_replicas_and_restarts_share_one_ca_through_the_secret(
+    kube: Any, client_configuration: Any, webhook: WebhookSettings, tmp_path: Path
+) -> None:
+    api = Kube(client_configuration)
+    try:
+        first, _ = await ensure_self_signed(api, namespace=OPERATOR_NAMESPACE, webhook=webhook)
+        other = WebhookSettings(cert_dir=tmp_path / "other")
+        second, files = await ensure_self_signed(api, namespace=OPERATOR_NAMESPACE, webhook=other)
+    finally:
+        await api.close()
+    assert second.ca_pem == first.ca_pem and second.cert_pem == first.cert_pem
+    assert files.cert.read_bytes() == first.cert_pem
+    secret = current(kube, "v1/secrets", OPERATOR_NAMESPACE, webhook.tls_secret)
+    assert secret is not None and secret["type"] == "kubernetes.io/tls"
+
+
+async def test_an_expiring_certificate_in_the_secret_is_replaced(
+    kube: Any, client_configuration: Any, webhook: WebhookSettings
+) -> None:
+    old = generate_bundle(
+        NAMES, now=datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=350)
+    )
+    from modelload.operator.tls import _secret_body
+
+    kube.objects["v1/secrets", OPERATOR_NAMESPACE, webhook.tls_secret] = {
+        **_secret_body(webhook.tls_secret, old),
+        "metadata": {"name": webhook.tls_secret, "namespace": OPERATOR_NAMESPACE, "resourceVersion": "1"},
+    }
+    api = Kube(client_configuration)
+    try:
+        fresh, _ = await ensure_self_signed(api, namespace=OPERATOR_NAMESPACE, webhook=webhook)
+    finally:
+        await api.close()
+    assert fresh.cert_pem != old.cert_pem
+    assert bundle_is_usable(fresh, NAMES)
+
+
+async def test_the_ca_goes_only_into_webhooks_that_call_the_operators_service(
+    kube: Any, client_configuration: Any
+) -> None:
+    from modelload.operator.tls import patch_ca_bundle
+
+    mwc = current(kube, MWC, None, MWC_NAME)
+    assert mwc is not None
+    foreign = {"name": "other.example.com", "clientConfig": {"url": "https://example.com/hook"}}
+    kube.objects[MWC, None, MWC_NAME] = {**mwc, "webhooks": [foreign, *mwc["webhooks"]]}
+    api = Kube(client_configuration)
+    try:
+        changed = await patch_ca_bundle(
+            api,
+            configuration=MWC_NAME,
+            namespace=OPERATOR_NAMESPACE,
+            service="modelload-webhook",
+            ca_pem=b"CA",
+        )
+        again = await patch_ca_bundle(
+            api,
+            configuration=MWC_NAME,
+            namespace=OPERATOR_NAMESPACE,
+            service="modelload-webhook",
+            ca_pem=b"CA",
+        )
+    finally:
+        await api.close()
+    assert (changed, again) == (1, 0)
+    hooks = (current(kube, MWC, None, MWC_NAME) or {})["webhooks"]
+    assert "caBundle" not in hooks[0]["clientConfig"]
+    assert hooks[1]["clientConfig"]["caBundle"] == "Q0E="
+
+
+async def test_renewed_certificate_files_are_loaded_without_a_restart(tmp_path: Path) -> None:
+    first = generate_bundle(NAMES)
+    files = write_files(first, tmp_path)
+    context = server_context(files)
+    reloads: list[str] = []
+    original = context.load_cert_chain
+
+    def spy(*args: Any, **kwargs: Any) -> None:
+        reloads.append(str(args[0]))
+        original(*args, **kwargs)
+
+    context.load_cert_chain = spy  # type: ignore[method-assign]
+    task = asyncio.create_task(watch_and_reload(context, files, interval=0.05))
+    try:
+        await asyncio.sleep(0.15)
+        assert reloads == []
+        write_files(generate_bundle(NAMES), tmp_path)
+        for _ in range(40):
+            if reloads:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        task.cancel()
+    assert reloads == [str(files.cert)]
