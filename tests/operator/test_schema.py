@@ -58,6 +58,10 @@ def test_the_crd_schema_declares_the_same_defaults_the_parser_applies() -> None:
         ({"source": "s3://bucket/k", "readers": 0}, "spec.readers"),
         ({"source": "s3://bucket/k", "readers": "8"}, "spec.readers"),
         ({"source": "s3://bucket/k", "chunkSize": "32MB"}, "spec.chunkSize"),
+        (
+            {"source": "s3://bucket/k", "chunkSize": "512KiB"},
+            "spec.chunkSize: 512KiB is outside 1MiB to 1GiB",
+        ),
         ({"source": "s3://bucket/k", "s3": {"addressing": "dns"}}, "spec.s3.addressing"),
         ({"source": "s3://bucket/k", "priority": ["a,b"]}, r"spec.priority\[0\]"),
         ({"source": "s3://bucket/k", "containers": ["Server"]}, r"spec.containers\[0\]"),

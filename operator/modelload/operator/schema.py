@@ -71,7 +71,7 @@ DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 SECRET_KEY = r"^[-._a-zA-Z0-9]+$"  # noqa: S105 - the pattern of a Secret key name
 LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
 CHUNK_SIZE = r"^[1-9][0-9]*(B|KiB|MiB|GiB)?$"
-MIN_CHUNK = 64 << 10
+MIN_CHUNK = 1 << 20  # the sidecar's own bounds: 1MiB to 1GiB
 MAX_CHUNK = 1 << 30
 
 
@@ -192,7 +192,7 @@ class ModelLoadSpec:
     s3: S3Options | None = prop(doc="S3 endpoint, region and addressing.", default=None)
     readers: int = prop(doc="Parallel range readers in the sidecar.", default=8, minimum=1, maximum=256)
     chunk_size: str = prop(
-        doc="Bytes per range request: a number with an optional B, KiB, MiB or GiB suffix (64KiB to 1GiB).",
+        doc="Bytes per range request: a number with an optional B, KiB, MiB or GiB suffix (1MiB to 1GiB).",
         default="32MiB",
         pattern=CHUNK_SIZE,
         hint="a number of bytes with an optional B, KiB, MiB or GiB suffix, e.g. 32MiB",
@@ -246,7 +246,7 @@ def parse_spec(data: Any) -> ModelLoadSpec:
     spec = parse(ModelLoadSpec, data, path="spec")
     chunk = parse_size(spec.chunk_size)
     if not MIN_CHUNK <= chunk <= MAX_CHUNK:
-        raise ConfigError(f"spec.chunkSize: {spec.chunk_size} is outside 64KiB to 1GiB")
+        raise ConfigError(f"spec.chunkSize: {spec.chunk_size} is outside 1MiB to 1GiB (the sidecar's bounds)")
     if spec.decryption_key_secret_ref is not None and spec.password_secret_ref is not None:
         raise ConfigError("spec: set decryptionKeySecretRef or passwordSecretRef, not both")
     return spec
