@@ -327,3 +327,22 @@ def test_a_knative_pod_keeps_its_single_port() -> None:
     kubernetes_validate.validate(patched, "1.31", strict=True)
     assert "ports" not in container(patched, "modelload")
     assert "MODELLOAD_SEGMENT" not in env_of(container(patched, "queue-proxy"))
+
+
+def test_the_operators_segment_bound_sizes_the_volume_when_the_status_has_one() -> None:
+    estimated = model(nbytes=3 * GIB, tensors=291)
+    exact = ResolvedModel(
+        name="llama",
+        namespace="serving",
+        spec=estimated.spec,
+        bytes=3 * GIB,
+        tensors=291,
+        segment_bytes=3 * GIB + (9 << 20),
+    )
+    sizes = []
+    for m in (estimated, exact):
+        patched = apply(bare_pod(), build_patch(pod=bare_pod(), model=m, sidecar=SIDECAR, native=True))
+        (volume,) = [v for v in patched["spec"]["volumes"] if v["name"] == "modelload"]
+        sizes.append(parse_bytes(volume["emptyDir"]["sizeLimit"]))
+    assert sizes[1] == 3 * GIB + (9 << 20) + (64 << 20)
+    assert sizes[0] != sizes[1]

@@ -25,6 +25,7 @@ import pytest
 
 from modelload.operator.injection import MOUNT_PATH, build_patch
 from modelload.operator.model_source import read_summary
+from modelload.operator.quantity import parse_bytes
 from modelload.operator.resource import ResolvedModel
 from modelload.operator.schema import parse_spec
 from modelload.operator.settings import SidecarSettings
@@ -66,12 +67,30 @@ def get(url: str) -> int:
         return 0
 
 
-def test_the_injected_sidecar_loads_the_model_and_the_app_attaches(shm_dir: Path, tmp_path: Path) -> None:
-    from safetensors.numpy import save
+def write_model(path: Path, fmt: str, arrays: dict[str, np.ndarray]) -> None:
+    """A model file written by the real package of its format."""
+    if fmt == "safetensors":
+        from safetensors.numpy import save
 
-    arrays = {f"layers.{i}.weight": np.full((64, 32), i + 1, dtype=np.float32) for i in range(4)}
-    path = tmp_path / "model.safetensors"
-    path.write_bytes(save(arrays))
+        path.write_bytes(save(arrays))
+        return
+    torch = pytest.importorskip("torch")
+    tensorizer = pytest.importorskip("tensorizer")
+    serializer = tensorizer.TensorSerializer(str(path))
+    serializer.write_state_dict({name: torch.from_numpy(a) for name, a in arrays.items()})
+    serializer.close()
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "tensorizer"])
+def test_the_injected_sidecar_loads_the_model_and_the_app_attaches(
+    fmt: str, shm_dir: Path, tmp_path: Path
+) -> None:
+    # Names of different lengths and odd sizes: the segment's padding, manifest and tensorizer headers vary.
+    arrays = {
+        f"model.layers.{i}.{'x' * (i * 37)}weight": np.full((61 + i, 33), i + 1, np.float32) for i in range(6)
+    }
+    path = tmp_path / f"model.{fmt}"
+    write_model(path, fmt, arrays)
     spec = parse_spec({"source": f"file://{path}", "readers": 2, "chunkSize": "1MiB"})
     summary = read_summary(spec, credentials=None)
     model = ResolvedModel(
@@ -113,6 +132,12 @@ def test_the_injected_sidecar_loads_the_model_and_the_app_attaches(shm_dir: Path
         assert result.returncode == 0, result.stderr[-3000:]
         sums = json.loads(result.stdout)
         assert sums == {name: float(a.sum()) for name, a in arrays.items()}
+        (volume,) = patched["spec"]["volumes"]
+        written = (shm_dir / "model.seg").stat().st_size
+        assert written <= summary.segment_bytes <= parse_bytes(volume["emptyDir"]["sizeLimit"]), (
+            written,
+            summary,
+        )
     finally:
         process.terminate()
         process.wait(timeout=15)

@@ -77,6 +77,7 @@ async def test_a_modelload_gets_format_tensors_and_bytes_from_its_s3_model(
     assert status["bytes"] == 3 * 64 * 16 * 4
     assert status["fileBytes"] == len(data)
     assert status["encrypted"] is False
+    assert status["segmentBytes"] > status["bytes"]
     assert status["volumeSizeLimit"].endswith("Mi")
     assert keys.reader.secret_key not in repr(obj)
 

@@ -90,7 +90,11 @@ def build_patch(
     ops: list[Op] = []
     if not has_sidecar(pod):
         sizing = plan_sizing(
-            model_bytes=model.bytes, tensors=model.tensors, spec=model.spec, defaults=sidecar.sizing
+            model_bytes=model.bytes,
+            tensors=model.tensors,
+            spec=model.spec,
+            defaults=sidecar.sizing,
+            segment=model.segment_bytes,
         )
         ops += _append(("spec", "volumes"), spec.get("volumes"), _volumes(model, sizing.volume_size_limit))
         container = _sidecar_container(model, sidecar, sizing.resources, native=native)

@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from modelload.loader.formats import read_index
+from modelload.loader.formats import ModelIndex, read_index
+from modelload.loader.segment import ALIGNMENT, TensorSpec, plan_layout
 from modelload.operator.schema import ModelLoadSpec
 
 __all__ = ["ModelSummary", "S3Credentials", "read_summary"]
@@ -41,6 +42,8 @@ class ModelSummary:
     """Bytes of all tensors in memory (what the segment must hold, before alignment)."""
     file_bytes: int
     encrypted: bool
+    segment_bytes: int
+    """An upper bound of the segment file the sidecar writes for this model (:func:`segment_bound`)."""
 
 
 def read_summary(spec: ModelLoadSpec, *, credentials: S3Credentials | None) -> ModelSummary:
@@ -69,7 +72,23 @@ def read_summary(spec: ModelLoadSpec, *, credentials: S3Credentials | None) -> M
         bytes=index.nbytes,
         file_bytes=size,
         encrypted=index.encrypted,
+        segment_bytes=segment_bound(index, source=spec.source),
     )
+
+
+def segment_bound(index: ModelIndex, *, source: str) -> int:
+    """The largest segment the sidecar can write for ``index``, whatever order it loads the tensors in.
+
+    The segment layout (the loader's ``plan_layout``) is planned in file order; the sidecar may load in
+    another order (a priority list) and may keep scratch room before each slot (a tensorizer record's
+    header, which sits in the file between ``record_offset`` and ``data_offset``). Each slot can move by at
+    most that room plus one alignment, so adding both per tensor bounds every order.
+    """
+    specs = [TensorSpec(t.name, t.dtype, t.shape) for t in index.tensors]
+    metadata = {"format": index.format, "source": source, "source_etag": "x" * 80, "source_size": "9" * 20}
+    planned = plan_layout(specs, metadata=metadata).segment_length
+    room = sum(-(-(t.data_offset - t.record_offset) // ALIGNMENT) * ALIGNMENT for t in index.tensors)
+    return planned + room + ALIGNMENT * len(index.tensors)
 
 
 def _format(name: str) -> Any:

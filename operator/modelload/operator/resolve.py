@@ -113,7 +113,13 @@ async def resolve(*, kube: Kube, namespace: str, spec: ModelLoadSpec, sizing: Si
             "a decryption key or password is referenced but the model file is not encrypted: "
             "remove the reference, or check that spec.source names the encrypted file",
         )
-    planned = plan_sizing(model_bytes=summary.bytes, tensors=summary.tensors, spec=spec, defaults=sizing)
+    planned = plan_sizing(
+        model_bytes=summary.bytes,
+        tensors=summary.tensors,
+        spec=spec,
+        defaults=sizing,
+        segment=summary.segment_bytes,
+    )
     return Resolution(summary=summary, sizing=planned)
 
 
@@ -261,6 +267,7 @@ def success_status(
         "size": humanize_bytes(s.bytes),
         "fileBytes": s.file_bytes,
         "encrypted": s.encrypted,
+        "segmentBytes": s.segment_bytes,
         "volumeSizeLimit": resolution.sizing.volume_size_limit,
         "resolvedAt": now,
         "conditions": set_condition(
@@ -283,6 +290,7 @@ RESOLVED_FIELDS = (
     "size",
     "fileBytes",
     "encrypted",
+    "segmentBytes",
     "volumeSizeLimit",
 )
 

@@ -35,6 +35,8 @@ class ResolvedModel:
     spec: ModelLoadSpec
     bytes: int
     tensors: int
+    segment_bytes: int | None = None
+    """The operator's bound on the segment file; None in statuses written before it was reported."""
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> ResolvedModel:
@@ -55,7 +57,15 @@ class ResolvedModel:
                 f"ModelLoad {name!r} changed (generation {generation}) and its model has not been re-read "
                 f"yet (status describes generation {observed})"
             )
-        return cls(name=name, namespace=str(meta.get("namespace")), spec=spec, bytes=nbytes, tensors=tensors)
+        segment = status.get("segmentBytes")
+        return cls(
+            name=name,
+            namespace=str(meta.get("namespace")),
+            spec=spec,
+            bytes=nbytes,
+            tensors=tensors,
+            segment_bytes=segment if isinstance(segment, int) else None,
+        )
 
 
 def _failing_message(status: Mapping[str, Any]) -> str:

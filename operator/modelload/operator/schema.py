@@ -313,6 +313,11 @@ class ModelLoadStatus:
     size: str | None = prop(doc="bytes, for people (e.g. 15.0 GiB).", default=None)
     file_bytes: int | None = prop(doc="Size of the model file at the source.", default=None, minimum=0)
     encrypted: bool | None = prop(doc="Whether the file's tensors are encrypted.", default=None)
+    segment_bytes: int | None = prop(
+        doc="An upper bound of the segment file the sidecar writes (data, alignment, manifest).",
+        default=None,
+        minimum=0,
+    )
     volume_size_limit: str | None = prop(
         doc="The sizeLimit the webhook gives the pods' volume.", default=None
     )

@@ -51,19 +51,33 @@ class Sizing:
 
 
 def segment_bytes(*, model_bytes: int, tensors: int) -> int:
-    """An upper bound on the segment file for a model: data, alignment padding, manifest, header."""
+    """An estimate of the volume a model needs (with headroom), from its byte and tensor counts alone."""
     if model_bytes < 0 or tensors < 0:
         raise ConfigError("model bytes and tensor count cannot be negative")
     return model_bytes + tensors * (ALIGNMENT + MANIFEST_BYTES_PER_TENSOR) + FIXED_HEADROOM
 
 
-def plan_sizing(*, model_bytes: int, tensors: int, spec: ModelLoadSpec, defaults: SizingDefaults) -> Sizing:
+def plan_sizing(
+    *,
+    model_bytes: int,
+    tensors: int,
+    spec: ModelLoadSpec,
+    defaults: SizingDefaults,
+    segment: int | None = None,
+) -> Sizing:
     """The volume size and sidecar resources for a model, with the spec's overrides applied and checked.
+
+    ``segment`` is the bound the operator computed from the model's index (``status.segmentBytes``); the
+    volume holds it plus :data:`FIXED_HEADROOM`. Without it (a status written before the field existed),
+    :func:`segment_bytes` estimates one from the byte and tensor counts.
 
     Raises :class:`ConfigError` when an override cannot hold the model: a ``volumeSizeLimit`` below the
     segment's size, or a sidecar memory limit below the volume (the writer is charged for the pages).
     """
-    needed = segment_bytes(model_bytes=model_bytes, tensors=tensors)
+    if segment is not None:
+        needed = segment + FIXED_HEADROOM
+    else:
+        needed = segment_bytes(model_bytes=model_bytes, tensors=tensors)
     if spec.volume_size_limit is not None:
         volume_bytes = parse_bytes(spec.volume_size_limit)
         if volume_bytes < needed:
