@@ -214,7 +214,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per option; each defaults to nothing so :func:`from_args` can fall back to the environment."""
     for option in OPTIONS:
         parser.add_argument(
-            option.flag, dest=_dest(option), default=None, help=f"{option.help} [{option.env}]"
+            option.flag,
+            dest=_dest(option),
+            default=None,
+            metavar=option.flag[2:].upper().replace("-", "_"),
+            help=f"{option.help} [{option.env}]",
         )
 
 
