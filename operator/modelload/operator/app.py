@@ -157,6 +157,8 @@ class _ForeignTasks(Collection["asyncio.Task[Any]"]):
         self._kopf_dir = kopf_dir
 
     def __contains__(self, item: object) -> bool:
+        if isinstance(item, asyncio.Task) and item.get_name() == "stop-flag waiter":
+            return True  # it waits on the caller's stop flag, which the caller sets once kopf has returned
         coro = item.get_coro() if isinstance(item, asyncio.Task) else None
         code = getattr(coro, "cr_code", None)
         return not (code is not None and code.co_filename.startswith(self._kopf_dir))
