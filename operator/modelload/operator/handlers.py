@@ -35,7 +35,14 @@ from modelload.operator.resource import label_value
 from modelload.operator.schema import GROUP, MODEL_LABEL, PLURAL, VERSION, PodsStatus, parse_spec
 from modelload.operator.settings import OperatorSettings
 
-__all__ = ["PodAggregator", "build_registry", "configure_kopf"]
+__all__ = [
+    "Handlers",
+    "PodAggregator",
+    "build_registry",
+    "configure_kopf",
+    "modelloads_by_label",
+    "pod_loads",
+]
 
 logger = logging.getLogger(__name__)
 ANNOTATION_PREFIX = "kopf.modelload.dev"
@@ -113,38 +120,30 @@ class PodAggregator:
             self._written[key] = body
 
 
-def build_registry(
-    *, settings: OperatorSettings, kube: Kube, login: LoginFn | None = None
-) -> kopf.OperatorRegistry:
-    """The operator's handlers on a new registry. ``login`` replaces kopf's client-based login (tests)."""
-    registry = kopf.OperatorRegistry()
-    aggregator = PodAggregator(kube)
-    sizing = settings.sidecar.sizing
+def modelloads_by_label(
+    *, namespace: str | None, name: str, body: kopf.Body, status: kopf.Status, **_: Any
+) -> Any:
+    """Index: the ModelLoad (and its model's bytes) that each pod label value in a namespace selects."""
+    nbytes = status.get("bytes")
+    return {(namespace, label_value(body)): (name, nbytes if isinstance(nbytes, int) else None)}
 
-    @kopf.on.startup(registry=registry)
-    def _configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-        configure_kopf(settings)
 
-    @kopf.on.login(registry=registry)
-    def _login(**kwargs: Any) -> Any:
-        return login(**kwargs) if login is not None else kopf.login_via_client(**kwargs)
+def pod_loads(*, namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> Any:
+    """Index: each injected pod's load state, under its namespace and label value."""
+    load = classify(body)
+    return None if load is None else {(namespace, labels[MODEL_LABEL]): load}
 
-    @kopf.index(GROUP, VERSION, PLURAL, id="modelloads_by_label", registry=registry)
-    def modelloads_by_label(
-        *, namespace: str | None, name: str, body: kopf.Body, status: kopf.Status, **_: Any
-    ) -> Any:
-        nbytes = status.get("bytes")
-        return {(namespace, label_value(body)): (name, nbytes if isinstance(nbytes, int) else None)}
 
-    @kopf.index("v1", "pods", id="pod_loads", labels={MODEL_LABEL: kopf.PRESENT}, registry=registry)
-    def pod_loads(*, namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> Any:
-        load = classify(body)
-        return None if load is None else {(namespace, labels[MODEL_LABEL]): load}
+class Handlers:
+    """The handlers' shared state: the settings, the API client and the pod aggregation."""
 
-    @kopf.on.resume(GROUP, VERSION, PLURAL, id="resolve", registry=registry)
-    @kopf.on.create(GROUP, VERSION, PLURAL, id="resolve", registry=registry)
-    @kopf.on.update(GROUP, VERSION, PLURAL, id="resolve", registry=registry)
+    def __init__(self, *, settings: OperatorSettings, kube: Kube) -> None:
+        self._settings = settings
+        self._kube = kube
+        self._aggregator = PodAggregator(kube)
+
     async def resolve_model(
+        self,
         *,
         body: kopf.Body,
         meta: kopf.Meta,
@@ -155,26 +154,26 @@ def build_registry(
         retry: int,
         **kwargs: Any,
     ) -> None:
+        """Read the model's index into the status, or say why not (and when kopf tries again)."""
         namespace = namespace or "default"
-        pod_loads = kwargs["pod_loads"]
         generation = meta.get("generation")
         conditions = status.get("conditions")
         now = now_rfc3339()
         try:
             spec = parse_spec(body.get("spec"))
-            resolution = await resolve(kube=kube, namespace=namespace, spec=spec, sizing=sizing)
+            sizing = self._settings.sidecar.sizing
+            resolution = await resolve(kube=self._kube, namespace=namespace, spec=spec, sizing=sizing)
         except Exception as exc:
-            failure = classify_failure(exc, retry=retry, policy=settings.retry)
+            failure = classify_failure(exc, retry=retry, policy=self._settings.retry)
             if failure is None:
                 raise
             keep = isinstance(status.get("bytes"), int) and status.get("observedGeneration") == generation
-            for key, value in failure_status(
-                failure, generation=generation, conditions=conditions, keep_resolved=keep, now=now
-            ).items():
-                patch.status[key] = value
-            if _changed(
-                conditions, failure.reason, failure.message
-            ):  # one Event per new problem, not per try
+            patch.status.update(
+                failure_status(
+                    failure, generation=generation, conditions=conditions, keep_resolved=keep, now=now
+                )
+            )
+            if _changed(conditions, failure.reason, failure.message):  # one Event per new problem
                 kopf.warn(body, reason=failure.reason, message=failure.message)
             if failure.retry_after is None:
                 raise kopf.PermanentError(f"{failure.reason}: {failure.message}") from None
@@ -182,29 +181,47 @@ def build_registry(
                 f"{failure.reason}: {failure.message}", delay=failure.retry_after
             ) from None
         new_status = success_status(resolution, generation=generation, conditions=conditions, now=now)
-        for key, value in new_status.items():
-            patch.status[key] = value
+        patch.status.update(new_status)
         kopf.info(body, reason="Resolved", message=new_status["conditions"][-1]["message"])
-        selector = (namespace, label_value(body))
-        await aggregator.refresh(
-            namespace,
-            name,
-            lambda: pod_loads.get(selector, []),
-            model_bytes=resolution.summary.bytes,
-            force=True,
+        selector, index = (namespace, label_value(body)), kwargs["pod_loads"]
+        await self._aggregator.refresh(
+            namespace, name, lambda: index.get(selector, []), model_bytes=resolution.summary.bytes, force=True
         )
 
-    @kopf.on.event("v1", "pods", id="pod_changed", labels={MODEL_LABEL: kopf.PRESENT}, registry=registry)
-    async def pod_changed(*, namespace: str | None, labels: Mapping[str, str], **kwargs: Any) -> None:
+    async def pod_changed(self, *, namespace: str | None, labels: Mapping[str, str], **kwargs: Any) -> None:
+        """Fold a pod's change (or deletion) into its ModelLoad's ``status.pods``."""
         namespace = namespace or "default"
-        pod_loads, modelloads_by_label = kwargs["pod_loads"], kwargs["modelloads_by_label"]
         selector = (namespace, str(labels.get(MODEL_LABEL)))
-        owners = list(modelloads_by_label.get(selector, []))
+        owners = list(kwargs["modelloads_by_label"].get(selector, []))
         if len(owners) != 1:
             return  # no ModelLoad (the webhook refused such pods), or an ambiguous label: nothing to report
         name, model_bytes = owners[0]
-        await aggregator.refresh(
-            namespace, name, lambda: pod_loads.get(selector, []), model_bytes=model_bytes
+        index = kwargs["pod_loads"]
+        await self._aggregator.refresh(
+            namespace, name, lambda: index.get(selector, []), model_bytes=model_bytes
         )
 
+
+def build_registry(
+    *, settings: OperatorSettings, kube: Kube, login: LoginFn | None = None
+) -> kopf.OperatorRegistry:
+    """The operator's handlers on a new registry. ``login`` replaces kopf's client-based login (tests)."""
+    registry = kopf.OperatorRegistry()
+    handlers = Handlers(settings=settings, kube=kube)
+
+    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        configure_kopf(settings)
+
+    def log_in(**kwargs: Any) -> Any:
+        return login(**kwargs) if login is not None else kopf.login_via_client(**kwargs)
+
+    model_loads = (GROUP, VERSION, PLURAL)
+    labelled = {MODEL_LABEL: kopf.PRESENT}
+    kopf.on.startup(id="configure", registry=registry)(configure)
+    kopf.on.login(id="login", registry=registry)(log_in)
+    kopf.index(*model_loads, id="modelloads_by_label", registry=registry)(modelloads_by_label)
+    kopf.index("v1", "pods", id="pod_loads", labels=labelled, registry=registry)(pod_loads)
+    for on in (kopf.on.create, kopf.on.update, kopf.on.resume):
+        on(*model_loads, id="resolve", registry=registry)(handlers.resolve_model)
+    kopf.on.event("v1", "pods", id="pod_changed", labels=labelled, registry=registry)(handlers.pod_changed)
     return registry

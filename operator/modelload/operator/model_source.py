@@ -13,8 +13,9 @@ each with its own Secret). The call is blocking; the handlers run it in a thread
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
+from modelload.loader.errors import ConfigError
 from modelload.loader.formats import ModelIndex, read_index
 from modelload.loader.segment import ALIGNMENT, TensorSpec, plan_layout
 from modelload.operator.schema import ModelLoadSpec
@@ -52,16 +53,16 @@ def read_summary(spec: ModelLoadSpec, *, credentials: S3Credentials | None) -> M
     Raises the loader's error tree: ConfigError (a bad URI or setting), the SourceError branches (not found,
     access denied, transient), FormatError (not a model file, or a corrupt one).
     """
-    from modelload.sidecar.sources import open_source
+    from modelload.sidecar.sources import open_source, stat_source
 
     settings = _source_settings(spec)
     source = open_source(spec.source, settings)
     try:
         if credentials is not None:
             _use_credentials(source, credentials)
-        size = source.stat().size
+        size = stat_source(source, policy=settings.retry).size
         index = read_index(
-            source.read_bytes, format=_format(spec.format), source=source.display_uri, size=size
+            source.read_bytes, format=_format_name(spec.format), source=source.display_uri, size=size
         )
     finally:
         source.close()
@@ -85,14 +86,18 @@ def segment_bound(index: ModelIndex, *, source: str) -> int:
     most that room plus one alignment, so adding both per tensor bounds every order.
     """
     specs = [TensorSpec(t.name, t.dtype, t.shape) for t in index.tensors]
-    metadata = {"format": index.format, "source": source, "source_etag": "x" * 80, "source_size": "9" * 20}
+    # The manifest's metadata as the sidecar writes it, with room for the values known only then.
+    room_for = {"source_etag": 80, "source_size": 20, "notify": 200, "writer": 64}
+    metadata = {"format": index.format, "source": source, **{k: "x" * n for k, n in room_for.items()}}
     planned = plan_layout(specs, metadata=metadata).segment_length
     room = sum(-(-(t.data_offset - t.record_offset) // ALIGNMENT) * ALIGNMENT for t in index.tensors)
     return planned + room + ALIGNMENT * len(index.tensors)
 
 
-def _format(name: str) -> Any:
-    return name  # one of auto/tensorizer/safetensors: the schema's enum is the loader's list
+def _format_name(name: str) -> Literal["auto", "tensorizer", "safetensors"]:
+    if name not in ("auto", "tensorizer", "safetensors"):  # the schema's enum; checked again for the type
+        raise ConfigError(f"spec.format: {name!r} is not auto, tensorizer or safetensors")
+    return name  # type: ignore[return-value]
 
 
 def _source_settings(spec: ModelLoadSpec) -> Any:
@@ -105,8 +110,8 @@ def _source_settings(spec: ModelLoadSpec) -> Any:
         addressing=s3.addressing if s3 else "auto",  # type: ignore[arg-type]
         unsigned=s3.unsigned if s3 else False,
     )
-    # One quick try per read: the handler's own retry (with kopf's backoff) covers transient errors, and a
-    # handler must not sit in a thread for a minute of in-source backoff.
+    # A short retry of the first look-up (a throttled store): the handler's own retry, with kopf's backoff,
+    # covers longer outages, and a handler must not sit in a thread for a minute of in-source backoff.
     retry = RetryPolicy(attempts=2, initial_backoff=0.2, max_backoff=1.0, deadline=30.0)
     return SourceSettings(s3=s3_settings, retry=retry)
 
