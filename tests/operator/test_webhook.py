@@ -218,3 +218,31 @@ class _Versioned:
 )
 async def test_the_sidecar_mode_follows_the_setting_or_the_api_servers_version(mode, version, native) -> None:
     assert await native_sidecars(_Versioned(version), mode) is native  # type: ignore[arg-type]
+
+
+async def _lookup_fails(namespace: str, value: str) -> Any:
+    from modelload.operator.kube import KubeUnavailableError
+
+    raise KubeUnavailableError("list ModelLoads in serving: HTTP 503 Service Unavailable")
+
+
+async def _lookup_has_a_bug(namespace: str, value: str) -> Any:
+    raise RuntimeError("a bug")
+
+
+@pytest.mark.parametrize(
+    ("lookup", "code", "words"),
+    [(_lookup_fails, 503, "cannot look up the model"), (_lookup_has_a_bug, 500, "the pod was not changed")],
+)
+async def test_a_webhook_that_cannot_decide_refuses_the_pod_with_a_reason(lookup, code, words) -> None:
+    from modelload.operator.settings import SidecarSettings
+    from modelload.operator.webhook import PodWebhook
+
+    webhook = PodWebhook(lookup=lookup, sidecar=SidecarSettings(), native=True)
+    body = review(pod())
+    answer = await webhook.review(body)
+    assert answer["response"]["uid"] == body["request"]["uid"]
+    assert answer["response"]["allowed"] is False
+    assert answer["response"]["status"]["code"] == code
+    assert words in answer["response"]["status"]["message"]
+    assert "patch" not in answer["response"]

@@ -84,9 +84,16 @@ class PodWebhook:
             return _response(review, uid, allowed=False, code=403, message=str(exc))
         except KubeError as exc:
             logger.warning("cannot admit a pod: %s", exc)
-            return _response(
-                review, uid, allowed=False, code=503, message=f"modelload cannot look up the model: {exc}"
+            message = f"modelload cannot look up the model: {exc}"
+            return _response(review, uid, allowed=False, code=503, message=message)
+        except Exception:
+            # A bug must not admit a pod half-wired, nor answer the API server with a bare HTTP 500.
+            logger.exception("the pod webhook failed on request %s", uid)
+            message = (
+                "modelload's webhook failed on this pod (see the operator's log); the pod was not changed"
             )
+            return _response(review, uid, allowed=False, code=500, message=message)
+
         response = _response(review, uid, allowed=True)
         if patch:
             response["response"]["patchType"] = "JSONPatch"
