@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import os
 import time
+import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -127,7 +128,9 @@ def current(kmock: Any, resource: str, namespace: str | None, name: str) -> dict
 @pytest.fixture
 def kube(kmock: Any) -> Any:
     """KMock declared like a cluster with the CRD installed, reporting Kubernetes 1.31."""
-    kmock.resources.load_bundled()
+    with warnings.catch_warnings():  # kmock 0.8 reads its bundled resources with a deprecated importlib call
+        warnings.simplefilter("ignore", DeprecationWarning)
+        kmock.resources.load_bundled()
     kmock.resources[MODELLOADS] = {
         "kind": "ModelLoad",
         "singular": "modelload",
