@@ -346,3 +346,16 @@ def test_the_operators_segment_bound_sizes_the_volume_when_the_status_has_one() 
         sizes.append(parse_bytes(volume["emptyDir"]["sizeLimit"]))
     assert sizes[1] == 3 * GIB + (9 << 20) + (64 << 20)
     assert sizes[0] != sizes[1]
+
+
+def test_a_memory_volume_the_pod_already_names_is_used_not_duplicated() -> None:
+    pod = busy_pod()
+    pod["spec"]["volumes"].append(
+        {"name": "modelload", "emptyDir": {"medium": "Memory", "sizeLimit": "20Gi"}}
+    )
+    patched = apply(pod, build_patch(pod=pod, model=model(), sidecar=SIDECAR, native=True))
+    assert [v["name"] for v in patched["spec"]["volumes"]] == ["cache", "modelload"]
+    kubernetes_validate.validate(patched, "1.33", strict=True)
+    pod["spec"]["volumes"][-1] = {"name": "modelload", "emptyDir": {}}
+    with pytest.raises(InjectionError, match="not a memory emptyDir"):
+        build_patch(pod=pod, model=model(), sidecar=SIDECAR, native=True)

@@ -96,7 +96,9 @@ def build_patch(
             defaults=sidecar.sizing,
             segment=model.segment_bytes,
         )
-        ops += _append(("spec", "volumes"), spec.get("volumes"), _volumes(model, sizing.volume_size_limit))
+        present = {v.get("name") for v in spec.get("volumes") or ()}  # a memory volume the pod already names
+        volumes = [v for v in _volumes(model, sizing.volume_size_limit) if v["name"] not in present]
+        ops += _append(("spec", "volumes"), spec.get("volumes"), volumes)
         container = _sidecar_container(model, sidecar, sizing.resources, native=native)
         where = ("spec", "initContainers") if native else ("spec", "containers")
         ops += _append(where, spec.get(where[1]), [container])
