@@ -61,6 +61,22 @@ def test_a_long_manifest_moves_the_state_table_and_data_past_it() -> None:
     assert layout.slots[0].offset == layout.data_offset
 
 
+def test_a_lead_leaves_room_before_its_slot_and_nothing_else_moves_into_it() -> None:
+    specs = [
+        TensorSpec("a", by_name("uint8"), (10,), lead=100),
+        TensorSpec("b", by_name("uint8"), (4096,), lead=5000),
+        TensorSpec("c", by_name("uint8"), (3,), lead=4096),
+    ]
+    layout = plan_layout(specs)
+    previous_end = layout.state_offset + 32 * len(specs)
+    for slot, spec in zip(layout.slots, specs, strict=True):
+        assert slot.offset % ALIGNMENT == 0
+        assert slot.offset - spec.lead >= previous_end, f"{spec.name}'s lead overlaps what precedes it"
+        previous_end = slot.offset + slot.nbytes
+    assert layout.data_offset == layout.slots[0].offset
+    assert layout.segment_length >= previous_end
+
+
 def test_duplicate_names_are_refused_when_planning() -> None:
     with pytest.raises(SegmentError, match="appears twice"):
         plan_layout([TensorSpec("w", by_name("uint8"), (1,)), TensorSpec("w", by_name("uint8"), (2,))])

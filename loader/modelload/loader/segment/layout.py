@@ -105,6 +105,9 @@ class TensorSpec:
     dtype: DType
     shape: tuple[int, ...]
     sha256: str | None = None
+    lead: int = 0
+    """Bytes of scratch room the writer wants right before the slot, inside the padding readers ignore
+    (the sidecar lands a tensorizer record's header there, so header and data arrive in one request)."""
 
     @property
     def nbytes(self) -> int:
@@ -216,22 +219,26 @@ def plan_layout(tensors: Iterable[TensorSpec], *, metadata: Mapping[str, str] | 
             raise SegmentLayoutError(f"tensor name {spec.name!r} appears twice")
         if len(spec.shape) > MAX_NDIM or any(d < 0 for d in spec.shape):
             raise SegmentLayoutError(f"tensor {spec.name!r} has an invalid shape {spec.shape}")
+        if spec.lead < 0:
+            raise SegmentLayoutError(f"tensor {spec.name!r} asks for a negative lead {spec.lead}")
         by_name[spec.name] = i
 
     # The manifest holds the slot offsets, which depend on where the data starts, which depends on the
     # manifest's length: plan with the offsets of a first guess, and re-plan until the length is stable.
     data_offset = align(HEADER_LENGTH + 1) + align(STATE_ENTRY_LENGTH * max(len(specs), 1))
+    if specs:
+        data_offset += align(specs[0].lead)
     while True:
         slots = _place(specs, data_offset)
         manifest = _encode_manifest(slots, meta)
         if len(manifest) > MAX_MANIFEST_LENGTH:
             raise SegmentLayoutError(f"manifest of {len(manifest)} bytes exceeds {MAX_MANIFEST_LENGTH}")
         state_offset = align(HEADER_LENGTH + len(manifest))
-        needed = align(state_offset + STATE_ENTRY_LENGTH * len(specs))
+        needed = align(state_offset + STATE_ENTRY_LENGTH * len(specs)) + (align(specs[0].lead) if specs else 0)
         if needed == data_offset:
             break
         data_offset = needed
-    data_end = max((s.offset + align(s.nbytes) for s in slots), default=data_offset)
+    data_end = max((align(s.offset + s.nbytes) for s in slots), default=data_offset)
     return Layout(
         slots=tuple(slots),
         metadata=meta,
@@ -245,10 +252,11 @@ def plan_layout(tensors: Iterable[TensorSpec], *, metadata: Mapping[str, str] | 
 
 def _place(specs: list[TensorSpec], data_offset: int) -> list[Slot]:
     slots = []
-    offset = data_offset
+    end = data_offset - (align(specs[0].lead) if specs else 0)  # where the first slot's lead may begin
     for i, spec in enumerate(specs):
+        offset = align(end + spec.lead)
         slots.append(Slot(i, spec.name, spec.dtype, tuple(spec.shape), offset, spec.nbytes, spec.sha256))
-        offset += align(spec.nbytes)
+        end = offset + spec.nbytes
     return slots
 
 

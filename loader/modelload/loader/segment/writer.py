@@ -95,7 +95,9 @@ class SegmentWriter:
         """Create, size and publish a segment for ``layout`` at ``path``, ready for tensor data.
 
         ``reserve`` allocates every page now (``posix_fallocate``), so a full volume fails here with
-        :class:`SegmentSpaceError`. A LOADING segment already at ``path`` is marked FAILED (superseded)
+        :class:`SegmentSpaceError`; without it, call :meth:`reserve` after publishing, before writing
+        through a slot view (on tmpfs a write into a full volume through a mapping is a SIGBUS). A LOADING
+        segment already at ``path`` is marked FAILED (superseded)
         before the new one replaces it, so processes still attached to it stop waiting.
         """
         target = Path(path)
@@ -122,6 +124,11 @@ class SegmentWriter:
             writer._start_heartbeat()
         return writer
 
+    def reserve(self) -> None:
+        """Allocate every page of the segment now; :class:`SegmentSpaceError` when the volume is full."""
+        if self.layout.segment_length:
+            _reserve(self._fd, self.layout.segment_length, self.path)
+
     def _write_prologue(self, created_ns: int) -> None:
         header = self.layout.header(load_id=self.load_id, created_ns=created_ns).pack()
         self._view[: len(header)] = header
@@ -142,6 +149,13 @@ class SegmentWriter:
         """A writable view of slot ``index``'s bytes. Fill it completely, then :meth:`mark_ready`."""
         s = self.layout.slots[index]
         return self._view[s.offset : s.offset + s.nbytes]
+
+    def region(self, offset: int, length: int) -> memoryview:
+        """A writable view of bytes ``[offset, offset + length)`` of the segment: a slot, or padding used as
+        scratch (SPEC.md allows it), such as the room a slot's lead leaves before it."""
+        if offset < self.layout.state_offset or offset + length > self.layout.segment_length:
+            raise IndexError(f"bytes [{offset}, {offset + length}) are outside the writable part of the segment")
+        return self._view[offset : offset + length]
 
     def state(self, index: int) -> TensorState:
         return TensorState(int(self._u32[self._state_word(index)]))
