@@ -13,11 +13,11 @@ from modelload.sidecar.settings import (
     LoadSettings,
     NotifySettings,
     add_arguments,
-    display_source,
     parse_bool,
     parse_settings,
     parse_size,
 )
+from modelload.sidecar.sources import display_url
 
 SOURCE = ["--source", "s3://models/llama.tensors"]
 
@@ -251,7 +251,7 @@ def test_reprs_hide_credentials_and_signatures_of_the_source() -> None:
     ],
 )
 def test_sources_are_displayed_without_user_info_or_query(uri: str, shown: str) -> None:
-    assert display_source(uri) == shown
+    assert display_url(uri) == shown
 
 
 def test_s3_endpoint_and_region_come_from_the_aws_variables_unless_overridden(

@@ -48,10 +48,8 @@ class StatusSource(Protocol):
 
 
 def status_body(status: LoadStatus) -> dict[str, Any]:
-    """The ``/status`` document: the snapshot's fields, and ``state`` as CONTRACTS.md names the phase."""
-    body = status.as_dict()
-    body["state"] = status.phase
-    return body
+    """The ``/status`` document: the snapshot's fields (``state`` is CONTRACTS.md's name for the phase)."""
+    return status.as_dict()
 
 
 def _summary(status: LoadStatus) -> dict[str, Any]:

@@ -26,7 +26,8 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from modelload.loader.errors import ConfigError, ModelloadError
-from modelload.sidecar.settings import SidecarSettings, add_arguments, display_source, parse_settings
+from modelload.sidecar.settings import SidecarSettings, add_arguments, parse_settings
+from modelload.sidecar.sources import display_url
 
 if TYPE_CHECKING:
     from modelload.sidecar.api import ApiServer
@@ -310,7 +311,7 @@ def describe_progress(status: LoadStatus) -> str:
 class LoggingObserver:
     """Logs a load's milestones at INFO, its retries and failure at WARNING/ERROR, each tensor at DEBUG.
 
-    Sources are shown without user info or query strings (:func:`display_source`), and the engine's
+    Sources are shown without user info or query strings (:func:`display_url`), and the engine's
     messages never hold credentials (the error tree's rule). Retries are logged at most once per
     ``retry_interval`` seconds, with a count of those left out, so a flapping source cannot flood the log.
     """
@@ -323,7 +324,7 @@ class LoggingObserver:
         self._quiet = 0
 
     def load_started(self, *, source: str, segment: str) -> None:
-        self._log.info("loading %s into %s", display_source(source), segment)
+        self._log.info("loading %s into %s", display_url(source), segment)
 
     def manifest_published(self, *, model_format: str, tensors: int, nbytes: int, notify: str | None) -> None:
         from modelload.loader.cli.progress import format_bytes

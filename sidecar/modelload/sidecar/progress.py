@@ -100,6 +100,7 @@ class LoadStatus:
 
     def as_dict(self) -> dict[str, object]:
         return {
+            "state": self.phase,
             "phase": self.phase,
             "source": self.source,
             "segment": self.segment,

@@ -30,9 +30,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypeVar, cast, get_args
-from urllib.parse import urlsplit, urlunsplit
 
 from modelload.loader.errors import ConfigError
+from modelload.sidecar.sources import display_url
 
 if TYPE_CHECKING:
     from modelload.sidecar.sources import S3Addressing, SourceSettings
@@ -46,7 +46,6 @@ __all__ = [
     "NotifySettings",
     "SidecarSettings",
     "add_arguments",
-    "display_source",
     "parse_bool",
     "parse_settings",
     "parse_size",
@@ -74,7 +73,8 @@ class LoadSettings:
     """What to load, where to, and how hard to pull (the engine's group).
 
     ``source``: the model's URI (``s3://bucket/key``, ``http(s)://...``, ``file:///path`` or a plain path).
-    Required. Shown in reprs and logs through :func:`display_source` (no user info, no query string).
+    Required. Shown in reprs and logs through :func:`~modelload.sidecar.sources.display_url` (no user info,
+    no query string).
 
     ``segment``: the segment file to create, absolute. Default ``/run/modelload/model.seg``, inside the
     memory-backed volume the operator mounts at ``/run/modelload``.
@@ -128,7 +128,7 @@ class LoadSettings:
 
     def __repr__(self) -> str:
         return (
-            f"LoadSettings(source={display_source(self.source)!r}, segment={str(self.segment)!r}, "
+            f"LoadSettings(source={display_url(self.source)!r}, segment={str(self.segment)!r}, "
             f"format={self.format!r}, readers={self.readers}, chunk_size={self.chunk_size}, "
             f"verify={self.verify}, key_file={_opt_path(self.key_file)}, "
             f"password_file={_opt_path(self.password_file)}, priority={self.priority!r})"
@@ -263,19 +263,6 @@ def _parse_choice(choices: Sequence[str]) -> Callable[..., str]:
         return value
 
     return parse
-
-
-def display_source(uri: str) -> str:
-    """``uri`` for logs and reprs: no user info (``user:password@``), no query string (presigned URLs)."""
-    parts = urlsplit(uri)
-    if not parts.scheme or not parts.netloc:
-        return uri
-    host = parts.hostname or ""
-    netloc = f"[{host}]" if ":" in host else host
-    if parts.port:
-        netloc = f"{netloc}:{parts.port}"
-    shown = urlunsplit((parts.scheme, netloc, parts.path, "", ""))
-    return f"{shown}?…" if parts.query else shown
 
 
 def _opt_path(path: Path | None) -> str:

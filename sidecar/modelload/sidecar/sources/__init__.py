@@ -29,6 +29,7 @@ from ._file import FileSource
 from ._http import HttpSource
 from ._memory import Interrupt, MemorySource, put_memory_object, remove_memory_object
 from ._registry import SourceFactory, open_source, register_source, registered_schemes
+from ._responses import display_url
 from ._retry import RetryEvent, read_range, read_range_into_fd, stat_source
 from ._s3 import S3Location, S3Source, plan_s3_location
 from ._settings import HttpSettings, RetryPolicy, S3Addressing, S3Settings, SourceSettings
@@ -52,6 +53,7 @@ __all__ = [
     "SourceFactory",
     "SourceSettings",
     "check_range",
+    "display_url",
     "open_source",
     "plan_s3_location",
     "put_memory_object",

@@ -37,8 +37,13 @@ _CONTENT_RANGE = re.compile(r"^\s*bytes\s+(?:(\d+)-(\d+)|\*)/(\d+|\*)\s*$", re.I
 
 
 def display_url(url: str) -> str:
-    """``url`` without user info, query string or fragment: safe for logs even when presigned."""
+    """``url`` without user info, query string or fragment: safe for logs even when presigned.
+
+    A plain path (no scheme and host) is returned as it is.
+    """
     parts = urlsplit(url)
+    if not parts.scheme or not parts.netloc:
+        return url
     host = parts.hostname or ""
     if ":" in host:
         host = f"[{host}]"

@@ -1,0 +1,400 @@
+"""The streaming engine: a model's bytes from a source into a shared-memory segment, with parallel readers.
+
+One run is one load:
+
+1. stat the source, and reuse a COMPLETE segment already at the path when it holds this very object (a
+   restarted sidecar does not load again);
+2. read the format's index with one small range, plan the segment (a slot per tensor) and the range chunks;
+3. publish the segment's header and manifest at once (an app can attach now), then reserve its pages;
+4. N reader threads take chunks in load order and land them straight in the segment: ``os.splice`` from the
+   socket or file into the segment's file where the source supports it (no user-space copy, no page faults
+   in this process), ``readinto`` a slice of the mapping otherwise;
+5. the thread that lands a tensor's last chunk decrypts it in place, checks its hash when asked, and
+   publishes it READY;
+6. every tensor in: the segment is COMPLETE. Any permanent failure marks it FAILED with the reason, so
+   attached readers get an error instead of waiting. :meth:`Engine.stop` (SIGTERM) stops the readers at
+   their next chunk and marks a loading segment FAILED too: the segment is always consistent.
+
+Retries, resume after a broken stream, ETag checks and stall timeouts happen in the sources layer
+(:func:`~modelload.sidecar.sources.read_range`); the engine counts them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Literal
+
+from modelload.loader.errors import (
+    ConfigError,
+    EncryptionError,
+    FormatError,
+    HashMismatchError,
+    MissingKeyError,
+    ModelloadError,
+    NotEncryptedError,
+    RangeNotSupportedError,
+    SegmentError,
+    SegmentSpaceError,
+    SourceAccessDeniedError,
+    SourceChangedError,
+    SourceNotFoundError,
+    TransientSourceError,
+    TruncatedError,
+)
+from modelload.loader.formats import ModelIndex, read_index
+from modelload.loader.formats import tensorizer as tz
+from modelload.loader.segment import SegmentReader, SegmentWriter, WriterState
+from modelload.sidecar.planner import Chunk, LoadPlan, plan_load
+from modelload.sidecar.progress import LoadObserver
+from modelload.sidecar.sources import (
+    RetryEvent,
+    Source,
+    SourceSettings,
+    display_url,
+    open_source,
+    read_range,
+    read_range_into_fd,
+    stat_source,
+)
+
+__all__ = ["Engine", "EngineSettings", "LoadStopped", "error_kind"]
+
+log = logging.getLogger(__name__)
+
+
+class LoadStopped(ModelloadError):
+    """The load was stopped (SIGTERM) before it finished; the segment is marked FAILED."""
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What to load, where to, and how (the sidecar's flags; see CONTRACTS in the docs)."""
+
+    source: str
+    """The model's URI: ``s3://bucket/key``, ``http(s)://...``, ``file:///path`` or a plain path."""
+    segment: Path
+    """The segment file to create (in a memory-backed volume)."""
+    format: Literal["auto", "tensorizer", "safetensors"] = "auto"
+    readers: int = 8
+    """Parallel range readers. More than the source's useful concurrency only adds connections."""
+    chunk_size: int = 32 << 20
+    """Bytes per range request: large enough to amortise a request, small enough to share big tensors."""
+    verify: bool = True
+    """Check each tensor against the file's stored hash (tensorizer CRC32, or SHA-256 when it is the only
+    one) before publishing it. Encrypted tensors are always authenticated by their MACs."""
+    key_file: Path | None = None
+    """A raw 32-byte decryption key."""
+    password_file: Path | None = None
+    """A password from which the key is derived with the Argon2id parameters stored in the file."""
+    priority: tuple[str, ...] = ()
+    """Tensor names or name prefixes to load first, in this order."""
+    notify: str | None = None
+    """The pyzmq endpoint recorded in the segment for loaders to subscribe to."""
+    splice: bool = True
+    """Land bytes with ``os.splice`` where the source supports it (plain HTTP, S3 over HTTP, files)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.readers <= 256:
+            raise ConfigError(f"readers must be between 1 and 256, got {self.readers}")
+        if self.key_file is not None and self.password_file is not None:
+            raise ConfigError("give a key file or a password file, not both")
+
+
+class Engine:
+    """Loads one model into one segment. Call :meth:`run` (blocking) once; :meth:`stop` from any thread."""
+
+    def __init__(self, settings: EngineSettings, *, sources: SourceSettings, observer: LoadObserver) -> None:
+        self.settings = settings
+        self._sources = sources
+        self._observer = observer
+        self._stop = threading.Event()
+        self._writer: SegmentWriter | None = None
+
+    def stop(self) -> None:
+        """Stop the readers at their next chunk; a segment still loading is marked FAILED."""
+        self._stop.set()
+
+    # --- the load -----------------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Load the model. Raises the ModelloadError that failed it, or :class:`LoadStopped`."""
+        settings = self.settings
+        self._observer.load_started(source=display_url(settings.source), segment=str(settings.segment))
+        try:
+            source = open_source(settings.source, self._sources)
+            try:
+                self._load_from(source)
+            finally:
+                source.close()
+        except ModelloadError as exc:
+            self._fail(exc)
+            raise
+        except Exception as exc:
+            self._fail(exc)
+            raise ModelloadError(f"the load failed unexpectedly: {exc}") from exc
+        finally:
+            if self._writer is not None:
+                self._writer.close()
+
+    def _load_from(self, source: Source) -> None:
+        settings, observer = self.settings, self._observer
+        started = time.monotonic()
+        uri = source.display_uri
+        info = stat_source(source, policy=self._sources.retry, on_retry=self._retried)
+        if self._reuse(uri, info.etag, info.size):
+            return
+        index = read_index(source.read_bytes, format=settings.format, source=uri, size=info.size)
+        if index.data_end > info.size:
+            raise TruncatedError(
+                f"the index needs {index.data_end} bytes and the object has {info.size}: it is truncated",
+                source=uri,
+            )
+        key = self._key(index, uri)
+        plan = plan_load(
+            index,
+            chunk_size=settings.chunk_size,
+            priority=settings.priority,
+            metadata=_metadata(uri, info.etag, info.size, settings.notify),
+        )
+        self._writer = writer = SegmentWriter.create(settings.segment, plan.layout, reserve=False)
+        observer.manifest_published(
+            model_format=index.format, tensors=len(index), nbytes=index.nbytes, notify=settings.notify
+        )
+        writer.reserve()
+        _Load(self, source, plan, writer, key).run()
+        if self._stop.is_set():
+            raise LoadStopped("stopped before the load finished")
+        writer.mark_complete()
+        observer.load_finished(seconds=time.monotonic() - started, nbytes=index.nbytes)
+
+    def _fail(self, exc: BaseException) -> None:
+        kind = error_kind(exc)
+        reason = str(exc) if kind != "stopped" else "the sidecar was stopped before the load finished"
+        if self._writer is not None:
+            with contextlib.suppress(SegmentError):  # a closed writer: the failure came at creation
+                self._writer.mark_failed(reason)
+        self._observer.load_failed(kind=kind, reason=reason)
+
+    def _retried(self, event: RetryEvent) -> None:
+        self._observer.retried(kind=retry_kind(event), message=str(event.error))
+
+    def _reuse(self, uri: str, etag: str | None, size: int) -> bool:
+        """Reuse a COMPLETE segment of this same object (URI, ETag and size), as after a sidecar restart."""
+        path = self.settings.segment
+        if etag is None or not path.exists():
+            return False
+        try:
+            with SegmentReader.open(path) as old:
+                meta = old.metadata
+                same = (meta.get("source"), meta.get("source_etag"), meta.get("source_size")) == (
+                    uri,
+                    etag,
+                    str(size),
+                )
+                if not same or old.writer_state != WriterState.COMPLETE:
+                    return False
+                nbytes = sum(s.nbytes for s in old.slots)
+                self._observer.manifest_published(
+                    model_format=meta.get("format", "unknown"),
+                    tensors=len(old.slots),
+                    nbytes=nbytes,
+                    notify=meta.get("notify"),
+                )
+                for slot in old.slots:
+                    self._observer.bytes_loaded(slot.nbytes)
+                    self._observer.tensor_ready(index=slot.index, name=slot.name, nbytes=slot.nbytes)
+        except ModelloadError as exc:
+            log.info("not reusing the segment at %s: %s", path, exc)
+            return False
+        self._observer.load_finished(seconds=0.0, nbytes=nbytes)
+        log.info("reusing the complete segment at %s (same object, ETag %s)", path, etag)
+        return True
+
+    def _key(self, index: ModelIndex, uri: str) -> tz.DecryptionKey | None:
+        settings = self.settings
+        if settings.key_file is not None:
+            key = tz.DecryptionKey.from_file(settings.key_file)
+        elif settings.password_file is not None:
+            key = tz.DecryptionKey.from_password_file(settings.password_file)
+        else:
+            key = None
+        if key is not None and not index.encrypted:
+            raise NotEncryptedError(f"{uri} is not encrypted, but a decryption key was given; drop the key")
+        if key is None and index.encrypted:
+            raise MissingKeyError(
+                f"{uri} is encrypted and no key was given: pass --key-file or --password-file "
+                "(a ModelLoad's decryptionKeySecretRef)"
+            )
+        return key
+
+
+class _Load:
+    """One load's readers and their shared state: the next chunk, and the chunks each tensor waits for."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        source: Source,
+        plan: LoadPlan,
+        writer: SegmentWriter,
+        key: tz.DecryptionKey | None,
+    ) -> None:
+        self.engine = engine
+        self.source = source
+        self.plan = plan
+        self.writer = writer
+        self.key = key
+        self.uri = source.display_uri
+        self.settings = engine.settings
+        self.observer = engine._observer
+        self.stop = engine._stop
+        self._lock = threading.Lock()
+        self._next = 0
+        self._remaining = list(plan.chunk_counts)
+        self._error: BaseException | None = None
+        self._key_proven = False
+        use_fd = self.settings.splice and source.supports_fd
+        self._land: Callable[[Chunk], None] = self._land_fd if use_fd else self._land_view
+
+    def run(self) -> None:
+        for tensor in self.plan.order:
+            if self._remaining[tensor] == 0:  # nothing to fetch: an empty tensor
+                self._publish(tensor)
+        readers = [
+            threading.Thread(target=self._read, name=f"reader-{i}", daemon=True)
+            for i in range(min(self.settings.readers, len(self.plan.chunks)))
+        ]
+        for thread in readers:
+            thread.start()
+        for thread in readers:
+            thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def _read(self) -> None:
+        try:
+            while not self.stop.is_set():
+                with self._lock:
+                    if self._next >= len(self.plan.chunks):
+                        return
+                    chunk = self.plan.chunks[self._next]
+                    self._next += 1
+                self._land(chunk)
+                self.observer.bytes_loaded(chunk.data_bytes)
+                with self._lock:
+                    self._remaining[chunk.tensor] -= 1
+                    complete = self._remaining[chunk.tensor] == 0
+                if complete:
+                    self._publish(chunk.tensor)
+        except BaseException as exc:
+            with self._lock:
+                if self._error is None:
+                    self._error = exc
+            self.stop.set()
+
+    def _land_fd(self, chunk: Chunk) -> None:
+        read_range_into_fd(
+            self.source,
+            chunk.src_offset,
+            chunk.length,
+            self.writer.fileno(),
+            chunk.dst_offset,
+            policy=self.engine._sources.retry,
+            on_retry=self.engine._retried,
+        )
+
+    def _land_view(self, chunk: Chunk) -> None:
+        view = self.writer.region(chunk.dst_offset, chunk.length)
+        read_range(
+            self.source,
+            chunk.src_offset,
+            view,
+            policy=self.engine._sources.retry,
+            on_retry=self.engine._retried,
+        )
+
+    def _publish(self, tensor: int) -> None:
+        """Decrypt and check a tensor whose bytes are all in, then mark it READY."""
+        entry = self.plan.index.tensors[tensor]
+        slot = self.plan.layout.slots[tensor]
+        verified = decrypted = False
+        if self.plan.index.format == "tensorizer":
+            offset, length = self.plan.header_span(tensor)
+            header = tz.parse_tensor_header(
+                self.writer.region(offset, length),
+                entry=entry,
+                encrypted_file=self.plan.index.encrypted,
+                source=self.uri,
+            )
+            data = self.writer.slot(tensor)[: entry.data_length]
+            if header.encrypted:
+                tz.decrypt_in_place(header, data, self.key, source=self.uri, key_known_good=self._key_proven)
+                self._key_proven = decrypted = True
+            if self.settings.verify and header.hashes:
+                tz.verify(_cheapest_hash(header), data, source=self.uri)
+                verified = True
+        self.writer.mark_ready(tensor, verified=verified, decrypted=decrypted)
+        self.observer.tensor_ready(index=tensor, name=slot.name, nbytes=slot.nbytes)
+
+
+def _cheapest_hash(header: tz.TensorHeader) -> tz.TensorHeader:
+    """The header with only its fastest stored hash: CRC32 (about 2 GiB/s a core here) over SHA-256 (1)."""
+    by_kind = {h.kind: h for h in header.hashes}
+    crc = by_kind.get(0)
+    return dataclasses.replace(header, hashes=(crc,)) if crc is not None else header
+
+
+def _metadata(uri: str, etag: str | None, size: int, notify: str | None) -> dict[str, str]:
+    try:
+        writer = f"modelload-sidecar {version('modelload')}"
+    except PackageNotFoundError:
+        writer = "modelload-sidecar"
+    meta = {"source": uri, "source_size": str(size), "writer": writer}
+    if etag is not None:
+        meta["source_etag"] = etag
+    if notify is not None:
+        meta["notify"] = notify
+    return meta
+
+
+def error_kind(exc: BaseException) -> str:
+    """A short label for a failure, for metrics and logs: what the operator should look at."""
+    kinds: tuple[tuple[type[BaseException], str], ...] = (
+        (LoadStopped, "stopped"),
+        (SourceNotFoundError, "not_found"),
+        (SourceAccessDeniedError, "access_denied"),
+        (SourceChangedError, "changed"),
+        (RangeNotSupportedError, "range_unsupported"),
+        (TransientSourceError, "transient"),
+        (HashMismatchError, "hash_mismatch"),
+        (EncryptionError, "encryption"),
+        (FormatError, "format"),
+        (SegmentSpaceError, "no_space"),
+        (SegmentError, "segment"),
+        (ConfigError, "config"),
+    )
+    for cls, kind in kinds:
+        if isinstance(exc, cls):
+            return kind
+    return "internal"
+
+
+def retry_kind(event: RetryEvent) -> str:
+    """Why a range was retried: ``throttled`` (the server asked us to wait), ``timeout``, ``connection``,
+    or ``server`` (an error status)."""
+    if event.error.retry_after is not None:
+        return "throttled"
+    cause = event.error.__cause__
+    if isinstance(cause, TimeoutError):
+        return "timeout"
+    if isinstance(cause, OSError):
+        return "connection"
+    return "server"
