@@ -1,0 +1,248 @@
+"""modelload's main job on an embedded default: a local S3 server, a model made here, the real sidecar.
+
+``make demo`` runs this. Step by step:
+
+1. build a small transformer (``demo_model.TinyLM``, random bf16 weights, a few hundred MB; nothing is
+   downloaded) and compute its output on a fixed prompt, the reference;
+2. start moto's S3 server on 127.0.0.1, serialize the model to a tensorizer file and upload it;
+3. start ``modelload sidecar`` on ``s3://demo/tinylm.tensors`` with a segment in /dev/shm, exactly as the
+   operator's webhook would in a pod (flags and ``AWS_*`` environment);
+4. start a separate inference process that builds the model on the ``meta`` device, attaches to the segment
+   and runs the forward pass block by block, each block as soon as its weights are in;
+5. check its output against the reference, and print the timeline from both sides.
+
+moto's server is for correctness, not speed: it slows down under parallel range requests (see
+shared/specs/benchmarking.md), so the throughput printed here is moto's. ``benchmarks/run.py`` measures
+speed against nginx.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from demo_model import Config, build, prompt  # noqa: E402
+
+CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "demo-access-key",
+    "AWS_SECRET_ACCESS_KEY": "demo-secret-key",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+BUCKET, KEY = "demo", "tinylm.tensors"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(url: str, *, timeout: float, process: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"{process.args[0]} exited with {process.returncode} before {url} answered")
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"{url} did not answer within {timeout} s")
+
+
+@contextlib.contextmanager
+def running(args: list[str], *, env: dict[str, str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """A child process, stopped with SIGTERM (then SIGKILL) when the block ends."""
+    with log.open("wb") as out:
+        process = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            yield process
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+
+
+def step(message: str) -> None:
+    print(f"==> {message}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="modelload's main job on an embedded default")
+    parser.add_argument("--layers", type=int, default=Config.layers)
+    parser.add_argument("--width", type=int, default=Config.width)
+    parser.add_argument("--readers", type=int, default=4)
+    parser.add_argument("--chunk-size", default="16MiB")
+    parser.add_argument("--keep", action="store_true", help="keep the work folder for a look afterwards")
+    args = parser.parse_args(argv)
+    config = Config(layers=args.layers, width=args.width, mlp=args.width * 11 // 4)
+    torch.set_num_threads(2)
+
+    shm = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
+    work = Path(tempfile.mkdtemp(prefix="modelload-demo-", dir=shm))
+    try:
+        return run(config, work, args)
+    finally:
+        if args.keep:
+            print(f"work folder kept: {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def run(config: Config, work: Path, args: argparse.Namespace) -> int:
+    step(
+        f"building TinyLM: {config.layers} blocks, width {config.width}, "
+        f"{config.parameters / 1e6:.0f} M parameters (bf16)"
+    )
+    model = build(config).to(torch.bfloat16)
+    with torch.no_grad():
+        expected = model(prompt(config))
+    torch.save(expected, work / "expected.pt")
+
+    from modelload.loader.formats.tensorizer import TensorizerWriter
+
+    buffer = io.BytesIO()
+    writer = TensorizerWriter(buffer)
+    writer.write_state_dict(model.state_dict())
+    writer.close()
+    data = buffer.getvalue()
+    del model, buffer
+    step(f"serialized to tensorizer: {len(data) / 2**20:.0f} MiB")
+
+    env = {**os.environ, **CREDENTIALS, "PYTHONUNBUFFERED": "1"}
+    for variable in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN"):
+        env.pop(variable, None)
+    s3_port, api_port = free_port(), free_port()
+    endpoint = f"http://127.0.0.1:{s3_port}"
+    moto = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(s3_port)]
+    with running(moto, env=env, log=work / "moto.log") as server:
+        wait_for(f"{endpoint}/", timeout=60, process=server)
+        step(f"moto's S3 server on {endpoint}")
+        upload(endpoint, data)
+        step(f"uploaded s3://{BUCKET}/{KEY}")
+        del data
+        return load_and_infer(config, work, args, env, endpoint, api_port)
+
+
+def upload(endpoint: str, data: bytes) -> None:
+    import boto3
+    from boto3.s3.transfer import TransferConfig
+
+    client = boto3.client("s3", endpoint_url=endpoint, **_boto_credentials())
+    client.create_bucket(Bucket=BUCKET)
+    client.upload_fileobj(io.BytesIO(data), BUCKET, KEY, Config=TransferConfig(multipart_chunksize=64 << 20))
+
+
+def _boto_credentials() -> dict[str, str]:
+    return {
+        "aws_access_key_id": CREDENTIALS["AWS_ACCESS_KEY_ID"],
+        "aws_secret_access_key": CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+        "region_name": CREDENTIALS["AWS_DEFAULT_REGION"],
+    }
+
+
+def load_and_infer(
+    config: Config, work: Path, args: argparse.Namespace, env: dict[str, str], endpoint: str, api_port: int
+) -> int:
+    segment = work / "model.seg"
+    sidecar = [
+        sys.executable, "-m", "modelload.loader.cli.main", "sidecar",
+        "--source", f"s3://{BUCKET}/{KEY}",
+        "--segment", str(segment),
+        "--s3-endpoint", endpoint,
+        "--readers", str(args.readers),
+        "--chunk-size", args.chunk_size,
+        "--host", "127.0.0.1",
+        "--port", str(api_port),
+    ]  # fmt: skip
+    inference = [
+        sys.executable, str(HERE / "demo_model.py"), "infer",
+        "--segment", str(segment),
+        "--expected", str(work / "expected.pt"),
+        "--config", json.dumps(config.__dict__),
+    ]  # fmt: skip
+    step("starting the sidecar and, beside it, the inference process")
+    started = time.time()
+    with running(sidecar, env=env, log=work / "sidecar.log") as side:
+        infer = subprocess.run(inference, env=env, capture_output=True, text=True, check=False, timeout=900)
+        status = read_status(api_port)
+        if side.poll() is not None:
+            print((work / "sidecar.log").read_text(), file=sys.stderr)
+    if infer.returncode not in (0, 1) or not infer.stdout.strip():
+        print(infer.stderr, file=sys.stderr)
+        print((work / "sidecar.log").read_text()[-4000:], file=sys.stderr)
+        step("the inference process failed")
+        return 1
+    result = json.loads(infer.stdout.strip().splitlines()[-1])
+    report(started, status, result)
+    return 0 if result["matches"] else 1
+
+
+def read_status(port: int) -> dict[str, object]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=5) as response:
+        return dict(json.load(response))
+
+
+def report(started: float, status: dict[str, object], result: dict[str, object]) -> None:
+    def at(value: object) -> str:
+        return f"{float(value) - started:7.2f} s" if isinstance(value, (int, float)) else "      -"
+
+    size = int(status["bytes_total"])  # type: ignore[call-overload]
+    load_seconds = float(status["finished_at"]) - float(status["started_at"])  # type: ignore[arg-type]
+    steps = result["steps"]
+    assert isinstance(steps, list)
+    print()
+    print("timeline (seconds after the sidecar was started)")
+    rows = [
+        ("sidecar: manifest published, an app can attach", status["manifest_at"]),
+        (
+            f"inference: attached ({result['tensors_ready_at_attach']}/{result['tensors']} tensors in)",
+            result["attached_at"],
+        ),
+        ("sidecar: first tensor ready", status["first_tensor_at"]),
+        ("inference: embedding and block 0 computed", result["first_block_done_at"]),
+        (f"sidecar: all {status['tensors_total']} tensors ready", status["finished_at"]),
+        ("inference: forward pass done", result["done_at"]),
+    ]
+    for label, when in rows:
+        print(f"  {label:<50} {at(when)}")
+    print()
+    print(
+        f"  loaded {size / 2**20:.0f} MiB in {load_seconds:.2f} s: "
+        f"{size / load_seconds / 2**20:.0f} MiB/s from moto "
+        f"({status['retries']} retries)"
+    )
+    overlap = [name for name, when in steps if when < float(status["finished_at"])]  # type: ignore[arg-type]
+    print(f"  computed while the load was still running: {', '.join(overlap) if overlap else 'nothing'}")
+    verdict = (
+        "bitwise equal to"
+        if result["bitwise_equal"]
+        else ("matches" if result["matches"] else "DIFFERS FROM")
+    )
+    print(f"  output {verdict} the reference (max |difference| {result['max_abs_difference']:.3g})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
