@@ -300,7 +300,10 @@ class HttpObject(SourceBase):
                 " set the CA bundle for a private CA"
             )
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            return SegmentSpaceError(f"no room left in the destination while reading {uri}")
+            return SegmentSpaceError(
+                f"no room left in the destination while reading {uri}: the volume is full; raise its "
+                "sizeLimit (emptyDir medium: Memory) and the sidecar's memory limit"
+            )
         if connecting is not None:
             if isinstance(exc, socket.gaierror):
                 reason = f"cannot resolve {connecting.host}"

@@ -73,7 +73,9 @@ def _drain(pipe: _Pipe, count: int, dst_fd: int, dst_offset: int, progress: Prog
             _local.pipe = None
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise SegmentSpaceError(
-                    f"no room left to write {count} bytes at offset {dst_offset} of the destination file"
+                    f"no room left to write {count} bytes at offset {dst_offset} of the destination file: "
+                    "the volume is full; raise its sizeLimit (emptyDir medium: Memory) and the sidecar's "
+                    "memory limit"
                 ) from exc
             raise
         if moved == 0:  # pragma: no cover - a pipe with bytes in it never reads as empty

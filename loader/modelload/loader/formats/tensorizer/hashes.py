@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import zlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from modelload.loader.errors import HashMismatchError, SizeMismatchError
@@ -24,6 +25,13 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 __all__ = ["RunningHashes", "TensorHasher", "verify"]
+
+_crc32: Callable[..., int]
+try:  # ISA-L computes the same IEEE CRC-32 as zlib, about 7x faster (16 vs 2.2 GiB/s here): verifying a
+    # multi-GiB model then costs next to nothing. Installed with the sidecar extra; zlib otherwise.
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # pragma: no cover - depends on the environment
+    _crc32 = zlib.crc32
 
 
 class TensorHasher:
@@ -41,7 +49,7 @@ class TensorHasher:
         self._source = source
         self._length = 0
         kinds = {h.kind for h in header.hashes}
-        self._crc: int | None = zlib.crc32(header.hashable) if HASH_CRC32 in kinds else None
+        self._crc: int | None = _crc32(header.hashable) if HASH_CRC32 in kinds else None
         self._sha: _Hash | None = hashlib.sha256(header.hashable) if HASH_SHA256 in kinds else None
 
     def update(self, data: Buffer) -> None:
@@ -50,7 +58,7 @@ class TensorHasher:
         if view.ndim != 1 or view.format != "B":
             view = view.cast("B")
         if self._crc is not None:
-            self._crc = zlib.crc32(view, self._crc)
+            self._crc = _crc32(view, self._crc)
         if self._sha is not None:
             self._sha.update(view)
         self._length += view.nbytes
@@ -92,7 +100,7 @@ class RunningHashes:
             self.update(part)
 
     def update(self, data: Buffer) -> None:
-        self._crc = zlib.crc32(data, self._crc)
+        self._crc = _crc32(data, self._crc)
         self._sha.update(data)
 
     def digests(self) -> tuple[int, bytes]:
