@@ -242,3 +242,12 @@ async def test_the_ready_transition_time_moves_only_when_the_status_flips() -> N
     )
     assert [c["lastTransitionTime"] for c in (first[0], same[0], flipped[0])] == ["t1", "t1", "t3"]
     assert same[0]["reason"] == "B" and same[0]["observedGeneration"] == 2
+
+
+async def test_a_priority_entry_matching_no_tensor_is_a_badspec_condition(
+    kube, operator, model_file, api
+) -> None:
+    spec = {"source": f"file://{model_file}", "priority": ["layers.1.", "layer.2."]}
+    await create_modelload(api, "typo-priority", spec)
+    obj = await failed(kube, "typo-priority", "BadSpec")
+    assert "spec.priority[1]: 'layer.2.' matches no tensor" in ready_condition(obj)["message"]

@@ -20,7 +20,7 @@ from modelload.loader.formats import ModelIndex, read_index
 from modelload.loader.segment import ALIGNMENT, TensorSpec, plan_layout
 from modelload.operator.schema import ModelLoadSpec
 
-__all__ = ["ModelSummary", "S3Credentials", "read_summary"]
+__all__ = ["ModelSummary", "S3Credentials", "check_priority", "read_summary", "segment_bound"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,7 @@ def read_summary(spec: ModelLoadSpec, *, credentials: S3Credentials | None) -> M
         )
     finally:
         source.close()
+    check_priority(index, spec.priority)
     return ModelSummary(
         format=index.format,
         format_version=index.version,
@@ -75,6 +76,15 @@ def read_summary(spec: ModelLoadSpec, *, credentials: S3Credentials | None) -> M
         encrypted=index.encrypted,
         segment_bytes=segment_bound(index, source=spec.source),
     )
+
+
+def check_priority(index: ModelIndex, priority: list[str]) -> None:
+    """Every priority entry names a tensor or a prefix of one: the sidecar refuses the load otherwise, so a
+    typo is reported on the ModelLoad rather than by every pod's sidecar."""
+    names = [t.name for t in index.tensors]
+    for i, wanted in enumerate(priority):
+        if not any(name == wanted or name.startswith(wanted) for name in names):
+            raise ConfigError(f"spec.priority[{i}]: {wanted!r} matches no tensor name or prefix in the model")
 
 
 def segment_bound(index: ModelIndex, *, source: str) -> int:
