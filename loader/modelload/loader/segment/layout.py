@@ -234,7 +234,9 @@ def plan_layout(tensors: Iterable[TensorSpec], *, metadata: Mapping[str, str] | 
         if len(manifest) > MAX_MANIFEST_LENGTH:
             raise SegmentLayoutError(f"manifest of {len(manifest)} bytes exceeds {MAX_MANIFEST_LENGTH}")
         state_offset = align(HEADER_LENGTH + len(manifest))
-        needed = align(state_offset + STATE_ENTRY_LENGTH * len(specs)) + (align(specs[0].lead) if specs else 0)
+        needed = align(state_offset + STATE_ENTRY_LENGTH * len(specs)) + (
+            align(specs[0].lead) if specs else 0
+        )
         if needed == data_offset:
             break
         data_offset = needed

@@ -154,7 +154,9 @@ class SegmentWriter:
         """A writable view of bytes ``[offset, offset + length)`` of the segment: a slot, or padding used as
         scratch (SPEC.md allows it), such as the room a slot's lead leaves before it."""
         if offset < self.layout.state_offset or offset + length > self.layout.segment_length:
-            raise IndexError(f"bytes [{offset}, {offset + length}) are outside the writable part of the segment")
+            raise IndexError(
+                f"bytes [{offset}, {offset + length}) are outside the writable part of the segment"
+            )
         return self._view[offset : offset + length]
 
     def state(self, index: int) -> TensorState:
