@@ -1,0 +1,251 @@
+"""What the loader's file commands (serialize, inspect, stage) share: keys, file kinds, safe output, figures.
+
+Keys and passwords are read here, at the edge, from files or a named environment variable, never from the
+command line (argv shows in ``ps`` and in shell history). Errors about the files a user named are
+:class:`ConfigError` or :class:`SourceError` messages that name the file and say what to do; they never
+carry a key or a password.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import os
+import tempfile
+from collections.abc import Iterator
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import IO, Literal
+
+from modelload.loader.cli.progress import format_bytes
+from modelload.loader.errors import (
+    BadMagicError,
+    ConfigError,
+    SourceAccessDeniedError,
+    SourceError,
+    SourceNotFoundError,
+)
+from modelload.loader.formats import detect_format
+from modelload.loader.formats.tensorizer import DecryptionKey
+from modelload.loader.segment.layout import MAGIC as SEGMENT_MAGIC
+
+__all__ = [
+    "PASSWORD_ENV",
+    "FileKind",
+    "add_decryption_options",
+    "atomic_output",
+    "decryption_key",
+    "modelload_version",
+    "rate",
+    "read_password",
+    "read_secret",
+    "sniff",
+    "translate_os_error",
+]
+
+PASSWORD_ENV = "MODELLOAD_PASSWORD"  # noqa: S105 - the name of a variable, not a password
+"""The variable the help suggests for ``--password-env`` (always named: an optional value would swallow
+the positional argument after it)."""
+
+FileKind = Literal["tensorizer", "safetensors", "torch", "segment"]
+
+_SNIFF_LENGTH = 64
+# A torch checkpoint: the zip container of torch.save since 1.6, or a bare pickle (protocol 2 to 5) of the
+# legacy format.
+_TORCH_PREFIXES = (b"PK\x03\x04", b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
+
+
+# --- decryption keys ---------------------------------------------------------------------------------------
+
+
+def add_decryption_options(parser: argparse.ArgumentParser) -> None:
+    """--key-file / --password-file / --password-env, for reading an encrypted tensorizer file."""
+    group = parser.add_argument_group(
+        "decryption (encrypted tensorizer files)",
+        "Give the key or password as a file or an environment variable, never on the command line: "
+        "arguments show in `ps` and in shell history.",
+    )
+    choice = group.add_mutually_exclusive_group()
+    choice.add_argument(
+        "--key-file", metavar="FILE", type=Path, help="raw 32-byte key (as EncryptionParams.random().key)"
+    )
+    choice.add_argument(
+        "--password-file",
+        metavar="FILE",
+        type=Path,
+        help="password for a file written with an Argon2id-derived key (one trailing newline is ignored)",
+    )
+    choice.add_argument(
+        "--password-env",
+        metavar="VAR",
+        help=f"read the password from the environment variable VAR (for example {PASSWORD_ENV})",
+    )
+
+
+def decryption_key(args: argparse.Namespace) -> DecryptionKey | None:
+    """The key the decryption options name, or None when none was given."""
+    if args.key_file is not None:
+        data = read_secret(args.key_file, what="key file")
+        if len(data) != 32:
+            hint = " (a trailing newline?)" if len(data) == 33 and data.endswith(b"\n") else ""
+            raise ConfigError(
+                f"the key file {args.key_file} holds {len(data)} bytes{hint}; a raw key is exactly 32 bytes "
+                "(for a passphrase use --password-file)"
+            )
+        return DecryptionKey.from_bytes(data)
+    password = read_password(args.password_file, args.password_env)
+    return None if password is None else DecryptionKey.from_password(password)
+
+
+def read_secret(path: Path, *, what: str) -> bytes:
+    """The bytes of a key or password file; errors name the file, never its content."""
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"the {what} {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"the {what} {path} is a directory, not a file") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read the {what} {path}: {exc.strerror}") from None
+
+
+def read_password(path: Path | None, env: str | None) -> bytes | None:
+    """A password from a file (one trailing newline dropped) or an environment variable; None for neither."""
+    if path is not None:
+        data = read_secret(path, what="password file")
+        if data.endswith(b"\n"):
+            data = data[:-1].removesuffix(b"\r")
+        where = f"the password file {path}"
+    elif env is not None:
+        value = os.environ.get(env)
+        if value is None:
+            raise ConfigError(f"the environment variable {env} is not set; export the password in it")
+        data = value.encode("utf-8")
+        where = f"the environment variable {env}"
+    else:
+        return None
+    if not data:
+        raise ConfigError(f"{where} holds an empty password")
+    return data
+
+
+# --- what a file is ----------------------------------------------------------------------------------------
+
+
+def sniff(path: Path) -> FileKind:
+    """The kind of a local file from its first bytes, whatever its name says."""
+    try:
+        with path.open("rb") as file:
+            head = file.read(_SNIFF_LENGTH)
+    except OSError as exc:
+        raise translate_os_error(exc, path) from None
+    if head.startswith(SEGMENT_MAGIC):
+        return "segment"
+    if head.startswith(_TORCH_PREFIXES):
+        return "torch"
+    try:
+        return detect_format(head)
+    except BadMagicError as exc:
+        raise BadMagicError(
+            f"{exc}; modelload reads tensorizer and safetensors files, torch checkpoints and segments",
+            source=str(path),
+        ) from None
+
+
+def translate_os_error(exc: OSError, path: Path) -> SourceError | ConfigError:
+    """An OSError on an input file as the error the caller acts on."""
+    if isinstance(exc, FileNotFoundError):
+        return SourceNotFoundError(f"{path} does not exist; check the path", uri=str(path))
+    if isinstance(exc, PermissionError):
+        return SourceAccessDeniedError(f"{path} cannot be read: permission denied", uri=str(path))
+    if isinstance(exc, IsADirectoryError):
+        return ConfigError(f"{path} is a directory; name a model file")
+    return SourceError(f"reading {path} failed: {exc.strerror or exc}", uri=str(path))
+
+
+# --- output ------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def atomic_output(target: Path, *, force: bool) -> Iterator[IO[bytes]]:
+    """A new file beside ``target`` that becomes ``target`` only when the block ends without an error.
+
+    Until then the data lives under a hidden temporary name in the same directory (so the final rename is
+    atomic), and an error or an interrupt removes it: ``target`` is never half written. Without ``force`` an
+    existing ``target`` is refused, also one that appears while the file is being written (the rename is a
+    hard link, which never replaces).
+    """
+    _check_target(target, force=force)
+    try:
+        fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
+    except OSError as exc:
+        raise ConfigError(f"cannot create a file in {target.parent}: {exc.strerror}") from None
+    file = os.fdopen(fd, "w+b")
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())
+        yield file
+        file.flush()
+        os.fsync(file.fileno())
+        file.close()
+        _publish(Path(temporary), target, force=force)
+    except BaseException:
+        file.close()
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def _check_target(target: Path, *, force: bool) -> None:
+    if target.is_dir():
+        raise ConfigError(f"{target} is a directory; name the file to write")
+    if not target.parent.is_dir():
+        raise ConfigError(f"the directory {target.parent} does not exist; create it first")
+    if target.exists() and not force:
+        raise ConfigError(f"{target} exists; pass --force to replace it")
+
+
+def _publish(temporary: Path, target: Path, *, force: bool) -> None:
+    if force:
+        temporary.replace(target)
+    else:
+        try:
+            os.link(temporary, target)
+        except FileExistsError:
+            raise ConfigError(
+                f"{target} appeared while it was being written; nothing was replaced (pass --force to)"
+            ) from None
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+                raise
+            _check_target(target, force=False)  # a filesystem without hard links: check, then rename
+            temporary.replace(target)
+        else:
+            temporary.unlink()
+    with contextlib.suppress(OSError):  # make the rename durable where the directory can be opened
+        directory = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+# --- figures -----------------------------------------------------------------------------------------------
+
+
+def rate(nbytes: int, seconds: float) -> str:
+    """``"1.0 GiB in 0.52 s (1.9 GiB/s)"``."""
+    per_second = nbytes / seconds if seconds > 0 else 0.0
+    return f"{format_bytes(nbytes)} in {seconds:.2f} s ({format_bytes(per_second)}/s)"
+
+
+def modelload_version() -> str:
+    try:
+        return version("modelload")
+    except PackageNotFoundError:  # pragma: no cover - running from a tree that was never installed
+        return "unknown"

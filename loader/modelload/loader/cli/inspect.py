@@ -1,0 +1,442 @@
+"""``modelload inspect FILE``: what a tensorizer file, safetensors file or segment holds, and whether its
+bytes match their hashes.
+
+The file's kind comes from its content. Everything but the tensor data is shown without a key: names,
+dtypes and shapes of an encrypted tensorizer file are stored in clear. ``--verify`` reads every tensor:
+tensorizer tensors are decrypted (with a key) and checked against their CRC32 and SHA-256; a segment's
+tensors against the CRC32 and SHA-256 its writer recorded, where it recorded them; safetensors stores no
+hashes, so its tensors are only read to the end.
+
+The report is built once as the JSON document that ``--json`` prints (keys in :data:`JSON_KEYS`), and the
+human output is rendered from it, so the two never disagree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+import zlib
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from modelload.loader.cli._common import add_decryption_options, decryption_key, sniff, translate_os_error
+from modelload.loader.cli.progress import ProgressBar, format_bytes
+from modelload.loader.errors import (
+    ConfigError,
+    FormatError,
+    MissingKeyError,
+    NotEncryptedError,
+    WrongKeyError,
+)
+from modelload.loader.formats import ModelIndex
+from modelload.loader.formats.safetensors import SafetensorsFile
+from modelload.loader.formats.tensorizer import DecryptionKey, TensorizerReader
+from modelload.loader.segment import SegmentReader, TensorFlags, TensorState
+
+__all__ = ["JSON_KEYS", "register", "run"]
+
+JSON_KEYS = """\
+JSON output (--json), one document:
+  path          the file inspected
+  format        "tensorizer", "safetensors" or "segment"
+  version       tensorizer data version; 1 for safetensors; the segment layout version
+  file_size     bytes of the file
+  tensor_count  number of tensors
+  total_bytes   bytes of all tensors in memory
+  encrypted     true for an encrypted tensorizer file
+  encryption    null, or {"key": "raw" | "password", "argon2": {"opslimit", "memlimit"} | null,
+                "chunk_size"} read from the first tensor's header
+  metadata      the file's string metadata (safetensors __metadata__, segment metadata)
+  dtypes        {dtype: {"count", "bytes"}}, largest first
+  tensors       every tensor, in file order: {"name", "dtype", "shape", "bytes", "offset"}; tensorizer
+                adds "kind" and "data_length" (0 for a meta tensor); segments add "state", "flags",
+                "crc32" (or null), "sha256" (or null), "ready_ns"
+  segment       segments only: {"writer_state", "writer_pid", "load_id", "created_ns", "finished_ns",
+                "heartbeat_ns", "tensors_ready", "bytes_ready", "error"}
+  verify        with --verify: {"ok", "checked", "bytes", "seconds", "failures": [{"name", "error"}],
+                "note"}; absent otherwise"""
+
+Report = dict[str, Any]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "inspect",
+        help="show what a model file or segment holds; --verify checks its hashes",
+        description=(
+            "Show a tensorizer file, a safetensors file or a modelload segment (detected by content): "
+            "format, tensors, bytes, encryption, metadata, dtypes. An encrypted file's index is readable "
+            "without its key."
+        ),
+        epilog=JSON_KEYS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("file", metavar="FILE", type=Path, help="the file to inspect")
+    parser.add_argument("--json", action="store_true", help="print one JSON document with every tensor")
+    rows = parser.add_mutually_exclusive_group()
+    rows.add_argument("--limit", metavar="N", type=int, default=50, help="tensor rows to show (default 50)")
+    rows.add_argument("--all", action="store_true", help="show every tensor")
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="read every tensor and check its hashes; exits 1 when one does not match",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on standard error")
+    add_decryption_options(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Inspect ``args.file``; exit status 1 when ``--verify`` found a bad tensor."""
+    if args.limit < 0:
+        raise ConfigError("--limit must be 0 or more")
+    path: Path = args.file
+    kind = sniff(path)
+    key = decryption_key(args)
+    if kind == "torch":
+        raise ConfigError(
+            f"{path} is a torch checkpoint; inspect reads tensorizer and safetensors files and segments: "
+            "convert it first (modelload serialize)"
+        )
+    if key is not None and kind != "tensorizer":
+        raise ConfigError(f"a key or password was given, but {path} is a {kind}, which is never encrypted")
+    try:
+        if kind == "segment":
+            report = _inspect_segment(path, verify=args.verify, progress=not args.no_progress)
+        else:
+            report = _inspect_file(path, kind, key, verify=args.verify, progress=not args.no_progress)
+    except OSError as exc:
+        raise translate_os_error(exc, path) from None
+    if args.json:
+        sys.stdout.write(json.dumps(report, ensure_ascii=False) + "\n")
+    else:
+        sys.stdout.write(render(report, limit=None if args.all else args.limit))
+    verified = report.get("verify")
+    return 1 if verified is not None and not verified["ok"] else 0
+
+
+# --- model files -------------------------------------------------------------------------------------------
+
+
+def _inspect_file(
+    path: Path, kind: str, key: DecryptionKey | None, *, verify: bool, progress: bool
+) -> Report:
+    reader: TensorizerReader | SafetensorsFile
+    if kind == "tensorizer":
+        reader = TensorizerReader(path, key=key)
+    else:
+        reader = SafetensorsFile(path)
+    with reader:
+        index = reader.index
+        if verify and index.encrypted and key is None:
+            raise MissingKeyError(
+                f"{path} is encrypted: verifying decrypts it, so give its key (--key-file) or password "
+                "(--password-file, --password-env); without --verify its index is shown without one"
+            )
+        report = _index_report(path, index)
+        if isinstance(reader, TensorizerReader):
+            report["encryption"] = _encryption(reader)
+            for row, entry in zip(report["tensors"], index.tensors, strict=True):
+                row.update(kind=entry.kind, data_length=entry.data_length)
+        if verify:
+            report["verify"] = _verify_file(reader, index, progress=progress)
+    return report
+
+
+def _index_report(path: Path, index: ModelIndex) -> Report:
+    tensors = [
+        {
+            "name": t.name,
+            "dtype": t.dtype.name,
+            "shape": list(t.shape),
+            "bytes": t.nbytes,
+            "offset": t.data_offset,
+        }
+        for t in index.tensors
+    ]
+    return {
+        "path": str(path),
+        "format": index.format,
+        "version": index.version,
+        "file_size": path.stat().st_size,
+        "tensor_count": len(index.tensors),
+        "total_bytes": index.nbytes,
+        "encrypted": index.encrypted,
+        "encryption": None,
+        "metadata": dict(index.metadata),
+        "dtypes": _histogram(tensors),
+        "tensors": tensors,
+    }
+
+
+def _encryption(reader: TensorizerReader) -> dict[str, Any] | None:
+    """How an encrypted file's key is made, from the first tensor with data (stored in clear)."""
+    if not reader.index.encrypted:
+        return None
+    entry = next((t for t in reader.index.tensors if t.data_length), None)
+    if entry is None:
+        return {"key": "unknown", "argon2": None, "chunk_size": None}
+    crypt = reader.read_header(entry).crypt
+    kdf = crypt.kdf if crypt is not None else None
+    cipher = crypt.cipher if crypt is not None else None
+    return {
+        "key": "password" if kdf is not None else "raw",
+        "argon2": {"opslimit": kdf.opslimit, "memlimit": kdf.memlimit} if kdf is not None else None,
+        "chunk_size": cipher.chunk_size if cipher is not None else None,
+    }
+
+
+def _verify_file(reader: TensorizerReader | SafetensorsFile, index: ModelIndex, *, progress: bool) -> Report:
+    scratch = np.empty(max((t.nbytes for t in index.tensors), default=0), dtype=np.uint8)
+    read: Callable[[int], None]
+    if isinstance(reader, TensorizerReader):
+
+        def read(i: int) -> None:
+            entry = index.tensors[i]
+            reader.readinto(entry, scratch[: entry.nbytes].data)
+
+        note = "CRC32 and SHA-256 of every tensor checked" + (" after decryption" if index.encrypted else "")
+    else:
+
+        def read(i: int) -> None:
+            entry = index.tensors[i]
+            reader.readinto(entry.name, scratch[: entry.nbytes])
+
+        note = "safetensors stores no hashes: every tensor was read to its end, nothing could be compared"
+    failures: list[dict[str, str]] = []
+    wrong_key: WrongKeyError | None = None
+    started = time.monotonic()
+    with ProgressBar(index.nbytes, "verify", enabled=progress) as bar:
+        for i, entry in enumerate(index.tensors):
+            try:
+                read(i)
+            except WrongKeyError as exc:  # also what a corrupt first chunk looks like: decided below
+                wrong_key = wrong_key or exc
+                failures.append({"name": entry.name, "error": str(exc)})
+            except (FormatError, NotEncryptedError) as exc:
+                failures.append({"name": entry.name, "error": str(exc)})
+            bar.update(entry.nbytes)
+    if wrong_key is not None and len(failures) == len(index.tensors):
+        raise wrong_key  # no tensor opened: the key is wrong, not every tensor corrupt
+    return _verify_report(len(index.tensors), index.nbytes, time.monotonic() - started, failures, note)
+
+
+def _verify_report(
+    checked: int, nbytes: int, seconds: float, failures: list[dict[str, str]], note: str
+) -> Report:
+    return {
+        "ok": not failures,
+        "checked": checked,
+        "bytes": nbytes,
+        "seconds": round(seconds, 3),
+        "failures": failures,
+        "note": note,
+    }
+
+
+# --- segments ----------------------------------------------------------------------------------------------
+
+
+def _inspect_segment(path: Path, *, verify: bool, progress: bool) -> Report:
+    with SegmentReader.open(path) as reader:
+        mask = reader.ready_mask()
+        tensors = []
+        for slot in reader.slots:
+            flags = reader.flags(slot.index)
+            tensors.append(
+                {
+                    "name": slot.name,
+                    "dtype": slot.dtype.name,
+                    "shape": list(slot.shape),
+                    "bytes": slot.nbytes,
+                    "offset": slot.offset,
+                    "state": reader.state(slot.index).name,
+                    "flags": [f.name.lower() for f in TensorFlags if f and f in flags and f.name],
+                    "crc32": reader.crc32(slot.index),
+                    "sha256": slot.sha256,
+                    "ready_ns": reader.ready_ns(slot.index),
+                }
+            )
+        report: Report = {
+            "path": str(path),
+            "format": "segment",
+            "version": reader.header.layout_version,
+            "file_size": reader.header.segment_length,
+            "tensor_count": len(reader.slots),
+            "total_bytes": sum(s.nbytes for s in reader.slots),
+            "encrypted": False,
+            "encryption": None,
+            "metadata": dict(reader.metadata),
+            "dtypes": _histogram(tensors),
+            "tensors": tensors,
+            "segment": {
+                "writer_state": reader.writer_state.name,
+                "writer_pid": reader.writer_pid,
+                "load_id": f"{reader.load_id:016x}",
+                "created_ns": reader.header.created_ns,
+                "finished_ns": reader.finished_ns,
+                "heartbeat_ns": reader.heartbeat_ns,
+                "tensors_ready": int(mask.sum()),
+                "bytes_ready": sum(s.nbytes for s, ready in zip(reader.slots, mask, strict=True) if ready),
+                "error": reader.error,
+            },
+        }
+        if verify:
+            report["verify"] = _verify_segment(reader, progress=progress)
+    return report
+
+
+def _verify_segment(reader: SegmentReader, *, progress: bool) -> Report:
+    failures: list[dict[str, str]] = []
+    checked = unchecked = pending = 0
+    started = time.monotonic()
+    total = sum(s.nbytes for s in reader.slots)
+    with ProgressBar(total, "verify", enabled=progress) as bar:
+        for slot in reader.slots:
+            bar.update(slot.nbytes)
+            if reader.state(slot.index) != TensorState.READY:
+                pending += 1
+                continue
+            crc = reader.crc32(slot.index)
+            if crc is None and slot.sha256 is None:
+                unchecked += 1
+                continue
+            checked += 1
+            view = reader.view(slot.index)
+            if crc is not None and zlib.crc32(view) != crc:
+                failures.append(
+                    {"name": slot.name, "error": f"CRC32 is {zlib.crc32(view):08x}, recorded {crc:08x}"}
+                )
+            elif slot.sha256 is not None and hashlib.sha256(view).hexdigest() != slot.sha256:
+                failures.append({"name": slot.name, "error": "SHA-256 differs from the one in the manifest"})
+    parts = [f"{checked} tensors checked against the hashes their writer recorded"]
+    if unchecked:
+        parts.append(f"{unchecked} have no recorded hash")
+    if pending:
+        parts.append(f"{pending} are not ready")
+    return _verify_report(checked, total, time.monotonic() - started, failures, "; ".join(parts))
+
+
+# --- output ------------------------------------------------------------------------------------------------
+
+
+def _histogram(tensors: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    counts: dict[str, dict[str, int]] = {}
+    for row in tensors:
+        slot = counts.setdefault(row["dtype"], {"count": 0, "bytes": 0})
+        slot["count"] += 1
+        slot["bytes"] += row["bytes"]
+    return dict(sorted(counts.items(), key=lambda item: (-item[1]["bytes"], item[0])))
+
+
+def render(report: Report, *, limit: int | None) -> str:
+    """The human form of a report: a block of fields, the dtype histogram, a table of tensors."""
+    lines: list[tuple[str, str]] = [("file", report["path"])]
+    kind = report["format"]
+    if kind == "safetensors":
+        lines.append(("format", kind))  # the format has no version field
+    else:
+        version = "layout version" if kind == "segment" else "data version"
+        lines.append(("format", f"{kind} ({version} {report['version']})"))
+    lines.append(("size", f"{format_bytes(report['file_size'])} ({report['file_size']} bytes)"))
+    lines.append(("tensors", f"{report['tensor_count']}, {format_bytes(report['total_bytes'])}"))
+    if kind == "tensorizer":
+        lines.append(("encrypted", _describe_encryption(report)))
+    segment = report.get("segment")
+    if segment is not None:
+        lines.extend(_segment_lines(segment, report))
+    metadata = report["metadata"]
+    lines.extend(
+        ((("metadata" if i == 0 else ""), f"{k} = {v}") for i, (k, v) in enumerate(metadata.items()))
+    )
+    if not metadata:
+        lines.append(("metadata", "(none)"))
+    width = max((len(dtype) for dtype in report["dtypes"]), default=0)
+    for i, (dtype, row) in enumerate(report["dtypes"].items()):
+        lines.append(
+            (
+                "dtypes" if i == 0 else "",
+                f"{dtype:<{width}}  {row['count']:>6} tensors  {format_bytes(row['bytes'])}",
+            )
+        )
+    out = [f"{label:<12}{value}" for label, value in lines]
+    out.append("")
+    out.extend(_table(report["tensors"], limit, segment is not None))
+    verified = report.get("verify")
+    if verified is not None:
+        out.append("")
+        out.extend(_verify_lines(verified))
+    return "\n".join(out) + "\n"
+
+
+def _describe_encryption(report: Report) -> str:
+    info = report["encryption"]
+    if not report["encrypted"] or info is None:
+        return "no"
+    if info["key"] == "password":
+        argon = info["argon2"]
+        return (
+            f"yes, key derived from a password (Argon2id, {argon['opslimit']} passes, "
+            f"{format_bytes(argon['memlimit'])})"
+        )
+    return "yes, raw 32-byte key" if info["key"] == "raw" else "yes"
+
+
+def _segment_lines(segment: dict[str, Any], report: Report) -> list[tuple[str, str]]:
+    lines = [
+        ("writer", f"{segment['writer_state']} (pid {segment['writer_pid']}), load {segment['load_id']}"),
+        (
+            "ready",
+            f"{segment['tensors_ready']}/{report['tensor_count']} tensors, "
+            f"{format_bytes(segment['bytes_ready'])}/{format_bytes(report['total_bytes'])}",
+        ),
+        ("created", _timestamp(segment["created_ns"])),
+    ]
+    if segment["finished_ns"]:
+        seconds = (segment["finished_ns"] - segment["created_ns"]) / 1e9
+        lines.append(("finished", f"{_timestamp(segment['finished_ns'])} ({seconds:.2f} s after created)"))
+    if segment["error"]:
+        lines.append(("error", segment["error"]))
+    flags: dict[str, int] = {}
+    for row in report["tensors"]:
+        for flag in row["flags"]:
+            flags[flag] = flags.get(flag, 0) + 1
+    if flags:
+        lines.append(("flags", ", ".join(f"{name} {count}" for name, count in flags.items())))
+    return lines
+
+
+def _timestamp(ns: int) -> str:
+    return datetime.fromtimestamp(ns / 1e9, tz=timezone.utc).isoformat(timespec="milliseconds")
+
+
+def _table(tensors: list[dict[str, Any]], limit: int | None, segment: bool) -> list[str]:
+    shown = tensors if limit is None else tensors[:limit]
+    header = ["name", "dtype", "shape", "bytes"] + (["state"] if segment else [])
+    rows = [
+        [row["name"], row["dtype"], str(row["shape"]), format_bytes(row["bytes"])]
+        + ([row["state"].lower()] if segment else [])
+        for row in shown
+    ]
+    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in [header, *rows]
+    ]
+    hidden = len(tensors) - len(shown)
+    if hidden:
+        lines.append(f"... {hidden} more tensors (--all shows every one)")
+    return lines
+
+
+def _verify_lines(verified: Report) -> list[str]:
+    status = "ok" if verified["ok"] else f"FAILED for {len(verified['failures'])} tensors"
+    lines = [f"{'verify':<12}{status}: {verified['note']} ({verified['seconds']:.2f} s)"]
+    lines.extend(f"  {failure['name']}: {failure['error']}" for failure in verified["failures"])
+    return lines

@@ -1,0 +1,206 @@
+"""``modelload stage``: files written by the real packages, staged into segments that attach() reads."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from modelload.loader import LoadFailedError, attach, dtypes
+from modelload.loader.cli.main import main
+from modelload.loader.formats import read_index
+from modelload.loader.segment import SegmentReader, TensorFlags, TensorState, WriterState
+from tests.formats.tensorizer_support import raw_bytes, sample, torch
+
+safetensors_torch = pytest.importorskip("safetensors.torch")
+tensorizer = pytest.importorskip("tensorizer")
+from tensorizer import TensorSerializer  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+MIN_ARGON2 = (tensorizer.EncryptionParams.OpsLimit.MIN, tensorizer.EncryptionParams.MemLimit.MIN)
+SAFETENSORS_DTYPES = tuple(n for n in dtypes.names() if dtypes.by_name(n).safetensors is not None)
+
+
+def cli(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:
+    code = main(["stage", "--no-progress", *(str(a) for a in args)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def tz_write(path: Path, tensors: dict[str, Any], *, encryption: Any = None) -> None:
+    serializer = TensorSerializer(str(path), encryption=encryption)
+    serializer.write_state_dict(tensors)
+    serializer.close()
+
+
+def every_dtype() -> dict[str, Any]:
+    tensors = {f"t.{name}": sample(name, (3, 5), seed=i) for i, name in enumerate(SAFETENSORS_DTYPES)}
+    tensors["big"] = sample("float32", (300_000,))  # more than one page, spanning several
+    tensors["empty"] = torch.empty((0, 4), dtype=torch.float16)
+    tensors["scalar"] = sample("int64", ())
+    return tensors
+
+
+def assert_attached(segment: Path, tensors: dict[str, Any]) -> dict[str, str]:
+    """Attach to the segment and compare every tensor byte for byte; return its metadata."""
+    with attach(segment, timeout=5, notify=False) as model:
+        assert model.complete
+        assert sorted(model.names) == sorted(tensors)
+        for name, tensor in tensors.items():
+            got = model.tensor(name)
+            assert got.dtype == tensor.dtype and tuple(got.shape) == tuple(tensor.shape), name
+            assert raw_bytes(got) == raw_bytes(tensor), name
+        return dict(model.metadata)
+
+
+@pytest.mark.parametrize("threads", ["1", "3"])
+def test_a_safetensors_file_stages_byte_exact_with_its_metadata(
+    shm_dir: Path, capsys: pytest.CaptureFixture[str], threads: str
+) -> None:
+    tensors = every_dtype()
+    source = shm_dir / "m.safetensors"
+    safetensors_torch.save_file(tensors, str(source))
+    segment = shm_dir / "model.seg"
+
+    code, out, err = cli(capsys, source, segment, "--threads", threads)
+    assert code == 0, err
+    assert out.startswith(f"staged {segment} (safetensors): {len(tensors)} tensors, ")
+    metadata = assert_attached(segment, tensors)
+    assert metadata["format"] == "safetensors"
+    assert metadata["source"] == str(source.resolve())
+    assert metadata["source_size"] == str(source.stat().st_size)
+    assert metadata["writer"].startswith("modelload-stage ")
+
+
+def test_an_encrypted_tensorizer_file_stages_decrypted_and_verified(
+    shm_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tensors = every_dtype()
+    del tensors["empty"]  # the real tensorizer cannot encrypt a tensor of zero elements
+    source = shm_dir / "m.tensors"
+    password = shm_dir / "password"
+    password.write_text("s3cret\n")
+    tz_write(source, tensors, encryption=tensorizer.EncryptionParams.from_string("s3cret", *MIN_ARGON2))
+    segment = shm_dir / "model.seg"
+
+    code, out, err = cli(capsys, source, segment, "--password-file", password)
+    assert code == 0, err
+    assert "(tensorizer, decrypted, verified)" in out
+    assert assert_attached(segment, tensors)["format"] == "tensorizer"
+    with SegmentReader.open(segment) as reader:
+        for slot in reader.slots:
+            want = TensorFlags.VERIFIED | (TensorFlags.DECRYPTED if slot.nbytes else TensorFlags.NONE)
+            assert reader.flags(slot.index) == want, slot.name
+
+
+def test_an_encrypted_file_without_its_key_creates_no_segment(
+    shm_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = shm_dir / "m.tensors"
+    tz_write(source, {"w": sample("float32", (4,))}, encryption=tensorizer.EncryptionParams.random())
+    code, _, err = cli(capsys, source, shm_dir / "model.seg")
+    assert code == 1 and "is encrypted" in err
+    assert not (shm_dir / "model.seg").exists()
+
+
+def test_a_corrupt_file_marks_the_segment_failed_with_the_reason(
+    shm_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tensors = {"a": sample("float32", (100,)), "b": sample("int32", (50,)), "c": sample("float16", (8,))}
+    source = shm_dir / "m.tensors"
+    tz_write(source, tensors)
+    data = bytearray(source.read_bytes())
+    entry = read_index(lambda o, n: bytes(data[o : o + n]), size=len(data)).tensors[1]
+    data[entry.data_offset] ^= 0x10
+    source.write_bytes(data)
+    segment = shm_dir / "model.seg"
+
+    code, _, err = cli(capsys, source, segment, "--threads", "1")
+    assert code == 1
+    assert err.startswith("modelload stage: ") and "tensor 'b'" in err
+    with SegmentReader.open(segment) as reader:
+        assert reader.writer_state == WriterState.FAILED
+        assert "tensor 'b'" in reader.error and "corrupt" in reader.error
+        assert reader.state(1) == TensorState.FAILED
+    with (
+        attach(segment, timeout=5, notify=False) as model,
+        pytest.raises(LoadFailedError, match="tensor 'b'"),
+    ):
+        model.wait()
+
+    code, _, err = cli(capsys, source, segment, "--no-verify")
+    assert code == 0, "without --verify the flipped bit goes unnoticed: the check above is the hash check"
+
+
+def test_staging_into_a_missing_directory_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = tmp_path / "m.safetensors"
+    safetensors_torch.save_file({"w": sample("float32", (2,))}, str(source))
+    code, _, err = cli(capsys, source, tmp_path / "nowhere" / "model.seg")
+    assert code == 1
+    assert "does not exist" in err and str(tmp_path / "nowhere") in err
+
+
+def test_a_file_that_is_not_a_segment_is_not_replaced_unless_forced(
+    shm_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tensors = {"w": sample("bfloat16", (5,))}
+    source = shm_dir / "m.safetensors"
+    safetensors_torch.save_file(tensors, str(source))
+    other = shm_dir / "notes.txt"
+    other.write_text("keep me")
+
+    code, _, err = cli(capsys, source, other)
+    assert code == 1 and "not a modelload segment" in err and "--force" in err
+    assert other.read_text() == "keep me"
+    code, _, err = cli(capsys, source, source, "--force")
+    assert code == 1 and "is the model file itself" in err
+    assert source.stat().st_size > 0
+
+    code, _, _ = cli(capsys, source, other, "--force")
+    assert code == 0
+    assert_attached(other, tensors)
+    code, _, err = cli(capsys, source, other)
+    assert code == 0 and "replacing the segment" in err
+
+
+def test_the_console_script_stages_in_a_fresh_process(shm_dir: Path) -> None:
+    tensors = {"w": sample("float32", (64, 64)), "b": sample("bfloat16", (64,), seed=1)}
+    source = shm_dir / "m.tensors"
+    tz_write(source, tensors)
+    segment = shm_dir / "model.seg"
+    done = subprocess.run(
+        [sys.executable, "-m", "modelload.loader.cli.main", "stage", str(source), str(segment)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "stage [" in done.stderr and done.stdout.startswith(f"staged {segment} (tensorizer, verified)")
+    assert_attached(segment, tensors)
+
+
+def test_where_the_kernel_cannot_copy_tensors_are_read_into_their_slots(
+    shm_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = []
+
+    def refuse(*args: Any) -> int:
+        calls.append(args)
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "copy_file_range", refuse)
+    tensors = every_dtype()
+    source = shm_dir / "m.safetensors"
+    safetensors_torch.save_file(tensors, str(source))
+    code, _, err = cli(capsys, source, shm_dir / "model.seg", "--threads", "1")
+    assert code == 0, err
+    assert len(calls) == 1, "after one refusal every tensor is read instead"
+    assert_attached(shm_dir / "model.seg", tensors)
