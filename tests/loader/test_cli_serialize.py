@@ -119,6 +119,7 @@ def test_torch_checkpoint_becomes_a_tensorizer_file_the_real_tensorizer_loads(
     code, out, err = cli(capsys, checkpoint, tmp_path / "model.tensors")
     assert code == 0, err
     assert "under the checkpoint's key 'state_dict'" in err
+    assert "metadata" not in err
     assert "3 tensors" in out
     flat = {
         "encoder.layers.0.w": layers[0]["w"],
@@ -132,15 +133,16 @@ def test_torch_checkpoint_to_safetensors_keeps_tied_weights_as_copies_and_says_s
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     embed = sample("float32", (8, 4))
-    state = {"embed.weight": embed, "lm_head.weight": embed, "step": torch.tensor(3)}
+    state = {"embed.weight": embed, "lm_head.weight": embed, "step": torch.tensor(3), "config": {"hidden": 4}}
     checkpoint = tmp_path / "model.bin"
     torch.save(state, checkpoint)
 
     code, _, err = cli(capsys, checkpoint, tmp_path / "model.safetensors")
     assert code == 0, err
     assert "share storage" in err and "'embed.weight'" in err
+    assert "skipped 1 entries that are not tensors: config.hidden" in err
     loaded = safetensors_torch.load_file(str(tmp_path / "model.safetensors"))
-    assert_same(loaded, {"embed.weight": embed, "lm_head.weight": embed, "step": state["step"]})
+    assert_same(loaded, {"embed.weight": embed, "lm_head.weight": embed, "step": torch.tensor(3)})
     with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as file:
         assert file.metadata() == {"format": "pt"}
 
@@ -234,8 +236,9 @@ def test_generated_key_is_private_and_opens_the_file_in_the_real_tensorizer(
     assert index_of(tmp_path / "m.tensors").encrypted
     assert_same(tz_read(tmp_path / "m.tensors", key=key), tensors)
 
-    code, _, _ = cli(capsys, tmp_path / "m.tensors", tmp_path / "back.safetensors", "--key-file", key_file)
+    code, _, err = cli(capsys, tmp_path / "m.tensors", tmp_path / "back.safetensors", "--key-file", key_file)
     assert code == 0
+    assert "will hold the decrypted tensors" in err
     assert (tmp_path / "back.safetensors").read_bytes() == (tmp_path / "m.safetensors").read_bytes()
 
 

@@ -63,7 +63,7 @@ def add_decryption_options(parser: argparse.ArgumentParser) -> None:
     """--key-file / --password-file / --password-env, for reading an encrypted tensorizer file."""
     group = parser.add_argument_group(
         "decryption (encrypted tensorizer files)",
-        "Give the key or password as a file or an environment variable, never on the command line: "
+        "Give the key or password as a file or an environment variable, never on the command line:\n"
         "arguments show in `ps` and in shell history.",
     )
     choice = group.add_mutually_exclusive_group()

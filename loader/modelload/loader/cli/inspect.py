@@ -71,8 +71,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "inspect",
         help="show what a model file or segment holds; --verify checks its hashes",
         description=(
-            "Show a tensorizer file, a safetensors file or a modelload segment (detected by content): "
-            "format, tensors, bytes, encryption, metadata, dtypes. An encrypted file's index is readable "
+            "Show a tensorizer file, a safetensors file or a modelload segment (detected by content):\n"
+            "format, tensors, bytes, encryption, metadata, dtypes. An encrypted file's index is readable\n"
             "without its key."
         ),
         epilog=JSON_KEYS,

@@ -28,6 +28,7 @@ import contextlib
 import json
 import os
 import pickle
+import re
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -85,6 +86,12 @@ _ARGON2 = {
     "sensitive": Argon2Limits.SENSITIVE,
 }
 OutputFormat = Literal["tensorizer", "safetensors"]
+_TORCH_HELP = f"""\
+torch checkpoints load with torch.load(weights_only=True, mmap=True), so no code in them runs. A dict with
+tensors among its values is the state dict; otherwise the first key of {", ".join(STATE_DICT_KEYS)}
+that holds tensors, or the only key that does (--state-dict-key names one). Nested dicts and lists are
+flattened with dots (layers.0.weight) for either output format; values that are not tensors are skipped
+and listed; tensors that share storage (tied weights) are written as separate copies."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -96,6 +103,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "to DST, tensor by tensor. DST appears only once complete. Keys and passwords are read from "
             "files or environment variables, never from arguments, which show in `ps`."
         ),
+        epilog=_TORCH_HELP,
     )
     parser.add_argument("src", metavar="SRC", type=Path, help="the model file to read")
     parser.add_argument("dst", metavar="DST", type=Path, help="the file to write")
@@ -162,6 +170,12 @@ def run(args: argparse.Namespace) -> int:
         with _open_input(args, key) as source:
             for note in source.notes:
                 print(f"modelload serialize: {note}", file=sys.stderr)
+            if key is not None and encryption is None:
+                print(
+                    f"modelload serialize: {args.dst} will hold the decrypted tensors; to keep them "
+                    "encrypted pass --encrypt-key-file, --generate-key or --encrypt-password-file",
+                    file=sys.stderr,
+                )
             if target == "tensorizer" and source.metadata:
                 print(
                     f"modelload serialize: the metadata of {args.src} ({len(source.metadata)} keys) is not "
@@ -385,7 +399,7 @@ def _open_torch(path: Path, key: str | None) -> _TorchInput:
         if len(names) > 1:
             shown = ", ".join(repr(n) for n in names[:4]) + (", ..." if len(names) > 4 else "")
             notes.append(f"tensors {shown} share storage (tied weights): each is written as its own copy")
-    return _TorchInput(tensors, items, {"format": "pt"}, notes)
+    return _TorchInput(tensors, items, None, notes)
 
 
 def _torch_load(torch: Any, path: Path) -> Any:
@@ -402,15 +416,16 @@ def _torch_load(torch: Any, path: Path) -> Any:
     except OSError as exc:
         raise translate_os_error(exc, path) from None
     except pickle.UnpicklingError as exc:
-        detail = next((line.strip() for line in str(exc).splitlines() if "Unsupported" in line), "")
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
+        detail = f" (it refers to {found.group(1)})" if found else ""
         raise FormatError(
             "the checkpoint holds Python objects besides tensors, and modelload loads checkpoints with "
-            f"weights_only=True so that no code in them runs{f' ({detail})' if detail else ''}; re-save "
-            "just the weights: torch.save(model.state_dict(), path)",
+            f"weights_only=True so that no code in them runs{detail}; re-save just the weights: "
+            "torch.save(model.state_dict(), path)",
             source=str(path),
         ) from None
     except (RuntimeError, EOFError, ValueError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        first = str(exc).split(". ")[0].splitlines()[0] if str(exc) else type(exc).__name__
         raise FormatError(
             f"torch cannot load this checkpoint ({first}); it may be truncated or not a checkpoint",
             source=str(path),
@@ -498,7 +513,9 @@ def _convert(
             raise
         writer.close()
     else:
-        header, offsets = _safetensors_header(items, source.metadata)
+        # Hugging Face loaders expect a safetensors file made from torch tensors to say so.
+        metadata = {"format": "pt"} if isinstance(source, _TorchInput) else source.metadata
+        header, offsets = _safetensors_header(items, metadata)
         _write_at(file.fileno(), header, 0)
         os.ftruncate(file.fileno(), len(header) + sum(item.nbytes for item in items))
         for i, item in enumerate(items):
