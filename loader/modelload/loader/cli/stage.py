@@ -100,8 +100,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--threads must be 1 or more")
     kind = sniff(source) if args.format == "auto" else args.format
     if kind not in ("tensorizer", "safetensors"):
-        hint = "convert it first with modelload serialize" if kind == "torch" else "it is one already"
-        raise ConfigError(f"{source} is a {kind}, not a tensorizer or safetensors file: {hint}")
+        what, hint = {
+            "torch": ("a torch checkpoint", "convert it first with modelload serialize"),
+            "segment": ("a modelload segment already", "attach to it, or stage the model file it came from"),
+        }[kind]
+        raise ConfigError(f"{source} is {what}, not a tensorizer or safetensors file: {hint}")
     key = decryption_key(args)
     if key is not None and kind != "tensorizer":
         raise ConfigError(f"a key or password was given, but {source} is a {kind} file, never encrypted")
