@@ -22,14 +22,18 @@ __all__ = ["build_parser", "main"]
 _EXTRAS = {"sidecar": "sidecar", "monitor": "sidecar", "operator": "operator"}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser with every subcommand, or with ``only`` that one (importing one part, not all three)."""
     parser = argparse.ArgumentParser(
         prog="modelload",
         description="Stream model weights into shared memory and attach to them.",
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for entry in sorted(entry_points(group="modelload.commands"), key=lambda e: e.name):
+    entries = sorted(entry_points(group="modelload.commands"), key=lambda e: e.name)
+    if only is not None and any(e.name == only for e in entries):
+        entries = [e for e in entries if e.name == only]
+    for entry in entries:
         try:
             register = entry.load()
         except ImportError as exc:
@@ -46,25 +50,31 @@ def _register_missing(subparsers: argparse._SubParsersAction, name: str, exc: Im
     else:
         reason = f"it needs the '{extra}' extra (missing {exc.name or exc}): pip install 'modelload[{extra}]'"
     parser = subparsers.add_parser(name, help="(unavailable)", add_help=False)
-    parser.add_argument("rest", nargs=argparse.REMAINDER)
 
     def unavailable(_: argparse.Namespace) -> int:
         print(f"modelload {name} is unavailable: {reason}", file=sys.stderr)
         return 2
 
-    parser.set_defaults(func=unavailable)
+    parser.set_defaults(func=unavailable, unavailable=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (2 for usage and configuration errors)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in arguments if not a.startswith("-")), None)
+    parser = build_parser(command)
+    args, unknown = parser.parse_known_args(arguments)
+    if unknown and not getattr(args, "unavailable", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         status = args.func(args)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader of our output went away (``modelload inspect --json | head``)
+        sys.stderr.close()
+        return 141
     except ModelloadError as exc:
         print(f"modelload {args.command}: {exc}", file=sys.stderr)
         return 1
