@@ -130,11 +130,17 @@ def _use_credentials(source: Any, credentials: S3Credentials) -> None:
     """Give an S3 source the Secret's keys instead of botocore's chain.
 
     Stopgap until ``S3Settings`` takes explicit credentials: it sets them on the source's botocore session
-    before its first request, which is what an explicit setting would do.
+    before its first request, which is what an explicit setting would do. HTTP and file sources take no S3
+    keys; an S3 source this cannot configure is an error, never a silent fall-back to another identity.
     """
+    if not source.display_uri.startswith("s3://"):
+        return
     session = getattr(source, "_session", None)
-    if session is None:
-        return  # not an S3 source: HTTP and file sources take no S3 keys
+    if session is None or not hasattr(session, "set_credentials"):
+        raise ConfigError(
+            "this build's S3 source cannot take credentials from a Secret; upgrade modelload, or drop "
+            "spec.credentialsSecretRef and give the operator and the pods an identity (IRSA)"
+        )
     session.set_credentials(
         credentials.access_key_id, credentials.secret_access_key, credentials.session_token
     )
