@@ -180,12 +180,16 @@ def _sidecar_container(
         "startupProbe": {
             "httpGet": {"path": "/startupz", **probe},
             "periodSeconds": 1,
+            "timeoutSeconds": 2,
             "failureThreshold": 600,
         },
+        # Ready as soon as one probe passes; unready only after three misses in a row, so a status API slowed
+        # by readers saturating the CPU does not take a loaded pod out of its Service.
         "readinessProbe": {
             "httpGet": {"path": "/readyz", **probe},
             "periodSeconds": 2,
-            "failureThreshold": 1,
+            "timeoutSeconds": 2,
+            "failureThreshold": 3,
         },
         "livenessProbe": {
             "httpGet": {"path": "/healthz", **probe},
