@@ -1,0 +1,241 @@
+"""Measuring one contender at a time, each in a fresh process: the raw source, the sidecar, tensorizer.
+
+Every measurement starts a new Python process (imports are not timed for the libraries, and are timed for
+the sidecar since it is a process a pod starts). Memory is sampled from /proc every 10 ms: for the sidecar,
+its resident memory *besides* the segment (RssAnon + RssFile: the segment's pages are RssShmem).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from attach import shapes
+
+from modelload.loader.formats.tensorizer import TensorizerWriter
+
+__all__ = ["Figures", "make_model", "raw_ceiling", "sidecar", "tensorizer_load"]
+
+
+@dataclass(frozen=True)
+class Figures:
+    seconds: float
+    nbytes: int
+    peak_rss_bytes: int = 0
+    first_tensor_s: float | None = None
+    manifest_s: float | None = None
+    extra: str = ""
+
+    @property
+    def gib_per_s(self) -> float:
+        return self.nbytes / self.seconds / 2**30
+
+
+def make_model(path: Path, total_bytes: int) -> int:
+    """A tensorizer file of TinyLlama-like bf16 tensors summing to about ``total_bytes``; returns the bytes."""
+    block = np.random.default_rng(0).integers(0, 1 << 16, 32 << 20, dtype=np.uint16)
+    writer = TensorizerWriter(path)
+    nbytes = 0
+    for name, shape in shapes(total_bytes):
+        count = int(np.prod(shape))
+        data = np.resize(block, count).reshape(shape) if count > len(block) else block[:count].reshape(shape)
+        writer.write_tensor(name, data, dtype="bfloat16")
+        nbytes += count * 2
+    writer.close()
+    return nbytes
+
+
+class _Sampler:
+    """Peak of the given /proc/PID/status fields, summed, sampled every 10 ms in a thread."""
+
+    def __init__(self, pid: int, fields: tuple[str, ...]) -> None:
+        self.peak = 0
+        self._pid, self._fields = pid, fields
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.01):
+            try:
+                text = Path(f"/proc/{self._pid}/status").read_text()
+            except OSError:
+                return
+            total = sum(
+                int(line.split()[1]) * 1024
+                for line in text.splitlines()
+                if line.split(":")[0] in self._fields
+            )
+            self.peak = max(self.peak, total)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+RAW = """
+import json, os, sys, threading, time
+from modelload.sidecar.sources import SourceSettings, S3Settings, open_source
+uri, threads, chunk, endpoint, fresh = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+settings = SourceSettings(s3=S3Settings(endpoint_url=endpoint or None, addressing="path"))
+source = open_source(uri, settings)
+size = source.stat().size
+offsets = list(range(0, size, chunk))
+lock = threading.Lock()
+fd = os.open(fresh, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600) if fresh else None
+def work():
+    buffer = memoryview(bytearray(chunk))
+    while True:
+        with lock:
+            if not offsets:
+                return
+            offset = offsets.pop()
+        n = min(chunk, size - offset)
+        if fd is None:
+            source.read_into(offset, buffer[:n])
+        else:
+            source.read_into_fd(offset, n, fd, offset)
+t0 = time.perf_counter()
+pool = [threading.Thread(target=work) for _ in range(threads)]
+[t.start() for t in pool]; [t.join() for t in pool]
+print(json.dumps({"seconds": time.perf_counter() - t0, "nbytes": size}))
+"""
+
+
+def raw_ceiling(
+    uri: str, *, threads: int, chunk: int, s3_endpoint: str = "", fresh: Path | None = None
+) -> Figures:
+    """Parallel range reads of the whole object with the sources layer's client: into reused buffers (the
+    wire's ceiling), or with ``fresh`` spliced into a new file there (the ceiling of landing in new memory)."""
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", RAW, uri, str(threads), str(chunk), s3_endpoint, str(fresh or "")],
+            capture_output=True, text=True, check=True, env=_aws_env(),
+        )  # fmt: skip
+    finally:
+        if fresh is not None:
+            fresh.unlink(missing_ok=True)
+    result = json.loads(out.stdout)
+    return Figures(result["seconds"], result["nbytes"])
+
+
+def command_ceiling(argv: list[str], nbytes: int) -> Figures:
+    """A command such as ``cat FILE`` or ``curl URL`` with its output thrown away."""
+    started = time.perf_counter()
+    subprocess.run(argv, stdout=subprocess.DEVNULL, check=True)
+    return Figures(time.perf_counter() - started, nbytes)
+
+
+def sidecar(
+    uri: str, segment: Path, *, readers: int, chunk: str, verify: bool, s3_endpoint: str = ""
+) -> Figures:
+    """``modelload sidecar`` from process start to the last tensor READY, and its memory besides the segment."""
+    port = _free_port()
+    argv = [
+        sys.executable, "-m", "modelload.loader.cli.main", "sidecar",
+        "--source", uri, "--segment", str(segment), "--readers", str(readers), "--chunk-size", chunk,
+        "--host", "127.0.0.1", "--port", str(port), "--notify", "none",
+        "--verify" if verify else "--no-verify",
+    ]  # fmt: skip
+    if s3_endpoint:
+        argv += ["--s3-endpoint", s3_endpoint, "--s3-addressing", "path"]
+    spawned = time.time()
+    process = subprocess.Popen(argv, env=_aws_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    sampler = _Sampler(process.pid, ("RssAnon", "RssFile"))
+    try:
+        status = _wait_complete(port, process)
+    finally:
+        peak = sampler.stop()
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+        segment.unlink(missing_ok=True)
+    finished = float(status["finished_at"])
+    return Figures(
+        seconds=finished - spawned,
+        nbytes=int(status["bytes_total"]),
+        peak_rss_bytes=peak,
+        first_tensor_s=float(status["first_tensor_at"]) - spawned,
+        manifest_s=float(status["manifest_at"]) - spawned,
+        extra=f"engine {int(status['bytes_total']) / (finished - float(status['started_at'])) / 2**30:.2f} GiB/s",
+    )
+
+
+def _wait_complete(port: int, process: subprocess.Popen[bytes]) -> dict[str, object]:
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(
+                f"the sidecar exited: {process.stderr.read().decode()[-2000:] if process.stderr else ''}"
+            )
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=2) as response:
+                status = json.load(response)
+        except OSError:
+            time.sleep(0.01)
+            continue
+        if status["phase"] == "complete":
+            return dict(status)
+        if status["phase"] == "failed":
+            raise RuntimeError(f"the load failed: {status['error']}")
+        # The times reported come from the sidecar's own clock (/status), so polling slowly loses no precision
+        # and leaves the 2 cores to the load (polling every 10 ms cost the sidecar about 20 % here).
+        time.sleep(0.1)
+    raise TimeoutError("the sidecar did not finish in 10 minutes")
+
+
+TENSORIZER = """
+import json, resource, sys, time
+import torch
+from tensorizer import TensorDeserializer
+uri, readers = sys.argv[1], int(sys.argv[2])
+t0 = time.perf_counter()
+deserializer = TensorDeserializer(uri, device="cpu", num_readers=readers, verify_hash=False)
+nbytes = sum(t.numel() * t.element_size() for t in deserializer.values())
+seconds = time.perf_counter() - t0
+print(json.dumps({"seconds": seconds, "nbytes": nbytes, "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def tensorizer_load(uri: str, *, readers: int, s3_endpoint: str = "") -> Figures:
+    """tensorizer 2.12's TensorDeserializer loading every tensor to CPU memory (no hash check)."""
+    env = _aws_env()
+    if s3_endpoint:
+        env["AWS_ENDPOINT_URL_S3"] = s3_endpoint  # tensorizer's default endpoint is CoreWeave's
+    out = subprocess.run(
+        [sys.executable, "-c", TENSORIZER, uri, str(readers)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-2000:])
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return Figures(
+        result["seconds"], result["nbytes"], peak_rss_bytes=result["maxrss"], extra=f"{readers} readers"
+    )
+
+
+def _aws_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(
+        AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench-secret", AWS_DEFAULT_REGION="us-east-1"
+    )
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
