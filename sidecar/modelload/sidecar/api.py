@@ -52,6 +52,12 @@ def status_body(status: LoadStatus) -> dict[str, Any]:
     return status.as_dict()
 
 
+def _probe(status: LoadStatus, *, passed: bool) -> JSONResponse:
+    """200 when the probe passes, 500 when the load failed (the reason is in the body), 503 otherwise."""
+    code = 200 if passed else 500 if status.phase == "failed" else 503
+    return JSONResponse(_summary(status), status_code=code)
+
+
 def _summary(status: LoadStatus) -> dict[str, Any]:
     return {
         "phase": status.phase,
@@ -78,24 +84,12 @@ def create_app(tracker: StatusSource, *, metrics_registry: CollectorRegistry) ->
     @app.get("/startupz")
     async def startupz() -> JSONResponse:
         status = tracker.snapshot()
-        if status.published:
-            code = 200
-        elif status.phase == "failed":
-            code = 500
-        else:
-            code = 503
-        return JSONResponse(_summary(status), status_code=code)
+        return _probe(status, passed=status.published)
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
         status = tracker.snapshot()
-        if status.ready:
-            code = 200
-        elif status.phase == "failed":
-            code = 500
-        else:
-            code = 503
-        return JSONResponse(_summary(status), status_code=code)
+        return _probe(status, passed=status.ready)
 
     @app.get("/status")
     async def status() -> dict[str, Any]:

@@ -22,12 +22,14 @@ from modelload.loader.cli.progress import format_bytes
 from modelload.loader.errors import (
     BadMagicError,
     ConfigError,
+    MissingKeyError,
     SourceAccessDeniedError,
     SourceError,
     SourceNotFoundError,
 )
 from modelload.loader.formats import detect_format
-from modelload.loader.formats.tensorizer import DecryptionKey
+from modelload.loader.formats.safetensors import SafetensorsFile
+from modelload.loader.formats.tensorizer import DecryptionKey, TensorizerReader
 from modelload.loader.segment.layout import MAGIC as SEGMENT_MAGIC
 
 __all__ = [
@@ -151,6 +153,27 @@ def sniff(path: Path) -> FileKind:
             f"{exc}; modelload reads tensorizer and safetensors files, torch checkpoints and segments",
             source=str(path),
         ) from None
+
+
+@contextlib.contextmanager
+def open_model_file(
+    path: Path, kind: str, key: DecryptionKey | None, *, verify: bool
+) -> Iterator[TensorizerReader | SafetensorsFile]:
+    """A local tensorizer or safetensors file, open for reading; an encrypted one without a key is refused."""
+    try:
+        reader: TensorizerReader | SafetensorsFile
+        reader = (
+            TensorizerReader(path, key=key, verify=verify) if kind == "tensorizer" else SafetensorsFile(path)
+        )
+    except OSError as exc:
+        raise translate_os_error(exc, path) from None
+    with reader:
+        if reader.index.encrypted and key is None:
+            raise MissingKeyError(
+                f"{path} is encrypted: give its key with --key-file, or its password with --password-file or "
+                "--password-env"
+            )
+        yield reader
 
 
 def translate_os_error(exc: OSError, path: Path) -> SourceError | ConfigError:

@@ -43,6 +43,7 @@ from modelload.loader.cli._common import (
     add_decryption_options,
     atomic_output,
     decryption_key,
+    open_model_file,
     rate,
     read_password,
     read_secret,
@@ -57,7 +58,6 @@ from modelload.loader.errors import (
     DuplicateNameError,
     FormatError,
     HeaderError,
-    MissingKeyError,
     ModelloadError,
     UnsupportedDtypeError,
 )
@@ -349,21 +349,8 @@ def _open_input(args: argparse.Namespace, key: DecryptionKey | None) -> Iterator
     if kind == "torch":
         yield _open_torch(src, args.state_dict_key)
         return
-    try:
-        reader: TensorizerReader | SafetensorsFile
-        if kind == "tensorizer":
-            reader = TensorizerReader(src, key=key, verify=not args.no_verify)
-        else:
-            reader = SafetensorsFile(src)
-    except OSError as exc:
-        raise translate_os_error(exc, src) from None
-    with reader:
+    with open_model_file(src, kind, key, verify=not args.no_verify) as reader:
         index = reader.index
-        if index.encrypted and key is None:
-            raise MissingKeyError(
-                f"{src} is encrypted: give its key with --key-file, or its password with --password-file or "
-                "--password-env"
-            )
         items = [_Item(t.name, t.dtype, t.shape, t.path, t.kind) for t in index.tensors]
         yield _FileInput(reader, items, dict(index.metadata) or None, [])
 

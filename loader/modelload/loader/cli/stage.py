@@ -29,14 +29,13 @@ from modelload.loader.cli._common import (
     add_decryption_options,
     decryption_key,
     modelload_version,
+    open_model_file,
     rate,
     sniff,
-    translate_os_error,
 )
 from modelload.loader.cli.progress import ProgressBar
 from modelload.loader.errors import (
     ConfigError,
-    MissingKeyError,
     ModelloadError,
     SegmentSpaceError,
     SourceError,
@@ -109,21 +108,8 @@ def run(args: argparse.Namespace) -> int:
     if key is not None and kind != "tensorizer":
         raise ConfigError(f"a key or password was given, but {source} is a {kind} file, never encrypted")
     _check_target(source, args.segment, force=args.force)
-    try:
-        reader: TensorizerReader | SafetensorsFile
-        if kind == "tensorizer":
-            reader = TensorizerReader(source, key=key, verify=args.verify)
-        else:
-            reader = SafetensorsFile(source)
-    except OSError as exc:
-        raise translate_os_error(exc, source) from None
-    with reader:
+    with open_model_file(source, kind, key, verify=args.verify) as reader:
         index = reader.index
-        if index.encrypted and key is None:
-            raise MissingKeyError(
-                f"{source} is encrypted: give its key with --key-file, or its password with --password-file "
-                "or --password-env"
-            )
         writer = SegmentWriter.create(args.segment, _layout(source, index))
         try:
             with ProgressBar(index.nbytes, "stage", enabled=not args.no_progress) as bar:
