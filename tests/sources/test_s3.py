@@ -18,7 +18,14 @@ from modelload.loader.errors import (
     SourceChangedError,
     SourceNotFoundError,
 )
-from modelload.sidecar.sources import HttpSettings, S3Settings, S3Source, SourceSettings, open_source
+from modelload.sidecar.sources import (
+    HttpSettings,
+    S3Credentials,
+    S3Settings,
+    S3Source,
+    SourceSettings,
+    open_source,
+)
 from tests.support.fault_proxy import FaultProxy
 from tests.support.moto_s3 import Credentials, MotoS3Server
 
@@ -143,6 +150,33 @@ def test_allowed_and_temporary_credentials_read_under_enforced_auth(
                 monkeypatch.setenv(name, value)
             with open_source(URI, _settings(moto_s3.endpoint)) as source:
                 assert source.read_bytes(1000, 5000) == DATA[1000:6000]
+
+
+def test_explicit_credentials_replace_the_chain_and_stay_out_of_reprs(
+    moto_s3: MotoS3Server, uploaded: str, aws_env: Credentials, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with moto_s3.enforce_auth() as kit:
+        for name, value in kit.stranger.env().items():  # the chain holds an identity that is refused
+            monkeypatch.setenv(name, value)
+        for allowed in (kit.reader, kit.temporary):
+            given = S3Credentials(allowed.access_key, allowed.secret_key, allowed.token)
+            settings = _settings(moto_s3.endpoint, credentials=given)
+            with open_source(URI, settings) as source:
+                assert source.read_bytes(1000, 5000) == DATA[1000:6000]
+            for secret in allowed.secrets():
+                assert secret not in repr(settings) and secret not in repr(given)
+        denied = _settings(
+            moto_s3.endpoint, credentials=S3Credentials(kit.stranger.access_key, kit.stranger.secret_key)
+        )
+        with open_source(URI, denied) as source, pytest.raises(SourceAccessDeniedError):
+            source.read_bytes(0, 10)
+
+
+def test_explicit_credentials_and_unsigned_access_exclude_each_other() -> None:
+    with pytest.raises(ConfigError, match="not both"):
+        S3Settings(unsigned=True, credentials=S3Credentials("AKIAEXAMPLE", "secret"))
+    with pytest.raises(ConfigError, match="both an access key id and a secret"):
+        S3Credentials("AKIAEXAMPLE", "")
 
 
 def test_the_session_token_is_sent_with_every_request(

@@ -12,24 +12,16 @@ each with its own Secret). The call is blocking; the handlers run it in a thread
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from modelload.loader.errors import ConfigError
 from modelload.loader.formats import ModelIndex, read_index
 from modelload.loader.segment import ALIGNMENT, TensorSpec, plan_layout
 from modelload.operator.schema import ModelLoadSpec
+from modelload.sidecar.sources import S3Credentials
 
 __all__ = ["ModelSummary", "S3Credentials", "check_priority", "read_summary", "segment_bound"]
-
-
-@dataclass(frozen=True)
-class S3Credentials:
-    """An access key pair from a Secret. The secret parts are left out of ``repr`` (and so of logs)."""
-
-    access_key_id: str
-    secret_access_key: str = field(repr=False)
-    session_token: str | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -55,11 +47,9 @@ def read_summary(spec: ModelLoadSpec, *, credentials: S3Credentials | None) -> M
     """
     from modelload.sidecar.sources import open_source, stat_source
 
-    settings = _source_settings(spec)
+    settings = _source_settings(spec, credentials)
     source = open_source(spec.source, settings)
     try:
-        if credentials is not None:
-            _use_credentials(source, credentials)
         size = stat_source(source, policy=settings.retry).size
         index = read_index(
             source.read_bytes, format=_format_name(spec.format), source=source.display_uri, size=size
@@ -110,7 +100,7 @@ def _format_name(name: str) -> Literal["auto", "tensorizer", "safetensors"]:
     return name  # type: ignore[return-value]
 
 
-def _source_settings(spec: ModelLoadSpec) -> Any:
+def _source_settings(spec: ModelLoadSpec, credentials: S3Credentials | None) -> Any:
     from modelload.sidecar.sources import RetryPolicy, S3Settings, SourceSettings
 
     s3 = spec.s3
@@ -119,28 +109,9 @@ def _source_settings(spec: ModelLoadSpec) -> Any:
         region=s3.region if s3 else None,
         addressing=s3.addressing if s3 else "auto",  # type: ignore[arg-type]
         unsigned=s3.unsigned if s3 else False,
+        credentials=credentials,
     )
     # A short retry of the first look-up (a throttled store): the handler's own retry, with kopf's backoff,
     # covers longer outages, and a handler must not sit in a thread for a minute of in-source backoff.
     retry = RetryPolicy(attempts=2, initial_backoff=0.2, max_backoff=1.0, deadline=30.0)
     return SourceSettings(s3=s3_settings, retry=retry)
-
-
-def _use_credentials(source: Any, credentials: S3Credentials) -> None:
-    """Give an S3 source the Secret's keys instead of botocore's chain.
-
-    Stopgap until ``S3Settings`` takes explicit credentials: it sets them on the source's botocore session
-    before its first request, which is what an explicit setting would do. HTTP and file sources take no S3
-    keys; an S3 source this cannot configure is an error, never a silent fall-back to another identity.
-    """
-    if not source.display_uri.startswith("s3://"):
-        return
-    session = getattr(source, "_session", None)
-    if session is None or not hasattr(session, "set_credentials"):
-        raise ConfigError(
-            "this build's S3 source cannot take credentials from a Secret; upgrade modelload, or drop "
-            "spec.credentialsSecretRef and give the operator and the pods an identity (IRSA)"
-        )
-    session.set_credentials(
-        credentials.access_key_id, credentials.secret_access_key, credentials.session_token
-    )

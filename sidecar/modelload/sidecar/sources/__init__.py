@@ -32,7 +32,7 @@ from ._registry import SourceFactory, open_source, register_source, registered_s
 from ._responses import display_url
 from ._retry import RetryEvent, read_range, read_range_into_fd, stat_source
 from ._s3 import S3Location, S3Source, plan_s3_location
-from ._settings import HttpSettings, RetryPolicy, S3Addressing, S3Settings, SourceSettings
+from ._settings import HttpSettings, RetryPolicy, S3Addressing, S3Credentials, S3Settings, SourceSettings
 
 __all__ = [
     "FileSource",
@@ -45,6 +45,7 @@ __all__ = [
     "RetryEvent",
     "RetryPolicy",
     "S3Addressing",
+    "S3Credentials",
     "S3Location",
     "S3Settings",
     "S3Source",

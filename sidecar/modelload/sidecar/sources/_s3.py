@@ -135,6 +135,9 @@ class S3Source(HttpObject):
         self._bucket, self._key, self._unsigned = bucket, key, s3.unsigned
         try:
             session = botocore.session.Session()
+            if s3.credentials is not None:  # explicit keys replace the whole chain, never mix with it
+                given = s3.credentials
+                session.set_credentials(given.access_key_id, given.secret_access_key, given.session_token)
             client = session.create_client(
                 "s3",
                 region_name=s3.region,

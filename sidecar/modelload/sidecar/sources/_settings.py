@@ -14,7 +14,7 @@ from typing import Literal
 
 from modelload.loader.errors import ConfigError
 
-__all__ = ["HttpSettings", "RetryPolicy", "S3Addressing", "S3Settings", "SourceSettings"]
+__all__ = ["HttpSettings", "RetryPolicy", "S3Addressing", "S3Credentials", "S3Settings", "SourceSettings"]
 
 S3Addressing = Literal["auto", "path", "virtual"]
 
@@ -108,6 +108,20 @@ class RetryPolicy:
 
 
 @dataclass(frozen=True)
+class S3Credentials:
+    """An access key pair (and session token, for temporary credentials) given explicitly, as the operator
+    does with a ModelLoad's Secret. The secret parts are left out of ``repr``, and so of logs and errors."""
+
+    access_key_id: str
+    secret_access_key: str = field(repr=False)
+    session_token: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.access_key_id or not self.secret_access_key:
+            raise ConfigError("S3 credentials need both an access key id and a secret access key")
+
+
+@dataclass(frozen=True)
 class S3Settings:
     """Where and how to reach S3 or an S3-compatible store.
 
@@ -127,17 +141,23 @@ class S3Settings:
     ``unsigned``: send requests without an Authorization header, for public buckets; no credentials are
     looked up.
 
-    Credentials always come from botocore's chain (``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` /
-    ``AWS_SESSION_TOKEN``, ``AWS_PROFILE`` and the shared files, web identity (IRSA), container credentials
-    (EKS Pod Identity), instance metadata), and are refreshed when they expire.
+    ``credentials``: explicit keys (:class:`S3Credentials`) instead of botocore's chain, for a caller that
+    holds them (the operator, from a Secret) and must not mix them with its own identity.
+
+    Without ``credentials``, they come from botocore's chain (``AWS_ACCESS_KEY_ID`` /
+    ``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``, ``AWS_PROFILE`` and the shared files, web identity
+    (IRSA), container credentials (EKS Pod Identity), instance metadata), and are refreshed when they expire.
     """
 
     endpoint_url: str | None = None
     region: str | None = None
     addressing: S3Addressing = "auto"
     unsigned: bool = False
+    credentials: S3Credentials | None = None
 
     def __post_init__(self) -> None:
+        if self.unsigned and self.credentials is not None:
+            raise ConfigError("S3 access is either unsigned or with credentials, not both")
         if self.addressing not in ("auto", "path", "virtual"):
             raise ConfigError(f"S3 addressing must be auto, path or virtual, got {self.addressing!r}")
         if self.endpoint_url is not None and not self.endpoint_url.startswith(("http://", "https://")):
