@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,8 +27,14 @@ def require(condition: bool, reason: str) -> None:
 
 
 def find_executable(name: str) -> str | None:
-    """An executable on PATH or in the sbin folders Debian installs servers into."""
-    return shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/local/sbin:/sbin")
+    """An executable beside this Python (a tool from a wheel in the virtualenv, which ``make test`` runs
+    without activating), on PATH, or in the sbin folders Debian installs servers into."""
+    here = str(Path(sys.executable).parent)
+    return (
+        shutil.which(name, path=here)
+        or shutil.which(name)
+        or shutil.which(name, path="/usr/sbin:/usr/local/sbin:/sbin")
+    )
 
 
 @pytest.fixture
