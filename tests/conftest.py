@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -48,3 +50,23 @@ def shm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         shutil.rmtree(path, ignore_errors=True)
     else:
         yield tmp_path_factory.mktemp("shm")
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs of its own, for tests of a full volume (skipped where mounting is not allowed)."""
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    mounted = (
+        os.geteuid() == 0
+        and subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, check=False
+        ).returncode
+        == 0
+    )
+    if not mounted:
+        pytest.skip("mounting a small tmpfs needs privileges this machine does not give")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)

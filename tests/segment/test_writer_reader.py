@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 import time
 from pathlib import Path
@@ -203,28 +202,21 @@ def test_a_volume_without_room_is_refused_before_anything_is_written(shm_dir: Pa
 
 
 def test_a_full_tmpfs_fails_the_reservation_not_a_later_write(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_tmpfs: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from modelload.loader.segment import writer as writer_module
 
-    mount = tmp_path / "tiny"
-    mount.mkdir()
-    if os.geteuid() != 0 or os.system(f"mount -t tmpfs -o size=1m tmpfs {mount} 2>/dev/null") != 0:
-        pytest.skip("mounting a small tmpfs needs privileges this machine does not give")
-    try:
-        # Fill most of the volume so the statvfs check passes only for a segment that barely fits.
-        (mount / "ballast").write_bytes(bytes(700 * 1024))
-        layout = plan_layout([TensorSpec("w", by_name("uint8"), (200 * 1024,))])
-        with SegmentWriter.create(mount / "a.seg", layout, heartbeat=False):
-            pass
-        # Without the free-space pre-check (another writer could fill the volume between check and use),
-        # posix_fallocate itself must fail cleanly, and no temporary file may remain.
-        monkeypatch.setattr(writer_module, "_check_space", lambda *_: None)
-        with pytest.raises(SegmentSpaceError, match="no room"):
-            SegmentWriter.create(mount / "b.seg", layout, heartbeat=False)
-        assert sorted(p.name for p in mount.iterdir()) == ["a.seg", "ballast"]
-    finally:
-        os.system(f"umount {mount}")
+    # Fill most of the volume so the statvfs check passes only for a segment that barely fits.
+    (tiny_tmpfs / "ballast").write_bytes(bytes(700 * 1024))
+    layout = plan_layout([TensorSpec("w", by_name("uint8"), (200 * 1024,))])
+    with SegmentWriter.create(tiny_tmpfs / "a.seg", layout, heartbeat=False):
+        pass
+    # Without the free-space pre-check (another writer could fill the volume between check and use),
+    # posix_fallocate itself must fail cleanly, and no temporary file may remain.
+    monkeypatch.setattr(writer_module, "_check_space", lambda *_: None)
+    with pytest.raises(SegmentSpaceError, match="no room"):
+        SegmentWriter.create(tiny_tmpfs / "b.seg", layout, heartbeat=False)
+    assert sorted(p.name for p in tiny_tmpfs.iterdir()) == ["a.seg", "ballast"]
 
 
 def test_a_missing_segment_points_at_the_sidecar(shm_dir: Path) -> None:

@@ -7,7 +7,6 @@ waiting; the engine's events say what happened.
 from __future__ import annotations
 
 import multiprocessing
-import os
 import threading
 import zlib
 from pathlib import Path
@@ -267,22 +266,15 @@ def test_a_local_file_loads_through_splice_and_through_the_mapping(tmp_path: Pat
 
 
 def test_a_volume_that_fills_up_mid_load_fails_it_with_what_to_raise(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_tmpfs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    mount = tmp_path / "tiny"
-    mount.mkdir()
-    if os.geteuid() != 0 or os.system(f"mount -t tmpfs -o size=1m tmpfs {mount} 2>/dev/null") != 0:
-        pytest.skip("mounting a small tmpfs needs privileges this machine does not give")
-    try:
-        # Without the up-front free-space check (another process can fill the volume after it), the
-        # splice path meets a full volume mid-load: an ordinary ENOSPC, never a SIGBUS.
-        monkeypatch.setattr(writer_module, "_check_space", lambda *_: None)
-        path = tmp_path / "big.safetensors"
-        path.write_bytes(models.safetensors_bytes({"w": torch.zeros(1 << 19)}))
-        with pytest.raises(SegmentSpaceError, match="sizeLimit"):
-            load(str(path), mount / "model.seg")
-        with SegmentReader.open(mount / "model.seg") as reader:
-            assert reader.writer_state == WriterState.FAILED
-            assert "no room" in reader.error
-    finally:
-        os.system(f"umount {mount}")
+    # Without the up-front free-space check (another process can fill the volume after it), the splice
+    # path meets a full volume mid-load: an ordinary ENOSPC, never a SIGBUS.
+    monkeypatch.setattr(writer_module, "_check_space", lambda *_: None)
+    path = tmp_path / "big.safetensors"
+    path.write_bytes(models.safetensors_bytes({"w": torch.zeros(1 << 19)}))
+    with pytest.raises(SegmentSpaceError, match="sizeLimit"):
+        load(str(path), tiny_tmpfs / "model.seg")
+    with SegmentReader.open(tiny_tmpfs / "model.seg") as reader:
+        assert reader.writer_state == WriterState.FAILED
+        assert "no room" in reader.error
