@@ -163,7 +163,9 @@ def open_model_file(
     try:
         reader: TensorizerReader | SafetensorsFile
         reader = (
-            TensorizerReader(path, key=key, verify=verify) if kind == "tensorizer" else SafetensorsFile(path)
+            TensorizerReader(path, key=key, verify=verify, hashes="fastest")
+            if kind == "tensorizer"
+            else SafetensorsFile(path)
         )
     except OSError as exc:
         raise translate_os_error(exc, path) from None

@@ -18,7 +18,7 @@ Reading a local file: :class:`TensorizerReader`. Writing: :class:`TensorizerWrit
 from modelload.loader.formats.tensorizer.crypt_info import CryptInfo
 from modelload.loader.formats.tensorizer.crypto import TensorDecryptor, decrypt_in_place
 from modelload.loader.formats.tensorizer.file_header import FileHeader, parse_file_header
-from modelload.loader.formats.tensorizer.hashes import TensorHasher, verify
+from modelload.loader.formats.tensorizer.hashes import TensorHasher, fastest_hash, verify
 from modelload.loader.formats.tensorizer.index import read_index
 from modelload.loader.formats.tensorizer.keys import Argon2Limits, DecryptionKey, EncryptionParams
 from modelload.loader.formats.tensorizer.reader import TensorizerReader
@@ -38,6 +38,7 @@ __all__ = [
     "TensorizerReader",
     "TensorizerWriter",
     "decrypt_in_place",
+    "fastest_hash",
     "parse_file_header",
     "parse_tensor_header",
     "read_index",

@@ -11,6 +11,7 @@ The hashes are unkeyed and stored in clear: they catch corruption in storage or 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import zlib
 from collections.abc import Callable
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 
     from typing_extensions import Buffer
 
-__all__ = ["RunningHashes", "TensorHasher", "verify"]
+__all__ = ["RunningHashes", "TensorHasher", "fastest_hash", "verify"]
 
 _crc32: Callable[..., int]
 try:  # ISA-L computes the same IEEE CRC-32 as zlib, about 7x faster (16 vs 2.2 GiB/s here): verifying a
@@ -127,3 +128,11 @@ def verify(header: TensorHeader, data: Buffer, *, source: str | None = None) -> 
             )
         hasher.update(view)
     hasher.verify()
+
+
+def fastest_hash(header: TensorHeader) -> TensorHeader:
+    """``header`` with only its fastest stored hash: CRC32 (16 GiB/s here with ISA-L) when there is one, else
+    SHA-256 (about 1 GiB/s a core). Both catch corruption in storage or transfer equally well; neither is a
+    defence against tampering (encrypted files have their MACs for that)."""
+    crc = next((h for h in header.hashes if h.kind == HASH_CRC32), None)
+    return dataclasses.replace(header, hashes=(crc,)) if crc is not None else header

@@ -16,7 +16,7 @@ import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -24,6 +24,7 @@ from modelload.loader.errors import ConfigError, NotEncryptedError, TruncatedErr
 from modelload.loader.formats._index import ModelIndex, TensorEntry
 from modelload.loader.formats.tensorizer._arrays import as_numpy, as_torch
 from modelload.loader.formats.tensorizer.crypto import decrypt_in_place
+from modelload.loader.formats.tensorizer.hashes import fastest_hash
 from modelload.loader.formats.tensorizer.hashes import verify as verify_hashes
 from modelload.loader.formats.tensorizer.index import read_index
 from modelload.loader.formats.tensorizer.keys import DecryptionKey
@@ -52,6 +53,7 @@ class TensorizerReader:
         *,
         key: DecryptionKey | None = None,
         verify: bool = True,
+        hashes: Literal["all", "fastest"] = "all",
     ) -> None:
         if isinstance(file, str | os.PathLike):
             self._file: IO[bytes] = Path(file).open("rb")  # noqa: SIM115 - closed by close()
@@ -68,6 +70,7 @@ class TensorizerReader:
         self._lock = threading.Lock()
         self._key = key
         self._verify = verify
+        self._hashes = hashes
         self._key_proven = False
         try:
             self.size = self._size()
@@ -173,7 +176,8 @@ class TensorizerReader:
             decrypt_in_place(header, data, self._key, source=self.source, key_known_good=self._key_proven)
             self._key_proven = True
         if self._verify:
-            verify_hashes(header, data, source=self.source)
+            checked = fastest_hash(header) if self._hashes == "fastest" else header
+            verify_hashes(checked, data, source=self.source)
         if entry.data_length == 0 and entry.nbytes:
             np.frombuffer(view, dtype=np.uint8)[:] = 0
         return header
