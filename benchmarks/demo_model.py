@@ -108,8 +108,7 @@ def infer(segment: str, expected_path: str, config: Config) -> dict[str, object]
     def take(module: nn.Module, prefix: str) -> None:
         """Wait for ``prefix``'s tensors, then put them into ``module`` without copying."""
         names = [n for n in loaded.names if n.startswith(prefix)]
-        loaded.wait(names)
-        state = loaded.state_dict(names=names)
+        state = loaded.state_dict(names=names)  # waits for exactly these tensors
         module.load_state_dict({n[len(prefix) :]: t for n, t in state.items()}, assign=True)
 
     with torch.no_grad():

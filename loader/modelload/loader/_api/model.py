@@ -239,14 +239,9 @@ class Model:
 
     def _indices(self, names: Iterable[str] | None, prefix: str | None) -> list[int]:
         slots = self._reader.slots
-        if names is None and prefix is None:
-            return list(range(len(slots)))
-        if names is not None and not isinstance(names, str):
-            chosen = [self._slot(n).index for n in names]
-        elif isinstance(names, str):
-            chosen = [self._slot(names).index]
-        else:
-            chosen = list(range(len(slots)))
+        if isinstance(names, str):
+            names = [names]
+        chosen = list(range(len(slots))) if names is None else [self._slot(n).index for n in names]
         if prefix is not None:
             chosen = [i for i in chosen if slots[i].name.startswith(prefix)]
             if not chosen:
