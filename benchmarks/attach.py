@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
+from scratch import scratch
 
 from modelload.loader.dtypes import by_name
 from modelload.loader.segment import SegmentWriter, TensorSpec, plan_layout
@@ -108,13 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="0.5,1,2", help="model sizes in GiB")
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args(argv)
-    directory = Path(
-        tempfile.mkdtemp(prefix="modelload-attach-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    )
-    print(
-        f"{'size':>8} {'tensors':>8} {'attach':>10} {'state_dict':>11} {'total':>9}   (median of {args.runs}, fresh processes)"
-    )
-    try:
+    with scratch("modelload-attach-") as directory:
+        print(
+            f"{'size':>8} {'tensors':>8} {'attach':>10} {'state_dict':>11} {'total':>9}   (median of {args.runs}, fresh processes)"
+        )
         for gib in (float(s) for s in args.sizes.split(",")):
             path = directory / f"{gib}.seg"
             count, nbytes = write_segment(path, int(gib * 2**30))
@@ -124,10 +120,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"{figures['total_ms']:7.2f}ms"
             )
             path.unlink()
-    finally:
-        for leftover in directory.iterdir():
-            leftover.unlink()
-        directory.rmdir()
     return 0
 
 

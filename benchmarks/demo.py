@@ -23,12 +23,10 @@ import contextlib
 import io
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -40,6 +38,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from demo_model import Config, build, prompt  # noqa: E402
+from scratch import scratch  # noqa: E402
 
 CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "demo-access-key",
@@ -100,15 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     config = Config(layers=args.layers, width=args.width, mlp=args.width * 11 // 4)
     torch.set_num_threads(2)
 
-    shm = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
-    work = Path(tempfile.mkdtemp(prefix="modelload-demo-", dir=shm))
-    try:
+    with scratch("modelload-demo-", keep=args.keep) as work:
         return run(config, work, args)
-    finally:
-        if args.keep:
-            print(f"work folder kept: {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
 
 
 def run(config: Config, work: Path, args: argparse.Namespace) -> int:

@@ -21,11 +21,12 @@ import mmap
 import os
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from scratch import scratch
 
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 Method = Callable[[int, int, int, int], None]  # (src fd, dst fd, offset, length)
@@ -108,27 +109,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args(argv)
     size, chunk = int(args.size * 2**30), args.chunk << 20
-    work = Path(tempfile.mkdtemp(prefix="modelload-landing-", dir="/dev/shm"))
-    src = work / "source.bin"
-    with src.open("wb") as out:
-        block = os.urandom(64 << 20)
-        for _ in range(0, size, len(block)):
-            out.write(block)
-    size = src.stat().st_size
-    methods = ["reused", "mmap", "mmap+populate", "splice", "copy_file_range", "pwrite"]
-    print(f"{size / 2**30:.1f} GiB in {args.chunk} MiB chunks, median of {args.runs}, GiB/s")
-    print(f"{'threads':>8} " + " ".join(f"{m:>16}" for m in methods))
-    try:
+    with scratch("modelload-landing-") as work:
+        src = work / "source.bin"
+        with src.open("wb") as out:
+            block = os.urandom(64 << 20)
+            for _ in range(0, size, len(block)):
+                out.write(block)
+        size = src.stat().st_size
+        methods = ["reused", "mmap", "mmap+populate", "splice", "copy_file_range", "pwrite"]
+        print(f"{size / 2**30:.1f} GiB in {args.chunk} MiB chunks, median of {args.runs}, GiB/s")
+        print(f"{'threads':>8} " + " ".join(f"{m:>16}" for m in methods))
         for threads in (int(t) for t in args.threads.split(",")):
             rates = {m: [] for m in methods}
             for _ in range(args.runs):
                 for method in methods:
                     rates[method].append(run(method, src, work, size, threads, chunk))
             print(f"{threads:>8} " + " ".join(f"{statistics.median(rates[m]):16.2f}" for m in methods))
-    finally:
-        for leftover in work.iterdir():
-            leftover.unlink()
-        work.rmdir()
     return 0
 
 

@@ -19,11 +19,8 @@ a round, and what matters are the ratios printed at the end.
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import statistics
 import sys
-import tempfile
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +30,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 from harness import Figures, command_ceiling, make_model, raw_ceiling, sidecar, tensorizer_load  # noqa: E402
+from scratch import scratch  # noqa: E402
 
 from modelload.sidecar.settings import parse_size  # noqa: E402
 from tests.support.nginx import NginxServer  # noqa: E402
@@ -92,10 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-tensorizer", action="store_true")
     args = parser.parse_args(argv)
 
-    work = Path(
-        tempfile.mkdtemp(prefix="modelload-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    )
-    try:
+    with scratch("modelload-bench-") as work:
         model = work / "model.tensors"
         tensor_bytes = make_model(model, int(args.size * 2**30))
         print(
@@ -110,8 +105,6 @@ def main(argv: list[str] | None = None) -> int:
                 report(kind, run_rounds(contenders(kind, model, nginx, work, args), args.runs))
         finally:
             nginx.stop()
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 

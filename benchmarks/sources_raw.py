@@ -30,6 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from scratch import scratch
+
 from modelload.sidecar.sources import HttpSettings, S3Settings, SourceSettings, open_source
 
 GIB = 1 << 30
@@ -133,8 +135,7 @@ def main() -> None:
     from tests.support.nginx import start_nginx  # the benchmark reuses the test fixture's nginx
 
     size, chunk, threads = args.size_mib << 20, args.chunk_mib << 20, args.threads
-    root = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="modelload-bench-root-"))
-    try:
+    with scratch("modelload-bench-root-") as root:
         with (root / "model.bin").open("wb") as handle:
             block = os.urandom(64 << 20)
             for offset in range(0, size, len(block)):
@@ -171,8 +172,6 @@ def main() -> None:
             for name, runs in figures.items():
                 shown = " ".join(f"{f:.2f}" for f in runs)
                 print(f"{name:>7}: {statistics.median(runs):5.2f} GiB/s (runs: {shown})", flush=True)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -11,12 +11,10 @@ process (Python start and imports included, like ``cat``), and by its own clock 
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,6 +24,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from harness import make_model  # noqa: E402
+from scratch import scratch  # noqa: E402
 
 from modelload.loader.dtypes import by_name  # noqa: E402
 from modelload.loader.formats.safetensors import RawTensor, save_file  # noqa: E402
@@ -49,10 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=float, default=2.0, help="GiB")
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args(argv)
-    work = Path(
-        tempfile.mkdtemp(prefix="modelload-stage-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    )
-    try:
+    with scratch("modelload-stage-") as work:
         files = {"tensorizer": work / "model.tensors", "safetensors": work / "model.safetensors"}
         make_model(files["tensorizer"], int(args.size * 2**30))
         make_safetensors(files["safetensors"], int(args.size * 2**30))
@@ -86,10 +82,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"[{kind}, {nbytes / 2**30:.2f} GiB]  cat {c:5.2f} GiB/s   stage {w:5.2f} GiB/s whole process "
                 f"({w / c:.2f} x cat), {o:5.2f} GiB/s by its own clock ({o / c:.2f} x cat)"
             )
-    finally:
-        for leftover in work.iterdir():
-            leftover.unlink()
-        work.rmdir()
     return 0
 
 
