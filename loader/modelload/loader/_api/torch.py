@@ -40,7 +40,7 @@ def as_tensor(view: memoryview, dtype: DType, shape: tuple[int, ...]) -> torch.T
     if not len(view):
         return torch.empty(shape, dtype=target)
     flat = torch.frombuffer(view, dtype=torch.uint8)
-    if dtype.itemsize > 1 or target is not torch.uint8:
+    if target is not torch.uint8:
         flat = flat.view(target)
     return flat.reshape(shape)
 
