@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -22,7 +23,10 @@ from modelload.loader.segment import SegmentReader, Slot, WriterState
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DEFAULT", "Model", "Progress"]
+__all__ = ["DEFAULT", "MODEL_DIR_KEY", "Model", "Progress"]
+
+MODEL_DIR_KEY = "model_dir"
+"""The segment metadata key naming the model directory (an absolute path in the pod's shared volume)."""
 
 
 class _Default:
@@ -91,6 +95,16 @@ class Model:
     @property
     def path(self) -> str:
         return str(self._reader.path)
+
+    @property
+    def model_dir(self) -> Path | None:
+        """The model directory beside the segment (config, generation config, tokenizer: every small file of
+        the model), as the writer recorded it; None for a segment loaded from a single weight file.
+
+        Engines take it as their model path: ``AutoConfig.from_pretrained(model.model_dir)``.
+        """
+        recorded = self._reader.metadata.get(MODEL_DIR_KEY)
+        return Path(recorded) if recorded else None
 
     @property
     def nbytes(self) -> int:
