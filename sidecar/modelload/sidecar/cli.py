@@ -95,6 +95,8 @@ def default_engine(settings: SidecarSettings, observer: LoadObserver) -> LoadEng
         password_file=load.password_file,
         priority=load.priority,
         notify=settings.notify.endpoint,
+        model_dir=load.model_dir,
+        files=load.files,
     )
     return Engine(engine_settings, sources=settings.sources, observer=observer)
 

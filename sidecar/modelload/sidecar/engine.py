@@ -2,10 +2,14 @@
 
 One run is one load:
 
-1. stat the source, and reuse a COMPLETE segment already at the path when it holds this very object (a
-   restarted sidecar does not load again);
-2. read the format's index with one small range, plan the segment (a slot per tensor) and the range chunks;
-3. publish the segment's header and manifest at once (an app can attach now), then reserve its pages;
+1. open the model: one weight file, or a directory (an S3 prefix, an HTTP(S) base URL, a local directory)
+   whose weight files (every shard) all go into the one segment; stat every weight file, and reuse a
+   COMPLETE segment already at the path when it holds these very objects (a restarted sidecar does not
+   load again);
+2. for a directory, copy its small files (config, tokenizer) into the model directory beside the segment,
+   before the segment is published, so an app that attaches finds them;
+3. read each weight file's index with one small range, plan the segment (a slot per tensor, across files)
+   and the range chunks, publish the segment's header and manifest at once (an app can attach now);
 4. N reader threads take chunks in load order and land them straight in the segment: ``os.splice`` from the
    socket or file into the segment's file where the source supports it (no user-space copy, no page faults
    in this process), ``readinto`` a slice of the mapping otherwise;
@@ -46,22 +50,22 @@ from modelload.loader.errors import (
     SourceChangedError,
     SourceNotFoundError,
     TransientSourceError,
-    TruncatedError,
 )
-from modelload.loader.formats import ModelIndex, read_index
+from modelload.loader.formats import ModelIndex
 from modelload.loader.formats import tensorizer as tz
-from modelload.loader.segment import SegmentReader, SegmentWriter, WriterState
+from modelload.loader.segment import MODEL_DIR_KEY, SegmentReader, SegmentWriter, WriterState
+from modelload.sidecar.modeldir import write_model_dir
 from modelload.sidecar.planner import Chunk, LoadPlan, plan_load
 from modelload.sidecar.progress import LoadObserver
 from modelload.sidecar.sources import (
+    OpenedModel,
     RetryEvent,
     Source,
     SourceSettings,
     display_url,
-    open_source,
+    open_model,
     read_range,
     read_range_into_fd,
-    stat_source,
 )
 
 __all__ = ["Engine", "EngineSettings", "LoadStopped", "error_kind"]
@@ -78,9 +82,14 @@ class EngineSettings:
     """What to load, where to, and how (the sidecar's flags; see CONTRACTS in the docs)."""
 
     source: str
-    """The model's URI: ``s3://bucket/key``, ``http(s)://...``, ``file:///path`` or a plain path."""
+    """The model's URI: ``s3://bucket/key``, ``http(s)://...``, ``file:///path`` or a plain path; a directory
+    (``s3://bucket/prefix/``, ``https://host/models/llama/``, a local directory) loads all its shards."""
     segment: Path
     """The segment file to create (in a memory-backed volume)."""
+    model_dir: Path | None = None
+    """Where a directory's small files go (config, tokenizer); None: ``model/`` beside the segment."""
+    files: tuple[str, ...] = ()
+    """A directory's file names, for an HTTP(S) directory that does not use the Hugging Face names."""
     format: Literal["auto", "tensorizer", "safetensors"] = "auto"
     readers: int = 8
     """Parallel range readers. More than the source's useful concurrency only adds connections."""
@@ -128,11 +137,17 @@ class Engine:
         settings = self.settings
         self._observer.load_started(source=display_url(settings.source), segment=str(settings.segment))
         try:
-            source = open_source(settings.source, self._sources)
+            model = open_model(
+                settings.source,
+                self._sources,
+                format=settings.format,
+                files=settings.files,
+                on_retry=self._retried,
+            )
             try:
-                self._load_from(source)
+                self._load_from(model)
             finally:
-                source.close()
+                model.close()
         except ModelloadError as exc:
             self._fail(exc)
             raise
@@ -143,37 +158,39 @@ class Engine:
             if self._writer is not None:
                 self._writer.close()
 
-    def _load_from(self, source: Source) -> None:
+    @property
+    def model_dir(self) -> Path:
+        """Where a directory's small files go."""
+        return self.settings.model_dir or self.settings.segment.parent / "model"
+
+    def _load_from(self, model: OpenedModel) -> None:
         settings, observer = self.settings, self._observer
         started = time.monotonic()
-        uri = source.display_uri
-        info = stat_source(source, policy=self._sources.retry, on_retry=self._retried)
-        if self._reuse(uri, info.etag, info.size):
+        uri = model.uri
+        model_dir = None
+        if model.directory is not None:
+            model_dir = write_model_dir(model, self.model_dir, self._sources, on_retry=self._retried)
+        if self._reuse(uri, model.fingerprint, model.size):
             return
-        index = read_index(source.read_bytes, format=settings.format, source=uri, size=info.size)
-        if index.data_end > info.size:
-            raise TruncatedError(
-                f"the index needs {index.data_end} bytes and the object has {info.size}: it is truncated",
-                source=uri,
-            )
+        index = model.index
         key = self._key(index, uri)
         plan = plan_load(
             index,
             chunk_size=settings.chunk_size,
             priority=settings.priority,
-            metadata=_metadata(uri, info.etag, info.size, settings.notify),
+            metadata=_metadata(uri, model.fingerprint, model.size, settings.notify, model_dir),
         )
         self._writer = writer = SegmentWriter.create(settings.segment, plan.layout, reserve=False)
         observer.manifest_published(
             model_format=index.format, tensors=len(index), nbytes=index.nbytes, notify=settings.notify
         )
-        use_fd = settings.splice and source.supports_fd
+        use_fd = settings.splice and all(source.supports_fd for source in model.sources)
         if not use_fd:
             # Landing through the mapping: a full tmpfs would be a SIGBUS, so take every page now. Through the
             # file descriptor a full volume is an ordinary ENOSPC, and reserving would cost a pass of zeroing
             # (0.15 s per 2 GiB here) for pages the data overwrites anyway.
             writer.reserve()
-        _Load(self, source, plan, writer, key, use_fd=use_fd).run()
+        _Load(self, model, plan, writer, key, use_fd=use_fd).run()
         if self._stop.is_set():
             raise LoadStopped("stopped before the load finished")
         writer.mark_complete()
@@ -246,7 +263,7 @@ class _Load:
     def __init__(
         self,
         engine: Engine,
-        source: Source,
+        model: OpenedModel,
         plan: LoadPlan,
         writer: SegmentWriter,
         key: tz.DecryptionKey | None,
@@ -254,11 +271,11 @@ class _Load:
         use_fd: bool,
     ) -> None:
         self.engine = engine
-        self.source = source
+        self.sources: list[Source] = model.sources
+        self.model = model
         self.plan = plan
         self.writer = writer
         self.key = key
-        self.uri = source.display_uri
         self.settings = engine.settings
         self.observer = engine._observer
         self.stop = engine._stop
@@ -307,7 +324,7 @@ class _Load:
 
     def _land_fd(self, chunk: Chunk) -> None:
         read_range_into_fd(
-            self.source,
+            self.sources[chunk.file],
             chunk.src_offset,
             chunk.length,
             self.writer.fileno(),
@@ -319,7 +336,7 @@ class _Load:
     def _land_view(self, chunk: Chunk) -> None:
         view = self.writer.region(chunk.dst_offset, chunk.length)
         read_range(
-            self.source,
+            self.sources[chunk.file],
             chunk.src_offset,
             view,
             policy=self.engine._sources.retry,
@@ -331,26 +348,29 @@ class _Load:
         entry = self.plan.index.tensors[tensor]
         slot = self.plan.layout.slots[tensor]
         verified = decrypted = False
+        uri = self.model.display(entry.file)
         if self.plan.index.format == "tensorizer":
             offset, length = self.plan.header_span(tensor)
             header = tz.parse_tensor_header(
                 self.writer.region(offset, length),
                 entry=entry,
                 encrypted_file=self.plan.index.encrypted,
-                source=self.uri,
+                source=uri,
             )
             data = self.writer.slot(tensor)[: entry.data_length]
             if header.encrypted:
-                tz.decrypt_in_place(header, data, self.key, source=self.uri, key_known_good=self._key_proven)
+                tz.decrypt_in_place(header, data, self.key, source=uri, key_known_good=self._key_proven)
                 self._key_proven = decrypted = True
             if self.settings.verify and header.hashes:
-                tz.verify(tz.fastest_hash(header), data, source=self.uri)
+                tz.verify(tz.fastest_hash(header), data, source=uri)
                 verified = True
         self.writer.mark_ready(tensor, verified=verified, decrypted=decrypted)
         self.observer.tensor_ready(index=tensor, name=slot.name, nbytes=slot.nbytes)
 
 
-def _metadata(uri: str, etag: str | None, size: int, notify: str | None) -> dict[str, str]:
+def _metadata(
+    uri: str, etag: str | None, size: int, notify: str | None, model_dir: Path | None
+) -> dict[str, str]:
     try:
         writer = f"modelload-sidecar {version('modelload')}"
     except PackageNotFoundError:
@@ -360,6 +380,8 @@ def _metadata(uri: str, etag: str | None, size: int, notify: str | None) -> dict
         meta["source_etag"] = etag
     if notify is not None:
         meta["notify"] = notify
+    if model_dir is not None:
+        meta[MODEL_DIR_KEY] = str(model_dir)
     return meta
 
 

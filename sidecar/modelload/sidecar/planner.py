@@ -34,6 +34,8 @@ class Chunk:
     length: int
     data_bytes: int
     """Bytes of tensor data in this chunk (``length`` less the record header bytes)."""
+    file: int = 0
+    """Which of the model's weight files ``src_offset`` is in (:attr:`ModelIndex.files`)."""
 
 
 @dataclass(frozen=True)
@@ -85,8 +87,9 @@ def plan_load(
     if chunk_size < 4096:
         raise ConfigError(f"chunk size must be at least 4096 bytes, got {chunk_size}")
     layout = plan_layout(
-        [_spec(entry) for entry in index.tensors],
+        [_spec(entry, several=bool(index.files)) for entry in index.tensors],
         metadata={"format": index.format, **(metadata or {})},
+        files=index.files,
     )
     order = load_order(index, priority)
     chunks: list[Chunk] = []
@@ -98,8 +101,9 @@ def plan_load(
     return LoadPlan(index=index, layout=layout, chunks=tuple(chunks), chunk_counts=tuple(counts), order=order)
 
 
-def _spec(entry: TensorEntry) -> TensorSpec:
-    return TensorSpec(entry.name, entry.dtype, entry.shape, lead=entry.data_offset - entry.record_offset)
+def _spec(entry: TensorEntry, *, several: bool) -> TensorSpec:
+    lead = entry.data_offset - entry.record_offset
+    return TensorSpec(entry.name, entry.dtype, entry.shape, lead=lead, file=entry.file if several else None)
 
 
 def _cut(tensor: int, entry: TensorEntry, slot_offset: int, chunk_size: int) -> list[Chunk]:
@@ -110,8 +114,9 @@ def _cut(tensor: int, entry: TensorEntry, slot_offset: int, chunk_size: int) -> 
     pieces = []
     # The first piece carries the header and up to a chunk of data; the rest are plain data.
     first = min(data, chunk_size)
-    pieces.append(Chunk(tensor, entry.record_offset, slot_offset - header, header + first, first))
+    file = entry.file
+    pieces.append(Chunk(tensor, entry.record_offset, slot_offset - header, header + first, first, file))
     for start in range(first, data, chunk_size):
         length = min(chunk_size, data - start)
-        pieces.append(Chunk(tensor, entry.data_offset + start, slot_offset + start, length, length))
+        pieces.append(Chunk(tensor, entry.data_offset + start, slot_offset + start, length, length, file))
     return pieces

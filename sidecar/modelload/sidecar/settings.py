@@ -73,7 +73,9 @@ class LoadSettings:
     """What to load, where to, and how hard to pull (the engine's group).
 
     ``source``: the model's URI (``s3://bucket/key``, ``http(s)://...``, ``file:///path`` or a plain path).
-    Required. Shown in reprs and logs through :func:`~modelload.sidecar.sources.display_url` (no user info,
+    Required. A directory loads every weight file in it into the one segment: an S3 prefix
+    (``s3://bucket/models/llama/``), an HTTP(S) base URL ending in ``/``, or a local directory. Shown in
+    reprs and logs through :func:`~modelload.sidecar.sources.display_url` (no user info,
     no query string).
 
     ``segment``: the segment file to create, absolute. Default ``/run/modelload/model.seg``, inside the
@@ -98,6 +100,12 @@ class LoadSettings:
 
     ``priority``: tensor names or name prefixes loaded first, in this order (for example the embeddings and
     the first layers, so an app can start computing sooner). Default empty: file order.
+
+    ``model_dir``: where a directory's small files (config, tokenizer) are copied, for the app to pass to
+    its engine as the model path. Default ``model/`` beside the segment (``/run/modelload/model``).
+
+    ``files``: a directory's file names, instead of listing it: for an HTTP(S) directory that has neither a
+    ``model.safetensors.index.json`` nor a ``model.safetensors`` (a server cannot be listed). Default empty.
     """
 
     source: str
@@ -109,6 +117,8 @@ class LoadSettings:
     key_file: Path | None = None
     password_file: Path | None = None
     priority: tuple[str, ...] = ()
+    model_dir: Path | None = None
+    files: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.source.strip():
@@ -125,13 +135,18 @@ class LoadSettings:
             raise ConfigError("give a key file or a password file, not both")
         if not self.segment.is_absolute():
             object.__setattr__(self, "segment", self.segment.absolute())
+        if self.model_dir is None:
+            object.__setattr__(self, "model_dir", self.segment.parent / "model")
+        elif not self.model_dir.is_absolute():
+            object.__setattr__(self, "model_dir", self.model_dir.absolute())
 
     def __repr__(self) -> str:
         return (
             f"LoadSettings(source={display_url(self.source)!r}, segment={str(self.segment)!r}, "
             f"format={self.format!r}, readers={self.readers}, chunk_size={self.chunk_size}, "
             f"verify={self.verify}, key_file={_opt_path(self.key_file)}, "
-            f"password_file={_opt_path(self.password_file)}, priority={self.priority!r})"
+            f"password_file={_opt_path(self.password_file)}, priority={self.priority!r}, "
+            f"model_dir={_opt_path(self.model_dir)}, files={self.files!r})"
         )
 
 
@@ -291,6 +306,15 @@ _OPTIONS = (
         "model URI: s3://bucket/key, http(s)://..., file:///path or a path (required)", "URI",
     ),
     _Option("segment", "--segment", "MODELLOAD_SEGMENT", f"segment file (default {DEFAULT_SEGMENT})", "PATH"),
+    _Option(
+        "model_dir", "--model-dir", "MODELLOAD_MODEL_DIR",
+        "where a directory model's config and tokenizer go (default: model/ beside the segment)", "PATH",
+    ),
+    _Option(
+        "files", "--files", "MODELLOAD_FILES",
+        "a directory's files, comma-separated, for an HTTP(S) directory with no model.safetensors.index.json",
+        "NAME,...",
+    ),
     _Option(
         "format", "--format", "MODELLOAD_FORMAT", "model format (default auto: from the first bytes)",
         choices=get_args(ModelFormat),
@@ -481,6 +505,8 @@ def parse_settings(
         key_file=key_file,
         password_file=password_file,
         priority=get("priority", _parse_priority, ()),
+        model_dir=get("model_dir", _path, None),
+        files=get("files", _parse_priority, ()),
     )
     api = ApiSettings(host=get("host", _text, "0.0.0.0"), port=get("port", _int_in(0, 65535), DEFAULT_PORT))  # noqa: S104
     default_endpoint: str | None = f"ipc://{segment.parent}/notify.sock"

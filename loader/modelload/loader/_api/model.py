@@ -18,15 +18,12 @@ import numpy.typing as npt
 from modelload.loader._api import torch as torch_api
 from modelload.loader._api.notify import Subscriber
 from modelload.loader.errors import LoadTimeoutError
-from modelload.loader.segment import SegmentReader, Slot, WriterState
+from modelload.loader.segment import MODEL_DIR_KEY, SegmentReader, Slot, WriterState
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DEFAULT", "MODEL_DIR_KEY", "Model", "Progress"]
-
-MODEL_DIR_KEY = "model_dir"
-"""The segment metadata key naming the model directory (an absolute path in the pod's shared volume)."""
+__all__ = ["DEFAULT", "Model", "Progress"]
 
 
 class _Default:

@@ -6,14 +6,34 @@ its byte ranges from one small read, and reads or writes tensors from byte range
 """
 
 from modelload.loader.formats._detect import PrefixedRead, detect_format, read_index
+from modelload.loader.formats._directory import (
+    SAFETENSORS_INDEX,
+    SMALL_FILE_LIMIT,
+    SMALL_FILES_LIMIT,
+    WELL_KNOWN_SMALL_FILES,
+    ModelFiles,
+    check_small_files,
+    merge_indexes,
+    select_model_files,
+    weight_shards,
+)
 from modelload.loader.formats._index import FormatName, ModelIndex, RangeRead, TensorEntry
 
 __all__ = [
+    "SAFETENSORS_INDEX",
+    "SMALL_FILES_LIMIT",
+    "SMALL_FILE_LIMIT",
+    "WELL_KNOWN_SMALL_FILES",
     "FormatName",
+    "ModelFiles",
     "ModelIndex",
     "PrefixedRead",
     "RangeRead",
     "TensorEntry",
+    "check_small_files",
     "detect_format",
+    "merge_indexes",
     "read_index",
+    "select_model_files",
+    "weight_shards",
 ]

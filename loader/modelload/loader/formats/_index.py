@@ -49,6 +49,9 @@ class TensorEntry:
     kind: Literal["param", "buffer", "state_dict"] = "state_dict"
     """tensorizer's tensor type; safetensors tensors are all ``state_dict``."""
     encrypted: bool = False
+    file: int = 0
+    """Which of the model's weight files holds the tensor (an index into :attr:`ModelIndex.files`); its
+    offsets are in that file. Always 0 for a model of one file."""
 
     @property
     def numel(self) -> int:
@@ -84,6 +87,10 @@ class ModelIndex:
     encrypted: bool = False
     metadata: dict[str, str] = field(default_factory=dict)
     """Free-form string metadata the file carries (safetensors ``__metadata__``)."""
+    files: tuple[str, ...] = ()
+    """For a model of several weight files (a directory's shards): their names relative to the directory,
+    indexed by :attr:`TensorEntry.file`. Empty for a single file. ``index_length`` and ``data_end`` then
+    describe the first file only; each file's own index checks its own size."""
 
     @property
     def nbytes(self) -> int:

@@ -7,6 +7,8 @@ it, ``reader`` maps it and waits for tensors.
 from modelload.loader.segment.layout import (
     ALIGNMENT,
     LAYOUT_VERSION,
+    LAYOUT_VERSIONS,
+    MODEL_DIR_KEY,
     Layout,
     Slot,
     TensorFlags,
@@ -21,6 +23,8 @@ from modelload.loader.segment.writer import SegmentWriter
 __all__ = [
     "ALIGNMENT",
     "LAYOUT_VERSION",
+    "LAYOUT_VERSIONS",
+    "MODEL_DIR_KEY",
     "Layout",
     "SegmentReader",
     "SegmentWriter",

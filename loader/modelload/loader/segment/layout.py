@@ -12,7 +12,7 @@ import json
 import math
 import struct
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum, IntFlag
 from typing import Any
@@ -29,6 +29,9 @@ __all__ = [
     "ALIGNMENT",
     "HEADER_LENGTH",
     "LAYOUT_VERSION",
+    "LAYOUT_VERSIONS",
+    "MAX_FILES",
+    "MODEL_DIR_KEY",
     "MAGIC",
     "MAX_MANIFEST_LENGTH",
     "MAX_TENSORS",
@@ -47,7 +50,14 @@ __all__ = [
 ]
 
 MAGIC = b"MODELSEG"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
+"""The newest layout version. A segment of one weight file is written as version 1 (which older loaders
+read); a segment of several files as version 2, which records each tensor's file."""
+LAYOUT_VERSIONS = (1, 2)
+MAX_FILES = 65536
+MODEL_DIR_KEY = "model_dir"
+"""The metadata key naming the model directory (an absolute path) the writer filled with the model's
+small files (config, tokenizer) before publishing the segment."""
 HEADER_LENGTH = 4096
 ALIGNMENT = 4096
 STATE_ENTRY_LENGTH = 32
@@ -67,8 +77,12 @@ OFF_ERROR_LENGTH = 160
 OFF_HEARTBEAT_NS = 168
 OFF_ERROR = 176
 _RESERVED_TAIL = (OFF_ERROR + ERROR_CAPACITY, HEADER_LENGTH)
-_MANIFEST_KEYS = frozenset({"tensors", "metadata"})
-_TENSOR_KEYS = frozenset({"name", "dtype", "shape", "offset", "nbytes", "sha256"})
+_MANIFEST_KEYS = {1: frozenset({"tensors", "metadata"}), 2: frozenset({"tensors", "metadata", "files"})}
+_TENSOR_KEYS = {
+    1: frozenset({"name", "dtype", "shape", "offset", "nbytes", "sha256"}),
+    2: frozenset({"name", "dtype", "shape", "offset", "nbytes", "sha256", "file"}),
+}
+_REQUIRED_KEYS = frozenset({"name", "dtype", "shape", "offset", "nbytes"})
 _HEX = frozenset("0123456789abcdef")
 
 
@@ -108,6 +122,8 @@ class TensorSpec:
     lead: int = 0
     """Bytes of scratch room the writer wants right before the slot, inside the padding readers ignore
     (the sidecar lands a tensorizer record's header there, so header and data arrive in one request)."""
+    file: int | None = None
+    """Which of the layout's ``files`` the tensor comes from; None when the model is one file."""
 
     @property
     def nbytes(self) -> int:
@@ -125,6 +141,8 @@ class Slot:
     offset: int
     nbytes: int
     sha256: str | None = None
+    file: int | None = None
+    """The index of the tensor's weight file in the segment's ``files`` (layout version 2), else None."""
 
 
 @dataclass(frozen=True)
@@ -174,6 +192,12 @@ class Layout:
     data_offset: int
     data_length: int
     by_name: Mapping[str, int] = field(repr=False)
+    files: tuple[str, ...] = ()
+    """The model's weight files, for a segment of several (layout version 2)."""
+
+    @property
+    def layout_version(self) -> int:
+        return 2 if self.files else 1
 
     @property
     def segment_length(self) -> int:
@@ -195,19 +219,30 @@ class Layout:
             data_length=self.data_length,
             load_id=load_id,
             created_ns=created_ns,
+            layout_version=self.layout_version,
         )
 
 
-def plan_layout(tensors: Iterable[TensorSpec], *, metadata: Mapping[str, str] | None = None) -> Layout:
+def plan_layout(
+    tensors: Iterable[TensorSpec],
+    *,
+    metadata: Mapping[str, str] | None = None,
+    files: Sequence[str] = (),
+) -> Layout:
     """Place ``tensors`` in a segment, in the given order, each slot on a 4096-byte boundary.
 
     >>> from modelload.loader.dtypes import by_name
     >>> layout = plan_layout([TensorSpec("w", by_name("float32"), (2, 3))])
     >>> layout.slots[0].offset, layout.slots[0].nbytes, layout.segment_length
     (12288, 24, 16384)
+
+    ``files`` names the weight files of a model of several (a directory's shards); every spec then says its
+    ``file``, and the segment is written as layout version 2.
     """
     specs = list(tensors)
     meta = dict(metadata or {})
+    files = tuple(files)
+    _check_files(files, specs)
     if len(specs) > MAX_TENSORS:
         raise SegmentLayoutError(f"{len(specs)} tensors is more than a segment holds ({MAX_TENSORS})")
     for key, value in meta.items():
@@ -230,7 +265,7 @@ def plan_layout(tensors: Iterable[TensorSpec], *, metadata: Mapping[str, str] | 
         data_offset += align(specs[0].lead)
     while True:
         slots = _place(specs, data_offset)
-        manifest = _encode_manifest(slots, meta)
+        manifest = _encode_manifest(slots, meta, files)
         if len(manifest) > MAX_MANIFEST_LENGTH:
             raise SegmentLayoutError(f"manifest of {len(manifest)} bytes exceeds {MAX_MANIFEST_LENGTH}")
         state_offset = align(HEADER_LENGTH + len(manifest))
@@ -249,7 +284,18 @@ def plan_layout(tensors: Iterable[TensorSpec], *, metadata: Mapping[str, str] | 
         data_offset=data_offset,
         data_length=max(data_end - data_offset, 0),
         by_name=by_name,
+        files=files,
     )
+
+
+def _check_files(files: tuple[str, ...], specs: list[TensorSpec]) -> None:
+    if len(files) > MAX_FILES or len(set(files)) != len(files) or not all(files):
+        raise SegmentLayoutError(f"a segment's files must be at most {MAX_FILES} distinct non-empty names")
+    for spec in specs:
+        if files and (spec.file is None or not 0 <= spec.file < len(files)):
+            raise SegmentLayoutError(f"tensor {spec.name!r} names no file of the {len(files)} given")
+        if not files and spec.file is not None:
+            raise SegmentLayoutError(f"tensor {spec.name!r} names a file, but the layout has no files")
 
 
 def _place(specs: list[TensorSpec], data_offset: int) -> list[Slot]:
@@ -257,12 +303,14 @@ def _place(specs: list[TensorSpec], data_offset: int) -> list[Slot]:
     end = data_offset - (align(specs[0].lead) if specs else 0)  # where the first slot's lead may begin
     for i, spec in enumerate(specs):
         offset = align(end + spec.lead)
-        slots.append(Slot(i, spec.name, spec.dtype, tuple(spec.shape), offset, spec.nbytes, spec.sha256))
+        slots.append(
+            Slot(i, spec.name, spec.dtype, tuple(spec.shape), offset, spec.nbytes, spec.sha256, spec.file)
+        )
         end = offset + spec.nbytes
     return slots
 
 
-def _encode_manifest(slots: Iterable[Slot], metadata: Mapping[str, str]) -> bytes:
+def _encode_manifest(slots: Iterable[Slot], metadata: Mapping[str, str], files: tuple[str, ...]) -> bytes:
     tensors = []
     for s in slots:
         entry: dict[str, Any] = {
@@ -274,8 +322,12 @@ def _encode_manifest(slots: Iterable[Slot], metadata: Mapping[str, str]) -> byte
         }
         if s.sha256 is not None:
             entry["sha256"] = s.sha256
+        if s.file is not None:
+            entry["file"] = s.file
         tensors.append(entry)
-    document = {"tensors": tensors, "metadata": dict(metadata)}
+    document: dict[str, Any] = {"tensors": tensors, "metadata": dict(metadata)}
+    if files:
+        document["files"] = list(files)
     return json.dumps(document, separators=(",", ":"), ensure_ascii=False).encode()
 
 
@@ -300,10 +352,11 @@ def parse_header(buf: bytes | memoryview, *, file_size: int) -> Header:
         raise SegmentLayoutError(
             f"not a modelload segment: first bytes are {bytes(magic).hex(' ')}, expected {MAGIC.hex(' ')}"
         )
-    if version != LAYOUT_VERSION:
+    if version not in LAYOUT_VERSIONS:
         raise SegmentVersionError(
-            f"segment layout version {version} is not known to this loader, which reads version "
-            f"{LAYOUT_VERSION}; install the modelload loader that matches the sidecar's version"
+            f"segment layout version {version} is not known to this loader, which reads versions "
+            f"{', '.join(map(str, LAYOUT_VERSIONS))}; install the modelload loader that matches the "
+            "sidecar's version"
         )
     if header_length != HEADER_LENGTH:
         raise _fail(f"header length {header_length}, expected {HEADER_LENGTH}")
@@ -343,13 +396,16 @@ def parse_header(buf: bytes | memoryview, *, file_size: int) -> Header:
         data_length=data_length,
         load_id=load_id,
         created_ns=created_ns,
+        layout_version=version,
     )
 
 
-def parse_manifest(data: bytes | memoryview, header: Header) -> tuple[tuple[Slot, ...], dict[str, str]]:
+def parse_manifest(
+    data: bytes | memoryview, header: Header
+) -> tuple[tuple[Slot, ...], dict[str, str], tuple[str, ...]]:
     """Check the manifest against its CRC and every manifest rule (reader rule 2).
 
-    Returns the slots in manifest order and the metadata.
+    Returns the slots in manifest order, the metadata, and the weight files (empty before version 2).
     """
     if zlib.crc32(data) != header.manifest_crc32:
         raise _fail("manifest checksum does not match the header")
@@ -357,24 +413,49 @@ def parse_manifest(data: bytes | memoryview, header: Header) -> tuple[tuple[Slot
         document = json.loads(bytes(data).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise _fail(f"manifest is not UTF-8 JSON ({exc})") from exc
-    if not isinstance(document, dict) or set(document) != _MANIFEST_KEYS:
-        raise _fail('manifest must be an object with exactly "tensors" and "metadata"')
+    version = header.layout_version
+    if (
+        not isinstance(document, dict)
+        or not {"tensors", "metadata"} <= set(document)
+        or not _MANIFEST_KEYS[version].issuperset(document)
+    ):
+        extra = ' (and maybe "files")' if version >= 2 else ""
+        raise _fail(f'manifest must be an object with exactly "tensors" and "metadata"{extra}')
+    files = _parse_files(document.get("files", []))
     metadata, entries = document["metadata"], document["tensors"]
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise _fail("manifest metadata must map strings to strings")
     if not isinstance(entries, list) or len(entries) != header.tensor_count:
         count = len(entries) if isinstance(entries, list) else "no"
         raise _fail(f"manifest lists {count} tensors, the header says {header.tensor_count}")
-    slots = tuple(_parse_slot(i, entry, header) for i, entry in enumerate(entries))
+    slots = tuple(_parse_slot(i, entry, header, len(files)) for i, entry in enumerate(entries))
     _check_disjoint(slots)
-    return slots, metadata
+    return slots, metadata, files
 
 
-def _parse_slot(index: int, entry: object, header: Header) -> Slot:
-    if not isinstance(entry, dict) or not _TENSOR_KEYS.issuperset(entry) or len(entry) < 5:
+def _parse_files(files: object) -> tuple[str, ...]:
+    if (
+        not isinstance(files, list)
+        or len(files) > MAX_FILES
+        or not all(isinstance(f, str) and f for f in files)
+        or len(set(files)) != len(files)
+    ):
+        raise _fail(f"manifest files must be at most {MAX_FILES} distinct non-empty strings")
+    return tuple(files)
+
+
+def _parse_slot(index: int, entry: object, header: Header, file_count: int) -> Slot:
+    allowed = _TENSOR_KEYS[header.layout_version]
+    if not isinstance(entry, dict) or not allowed.issuperset(entry) or not set(entry) >= _REQUIRED_KEYS:
+        extra = ", file" if header.layout_version >= 2 else ""
         raise _fail(
-            f"manifest tensor {index} must have name, dtype, shape, offset, nbytes (and maybe sha256)"
+            f"manifest tensor {index} must have name, dtype, shape, offset, nbytes (and maybe sha256{extra})"
         )
+    file = entry.get("file")
+    if (file is None) != (file_count == 0) or (
+        file is not None and (type(file) is not int or not 0 <= file < file_count)
+    ):
+        raise _fail(f"manifest tensor {index}: file must index the manifest's {file_count} files")
     name, dtype_name, shape = entry.get("name"), entry.get("dtype"), entry.get("shape")
     offset, nbytes, sha256 = entry.get("offset"), entry.get("nbytes"), entry.get("sha256")
     label = f"manifest tensor {index} ({name!r})"
@@ -403,7 +484,7 @@ def _parse_slot(index: int, entry: object, header: Header) -> Slot:
     data_end = header.data_offset + header.data_length
     if offset < header.data_offset or offset + nbytes > data_end:
         raise _fail(f"{label}: slot [{offset}, {offset + nbytes}) lies outside the data region")
-    return Slot(index, name, dtype, tuple(shape), offset, nbytes, sha256)
+    return Slot(index, name, dtype, tuple(shape), offset, nbytes, sha256, file)
 
 
 def _check_disjoint(slots: tuple[Slot, ...]) -> None:

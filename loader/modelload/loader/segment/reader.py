@@ -73,8 +73,11 @@ class SegmentReader:
         control: mmap.mmap,
         data: mmap.mmap | None,
         data_base: int,
+        files: tuple[str, ...] = (),
     ) -> None:
         self.path = path
+        self.files = files
+        """The model's weight files (layout version 2), indexed by :attr:`Slot.file`; empty for one file."""
         self.header = header
         self.slots = slots
         self.metadata: Mapping[str, str] = metadata
@@ -116,12 +119,12 @@ class SegmentReader:
             manifest = os.pread(fd, header.manifest_length, header.manifest_offset)
             if len(manifest) != header.manifest_length:
                 raise SegmentLayoutError(f"segment {target} is truncated inside its manifest")
-            slots, metadata = parse_manifest(manifest, header)
+            slots, metadata, files = parse_manifest(manifest, header)
             control = mmap.mmap(fd, header.data_offset, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
             data, base = _map_data(fd, header)
         finally:
             os.close(fd)
-        return cls(target, header, slots, metadata, control, data, base)
+        return cls(target, header, slots, metadata, control, data, base, files)
 
     # --- state ----------------------------------------------------------------------------------------------
 

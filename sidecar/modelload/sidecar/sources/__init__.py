@@ -27,7 +27,9 @@ from __future__ import annotations
 from ._base import InterruptedReadError, ObjectInfo, Source, SourceBase, check_range
 from ._file import FileSource
 from ._http import HttpSource
+from ._listing import Directory, is_directory, list_directory
 from ._memory import Interrupt, MemorySource, put_memory_object, remove_memory_object
+from ._model import OpenedModel, fetch_small_file, open_model
 from ._registry import SourceFactory, open_source, register_source, registered_schemes
 from ._responses import display_url
 from ._retry import RetryEvent, read_range, read_range_into_fd, stat_source
@@ -35,6 +37,7 @@ from ._s3 import S3Location, S3Source, plan_s3_location
 from ._settings import HttpSettings, RetryPolicy, S3Addressing, S3Credentials, S3Settings, SourceSettings
 
 __all__ = [
+    "Directory",
     "FileSource",
     "HttpSettings",
     "HttpSource",
@@ -42,6 +45,7 @@ __all__ = [
     "InterruptedReadError",
     "MemorySource",
     "ObjectInfo",
+    "OpenedModel",
     "RetryEvent",
     "RetryPolicy",
     "S3Addressing",
@@ -55,6 +59,10 @@ __all__ = [
     "SourceSettings",
     "check_range",
     "display_url",
+    "fetch_small_file",
+    "is_directory",
+    "list_directory",
+    "open_model",
     "open_source",
     "plan_s3_location",
     "put_memory_object",

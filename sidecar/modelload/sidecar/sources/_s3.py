@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, urlsplit
 
-from modelload.loader.errors import ConfigError, ModelloadError, SourceAccessDeniedError
+from modelload.loader.errors import ConfigError, ModelloadError, SourceAccessDeniedError, SourceError
 
 from ._base import InterruptedReadError
 from ._connections import Origin
@@ -35,7 +35,7 @@ from ._s3_errors import s3_error
 from ._settings import S3Addressing, SourceSettings
 from ._splice import HAVE_SPLICE
 
-__all__ = ["S3Location", "S3Source", "open_s3", "plan_s3_location"]
+__all__ = ["S3Location", "S3Source", "list_s3_prefix", "open_s3", "plan_s3_location"]
 
 _BUCKET_DNS = re.compile(r"^[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
 _AWS_HOST = re.compile(r"(^|\.)amazonaws\.com(\.cn)?$")
@@ -145,6 +145,7 @@ class S3Source(HttpObject):
                 config=botocore.config.Config(signature_version=botocore.UNSIGNED),
             )
             endpoint_url: str = client.meta.endpoint_url
+            self._endpoint_url = endpoint_url
             self._region: str = client.meta.region_name or "us-east-1"
             ca_bundle = session.get_config_variable("ca_bundle")
         except (botocore.exceptions.BotoCoreError, ValueError) as exc:
@@ -224,6 +225,89 @@ class S3Source(HttpObject):
 
     def __repr__(self) -> str:
         return f"S3Source({self.display_uri!r}, endpoint={self._location.origin.netloc!r})"
+
+
+_LIST_PAGE_MAX = 16 << 20
+_LIST_PAGES_MAX = 64
+
+
+class _S3Listing(S3Source):
+    """ListObjectsV2 requests for one prefix, signed and sent like the object reads."""
+
+    def __init__(self, bucket: str, prefix: str, settings: SourceSettings) -> None:
+        super().__init__(bucket, prefix or "/", settings)
+        base = plan_s3_location(
+            bucket, "x", endpoint_url=self._endpoint_url, addressing=self._location.addressing
+        )
+        self._base = S3Location(base.origin, base.path[:-1], base.addressing)
+        self._prefix = prefix
+        self._display_uri = f"s3://{bucket}/{prefix}"
+
+    def page(self, token: str | None) -> tuple[list[tuple[str, int]], str | None]:
+        """One page of ``(key, size)`` directly under the prefix, and the next page's token."""
+        query = {"delimiter": "/", "list-type": "2", "prefix": self._prefix}
+        if token is not None:
+            query["continuation-token"] = token
+        encoded = "&".join(f"{quote(k, safe='')}={quote(v, safe='-_.~')}" for k, v in sorted(query.items()))
+        self._location = S3Location(self._base.origin, f"{self._base.path}?{encoded}", self._base.addressing)
+        exchange = self._open("GET", {}, accept=frozenset({200}))
+        try:
+            body = exchange.response.read(_LIST_PAGE_MAX + 1)
+        except OSError as exc:
+            raise self._translate(exc) from exc
+        finally:
+            self._pool.discard(exchange.origin, exchange.conn)
+        if len(body) > _LIST_PAGE_MAX:
+            raise SourceError(
+                f"{self.display_uri}: a listing page over {_LIST_PAGE_MAX} bytes", uri=self._display_uri
+            )
+        return _parse_listing(body, uri=self.display_uri)
+
+
+def _parse_listing(body: bytes, *, uri: str) -> tuple[list[tuple[str, int]], str | None]:
+    import xml.etree.ElementTree as ET  # the body of our own request to the configured store
+
+    try:
+        root = ET.fromstring(body)  # noqa: S314 - expat refuses entity expansion bombs since 2.4.1
+    except ET.ParseError as exc:
+        raise SourceError(f"{uri}: the listing is not XML ({exc})", uri=uri) from None
+    ns = root.tag[: root.tag.index("}") + 1] if root.tag.startswith("{") else ""
+    found = []
+    for item in root.iter(f"{ns}Contents"):
+        key, size = item.findtext(f"{ns}Key"), item.findtext(f"{ns}Size")
+        if key is None or size is None or not size.isdigit():
+            raise SourceError(f"{uri}: a listing entry without a key or size", uri=uri)
+        found.append((key, int(size)))
+    truncated = (root.findtext(f"{ns}IsTruncated") or "").strip() == "true"
+    token = root.findtext(f"{ns}NextContinuationToken") if truncated else None
+    if truncated and not token:
+        raise SourceError(f"{uri}: a truncated listing without a continuation token", uri=uri)
+    return found, token
+
+
+def list_s3_prefix(uri: str, settings: SourceSettings) -> dict[str, int]:
+    """The objects directly under an ``s3://bucket/prefix/`` (no deeper), as ``{name: size}``."""
+    rest = uri.removeprefix("s3://")
+    bucket, _, prefix = rest.partition("/")
+    if not bucket:
+        raise ConfigError(f"an S3 directory is s3://BUCKET/PREFIX/, got {uri!r}")
+    if prefix and not prefix.endswith("/"):
+        prefix += "/"
+    lister = _S3Listing(bucket, prefix, settings)
+    found: dict[str, int] = {}
+    token: str | None = None
+    try:
+        for _ in range(_LIST_PAGES_MAX):
+            page, token = lister.page(token)
+            found.update((key[len(prefix) :], size) for key, size in page if key.startswith(prefix))
+            if token is None:
+                break
+        else:
+            raise ConfigError(f"{uri} lists more than {_LIST_PAGES_MAX} pages of objects: is it a model?")
+    finally:
+        lister.close()
+    found.pop("", None)  # a "directory marker" object named like the prefix itself
+    return found
 
 
 def open_s3(uri: str, settings: SourceSettings) -> S3Source:

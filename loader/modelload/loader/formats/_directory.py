@@ -1,0 +1,233 @@
+"""A model directory: which of its files are weights, which are small files an engine reads, and one index.
+
+A Hugging Face checkpoint is a directory: weight shards (``model-00001-of-00004.safetensors`` ...) with
+``model.safetensors.index.json`` naming the shard of every tensor, beside ``config.json``,
+``generation_config.json``, tokenizer files and a chat template. modelload loads the weights of all shards
+into one segment and copies every small file into a *model directory* beside it, which the app hands its
+engine as the model path. This module decides, from file names alone (and the index's bytes), which file is
+which, and merges the shards' indexes into one; it does no I/O, so the sidecar (over S3 and HTTP), the
+operator and ``modelload stage`` (a local directory) share it.
+
+The rules:
+
+- **Weights.** With ``model.safetensors.index.json``, exactly the shards its ``weight_map`` names (a shard
+  it names that the directory lacks is an error; other ``*.safetensors`` files, such as a
+  ``consolidated.safetensors`` kept beside the shards, are ignored). Without it, every top-level
+  ``*.safetensors`` file; for tensorizer, every ``*.tensors`` file. Both kinds in one directory without a
+  format to choose is an error.
+- **Small files.** Top-level files named ``*.json``, ``*.txt``, ``*.model``, ``*.jinja``, ``*.tiktoken`` and
+  ``*.py`` (remote code, which engines run only when asked to trust it), each at most
+  :data:`SMALL_FILE_LIMIT` bytes and all together at most :data:`SMALL_FILES_LIMIT`. They are copied, never
+  the weights.
+- Everything else (``*.bin`` and ``*.pth`` checkpoints, ``*.gguf``, files in subdirectories) is ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from modelload.loader.errors import ConfigError, DuplicateNameError, FormatError
+from modelload.loader.formats._index import ModelIndex
+
+__all__ = [
+    "SAFETENSORS_INDEX",
+    "SMALL_FILES_LIMIT",
+    "SMALL_FILE_LIMIT",
+    "SMALL_FILE_SUFFIXES",
+    "WELL_KNOWN_SMALL_FILES",
+    "ModelFiles",
+    "check_file_name",
+    "check_small_files",
+    "merge_indexes",
+    "select_model_files",
+]
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SMALL_FILE_LIMIT = 64 << 20
+"""The largest small file, in bytes. The largest tokenizer files in use are tens of MiB; a bigger ``.json``
+is more likely data than configuration, and would be charged to the pod's memory volume."""
+SMALL_FILES_LIMIT = 256 << 20
+"""The most bytes of small files a model directory holds."""
+SMALL_FILE_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken", ".py")
+WELL_KNOWN_SMALL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+)
+"""What an HTTP(S) directory, which has no listing, is probed for (each may be absent)."""
+
+_MAX_FILES = 65536
+_SAFE_NAME = re.compile(r"^[^/\\\x00-\x1f]+$")
+
+WeightFormat = Literal["tensorizer", "safetensors"]
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """A model directory's files by role, each a name relative to the directory."""
+
+    format: WeightFormat
+    weights: tuple[str, ...]
+    """Weight files, in load order (the index's shard order, else sorted by name)."""
+    small: tuple[str, ...]
+    """Files copied into the model directory."""
+    ignored: tuple[str, ...]
+
+
+def check_file_name(name: str, *, where: str) -> str:
+    """Refuse a file name that could leave the model directory or does not print (``../x``, ``a/b``)."""
+    if name in ("", ".", "..") or not _SAFE_NAME.match(name):
+        raise FormatError(f"{where} names a file {name!r} that is not a plain file name", source=where)
+    return name
+
+
+def weight_shards(index_json: bytes, *, where: str) -> tuple[str, ...]:
+    """The shard names ``model.safetensors.index.json`` maps tensors to, in order of first appearance."""
+    try:
+        document = json.loads(index_json)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise FormatError(f"{where} is not valid JSON ({type(exc).__name__})", source=where) from None
+    weight_map = document.get("weight_map") if isinstance(document, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise FormatError(f"{where} has no weight_map naming the shard of each tensor", source=where)
+    shards: dict[str, None] = {}
+    for tensor, shard in weight_map.items():
+        if not isinstance(shard, str):
+            raise FormatError(f"{where} maps tensor {tensor!r} to {shard!r}, not a file name", source=where)
+        shards.setdefault(check_file_name(shard, where=where), None)
+    return tuple(shards)
+
+
+def select_model_files(
+    names: Iterable[str],
+    *,
+    where: str,
+    index_json: bytes | None = None,
+    format: Literal["auto", "tensorizer", "safetensors"] = "auto",  # noqa: A002 - the CLI\'s word for it
+) -> ModelFiles:
+    """Sort a directory's top-level file ``names`` into weights, small files and ignored ones.
+
+    ``index_json`` is the content of ``model.safetensors.index.json`` when the directory has one. ``where``
+    names the directory in errors.
+
+    >>> select_model_files(["config.json", "model.safetensors", "README.md"], where="d").weights
+    ('model.safetensors',)
+    """
+    listed = sorted(set(names))
+    if len(listed) > _MAX_FILES:
+        raise ConfigError(f"{where} holds {len(listed)} files, more than {_MAX_FILES}: is it a model?")
+    safetensors = [n for n in listed if n.endswith(".safetensors")]
+    tensorizer = [n for n in listed if n.endswith(".tensors")]
+    if format == "auto":
+        if safetensors and tensorizer:
+            raise ConfigError(
+                f"{where} holds both safetensors and tensorizer weights: choose one with --format "
+                "(a ModelLoad's spec.format)"
+            )
+        format = "tensorizer" if tensorizer else "safetensors"  # noqa: A001
+    if format == "safetensors" and index_json is not None:
+        weights = weight_shards(index_json, where=f"{where}{SAFETENSORS_INDEX}")
+        missing = [w for w in weights if w not in listed]
+        if missing:
+            raise ConfigError(
+                f"{SAFETENSORS_INDEX} in {where} names {len(missing)} shard(s) the directory does not have "
+                f"({', '.join(missing[:3])}): upload every shard, or fix the index"
+            )
+    else:
+        weights = tuple(safetensors if format == "safetensors" else tensorizer)
+    if not weights:
+        raise ConfigError(
+            f"{where} holds no weight files (*.safetensors, or *.tensors for tensorizer): point the source "
+            "at the model's directory (for S3 a prefix ending in /), or at one weight file"
+        )
+    for name in weights:
+        check_file_name(name, where=where)
+    chosen = set(weights)
+    small = tuple(
+        n
+        for n in listed
+        if n not in chosen
+        and n.endswith(SMALL_FILE_SUFFIXES)
+        and _SAFE_NAME.match(n)
+        and n not in (".", "..")
+    )
+    ignored = tuple(n for n in listed if n not in chosen and n not in small)
+    return ModelFiles(format=format, weights=weights, small=small, ignored=ignored)
+
+
+def check_small_files(sizes: Mapping[str, int], *, where: str) -> None:
+    """Refuse a small file over :data:`SMALL_FILE_LIMIT`, or small files over :data:`SMALL_FILES_LIMIT`."""
+    for name, size in sizes.items():
+        if size > SMALL_FILE_LIMIT:
+            raise ConfigError(
+                f"{where}{name} is {size} bytes, over the {SMALL_FILE_LIMIT >> 20} MiB limit for a model's "
+                "small files (config, tokenizer): remove it from the model directory, or rename it so that "
+                f"it does not end in {', '.join(SMALL_FILE_SUFFIXES)}"
+            )
+    total = sum(sizes.values())
+    if total > SMALL_FILES_LIMIT:
+        raise ConfigError(
+            f"the small files of {where} add up to {total} bytes, over the {SMALL_FILES_LIMIT >> 20} MiB "
+            "limit: keep only what the engine reads (config, tokenizer) beside the weights"
+        )
+
+
+def merge_indexes(indexes: Sequence[tuple[str, ModelIndex]], *, where: str) -> ModelIndex:
+    """One index over several weight files: each tensor remembers its file (``TensorEntry.file``).
+
+    Tensor names must be unique across files (a name in two shards is an error naming both); every file
+    must be of one format, and encrypted or not alike.
+    """
+    if not indexes:
+        raise ConfigError(f"{where} holds no weight files")
+    if len(indexes) == 1 and not indexes[0][0]:
+        return indexes[0][1]
+    first = indexes[0][1]
+    seen: dict[str, str] = {}
+    tensors = []
+    for number, (name, index) in enumerate(indexes):
+        if index.format != first.format:
+            raise FormatError(
+                f"{where}{name} is {index.format} and {where}{indexes[0][0]} is {first.format}: "
+                "a model's weight files must share one format",
+                source=f"{where}{name}",
+            )
+        if index.encrypted != first.encrypted:
+            raise FormatError(
+                f"{where}{name} and {where}{indexes[0][0]} differ in encryption: encrypt every shard or none",
+                source=f"{where}{name}",
+            )
+        for entry in index.tensors:
+            other = seen.get(entry.name)
+            if other is not None:
+                raise DuplicateNameError(
+                    f"tensor {entry.name!r} is in both {other} and {name} in {where}: shards must not "
+                    "overlap (is an old shard left beside new ones?)",
+                    source=f"{where}{name}",
+                )
+            seen[entry.name] = name
+            tensors.append(replace(entry, file=number))
+    return ModelIndex(
+        format=first.format,
+        version=max(i.version for _, i in indexes),
+        tensors=tuple(tensors),
+        index_length=first.index_length,
+        data_end=first.data_end,
+        encrypted=first.encrypted,
+        metadata=dict(first.metadata),
+        files=tuple(name for name, _ in indexes),
+    )
