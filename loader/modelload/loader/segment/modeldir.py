@@ -1,0 +1,76 @@
+"""The model directory: a directory model's small files (config, tokenizer), beside the segment.
+
+Engines take a model *path*: transformers and vLLM read ``config.json`` and the tokenizer from it. The writer
+of a segment (the sidecar, or ``modelload stage``) copies every small file of the source directory there
+(never a weight file: the weights are in the segment) before it publishes the segment, whose metadata names
+the directory, so an app that attaches finds both.
+
+The directory is replaced whole: the files land in a hidden directory beside it, which is renamed into
+place, so a reader never finds a mix of two loads' files. Files are world-readable (0644): they are the
+model's configuration, and the app's container may run as another user.
+"""
+
+from __future__ import annotations
+
+import errno
+import secrets
+import shutil
+from collections.abc import Callable, Collection
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from modelload.loader.errors import ConfigError, SegmentError, SegmentSpaceError
+
+__all__ = ["write_model_dir"]
+
+
+def write_model_dir(
+    target: Path, names: Collection[str], fetch: Callable[[str], bytes], *, workers: int = 8
+) -> Path:
+    """Fill ``target`` with ``fetch(name)`` for every name (replacing what is there); return its absolute
+    path. Names are plain file names, as :func:`~modelload.loader.formats.select_model_files` checks them.
+    """
+    target = target.absolute()
+    if target.exists() and not target.is_dir():
+        raise ConfigError(
+            f"the model directory {target} exists and is not a directory: remove it or choose another"
+        )
+    token = f"{target.name}.{secrets.token_hex(4)}"
+    staging = target.with_name(f".{token}.new")
+    retired = target.with_name(f".{token}.old")
+
+    def put(name: str) -> None:
+        path = staging / name
+        with path.open("wb") as file:
+            file.write(fetch(name))
+        path.chmod(0o644)
+
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging.mkdir(mode=0o755)
+        staging.chmod(0o755)
+        with ThreadPoolExecutor(
+            max_workers=max(1, min(workers, len(names))), thread_name_prefix="files"
+        ) as pool:
+            list(pool.map(put, sorted(names)))
+        if target.exists():
+            target.rename(retired)
+        staging.rename(target)
+    except OSError as exc:
+        raise _translate(exc, target) from exc
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(retired, ignore_errors=True)
+    return target
+
+
+def _translate(exc: OSError, target: Path) -> SegmentError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return SegmentSpaceError(
+            exc.errno,
+            f"no room for the model's small files in {target.parent}: {exc.strerror} (size the volume for "
+            "the weights and the small files)",
+        )
+    if exc.errno == errno.EROFS:
+        return SegmentError(f"cannot write the model directory {target}: the file system is read-only")
+    return SegmentError(f"cannot write the model directory {target}: {exc.strerror or exc}")
