@@ -204,3 +204,42 @@ def test_where_the_kernel_cannot_copy_tensors_are_read_into_their_slots(
     assert code == 0, err
     assert len(calls) == 1, "after one refusal every tensor is read instead"
     assert_attached(shm_dir / "model.seg", tensors)
+
+
+# --- model directories --------------------------------------------------------------------------------------
+
+
+def test_a_model_directory_stages_every_shard_and_its_small_files(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, shm_dir: Path
+) -> None:
+    from tests.sidecar import models
+    from tests.support import hfdir
+
+    weights = models.state_dict(seed=60, layers=3)
+    source = hfdir.write(tmp_path / "llama", hfdir.files(weights, shards=3))
+    segment = shm_dir / "model.seg"
+    code, out, _ = cli(capsys, source, segment)
+    assert code == 0
+    assert "from 3 files" in out
+    models.assert_segment_matches(segment, weights)
+    with attach(segment, notify=False) as model:
+        assert model.model_dir == shm_dir / "model"
+    assert sorted(p.name for p in (shm_dir / "model").iterdir()) == sorted(
+        [*hfdir.SMALL_FILES, "model.safetensors.index.json"]
+    )
+    with SegmentReader.open(segment) as reader:
+        assert len(reader.files) == 3
+    elsewhere = tmp_path / "cfg"
+    code, _, _ = cli(capsys, source, segment, "--model-dir", elsewhere)
+    assert code == 0
+    assert (elsewhere / "config.json").read_bytes() == hfdir.SMALL_FILES["config.json"]
+
+
+def test_stage_refuses_a_remote_uri_naming_the_sidecar(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code, _, err = cli(capsys, "s3://bucket/models/llama/", tmp_path / "x.seg")
+    assert code != 0
+    assert "s3:/bucket" not in err
+    assert "modelload sidecar --source" in err
+    assert "Traceback" not in err

@@ -38,6 +38,7 @@ __all__ = [
     "add_decryption_options",
     "atomic_output",
     "decryption_key",
+    "local_path",
     "modelload_version",
     "rate",
     "read_password",
@@ -133,6 +134,24 @@ def read_password(path: Path | None, env: str | None) -> bytes | None:
 
 
 # --- what a file is ----------------------------------------------------------------------------------------
+
+
+def local_path(text: str, *, command: str, remote: str) -> Path:
+    """A local path from a command's argument; a remote URI is refused naming the command that reads it.
+
+    ``Path("s3://bucket/key")`` would quietly become ``s3:/bucket/key`` and fail as a missing file.
+    """
+    scheme, sep, _ = text.partition("://")
+    if sep and scheme.isascii() and scheme.replace("+", "").replace("-", "").replace(".", "").isalnum():
+        if scheme.lower() == "file":
+            from urllib.parse import unquote, urlsplit
+
+            return Path(unquote(urlsplit(text).path))
+        raise ConfigError(
+            f"{command} reads local files and directories, and {text.partition('?')[0]} is a {scheme}:// "
+            f"URI: load it with `{remote}`"
+        )
+    return Path(text)
 
 
 def sniff(path: Path) -> FileKind:

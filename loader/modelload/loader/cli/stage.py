@@ -1,4 +1,8 @@
-"""``modelload stage SOURCE SEGMENT``: load a local model file into a new segment, for attach() to use.
+"""``modelload stage SOURCE SEGMENT``: load a local model file or directory into a new segment.
+
+A directory (a Hugging Face checkpoint: shards, ``model.safetensors.index.json``, config, tokenizer) loads
+every weight file into the one segment, and copies its small files into the model directory beside it
+(``--model-dir``, default ``model/`` beside the segment), as the sidecar does from S3 or HTTP.
 
 The simple path the sidecar replaces with a streaming one: plan the layout from the file's index, create
 and publish the segment, then fill the slots, each published as soon as its bytes are in. A thread pool
@@ -16,18 +20,21 @@ Any error marks the segment FAILED with the reason, so processes already attache
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
 from pathlib import Path
 
 from modelload.loader.cli._common import (
     add_decryption_options,
     decryption_key,
+    local_path,
     modelload_version,
     open_model_file,
     rate,
@@ -41,11 +48,20 @@ from modelload.loader.errors import (
     SourceError,
     TruncatedError,
 )
-from modelload.loader.formats import ModelIndex
+from modelload.loader.formats import (
+    SAFETENSORS_INDEX,
+    ModelIndex,
+    check_small_files,
+    merge_indexes,
+    select_model_files,
+)
 from modelload.loader.formats.safetensors import SafetensorsFile
-from modelload.loader.formats.tensorizer import TensorizerReader
-from modelload.loader.segment import Layout, SegmentWriter, TensorSpec, plan_layout
+from modelload.loader.formats.tensorizer import DecryptionKey, TensorizerReader
+from modelload.loader.segment import MODEL_DIR_KEY, Layout, SegmentWriter, TensorSpec, plan_layout
 from modelload.loader.segment.layout import MAGIC
+from modelload.loader.segment.modeldir import write_model_dir
+
+Reader = TensorizerReader | SafetensorsFile
 
 __all__ = ["register", "run"]
 
@@ -55,15 +71,24 @@ _NO_KERNEL_COPY = frozenset({errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "stage",
-        help="load a local model file into a new segment (what the sidecar does from remote sources)",
+        help="load a local model file or directory into a new segment (what the sidecar does remotely)",
         description=(
-            "Load SOURCE (a tensorizer or safetensors file, detected by content) into a new segment at "
-            "SEGMENT, publishing each tensor as it lands. A segment already at SEGMENT is replaced (its "
-            "readers are told it was superseded). On an error the segment is marked failed with the reason."
+            "Load SOURCE (a tensorizer or safetensors file, detected by content, or a model directory of "
+            "shards with its config and tokenizer) into a new segment at SEGMENT, publishing each tensor as "
+            "it lands. A directory's small files go to the model directory (--model-dir). A segment already "
+            "at SEGMENT is replaced (its readers are told it was superseded). On an error the segment is "
+            "marked failed with the reason. Remote models (s3://, http(s)://) are loaded by "
+            "`modelload sidecar --source URI`."
         ),
     )
-    parser.add_argument("source", metavar="SOURCE", type=Path, help="the model file")
+    parser.add_argument("source", metavar="SOURCE", help="the model file or directory")
     parser.add_argument("segment", metavar="SEGMENT", type=Path, help="the segment file to create")
+    parser.add_argument(
+        "--model-dir",
+        metavar="DIR",
+        type=Path,
+        help="where a directory's config and tokenizer go (default: model/ beside SEGMENT)",
+    )
     parser.add_argument(
         "--format",
         choices=("auto", "tensorizer", "safetensors"),
@@ -94,38 +119,87 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Stage ``args.source`` into ``args.segment``; ModelloadErrors carry what went wrong."""
     started = time.monotonic()
-    source: Path = args.source
+    source = local_path(args.source, command="stage", remote="modelload sidecar --source URI --segment PATH")
     if args.threads < 1:
         raise ConfigError("--threads must be 1 or more")
-    kind = sniff(source) if args.format == "auto" else args.format
-    if kind not in ("tensorizer", "safetensors"):
-        what, hint = {
-            "torch": ("a torch checkpoint", "convert it first with modelload serialize"),
-            "segment": ("a modelload segment already", "attach to it, or stage the model file it came from"),
-        }[kind]
-        raise ConfigError(f"{source} is {what}, not a tensorizer or safetensors file: {hint}")
     key = decryption_key(args)
-    if key is not None and kind != "tensorizer":
-        raise ConfigError(f"a key or password was given, but {source} is a {kind} file, never encrypted")
     _check_target(source, args.segment, force=args.force)
-    with open_model_file(source, kind, key, verify=args.verify) as reader:
-        index = reader.index
-        writer = SegmentWriter.create(args.segment, _layout(source, index))
+    with _open_model(source, args.format, key, verify=args.verify) as model:
+        index = model.index
+        model_dir = None
+        if model.small is not None:
+            target = args.model_dir or args.segment.parent / "model"
+            model_dir = write_model_dir(target, model.small, lambda name: (source / name).read_bytes())
+        writer = SegmentWriter.create(args.segment, _layout(source, model, model_dir))
         try:
             with ProgressBar(index.nbytes, "stage", enabled=not args.no_progress) as bar:
-                _fill(reader, writer, threads=args.threads, verify=args.verify, bar=bar)
+                _fill(model.readers, writer, threads=args.threads, verify=args.verify, bar=bar)
             writer.mark_complete()
         except BaseException as exc:
             writer.mark_failed(_reason(exc))
             raise
         finally:
             writer.close()
+    kind = index.format
     verified = kind == "tensorizer" and args.verify
     checks = [word for word, on in (("decrypted", index.encrypted), ("verified", verified)) if on]
     how = f"{kind}{', ' if checks else ''}{', '.join(checks)}"
+    files = f" from {len(index.files)} files" if index.files else ""
     seconds = time.monotonic() - started
-    print(f"staged {args.segment} ({how}): {len(index.tensors)} tensors, {rate(index.nbytes, seconds)}")
+    print(
+        f"staged {args.segment} ({how}): {len(index.tensors)} tensors{files}, {rate(index.nbytes, seconds)}"
+    )
+    if model_dir is not None:
+        print(f"model directory {model_dir}: {len(model.small or ())} files")
     return 0
+
+
+@dataclass
+class _Model:
+    """A local model's open readers (one per weight file), its merged index, and its small files."""
+
+    readers: list[Reader]
+    index: ModelIndex
+    small: list[str] | None
+    """A directory's small files; None for a single file."""
+
+
+@contextlib.contextmanager
+def _open_model(source: Path, fmt: str, key: DecryptionKey | None, *, verify: bool) -> Iterator[_Model]:
+    if not source.is_dir():
+        kind = _kind(source, fmt, key)
+        with open_model_file(source, kind, key, verify=verify) as reader:
+            yield _Model([reader], reader.index, None)
+        return
+    where = f"{source}/"
+    names = [entry.name for entry in os.scandir(source) if entry.is_file()]
+    index_json = (source / SAFETENSORS_INDEX).read_bytes() if SAFETENSORS_INDEX in names else None
+    chosen = select_model_files(names, where=where, index_json=index_json, format=fmt)  # type: ignore[arg-type]
+    check_small_files({n: (source / n).stat().st_size for n in chosen.small}, where=where)
+    with contextlib.ExitStack() as stack:
+        readers: list[Reader] = []
+        for name in chosen.weights:
+            path = source / name
+            readers.append(
+                stack.enter_context(open_model_file(path, _kind(path, fmt, key), key, verify=verify))
+            )
+        index = merge_indexes(
+            [(n, r.index) for n, r in zip(chosen.weights, readers, strict=True)], where=where
+        )
+        yield _Model(readers, index, list(chosen.small))
+
+
+def _kind(path: Path, fmt: str, key: DecryptionKey | None) -> str:
+    kind = sniff(path) if fmt == "auto" else fmt
+    if kind not in ("tensorizer", "safetensors"):
+        what, hint = {
+            "torch": ("a torch checkpoint", "convert it first with modelload serialize"),
+            "segment": ("a modelload segment already", "attach to it, or stage the model file it came from"),
+        }[kind]
+        raise ConfigError(f"{path} is {what}, not a tensorizer or safetensors file: {hint}")
+    if key is not None and kind != "tensorizer":
+        raise ConfigError(f"a key or password was given, but {path} is a {kind} file, never encrypted")
+    return kind
 
 
 def _check_target(source: Path, segment: Path, *, force: bool) -> None:
@@ -147,71 +221,107 @@ def _check_target(source: Path, segment: Path, *, force: bool) -> None:
         print(f"modelload stage: replacing the segment at {segment}", file=sys.stderr)
 
 
-def _layout(source: Path, index: ModelIndex) -> Layout:
-    specs = [TensorSpec(t.name, t.dtype, t.shape) for t in index.tensors]
+def _layout(source: Path, model: _Model, model_dir: Path | None) -> Layout:
+    index = model.index
+    several = bool(index.files)
+    specs = [TensorSpec(t.name, t.dtype, t.shape, file=t.file if several else None) for t in index.tensors]
+    size = sum(Path(_path_of(r)).stat().st_size for r in model.readers)
     metadata = {
         "format": index.format,
         "source": str(source.resolve()),
-        "source_size": str(source.stat().st_size),
+        "source_size": str(size),
         "writer": f"modelload-stage {modelload_version()}",
     }
-    return plan_layout(specs, metadata=metadata)
+    if model_dir is not None:
+        metadata[MODEL_DIR_KEY] = str(model_dir)
+    return plan_layout(specs, metadata=metadata, files=index.files)
+
+
+def _path_of(reader: Reader) -> str:
+    return str(reader.source if isinstance(reader, TensorizerReader) else reader.path)
 
 
 def _fill(
-    reader: TensorizerReader | SafetensorsFile,
+    readers: list[Reader],
     writer: SegmentWriter,
     *,
     threads: int,
     verify: bool,
     bar: ProgressBar,
 ) -> None:
-    """Fill and publish every slot with a pool of ``threads``, tensors handed out in file order."""
-    entries = reader.index.tensors
-    copier = _SafetensorsCopy(reader, writer) if isinstance(reader, SafetensorsFile) else None
-    fill: Callable[[int], tuple[bool, bool]]
-    if isinstance(reader, TensorizerReader):
+    """Fill and publish every slot with a pool of ``threads``, tensors handed out in file order.
 
-        def fill(i: int) -> tuple[bool, bool]:
-            header = reader.readinto(entries[i], writer.slot(i))
-            return verify, header.encrypted
-
-    else:
-        assert copier is not None
-        fill = copier
+    The segment's slots follow the files in order, each file's tensors in its own order.
+    """
+    jobs: list[tuple[Callable[[], tuple[bool, bool]], str, Reader, int]] = []
+    copiers: list[_SafetensorsCopy] = []
+    slot = 0
+    for reader in readers:
+        copier = None
+        if isinstance(reader, SafetensorsFile):
+            copier = _SafetensorsCopy(reader, writer, first_slot=slot)
+            copiers.append(copier)
+        for local, entry in enumerate(reader.index.tensors):
+            jobs.append(
+                (_filler(reader, copier, writer, local, slot, verify), entry.name, reader, entry.nbytes)
+            )
+            slot += 1
 
     def load(i: int) -> None:
-        """Load and publish tensor ``i``, or mark it FAILED."""
+        """Load and publish slot ``i``, or mark it FAILED."""
+        fill, name, reader, _ = jobs[i]
         try:
-            verified, decrypted = fill(i)
+            verified, decrypted = fill()
         except BaseException as exc:
             writer.mark_tensor_failed(i)
             if isinstance(exc, OSError):
-                raise _translate(exc, entries[i].name, reader) from None
+                raise _translate(exc, name, reader) from None
             raise
         writer.mark_ready(i, verified=verified, decrypted=decrypted)
 
     pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="stage")
     try:
-        futures: dict[Future[None], int] = {pool.submit(load, i): i for i in range(len(entries))}
+        futures: dict[Future[None], int] = {pool.submit(load, i): i for i in range(len(jobs))}
         for future in as_completed(futures):
             future.result()
-            bar.update(entries[futures[future]].nbytes)
+            bar.update(jobs[futures[future]][3])
     except BaseException:
         pool.shutdown(wait=True, cancel_futures=True)
         raise
     finally:
         pool.shutdown(wait=True)
-        if copier is not None:
+        for copier in copiers:
             copier.close()
+
+
+def _filler(
+    reader: Reader,
+    copier: _SafetensorsCopy | None,
+    writer: SegmentWriter,
+    local: int,
+    slot: int,
+    verify: bool,
+) -> Callable[[], tuple[bool, bool]]:
+    """What fills one slot: tensorizer reads (and verifies, decrypts) into it; safetensors copies."""
+    if isinstance(reader, TensorizerReader):
+        entry = reader.index.tensors[local]
+
+        def fill() -> tuple[bool, bool]:
+            header = reader.readinto(entry, writer.slot(slot))
+            return verify, header.encrypted
+
+        return fill
+    assert copier is not None
+    return lambda: copier(local)
 
 
 class _SafetensorsCopy:
     """Copies a safetensors tensor into its slot inside the kernel, or reads it into the slot."""
 
-    def __init__(self, reader: SafetensorsFile, writer: SegmentWriter) -> None:
+    def __init__(self, reader: SafetensorsFile, writer: SegmentWriter, *, first_slot: int = 0) -> None:
         self._reader = reader
         self._writer = writer
+        self._first = first_slot
         self._src = os.open(reader.path, os.O_RDONLY | os.O_CLOEXEC)
         self._kernel_copy = hasattr(os, "copy_file_range")
         self._lock = threading.Lock()
@@ -220,14 +330,15 @@ class _SafetensorsCopy:
         entry = self._reader.index.tensors[i]
         if self._kernel_copy and entry.data_length:
             try:
-                self._copy(entry.data_offset, self._writer.layout.slots[i].offset, entry.data_length)
+                slot = self._writer.layout.slots[self._first + i]
+                self._copy(entry.data_offset, slot.offset, entry.data_length)
                 return False, False
             except OSError as exc:
                 if exc.errno not in _NO_KERNEL_COPY:
                     raise
                 with self._lock:
                     self._kernel_copy = False  # this kernel or filesystem cannot: read instead
-        self._reader.readinto(entry.name, self._writer.slot(i))
+        self._reader.readinto(entry.name, self._writer.slot(self._first + i))
         return False, False
 
     def _copy(self, src_at: int, dst_at: int, length: int) -> None:
@@ -248,7 +359,7 @@ class _SafetensorsCopy:
         os.close(self._src)
 
 
-def _translate(exc: OSError, tensor: str, reader: TensorizerReader | SafetensorsFile) -> ModelloadError:
+def _translate(exc: OSError, tensor: str, reader: Reader) -> ModelloadError:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return SegmentSpaceError(
             exc.errno, f"no room in the segment's volume while loading tensor {tensor!r}: {exc.strerror}"
