@@ -277,3 +277,49 @@ def test_the_console_script_prints_json_in_a_fresh_process(tmp_path: Path) -> No
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["tensor_count"] == len(MODEL)
+
+
+# --- model directories --------------------------------------------------------------------------------------
+
+
+def test_inspect_shows_a_model_directory_as_one_model(tmp_path: Path) -> None:
+    from tests.sidecar import models
+    from tests.support import hfdir
+
+    weights = models.state_dict(seed=61, layers=3)
+    source = hfdir.write(tmp_path / "llama", hfdir.files(weights, shards=3))
+    out = subprocess_json(main, ["inspect", str(source), "--json", "--verify", "--no-progress"])
+    report = json.loads(out)
+    assert report["tensor_count"] == len(weights)
+    assert sorted(row["name"] for row in report["tensors"]) == sorted(weights)
+    assert [f["name"] for f in report["files"]] == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert sum(f["tensor_count"] for f in report["files"]) == len(weights)
+    assert "config.json" in report["small_files"] and "README.md" in report["ignored"]
+    assert report["verify"]["ok"] and report["verify"]["checked"] == len(weights)
+
+
+def test_inspect_refuses_overlapping_shards_and_remote_uris(tmp_path: Path, capsys: Any) -> None:
+    from tests.sidecar import models
+    from tests.support import hfdir
+
+    weights = models.state_dict(seed=62, layers=2)
+    content = hfdir.files(weights, shards=2, index=False)
+    first = next(iter(weights))
+    content["model-extra.safetensors"] = hfdir._safetensors({first: weights[first]})
+    source = hfdir.write(tmp_path / "overlap", content)
+    assert main(["inspect", str(source)]) != 0
+    err = capsys.readouterr().err
+    assert "model-extra.safetensors" in err and "Traceback" not in err
+    assert main(["inspect", "s3://bucket/model.safetensors"]) != 0
+    err = capsys.readouterr().err
+    assert "modelload sidecar --source" in err and "s3:/bucket" not in err
+
+
+def subprocess_json(main: Any, argv: list[str]) -> str:
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    return out.getvalue()

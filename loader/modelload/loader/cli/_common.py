@@ -148,8 +148,8 @@ def local_path(text: str, *, command: str, remote: str) -> Path:
 
             return Path(unquote(urlsplit(text).path))
         raise ConfigError(
-            f"{command} reads local files and directories, and {text.partition('?')[0]} is a {scheme}:// "
-            f"URI: load it with `{remote}`"
+            f"{command} reads local files and directories, and {text.partition('?')[0]} is a remote "
+            f"({scheme}://) URI: load it with `{remote}`"
         )
     return Path(text)
 

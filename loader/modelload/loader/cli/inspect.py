@@ -1,5 +1,9 @@
-"""``modelload inspect FILE``: what a tensorizer file, safetensors file or segment holds, and whether its
-bytes match their hashes.
+"""``modelload inspect FILE``: what a tensorizer file, safetensors file, model directory or segment holds,
+and whether its bytes match their hashes.
+
+A model directory (shards beside config and tokenizer) is shown as the one model the sidecar loads: every
+tensor across its weight files (each row says its file), totals, a line per weight file, and which files
+are copied to the model directory and which are ignored.
 
 The file's kind comes from its content. Everything but the tensor data is shown without a key: names,
 dtypes and shapes of an encrypted tensorizer file are stored in clear. ``--verify`` reads every tensor:
@@ -26,7 +30,13 @@ from typing import Any
 
 import numpy as np
 
-from modelload.loader.cli._common import add_decryption_options, decryption_key, sniff, translate_os_error
+from modelload.loader.cli._common import (
+    add_decryption_options,
+    decryption_key,
+    local_path,
+    sniff,
+    translate_os_error,
+)
 from modelload.loader.cli.progress import ProgressBar, format_bytes
 from modelload.loader.errors import (
     ConfigError,
@@ -35,7 +45,7 @@ from modelload.loader.errors import (
     NotEncryptedError,
     WrongKeyError,
 )
-from modelload.loader.formats import ModelIndex
+from modelload.loader.formats import SAFETENSORS_INDEX, ModelIndex, merge_indexes, select_model_files
 from modelload.loader.formats.safetensors import SafetensorsFile
 from modelload.loader.formats.tensorizer import DecryptionKey, TensorizerReader
 from modelload.loader.segment import SegmentReader, TensorFlags, TensorState
@@ -58,6 +68,10 @@ JSON output (--json), one document:
   tensors       every tensor, in file order: {"name", "dtype", "shape", "bytes", "offset"}; tensorizer
                 adds "kind" and "data_length" (0 for a meta tensor); segments add "state", "flags",
                 "crc32" (or null), "sha256" (or null), "ready_ns"
+  files         directories and segments of several files: the weight files, in load order, each
+                {"name", "file_size", "tensor_count", "total_bytes"} (segments: {"name"}); tensors then
+                add "file"
+  small_files   directories only: the files copied into the model directory; "ignored": the rest
   segment       segments only: {"writer_state", "writer_pid", "load_id", "created_ns", "finished_ns",
                 "heartbeat_ns", "tensors_ready", "bytes_ready", "error"}
   verify        with --verify: {"ok", "checked", "bytes", "seconds", "failures": [{"name", "error"}],
@@ -78,7 +92,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog=JSON_KEYS,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("file", metavar="FILE", type=Path, help="the file to inspect")
+    parser.add_argument("file", metavar="FILE", help="the file or model directory to inspect")
     parser.add_argument("--json", action="store_true", help="print one JSON document with every tensor")
     rows = parser.add_mutually_exclusive_group()
     rows.add_argument("--limit", metavar="N", type=int, default=50, help="tensor rows to show (default 50)")
@@ -97,9 +111,14 @@ def run(args: argparse.Namespace) -> int:
     """Inspect ``args.file``; exit status 1 when ``--verify`` found a bad tensor."""
     if args.limit < 0:
         raise ConfigError("--limit must be 0 or more")
-    path: Path = args.file
-    kind = sniff(path)
+    path = local_path(
+        args.file, command="inspect", remote="modelload sidecar --source URI, then inspect its segment"
+    )
     key = decryption_key(args)
+    if path.is_dir():
+        report = _inspect_directory(path, key, verify=args.verify, progress=not args.no_progress)
+        return _emit(report, args)
+    kind = sniff(path)
     if kind == "torch":
         raise ConfigError(
             f"{path} is a torch checkpoint; inspect reads tensorizer and safetensors files and segments: "
@@ -111,9 +130,13 @@ def run(args: argparse.Namespace) -> int:
         if kind == "segment":
             report = _inspect_segment(path, verify=args.verify, progress=not args.no_progress)
         else:
-            report = _inspect_file(path, kind, key, verify=args.verify, progress=not args.no_progress)
+            report, _ = _inspect_file(path, kind, key, verify=args.verify, progress=not args.no_progress)
     except OSError as exc:
         raise translate_os_error(exc, path) from None
+    return _emit(report, args)
+
+
+def _emit(report: Report, args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(json.dumps(report, ensure_ascii=False) + "\n")
     else:
@@ -127,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _inspect_file(
     path: Path, kind: str, key: DecryptionKey | None, *, verify: bool, progress: bool
-) -> Report:
+) -> tuple[Report, ModelIndex]:
     reader: TensorizerReader | SafetensorsFile
     if kind == "tensorizer":
         reader = TensorizerReader(path, key=key)
@@ -147,7 +170,7 @@ def _inspect_file(
                 row.update(kind=entry.kind, data_length=entry.data_length)
         if verify:
             report["verify"] = _verify_file(reader, index, progress=progress)
-    return report
+    return report, index
 
 
 def _index_report(path: Path, index: ModelIndex) -> Report:
@@ -241,6 +264,74 @@ def _verify_report(
     }
 
 
+# --- model directories -------------------------------------------------------------------------------------
+
+
+def _inspect_directory(path: Path, key: DecryptionKey | None, *, verify: bool, progress: bool) -> Report:
+    """One report over a directory's weight files, as the one model they make."""
+    where = f"{path}/"
+    try:
+        names = [entry.name for entry in path.iterdir() if entry.is_file()]
+        index_json = (path / SAFETENSORS_INDEX).read_bytes() if SAFETENSORS_INDEX in names else None
+    except OSError as exc:
+        raise translate_os_error(exc, path) from None
+    chosen = select_model_files(names, where=where, index_json=index_json)
+    kinds = {name: sniff(path / name) for name in chosen.weights}
+    for name, kind in kinds.items():
+        if kind not in ("tensorizer", "safetensors"):
+            raise ConfigError(f"{path / name} is a {kind}, not a tensorizer or safetensors weight file")
+    reports = []
+    indexes = []
+    for name in chosen.weights:
+        try:
+            one, index = _inspect_file(path / name, kinds[name], key, verify=False, progress=False)
+        except OSError as exc:
+            raise translate_os_error(exc, path / name) from None
+        reports.append(one)
+        indexes.append((name, index))
+    merge_indexes(indexes, where=where)  # the sidecar's rules: one format, names unique across shards
+    if verify:
+        for i, name in enumerate(chosen.weights):
+            reports[i], _ = _inspect_file(path / name, kinds[name], key, verify=True, progress=progress)
+    tensors = [
+        {**row, "file": name} for name, r in zip(chosen.weights, reports, strict=True) for row in r["tensors"]
+    ]
+    report: Report = {
+        "path": str(path),
+        "format": reports[0]["format"],
+        "version": max(r["version"] for r in reports),
+        "file_size": sum(r["file_size"] for r in reports),
+        "tensor_count": len(tensors),
+        "total_bytes": sum(r["total_bytes"] for r in reports),
+        "encrypted": reports[0]["encrypted"],
+        "encryption": reports[0]["encryption"],
+        "metadata": reports[0]["metadata"],
+        "dtypes": _histogram(tensors),
+        "tensors": tensors,
+        "files": [
+            {
+                "name": name,
+                "file_size": r["file_size"],
+                "tensor_count": r["tensor_count"],
+                "total_bytes": r["total_bytes"],
+            }
+            for name, r in zip(chosen.weights, reports, strict=True)
+        ],
+        "small_files": list(chosen.small),
+        "ignored": list(chosen.ignored),
+    }
+    if verify:
+        checks = [r["verify"] for r in reports]
+        report["verify"] = _verify_report(
+            sum(c["checked"] for c in checks),
+            sum(c["bytes"] for c in checks),
+            sum(c["seconds"] for c in checks),
+            [f for c in checks for f in c["failures"]],
+            checks[0]["note"],
+        )
+    return report
+
+
 # --- segments ----------------------------------------------------------------------------------------------
 
 
@@ -262,6 +353,7 @@ def _inspect_segment(path: Path, *, verify: bool, progress: bool) -> Report:
                     "crc32": reader.crc32(slot.index),
                     "sha256": slot.sha256,
                     "ready_ns": reader.ready_ns(slot.index),
+                    **({"file": reader.files[slot.file]} if slot.file is not None else {}),
                 }
             )
         report: Report = {
@@ -276,6 +368,7 @@ def _inspect_segment(path: Path, *, verify: bool, progress: bool) -> Report:
             "metadata": dict(reader.metadata),
             "dtypes": _histogram(tensors),
             "tensors": tensors,
+            **({"files": [{"name": name} for name in reader.files]} if reader.files else {}),
             "segment": {
                 "writer_state": reader.writer_state.name,
                 "writer_pid": reader.writer_pid,
@@ -349,6 +442,17 @@ def render(report: Report, *, limit: int | None) -> str:
     lines.append(("tensors", f"{report['tensor_count']}, {format_bytes(report['total_bytes'])}"))
     if kind == "tensorizer":
         lines.append(("encrypted", _describe_encryption(report)))
+    for i, file in enumerate(report.get("files", ())):
+        size = (
+            f", {file['tensor_count']} tensors, {format_bytes(file['total_bytes'])}"
+            if "tensor_count" in file
+            else ""
+        )
+        lines.append(("files" if i == 0 else "", f"{file['name']}{size}"))
+    if "small_files" in report:
+        lines.append(("model dir", ", ".join(report["small_files"]) or "(none)"))
+        if report["ignored"]:
+            lines.append(("ignored", ", ".join(report["ignored"])))
     segment = report.get("segment")
     if segment is not None:
         lines.extend(_segment_lines(segment, report))
