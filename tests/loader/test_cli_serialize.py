@@ -425,3 +425,17 @@ def test_the_console_script_converts_in_a_fresh_process(tmp_path: Path) -> None:
     assert done.stdout.startswith("wrote m.tensors (tensorizer): 2 tensors")
     assert "serialize [" in done.stderr  # the progress bar
     assert_same(tz_read(tmp_path / "m.tensors"), tensors)
+
+
+def test_a_model_directory_serializes_into_one_file_of_either_format(tmp_path: Path) -> None:
+    from modelload.loader.cli.main import main as cli_main
+    from tests.sidecar import models
+    from tests.support import hfdir
+
+    weights = models.state_dict(seed=63, layers=3)
+    source = hfdir.write(tmp_path / "llama", hfdir.files(weights, shards=3))
+    for name in ("merged.tensors", "merged.safetensors"):
+        assert cli_main(["serialize", str(source), str(tmp_path / name), "--no-progress"]) == 0
+        stage = tmp_path / f"{name}.seg"
+        assert cli_main(["stage", str(tmp_path / name), str(stage), "--no-progress"]) == 0
+        models.assert_segment_matches(stage, weights)

@@ -1,9 +1,11 @@
 """``modelload serialize SRC DST``: convert a model to tensorizer or safetensors, tensor by tensor.
 
-SRC is a safetensors file, a tensorizer file (plain or encrypted) or a torch checkpoint, recognised by its
-content. DST's format comes from ``--to`` or its extension. The conversion streams: one tensor's bytes are
-in memory at a time (a torch checkpoint is mapped, not read whole), and DST appears only when it is
-complete (written under a temporary name and renamed), so an interrupted run leaves no half file behind.
+SRC is a safetensors file, a tensorizer file (plain or encrypted), a torch checkpoint, recognised by its
+content, or a model directory, whose weight shards are merged into DST (its config and tokenizer stay
+where they are: DST holds the weights). DST's format comes from ``--to`` or its extension. The conversion
+streams: one tensor's bytes are in memory at a time (a torch checkpoint is mapped, not read whole), and DST
+appears only when it is complete (written under a temporary name and renamed), so an interrupted run
+leaves no half file behind.
 
 Decisions, for the cases where formats disagree:
 
@@ -24,7 +26,9 @@ Decisions, for the cases where formats disagree:
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
+import itertools
 import json
 import os
 import pickle
@@ -61,7 +65,7 @@ from modelload.loader.errors import (
     ModelloadError,
     UnsupportedDtypeError,
 )
-from modelload.loader.formats import read_index
+from modelload.loader.formats import SAFETENSORS_INDEX, merge_indexes, read_index, select_model_files
 from modelload.loader.formats.safetensors import HEADER_SIZE_CAP, RawTensor, SafetensorsFile, serialize
 from modelload.loader.formats.tensorizer import (
     Argon2Limits,
@@ -105,7 +109,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
         epilog=_TORCH_HELP,
     )
-    parser.add_argument("src", metavar="SRC", type=Path, help="the model file to read")
+    parser.add_argument(
+        "src",
+        metavar="SRC",
+        type=Path,
+        help="the model file to read, or a model directory whose shards to merge",
+    )
     parser.add_argument("dst", metavar="DST", type=Path, help="the file to write")
     parser.add_argument(
         "--from",
@@ -331,10 +340,58 @@ class _TorchInput:
         return flat, 0
 
 
+@dataclass
+class _DirectoryInput:
+    """A model directory's weight files, read one after the other as one model."""
+
+    parts: list[_FileInput]
+    items: Sequence[_Item]
+    metadata: dict[str, str] | None
+    notes: list[str]
+    _starts: list[int]
+
+    def read(self, index: int, scratch: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], int]:
+        part = bisect.bisect_right(self._starts, index) - 1
+        return self.parts[part].read(index - self._starts[part], scratch)
+
+
 @contextlib.contextmanager
-def _open_input(args: argparse.Namespace, key: DecryptionKey | None) -> Iterator[_FileInput | _TorchInput]:
+def _open_directory(args: argparse.Namespace, key: DecryptionKey | None) -> Iterator[_DirectoryInput]:
+    src: Path = args.src
+    where = f"{src}/"
+    names = [entry.name for entry in src.iterdir() if entry.is_file()]
+    index_json = (src / SAFETENSORS_INDEX).read_bytes() if SAFETENSORS_INDEX in names else None
+    chosen = select_model_files(names, where=where, index_json=index_json)
+    with contextlib.ExitStack() as stack:
+        parts = []
+        for name in chosen.weights:
+            path = src / name
+            reader = stack.enter_context(open_model_file(path, sniff(path), key, verify=not args.no_verify))
+            index = reader.index
+            items = [_Item(t.name, t.dtype, t.shape, t.path, t.kind) for t in index.tensors]
+            parts.append((name, _FileInput(reader, items, dict(index.metadata) or None, [])))
+        merge_indexes([(name, part.reader.index) for name, part in parts], where=where)  # names unique
+        starts = list(itertools.accumulate((len(part.items) for _, part in parts), initial=0))[:-1]
+        notes = [f"merging {len(parts)} weight files of {src}; its config and tokenizer are not copied"]
+        yield _DirectoryInput(
+            [part for _, part in parts],
+            [item for _, part in parts for item in part.items],
+            parts[0][1].metadata,
+            notes,
+            starts,
+        )
+
+
+@contextlib.contextmanager
+def _open_input(
+    args: argparse.Namespace, key: DecryptionKey | None
+) -> Iterator[_FileInput | _TorchInput | _DirectoryInput]:
     """SRC opened as its format's reader (torch checkpoints mapped by torch), closed after the block."""
     src: Path = args.src
+    if src.is_dir() and args.source_format == "auto":
+        with _open_directory(args, key) as directory:
+            yield directory
+        return
     kind = sniff(src) if args.source_format == "auto" else args.source_format
     if kind == "segment":
         raise ConfigError(
@@ -485,7 +542,8 @@ def _convert(
     """Read every tensor and write it to ``file``, then read the result's index back as a check."""
     items = source.items
     largest = max((item.nbytes for item in items), default=0)
-    scratch = np.empty(largest if isinstance(source, _FileInput) else 0, dtype=np.uint8)
+    copies = isinstance(source, (_FileInput, _DirectoryInput))
+    scratch = np.empty(largest if copies else 0, dtype=np.uint8)
     if target == "tensorizer":
         writer = TensorizerWriter(file, encryption=encryption, metadata_size=_metadata_size(items))
         try:
