@@ -48,6 +48,9 @@ PASSWORD_VOLUME = "modelload-password"  # noqa: S105 - a volume name
 MOUNT_PATH = "/run/modelload"
 SEGMENT_PATH = f"{MOUNT_PATH}/model.seg"
 NOTIFY_ENDPOINT = f"ipc://{MOUNT_PATH}/notify.sock"
+MODEL_DIR_PATH = f"{MOUNT_PATH}/model"
+"""Where the sidecar puts a directory model's config and tokenizer (its default: ``model/`` beside the
+segment); the app passes it to its engine as the model path."""
 KEY_DIR = "/var/run/secrets/modelload/key"
 PASSWORD_DIR = "/var/run/secrets/modelload/password"  # noqa: S105 - a path
 CONTAINERS_ANNOTATION = "modelload.dev/containers"
@@ -218,6 +221,7 @@ def sidecar_env(model: ResolvedModel, *, port: int) -> list[dict[str, Any]]:
         {"name": "MODELLOAD_SOURCE", "value": spec.source},
         {"name": "MODELLOAD_SEGMENT", "value": SEGMENT_PATH},
         {"name": "MODELLOAD_NOTIFY", "value": NOTIFY_ENDPOINT},
+        {"name": "MODELLOAD_MODEL_DIR", "value": MODEL_DIR_PATH},
         {"name": "MODELLOAD_FORMAT", "value": spec.format},
         {"name": "MODELLOAD_READERS", "value": str(spec.readers)},
         {"name": "MODELLOAD_CHUNK_SIZE", "value": str(parse_size(spec.chunk_size))},
@@ -227,6 +231,8 @@ def sidecar_env(model: ResolvedModel, *, port: int) -> list[dict[str, Any]]:
     ]
     if spec.priority:
         env.append({"name": "MODELLOAD_PRIORITY", "value": ",".join(spec.priority)})
+    if spec.files:
+        env.append({"name": "MODELLOAD_FILES", "value": ",".join(spec.files)})
     s3 = spec.s3
     if s3 is not None:
         if s3.endpoint:
@@ -262,6 +268,7 @@ def target_env(port: int = 8479) -> list[dict[str, str]]:
         {"name": "MODELLOAD_SEGMENT", "value": SEGMENT_PATH},
         {"name": "MODELLOAD_NOTIFY", "value": NOTIFY_ENDPOINT},
         {"name": "MODELLOAD_STATUS_URL", "value": f"http://127.0.0.1:{port}"},
+        {"name": "MODELLOAD_MODEL_DIR", "value": MODEL_DIR_PATH},
     ]
 
 

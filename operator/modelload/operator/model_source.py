@@ -2,12 +2,14 @@
 
 The operator needs a model's size before any pod asks for it (the webhook sizes the memory volume and the
 sidecar's memory from it), so it reads the index once: a ``stat`` and the first bytes of the file (the
-tensorizer metadata block or the safetensors header; usually one request). Everything that ties the operator
-to those two layers' APIs is in this module, so aligning with a change there is a change here only.
+tensorizer metadata block or the safetensors header; usually one request). A model directory is read as the
+sidecar reads it (its listing, every shard's header, the sizes of its small files), with the same rules.
+Everything that ties the operator to those two layers' APIs is in this module, so aligning with a change there
+is a change here only.
 
-Credentials come from the ModelLoad's Secret, read through the Kubernetes API, and are handed to the source
-as explicit settings: the operator's own environment is never changed (it serves many namespaces at once,
-each with its own Secret). The call is blocking; the handlers run it in a thread.
+Credentials come from the ModelLoad's Secret, read through the Kubernetes API, and are handed to the source as
+explicit settings: the operator's own environment is never changed (it serves many namespaces at once, each
+with its own Secret). The call is blocking; the handlers run it in a thread.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from modelload.loader.errors import ConfigError
-from modelload.loader.formats import ModelIndex, read_index
+from modelload.loader.formats import ModelIndex
 from modelload.loader.segment import ALIGNMENT, TensorSpec, plan_layout
 from modelload.operator.schema import ModelLoadSpec
 from modelload.sidecar.sources import S3Credentials
@@ -34,9 +36,13 @@ class ModelSummary:
     bytes: int
     """Bytes of all tensors in memory (what the segment must hold, before alignment)."""
     file_bytes: int
+    """Bytes of the weight files at the source."""
     encrypted: bool
     segment_bytes: int
-    """An upper bound of the segment file the sidecar writes for this model (:func:`segment_bound`)."""
+    """An upper bound of what the sidecar writes in the volume for this model: the segment
+    (:func:`segment_bound`) and a directory's small files."""
+    files: int = 1
+    """Weight files: 1, or a directory's shards."""
 
 
 def read_summary(spec: ModelLoadSpec, *, credentials: S3Credentials | None) -> ModelSummary:
@@ -45,27 +51,30 @@ def read_summary(spec: ModelLoadSpec, *, credentials: S3Credentials | None) -> M
     Raises the loader's error tree: ConfigError (a bad URI or setting), the SourceError branches (not found,
     access denied, transient), FormatError (not a model file, or a corrupt one).
     """
-    from modelload.sidecar.sources import open_source, stat_source
+    from modelload.sidecar.sources import open_model
 
     settings = _source_settings(spec, credentials)
-    source = open_source(spec.source, settings)
+    model = open_model(spec.source, settings, format=_format_name(spec.format), files=spec.files)
     try:
-        size = stat_source(source, policy=settings.retry).size
-        index = read_index(
-            source.read_bytes, format=_format_name(spec.format), source=source.display_uri, size=size
-        )
+        index = model.index
     finally:
-        source.close()
+        model.close()
     check_priority(index, spec.priority)
     return ModelSummary(
         format=index.format,
         format_version=index.version,
         tensors=len(index.tensors),
         bytes=index.nbytes,
-        file_bytes=size,
+        file_bytes=model.size,
         encrypted=index.encrypted,
-        segment_bytes=segment_bound(index, source=spec.source),
+        segment_bytes=segment_bound(index, source=model.uri) + _small_files_bound(model.small),
+        files=max(len(index.files), 1),
     )
+
+
+def _small_files_bound(small: dict[str, int]) -> int:
+    """The volume's pages the model directory takes: each file rounded up to a page, and the directory."""
+    return sum(-(-size // ALIGNMENT) * ALIGNMENT for size in small.values()) + ALIGNMENT * (1 + bool(small))
 
 
 def check_priority(index: ModelIndex, priority: list[str]) -> None:
@@ -85,11 +94,12 @@ def segment_bound(index: ModelIndex, *, source: str) -> int:
     header, which sits in the file between ``record_offset`` and ``data_offset``). Each slot can move by at
     most that room plus one alignment, so adding both per tensor bounds every order.
     """
-    specs = [TensorSpec(t.name, t.dtype, t.shape) for t in index.tensors]
+    several = bool(index.files)
+    specs = [TensorSpec(t.name, t.dtype, t.shape, file=t.file if several else None) for t in index.tensors]
     # The manifest's metadata as the sidecar writes it, with room for the values known only then.
-    room_for = {"source_etag": 80, "source_size": 20, "notify": 200, "writer": 64}
+    room_for = {"source_etag": 80, "source_size": 20, "notify": 200, "writer": 64, "model_dir": 4096}
     metadata = {"format": index.format, "source": source, **{k: "x" * n for k, n in room_for.items()}}
-    planned = plan_layout(specs, metadata=metadata).segment_length
+    planned = plan_layout(specs, metadata=metadata, files=index.files).segment_length
     room = sum(-(-(t.data_offset - t.record_offset) // ALIGNMENT) * ALIGNMENT for t in index.tensors)
     return planned + room + ALIGNMENT * len(index.tensors)
 

@@ -166,8 +166,10 @@ class ModelLoadSpec:
     """Where a model's weights live, how to read them, and which pods get them."""
 
     source: str = prop(
-        doc="The model file: s3://bucket/key, http(s)://host/path or file:///path (read by the operator from "
-        "its own filesystem, and by the sidecar from its own).",
+        doc="The model: a weight file (s3://bucket/key, http(s)://host/path or file:///path) or a model "
+        "directory of shards with its config and tokenizer (an S3 prefix or HTTP(S) base URL ending in /, "
+        "or a local directory). file:// is read by the operator from its own filesystem, and by the sidecar "
+        "from its own.",
         pattern=SOURCE_PATTERN,
         max_length=2048,
         hint="s3://bucket/key (bucket: 3-63 lower-case letters, digits, dots, dashes), http(s)://host/path "
@@ -205,6 +207,15 @@ class ModelLoadSpec:
         item_pattern=r"^[^,]+$",
         hint="a tensor name or prefix without commas",
         item_max_length=1024,
+    )
+    files: list[str] = prop(
+        doc="A directory's file names, for an HTTP(S) directory that has neither "
+        "model.safetensors.index.json nor model.safetensors (a web server cannot be listed). Empty: list it.",
+        default=[],
+        max_items=4096,
+        item_pattern=r"^[^,/\\]+$",
+        hint="a plain file name, without commas or slashes",
+        item_max_length=255,
     )
     pod_label_value: str | None = prop(
         doc="The value of the modelload.dev/model label that selects pods for this model. Default: the "
@@ -311,10 +322,18 @@ class ModelLoadStatus:
     tensors: int | None = prop(doc="Number of tensors.", default=None, minimum=0)
     bytes: int | None = prop(doc="Bytes of all tensors in memory.", default=None, minimum=0)
     size: str | None = prop(doc="bytes, for people (e.g. 15.0 GiB).", default=None)
-    file_bytes: int | None = prop(doc="Size of the model file at the source.", default=None, minimum=0)
+    file_bytes: int | None = prop(
+        doc="Size of the model's weight files at the source.", default=None, minimum=0
+    )
+    files: int | None = prop(
+        doc="Number of weight files (1 for a single file, the shards of a directory).",
+        default=None,
+        minimum=0,
+    )
     encrypted: bool | None = prop(doc="Whether the file's tensors are encrypted.", default=None)
     segment_bytes: int | None = prop(
-        doc="An upper bound of the segment file the sidecar writes (data, alignment, manifest).",
+        doc="An upper bound of what the sidecar writes in the pod's volume: the segment (data, alignment, "
+        "manifest) and, for a directory, its small files.",
         default=None,
         minimum=0,
     )
