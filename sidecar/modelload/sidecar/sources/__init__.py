@@ -20,12 +20,16 @@ over plain HTTP, and files) also land bytes in a file without user-space copies
 SourceNotFoundError, SourceAccessDeniedError, SourceChangedError, RangeNotSupportedError are permanent;
 TransientSourceError (here always :class:`InterruptedReadError`, with ``landed`` and ``retry_after``) is
 what :func:`read_range` retries.
+
+Private HTTP(S) servers: :func:`read_header_file` / :func:`parse_headers` turn a bearer token or header lines
+into :class:`RequestHeaders` for ``HttpSettings(headers=...)``, sent to the source's own origin only.
 """
 
 from __future__ import annotations
 
 from ._base import InterruptedReadError, ObjectInfo, Source, SourceBase, check_range
 from ._file import FileSource
+from ._headers import RequestHeaders, parse_headers, read_header_file
 from ._http import HttpSource
 from ._memory import Interrupt, MemorySource, put_memory_object, remove_memory_object
 from ._registry import SourceFactory, open_source, register_source, registered_schemes
@@ -42,6 +46,7 @@ __all__ = [
     "InterruptedReadError",
     "MemorySource",
     "ObjectInfo",
+    "RequestHeaders",
     "RetryEvent",
     "RetryPolicy",
     "S3Addressing",
@@ -56,8 +61,10 @@ __all__ = [
     "check_range",
     "display_url",
     "open_source",
+    "parse_headers",
     "plan_s3_location",
     "put_memory_object",
+    "read_header_file",
     "read_range",
     "read_range_into_fd",
     "register_source",
