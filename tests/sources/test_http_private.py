@@ -160,3 +160,11 @@ def test_the_token_is_not_sent_to_an_s3_endpoint(nginx: NginxServer) -> None:
         with open_source(f"s3://{nginx.bucket}/{NAME}", s3_settings) as source:
             assert source.read_bytes(0, 1000) == DATA[:1000]
         assert s3.requests and all("authorization" not in r.headers for r in s3.requests)
+
+
+def test_a_refused_url_password_is_named_as_such(nginx: NginxServer) -> None:
+    url = nginx.private_url(NAME).replace("http://", "http://loader:pw-hidden@")
+    with open_source(url, settings(None)) as source, pytest.raises(SourceAccessDeniedError) as caught:
+        source.stat()
+    assert "refused the URL's user and password (HTTP 401" in str(caught.value)
+    assert "pw-hidden" not in str(caught.value)

@@ -355,6 +355,7 @@ class HttpSource(HttpObject):
         self._origin = origin
         self._location = (origin, _request_path(url))
         self._private: dict[str, str] = dict(settings.headers.items()) if settings.headers else {}
+        self._from_url = not self._private  # what is sent, if anything, is the URL's user and password
         if parts.username is not None:
             if settings.headers is not None and settings.headers.has("Authorization"):
                 raise ConfigError(
@@ -409,6 +410,11 @@ class HttpSource(HttpObject):
                 advice = "a signed redirect URL may have expired (retry), or the file needs a token"
             return SourceAccessDeniedError(
                 f"{uri} redirected to {where}, which refused access ({what}): {advice}", uri=uri
+            )
+        if self._private and self._from_url:
+            return SourceAccessDeniedError(
+                f"{uri} refused the URL's user and password ({what}): check them and the server's rules",
+                uri=uri,
             )
         if self._private:
             return SourceAccessDeniedError(
