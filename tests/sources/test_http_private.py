@@ -5,6 +5,7 @@ error message."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 
@@ -168,3 +169,20 @@ def test_a_refused_url_password_is_named_as_such(nginx: NginxServer) -> None:
         source.stat()
     assert "refused the URL's user and password (HTTP 401" in str(caught.value)
     assert "pw-hidden" not in str(caught.value)
+
+
+def test_the_token_works_over_https(nginx: NginxServer) -> None:
+    if nginx.ca_cert is None:
+        pytest.skip("openssl is not installed: no HTTPS server")
+    base = settings(TOKEN)
+    tls = SourceSettings(http=replace(base.http, ca_bundle=str(nginx.ca_cert)), retry=FAST_RETRY)
+    with open_source(nginx.https_url(f"private/{NAME}"), tls) as source:
+        assert not source.supports_fd  # HTTPS lands through the mapping, not splice: the other body path
+        assert read_all(source) == DATA
+    with (
+        open_source(
+            nginx.https_url(f"private/{NAME}"), replace(tls, http=replace(tls.http, headers=None))
+        ) as bare,
+        pytest.raises(SourceAccessDeniedError, match="no token was sent"),
+    ):
+        bare.stat()

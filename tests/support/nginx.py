@@ -13,7 +13,7 @@ One process listens on two ports:
 - ``norange_port``: the same folder with ``max_ranges 0``: Range headers are ignored (200, whole file), for
   RangeNotSupportedError tests.
 - ``tls_port`` (when started with ``tls=(cert, key)``, see ``tests/support/tls.py``): the folder over
-  HTTPS; ``https_url(name)``; trust it with ``ca_bundle=cert``.
+  HTTPS (``/private/`` included); ``https_url(name)``; trust it with ``ca_bundle=cert``.
 
 Use the pytest fixtures in ``tests.support.fixtures`` (``nginx``: one server per session over a fresh folder),
 or start one yourself, for example over a folder in /dev/shm for a benchmark::
@@ -89,6 +89,10 @@ _TLS_SERVER = """\
         ssl_certificate {cert};
         ssl_certificate_key {key};
         root {root};
+        location /private/ {{
+            if ($http_authorization != "Bearer {token}") {{ return 401; }}
+            alias {root}/;
+        }}
     }}
 """
 
@@ -120,7 +124,7 @@ class NginxServer:
             if tls is not None:
                 self.tls_port = free_port()
                 tls_server = _TLS_SERVER.format(
-                    tls_port=self.tls_port, cert=tls[0], key=tls[1], root=self.root.resolve()
+                    tls_port=self.tls_port, cert=tls[0], key=tls[1], root=self.root.resolve(), token=TOKEN
                 )
             config = self._state / "nginx.conf"
             config.write_text(
