@@ -1,13 +1,15 @@
 """No credential, session token, Authorization header or presigned signature reaches an error or a log line.
 
-Every fault the proxy can inject is run against an S3 source with session credentials and an HTTP source
-whose URL carries a password and a presigned query string; every message raised, every retry event and
+Every fault the proxy can inject is run against an S3 source with session credentials, an HTTP source
+whose URL carries a password and a presigned query string, and a private HTTP source whose token and API
+key come from a header file; every message raised, every retry event and
 every log record is then searched for the secret values.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import pytest
 
@@ -20,6 +22,7 @@ from modelload.sidecar.sources import (
     Source,
     SourceSettings,
     open_source,
+    parse_headers,
     read_range,
 )
 from tests.support.fault_proxy import (
@@ -37,7 +40,7 @@ from tests.support.fault_proxy import (
     slow_down,
 )
 from tests.support.moto_s3 import Credentials, MotoS3Server
-from tests.support.nginx import NginxServer
+from tests.support.nginx import TOKEN, NginxServer
 
 from .conftest import payload
 
@@ -47,6 +50,7 @@ SESSION_TOKEN = "FwoGZXIvYXdzEmodelload-session-token-EXAMPLE"
 ACCESS_KEY = "ASIAMODELLOADACCESS1"
 PASSWORD = "hunter2-modelload-password"
 SIGNATURE = "f00dfacecafe-modelload-signature"
+API_KEY = "ak-5e1d-modelload-api-key-EXAMPLE"
 
 FAULTS: list[Fault] = [
     Reset(after=10_000),
@@ -123,3 +127,17 @@ def test_http_errors_and_logs_carry_no_url_credentials_or_signatures(
     texts = _exercise(open_source(url, SourceSettings(http=SETTINGS)), nginx_proxy)
     assert any(SIGNATURE in r.path for r in nginx_proxy.requests)
     _assert_clean(texts, caplog, (PASSWORD, SIGNATURE, SESSION_TOKEN, "bG9hZGVy"))
+
+
+def test_http_errors_and_logs_carry_no_header_file_token(
+    nginx: NginxServer, nginx_proxy: FaultProxy, caplog: pytest.LogCaptureFixture
+) -> None:
+    nginx.put("secrets/private.bin", DATA)
+    headers = parse_headers(f"Authorization: Bearer {TOKEN}\nX-Api-Key: {API_KEY}\n", where="the header file")
+    settings = SourceSettings(http=replace(SETTINGS, headers=headers))
+    caplog.set_level(logging.DEBUG)
+    source = open_source(nginx_proxy.url("private/secrets/private.bin"), settings)
+    texts = [*_exercise(source, nginx_proxy), repr(settings)]
+    sent = {(r.headers.get("authorization"), r.headers.get("x-api-key")) for r in nginx_proxy.requests}
+    assert sent == {(f"Bearer {TOKEN}", API_KEY)}  # every request, faulty or retried, carried both
+    _assert_clean(texts, caplog, (TOKEN, API_KEY))

@@ -7,11 +7,13 @@ One process listens on two ports:
   (a 412 when the file changed). The same folder is also at ``/BUCKET/NAME``: a path-style, read-only
   **S3 stand-in** that ignores auth, so boto3 or our S3 source pointed at ``endpoint`` with path addressing
   reads the files at nginx speed (moto is for S3 behaviour, not throughput: see specs/benchmarking.md).
-  ``/forbidden/...`` always answers 403; ``/moved/NAME`` redirects (302, relative Location) to ``/NAME``.
+  ``/forbidden/...`` always answers 403; ``/moved/NAME`` redirects (302, relative Location) to ``/NAME``;
+  ``/private/NAME`` serves the folder only to requests with ``Authorization: Bearer`` :data:`TOKEN`
+  (401 otherwise): a private artifact server (``private_url(name)``).
 - ``norange_port``: the same folder with ``max_ranges 0``: Range headers are ignored (200, whole file), for
   RangeNotSupportedError tests.
 - ``tls_port`` (when started with ``tls=(cert, key)``, see ``tests/support/tls.py``): the folder over
-  HTTPS; ``https_url(name)``; trust it with ``ca_bundle=cert``.
+  HTTPS (``/private/`` included); ``https_url(name)``; trust it with ``ca_bundle=cert``.
 
 Use the pytest fixtures in ``tests.support.fixtures`` (``nginx``: one server per session over a fresh folder),
 or start one yourself, for example over a folder in /dev/shm for a benchmark::
@@ -38,7 +40,10 @@ from tests.conftest import find_executable
 
 from .ports import free_port, wait_for_port
 
-__all__ = ["NginxServer", "find_nginx", "start_nginx"]
+__all__ = ["TOKEN", "NginxServer", "find_nginx", "start_nginx"]
+
+TOKEN = "mlt-7f3c9e-private-bearer-token-EXAMPLE"
+"""The bearer token ``/private/`` wants; tests check it never appears in messages, logs or statuses."""
 
 _CONFIG = """\
 {user}
@@ -66,6 +71,10 @@ http {{
         location /{bucket}/ {{ alias {root}/; }}
         location /forbidden/ {{ return 403; }}
         location /moved/ {{ rewrite ^/moved/(.*)$ /$1 redirect; }}
+        location /private/ {{
+            if ($http_authorization != "Bearer {token}") {{ return 401; }}
+            alias {root}/;
+        }}
     }}
     server {{
         listen 127.0.0.1:{norange_port};
@@ -80,6 +89,10 @@ _TLS_SERVER = """\
         ssl_certificate {cert};
         ssl_certificate_key {key};
         root {root};
+        location /private/ {{
+            if ($http_authorization != "Bearer {token}") {{ return 401; }}
+            alias {root}/;
+        }}
     }}
 """
 
@@ -111,7 +124,7 @@ class NginxServer:
             if tls is not None:
                 self.tls_port = free_port()
                 tls_server = _TLS_SERVER.format(
-                    tls_port=self.tls_port, cert=tls[0], key=tls[1], root=self.root.resolve()
+                    tls_port=self.tls_port, cert=tls[0], key=tls[1], root=self.root.resolve(), token=TOKEN
                 )
             config = self._state / "nginx.conf"
             config.write_text(
@@ -121,6 +134,7 @@ class NginxServer:
                     state=self._state,
                     root=self.root.resolve(),
                     bucket=bucket,
+                    token=TOKEN,
                     port=self.port,
                     norange_port=self.norange_port,
                     tls_server=tls_server,
@@ -167,6 +181,10 @@ class NginxServer:
     def url(self, name: str) -> str:
         """The URL of file ``name`` (relative to the root) on the Range-capable port."""
         return f"{self.base_url}/{name}"
+
+    def private_url(self, name: str) -> str:
+        """The URL of file ``name`` behind the bearer token :data:`TOKEN`."""
+        return f"{self.base_url}/private/{name}"
 
     def norange_url(self, name: str) -> str:
         """The URL of file ``name`` on the port that ignores Range headers."""

@@ -10,8 +10,9 @@ What a pod gets (the pod-wiring contract in the team's CONTRACTS.md):
 * the sidecar ``modelload``: an init container with ``restartPolicy: Always`` (a native sidecar) or, where
   the cluster lacks them, a regular container that never exits; probes on /startupz, /readyz, /healthz;
   its port is not declared (KNative allows one port across all containers);
-* S3 credentials as the sidecar's env from the Secret (``secretKeyRef``), the decryption key or password as
-  a file mounted in the sidecar only: no other container can read them;
+* S3 credentials as the sidecar's env from the Secret (``secretKeyRef``); the decryption key or password,
+  and an HTTP(S) source's token or header lines (``MODELLOAD_HEADER_FILE``), as files mounted read-only in
+  the sidecar only (a Secret volume holding the one key): no other container can read them;
 * target containers (all of them, or those the pod's ``modelload.dev/containers`` annotation or the spec
   names) get the volume at /run/modelload and ``MODELLOAD_SEGMENT``/``_NOTIFY``/``_STATUS_URL``.
 
@@ -45,6 +46,7 @@ SIDECAR_NAME = "modelload"
 VOLUME_NAME = "modelload"
 KEY_VOLUME = "modelload-key"
 PASSWORD_VOLUME = "modelload-password"  # noqa: S105 - a volume name
+HEADERS_VOLUME = "modelload-headers"
 MOUNT_PATH = "/run/modelload"
 SEGMENT_PATH = f"{MOUNT_PATH}/model.seg"
 NOTIFY_ENDPOINT = f"ipc://{MOUNT_PATH}/notify.sock"
@@ -53,6 +55,7 @@ MODEL_DIR_PATH = f"{MOUNT_PATH}/model"
 segment); the app passes it to its engine as the model path."""
 KEY_DIR = "/var/run/secrets/modelload/key"
 PASSWORD_DIR = "/var/run/secrets/modelload/password"  # noqa: S105 - a path
+HEADERS_DIR = "/var/run/secrets/modelload/headers"
 CONTAINERS_ANNOTATION = "modelload.dev/containers"
 INJECTED_ANNOTATION = "modelload.dev/injected"
 MODE_ANNOTATION = "modelload.dev/sidecar-mode"
@@ -146,6 +149,9 @@ def _volumes(model: ResolvedModel, size_limit: str) -> list[dict[str, Any]]:
     password_ref = model.spec.password_secret_ref
     if password_ref is not None:
         volumes.append(_secret_volume(PASSWORD_VOLUME, password_ref.name, password_ref.key))
+    headers_ref = model.spec.headers_secret_ref
+    if headers_ref is not None:
+        volumes.append(_secret_volume(HEADERS_VOLUME, headers_ref.name, headers_ref.key))
     return volumes
 
 
@@ -169,6 +175,8 @@ def _sidecar_container(
         mounts.append({"name": KEY_VOLUME, "mountPath": KEY_DIR, "readOnly": True})
     if model.spec.password_secret_ref is not None:
         mounts.append({"name": PASSWORD_VOLUME, "mountPath": PASSWORD_DIR, "readOnly": True})
+    if model.spec.headers_secret_ref is not None:
+        mounts.append({"name": HEADERS_VOLUME, "mountPath": HEADERS_DIR, "readOnly": True})
     probe = {"port": sidecar.port, "scheme": "HTTP"}
     container: dict[str, Any] = {
         "name": SIDECAR_NAME,
@@ -255,6 +263,9 @@ def sidecar_env(model: ResolvedModel, *, port: int) -> list[dict[str, Any]]:
     if spec.password_secret_ref is not None:
         path = f"{PASSWORD_DIR}/{spec.password_secret_ref.key}"
         env.append({"name": "MODELLOAD_PASSWORD_FILE", "value": path})
+    if spec.headers_secret_ref is not None:
+        path = f"{HEADERS_DIR}/{spec.headers_secret_ref.key}"
+        env.append({"name": "MODELLOAD_HEADER_FILE", "value": path})
     return env
 
 

@@ -7,9 +7,10 @@ sidecar reads it (its listing, every shard's header, the sizes of its small file
 Everything that ties the operator to those two layers' APIs is in this module, so aligning with a change there
 is a change here only.
 
-Credentials come from the ModelLoad's Secret, read through the Kubernetes API, and are handed to the source as
-explicit settings: the operator's own environment is never changed (it serves many namespaces at once, each
-with its own Secret). The call is blocking; the handlers run it in a thread.
+Credentials (S3 keys, or an HTTP server's token or header lines) come from the ModelLoad's Secrets, read
+through the Kubernetes API, and are handed to the source as explicit settings: the operator's own
+environment is never changed (it serves many namespaces at once, each with its own Secret). The call is
+blocking; the handlers run it in a thread.
 """
 
 from __future__ import annotations
@@ -21,9 +22,17 @@ from modelload.loader.errors import ConfigError
 from modelload.loader.formats import ModelIndex
 from modelload.loader.segment import ALIGNMENT, TensorSpec, plan_layout
 from modelload.operator.schema import ModelLoadSpec
-from modelload.sidecar.sources import S3Credentials
+from modelload.sidecar.sources import RequestHeaders, S3Credentials, parse_headers
 
-__all__ = ["ModelSummary", "S3Credentials", "check_priority", "read_summary", "segment_bound"]
+__all__ = [
+    "ModelSummary",
+    "RequestHeaders",
+    "S3Credentials",
+    "check_priority",
+    "parse_headers",
+    "read_summary",
+    "segment_bound",
+]
 
 
 @dataclass(frozen=True)
@@ -45,15 +54,18 @@ class ModelSummary:
     """Weight files: 1, or a directory's shards."""
 
 
-def read_summary(spec: ModelLoadSpec, *, credentials: S3Credentials | None) -> ModelSummary:
-    """Read the model's index at ``spec.source`` and summarise it.
+def read_summary(
+    spec: ModelLoadSpec, *, credentials: S3Credentials | None, headers: RequestHeaders | None = None
+) -> ModelSummary:
+    """Read the model's index at ``spec.source`` and summarise it, with the S3 ``credentials`` or the HTTP
+    ``headers`` (a private server's token) from the ModelLoad's Secret.
 
     Raises the loader's error tree: ConfigError (a bad URI or setting), the SourceError branches (not found,
     access denied, transient), FormatError (not a model file, or a corrupt one).
     """
     from modelload.sidecar.sources import open_model
 
-    settings = _source_settings(spec, credentials)
+    settings = _source_settings(spec, credentials, headers)
     model = open_model(spec.source, settings, format=_format_name(spec.format), files=spec.files)
     try:
         index = model.index
@@ -110,8 +122,10 @@ def _format_name(name: str) -> Literal["auto", "tensorizer", "safetensors"]:
     return name  # type: ignore[return-value]
 
 
-def _source_settings(spec: ModelLoadSpec, credentials: S3Credentials | None) -> Any:
-    from modelload.sidecar.sources import RetryPolicy, S3Settings, SourceSettings
+def _source_settings(
+    spec: ModelLoadSpec, credentials: S3Credentials | None, headers: RequestHeaders | None
+) -> Any:
+    from modelload.sidecar.sources import HttpSettings, RetryPolicy, S3Settings, SourceSettings
 
     s3 = spec.s3
     s3_settings = S3Settings(
@@ -124,4 +138,4 @@ def _source_settings(spec: ModelLoadSpec, credentials: S3Credentials | None) -> 
     # A short retry of the first look-up (a throttled store): the handler's own retry, with kopf's backoff,
     # covers longer outages, and a handler must not sit in a thread for a minute of in-source backoff.
     retry = RetryPolicy(attempts=2, initial_backoff=0.2, max_backoff=1.0, deadline=30.0)
-    return SourceSettings(s3=s3_settings, retry=retry)
+    return SourceSettings(http=HttpSettings(headers=headers), s3=s3_settings, retry=retry)

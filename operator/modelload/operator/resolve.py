@@ -12,9 +12,10 @@ BadModel            Failed    stop: the file is not a model, or is corrupt; uplo
 MissingKey,         Failed    stop: the file is encrypted and no key is referenced, or a key is
 NotEncrypted                  referenced for a file that is not encrypted
 SecretNotFound,     Failed    retry with backoff: the fix (creating the Secret, adding a key, fixing
-SecretKeyMissing,             the key, uploading the object, granting access, the chart's RBAC)
-BadKey, Forbidden,            happens outside this resource, so a permanent stop would never notice
-SourceNotFound,               it
+SecretKeyMissing,             the key or the token, uploading the object, granting access, the
+BadKey, BadHeaders,           chart's RBAC) happens outside this resource, so a permanent stop would
+Forbidden,                    never notice it
+SourceNotFound,
 AccessDenied
 SourceUnreadable    Retrying  retry with backoff, or after the source's Retry-After when longer
 APIUnavailable      Retrying  the same
@@ -24,8 +25,9 @@ The backoff (:class:`~modelload.operator.settings.RetrySettings`) starts at 5 s 
 is also how soon a spec change is noticed while a retry is pending (kopf re-runs a handler after its delay
 with the object as it is then), which is why it stays short.
 
-Messages never carry credentials, keys or query strings: the sources layer names objects by their
-``display_uri`` and the Secret's values never leave :func:`read_credentials`.
+Messages never carry credentials, tokens, keys or query strings: the sources layer names objects by their
+``display_uri``, and the Secrets' values never leave :func:`read_credentials` and :func:`read_headers`
+(whose parse errors name the line, never the value) except as the source's settings.
 """
 
 from __future__ import annotations
@@ -53,7 +55,13 @@ from modelload.operator.kube import (
     KubeNotFoundError,
     KubeUnavailableError,
 )
-from modelload.operator.model_source import ModelSummary, S3Credentials, read_summary
+from modelload.operator.model_source import (
+    ModelSummary,
+    RequestHeaders,
+    S3Credentials,
+    parse_headers,
+    read_summary,
+)
 from modelload.operator.quantity import humanize_bytes
 from modelload.operator.schema import ModelLoadSpec
 from modelload.operator.settings import RetrySettings
@@ -98,8 +106,9 @@ class Failure:
 async def resolve(*, kube: Kube, namespace: str, spec: ModelLoadSpec, sizing: SizingDefaults) -> Resolution:
     """Check the Secrets, read the index (in a thread), and size the pods' volume and sidecar."""
     credentials = await read_credentials(kube, namespace, spec)
+    headers = await read_headers(kube, namespace, spec)
     await check_decryption_secret(kube, namespace, spec)
-    summary = await asyncio.to_thread(read_summary, spec, credentials=credentials)
+    summary = await asyncio.to_thread(read_summary, spec, credentials=credentials, headers=headers)
     has_key = spec.decryption_key_secret_ref is not None or spec.password_secret_ref is not None
     if summary.encrypted and not has_key:
         raise SecretProblemError(
@@ -164,6 +173,25 @@ async def read_credentials(kube: Kube, namespace: str, spec: ModelLoadSpec) -> S
         ) from None
 
 
+async def read_headers(kube: Kube, namespace: str, spec: ModelLoadSpec) -> RequestHeaders | None:
+    """The token or header lines of ``spec.headersSecretRef``, parsed as the sidecar parses its header file,
+    so a malformed value is reported on the ModelLoad (naming the Secret, the key and the line, never the
+    value) before any pod mounts it."""
+    ref = spec.headers_secret_ref
+    if ref is None:
+        return None
+    purpose = "the source's token or headers"
+    value = _key(await _secret(kube, namespace, ref.name, purpose), ref.name, ref.key, purpose)
+    try:
+        return parse_headers(value, where=f"the Secret {ref.name!r} key {ref.key!r}")
+    except ConfigError as exc:
+        raise SecretProblemError(
+            "BadHeaders",
+            f"{exc}. It must hold a token (one line) or header lines ('Name: value'): "
+            f"kubectl create secret generic {ref.name} --from-literal={ref.key}=<token>",
+        ) from None
+
+
 async def check_decryption_secret(kube: Kube, namespace: str, spec: ModelLoadSpec) -> None:
     """The key Secret exists and holds 32 bytes (a password: a non-empty value). The values are dropped."""
     if spec.decryption_key_secret_ref is not None:
@@ -193,6 +221,7 @@ _FIX_ELSEWHERE = frozenset(
         "SecretNotFound",
         "SecretKeyMissing",
         "BadCredentials",
+        "BadHeaders",
         "BadKey",
         "Forbidden",
         "SourceNotFound",

@@ -37,6 +37,7 @@ __all__ = [
     "VERSION",
     "Condition",
     "CredentialsSecretRef",
+    "HeadersSecretRef",
     "KeySecretRef",
     "ModelLoadSpec",
     "ModelLoadStatus",
@@ -97,6 +98,21 @@ class CredentialsSecretRef:
         doc="Key of the optional session token in the Secret (used when present).",
         default="AWS_SESSION_TOKEN",
         pattern=SECRET_KEY,
+    )
+
+
+@dataclass(frozen=True)
+class HeadersSecretRef:
+    """A Secret key holding a bearer token, or HTTP header lines, for a private http(s):// source.
+
+    One line without a colon is a token, sent as ``Authorization: Bearer <token>``; anything else is header
+    lines, ``Name: value`` each. The operator sends them when it reads the model's index; the sidecar gets
+    the key as a file (mounted in the sidecar only). Both send them to the source's own origin only.
+    """
+
+    name: str = prop(doc="Name of the Secret.", pattern=DNS_SUBDOMAIN, max_length=253)
+    key: str = prop(
+        doc="Key in the Secret holding the token or the header lines.", default="token", pattern=SECRET_KEY
     )
 
 
@@ -181,7 +197,13 @@ class ModelLoadSpec:
         enum=("auto", "tensorizer", "safetensors"),
     )
     credentials_secret_ref: CredentialsSecretRef | None = prop(
-        doc="S3 credentials. Leave empty to use the pod's identity (IRSA, pod identity) or a public bucket.",
+        doc="S3 credentials. Leave empty to use the pod's identity (IRSA, pod identity) or a public bucket. "
+        "An http(s):// source takes headersSecretRef instead.",
+        default=None,
+    )
+    headers_secret_ref: HeadersSecretRef | None = prop(
+        doc="A bearer token or header lines for a private http(s):// source (an artifact server, a hub's "
+        "gated model), sent to the source's own host only and mounted as a file in the sidecar only.",
         default=None,
     )
     decryption_key_secret_ref: KeySecretRef | None = prop(
@@ -241,11 +263,22 @@ class ModelLoadSpec:
     )
 
 
+_HTTP_SOURCE = "(self.source.startsWith('http://') || self.source.startsWith('https://'))"
+CREDENTIALS_ON_HTTP = (
+    "credentialsSecretRef holds S3 keys and an http(s):// source does not use them: put the token (or header "
+    "lines) in a Secret and reference it with headersSecretRef"
+)
+HEADERS_OFF_HTTP = (
+    "headersSecretRef is for http(s):// sources: an s3:// source takes credentialsSecretRef, a file:// "
+    "source needs none"
+)
 SPEC_RULES: tuple[tuple[str, str], ...] = (
     (
         "!(has(self.decryptionKeySecretRef) && has(self.passwordSecretRef))",
         "set decryptionKeySecretRef or passwordSecretRef, not both",
     ),
+    (f"!(has(self.credentialsSecretRef) && {_HTTP_SOURCE})", CREDENTIALS_ON_HTTP),
+    (f"!has(self.headersSecretRef) || {_HTTP_SOURCE}", HEADERS_OFF_HTTP),
 )
 
 
@@ -260,6 +293,11 @@ def parse_spec(data: Any) -> ModelLoadSpec:
         raise ConfigError(f"spec.chunkSize: {spec.chunk_size} is outside 1MiB to 1GiB (the sidecar's bounds)")
     if spec.decryption_key_secret_ref is not None and spec.password_secret_ref is not None:
         raise ConfigError("spec: set decryptionKeySecretRef or passwordSecretRef, not both")
+    http = spec.source.startswith(("http://", "https://"))
+    if http and spec.credentials_secret_ref is not None:
+        raise ConfigError(f"spec.credentialsSecretRef: {CREDENTIALS_ON_HTTP}")
+    if not http and spec.headers_secret_ref is not None:
+        raise ConfigError(f"spec.headersSecretRef: {HEADERS_OFF_HTTP}")
     return spec
 
 

@@ -14,8 +14,10 @@ does not read ``AWS_REGION``, which the AWS CLI v2, the newer SDKs and EKS (IRSA
 which CONTRACTS.md names; so ``AWS_REGION`` is read here, after ``--s3-region``/``MODELLOAD_S3_REGION``
 and before botocore's own ``AWS_DEFAULT_REGION`` (the CLI v2's order).
 
-Secrets never live here: the key and password are files whose paths are settings, read by the engine;
-a source URI is shown without user info or query string (presigned URLs carry signatures there).
+Secrets never show here: the key and password are files whose paths are settings, read by the engine; the
+header file (``--header-file``, a private HTTP(S) server's token) is read here, so a malformed one fails
+before the load, into an object whose ``repr`` shows header names only; a source URI is shown without user
+info or query string (presigned URLs carry signatures there).
 
 >>> settings = parse_settings(["--source", "s3://models/llama.safetensors", "--readers", "16"], environ={})
 >>> settings.engine.readers, settings.engine.chunk_size, settings.notify.endpoint
@@ -35,7 +37,7 @@ from modelload.loader.errors import ConfigError
 from modelload.sidecar.sources import display_url
 
 if TYPE_CHECKING:
-    from modelload.sidecar.sources import S3Addressing, SourceSettings
+    from modelload.sidecar.sources import RequestHeaders, S3Addressing, SourceSettings
 
 __all__ = [
     "DEFAULT_PORT",
@@ -334,6 +336,10 @@ _OPTIONS = (
         "file holding the password of an Argon2id-derived key", "FILE",
     ),
     _Option(
+        "header_file", "--header-file", "MODELLOAD_HEADER_FILE",
+        "file holding a bearer token, or 'Name: value' header lines, for a private HTTP(S) source", "FILE",
+    ),
+    _Option(
         "priority", "--priority", "MODELLOAD_PRIORITY",
         "comma-separated tensor names or prefixes to load first (default: file order)", "NAMES",
     ),
@@ -447,6 +453,14 @@ def _url(text: str, *, name: str) -> str:
     return value
 
 
+def _header_file(text: str, *, name: str) -> RequestHeaders:
+    """The headers of a private HTTP(S) source, read now: a bad file is a clear error before the load starts,
+    naming the file and line (never a value). Read once: a load takes minutes, not a token's lifetime."""
+    from modelload.sidecar.sources import read_header_file
+
+    return read_header_file(_path(text, name=name), origin=name)
+
+
 def _endpoint(text: str, *, name: str) -> str | None:
     """A pyzmq endpoint, or None for 'none' (notifications off: loaders poll the segment)."""
 
@@ -520,5 +534,12 @@ def parse_settings(
         unsigned=get("s3_unsigned", parse_bool, False),
     )
     log_level = cast("LogLevel", get("log_level", _parse_choice(get_args(LogLevel)), "info"))
-    sources = SourceSettings(http=HttpSettings(), s3=s3, retry=RetryPolicy())
+    headers = get("header_file", _header_file, None)
+    if headers is not None and not source.startswith(("http://", "https://")):
+        raise ConfigError(
+            "a header file (--header-file/MODELLOAD_HEADER_FILE) is for http(s):// sources, and the source"
+            f" is {display_url(source)}: S3 takes AWS credentials, a file needs none"
+        )
+    http = HttpSettings(headers=headers)
+    sources = SourceSettings(http=http, s3=s3, retry=RetryPolicy())
     return SidecarSettings(engine=engine, sources=sources, api=api, notify=notify, log_level=log_level)

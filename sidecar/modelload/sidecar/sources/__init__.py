@@ -20,12 +20,16 @@ over plain HTTP, and files) also land bytes in a file without user-space copies
 SourceNotFoundError, SourceAccessDeniedError, SourceChangedError, RangeNotSupportedError are permanent;
 TransientSourceError (here always :class:`InterruptedReadError`, with ``landed`` and ``retry_after``) is
 what :func:`read_range` retries.
+
+Private HTTP(S) servers: :func:`read_header_file` / :func:`parse_headers` turn a bearer token or header lines
+into :class:`RequestHeaders` for ``HttpSettings(headers=...)``, sent to the source's own origin only.
 """
 
 from __future__ import annotations
 
 from ._base import InterruptedReadError, ObjectInfo, Source, SourceBase, check_range
 from ._file import FileSource
+from ._headers import RequestHeaders, parse_headers, read_header_file
 from ._http import HttpSource
 from ._listing import Directory, is_directory, list_directory
 from ._memory import Interrupt, MemorySource, put_memory_object, remove_memory_object
@@ -46,6 +50,7 @@ __all__ = [
     "MemorySource",
     "ObjectInfo",
     "OpenedModel",
+    "RequestHeaders",
     "RetryEvent",
     "RetryPolicy",
     "S3Addressing",
@@ -64,8 +69,10 @@ __all__ = [
     "list_directory",
     "open_model",
     "open_source",
+    "parse_headers",
     "plan_s3_location",
     "put_memory_object",
+    "read_header_file",
     "read_range",
     "read_range_into_fd",
     "register_source",

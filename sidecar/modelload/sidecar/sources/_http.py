@@ -28,6 +28,7 @@ from modelload.loader.errors import (
     ModelloadError,
     RangeNotSupportedError,
     SegmentSpaceError,
+    SourceAccessDeniedError,
     SourceChangedError,
     SourceError,
 )
@@ -329,11 +330,17 @@ def _describe(exc: BaseException) -> str:
 
 
 class HttpSource(HttpObject):
-    """A plain ``http://`` or ``https://`` URL, such as a file server or a presigned URL.
+    """A plain ``http://`` or ``https://`` URL, such as a file server, a model hub or a presigned URL.
 
-    Credentials in the URL (``https://user:password@host/...``) become a Basic Authorization header sent to
-    that origin only; query strings (presigned signatures) are sent but never shown. Redirects are followed
-    up to ``max_redirects`` and remembered, so range reads go straight to the final location.
+    Private servers: credentials in the URL (``https://user:password@host/...``) become a Basic
+    Authorization header, and ``settings.headers`` (a bearer token or header lines from a header file or a
+    Secret) are added as they are. Both go to the URL's own origin (scheme, host and port) only: on every
+    request there, retries and same-origin redirects included, and never to another origin. A redirect to
+    another origin (a hub sending a download to its CDN with a signed URL) is followed without them, so a
+    token never reaches a host it was not given for; when that host refuses, the error says so.
+
+    Query strings (presigned signatures) are sent but never shown. Redirects are followed up to
+    ``max_redirects`` and remembered, so range reads go straight to the final location.
     """
 
     def __init__(self, url: str, settings: HttpSettings) -> None:
@@ -345,19 +352,26 @@ class HttpSource(HttpObject):
         super().__init__(display_url(url), settings)
         self.supports_fd = HAVE_SPLICE and not origin.is_tls
         self._lock = threading.Lock()
+        self._origin = origin
         self._location = (origin, _request_path(url))
-        self._auth: tuple[Origin, str] | None = None
+        self._private: dict[str, str] = dict(settings.headers.items()) if settings.headers else {}
+        self._from_url = not self._private  # what is sent, if anything, is the URL's user and password
         if parts.username is not None:
+            if settings.headers is not None and settings.headers.has("Authorization"):
+                raise ConfigError(
+                    f"{self.display_uri}: the URL carries a user and password and the configured headers set "
+                    "Authorization too: give the credentials one way"
+                )
             user_pass = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
-            self._auth = (origin, "Basic " + base64.b64encode(user_pass).decode("ascii"))
+            self._private["Authorization"] = "Basic " + base64.b64encode(user_pass).decode("ascii")
 
     def __repr__(self) -> str:
         return f"HttpSource({self.display_uri!r})"
 
     def _target(self, method: str, headers: Mapping[str, str]) -> Target:
         origin, path = self._location
-        if self._auth is not None and self._auth[0] == origin:
-            headers = {**headers, "Authorization": self._auth[1]}
+        if self._private and origin == self._origin:
+            headers = {**headers, **self._private}
         return Target(origin, path, headers)
 
     def _redirect(self, location: str) -> bool:
@@ -368,8 +382,52 @@ class HttpSource(HttpObject):
             return False
         with self._lock:
             self._location = (origin, _request_path(location))
-        _log.info("%s redirects to %s", self.display_uri, display_url(location))
+        if self._private and origin != self._origin:
+            _log.info(
+                "%s redirects to %s, another origin: its credentials and headers are not sent there",
+                self.display_uri,
+                display_url(location),
+            )
+        else:
+            _log.info("%s redirects to %s", self.display_uri, display_url(location))
         return True
+
+    def _error(self, exchange: _Exchange, body: bytes) -> ModelloadError:
+        status = exchange.status
+        if status not in (401, 403):
+            return super()._error(exchange, body)
+        uri = self.display_uri
+        what = f"HTTP {status} {exchange.response.reason}".rstrip()
+        if exchange.origin != self._origin:
+            where = f"{exchange.origin.scheme}://{exchange.origin.netloc}"
+            if self._private:
+                advice = (
+                    "the source's token and headers go to its own origin only, never to another host; if "
+                    f"{where} needs them, load the file from that origin directly; a signed redirect URL may "
+                    "also have expired (retry)"
+                )
+            else:
+                advice = "a signed redirect URL may have expired (retry), or the file needs a token"
+            return SourceAccessDeniedError(
+                f"{uri} redirected to {where}, which refused access ({what}): {advice}", uri=uri
+            )
+        if self._private and self._from_url:
+            return SourceAccessDeniedError(
+                f"{uri} refused the URL's user and password ({what}): check them and the server's rules",
+                uri=uri,
+            )
+        if self._private:
+            return SourceAccessDeniedError(
+                f"{uri} refused the configured token or headers ({what}): check that the Secret (or header "
+                "file) holds the right token, that it has not expired or been revoked, and that its scope "
+                "grants read access to this file (a gated model's terms accepted, the repository shared)",
+                uri=uri,
+            )
+        return SourceAccessDeniedError(
+            f"{uri} refused access ({what}) and no token was sent: give one with the ModelLoad's "
+            "headersSecretRef (the sidecar's --header-file); a presigned URL may have expired",
+            uri=uri,
+        )
 
 
 def _request_path(url: str) -> str:

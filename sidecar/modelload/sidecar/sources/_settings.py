@@ -14,6 +14,8 @@ from typing import Literal
 
 from modelload.loader.errors import ConfigError
 
+from ._headers import RequestHeaders
+
 __all__ = ["HttpSettings", "RetryPolicy", "S3Addressing", "S3Credentials", "S3Settings", "SourceSettings"]
 
 S3Addressing = Literal["auto", "path", "virtual"]
@@ -48,6 +50,12 @@ class HttpSettings:
 
     ``max_redirects``: how many HTTP redirects (301, 302, 303, 307, 308) to follow, for hubs that redirect
     to a CDN. 0 turns redirects into errors.
+
+    ``headers``: extra headers for a private server (a bearer token, an API key), from a header file or a
+    Secret (:func:`~modelload.sidecar.sources.parse_headers`). The plain HTTP(S) source sends them on every
+    request to the source URL's origin (scheme, host and port), retries and same-origin redirects included,
+    and never to another origin: a redirect to a CDN is followed without them, as a signed redirect URL
+    expects. The S3 source ignores them (it signs its own requests). ``repr`` shows the names only.
     """
 
     connect_timeout: float = 10.0
@@ -56,6 +64,7 @@ class HttpSettings:
     verify_tls: bool = True
     range_fallback: bool = False
     max_redirects: int = 5
+    headers: RequestHeaders | None = None
 
     def __post_init__(self) -> None:
         _require_positive("connect_timeout", self.connect_timeout)
