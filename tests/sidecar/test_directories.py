@@ -234,3 +234,28 @@ def test_a_shard_replaced_mid_load_fails_the_segment_rather_than_mixing(nginx: A
         assert reader.writer_state == WriterState.FAILED
         assert "model-00002-of-00002.safetensors" in reader.error
         assert "changed" in reader.error
+
+
+def test_a_private_http_directory_sends_the_token_for_every_file_and_never_shows_it(
+    nginx: Any, shm_dir: Path
+) -> None:
+    from modelload.loader.errors import SourceAccessDeniedError
+    from modelload.sidecar.sources import HttpSettings, parse_headers
+    from tests.support.nginx import TOKEN
+
+    weights = tensors(52)
+    for name, data in hfdir.files(weights, shards=3).items():
+        nginx.put(f"private-hf/llama/{name}", data)
+    base = nginx.private_url("private-hf/llama/")
+
+    def with_token(token: str) -> SourceSettings:
+        headers = parse_headers(token, where="the test's token")
+        return SourceSettings(http=HttpSettings(stall_timeout=2.0, headers=headers), retry=FAST.retry)
+
+    load(base, shm_dir / "model.seg", sources=with_token(TOKEN))
+    models.assert_segment_matches(shm_dir / "model.seg", weights)
+    assert_model_dir(shm_dir / "model.seg", shm_dir / "model")
+    with pytest.raises(SourceAccessDeniedError) as caught:
+        load(base, shm_dir / "again.seg", sources=with_token("not-the-token"))
+    assert "private-hf/llama/" in str(caught.value)
+    assert TOKEN not in str(caught.value) and "not-the-token" not in str(caught.value)
