@@ -251,3 +251,70 @@ async def test_a_priority_entry_matching_no_tensor_is_a_badspec_condition(
     await create_modelload(api, "typo-priority", spec)
     obj = await failed(kube, "typo-priority", "BadSpec")
     assert "spec.priority[1]: 'layer.2.' matches no tensor" in ready_condition(obj)["message"]
+
+
+async def test_a_model_directory_is_sized_from_every_shard_and_its_small_files(
+    kube, operator, moto_s3, api
+) -> None:
+    from tests.sidecar import models
+    from tests.support import hfdir
+
+    weights = models.state_dict(seed=70, layers=3)
+    content = hfdir.files(weights, shards=3)
+    for name, data in content.items():
+        moto_s3.put(BUCKET, f"hub/llama/{name}", data)
+    with moto_s3.enforce_auth() as keys:
+        kube.objects["v1/secrets", NAMESPACE, "s3-dir-reader"] = secret(
+            "s3-dir-reader",
+            {
+                "AWS_ACCESS_KEY_ID": keys.reader.access_key.encode(),
+                "AWS_SECRET_ACCESS_KEY": keys.reader.secret_key.encode(),
+            },
+        )
+        await create_modelload(
+            api,
+            "llama-dir",
+            {
+                "source": f"s3://{BUCKET}/hub/llama/",
+                "credentialsSecretRef": {"name": "s3-dir-reader"},
+                "s3": {"endpoint": moto_s3.endpoint, "region": "us-east-1", "addressing": "path"},
+            },
+        )
+        obj = await settled(kube, "llama-dir")
+    status = obj["status"]
+    assert ready_condition(obj)["status"] == "True", ready_condition(obj)
+    assert status["tensors"] == len(weights)
+    assert status["files"] == 3
+    assert status["bytes"] == sum(t.numel() * t.element_size() for t in weights.values())
+    shards = [data for name, data in content.items() if name.endswith(".safetensors")]
+    assert status["fileBytes"] == sum(len(data) for data in shards)
+    small = sum(len(data) for name, data in content.items() if name in hfdir.SMALL_FILES) + len(
+        content["model.safetensors.index.json"]
+    )
+    assert status["segmentBytes"] >= status["bytes"] + small
+
+
+async def test_a_directory_whose_index_names_a_missing_shard_is_retried_as_not_found(
+    kube, operator, moto_s3, api
+) -> None:
+    from tests.sidecar import models
+    from tests.support import hfdir
+
+    for name, data in hfdir.files(models.state_dict(seed=71, layers=2), shards=2).items():
+        if name != "model-00002-of-00002.safetensors":
+            moto_s3.put(BUCKET, f"hub/broken/{name}", data, public=True)
+    await create_modelload(
+        api,
+        "broken-dir",
+        {
+            "source": f"s3://{BUCKET}/hub/broken/",
+            "s3": {
+                "endpoint": moto_s3.endpoint,
+                "region": "us-east-1",
+                "addressing": "path",
+                "unsigned": True,
+            },
+        },
+    )
+    obj = await failed(kube, "broken-dir", "SourceNotFound")
+    assert "model-00002-of-00002.safetensors" in ready_condition(obj)["message"]

@@ -177,7 +177,7 @@ def test_an_index_naming_a_missing_shard_is_refused(moto_s3: Any, aws_env: Any, 
         if name != "model-00002-of-00003.safetensors":
             moto_s3.put("hub-missing", f"m/{name}", data)
     settings = SourceSettings(http=FAST.http, retry=FAST.retry, s3=S3Settings(endpoint_url=moto_s3.endpoint))
-    with pytest.raises(ConfigError, match=r"does not have \(model-00002-of-00003\.safetensors\)"):
+    with pytest.raises(SourceNotFoundError, match=r"does not have \(model-00002-of-00003\.safetensors\)"):
         load("s3://hub-missing/m/", shm_dir / "model.seg", sources=settings)
 
 

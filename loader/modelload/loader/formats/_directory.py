@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from modelload.loader.errors import ConfigError, DuplicateNameError, FormatError
+from modelload.loader.errors import ConfigError, DuplicateNameError, FormatError, SourceNotFoundError
 from modelload.loader.formats._index import ModelIndex
 
 __all__ = [
@@ -143,9 +143,10 @@ def select_model_files(
         weights = weight_shards(index_json, where=f"{where}{SAFETENSORS_INDEX}")
         missing = [w for w in weights if w not in listed]
         if missing:
-            raise ConfigError(
+            raise SourceNotFoundError(
                 f"{SAFETENSORS_INDEX} in {where} names {len(missing)} shard(s) the directory does not have "
-                f"({', '.join(missing[:3])}): upload every shard, or fix the index"
+                f"({', '.join(missing[:3])}): upload every shard, or fix the index",
+                uri=f"{where}{missing[0]}",
             )
     else:
         weights = tuple(safetensors if format == "safetensors" else tensorizer)
