@@ -26,6 +26,18 @@ def small_layout() -> Layout:
     )
 
 
+def sharded_layout() -> Layout:
+    """A layout-2 segment: two tensors from two weight files."""
+    return plan_layout(
+        [
+            TensorSpec("embed.weight", by_name("bfloat16"), (2, 3), file=0),
+            TensorSpec("bias", by_name("float32"), (2,), file=1),
+        ],
+        metadata={"format": "safetensors"},
+        files=("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"),
+    )
+
+
 def write_complete(path: Path, layout: Layout, *, seed: int = 0) -> None:
     """A finished segment whose tensor ``i`` holds ``expected_bytes(seed, i, ...)``."""
     with SegmentWriter.create(path, layout, heartbeat=False) as writer:

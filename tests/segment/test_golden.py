@@ -65,3 +65,25 @@ def test_the_header_manifest_and_state_table_match_the_golden_bytes(shm_dir: Pat
     assert data[8192 + 32 : 8192 + 64] == bytes(32), "tensor 1 is PENDING with an empty entry"
     assert data[12288 : 12288 + 12] == bytes.fromhex("803f" * 6)
     assert data[12288 + 12 : 20480] == bytes(20480 - 12288 - 12)
+
+
+GOLDEN_MANIFEST_V2 = (
+    b'{"tensors":[{"name":"embed.weight","dtype":"bfloat16","shape":[2,3],"offset":12288,"nbytes":12,"file":0},'
+    b'{"name":"bias","dtype":"float32","shape":[2],"offset":16384,"nbytes":8,"file":1}],'
+    b'"metadata":{"format":"safetensors"},'
+    b'"files":["model-00001-of-00002.safetensors","model-00002-of-00002.safetensors"]}'
+)
+
+
+def test_a_segment_of_several_files_is_layout_2_with_each_tensor_s_file(shm_dir: Path) -> None:
+    from tests.segment.helpers import sharded_layout
+
+    path = shm_dir / "golden2.seg"
+    with SegmentWriter.create(
+        path, sharded_layout(), load_id=LOAD_ID, created_ns=CREATED_NS, heartbeat=False
+    ):
+        data = path.read_bytes()
+    assert struct.unpack_from("<I", data, 8)[0] == 2, "layout version 2"
+    assert data[16:32] == GOLDEN_HEADER[16:32], "same geometry as the one-file golden segment"
+    length = struct.unpack_from("<Q", data, 32)[0]
+    assert data[4096 : 4096 + length] == GOLDEN_MANIFEST_V2

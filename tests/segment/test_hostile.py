@@ -16,7 +16,7 @@ import pytest
 
 from modelload.loader.errors import SegmentLayoutError, SegmentVersionError
 from modelload.loader.segment import SegmentReader
-from tests.segment.helpers import small_layout, write_complete
+from tests.segment.helpers import sharded_layout, small_layout, write_complete
 
 Mutation = Callable[[bytearray], bytes | bytearray]
 
@@ -123,6 +123,72 @@ def _raw_manifest(data: bytearray, raw: bytes) -> bytearray:
     data[4096:8192] = raw + bytes(4096 - len(raw))
     struct.pack_into("<QI", data, 32, len(raw), zlib.crc32(raw))
     return data
+
+
+def version(number: int) -> Mutation:
+    return put("<I", 8, number)
+
+
+def both(*mutations: Mutation) -> Mutation:
+    def mutate(data: bytearray) -> bytes | bytearray:
+        for change in mutations:
+            data = bytearray(change(data))
+        return data
+
+    return mutate
+
+
+# Layout 2 (several weight files): a valid two-file segment, each case breaking one of its rules.
+SHARDED_CASES: dict[str, tuple[Mutation, type[Exception], str]] = {
+    "files in a layout-1 segment": (version(1), SegmentLayoutError, "exactly"),
+    "file member in a layout-1 segment": (
+        both(version(1), manifest(lambda doc: doc.pop("files"))),
+        SegmentLayoutError,
+        "must have",
+    ),
+    "file index past the files": (tensor(1, file=2), SegmentLayoutError, "file must index"),
+    "file index negative": (tensor(0, file=-1), SegmentLayoutError, "file must index"),
+    "file index not an integer": (tensor(0, file="0"), SegmentLayoutError, "file must index"),
+    "a tensor without its file": (
+        manifest(lambda doc: doc["tensors"][0].pop("file")),
+        SegmentLayoutError,
+        "file must index",
+    ),
+    "files not strings": (manifest(lambda doc: doc.update(files=[1, 2])), SegmentLayoutError, "files must"),
+    "the same file twice": (
+        manifest(lambda doc: doc.update(files=["a", "a"])),
+        SegmentLayoutError,
+        "distinct",
+    ),
+    "files not a list": (manifest(lambda doc: doc.update(files="a")), SegmentLayoutError, "files must"),
+}
+
+
+@pytest.fixture
+def sharded(shm_dir: Path) -> bytes:
+    path = shm_dir / "sharded.seg"
+    write_complete(path, sharded_layout())
+    data = path.read_bytes()
+    path.unlink()
+    return data
+
+
+@pytest.mark.parametrize("case", list(SHARDED_CASES))
+def test_a_hostile_layout_2_segment_is_refused(case: str, sharded: bytes, shm_dir: Path) -> None:
+    mutate, error, message = SHARDED_CASES[case]
+    path = shm_dir / "hostile.seg"
+    path.write_bytes(bytes(mutate(bytearray(sharded))))
+    with pytest.raises(error, match=message):
+        SegmentReader.open(path)
+
+
+def test_the_unmutated_layout_2_segment_opens_with_its_files(sharded: bytes, shm_dir: Path) -> None:
+    path = shm_dir / "sharded.seg"
+    path.write_bytes(sharded)
+    with SegmentReader.open(path) as reader:
+        assert reader.header.layout_version == 2
+        assert reader.files == ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+        assert [s.file for s in reader.slots] == [0, 1]
 
 
 @pytest.fixture
