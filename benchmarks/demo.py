@@ -4,11 +4,14 @@
 
 1. build a small transformer (``demo_model.TinyLM``, random bf16 weights, a few hundred MB; nothing is
    downloaded) and compute its output on a fixed prompt, the reference;
-2. start moto's S3 server on 127.0.0.1, serialize the model to a tensorizer file and upload it;
-3. start ``modelload sidecar`` on ``s3://demo/tinylm.tensors`` with a segment in /dev/shm, exactly as the
-   operator's webhook would in a pod (flags and ``AWS_*`` environment);
-4. start a separate inference process that builds the model on the ``meta`` device, attaches to the segment
-   and runs the forward pass block by block, each block as soon as its weights are in;
+2. start moto's S3 server on 127.0.0.1 and upload the model as a Hugging Face-style directory: safetensors
+   shards, ``model.safetensors.index.json`` and ``config.json``;
+3. start ``modelload sidecar`` on the prefix ``s3://demo/tinylm/`` with a segment in /dev/shm, exactly as
+   the operator's webhook would in a pod (flags and ``AWS_*`` environment): every shard into one segment,
+   the config into the model directory beside it;
+4. start a separate inference process that reads the config from the model directory, builds the model on
+   the ``meta`` device, attaches to the segment and runs the forward pass block by block, each block as soon
+   as its weights are in;
 5. check its output against the reference, and print the timeline from both sides.
 
 moto's server is for correctness, not speed: it slows down under parallel range requests (see
@@ -45,7 +48,8 @@ CREDENTIALS = {
     "AWS_SECRET_ACCESS_KEY": "demo-secret-key",
     "AWS_DEFAULT_REGION": "us-east-1",
 }
-BUCKET, KEY = "demo", "tinylm.tensors"
+BUCKET, PREFIX = "demo", "tinylm/"
+SHARDS = 4
 
 
 def free_port() -> int:
@@ -113,15 +117,10 @@ def run(config: Config, work: Path, args: argparse.Namespace) -> int:
         expected = model(prompt(config))
     torch.save(expected, work / "expected.pt")
 
-    from modelload.loader.formats.tensorizer import TensorizerWriter
-
-    buffer = io.BytesIO()
-    writer = TensorizerWriter(buffer)
-    writer.write_state_dict(model.state_dict())
-    writer.close()
-    data = buffer.getvalue()
-    del model, buffer
-    step(f"serialized to tensorizer: {len(data) / 2**20:.0f} MiB")
+    files = hf_directory(model.state_dict(), config)
+    del model
+    total = sum(len(data) for data in files.values())
+    step(f"a model directory: {SHARDS} safetensors shards, index and config, {total / 2**20:.0f} MiB")
 
     env = {**os.environ, **CREDENTIALS, "PYTHONUNBUFFERED": "1"}
     for variable in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN"):
@@ -132,19 +131,40 @@ def run(config: Config, work: Path, args: argparse.Namespace) -> int:
     with running(moto, env=env, log=work / "moto.log") as server:
         wait_for(f"{endpoint}/", timeout=60, process=server)
         step(f"moto's S3 server on {endpoint}")
-        upload(endpoint, data)
-        step(f"uploaded s3://{BUCKET}/{KEY}")
-        del data
+        upload(endpoint, files)
+        step(f"uploaded s3://{BUCKET}/{PREFIX} ({', '.join(sorted(files))})")
+        del files
         return load_and_infer(config, work, args, env, endpoint, api_port)
 
 
-def upload(endpoint: str, data: bytes) -> None:
+def hf_directory(state: dict[str, torch.Tensor], config: Config) -> dict[str, bytes]:
+    """The model as a Hugging Face checkpoint has it: shards of consecutive tensors, the index, the config."""
+    from modelload.loader.formats.safetensors import serialize
+
+    names = list(state)
+    per_shard = -(-len(names) // SHARDS)
+    files: dict[str, bytes] = {}
+    weight_map: dict[str, str] = {}
+    for number in range(SHARDS):
+        group = names[number * per_shard : (number + 1) * per_shard]
+        shard = f"model-{number + 1:05d}-of-{SHARDS:05d}.safetensors"
+        files[shard] = serialize({name: state[name] for name in group}, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(group, shard))
+    files["model.safetensors.index.json"] = json.dumps({"weight_map": weight_map}, indent=2).encode()
+    files["config.json"] = json.dumps({"model_type": "tinylm", **config.__dict__}, indent=2).encode()
+    return files
+
+
+def upload(endpoint: str, files: dict[str, bytes]) -> None:
     import boto3
     from boto3.s3.transfer import TransferConfig
 
     client = boto3.client("s3", endpoint_url=endpoint, **_boto_credentials())
     client.create_bucket(Bucket=BUCKET)
-    client.upload_fileobj(io.BytesIO(data), BUCKET, KEY, Config=TransferConfig(multipart_chunksize=64 << 20))
+    for name, data in files.items():
+        client.upload_fileobj(
+            io.BytesIO(data), BUCKET, PREFIX + name, Config=TransferConfig(multipart_chunksize=64 << 20)
+        )
 
 
 def _boto_credentials() -> dict[str, str]:
@@ -161,7 +181,7 @@ def load_and_infer(
     segment = work / "model.seg"
     sidecar = [
         sys.executable, "-m", "modelload.loader.cli.main", "sidecar",
-        "--source", f"s3://{BUCKET}/{KEY}",
+        "--source", f"s3://{BUCKET}/{PREFIX}",
         "--segment", str(segment),
         "--s3-endpoint", endpoint,
         "--readers", str(args.readers),
@@ -173,7 +193,6 @@ def load_and_infer(
         sys.executable, str(HERE / "demo_model.py"), "infer",
         "--segment", str(segment),
         "--expected", str(work / "expected.pt"),
-        "--config", json.dumps(config.__dict__),
     ]  # fmt: skip
     step("starting the sidecar and, beside it, the inference process")
     started = time.time()

@@ -92,16 +92,22 @@ def prompt(config: Config) -> torch.Tensor:
     return torch.arange(config.context).remainder(config.vocab).unsqueeze(0)
 
 
-def infer(segment: str, expected_path: str, config: Config) -> dict[str, object]:
-    """Attach to ``segment`` and run the forward pass block by block as the weights arrive."""
+def infer(segment: str, expected_path: str) -> dict[str, object]:
+    """Attach to ``segment``, read the config from its model directory, and run the forward pass block by
+    block as the weights arrive."""
     from modelload.loader import attach
 
     started = time.time()
+    loaded = attach(segment, timeout=600)
+    attached_at = time.time()
+    assert loaded.model_dir is not None, (
+        "the sidecar loaded a model directory: its config is beside the segment"
+    )
+    saved = json.loads((loaded.model_dir / "config.json").read_text())
+    config = Config(**{k: v for k, v in saved.items() if k in Config.__dataclass_fields__})
     with torch.device("meta"):
         model = TinyLM(config).eval()
     model_ready_at = time.time()
-    loaded = attach(segment, timeout=600)
-    attached_at = time.time()
     ready_at_attach = loaded.progress().tensors_ready
     steps: list[tuple[str, float]] = []
 
@@ -148,11 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("infer", help="attach to a segment and run the forward pass as weights arrive")
     run.add_argument("--segment", required=True)
     run.add_argument("--expected", required=True)
-    run.add_argument("--config", default="{}", help="JSON of Config fields")
     run.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    result = infer(args.segment, args.expected, Config(**json.loads(args.config)))
+    result = infer(args.segment, args.expected)
     print(json.dumps(result))
     return 0 if result["matches"] else 1
 
