@@ -55,6 +55,34 @@ def make_model(path: Path, total_bytes: int) -> int:
     return nbytes
 
 
+def make_safetensors(directory: Path, total_bytes: int, *, shards: int) -> list[str]:
+    """The tensors of :func:`make_model` as safetensors: one ``model.safetensors`` (``shards`` = 1), or a
+    Hugging Face directory of ``shards`` files with ``model.safetensors.index.json``. Returns the files."""
+    from modelload.loader.formats.safetensors import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    block = np.random.default_rng(0).integers(0, 1 << 16, 32 << 20, dtype=np.uint16).view(np.float16)
+    named = shapes(total_bytes)
+    per_shard = -(-len(named) // shards)
+    weight_map: dict[str, str] = {}
+    files = []
+    for number in range(shards):
+        group = named[number * per_shard : (number + 1) * per_shard]
+        name = "model.safetensors" if shards == 1 else f"model-{number + 1:05d}-of-{shards:05d}.safetensors"
+        tensors = {}
+        for tensor, shape in group:
+            count = int(np.prod(shape))
+            tensors[tensor] = np.resize(block, count).reshape(shape).copy()  # tensors must not share memory
+        save_file(tensors, directory / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+        files.append(name)
+    if shards > 1:
+        (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        files.append("model.safetensors.index.json")
+    (directory / "config.json").write_text("{}")
+    return [*files, "config.json"]
+
+
 class _Sampler:
     """Peak of the given /proc/PID/status fields, summed, sampled every 10 ms in a thread."""
 
@@ -138,7 +166,14 @@ def command_ceiling(argv: list[str], nbytes: int) -> Figures:
 
 
 def sidecar(
-    uri: str, segment: Path, *, readers: int, chunk: str, verify: bool, s3_endpoint: str = ""
+    uri: str,
+    segment: Path,
+    *,
+    readers: int,
+    chunk: str,
+    verify: bool,
+    s3_endpoint: str = "",
+    files: list[str] | None = None,
 ) -> Figures:
     """``modelload sidecar`` from process start to the last tensor READY, and its memory besides the segment."""
     port = _free_port()
@@ -150,6 +185,8 @@ def sidecar(
     ]  # fmt: skip
     if s3_endpoint:
         argv += ["--s3-endpoint", s3_endpoint, "--s3-addressing", "path"]
+    if files:
+        argv += ["--files", ",".join(files)]
     spawned = time.time()
     process = subprocess.Popen(argv, env=_aws_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     sampler = _Sampler(process.pid, ("RssAnon", "RssFile"))

@@ -8,7 +8,9 @@ path-style S3 endpoint: moto's server is too slow for throughput, see shared/spe
 - the sidecar: ``modelload sidecar`` from process start until every tensor is READY in a fresh segment, with
   and without hash verification; its time to the manifest and to the first tensor; its peak memory besides
   the segment;
-- tensorizer 2.12's ``TensorDeserializer`` loading the same file to CPU memory, best of 1, 4 and 8 readers.
+- tensorizer 2.12's ``TensorDeserializer`` loading the same file to CPU memory, best of 1, 4 and 8 readers;
+- the same tensors as safetensors, once as one file and once as a Hugging Face directory of ``--shards``
+  files: the sidecar's throughput across shards against the single file, in the same rounds.
 
 The machines are shared and noisy: each figure is the median of ``--runs`` runs, contenders alternate within
 a round, and what matters are the ratios printed at the end.
@@ -29,7 +31,15 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from harness import Figures, command_ceiling, make_model, raw_ceiling, sidecar, tensorizer_load  # noqa: E402
+from harness import (  # noqa: E402
+    Figures,
+    command_ceiling,
+    make_model,
+    make_safetensors,
+    raw_ceiling,
+    sidecar,
+    tensorizer_load,
+)
 from scratch import scratch  # noqa: E402
 
 from modelload.sidecar.settings import parse_size  # noqa: E402
@@ -72,6 +82,21 @@ def contenders(
         found[label] = lambda verify=verify: sidecar(
             uri, segment, readers=args.readers, chunk=args.chunk_size, verify=verify, s3_endpoint=endpoint
         )
+    for label, folder in (
+        ("sidecar st 1 file", "st-single"),
+        (f"sidecar st {args.shards} shards", "st-sharded"),
+    ):
+        files = sorted(p.name for p in (work / folder).iterdir())
+        if kind == "file":
+            where, names = str(work / folder), None
+        elif kind == "http":
+            where, names = nginx.url(f"{folder}/"), None
+        else:  # nginx poses as S3 for reads only, so the directory is named rather than listed
+            where, names = f"s3://{nginx.bucket}/{folder}/", files
+        found[label] = lambda where=where, names=names: sidecar(
+            where, segment, readers=args.readers, chunk=args.chunk_size, verify=False, s3_endpoint=endpoint,
+            files=names,
+        )  # fmt: skip
     if not args.no_tensorizer:
         for readers in (1, 4, 8):
             found[f"tensorizer {readers}r"] = lambda readers=readers: tensorizer_load(
@@ -88,11 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--sources", default="file,http,s3")
     parser.add_argument("--no-tensorizer", action="store_true")
+    parser.add_argument("--shards", type=int, default=6, help="shards of the directory case")
     args = parser.parse_args(argv)
 
     with scratch("modelload-bench-") as work:
         model = work / "model.tensors"
         tensor_bytes = make_model(model, int(args.size * 2**30))
+        make_safetensors(work / "st-single", int(args.size * 2**30), shards=1)
+        make_safetensors(work / "st-sharded", int(args.size * 2**30), shards=args.shards)
         print(
             f"model: {model.stat().st_size / 2**30:.2f} GiB tensorizer file, {tensor_bytes / 2**30:.2f} GiB of bf16 tensors, in {work}"
         )
@@ -148,14 +176,22 @@ def report(kind: str, results: dict[str, list[Figures]]) -> None:
             if baseline in medians
         ]
         print(f"  => {label} (engine): {', '.join(ratios)}")
+    sharded = next((k for k in medians if k.startswith("sidecar st ") and k.endswith(" shards")), None)
+    if sharded is not None and "sidecar st 1 file" in medians:
+        print(
+            f"  => {sharded} (engine): {round_ratio(results, sharded, 'sidecar st 1 file', engine=True):.2f} x 1 file"
+        )
     print()
 
 
-def round_ratio(results: dict[str, list[Figures]], label: str, baseline: str) -> float:
+def round_ratio(
+    results: dict[str, list[Figures]], label: str, baseline: str, *, engine: bool = False
+) -> float:
     """The median over rounds of label/baseline, each pair measured in the same round: on a shared machine
-    the swings from minute to minute are larger than the differences being measured."""
+    the swings from minute to minute are larger than the differences being measured. ``engine`` takes the
+    baseline's engine rate too (two sidecars)."""
     pairs = zip(results[label], results[baseline], strict=False)
-    return statistics.median(engine_rate(a) / b.gib_per_s for a, b in pairs)
+    return statistics.median(engine_rate(a) / (engine_rate(b) if engine else b.gib_per_s) for a, b in pairs)
 
 
 def engine_rate(figures: Figures) -> float:

@@ -4,7 +4,8 @@ A source URI names a directory when it is a local directory, an ``s3://bucket/pr
 ``http(s)://.../`` base URL (both ending in ``/``). How its files are found:
 
 - a local directory is listed (top level only);
-- an S3 prefix is listed with ListObjectsV2 (top level only: ``delimiter=/``);
+- an S3 prefix is listed with ListObjectsV2 (top level only: ``delimiter=/``), unless the caller names the
+  files (then only ``s3:GetObject`` is needed);
 - an HTTP(S) base has no listing: unless the caller names the files, the well-known names of a Hugging Face
   directory are probed (``model.safetensors.index.json``, ``model.safetensors``, ``model.tensors``, the
   config and tokenizer files); a probe that finds nothing (404) is simply absent, and any other answer
@@ -91,10 +92,9 @@ def list_directory(uri: str, settings: SourceSettings, *, files: Sequence[str] =
         return _list_local(local, files)
     if uri.startswith("s3://"):
         base = uri if uri.endswith("/") else uri + "/"
-        sizes: dict[str, int | None] = dict(list_s3_prefix(base, settings))
-        if files:
-            sizes = _only(files, sizes, base)
-        return Directory(base, base, sizes)
+        if files:  # named: no listing, so no s3:ListBucket permission is needed
+            return Directory(base, base, dict.fromkeys(files))
+        return Directory(base, base, dict(list_s3_prefix(base, settings)))
     if uri.startswith(("http://", "https://")):
         if urlsplit(uri).query:
             raise ConfigError(
