@@ -133,7 +133,7 @@ def _parse_entry(cur: Cursor, i: int, header: FileHeader, source: str | None) ->
     try:
         name, path = decode_name(cur.take(cur.u16("name length"), "name"))
     except PathError as exc:
-        raise HeaderError(f"index entry {i}: {exc}", source=source) from None
+        raise HeaderError(f"index entry {i}: {exc}; re-create the file", source=source) from None
     what = f"index entry {i} ({name!r})"
     cur.what = what
     kind_code = cur.u8("tensor type")

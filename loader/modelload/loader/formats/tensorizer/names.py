@@ -46,8 +46,8 @@ def normalize_path(name: str | Sequence[str | int]) -> Path:
             raise PathError(f"path component {part} of {path!r} is a negative index")
         if isinstance(part, str) and not _is_text(part):
             raise PathError(
-                f"path component {part!r} holds an unpaired UTF-16 surrogate, which is not text: it cannot "
-                "be stored as UTF-8 or printed; decode the name properly (a surrogateescape'd file name?)"
+                f"path component {part!r} holds an unpaired UTF-16 surrogate, which is not text (it has no "
+                "UTF-8 form and cannot be printed)"
             )
     return path
 

@@ -150,7 +150,7 @@ def parse_tensor_header(
     try:
         name, path = decode_name(cur.take(cur.u16("name length"), "name"))
     except PathError as exc:
-        raise HeaderError(f"{what}: {exc}", source=source) from None
+        raise HeaderError(f"{what}: {exc}; re-create the file", source=source) from None
     dtype = decode_dtype(cur.take(cur.u8("dtype length"), "dtype"), what=what, source=source)
     ndim = cur.u8("ndim")
     if ndim > MAX_NDIM:

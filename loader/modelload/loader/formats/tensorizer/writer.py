@@ -73,6 +73,7 @@ _MAX_DTYPE = 0xFF
 _MAX_NDIM = MAX_NDIM  # the field holds 255, but no reader can load more than this
 _MAX_MODULE_IDX = 0xFFFF
 _END_MARKER = bytes(8)
+_TEXT_NAMES = "give names as real text (a name decoded with errors='surrogateescape' is not)"
 
 
 @dataclass
@@ -158,7 +159,7 @@ class TensorizerWriter:
         try:
             items = [(normalize_path(path), describe(value)) for path, value in _flatten(state_dict, ())]
         except PathError as exc:
-            raise ConfigError(f"state_dict: {exc}") from None
+            raise ConfigError(f"state_dict: {exc}; {_TEXT_NAMES}") from None
         for path, _ in items:
             self._check_path(path, "state_dict")
         self._reserve_block(items)
@@ -224,7 +225,7 @@ class TensorizerWriter:
         try:
             path = normalize_path(name)
         except PathError as exc:
-            raise ConfigError(f"tensor name {name!r}: {exc}") from None
+            raise ConfigError(f"tensor name {name!r}: {exc}; {_TEXT_NAMES}") from None
         self._check_path(path, kind)
         return path
 
