@@ -258,9 +258,45 @@ def test_cert_manager_mode_mounts_its_secret_and_injects_the_ca() -> None:
     assert issuer == {"name": "corp-ca", "kind": "ClusterIssuer"}
 
 
-def test_several_replicas_get_a_disruption_budget() -> None:
-    assert not [d for d in render({}) if d["kind"] == "PodDisruptionBudget"]
-    assert one(render(VARIANTS["ha"]), "PodDisruptionBudget")["spec"]["minAvailable"] == 1
+def test_two_replicas_by_default_with_a_disruption_budget_and_a_spread_over_nodes() -> None:
+    docs = render({})
+    deployment = one(docs, "Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    budget = one(docs, "PodDisruptionBudget")
+    assert budget["spec"]["minAvailable"] == 1
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert budget["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    (spread,) = deployment["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname"
+    assert spread["whenUnsatisfiable"] == "ScheduleAnyway"  # one node must not stop a test cluster
+    assert spread["labelSelector"]["matchLabels"].items() <= pod_labels.items()
+
+
+def test_one_replica_gets_no_budget_that_would_block_every_drain() -> None:
+    docs = render({"replicaCount": 1})
+    assert not [d for d in docs if d["kind"] == "PodDisruptionBudget"]
+    assert "topologySpreadConstraints" not in one(docs, "Deployment")["spec"]["template"]["spec"]
+    zones = [
+        {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "DoNotSchedule"}
+    ]
+    custom = one(render({"topologySpreadConstraints": zones}), "Deployment")["spec"]["template"]["spec"]
+    assert custom["topologySpreadConstraints"] == zones
+
+
+def test_replicas_share_the_tls_secret_and_may_renew_it() -> None:
+    """Two replicas must serve certificates of one CA: the self-signed mode keeps it in one Secret that
+    every replica reads, and may patch (renewal while running)."""
+    docs = render({})
+    env = _env(docs)
+    rules = [
+        rule
+        for d in docs
+        if d["kind"] == "Role" and d["metadata"]["namespace"] == NAMESPACE
+        for rule in d["rules"]
+        if "secrets" in rule.get("resources", [])
+    ]
+    secret = env["MODELLOAD_OPERATOR_TLS_SECRET"]
+    assert any(secret in r.get("resourceNames", []) and {"get", "patch"} <= set(r["verbs"]) for r in rules)
 
 
 def test_the_plain_install_manifest_is_the_rendered_chart_and_validates() -> None:

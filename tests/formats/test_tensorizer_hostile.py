@@ -185,13 +185,51 @@ def test_a_gap_between_records_is_refused(plain: Path) -> None:
     expect(errors.OverlapError, "leaving a gap", lambda: load_all(mutated(plain, gap)))
 
 
-@pytest.mark.parametrize(("field", "value"), [("name_len", 0xFFFF), ("dtype_len", 0xFF), ("ndim", 0xFF)])
+@pytest.mark.parametrize(("field", "value"), [("name_len", 0xFFFF), ("dtype_len", 0xFF), ("ndim", 64)])
 def test_lengths_in_the_index_past_the_end_of_the_block_are_refused(
     plain: Path, field: str, value: int
 ) -> None:
     fmt = "<H" if field == "name_len" else "<B"
     bad = mutated(plain, lambda s: s.put(s.entry_field(2, field), fmt, value))
     expect(errors.BoundsError, "index entry 2", lambda: load_all(bad))
+
+
+@pytest.mark.parametrize("ndim", [65, 0xFF])
+def test_more_dimensions_than_numpy_holds_are_refused_with_the_index(plain: Path, ndim: int) -> None:
+    """Before: 65 dimensions in bounds reached numpy, whose ValueError escaped the error tree."""
+    bad = mutated(plain, lambda s: s.put(s.entry_field(2, "ndim"), "<B", ndim))
+    expect(errors.HeaderError, f"{ndim} dimensions", lambda: load_all(bad))
+
+
+def test_a_structured_name_with_a_lone_surrogate_is_refused_when_read(tmp_path: Path) -> None:
+    """A JSON-seq name can spell an unpaired surrogate as an escape; printing or staging it would crash."""
+    path = tmp_path / "named.tensors"
+    with TensorizerWriter(path) as writer:
+        writer.write_state_dict({"zzzzzz": {"w": np.zeros(2, np.float32)}})
+    data = path.read_bytes()
+    assert data.count(b'"zzzzzz"') == 2  # the index entry and the tensor's own header
+    path.write_bytes(data.replace(b'"zzzzzz"', b'"\\ud800"'))
+    expect(errors.HeaderError, "unpaired UTF-16 surrogate", lambda: load_all(path))
+
+
+@pytest.mark.parametrize(
+    "write",
+    [
+        lambda w: w.write_tensor("w\udc80", np.zeros(2)),
+        lambda w: w.write_state_dict({"w\ud800": np.zeros(2)}),
+        lambda w: w.write_state_dict({"layers": [{"w\ud800": np.zeros(2)}]}),
+    ],
+    ids=["flat tensor", "flat state_dict", "structured path"],
+)
+def test_the_writer_refuses_a_name_with_a_lone_surrogate(
+    tmp_path: Path, write: Callable[[TensorizerWriter], None]
+) -> None:
+    """Before: a flat name raised UnicodeEncodeError; a structured one was written and crashed the readers."""
+    with TensorizerWriter(tmp_path / "w.tensors") as writer:
+        expect(errors.ConfigError, "unpaired UTF-16 surrogate", lambda: write(writer))
+        writer.write_tensor("ok", np.zeros(2))
+    with TensorizerReader(tmp_path / "w.tensors") as reader:
+        assert [t.name for t in reader.index.tensors] == ["ok"]
 
 
 def test_two_tensors_with_one_name_are_refused(plain: Path) -> None:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tracemalloc
 import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from modelload.loader.cli.main import main
@@ -215,6 +217,72 @@ def test_verify_of_safetensors_reads_everything_and_says_there_is_nothing_to_com
     code, report = inspect_json(capsys, path, "--verify")
     assert code == 0
     assert report["verify"]["checked"] == len(MODEL) and "stores no hashes" in report["verify"]["note"]
+
+
+def test_verify_memory_follows_its_window_not_what_the_file_declares(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: --verify allocated the largest tensor's size, meta tensors included (a tiny file declaring
+    a 256 MiB meta tensor cost 256 MiB). Now it reads through one window (8 MiB) whatever the file claims."""
+    path = tmp_path / "meta.tensors"
+    real = np.random.default_rng(3).integers(0, 255, 24 << 20, dtype=np.uint8)
+    tz_write(
+        path,
+        {"ghost": torch.empty(1 << 26, dtype=torch.float32, device="meta"), "real": torch.from_numpy(real)},
+    )
+    assert path.stat().st_size < 25 << 20
+    tracemalloc.start()
+    try:
+        code, report = inspect_json(capsys, path, "--verify")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert code == 0 and report["verify"]["ok"] is True and report["total_bytes"] == (256 + 24) << 20
+    assert peak < 16 << 20, f"verify peaked at {peak / 2**20:.0f} MiB"
+
+
+@pytest.mark.parametrize("window", [1000, 4096])
+def test_verify_through_a_small_window_still_catches_corruption_in_every_format(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, window: int
+) -> None:
+    """Streaming must not weaken the check: a window smaller and larger than the 1 KiB encryption chunks."""
+    from modelload.loader.cli import inspect as inspect_cli
+    from modelload.loader.formats.tensorizer import EncryptionParams, TensorizerWriter
+
+    monkeypatch.setattr(inspect_cli, "VERIFY_WINDOW", window)
+    key = bytes(range(32))
+    (tmp_path / "key").write_bytes(key)
+    tensors = {"w": np.arange(3000, dtype=np.float32), "b": np.arange(5, dtype=np.int16)}
+    plain, enc, st_path = tmp_path / "p.tensors", tmp_path / "e.tensors", tmp_path / "m.safetensors"
+    with TensorizerWriter(plain) as writer:
+        writer.write_state_dict(tensors)
+    with TensorizerWriter(enc, encryption=EncryptionParams.from_key(key, chunk_size=1024)) as writer:
+        writer.write_state_dict(tensors)
+    safetensors_torch.save_file({k: torch.from_numpy(v) for k, v in tensors.items()}, str(st_path))
+    for path, extra in ((plain, ()), (enc, ("--key-file", tmp_path / "key")), (st_path, ())):
+        code, report = inspect_json(capsys, path, "--verify", *extra)
+        assert code == 0 and report["verify"]["ok"] is True, report["verify"]
+    for path, extra in ((plain, ()), (enc, ("--key-file", tmp_path / "key"))):
+        entry = next(t for t in index_of(path).tensors if t.name == "w")
+        data = bytearray(path.read_bytes())
+        data[entry.data_offset + entry.data_length - 3] ^= 0x10  # in the last window and the last chunk
+        path.write_bytes(data)
+        code, report = inspect_json(capsys, path, "--verify", *extra)
+        assert code == 1 and [f["name"] for f in report["verify"]["failures"]] == ["w"], report["verify"]
+
+
+def test_inspect_of_a_name_with_a_lone_surrogate_is_a_clear_error_not_a_crash(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from modelload.loader.formats.tensorizer import TensorizerWriter
+
+    path = tmp_path / "named.tensors"
+    with TensorizerWriter(path) as writer:
+        writer.write_state_dict({"zzzzzz": {"w": np.zeros(2, np.float32)}})
+    path.write_bytes(path.read_bytes().replace(b'"zzzzzz"', b'"\\udc80"'))
+    code, out, err = cli(capsys, path)
+    assert code == 1 and out == ""
+    assert "unpaired UTF-16 surrogate" in err and "Traceback" not in err
 
 
 # --- segments ----------------------------------------------------------------------------------------------

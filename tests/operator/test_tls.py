@@ -181,3 +181,152 @@ async def test_renewed_certificate_files_are_loaded_without_a_restart(tmp_path: 
     finally:
         task.cancel()
     assert reloads == [str(files.cert)]
+
+
+# --- renewal while running ---------------------------------------------------------------------------------
+
+SERVICE_NAME = "modelload-webhook.modelload-system.svc"
+
+
+def trusted_by_the_api_server(kube: Any) -> bytes:
+    """The caBundle the emulated API server would use to call the webhook."""
+    import base64
+
+    mwc = current(kube, MWC, None, MWC_NAME) or {}
+    return base64.b64decode(mwc["webhooks"][0]["clientConfig"]["caBundle"])
+
+
+async def served_serial(port: int, trust: bytes) -> int:
+    """Handshake as the API server does (trusting ``trust``, dialling the Service name); the served serial."""
+    client = ssl.create_default_context(cadata=trust.decode())
+    _, writer = await asyncio.open_connection("127.0.0.1", port, ssl=client, server_hostname=SERVICE_NAME)
+    der = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+    writer.close()
+    return int(x509.load_der_x509_certificate(der).serial_number)
+
+
+class Replica:
+    """One operator replica's TLS side: its cert files, a TLS server on loopback, and its renewal task."""
+
+    def __init__(self, api: Kube, settings: WebhookSettings, lifetimes: Any) -> None:
+        self.api, self.settings, self.lifetimes = api, settings, lifetimes
+
+    async def __aenter__(self) -> Replica:
+        from modelload.operator.tls import keep_renewed, patch_ca_bundle
+
+        bundle, files = await ensure_self_signed(
+            self.api, namespace=OPERATOR_NAMESPACE, webhook=self.settings, lifetimes=self.lifetimes
+        )
+        await patch_ca_bundle(
+            self.api,
+            configuration=MWC_NAME,
+            namespace=OPERATOR_NAMESPACE,
+            service="modelload-webhook",
+            ca_pem=bundle.trust_pem(),
+        )
+        context = server_context(files)
+        self.server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0, ssl=context)
+        self.port = self.server.sockets[0].getsockname()[1]
+        self.task = asyncio.create_task(
+            keep_renewed(
+                self.api,
+                namespace=OPERATOR_NAMESPACE,
+                webhook=self.settings,
+                context=context,
+                files=files,
+                interval=0.1,
+                lifetimes=self.lifetimes,
+            )
+        )
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.task.cancel()
+        self.server.close()
+        await self.server.wait_closed()
+
+
+async def watch_replicas(
+    kube: Any, replicas: list[Replica], seconds: float
+) -> tuple[list[set[int]], list[bytes]]:
+    """Handshake with every replica for ``seconds``, trusting the caBundle of that moment: any refusal
+    raises. Returns the serials each replica served and the caBundles seen, in order."""
+    seen: list[set[int]] = [set() for _ in replicas]
+    bundles: list[bytes] = []
+    deadline = asyncio.get_running_loop().time() + seconds
+    while asyncio.get_running_loop().time() < deadline:
+        trust = trusted_by_the_api_server(kube)
+        if not bundles or bundles[-1] != trust:
+            bundles.append(trust)
+        for replica, serials in zip(replicas, seen, strict=True):
+            serials.add(await served_serial(replica.port, trust))
+        await asyncio.sleep(0.05)
+    return seen, bundles
+
+
+@pytest.mark.slow
+async def test_two_running_replicas_renew_the_certificate_before_it_expires_and_stay_trusted(
+    kube: Any, client_configuration: Any, tmp_path: Path
+) -> None:
+    """Certificates of 3 s: renewed at 2 s by one of two replicas, served by both before the first expires,
+    with the same CA (the caBundle never changes), and never refused on the way."""
+    from modelload.operator.tls import Lifetimes
+
+    short = Lifetimes(cert=datetime.timedelta(seconds=3))
+    api = Kube(client_configuration)
+    try:
+        async with (
+            Replica(api, WebhookSettings(cert_dir=tmp_path / "a"), short) as a,
+            Replica(api, WebhookSettings(cert_dir=tmp_path / "b"), short) as b,
+        ):
+            ca_before = trusted_by_the_api_server(kube)
+            seen, bundles = await watch_replicas(kube, [a, b], 4.0)  # past the first certificate's expiry
+            secret = await api.read_secret(OPERATOR_NAMESPACE, "modelload-webhook-tls")
+    finally:
+        await api.close()
+    assert all(len(serials) >= 2 for serials in seen), seen  # each replica moved to a renewed certificate
+    assert bundles == [ca_before]  # same CA throughout: nothing for the API server to learn
+    final = int(x509.load_pem_x509_certificate(secret["tls.crt"]).serial_number)
+    assert all(final in serials for serials in seen)  # both ended on the Secret's certificate
+    assert "ca-previous.crt" not in secret
+
+
+@pytest.mark.slow
+async def test_a_ca_due_for_renewal_is_replaced_with_the_old_one_still_trusted(
+    kube: Any, client_configuration: Any, tmp_path: Path
+) -> None:
+    """A CA of 4.5 s: at 3 s a new CA and certificate replace it; the caBundle holds both while the replica
+    switches (until the old CA expires), and the replica is never refused."""
+    from modelload.operator.tls import Lifetimes
+
+    short = Lifetimes(cert=datetime.timedelta(seconds=4.5), ca=datetime.timedelta(seconds=4.5))
+    api = Kube(client_configuration)
+    try:
+        async with Replica(api, WebhookSettings(cert_dir=tmp_path / "a"), short) as a:
+            first_ca = trusted_by_the_api_server(kube)
+            seen, bundles = await watch_replicas(kube, [a], 4.0)
+            secret = await api.read_secret(OPERATOR_NAMESPACE, "modelload-webhook-tls")
+    finally:
+        await api.close()
+    assert len(seen[0]) >= 2, seen
+    assert secret["ca.crt"] != first_ca and secret["ca-previous.crt"] == first_ca
+    assert bundles[:2] == [first_ca, secret["ca.crt"] + first_ca]  # the new CA joins before it is served
+
+
+def test_renewal_keeps_the_ca_when_it_can_and_replaces_it_when_it_must() -> None:
+    from modelload.operator.tls import TlsBundle, renew_bundle
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    bundle = generate_bundle(NAMES, now=now)
+    later = now + datetime.timedelta(days=250)  # the certificate is due (2/3 of a year), the CA is not
+    assert not bundle_is_usable(bundle, NAMES, now=later)
+    renewed = renew_bundle(bundle, NAMES, now=later)
+    assert renewed.ca_pem == bundle.ca_pem and renewed.cert_pem != bundle.cert_pem
+    assert bundle_is_usable(renewed, NAMES, now=later) and renewed.trust_pem(now=later) == bundle.ca_pem
+    # A Secret from before the CA key was kept: the first renewal makes a new CA; the old one stays trusted.
+    keyless = TlsBundle(ca_pem=bundle.ca_pem, cert_pem=bundle.cert_pem, key_pem=bundle.key_pem)
+    replaced = renew_bundle(keyless, NAMES, now=later)
+    assert replaced.ca_pem != bundle.ca_pem and replaced.previous_ca_pem == bundle.ca_pem
+    assert replaced.trust_pem(now=later) == replaced.ca_pem + bundle.ca_pem
+    # Once the old CA has expired, it leaves the caBundle.
+    assert replaced.trust_pem(now=now + datetime.timedelta(days=3651)) == replaced.ca_pem

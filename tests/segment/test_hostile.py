@@ -116,6 +116,19 @@ CASES: dict[str, tuple[Mutation, type[Exception], str]] = {
     "overlapping slots": (tensor(1, offset=12288), SegmentLayoutError, "overlap"),
     "duplicate names": (tensor(1, name="embed.weight"), SegmentLayoutError, "appears twice"),
     "bad sha256": (tensor(0, sha256="XYZ"), SegmentLayoutError, "sha256"),
+    "manifest nested beyond reason": (
+        lambda d: _raw_manifest(d, b"[" * 2000 + b"]" * 2000),
+        SegmentLayoutError,
+        "nests JSON deeper",
+    ),
+    "a name with a lone surrogate": (tensor(1, name="bi\ud800s"), SegmentLayoutError, "unpaired UTF-16"),
+    "metadata with a lone surrogate": (
+        manifest(lambda doc: doc["metadata"].update({"k\udc00": "v"})),
+        SegmentLayoutError,
+        "unpaired UTF-16",
+    ),
+    "a dimension of 2**64": (tensor(1, shape=[2**64, 0], nbytes=0), SegmentLayoutError, "2\\*\\*63"),
+    "an offset of 2**70": (tensor(1, offset=2**70), SegmentLayoutError, "2\\*\\*63"),
 }
 
 
@@ -227,3 +240,29 @@ def test_an_unknown_tensor_state_is_an_error_not_a_ready_tensor(valid: bytes, sh
             reader.state(1)
         with pytest.raises(SegmentLayoutError, match="unknown state 7"):
             reader.wait(timeout=1)
+
+
+def test_an_integer_past_pythons_digit_limit_is_a_layout_error(shm_dir: Path) -> None:
+    """json.loads raises a bare ValueError for an integer of more than 4,300 digits: it must not escape."""
+    from modelload.loader.dtypes import by_name
+    from modelload.loader.segment import TensorSpec, plan_layout
+
+    roomy = plan_layout(  # metadata padding gives the manifest room for a 4,400-digit number
+        [TensorSpec("w", by_name("float32"), (2,))], metadata={"pad": "x" * 6000}
+    )
+    path = shm_dir / "digits.seg"
+    write_complete(path, roomy)
+    data = bytearray(path.read_bytes())
+    length = struct.unpack_from("<Q", data, 32)[0]
+    text = bytes(data[4096 : 4096 + length]).decode()
+    hostile = text.replace('"shape":[2]', '"shape":[' + "9" * 4400 + "]").replace("x" * 4500, "").encode()
+    assert len(hostile) <= length
+    path.write_bytes(bytes(_raw_manifest_at(data, hostile, room=length)))
+    with pytest.raises(SegmentLayoutError, match="thousands of digits"):
+        SegmentReader.open(path)
+
+
+def _raw_manifest_at(data: bytearray, raw: bytes, *, room: int) -> bytearray:
+    data[4096 : 4096 + room] = raw + bytes(room - len(raw))
+    struct.pack_into("<QI", data, 32, len(raw), zlib.crc32(raw))
+    return data

@@ -6,8 +6,8 @@ Start-up, in order:
 2. decide the sidecar mode: ``native`` (an init container with ``restartPolicy: Always``) when the setting
    says so, or in ``auto`` mode when the API server reports 1.29 or later (SidecarContainers is beta and on
    by default from 1.29, GA in 1.33); ``regular`` otherwise, and when the version cannot be read;
-3. TLS: read or create the CA and certificate and patch the CA into the webhook configuration
-   (self-signed), or load cert-manager's files and watch them for renewals;
+3. TLS: read or create the CA and certificate and patch the CA into the webhook configuration, then keep
+   both renewed while running (self-signed), or load cert-manager's files and watch them for renewals;
 4. serve the webhook, then run kopf until SIGTERM/SIGINT (or ``stop``).
 
 The webhook reports ready (``/readyz``) once kopf's own start-up is done, so the Service sends admissions
@@ -29,6 +29,7 @@ from modelload.operator.settings import OperatorSettings
 from modelload.operator.tls import (
     TlsFiles,
     ensure_self_signed,
+    keep_renewed,
     patch_ca_bundle,
     server_context,
     watch_and_reload,
@@ -85,7 +86,7 @@ async def _tls(kube: Kube, settings: OperatorSettings) -> tuple[Any, TlsFiles, b
             configuration=webhook.configuration,
             namespace=settings.namespace,
             service=webhook.service,
-            ca_pem=bundle.ca_pem,
+            ca_pem=bundle.trust_pem(),
         )
     except KubeNotFoundError:
         logger.warning(
@@ -115,7 +116,13 @@ async def running(
     try:
         native = await native_sidecars(kube, settings.sidecar.mode)
         context, files, ca_pem = await _tls(kube, settings)
-        reloader = asyncio.create_task(watch_and_reload(context, files), name="modelload-tls-reload")
+        if settings.webhook.tls == "files":
+            renewal = watch_and_reload(context, files)
+        else:
+            renewal = keep_renewed(
+                kube, namespace=settings.namespace, webhook=settings.webhook, context=context, files=files
+            )
+        reloader = asyncio.create_task(renewal, name="modelload-tls-renewal")
         webhook = PodWebhook(lookup=kube_lookup(kube), sidecar=settings.sidecar, native=native)
         registry = build_registry(settings=settings, kube=kube, login=login)
         hook = settings.webhook

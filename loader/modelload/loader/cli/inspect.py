@@ -28,8 +28,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from modelload.loader.cli._common import (
     add_decryption_options,
     decryption_key,
@@ -78,6 +76,10 @@ JSON output (--json), one document:
                 "note"}; absent otherwise"""
 
 Report = dict[str, Any]
+
+VERIFY_WINDOW = 8 << 20
+"""Bytes --verify reads at a time: its memory, whatever the tensors' sizes (plus one encryption chunk of
+an encrypted file when its chunks are larger, which the file's own bytes bound)."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -217,20 +219,21 @@ def _encryption(reader: TensorizerReader) -> dict[str, Any] | None:
 
 
 def _verify_file(reader: TensorizerReader | SafetensorsFile, index: ModelIndex, *, progress: bool) -> Report:
-    scratch = np.empty(max((t.nbytes for t in index.tensors), default=0), dtype=np.uint8)
+    # One window for every tensor, whatever they declare: a file may claim terabytes (a meta tensor costs
+    # nothing on disk), so memory must follow the window, never a tensor's size.
+    scratch = memoryview(bytearray(VERIFY_WINDOW))
     read: Callable[[int], None]
     if isinstance(reader, TensorizerReader):
 
         def read(i: int) -> None:
-            entry = index.tensors[i]
-            reader.readinto(entry, scratch[: entry.nbytes].data)
+            reader.check(index.tensors[i], scratch=scratch)
 
         note = "CRC32 and SHA-256 of every tensor checked" + (" after decryption" if index.encrypted else "")
     else:
 
         def read(i: int) -> None:
-            entry = index.tensors[i]
-            reader.readinto(entry.name, scratch[: entry.nbytes])
+            for _ in reader.chunks(index.tensors[i].name, scratch):
+                pass
 
         note = "safetensors stores no hashes: every tensor was read to its end, nothing could be compared"
     failures: list[dict[str, str]] = []

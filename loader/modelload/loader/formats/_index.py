@@ -15,7 +15,11 @@ from typing import Literal
 
 from modelload.loader.dtypes import DType
 
-__all__ = ["FormatName", "ModelIndex", "RangeRead", "TensorEntry"]
+__all__ = ["MAX_NDIM", "FormatName", "ModelIndex", "RangeRead", "TensorEntry"]
+
+MAX_NDIM = 64
+"""The most dimensions a tensor may have: numpy's limit (and torch's), and the segment's. A file that declares
+more could be indexed but never loaded, so the readers refuse it with the index."""
 
 FormatName = Literal["tensorizer", "safetensors"]
 

@@ -413,6 +413,10 @@ def parse_manifest(
         document = json.loads(bytes(data).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise _fail(f"manifest is not UTF-8 JSON ({exc})") from exc
+    except ValueError:  # an integer past Python's digit limit (4300 by default)
+        raise _fail("manifest holds a number of thousands of digits, larger than any size") from None
+    except RecursionError:
+        raise _fail("manifest nests JSON deeper than this reader can follow") from None
     version = header.layout_version
     if (
         not isinstance(document, dict)
@@ -425,6 +429,8 @@ def parse_manifest(
     metadata, entries = document["metadata"], document["tensors"]
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise _fail("manifest metadata must map strings to strings")
+    if not all(_is_text(t) for item in metadata.items() for t in item):
+        raise _fail("manifest metadata holds an unpaired UTF-16 surrogate escape, which is not text")
     if not isinstance(entries, list) or len(entries) != header.tensor_count:
         count = len(entries) if isinstance(entries, list) else "no"
         raise _fail(f"manifest lists {count} tensors, the header says {header.tensor_count}")
@@ -437,7 +443,7 @@ def _parse_files(files: object) -> tuple[str, ...]:
     if (
         not isinstance(files, list)
         or len(files) > MAX_FILES
-        or not all(isinstance(f, str) and f for f in files)
+        or not all(isinstance(f, str) and f and _is_text(f) for f in files)
         or len(set(files)) != len(files)
     ):
         raise _fail(f"manifest files must be at most {MAX_FILES} distinct non-empty strings")
@@ -461,14 +467,17 @@ def _parse_slot(index: int, entry: object, header: Header, file_count: int) -> S
     label = f"manifest tensor {index} ({name!r})"
     if not isinstance(name, str) or not isinstance(dtype_name, str):
         raise _fail(f"{label}: name and dtype must be strings")
+    if not _is_text(name):
+        raise _fail(f"manifest tensor {index} ({name!a}): the name holds an unpaired UTF-16 surrogate")
     if (
         not isinstance(shape, list)
         or len(shape) > MAX_NDIM
-        or not all(type(d) is int and d >= 0 for d in shape)
+        or not all(type(d) is int and 0 <= d <= _MAX_FIELD for d in shape)
     ):
-        raise _fail(f"{label}: shape must be at most {MAX_NDIM} integers >= 0")
-    if type(offset) is not int or type(nbytes) is not int or offset < 0 or nbytes < 0:
-        raise _fail(f"{label}: offset and nbytes must be integers >= 0")
+        raise _fail(f"{label}: shape must be at most {MAX_NDIM} integers from 0 to 2**63 - 1")
+    if not all(type(v) is int and 0 <= v <= _MAX_FIELD for v in (offset, nbytes)):
+        raise _fail(f"{label}: offset and nbytes must be integers from 0 to 2**63 - 1")
+    assert isinstance(offset, int) and isinstance(nbytes, int)
     if sha256 is not None and (
         not isinstance(sha256, str) or len(sha256) != 64 or not _HEX.issuperset(sha256)
     ):
@@ -485,6 +494,21 @@ def _parse_slot(index: int, entry: object, header: Header, file_count: int) -> S
     if offset < header.data_offset or offset + nbytes > data_end:
         raise _fail(f"{label}: slot [{offset}, {offset + nbytes}) lies outside the data region")
     return Slot(index, name, dtype, tuple(shape), offset, nbytes, sha256, file)
+
+
+_MAX_FIELD = 2**63 - 1
+"""The largest dimension, offset or size a manifest may hold: no file or mapping is larger, and the bound
+keeps a hostile manifest from making the reader multiply integers of thousands of digits."""
+
+
+def _is_text(value: str) -> bool:
+    """False for a string holding a lone surrogate (a JSON escape can spell one): it cannot be printed or
+    encoded, so it would crash whoever shows the name later."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _check_disjoint(slots: tuple[Slot, ...]) -> None:

@@ -82,6 +82,22 @@ class SafetensorsFile:
             raise ValueError(f"the buffer for tensor {name!r} is not C-contiguous")
         self._readinto(view.cast("B"), entry.data_offset)
 
+    def chunks(self, name: str, scratch: WritableBuffer) -> Iterator[memoryview]:
+        """One tensor's bytes in order, read piece by piece into ``scratch`` and yielded as views of it.
+
+        Each view is valid until the next one is read. Memory stays at ``scratch`` whatever the tensor's
+        size: the way to read a tensor through (to check the file is whole) without holding it.
+        """
+        entry = self._by_name[name]
+        window = scratch.data if isinstance(scratch, np.ndarray) else memoryview(scratch)
+        window = window.cast("B")
+        if not window.nbytes or window.readonly:
+            raise ValueError("chunks() needs a writable scratch buffer of at least one byte")
+        for start in range(0, entry.data_length, window.nbytes):
+            piece = window[: min(window.nbytes, entry.data_length - start)]
+            self._readinto(piece, entry.data_offset + start)
+            yield piece
+
     def numpy(self, name: str) -> np.ndarray[Any, Any]:
         """One tensor as a fresh numpy array (types numpy lacks, such as bfloat16, as same-width unsigned
         integers: reinterpret with torch's ``.view(dtype)``)."""

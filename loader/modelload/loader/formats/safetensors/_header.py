@@ -16,6 +16,7 @@ no key repeats inside an entry or ``__metadata__``        HeaderError
 ``__metadata__`` maps strings to strings                  HeaderError
 each entry has a string dtype, a shape of non-negative    HeaderError
 ints, ``data_offsets`` of two ints with begin <= end
+the shape has at most 64 dimensions (numpy's limit)       HeaderError
 the dtype is one we can represent                         UnsupportedDtypeError
 ``end - begin`` is the dtype's size times the elements    SizeMismatchError
 a self-consistent header whose data runs past the file    TruncatedError
@@ -48,7 +49,7 @@ from modelload.loader.errors import (
     TruncatedError,
     UnsupportedDtypeError,
 )
-from modelload.loader.formats._index import ModelIndex, RangeRead, TensorEntry
+from modelload.loader.formats._index import MAX_NDIM, ModelIndex, RangeRead, TensorEntry
 
 __all__ = ["FIRST_READ_LENGTH", "HEADER_SIZE_CAP", "METADATA_KEY", "read_index"]
 
@@ -187,8 +188,18 @@ def _load_json(header: bytes | memoryview, source: str | None) -> dict[str, Any]
         top = json.loads(text, object_pairs_hook=_object, parse_constant=_no_constant)
     except HeaderError as exc:
         raise HeaderError(str(exc), source=source) from None
-    except (ValueError, RecursionError) as exc:
+    except json.JSONDecodeError as exc:
         raise HeaderError(f"the header is not valid JSON ({exc}); {_REWRITE}", source=source) from exc
+    except ValueError:  # Python's limit on integer digits (4300): no size or offset is that long
+        raise HeaderError(
+            f"the header holds an integer of thousands of digits, far past the 2**64 - 1 that safetensors "
+            f"allows; {_REWRITE}",
+            source=source,
+        ) from None
+    except RecursionError:
+        raise HeaderError(
+            f"the header nests JSON deeper than any safetensors header does; {_REWRITE}", source=source
+        ) from None
     if not isinstance(top, dict):
         raise HeaderError(f"the header must be a JSON object; {_REWRITE}", source=source)
     if isinstance(top, _Repeated):
@@ -248,6 +259,12 @@ def _entry(name: str, raw: Any, base: int, source: str | None) -> TensorEntry:
         raise HeaderError(
             f"{where}: data_offsets must be two non-negative integers [begin, end], got {_short(offsets)}; "
             f"{_REWRITE}",
+            source=source,
+        )
+    if len(shape_raw) > MAX_NDIM:
+        raise HeaderError(
+            f"{where} has {len(shape_raw)} dimensions; numpy, torch and the segment hold at most {MAX_NDIM}, "
+            f"so it could never be loaded; {_REWRITE}",
             source=source,
         )
     begin, end = offsets

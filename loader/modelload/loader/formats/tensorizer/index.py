@@ -23,7 +23,7 @@ from modelload.loader.errors import (
     SizeMismatchError,
     TruncatedError,
 )
-from modelload.loader.formats._index import ModelIndex, RangeRead, TensorEntry
+from modelload.loader.formats._index import MAX_NDIM, ModelIndex, RangeRead, TensorEntry
 from modelload.loader.formats.tensorizer._cursor import Cursor
 from modelload.loader.formats.tensorizer.file_header import (
     DEFAULT_METADATA_SIZE,
@@ -133,7 +133,7 @@ def _parse_entry(cur: Cursor, i: int, header: FileHeader, source: str | None) ->
     try:
         name, path = decode_name(cur.take(cur.u16("name length"), "name"))
     except PathError as exc:
-        raise HeaderError(f"index entry {i}: {exc}", source=source) from None
+        raise HeaderError(f"index entry {i}: {exc}; re-create the file", source=source) from None
     what = f"index entry {i} ({name!r})"
     cur.what = what
     kind_code = cur.u8("tensor type")
@@ -147,7 +147,14 @@ def _parse_entry(cur: Cursor, i: int, header: FileHeader, source: str | None) ->
             f"{what}: a structured path on a {kind}; only state_dict entries have paths", source=source
         )
     dtype = decode_dtype(cur.take(cur.u8("dtype length"), "dtype"), what=what, source=source)
-    shape = cur.dims(cur.u8("ndim"), wide=wide, field="dimensions")
+    ndim = cur.u8("ndim")
+    if ndim > MAX_NDIM:
+        raise HeaderError(
+            f"{what}: {ndim} dimensions; numpy, torch and the segment hold at most {MAX_NDIM}, so the tensor "
+            "cannot be loaded: re-create the file",
+            source=source,
+        )
+    shape = cur.dims(ndim, wide=wide, field="dimensions")
     if wide and not any(d >= LONG_DIM for d in shape):
         raise HeaderError(
             f"{what}: tagged as a long (u64) tensor but no dimension reaches 2**32; writers tag only "

@@ -44,7 +44,24 @@ def normalize_path(name: str | Sequence[str | int]) -> Path:
             raise PathError(f"path component {part!r} of {path!r} is neither a str key nor an int index")
         if isinstance(part, int) and part < 0:
             raise PathError(f"path component {part} of {path!r} is a negative index")
+        if isinstance(part, str) and not _is_text(part):
+            raise PathError(
+                f"path component {part!r} holds an unpaired UTF-16 surrogate, which is not text (it has no "
+                "UTF-8 form and cannot be printed)"
+            )
     return path
+
+
+def _is_text(part: str) -> bool:
+    """False for a string holding a lone surrogate: Python strings may (``os.fsdecode``, a JSON ``\\ud800``
+    escape), UTF-8 may not, and every later step that encodes or prints the name would crash on it."""
+    if part.isascii():
+        return True
+    try:
+        part.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def join_path(path: Path) -> str:

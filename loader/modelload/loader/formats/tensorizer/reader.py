@@ -23,8 +23,8 @@ import numpy as np
 from modelload.loader.errors import ConfigError, NotEncryptedError, TruncatedError
 from modelload.loader.formats._index import ModelIndex, TensorEntry
 from modelload.loader.formats.tensorizer._arrays import as_numpy, as_torch
-from modelload.loader.formats.tensorizer.crypto import decrypt_in_place
-from modelload.loader.formats.tensorizer.hashes import fastest_hash
+from modelload.loader.formats.tensorizer.crypto import TensorDecryptor, decrypt_in_place
+from modelload.loader.formats.tensorizer.hashes import TensorHasher, fastest_hash
 from modelload.loader.formats.tensorizer.hashes import verify as verify_hashes
 from modelload.loader.formats.tensorizer.index import read_index
 from modelload.loader.formats.tensorizer.keys import DecryptionKey
@@ -180,6 +180,42 @@ class TensorizerReader:
             verify_hashes(checked, data, source=self.source)
         if entry.data_length == 0 and entry.nbytes:
             np.frombuffer(view, dtype=np.uint8)[:] = 0
+        return header
+
+    def check(self, tensor: str | TensorEntry, *, scratch: Buffer) -> TensorHeader:
+        """Decrypt and verify one tensor a piece at a time through ``scratch``, keeping nothing.
+
+        This is ``readinto`` for a caller that wants the verdict, not the bytes (``inspect --verify``): memory
+        stays at ``scratch``, whatever the tensor's size, and a meta tensor (no data) costs nothing although
+        it would load as zeros. An encrypted tensor is opened one encryption chunk at a time; a chunk larger
+        than ``scratch`` gets a buffer of its own, which the file's own bytes bound (the chunk lies in it).
+        Raises as :meth:`readinto` does.
+        """
+        entry = self.entry(tensor)
+        window = memoryview(scratch).cast("B")
+        if not window.nbytes or window.readonly:
+            raise ConfigError("check() needs a writable scratch buffer of at least one byte")
+        header = self.read_header(entry)
+        hasher = TensorHasher(
+            fastest_hash(header) if self._hashes == "fastest" else header, source=self.source
+        )
+        if header.encrypted:
+            decryptor = TensorDecryptor(
+                header, self._key, source=self.source, key_known_good=self._key_proven
+            )
+            for k in range(decryptor.chunk_count):
+                start, length = decryptor.chunk_span(k)
+                piece = window[:length] if length <= window.nbytes else memoryview(bytearray(length))
+                self._readinto([piece], entry.data_offset + start)
+                decryptor.decrypt_chunk(k, piece)
+                self._key_proven = True
+                hasher.update(piece)
+        else:
+            for start in range(0, entry.data_length, window.nbytes):
+                piece = window[: min(window.nbytes, entry.data_length - start)]
+                self._readinto([piece], entry.data_offset + start)
+                hasher.update(piece)
+        hasher.verify()
         return header
 
     def read_numpy(self, tensor: str | TensorEntry) -> np.ndarray[Any, Any]:

@@ -20,7 +20,7 @@ from typing import Literal
 from modelload.loader import dtypes
 from modelload.loader.dtypes import DType
 from modelload.loader.errors import HeaderError, SizeMismatchError, TruncatedError, UnsupportedDtypeError
-from modelload.loader.formats._index import TensorEntry
+from modelload.loader.formats._index import MAX_NDIM, TensorEntry
 from modelload.loader.formats.tensorizer._cursor import Cursor
 from modelload.loader.formats.tensorizer.crypt_info import CryptInfo, parse_crypt_info
 from modelload.loader.formats.tensorizer.names import Path, PathError, decode_name
@@ -150,9 +150,14 @@ def parse_tensor_header(
     try:
         name, path = decode_name(cur.take(cur.u16("name length"), "name"))
     except PathError as exc:
-        raise HeaderError(f"{what}: {exc}", source=source) from None
+        raise HeaderError(f"{what}: {exc}; re-create the file", source=source) from None
     dtype = decode_dtype(cur.take(cur.u8("dtype length"), "dtype"), what=what, source=source)
-    shape = cur.dims(cur.u8("ndim"), wide=long_dims, field="dimensions")
+    ndim = cur.u8("ndim")
+    if ndim > MAX_NDIM:
+        raise HeaderError(
+            f"{what}: {ndim} dimensions, more than the {MAX_NDIM} any reader holds", source=source
+        )
+    shape = cur.dims(ndim, wide=long_dims, field="dimensions")
     hashes, value_spans = _parse_hashes(cur, cur.u16("hash section length"), what=what, source=source)
     crypt_start = cur.pos
     (data_length,) = _I64.unpack_from(view, size - 8)

@@ -30,6 +30,7 @@ from pathlib import Path as FsPath
 from typing import IO, Any
 
 from modelload.loader.errors import ConfigError, DuplicateNameError
+from modelload.loader.formats._index import MAX_NDIM
 from modelload.loader.formats.tensorizer._arrays import TensorSpec, describe, flat_bytes, is_torch_tensor
 from modelload.loader.formats.tensorizer.crypt_info import NONCE_BYTES, Cipher, CryptInfo
 from modelload.loader.formats.tensorizer.crypto import ChunkSealer, NonceLedger
@@ -69,9 +70,10 @@ __all__ = ["TensorizerWriter"]
 
 _MAX_NAME = 0xFFFF
 _MAX_DTYPE = 0xFF
-_MAX_NDIM = 0xFF
+_MAX_NDIM = MAX_NDIM  # the field holds 255, but no reader can load more than this
 _MAX_MODULE_IDX = 0xFFFF
 _END_MARKER = bytes(8)
+_TEXT_NAMES = "give names as real text (a name decoded with errors='surrogateescape' is not)"
 
 
 @dataclass
@@ -154,7 +156,10 @@ class TensorizerWriter:
 
     def write_state_dict(self, state_dict: Mapping[str, Any] | Sequence[Any]) -> None:
         """Write every tensor of a flat or nested state_dict (dicts with str keys, lists, tuples)."""
-        items = [(normalize_path(path), describe(value)) for path, value in _flatten(state_dict, ())]
+        try:
+            items = [(normalize_path(path), describe(value)) for path, value in _flatten(state_dict, ())]
+        except PathError as exc:
+            raise ConfigError(f"state_dict: {exc}; {_TEXT_NAMES}") from None
         for path, _ in items:
             self._check_path(path, "state_dict")
         self._reserve_block(items)
@@ -220,7 +225,7 @@ class TensorizerWriter:
         try:
             path = normalize_path(name)
         except PathError as exc:
-            raise ConfigError(f"tensor name {name!r}: {exc}") from None
+            raise ConfigError(f"tensor name {name!r}: {exc}; {_TEXT_NAMES}") from None
         self._check_path(path, kind)
         return path
 
