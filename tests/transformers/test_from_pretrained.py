@@ -114,6 +114,21 @@ def test_a_model_class_works_as_well_as_an_auto_class(tmp_path: Path, stage_dir:
     assert torch.equal(outputs(net), outputs(expected))
 
 
+def test_an_explicit_cpu_device_goes_through_transformers_placement_and_still_copies_nothing(
+    tmp_path: Path, stage_dir: StageDir
+) -> None:
+    directory = save(llama(), transformers.AutoModelForCausalLM, tmp_path / "llama")
+    with attach(stage_dir(directory), notify=False) as model:
+        net = from_pretrained(transformers.AutoModelForCausalLM, segment=model, device="cpu")
+        assert (
+            net.model.layers[0].mlp.up_proj.weight.data_ptr()
+            == model.tensor("model.layers.0.mlp.up_proj.weight").data_ptr()
+        )
+        assert net.lm_head.weight is net.model.embed_tokens.weight
+        expected = transformers.AutoModelForCausalLM.from_pretrained(directory)
+        assert torch.equal(outputs(net), outputs(expected))
+
+
 def test_the_segment_comes_from_the_environment_by_default(
     tmp_path: Path, stage_dir: StageDir, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -184,6 +199,16 @@ def test_weights_or_placement_given_twice_are_refused(tmp_path: Path, stage_dir:
         from_pretrained(transformers.AutoModel, segment=segment, device_map="auto")
     with pytest.raises(ConfigError, match="neither a transformers model class"):
         from_pretrained(torch.nn.Linear, segment=segment)
+
+
+def test_a_device_without_accelerate_says_what_to_install(
+    tmp_path: Path, stage_dir: StageDir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    segment = stage_dir(save(bert(), transformers.AutoModel, tmp_path / "bert"))
+    monkeypatch.setattr(transformers.utils, "is_accelerate_available", lambda *args: False)
+    with pytest.raises(ConfigError, match=r"needs accelerate: pip install 'modelload\[transformers\]'"):
+        from_pretrained(transformers.AutoModel, segment=segment, device="cuda")
+    assert isinstance(from_pretrained(transformers.AutoModel, segment=segment), transformers.BertModel)
 
 
 # --- no second copy -----------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ generation config read, the model put in eval mode.
 On the CPU nothing is copied: transformers assigns each tensor it receives when the dtype already matches,
 so the parameters are views of the segment (copy-on-write: private to this process if written to). With a
 CUDA ``device`` the tensors are copied as each becomes ready, through pinned memory (the loader's own path),
-and transformers receives them on the device.
+and transformers receives them on the device, placed there by its ``device_map`` (which needs accelerate).
 
 This module imports transformers, an optional extra (``pip install 'modelload[transformers]'``); nothing
 else in ``modelload.loader`` imports it, so ``attach()`` never pulls it in.
@@ -81,10 +81,17 @@ def from_pretrained(
         kwargs["generation_config"] = transformers.GenerationConfig.from_pretrained(
             model_dir, local_files_only=True
         )
+    placement: dict[str, Any] = {}
+    if device is not None:
+        if not transformers.utils.is_accelerate_available():
+            raise ConfigError(
+                f"device={str(device)!r} places the model through transformers' device_map, which needs "
+                "accelerate: pip install 'modelload[transformers]' (or leave device out for the CPU)"
+            )
+        placement["device_map"] = {"": device}
     on_gpu = device is not None and str(device).split(":")[0] != "cpu"
     state = model.state_dict(device=device if on_gpu else None)
     chosen = dtype if dtype is not None else _files_dtype(state)
-    placement: dict[str, Any] = {"device_map": {"": device}} if on_gpu else {}
     with _no_allocator_warmup(on_gpu):
         return model_class.from_pretrained(
             None, config=config, state_dict=state, dtype=chosen, **placement, **kwargs
