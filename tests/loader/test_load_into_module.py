@@ -13,7 +13,7 @@ import torch
 from modelload.loader import attach
 from modelload.loader.cli.main import main
 from modelload.loader.dtypes import by_name
-from modelload.loader.errors import LeftOnMetaError, ModuleLoadError, ModuleMismatchError
+from modelload.loader.errors import ConfigError, LeftOnMetaError, ModuleLoadError, ModuleMismatchError
 from modelload.loader.segment import SegmentWriter, TensorSpec, plan_layout
 
 transformers = pytest.importorskip("transformers")
@@ -342,3 +342,9 @@ def test_a_tied_llama_loads_onto_the_gpu_tied_with_one_copy(shm_dir: Path, tmp_p
         with torch.no_grad():
             got = net(input_ids=tokens.cuda()).logits.cpu()
         torch.testing.assert_close(got, llama_logits(ref), rtol=1e-4, atol=1e-5)
+
+
+def test_an_unknown_leftover_choice_is_refused(shm_dir: Path) -> None:
+    segment = publish(shm_dir / "m.seg", {"weight": torch.ones(1, 2)})
+    with attach(segment, notify=False) as model, pytest.raises(ConfigError, match="leftover='recreate'"):
+        model.load_into_module(torch.nn.Linear(2, 1, bias=False), leftover="recreate")  # type: ignore[arg-type]

@@ -62,7 +62,21 @@ def from_pretrained(
     """
     import transformers
 
-    model = segment if isinstance(segment, Model) else attach(segment)
+    if isinstance(segment, Model):
+        return _build(transformers, auto_class_or_model_class, segment, dtype, device, kwargs)
+    # Detached once built: the model's tensors keep their part of the mapping, and nothing waits any more.
+    with attach(segment) as model:
+        return _build(transformers, auto_class_or_model_class, model, dtype, device, kwargs)
+
+
+def _build(
+    transformers: Any,
+    auto_class_or_model_class: Any,
+    model: Model,
+    dtype: torch.dtype | None,
+    device: str | torch.device | None,
+    kwargs: dict[str, Any],
+) -> Any:
     model_dir = _model_dir(model)
     clashes = sorted(set(kwargs) & set(_OURS))
     if clashes:

@@ -246,7 +246,9 @@ class Model:
             )
         shapes = {name: self._slot(name).shape for name in self.names}
         plan = modules.plan(module, shapes, strict=strict, leftover=leftover)
-        modules.check_twins(plan, self.tensor)
+        if plan.twins:
+            self.wait([name for pair in plan.twins for name in pair], timeout=timeout)
+            modules.check_twins(plan, lambda name: self.tensor(name, wait=False))
         tensors = self.state_dict(device=device, names=list(plan.sources), timeout=timeout)
         if dtype is not None:
             tensors = {n: t.to(dtype) if t.is_floating_point() else t for n, t in tensors.items()}

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
-from modelload.loader.errors import LeftOnMetaError, ModuleLoadError, ModuleMismatchError
+from modelload.loader.errors import ConfigError, LeftOnMetaError, ModuleLoadError, ModuleMismatchError
 
 if TYPE_CHECKING:
     import torch
@@ -70,6 +70,11 @@ def plan(
 ) -> Plan:
     """Match the file's names (with their shapes) to ``module``; raise what ``strict`` and ``leftover``
     refuse."""
+    if leftover not in ("raise", "keep") and not callable(leftover):
+        raise ConfigError(
+            f"leftover={leftover!r}: give 'raise' (the default), 'keep', or a function "
+            "fn(name, meta_tensor) -> tensor that re-creates each tensor left on meta"
+        )
     groups = _tie_groups(module)
     group_of = {place.name: index for index, group in enumerate(groups) for place in group}
     keys = list(module.state_dict(keep_vars=True))
