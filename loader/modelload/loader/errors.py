@@ -31,6 +31,9 @@ you can do about it::
     │   ├── SegmentVersionError        a layout version this loader does not know: upgrade the loader
     │   ├── SegmentSpaceError          the volume has no room for the model
     │   └── LoadFailedError            the writer gave up; ``reason`` says why
+    ├── ModuleLoadError                a model's tensors do not fit a torch module: fix module or call
+    │   ├── ModuleMismatchError        names or shapes differ, as torch's strict load reports (a RuntimeError)
+    │   └── LeftOnMetaError            tensors of the module would stay on ``meta`` after the load
     ├── LoadTimeoutError               waiting for tensors took longer than allowed (also a TimeoutError)
     └── SidecarUnavailableError        no sidecar serves the segment this process was pointed to
 
@@ -50,10 +53,13 @@ __all__ = [
     "FormatError",
     "HashMismatchError",
     "HeaderError",
+    "LeftOnMetaError",
     "LoadFailedError",
     "LoadTimeoutError",
     "MissingKeyError",
     "ModelloadError",
+    "ModuleLoadError",
+    "ModuleMismatchError",
     "NotEncryptedError",
     "OverlapError",
     "RangeNotSupportedError",
@@ -225,6 +231,36 @@ class LoadFailedError(SegmentError):
         self.path = path
         where = f" ({path})" if path else ""
         super().__init__(f"the model load failed{where}: {reason}")
+
+
+# --- modules -----------------------------------------------------------------------------------------------
+
+
+class ModuleLoadError(ModelloadError):
+    """The model's tensors cannot be put into a torch module as asked. Nothing was assigned: fix the module
+    (its config, its class), the model, or the call's options, and load again."""
+
+
+class ModuleMismatchError(ModuleLoadError, RuntimeError):
+    """Names or shapes differ between the model and the module: what torch's strict ``load_state_dict``
+    reports (and, being a RuntimeError too, caught where torch's own error is). ``missing_keys`` are the
+    module's names the model lacks, ``unexpected_keys`` the model's names the module lacks."""
+
+    def __init__(
+        self, message: str, *, missing_keys: tuple[str, ...] = (), unexpected_keys: tuple[str, ...] = ()
+    ) -> None:
+        self.missing_keys = missing_keys
+        self.unexpected_keys = unexpected_keys
+        super().__init__(message)
+
+
+class LeftOnMetaError(ModuleLoadError):
+    """Tensors of the module would stay on ``meta`` after the load (buffers computed in ``__init__``, weights
+    the model lacks): a forward pass would crash or compute garbage. ``names`` lists them."""
+
+    def __init__(self, message: str, *, names: tuple[str, ...]) -> None:
+        self.names = names
+        super().__init__(message)
 
 
 class LoadTimeoutError(ModelloadError, TimeoutError):

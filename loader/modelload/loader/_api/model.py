@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from modelload.loader._api import modules
 from modelload.loader._api import torch as torch_api
 from modelload.loader._api.notify import Subscriber
-from modelload.loader.errors import LoadTimeoutError
+from modelload.loader.errors import LoadTimeoutError, ModuleLoadError
 from modelload.loader.segment import MODEL_DIR_KEY, SegmentReader, Slot, WriterState
 
 if TYPE_CHECKING:
@@ -214,22 +215,44 @@ class Model:
         module: torch.nn.Module,
         *,
         device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
         strict: bool = True,
+        leftover: modules.Leftover = "raise",
         timeout: float | _Default | None = DEFAULT,
     ) -> Any:
         """Put the segment's tensors into ``module``'s parameters and buffers, by name.
 
         The module may live on the ``meta`` device: its tensors are replaced, not copied into (so a model is
-        built without allocating its weights twice). Names written by tensorizer's ``write_module`` for the
-        root module (``".weight"``) match ``"weight"``. Returns torch's ``(missing_keys, unexpected_keys)``;
-        with ``strict`` a mismatch raises.
+        built without allocating its weights twice; on the CPU they are views of the segment). Tied
+        parameters stay tied, filled from whichever of their names the model holds. Non-persistent buffers
+        the model holds (tensorizer's ``write_module`` stores them) are assigned too. Names written by
+        tensorizer for the root module (``".weight"``) match ``"weight"``.
+
+        Each tensor keeps the model's dtype (not the module's); ``dtype`` casts the floating-point ones
+        (integer buffers such as position ids are never cast).
+
+        Anything that would stay on ``meta`` (a buffer computed in ``__init__``, a weight the model lacks
+        with ``strict=False``) raises :class:`~modelload.loader.errors.LeftOnMetaError` naming it, unless
+        ``leftover`` is ``"keep"`` or a function ``fn(name, meta_tensor) -> tensor`` that re-creates each.
+        With ``strict``, names that differ raise :class:`~modelload.loader.errors.ModuleMismatchError`
+        (shapes always do). Every refusal comes before anything is assigned. Returns torch's
+        ``(missing_keys, unexpected_keys)``.
         """
-        wanted = set(module.state_dict(keep_vars=True))
-        names = {_module_key(name, wanted): name for name in self.names}
-        selected = [n for key, n in names.items() if key in wanted] if not strict else list(names.values())
-        tensors = self.state_dict(device=device, names=selected, timeout=timeout)
-        renamed = {_module_key(name, wanted): tensor for name, tensor in tensors.items()}
-        return module.load_state_dict(renamed, strict=strict, assign=True)
+        import torch
+
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ModuleLoadError(
+                f"dtype={dtype!r}: a cast is to a floating-point torch dtype, such as torch.bfloat16"
+            )
+        shapes = {name: self._slot(name).shape for name in self.names}
+        plan = modules.plan(module, shapes, strict=strict, leftover=leftover)
+        if plan.twins:
+            self.wait([name for pair in plan.twins for name in pair], timeout=timeout)
+            modules.check_twins(plan, lambda name: self.tensor(name, wait=False))
+        tensors = self.state_dict(device=device, names=list(plan.sources), timeout=timeout)
+        if dtype is not None:
+            tensors = {n: t.to(dtype) if t.is_floating_point() else t for n, t in tensors.items()}
+        return modules.assign(module, plan, tensors, leftover=leftover)
 
     # --- internals --------------------------------------------------------------------------------------
 
@@ -288,10 +311,3 @@ class Model:
 
 def _is_cpu(device: Any) -> bool:
     return str(device).split(":")[0] == "cpu"
-
-
-def _module_key(name: str, wanted: set[str]) -> str:
-    """Map a file's tensor name to the module's key: tensorizer names root parameters ``".weight"``."""
-    if name.startswith(".") and name not in wanted and name[1:] in wanted:
-        return name[1:]
-    return name
