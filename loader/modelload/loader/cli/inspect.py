@@ -245,12 +245,18 @@ def _verify_file(reader: TensorizerReader | SafetensorsFile, index: ModelIndex, 
                 read(i)
             except WrongKeyError as exc:  # also what a corrupt first chunk looks like: decided below
                 wrong_key = wrong_key or exc
-                failures.append({"name": entry.name, "error": str(exc)})
+                failures.append({"name": entry.name, "error": str(exc), "wrong_key": "yes"})
             except (FormatError, NotEncryptedError) as exc:
                 failures.append({"name": entry.name, "error": str(exc)})
             bar.update(entry.nbytes)
     if wrong_key is not None and len(failures) == len(index.tensors):
         raise wrong_key  # no tensor opened: the key is wrong, not every tensor corrupt
+    for failure in failures:  # other tensors opened with this key: those that did not are corrupt
+        if failure.pop("wrong_key", None):
+            failure["error"] = (
+                "its encrypted bytes fail authentication although the same key opened other tensors of "
+                "this file: the file is corrupt (the key is right); re-upload or re-create it"
+            )
     return _verify_report(len(index.tensors), index.nbytes, time.monotonic() - started, failures, note)
 
 
