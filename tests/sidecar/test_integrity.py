@@ -234,3 +234,17 @@ def test_inspect_verify_calls_a_corrupt_encrypted_tensor_corrupt_when_the_key_op
     assert [f["name"] for f in verify["failures"]] == ["embed.weight"]
     error = verify["failures"][0]["error"]
     assert "corrupt" in error and "the key is right" in error and "wrong" not in error
+
+
+def test_a_staged_segment_records_a_crc32_for_every_tensor_and_inspect_verify_checks_them(
+    shm_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tensors = models.state_dict(seed=46, layers=2)
+    source = shm_dir / "model.safetensors"
+    source.write_bytes(models.safetensors_bytes(tensors))
+    segment = shm_dir / "staged.seg"
+    assert main(["stage", "--no-progress", str(source), str(segment)]) == 0
+    capsys.readouterr()
+    assert main(["inspect", "--no-progress", "--json", "--verify", str(segment)]) == 0
+    verify = json.loads(capsys.readouterr().out)["verify"]
+    assert verify["ok"] is True and verify["checked"] == len(tensors)

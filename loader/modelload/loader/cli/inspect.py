@@ -419,7 +419,12 @@ def _verify_segment(reader: SegmentReader, *, progress: bool) -> Report:
             elif slot.sha256 is not None and hashlib.sha256(view).hexdigest() != slot.sha256:
                 failures.append({"name": slot.name, "error": "SHA-256 differs from the one in the manifest"})
     parts = [f"{checked} tensors checked against the hashes their writer recorded"]
-    if unchecked:
+    if unchecked and not checked:
+        parts = [
+            f"nothing was checked: the writer recorded no hash for any of the {unchecked} ready tensors "
+            "(an older modelload); write the segment again to get one"
+        ]
+    elif unchecked:
         parts.append(f"{unchecked} have no recorded hash")
     if pending:
         parts.append(f"{pending} are not ready")
