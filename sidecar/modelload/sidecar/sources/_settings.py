@@ -80,7 +80,9 @@ class HttpSettings:
         _require_positive("stall_timeout", self.stall_timeout)
         _require_positive("slow_window", self.slow_window)
         if not (self.min_rate >= 0 and math.isfinite(self.min_rate)):
-            raise ConfigError(f"min_rate must be 0 or a positive number of bytes per second, got {self.min_rate!r}")
+            raise ConfigError(
+                f"min_rate must be 0 or a positive number of bytes per second, got {self.min_rate!r}"
+            )
         if self.max_redirects < 0:
             raise ConfigError(f"max_redirects must be 0 or more, got {self.max_redirects}")
 
