@@ -15,7 +15,9 @@ One run is one load:
    in this process), ``readinto`` a slice of the mapping otherwise;
 5. the thread that lands a tensor's last chunk decrypts it in place, checks its hash when asked, and
    publishes it READY;
-6. every tensor in: the segment is COMPLETE. Any permanent failure marks it FAILED with the reason, so
+6. every tensor in, and the weight files still the ones the load started with (a fresh look-up of their
+   validators and a re-read sample of every landed range, :mod:`modelload.sidecar.integrity`): the segment is
+   COMPLETE. Any permanent failure marks it FAILED with the reason, so
    attached readers get an error instead of waiting. :meth:`Engine.stop` (SIGTERM) stops the readers at
    their next chunk and marks a loading segment FAILED too: the segment is always consistent.
 
@@ -50,10 +52,12 @@ from modelload.loader.errors import (
     SourceChangedError,
     SourceNotFoundError,
     TransientSourceError,
+    WrongKeyError,
 )
 from modelload.loader.formats import ModelIndex
 from modelload.loader.formats import tensorizer as tz
 from modelload.loader.segment import MODEL_DIR_KEY, SegmentReader, SegmentWriter, WriterState
+from modelload.sidecar import integrity
 from modelload.sidecar.modeldir import write_model_dir
 from modelload.sidecar.planner import Chunk, LoadPlan, plan_load
 from modelload.sidecar.progress import LoadObserver
@@ -168,6 +172,7 @@ class Engine:
         started = time.monotonic()
         uri = model.uri
         model_dir = None
+        _warn_without_validator(model)
         if model.directory is not None:
             model_dir = write_model_dir(model, self.model_dir, self._sources, on_retry=self._retried)
         if self._reuse(uri, model.fingerprint, model.size):
@@ -180,11 +185,15 @@ class Engine:
             priority=settings.priority,
             metadata=_metadata(uri, model.fingerprint, model.size, settings.notify, model_dir),
         )
-        self._writer = writer = SegmentWriter.create(settings.segment, plan.layout, reserve=False)
+        use_fd = settings.splice and all(source.supports_fd for source in model.sources)
+        # Through the file descriptor nothing writes a meta tensor's slot: reserve it before publishing.
+        unlanded = integrity.unlanded_ranges(plan) if use_fd else []
+        self._writer = writer = SegmentWriter.create(
+            settings.segment, plan.layout, reserve=False, reserve_ranges=unlanded
+        )
         observer.manifest_published(
             model_format=index.format, tensors=len(index), nbytes=index.nbytes, notify=settings.notify
         )
-        use_fd = settings.splice and all(source.supports_fd for source in model.sources)
         if not use_fd:
             # Landing through the mapping: a full tmpfs would be a SIGBUS, so take every page now. Through the
             # file descriptor a full volume is an ordinary ENOSPC, and reserving would cost a pass of zeroing
@@ -193,6 +202,14 @@ class Engine:
         _Load(self, model, plan, writer, key, use_fd=use_fd).run()
         if self._stop.is_set():
             raise LoadStopped("stopped before the load finished")
+        integrity.check_unchanged(
+            model,
+            plan,
+            writer,
+            policy=self._sources.retry,
+            readers=settings.readers,
+            on_retry=self._retried,
+        )
         writer.mark_complete()
         observer.load_finished(seconds=time.monotonic() - started, nbytes=index.nbytes)
 
@@ -284,6 +301,7 @@ class _Load:
         self._remaining = list(plan.chunk_counts)
         self._error: BaseException | None = None
         self._key_proven = False
+        self._doubted: tuple[str, str, WrongKeyError] | None = None
         self._land: Callable[[Chunk], None] = self._land_fd if use_fd else self._land_view
 
     def run(self) -> None:
@@ -300,6 +318,8 @@ class _Load:
             thread.join()
         if self._error is not None:
             raise self._error
+        if self._doubted is not None:  # the only encrypted tensor, and it failed: nothing proves the key
+            raise self._doubted[2]
 
     def _read(self) -> None:
         try:
@@ -343,6 +363,28 @@ class _Load:
             on_retry=self.engine._retried,
         )
 
+    def _doubt(self, name: str, uri: str, exc: WrongKeyError) -> bool:
+        """A tensor failed authentication before any other proved the key: a wrong key, or this tensor's
+        bytes are corrupt. Hold the verdict until a second encrypted tensor decides it (True: held).
+
+        Reporting a wrong key for a corrupt file would send an operator to rotate a Secret that is fine.
+        """
+        with self._lock:
+            if self._key_proven:
+                raise _corrupt(name, uri) from exc
+            if self._doubted is not None:
+                return False  # two tensors fail with this key: it is the key
+            self._doubted = (name, uri, exc)
+            return True
+
+    def _prove_key(self) -> None:
+        """A tensor decrypted: the key is right, and a tensor held by :meth:`_doubt` is corrupt."""
+        with self._lock:
+            self._key_proven = True
+            doubted, self._doubted = self._doubted, None
+        if doubted is not None:
+            raise _corrupt(doubted[0], doubted[1]) from doubted[2]
+
     def _publish(self, tensor: int) -> None:
         """Decrypt and check a tensor whose bytes are all in, then mark it READY."""
         entry = self.plan.index.tensors[tensor]
@@ -359,13 +401,43 @@ class _Load:
             )
             data = self.writer.slot(tensor)[: entry.data_length]
             if header.encrypted:
-                tz.decrypt_in_place(header, data, self.key, source=uri, key_known_good=self._key_proven)
-                self._key_proven = decrypted = True
+                try:
+                    tz.decrypt_in_place(header, data, self.key, source=uri, key_known_good=self._key_proven)
+                except WrongKeyError as exc:
+                    if self._doubt(entry.name, uri, exc):
+                        return  # published later, if ever: see _doubt
+                    raise
+                decrypted = True
+                self._prove_key()
             if self.settings.verify and header.hashes:
                 tz.verify(tz.fastest_hash(header), data, source=uri)
                 verified = True
-        self.writer.mark_ready(tensor, verified=verified, decrypted=decrypted)
+        crc = integrity.crc32(self.writer.slot(tensor))
+        self.writer.mark_ready(tensor, verified=verified, decrypted=decrypted, crc32=crc)
         self.observer.tensor_ready(index=tensor, name=slot.name, nbytes=slot.nbytes)
+
+
+def _corrupt(name: str, uri: str) -> HashMismatchError:
+    return HashMismatchError(
+        f"tensor {name!r}: its encrypted bytes fail authentication although the same key opened other "
+        "tensors of this file: the file's bytes are corrupt (the key is right); re-upload or re-create the "
+        "file",
+        source=uri,
+    )
+
+
+def _warn_without_validator(model: OpenedModel) -> None:
+    """Say loudly when a weight file's origin gives no strong validator: a replacement mid-load is then
+    caught only by the end-of-load re-check of sampled bytes (docs/sidecar.md, "Consistency")."""
+    for source, info in zip(model.sources, model.infos, strict=True):
+        strength = integrity.validator_strength(info)
+        if strength != "strong":
+            log.warning(
+                "%s has %s validator (no strong ETag): a replacement during the load can only be detected "
+                "by the end-of-load re-check of sampled bytes; publish new model versions under new names",
+                source.display_uri,
+                "a weak" if strength == "weak" else "no",
+            )
 
 
 def _metadata(
