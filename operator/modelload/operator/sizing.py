@@ -86,13 +86,13 @@ def plan_sizing(
         needed = segment + FIXED_HEADROOM
     else:
         needed = segment_bytes(model_bytes=model_bytes, tensors=tensors)
-    memory = spec.memory
-    if memory is not None and memory.mode == "ring" and memory.ring_size is not None:
+    options = spec.memory
+    if options is not None and options.mode == "ring" and options.ring_size is not None:
         # What the segment holds besides tensor data (tables, alignment, a directory's small files), plus
         # the ring, the consumer table beside the segment, and the same headroom.
         besides_data = max(needed - model_bytes, FIXED_HEADROOM)
         consumer_table = CONSUMER_TABLE_ENTRIES * (64 + tensors // 8 + 64) + ALIGNMENT
-        needed = min(needed, parse_bytes(memory.ring_size) + besides_data + consumer_table)
+        needed = min(needed, parse_bytes(options.ring_size) + besides_data + consumer_table)
     if spec.volume_size_limit is not None:
         volume_bytes = parse_bytes(spec.volume_size_limit)
         if volume_bytes < needed:

@@ -68,8 +68,10 @@ class MemorySettings:
     ``wait_timeout``: seconds ring mode may wait for room before failing the load; None waits as long as
     it takes (the status shows the wait).
 
-    ``consumers``: registered consumers required before anything is released (tensor-parallel workers that
-    attach one by one: set it to their count). Default 1.
+    ``consumers``: consumers that must have registered before anything is released (tensor-parallel
+    workers that attach one by one: set it to their count). Default 1. Once they have, a tensor is released
+    when every *live* consumer has consumed it: one that left (``Model.close()``) or whose heartbeat expired
+    (it died) needs nothing more.
 
     ``expiry``: seconds without a heartbeat after which a consumer counts as gone. Default 30.
     """
@@ -182,6 +184,8 @@ class MemoryManager:
         self._wait_total = 0.0
         self._holders: list[dict[str, Any]] = []
         self._consumers: list[ConsumerEntry] = []
+        self._seen: set[tuple[int, int]] = set()
+        """Every registration seen, by (entry, time registered): the count ``consumers`` waits for."""
         self._last_report = 0.0
         self._resident = 0
         self._failure: BaseException | None = None
@@ -272,16 +276,21 @@ class MemoryManager:
 
     def _release_consumed(self) -> bool:
         now_ns = time.time_ns()
-        live = [e for e in self._table.entries() if e.age(now_ns) <= self.settings.expiry]
+        entries = self._table.entries()
+        self._seen.update((e.slot, e.registered_ns) for e in entries)
+        live = [e for e in entries if e.active and e.age(now_ns) <= self.settings.expiry]
         self._consumers = live
         states = self._releaser.states
         ready = states == TensorState.READY
-        if len(live) < self.settings.consumers:
+        if len(self._seen) < self.settings.consumers:
             self._holders = []
             return False
+        # Consumers that left or whose heartbeat expired need nothing more: only the live ones hold tensors.
         count = len(self._released)
-        bits = np.bitwise_and.reduce([self._table.consumed_bits(e.slot) for e in live])
-        consumed = np.unpackbits(bits, bitorder="little", count=count).astype(bool)
+        consumed = np.ones(count, dtype=bool)
+        for entry in live:
+            bits = np.unpackbits(self._table.consumed_bits(entry.slot), bitorder="little", count=count)
+            consumed &= bits.astype(bool)
         todo = np.flatnonzero(consumed & ready & ~self._released)
         freed = 0
         for index in todo:
@@ -315,9 +324,9 @@ class MemoryManager:
         return holders
 
     def _describe_holders(self) -> str:
-        if len(self._consumers) < self.settings.consumers:
+        if len(self._seen) < self.settings.consumers:
             return (
-                f"{len(self._consumers)} consumer(s) attached, {self.settings.consumers} needed before "
+                f"{len(self._seen)} consumer(s) attached, {self.settings.consumers} needed before "
                 "anything is released: is the app running and attached (modelload.loader.attach())?"
             )
         if not self._holders:

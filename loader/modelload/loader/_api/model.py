@@ -193,7 +193,8 @@ class Model:
         In memory modes release and ring the sidecar gives a tensor's pages back once every registered
         consumer has consumed it; views of it must not be used afterwards. ``state_dict(device="cuda")`` and
         ``load_into_module(..., device="cuda")`` call this for you as each copy completes; call it yourself
-        when you copy tensors another way. In memory mode full it does nothing.
+        when you copy tensors another way. In memory mode full it does nothing. A process that did not
+        register (``attach(register=False)``) records nothing, but still learns whether its copy was whole.
 
         >>> for name in model.iter_ready():                     # doctest: +SKIP
         ...     weights[name] = model.tensor(name).to("cuda")
@@ -206,12 +207,13 @@ class Model:
             names = [names]
         indices = [self._slot(name).index for name in names]
         registration = self._registration
-        if registration is None:
-            return
         for index in indices:
-            if self._reader.state(index) == TensorState.RELEASED and not registration.has(index):
+            if self._reader.state(index) == TensorState.RELEASED and not (
+                registration is not None and registration.has(index)
+            ):
                 raise self._reader.released(index)
-        registration.mark(indices)
+        if registration is not None:
+            registration.mark(indices)
 
     # --- tensors --------------------------------------------------------------------------------------------
 

@@ -115,6 +115,8 @@ class ConsumerEntry:
     heartbeat_ns: int
     consumed: int
     """Tensors this consumer has marked consumed (advisory)."""
+    active: bool = True
+    """False once the consumer left (``Model.close()``): it needs nothing more."""
 
     def age(self, now_ns: int | None = None) -> float:
         """Seconds since the consumer's last heartbeat."""
@@ -180,13 +182,14 @@ class ConsumerTable:
     # --- the writer's view ----------------------------------------------------------------------------------
 
     def entries(self) -> list[ConsumerEntry]:
-        """Every entry whose state is ACTIVE, stale or not (the caller judges heartbeats)."""
+        """Every entry ACTIVE (stale or not: the caller judges heartbeats) or LEFT."""
         found = []
         for slot in range(self.capacity):
             state, pid, registered, heartbeat, consumed, label = _ENTRY.unpack_from(self._mm, self._at(slot))
-            if state == ACTIVE:
+            if state in (ACTIVE, LEFT):
                 text = label.rstrip(b"\0").decode("utf-8", errors="replace")
-                found.append(ConsumerEntry(slot, pid, text, registered, heartbeat, consumed))
+                entry = ConsumerEntry(slot, pid, text, registered, heartbeat, consumed, state == ACTIVE)
+                found.append(entry)
         return found
 
     def consumed_bits(self, slot: int) -> npt.NDArray[np.uint8]:
