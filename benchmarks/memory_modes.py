@@ -3,7 +3,7 @@
 ``make bench`` runs this after ``run.py``. A real ``modelload sidecar`` process loads a safetensors model
 from a local file into a segment in /dev/shm while this process, attached with the loader, copies each tensor
 out as it becomes ready (into a reused buffer: the CPU stand-in for a host-to-device copy) and marks it
-consumed. Sampled every few milliseconds during each load:
+consumed. Sampled every 5 ms during each load:
 
 - volume bytes in use: the allocated blocks of the segment file and of its consumer table (what a
   memory-backed ``emptyDir`` charges the pod);
@@ -24,6 +24,7 @@ consumer is done. The goals checked at the end:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -83,7 +84,7 @@ def make_model(path: Path, total: int) -> int:
 
 
 class Sampler:
-    """Peak of (volume bytes + sidecar RSS), sampled every 2 ms in a thread."""
+    """Peak of (volume bytes + sidecar RSS), sampled every 5 ms in a thread."""
 
     def __init__(self, pid: int, files: list[Path]) -> None:
         self.pid, self.files = pid, files
@@ -95,10 +96,8 @@ class Sampler:
     def volume(self) -> int:
         total = 0
         for path in self.files:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 total += os.stat(path).st_blocks * 512
-            except FileNotFoundError:
-                pass
         return total
 
     def rss(self) -> int:
@@ -110,7 +109,7 @@ class Sampler:
         return sum(int(fields.get(k, "0 kB").split()[0]) * 1024 for k in ("RssAnon", "RssFile"))
 
     def _run(self) -> None:
-        while not self._stop.wait(0.002):
+        while not self._stop.wait(0.005):
             volume, rss = self.volume(), self.rss()
             self.peak_volume = max(self.peak_volume, volume)
             self.peak_rss = max(self.peak_rss, rss)
@@ -133,7 +132,8 @@ def one_load(source: Path, work: Path, mode: str, args: argparse.Namespace) -> R
     argv = [
         sys.executable, "-m", "modelload.loader.cli.main", "sidecar",
         "--source", str(source), "--segment", str(segment), "--readers", str(args.readers),
-        "--chunk-size", args.chunk_size, "--host", "127.0.0.1", "--port", str(port), "--notify", "none",
+        "--chunk-size", args.chunk_size, "--host", "127.0.0.1", "--port", str(port),
+        "--notify", f"ipc://{work}/notify-{mode}.sock",
         "--memory-mode", mode,
     ]  # fmt: skip
     if mode == "ring":
@@ -147,7 +147,7 @@ def one_load(source: Path, work: Path, mode: str, args: argparse.Namespace) -> R
                     process.stderr.read().decode()[-2000:] if process.stderr else "sidecar died"
                 )
             time.sleep(0.002)
-        model = attach(segment, timeout=60, notify=False)
+        model = attach(segment, timeout=60)  # ready notifications from the sidecar, as in a pod
         buffer = np.empty(TENSOR_BYTES, dtype=np.uint8)
         started = time.monotonic()
         nbytes = 0
@@ -210,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         one_load(source, shm, "full", args)  # warm the page cache and the imports
         runs: dict[str, list[Run]] = {"full": [], "release": [], "ring": []}
         for _ in range(args.runs):
-            for mode in runs:
-                runs[mode].append(one_load(source, shm, mode, args))
+            for mode, results in runs.items():
+                results.append(one_load(source, shm, mode, args))
     finally:
         shutil.rmtree(disk, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)

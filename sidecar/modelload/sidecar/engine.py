@@ -186,14 +186,16 @@ class Engine:
         plan = plan_memory(plan, settings.memory)
         check_volume(settings.segment.parent, plan.layout.resident_limit, settings.memory)
         self._writer = writer = SegmentWriter.create(settings.segment, plan.layout, reserve=False)
+        use_fd = settings.splice and all(source.supports_fd for source in model.sources)
         memory = None
         if settings.memory.mode != "full":
             report = getattr(observer, "memory_changed", None)
-            memory = MemoryManager(settings.memory, writer=writer, plan=plan, stop=self._stop, report=report)
+            memory = MemoryManager(
+                settings.memory, writer=writer, plan=plan, stop=self._stop, report=report, reserve=not use_fd
+            )
         observer.manifest_published(
             model_format=index.format, tensors=len(index), nbytes=index.nbytes, notify=settings.notify
         )
-        use_fd = settings.splice and all(source.supports_fd for source in model.sources)
         if not use_fd and settings.memory.mode != "ring":  # (ring mode takes each chunk's pages as it lands)
             # Landing through the mapping: a full tmpfs would be a SIGBUS, so take every page now. Through the
             # file descriptor a full volume is an ordinary ENOSPC, and reserving would cost a pass of zeroing

@@ -49,8 +49,10 @@ __all__ = ["MemoryManager", "MemorySettings", "plan_memory"]
 log = logging.getLogger(__name__)
 
 Mode = Literal["full", "release", "ring"]
-POLL_INTERVAL = 0.005
-"""Seconds between reads of the consumer table while something may be released."""
+POLL_INTERVAL = 0.01
+"""Seconds between reads of the consumer table."""
+POLL_WAITING = 0.001
+"""... while a reader waits for room in the ring: the load is stalled until the next release is seen."""
 STATUS_INTERVAL = 1.0
 """Seconds between status reports while nothing changes (so a wait's duration shows as it grows)."""
 
@@ -162,8 +164,13 @@ class MemoryManager:
         plan: LoadPlan,
         stop: threading.Event,
         report: Callable[[dict[str, Any]], None] | None = None,
+        reserve: bool = True,
     ) -> None:
+        """``reserve``: take each chunk's pages before it lands (``posix_fallocate``), for readers that write
+        through the mapping; readers writing through the file descriptor get ENOSPC as an ordinary error, and
+        reserving would zero every page once more before the data overwrites it."""
         self.settings = settings
+        self._reserve_pages = reserve
         self.plan = plan
         self._stop = stop
         self._report = report
@@ -220,7 +227,8 @@ class MemoryManager:
             self._charges[chunk.tensor] += charge
             self._next_grant += 1
             self._cond.notify_all()
-        self._reserve(chunk)
+        if self._reserve_pages:
+            self._reserve(chunk)
         return True
 
     def _reserve(self, chunk: Chunk) -> None:
@@ -262,7 +270,7 @@ class MemoryManager:
                     self._last_report = now
                     if self._report is not None:
                         self._report(self.status())
-                time.sleep(POLL_INTERVAL)
+                time.sleep(POLL_WAITING if self._waiting_since is not None else POLL_INTERVAL)
             self._resident = resident_bytes(self._releaser.fileno())
             if self._report is not None:
                 self._report(self.status())

@@ -249,7 +249,8 @@ class Model:
         if device is None or _is_cpu(device):
             result = dict(host)
         else:
-            result = dict(torch_api.copy_all(host, device, on_done=self.consumed))
+            on_done = self.consumed if self._registration is not None else None
+            result = dict(torch_api.copy_all(host, device, on_done=on_done))
         return {name: result[name] for name in wanted}
 
     def load_into_module(

@@ -79,7 +79,14 @@ class DeviceCopier:
                 target.copy_(host, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self._stream)
-            self._registered.append((event, host.data_ptr(), host, on_done))
+            if on_done is not None:
+                # Someone waits for these host bytes to be released (memory modes release and ring): the
+                # next tensor may only land once they are, so finish this copy now rather than at the next.
+                event.synchronize()
+                _unregister(host.data_ptr())
+                on_done()
+            else:
+                self._registered.append((event, host.data_ptr(), host, on_done))
             self._release_finished()
         else:
             self._copy_staged(host, target)
