@@ -58,6 +58,7 @@ test: check
 
 bench: venv
 	$(BIN)/python benchmarks/run.py
+	$(BIN)/python benchmarks/memory_modes.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -26,9 +26,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from modelload.operator.quantity import parse_size
+from modelload.operator.quantity import parse_bytes, parse_size
 from modelload.operator.resource import ResolvedModel
-from modelload.operator.schema import MODEL_LABEL
+from modelload.operator.schema import MODEL_LABEL, ModelLoadSpec
 from modelload.operator.settings import SidecarSettings
 from modelload.operator.sizing import plan_sizing
 
@@ -222,6 +222,22 @@ def _sidecar_container(
     return container
 
 
+def _memory_env(spec: ModelLoadSpec) -> list[dict[str, Any]]:
+    """The sidecar's memory mode (spec.memory); nothing for the default, full."""
+    memory = spec.memory
+    if memory is None or memory.mode == "full":
+        return []
+    env = [
+        {"name": "MODELLOAD_MEMORY_MODE", "value": memory.mode},
+        {"name": "MODELLOAD_CONSUMERS", "value": str(memory.consumers)},
+    ]
+    if memory.ring_size is not None:
+        env.append({"name": "MODELLOAD_RING_SIZE", "value": str(parse_bytes(memory.ring_size))})
+    if memory.wait_timeout_seconds is not None:
+        env.append({"name": "MODELLOAD_MEMORY_WAIT_TIMEOUT", "value": str(memory.wait_timeout_seconds)})
+    return env
+
+
 def sidecar_env(model: ResolvedModel, *, port: int) -> list[dict[str, Any]]:
     """The sidecar's configuration (CONTRACTS.md's MODELLOAD_* variables) and credential references."""
     spec = model.spec
@@ -239,6 +255,7 @@ def sidecar_env(model: ResolvedModel, *, port: int) -> list[dict[str, Any]]:
     ]
     if spec.priority:
         env.append({"name": "MODELLOAD_PRIORITY", "value": ",".join(spec.priority)})
+    env += _memory_env(spec)
     if spec.files:
         env.append({"name": "MODELLOAD_FILES", "value": ",".join(spec.files)})
     s3 = spec.s3

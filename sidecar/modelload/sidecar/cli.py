@@ -97,6 +97,7 @@ def default_engine(settings: SidecarSettings, observer: LoadObserver) -> LoadEng
         notify=settings.notify.endpoint,
         model_dir=load.model_dir,
         files=load.files,
+        memory=load.memory,
     )
     return Engine(engine_settings, sources=settings.sources, observer=observer)
 

@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Literal
@@ -58,6 +58,7 @@ from modelload.loader.formats import ModelIndex
 from modelload.loader.formats import tensorizer as tz
 from modelload.loader.segment import MODEL_DIR_KEY, SegmentReader, SegmentWriter, WriterState
 from modelload.sidecar import integrity
+from modelload.sidecar.memory import MemoryManager, MemorySettings, check_volume, plan_memory
 from modelload.sidecar.modeldir import write_model_dir
 from modelload.sidecar.planner import Chunk, LoadPlan, plan_load
 from modelload.sidecar.progress import LoadObserver
@@ -112,6 +113,8 @@ class EngineSettings:
     """The pyzmq endpoint recorded in the segment for loaders to subscribe to."""
     splice: bool = True
     """Land bytes with ``os.splice`` where the source supports it (plain HTTP, S3 over HTTP, files)."""
+    memory: MemorySettings = field(default_factory=MemorySettings)
+    """What happens to tensors every consumer has copied: kept (full), released, or held in a ring."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.readers <= 256:
@@ -175,8 +178,8 @@ class Engine:
         _warn_without_validator(model)
         if model.directory is not None:
             model_dir = write_model_dir(model, self.model_dir, self._sources, on_retry=self._retried)
-        if self._reuse(uri, model.fingerprint, model.size):
-            return
+        if settings.memory.mode == "full" and self._reuse(uri, model.fingerprint, model.size):
+            return  # (a segment whose tensors may have been released is never reused)
         index = model.index
         key = self._key(index, uri)
         plan = plan_load(
@@ -185,21 +188,29 @@ class Engine:
             priority=settings.priority,
             metadata=_metadata(uri, model.fingerprint, model.size, settings.notify, model_dir),
         )
+        plan = plan_memory(plan, settings.memory)
+        check_volume(settings.segment.parent, plan.layout.resident_limit, settings.memory)
         use_fd = settings.splice and all(source.supports_fd for source in model.sources)
         # Through the file descriptor nothing writes a meta tensor's slot: reserve it before publishing.
         unlanded = integrity.unlanded_ranges(plan) if use_fd else []
         self._writer = writer = SegmentWriter.create(
             settings.segment, plan.layout, reserve=False, reserve_ranges=unlanded
         )
+        memory = None
+        if settings.memory.mode != "full":
+            report = getattr(observer, "memory_changed", None)
+            memory = MemoryManager(
+                settings.memory, writer=writer, plan=plan, stop=self._stop, report=report, reserve=not use_fd
+            )
         observer.manifest_published(
             model_format=index.format, tensors=len(index), nbytes=index.nbytes, notify=settings.notify
         )
-        if not use_fd:
+        if not use_fd and settings.memory.mode != "ring":  # (ring mode takes each chunk's pages as it lands)
             # Landing through the mapping: a full tmpfs would be a SIGBUS, so take every page now. Through the
             # file descriptor a full volume is an ordinary ENOSPC, and reserving would cost a pass of zeroing
             # (0.15 s per 2 GiB here) for pages the data overwrites anyway.
             writer.reserve()
-        _Load(self, model, plan, writer, key, use_fd=use_fd).run()
+        _Load(self, model, plan, writer, key, use_fd=use_fd, memory=memory).run()
         if self._stop.is_set():
             raise LoadStopped("stopped before the load finished")
         integrity.check_unchanged(
@@ -209,6 +220,7 @@ class Engine:
             policy=self._sources.retry,
             readers=settings.readers,
             on_retry=self._retried,
+            sample=settings.memory.mode == "full",
         )
         writer.mark_complete()
         observer.load_finished(seconds=time.monotonic() - started, nbytes=index.nbytes)
@@ -286,8 +298,10 @@ class _Load:
         key: tz.DecryptionKey | None,
         *,
         use_fd: bool,
+        memory: MemoryManager | None = None,
     ) -> None:
         self.engine = engine
+        self.memory = memory
         self.sources: list[Source] = model.sources
         self.model = model
         self.plan = plan
@@ -327,8 +341,10 @@ class _Load:
                 with self._lock:
                     if self._next >= len(self.plan.chunks):
                         return
-                    chunk = self.plan.chunks[self._next]
+                    seq, chunk = self._next, self.plan.chunks[self._next]
                     self._next += 1
+                if self.memory is not None and not self.memory.admit(seq, chunk):
+                    return  # stopped while waiting for room in the ring
                 self._land(chunk)
                 self.observer.bytes_loaded(chunk.data_bytes)
                 with self._lock:

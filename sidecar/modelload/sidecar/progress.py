@@ -14,7 +14,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 __all__ = ["LoadObserver", "LoadPhase", "LoadStatus", "LoadTracker", "Observers"]
 
@@ -70,6 +70,8 @@ class LoadStatus:
     errors: dict[str, int] = field(default_factory=dict)
     error: str | None = None
     notify: str | None = None
+    memory: dict[str, Any] | None = None
+    """Memory modes release and ring: what is held, released, and what the load waits for (memory.py)."""
 
     @property
     def published(self) -> bool:
@@ -126,6 +128,7 @@ class LoadStatus:
             "errors": dict(self.errors),
             "error": self.error,
             "notify": self.notify,
+            "memory": self.memory,
         }
 
 
@@ -218,6 +221,10 @@ class LoadTracker:
     def load_finished(self, *, seconds: float, nbytes: int) -> None:
         with self._lock:
             self._status = _replace(self._status, phase="complete", finished_at=time.time())
+
+    def memory_changed(self, status: dict[str, Any]) -> None:
+        with self._lock:
+            self._status = _replace(self._status, memory=status)
 
     def load_failed(self, *, kind: str, reason: str) -> None:
         with self._lock:

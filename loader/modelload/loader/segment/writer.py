@@ -34,6 +34,7 @@ import numpy as np
 
 from modelload.loader.errors import SegmentError, SegmentSpaceError
 from modelload.loader.segment import _memory
+from modelload.loader.segment.consumers import create_table
 from modelload.loader.segment.layout import (
     ERROR_CAPACITY,
     HEADER_LENGTH,
@@ -117,8 +118,8 @@ class SegmentWriter:
         target = Path(path)
         load_id = load_id or (secrets.randbits(64) | 1)
         created_ns = created_ns or time.time_ns()
-        _make_room(target, layout.segment_length, load_id)
-        _check_space(target.parent, layout.segment_length)
+        _make_room(target, layout.resident_limit, load_id)
+        _check_space(target.parent, layout.resident_limit)
         temp = target.with_name(f".{target.name}.{load_id:016x}.tmp")
         fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
@@ -132,6 +133,8 @@ class SegmentWriter:
             mm = mmap.mmap(fd, layout.segment_length, flags=mmap.MAP_SHARED)
             writer = cls(target, layout, fd, mm, load_id)
             writer._write_prologue(created_ns)
+            if layout.layout_version >= 3:  # the consumer table first: a version-3 reader looks for it
+                create_table(target, load_id=load_id, tensor_count=len(layout.slots))
             _supersede(target, load_id)
             temp.rename(target)
         except BaseException:
