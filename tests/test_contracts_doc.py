@@ -99,6 +99,10 @@ def _everything_the_webhook_sets() -> tuple[dict[str, dict[str, Any]], dict[str,
         },
         {"source": "s3://models/m.tensors", "passwordSecretRef": {"name": "pw"}, "s3": {"unsigned": True}},
         {"source": "https://models.example.com/m.tensors", "headersSecretRef": {"name": "token"}},
+        {
+            "source": "s3://models/m.tensors",
+            "memory": {"mode": "ring", "ringSize": "256Mi", "waitTimeoutSeconds": 60},
+        },
     ):
         sidecar.update(_env_of(spec))
     targets = {item["name"]: item["value"] for item in target_env()}
