@@ -3,7 +3,7 @@
 ``os.splice`` moves pages from a socket (or a file's page cache) into a pipe and from the pipe into the
 destination file; the kernel fills the destination's tmpfs pages itself, so there are no user-space page
 faults and no copy through a Python buffer. Measured here, landing an HTTP body in a fresh /dev/shm file
-this way runs at 2.0-2.4 GiB/s against 1.6-1.8 for ``readinto`` into a fresh mmap (specs/benchmarking.md).
+this way runs at 2.0-2.4 GiB/s against 1.6-1.8 for ``readinto`` into a fresh mmap (``benchmarks/landing.py``).
 
 Linux only, plain sockets only: TLS needs the bytes decrypted in user space. Each thread keeps one pipe,
 enlarged to 1 MiB when the system allows, so a 32 MiB range is about 64 system calls.
