@@ -182,3 +182,35 @@ def stage(shm_dir: Path) -> Iterator[Callable[..., Staged]]:
     yield start
     for thread in threads:
         thread.join(timeout=5)
+
+
+@dataclass
+class Baseline:
+    """vLLM's own ``safetensors`` loader on a model directory, with modelload left out by VLLM_PLUGINS."""
+
+    tokens: list[list[int]]
+    log: list[str]
+
+
+@pytest.fixture(scope="session")
+def baseline(model_dirs: dict[str, Path]) -> Callable[[str], Baseline]:
+    """``baseline(kind)``: greedy tokens of vLLM reading ``kind``'s directory itself, one engine per kind
+    for the whole session (engine starts are what these tests spend their time on)."""
+    from tests.vllm.engine import Engine
+
+    found: dict[str, Baseline] = {}
+
+    def get(kind: str) -> Baseline:
+        if kind not in found:
+            engine = Engine(
+                model_dirs[kind], load_format="safetensors", env={"VLLM_PLUGINS": "some-other-plugin"}
+            )
+            found[kind] = Baseline(engine.result(), list(engine.lines))
+        return found[kind]
+
+    return get
+
+
+from tests.support.fixtures import aws_env, moto_s3, nginx  # noqa: E402
+
+__all__ = ["aws_env", "moto_s3", "nginx"]

@@ -2,20 +2,21 @@
 weights taken while they still stream, a failed load reported rather than waited on, and a plugin that stays
 out of the way when VLLM_PLUGINS leaves it out.
 
-Each engine start costs about 30 s on two cores, so each test starts as few as it can: one engine per load
-format and model.
+Each engine start costs about 30 s on two cores, so each test starts as few as it can, and vLLM's own loader
+runs once per model for the whole session (the ``baseline`` fixture).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.vllm.conftest import Staged
-from tests.vllm.engine import Engine
+from tests.vllm.conftest import Baseline, Staged
+from tests.vllm.engine import MAX_TOKENS, PROMPTS, Engine
 
 log = logging.getLogger(__name__)
 
@@ -24,11 +25,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 REGISTERED = r"Registered model loader .* with load format `modelload`"
 
 
-def test_llama_streamed_from_the_segment_generates_what_vllm_generates_from_disk(
-    model_dirs: dict[str, Path], stage: Callable[..., Staged]
+def test_llama_taken_while_it_streams_generates_what_vllm_generates_from_disk(
+    model_dirs: dict[str, Path], stage: Callable[..., Staged], baseline: Callable[[str], Baseline]
 ) -> None:
-    source = model_dirs["llama"]
-    staged = stage(source, hold_after=5)
+    staged = stage(model_dirs["llama"], hold_after=5)
     assert staged.published.wait(30)
     engine = Engine(staged.model_dir, load_format="modelload", env={"MODELLOAD_SEGMENT": str(staged.segment)})
     try:
@@ -44,31 +44,15 @@ def test_llama_streamed_from_the_segment_generates_what_vllm_generates_from_disk
     assert f"{staged.total - 5} of them arriving while vLLM was loading" in fed[0]
     assert engine.matching(r"modelload: the segment .* is no longer mapped in this process")
     assert engine.matching(REGISTERED)
-
-    # vLLM's own loader on the same directory, with the plugin left out by VLLM_PLUGINS.
-    baseline = Engine(source, load_format="safetensors", env={"VLLM_PLUGINS": "some-other-plugin"})
-    expected = baseline.result()
-    assert not baseline.matching(REGISTERED), "VLLM_PLUGINS left modelload out, yet it registered"
-    assert not baseline.matching(r"modelload")
-    assert streamed == expected
-    assert len(streamed) == 3 and all(len(tokens) == 12 for tokens in streamed)
+    assert streamed == baseline("llama").tokens
+    assert len(streamed) == len(PROMPTS) and all(len(tokens) == MAX_TOKENS for tokens in streamed)
 
 
-def test_qwen_with_tied_embeddings_loads_the_same_as_from_disk(
-    model_dirs: dict[str, Path], stage: Callable[..., Staged]
-) -> None:
-    source = model_dirs["qwen"]
-    staged = stage(source, name="qwen")
-    staged.finish()
-    engine = Engine(
-        staged.model_dir,
-        load_format="modelload",
-        extra={"segment": str(staged.segment), "attach_timeout": 30},
-    )
-    streamed = engine.result()
-    baseline = Engine(source, load_format="safetensors")
-    assert streamed == baseline.result()
-    assert engine.matching(rf"modelload: attached to .*{staged.total} of {staged.total} tensors in")
+def test_vllm_plugins_without_modelload_leaves_vllm_untouched(baseline: Callable[[str], Baseline]) -> None:
+    lines = baseline("llama").log
+    assert any(re.search(r"Loading weights took", line) for line in lines), "vLLM's own loader ran"
+    assert not any(re.search(REGISTERED, line) for line in lines)
+    assert not any("modelload" in line for line in lines)
 
 
 def test_a_failed_load_stops_vllm_with_the_sidecars_reason(

@@ -180,12 +180,13 @@ class _Feed(Iterator[tuple[str, "torch.Tensor"]]):
         self.waited = 0.0
         self._names = segment.iter_ready(timeout=timeout)
         log.info(
-            "modelload: attached to %s; %d of %d tensors in (%s of %s), the rest streams while vLLM loads",
+            "modelload: attached to %s; %d of %d tensors in (%s of %s)%s",
             segment.path,
             start.tensors_ready,
             start.tensors_total,
-            _gib(start.bytes_ready),
-            _gib(start.bytes_total),
+            _size(start.bytes_ready),
+            _size(start.bytes_total),
+            "" if start.tensors_ready == start.tensors_total else ", the rest streams while vLLM loads",
         )
 
     def __next__(self) -> tuple[str, torch.Tensor]:
@@ -198,7 +199,7 @@ class _Feed(Iterator[tuple[str, "torch.Tensor"]]):
     def summary(self) -> str:
         late = max(self.count - self.ready_at_start, 0)
         return (
-            f"fed vLLM {self.count} tensors ({_gib(self.bytes_total)}) in "
+            f"fed vLLM {self.count} tensors ({_size(self.bytes_total)}) in "
             f"{time.monotonic() - self.started:.2f} s, {late} of them arriving while vLLM was loading; "
             f"{self.waited:.2f} s spent waiting for the stream"
         )
@@ -247,8 +248,10 @@ def _report_unmapped(path: str) -> None:
         log.info("modelload: the segment %s is no longer mapped in this process", target)
 
 
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / (1 << 30):.2f} GiB"
+def _size(nbytes: int) -> str:
+    if nbytes >= 1 << 30:
+        return f"{nbytes / (1 << 30):.2f} GiB"
+    return f"{nbytes / (1 << 20):.1f} MiB"
 
 
 def register() -> None:

@@ -1,0 +1,97 @@
+"""vLLM served by the real sidecar, as in a pod: ``modelload sidecar`` streams a Hugging Face directory from
+S3 (moto) or HTTP (nginx) into a segment and a model directory, and ``vllm`` runs on that model directory
+with ``--load-format modelload``. The tokens are those of vLLM reading the original directory itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.ports import free_port
+from tests.vllm.conftest import Baseline
+from tests.vllm.engine import Engine
+
+log = logging.getLogger(__name__)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+@contextmanager
+def sidecar(source: str, shm_dir: Path, *flags: str) -> Iterator[tuple[Path, Path]]:
+    """``modelload sidecar`` as a process of its own; yields (segment, model dir) once it is started."""
+    segment, model_dir, port = shm_dir / "model.seg", shm_dir / "model", free_port()
+    argv = [sys.executable, "-m", "modelload.loader.cli.main", "sidecar", "--source", source]
+    argv += ["--segment", str(segment), "--model-dir", str(model_dir), "--host", "127.0.0.1"]
+    argv += ["--port", str(port), *flags]
+    process = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_started(port, process)
+        yield segment, model_dir
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            _, errors = process.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            _, errors = process.communicate()
+        log.info("sidecar log:\n%s", errors[-3000:])
+
+
+def _wait_started(port: int, process: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"the sidecar exited ({process.returncode}): {process.stderr.read()}")  # type: ignore[union-attr]
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/startupz", timeout=2) as answer:
+                if answer.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError):
+            pass
+        time.sleep(0.1)
+    raise AssertionError("the sidecar did not publish its segment in 30 s")
+
+
+def serve(model_dir: Path, segment: Path) -> list[list[int]]:
+    engine = Engine(model_dir, load_format="modelload", env={"MODELLOAD_SEGMENT": str(segment)})
+    tokens = engine.result()
+    log.info("%s", engine.matching(r"modelload: (attached|fed)"))
+    assert engine.matching(r"modelload: fed vLLM")
+    return tokens
+
+
+def test_llama_from_an_s3_prefix_through_the_sidecar(
+    model_dirs: dict[str, Path],
+    moto_s3: Any,
+    aws_env: Any,
+    shm_dir: Path,
+    baseline: Callable[[str], Baseline],
+) -> None:
+    moto_s3.create_bucket("hub")
+    for item in model_dirs["llama"].iterdir():
+        moto_s3.put("hub", f"meta/llama-tiny/{item.name}", item.read_bytes())
+    with sidecar("s3://hub/meta/llama-tiny/", shm_dir, "--s3-endpoint", moto_s3.endpoint) as (seg, model):
+        assert (model / "config.json").read_bytes() == (model_dirs["llama"] / "config.json").read_bytes()
+        assert serve(model, seg) == baseline("llama").tokens
+
+
+def test_qwen_from_an_http_directory_through_the_sidecar(
+    model_dirs: dict[str, Path], nginx: Any, shm_dir: Path, baseline: Callable[[str], Baseline]
+) -> None:
+    for item in model_dirs["qwen"].iterdir():
+        nginx.put(f"hf/qwen-tiny/{item.name}", item.read_bytes())
+    with sidecar(nginx.url("hf/qwen-tiny/"), shm_dir) as (segment, model):
+        assert not list(model.glob("*.safetensors")), "weights stay in the segment"
+        assert serve(model, segment) == baseline("qwen").tokens
