@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 
 .PHONY: all venv system demo test check fmt crds bench clean
-.PHONY: venv-vllm test-vllm
+.PHONY: venv-vllm test-vllm bench-vllm
 
 all: test
 
@@ -82,8 +82,13 @@ test: test-vllm
 	MODELLOAD_REQUIRE_SERVERS=1 $(BIN)/python -m pytest -q
 
 bench: venv
+bench: bench-vllm
 	$(BIN)/python benchmarks/run.py
 	$(BIN)/python benchmarks/memory_modes.py
+
+# vLLM's first token through modelload against vLLM's own safetensors and tensorizer loaders.
+bench-vllm: venv venv-vllm
+	$(VLLM_VENV)/bin/python benchmarks/vllm_first_token.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -134,7 +134,7 @@ def child(spec: dict[str, Any]) -> None:
         skip_tokenizer_init=True,
         dtype="bfloat16",
         enforce_eager=True,
-        gpu_memory_utilization=0.05,
+        gpu_memory_utilization=0.25,  # on the CPU: the share of host memory for weights and KV cache
         max_model_len=512,
     )
     ready = time.time()
@@ -149,7 +149,7 @@ def engine(spec: dict[str, Any], env: dict[str, str]) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, **env},
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **env},
     )
 
 
