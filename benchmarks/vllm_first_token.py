@@ -228,7 +228,7 @@ def run_all(args: argparse.Namespace, disk: Path) -> None:
             contenders = {
                 "vLLM safetensors (local disk)": lambda: run_vllm(model, "safetensors", {}),
                 "vLLM tensorizer (local file)": lambda: run_vllm(
-                    model, "tensorizer", {"tensorizer_config": {"tensorizer_uri": str(tensorized)}}
+                    model, "tensorizer", {"tensorizer_uri": str(tensorized)}
                 ),
             }
             if "file" in args.sources:

@@ -211,6 +211,6 @@ def baseline(model_dirs: dict[str, Path]) -> Callable[[str], Baseline]:
     return get
 
 
-from tests.support.fixtures import aws_env, moto_s3, nginx  # noqa: E402
+from tests.support.fixtures import aws_env, moto_s3, nginx, nginx_proxy  # noqa: E402
 
-__all__ = ["aws_env", "moto_s3", "nginx"]
+__all__ = ["aws_env", "moto_s3", "nginx", "nginx_proxy"]

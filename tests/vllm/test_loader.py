@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from modelload.loader.dtypes import by_name
-from modelload.loader.errors import ConfigError, LoadFailedError, SidecarUnavailableError
+from modelload.loader.errors import ConfigError, LoadFailedError, SegmentError, SidecarUnavailableError
 from modelload.loader.segment import SegmentWriter, TensorSpec, plan_layout
 from tests.vllm.conftest import Staged
 
@@ -123,3 +123,13 @@ def test_a_single_file_segment_has_no_config_for_vllm(shm_dir: Path, model_confi
         writer.mark_complete()
     with pytest.raises(ConfigError, match=r"names no model directory.*S3 prefix ending in '/'"):
         loader(segment=str(shm_dir / "one.seg")).download_model(model_config)
+
+
+def test_weights_the_segment_lacks_are_named(model_config: Any) -> None:
+    import torch
+
+    net = torch.nn.Sequential(torch.nn.Embedding(4, 2), torch.nn.LayerNorm(2))
+    check = loader(segment="/run/modelload/model.seg")._check_complete
+    with pytest.raises(SegmentError, match=r"lacks 1 weights this model needs \(1\.bias\)"):
+        check(net, model_config, {"0.weight", "1.weight"}, "/run/modelload/model.seg")
+    check(net, model_config, {"0.weight", "1.weight", "1.bias"}, "/run/modelload/model.seg")

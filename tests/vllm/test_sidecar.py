@@ -1,11 +1,13 @@
 """vLLM served by the real sidecar, as in a pod: ``modelload sidecar`` streams a Hugging Face directory from
 S3 (moto) or HTTP (nginx) into a segment and a model directory, and ``vllm`` runs on that model directory
-with ``--load-format modelload``. The tokens are those of vLLM reading the original directory itself.
+with ``--load-format modelload``, started once the sidecar's startup probe passes. The tokens are those of
+vLLM reading the original directory itself.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.fault_proxy import Stall
 from tests.support.ports import free_port
 from tests.vllm.conftest import Baseline
 from tests.vllm.engine import Engine
@@ -64,12 +67,12 @@ def _wait_started(port: int, process: subprocess.Popen[str]) -> None:
     raise AssertionError("the sidecar did not publish its segment in 30 s")
 
 
-def serve(model_dir: Path, segment: Path) -> list[list[int]]:
+def serve(model_dir: Path, segment: Path) -> Engine:
     engine = Engine(model_dir, load_format="modelload", env={"MODELLOAD_SEGMENT": str(segment)})
-    tokens = engine.result()
+    engine.result()
     log.info("%s", engine.matching(r"modelload: (attached|fed)"))
     assert engine.matching(r"modelload: fed vLLM")
-    return tokens
+    return engine
 
 
 def test_llama_from_an_s3_prefix_through_the_sidecar(
@@ -84,14 +87,27 @@ def test_llama_from_an_s3_prefix_through_the_sidecar(
         moto_s3.put("hub", f"meta/llama-tiny/{item.name}", item.read_bytes())
     with sidecar("s3://hub/meta/llama-tiny/", shm_dir, "--s3-endpoint", moto_s3.endpoint) as (seg, model):
         assert (model / "config.json").read_bytes() == (model_dirs["llama"] / "config.json").read_bytes()
-        assert serve(model, seg) == baseline("llama").tokens
+        assert serve(model, seg).result() == baseline("llama").tokens
 
 
-def test_qwen_from_an_http_directory_through_the_sidecar(
-    model_dirs: dict[str, Path], nginx: Any, shm_dir: Path, baseline: Callable[[str], Baseline]
+def test_qwen_from_an_http_directory_through_the_sidecar_while_a_shard_is_still_on_the_wire(
+    model_dirs: dict[str, Path],
+    nginx: Any,
+    nginx_proxy: Any,
+    shm_dir: Path,
+    baseline: Callable[[str], Baseline],
 ) -> None:
     for item in model_dirs["qwen"].iterdir():
         nginx.put(f"hf/qwen-tiny/{item.name}", item.read_bytes())
-    with sidecar(nginx.url("hf/qwen-tiny/"), shm_dir) as (segment, model):
+    last = sorted(model_dirs["qwen"].glob("*.safetensors"))[-1].name
+    # The last shard's first two requests (its size, its header) pass; its first data range stalls for 28 s,
+    # just under the sidecar's stall timeout, so vLLM starts on a load that is still streaming.
+    nginx_proxy.push(Stall(0, 0.0), Stall(0, 0.0), Stall(0, 28.0), path=last)
+    with sidecar(nginx_proxy.url("hf/qwen-tiny/"), shm_dir) as (segment, model):
         assert not list(model.glob("*.safetensors")), "weights stay in the segment"
-        assert serve(model, segment) == baseline("qwen").tokens
+        engine = serve(model, segment)
+        attached = engine.matching(r"modelload: attached to")[0]
+        log.info("vLLM began loading with part of the model still streaming: %s", attached)
+        ready, total = map(int, re.findall(r"; (\d+) of (\d+) tensors in", attached)[0])
+        assert ready < total, "the load was over before vLLM began: nothing streamed into vLLM"
+        assert engine.result() == baseline("qwen").tokens

@@ -150,10 +150,19 @@ class ModelloadLoader(BaseModelLoader):
         return segment
 
     def _check_complete(self, model: Any, model_config: Any, loaded: Any, path: str) -> None:
-        """Refuse a model left with parameters the segment did not fill, as vLLM's own loader does."""
+        """Refuse a model left with parameters the segment did not fill, by vLLM's own rule: for an
+        unquantized model, every parameter outside layers whose quantization method finishes or builds the
+        weights itself (those may legitimately lack a checkpoint tensor)."""
         if loaded is None or model_config.quantization is not None:
             return
-        missing = {name for name, _ in model.named_parameters()} - set(loaded)
+        expected = {name for name, _ in model.named_parameters()}
+        for prefix, module in model.named_modules():
+            method = getattr(module, "quant_method", None)
+            if getattr(method, "uses_meta_device", False) or getattr(
+                method, "process_weights_after_loading", None
+            ):
+                expected -= {f"{prefix}.{name}" if prefix else name for name, _ in module.named_parameters()}
+        missing = expected - set(loaded)
         if missing:
             shown = ", ".join(sorted(missing)[:5]) + (", ..." if len(missing) > 5 else "")
             raise SegmentError(
@@ -234,7 +243,7 @@ def _report_unmapped(path: str) -> None:
     target = os.path.realpath(path)
     try:
         with Path("/proc/self/maps").open(encoding="utf-8", errors="replace") as maps:
-            regions = sum(1 for line in maps if line.rstrip("\n").endswith(target))
+            regions = sum(1 for line in maps if target in line)
     except OSError:
         return
     if regions:
