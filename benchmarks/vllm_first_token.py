@@ -185,7 +185,14 @@ def first_token(process: subprocess.Popen[str], started: float) -> dict[str, flo
     if process.returncode != 0 or not lines:
         raise RuntimeError(f"vLLM failed ({process.returncode}):\n{output[-4000:]}")
     times = json.loads(lines[-1].removeprefix("TIMES "))
+    for line in output.splitlines():
+        if any(mark in line for mark in _SHOWN):
+            print("    " + line.split("] ", 1)[-1], flush=True)
     return {key: value - started for key, value in times.items()}
+
+
+# vLLM's and the load format's own account of the load, shown under each run.
+_SHOWN = ("Loading weights took", "Model loading took", "modelload: attached", "modelload: fed")
 
 
 # --- contenders -----------------------------------------------------------------------------------------

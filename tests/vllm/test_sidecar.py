@@ -100,14 +100,22 @@ def test_qwen_from_an_http_directory_through_the_sidecar_while_a_shard_is_still_
     for item in model_dirs["qwen"].iterdir():
         nginx.put(f"hf/qwen-tiny/{item.name}", item.read_bytes())
     last = sorted(model_dirs["qwen"].glob("*.safetensors"))[-1].name
-    # The last shard's first two requests (its size, its header) pass; its first data range stalls for 28 s,
-    # just under the sidecar's stall timeout, so vLLM starts on a load that is still streaming.
-    nginx_proxy.push(Stall(0, 0.0), Stall(0, 0.0), Stall(0, 28.0), path=last)
+    # The last shard's first two requests (its size, its header) pass, so the sidecar publishes the segment;
+    # then every request for that shard stalls past the sidecar's 30 s stall timeout (each retry too) until
+    # vLLM has begun taking weights, and the rest of the shard arrives while vLLM loads.
+    nginx_proxy.push(Stall(0, 0.0), Stall(0, 0.0), path=last)
+    nginx_proxy.always(Stall(0, 40.0), path=last)
     with sidecar(nginx_proxy.url("hf/qwen-tiny/"), shm_dir) as (segment, model):
         assert not list(model.glob("*.safetensors")), "weights stay in the segment"
-        engine = serve(model, segment)
-        attached = engine.matching(r"modelload: attached to")[0]
+        engine = Engine(model, load_format="modelload", env={"MODELLOAD_SEGMENT": str(segment)})
+        try:
+            attached = engine.wait_for_line(r"modelload: attached to", timeout=200)
+        finally:
+            nginx_proxy.clear()
         log.info("vLLM began loading with part of the model still streaming: %s", attached)
         ready, total = map(int, re.findall(r"; (\d+) of (\d+) tensors in", attached)[0])
         assert ready < total, "the load was over before vLLM began: nothing streamed into vLLM"
         assert engine.result() == baseline("qwen").tokens
+        fed = engine.matching(r"modelload: fed vLLM")
+        log.info("%s", fed)
+        assert fed and f"{total - ready} of them arriving while vLLM was loading" in fed[0]
