@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from modelload.loader.segment import SegmentReader, TensorState
 from tests.support.fault_proxy import Stall
 from tests.support.ports import free_port
 from tests.vllm.conftest import Baseline
@@ -75,7 +76,7 @@ def serve(model_dir: Path, segment: Path) -> Engine:
     return engine
 
 
-def test_llama_from_an_s3_prefix_through_the_sidecar(
+def test_llama_from_an_s3_prefix_through_the_sidecar_in_release_mode(
     model_dirs: dict[str, Path],
     moto_s3: Any,
     aws_env: Any,
@@ -85,9 +86,18 @@ def test_llama_from_an_s3_prefix_through_the_sidecar(
     moto_s3.create_bucket("hub")
     for item in model_dirs["llama"].iterdir():
         moto_s3.put("hub", f"meta/llama-tiny/{item.name}", item.read_bytes())
-    with sidecar("s3://hub/meta/llama-tiny/", shm_dir, "--s3-endpoint", moto_s3.endpoint) as (seg, model):
+    flags = ("--s3-endpoint", moto_s3.endpoint, "--memory-mode", "release")
+    with sidecar("s3://hub/meta/llama-tiny/", shm_dir, *flags) as (segment, model):
         assert (model / "config.json").read_bytes() == (model_dirs["llama"] / "config.json").read_bytes()
-        assert serve(model, seg).result() == baseline("llama").tokens
+        assert serve(model, segment).result() == baseline("llama").tokens
+        # vLLM's worker consumed every tensor as it copied it, so the sidecar gave every page back.
+        deadline = time.monotonic() + 10
+        with SegmentReader.open(segment) as reader:
+            states = {reader.state(i) for i in range(len(reader.slots))}
+            while states != {TensorState.RELEASED} and time.monotonic() < deadline:
+                time.sleep(0.1)
+                states = {reader.state(i) for i in range(len(reader.slots))}
+        assert states == {TensorState.RELEASED}
 
 
 def test_qwen_from_an_http_directory_through_the_sidecar_while_a_shard_is_still_on_the_wire(

@@ -119,7 +119,7 @@ class ModelloadLoader(BaseModelLoader):
 
     def download_model(self, model_config: Any) -> None:
         """Nothing to download: check that the segment and the model directory are there and not failed."""
-        with self._attach(model_config):
+        with self._attach(model_config, register=False):
             pass
 
     def load_weights(self, model: Any, model_config: Any) -> None:
@@ -129,6 +129,7 @@ class ModelloadLoader(BaseModelLoader):
         try:
             fed = _Feed(segment, timeout=self.settings.load_timeout)
             loaded = model.load_weights(fed)
+            fed.finish()
             log.info("modelload: %s", fed.summary())
         finally:
             segment.close()
@@ -137,9 +138,9 @@ class ModelloadLoader(BaseModelLoader):
 
     # --- internals --------------------------------------------------------------------------------------
 
-    def _attach(self, model_config: Any) -> Model:
+    def _attach(self, model_config: Any, *, register: bool = True) -> Model:
         """Attach, and refuse a segment vLLM cannot use, saying why (failed, no model directory, ...)."""
-        segment = attach(self.settings.segment, timeout=self.settings.attach_timeout)
+        segment = attach(self.settings.segment, timeout=self.settings.attach_timeout, register=register)
         try:
             if segment.progress().state == WriterState.FAILED.name.lower():
                 segment._reader.check()  # raises LoadFailedError with the sidecar's reason
@@ -176,6 +177,11 @@ class _Feed(Iterator[tuple[str, "torch.Tensor"]]):
 
     Each tensor is a view of the segment; the feed keeps no reference to one after handing it over, so the
     mapping goes away with the last view vLLM lets go of.
+
+    vLLM's weight loaders copy a tensor into its parameter before they ask for the next one, so asking for
+    the next one is when the feed marks the previous one consumed: in the sidecar's memory modes release and
+    ring its pages go back during the load (a ring never waits on vLLM), and every tensor-parallel rank
+    counts as a consumer of its own.
     """
 
     def __init__(self, segment: Model, *, timeout: float | None) -> None:
@@ -187,6 +193,7 @@ class _Feed(Iterator[tuple[str, "torch.Tensor"]]):
         self.count = 0
         self.started = time.monotonic()
         self.waited = 0.0
+        self._previous: str | None = None
         self._names = segment.iter_ready(timeout=timeout)
         log.info(
             "modelload: attached to %s; %d of %d tensors in (%s of %s)%s",
@@ -199,11 +206,19 @@ class _Feed(Iterator[tuple[str, "torch.Tensor"]]):
         )
 
     def __next__(self) -> tuple[str, torch.Tensor]:
+        self.finish()
         before = time.monotonic()
         name = next(self._names)
         self.waited += time.monotonic() - before
         self.count += 1
+        self._previous = name
         return name, self._segment.tensor(name, wait=False)
+
+    def finish(self) -> None:
+        """Mark the tensor handed out last as consumed (vLLM has copied it)."""
+        if self._previous is not None:
+            self._segment.consumed(self._previous)
+            self._previous = None
 
     def summary(self) -> str:
         late = max(self.count - self.ready_at_start, 0)
