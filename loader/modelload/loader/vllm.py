@@ -13,9 +13,11 @@ narrows, copies and fuses the first layers while the last ones are still on the 
 Tensor-parallel ranks each attach to the same segment and each gets full tensors, which vLLM's weight loaders
 slice; the host holds the model once (the segment's pages are shared). See docs/vllm.md for the cost.
 
-The tensors handed over are views of the segment. vLLM copies each into its own parameter, so once
-``load_weights`` returns this process keeps nothing of the segment mapped: the loader closes it and says in
-vLLM's log whether any mapping is left (a model that kept a view would pin those pages).
+The tensors handed over are views of the segment. vLLM copies each into its own parameter before it asks
+for the next, so each tensor is marked consumed then (the sidecar's memory modes release and ring give its
+pages back during the load), and once ``load_weights`` returns this process keeps nothing of the segment
+mapped: the loader closes it and says in vLLM's log whether any mapping is left (a model that kept a view
+would pin those pages).
 
 Nothing else in modelload imports this module: ``attach()`` never pulls vLLM in.
 """
