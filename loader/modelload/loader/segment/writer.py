@@ -57,6 +57,10 @@ __all__ = ["SegmentWriter"]
 
 log = logging.getLogger(__name__)
 
+SEGMENT_MODE = 0o640
+"""Owner read-write, group read, nobody else: the segment holds decrypted weights. Readers need only read
+access; in a pod they share the group (the operator adds it to the pod's supplementalGroups, or the pod's
+fsGroup owns the volume), on a host run ``attach()`` as the writer's user or group."""
 HEARTBEAT_INTERVAL = 2.0
 """Seconds between heartbeats of a LOADING writer; SPEC.md asks for at most 5."""
 
@@ -121,8 +125,9 @@ class SegmentWriter:
         _make_room(target, layout.resident_limit, load_id)
         _check_space(target.parent, layout.resident_limit)
         temp = target.with_name(f".{target.name}.{load_id:016x}.tmp")
-        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, SEGMENT_MODE)
         try:
+            os.fchmod(fd, SEGMENT_MODE)  # exactly this mode, whatever the umask
             os.ftruncate(fd, layout.segment_length)
             if reserve and layout.segment_length:
                 _reserve(fd, layout.segment_length, target)
