@@ -32,6 +32,7 @@ from modelload.operator.kube import Kube, KubeNotFoundError
 from modelload.operator.pods import PodLoad, aggregate, classify
 from modelload.operator.resolve import classify_failure, failure_status, resolve, success_status
 from modelload.operator.resource import label_value
+from modelload.operator.metrics import METRICS
 from modelload.operator.schema import GROUP, MODEL_LABEL, PLURAL, VERSION, PodsStatus, parse_spec
 from modelload.operator.settings import OperatorSettings
 
@@ -162,7 +163,8 @@ class Handlers:
         try:
             spec = parse_spec(body.get("spec"))
             sizing = self._settings.sidecar.sizing
-            resolution = await resolve(kube=self._kube, namespace=namespace, spec=spec, sizing=sizing)
+            with METRICS.resolving():
+                resolution = await resolve(kube=self._kube, namespace=namespace, spec=spec, sizing=sizing)
         except Exception as exc:
             failure = classify_failure(exc, retry=retry, policy=self._settings.retry)
             if failure is None:

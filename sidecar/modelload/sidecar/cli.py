@@ -26,6 +26,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from modelload.loader.errors import ConfigError, ModelloadError
+from modelload.sidecar.logs import add_log_format, apply_log_format
 from modelload.sidecar.settings import SidecarSettings, add_arguments, parse_settings
 from modelload.sidecar.sources import display_url
 
@@ -115,6 +116,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(parser)
+    add_log_format(parser)
     parser.set_defaults(func=_command)
 
 
@@ -122,6 +124,7 @@ def _command(args: argparse.Namespace) -> int:
     try:
         settings = parse_settings(args, os.environ)
         _configure_logging(settings.log_level, verbose=getattr(args, "verbose", 0))
+        apply_log_format(args, os.environ)
         return run_sidecar(settings)
     except ConfigError as exc:
         print(f"modelload sidecar: {exc}", file=sys.stderr)
