@@ -57,15 +57,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from modelload.loader.errors import ModelloadError  # noqa: E402
-from modelload.loader.segment import SegmentReader, WriterState  # noqa: E402
-from modelload.loader.segment.layout import TensorState  # noqa: E402
-from modelload.sidecar.engine import Engine, EngineSettings, LoadStopped  # noqa: E402
-from modelload.sidecar.progress import LoadTracker  # noqa: E402
-from modelload.sidecar.sources import HttpSettings, RetryPolicy, SourceSettings  # noqa: E402
-from tests.sidecar import models  # noqa: E402
-from tests.support import fault_proxy as fp  # noqa: E402
-from tests.support.nginx import NginxServer  # noqa: E402
+from modelload.loader.errors import ModelloadError
+from modelload.loader.segment import SegmentReader, WriterState
+from modelload.loader.segment.layout import TensorState
+from modelload.sidecar.engine import Engine, EngineSettings, LoadStopped
+from modelload.sidecar.progress import LoadTracker
+from modelload.sidecar.sources import HttpSettings, RetryPolicy, SourceSettings
+from tests.sidecar import models
+from tests.support import fault_proxy as fp
+from tests.support.nginx import NginxServer
 
 RETRY = RetryPolicy(attempts=4, initial_backoff=0.01, max_backoff=0.05, jitter=0.0, deadline=20.0)
 SETTINGS = SourceSettings(http=HttpSettings(connect_timeout=2.0, stall_timeout=0.3), retry=RETRY)
@@ -227,6 +227,7 @@ def load(url: str, segment: Path, versions: Versions, proxy: SoakProxy) -> Resul
         sources=SETTINGS,
         observer=LoadTracker(),
     )
+
     def halt() -> None:
         engine.stop()
         proxy.halt()
@@ -237,7 +238,7 @@ def load(url: str, segment: Path, versions: Versions, proxy: SoakProxy) -> Resul
     error: BaseException | None = None
     try:
         engine.run()
-    except BaseException as exc:  # noqa: BLE001 - every failure is an outcome to count
+    except BaseException as exc:
         error = exc
     finally:
         watchdog.cancel()
@@ -359,8 +360,10 @@ def kill_restart(tight: bool) -> Callable[[Bench, int], Result]:
             try:
                 done = wait_state(
                     segment,
-                    lambda r: r.writer_state in (WriterState.COMPLETE, WriterState.FAILED)
-                    and r.writer_pid == second.pid,
+                    lambda r: (
+                        r.writer_state in (WriterState.COMPLETE, WriterState.FAILED)
+                        and r.writer_pid == second.pid
+                    ),
                     timeout=DEADLINE,
                 )
                 exited = second.poll()

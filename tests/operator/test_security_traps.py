@@ -34,7 +34,9 @@ def model(source: str = "s3://models/llama.tensors") -> ResolvedModel:
     return ResolvedModel(name="llama", namespace="serving", spec=spec, bytes=1 << 30, tensors=291)
 
 
-def pod(*, security: dict[str, Any] | None = None, extra: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def pod(
+    *, security: dict[str, Any] | None = None, extra: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     spec: dict[str, Any] = {"containers": [{"name": "server", "image": "vllm:1"}, *(extra or [])]}
     if security is not None:
         spec["securityContext"] = security
@@ -62,7 +64,9 @@ def sidecar_of(result: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("security", [None, {"runAsNonRoot": True}, {"supplementalGroups": [5000]}])
-def test_a_pod_without_fsgroup_gets_the_segment_group_in_every_container(security: dict[str, Any] | None) -> None:
+def test_a_pod_without_fsgroup_gets_the_segment_group_in_every_container(
+    security: dict[str, Any] | None,
+) -> None:
     result = patched(pod(security=security))
     assert 8479 in result["spec"]["securityContext"]["supplementalGroups"]
     assert sidecar_of(result)["securityContext"]["runAsGroup"] == 8479
@@ -79,9 +83,7 @@ def test_a_pod_with_an_fsgroup_is_left_to_it() -> None:
 
 
 def test_the_segment_group_can_be_turned_off() -> None:
-    ops = build_patch(
-        pod=pod(), model=model(), sidecar=SidecarSettings(segment_group=0), native=False
-    )
+    ops = build_patch(pod=pod(), model=model(), sidecar=SidecarSettings(segment_group=0), native=False)
     assert not any(op["path"].startswith("/spec/securityContext") for op in ops)
 
 
@@ -134,7 +136,7 @@ async def test_resolving_a_presigned_modelload_fails_before_anything_is_fetched(
 def test_a_pod_with_its_own_container_named_modelload_is_refused_clearly(where: str) -> None:
     original = pod()
     original["spec"].setdefault(where, []).append({"name": "modelload", "image": "their-own:1"})
-    with pytest.raises(InjectionError, match="already has a container named 'modelload'.*rename"):
+    with pytest.raises(InjectionError, match=r"already has a container named 'modelload'.*rename"):
         build_patch(pod=original, model=model(), sidecar=SIDECAR, native=True)
 
 

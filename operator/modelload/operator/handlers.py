@@ -29,10 +29,10 @@ import kopf
 
 from modelload.operator.conditions import now_rfc3339
 from modelload.operator.kube import Kube, KubeNotFoundError
+from modelload.operator.metrics import METRICS
 from modelload.operator.pods import PodLoad, aggregate, classify
 from modelload.operator.resolve import classify_failure, failure_status, resolve, success_status
 from modelload.operator.resource import label_value
-from modelload.operator.metrics import METRICS
 from modelload.operator.schema import GROUP, MODEL_LABEL, PLURAL, VERSION, PodsStatus, parse_spec
 from modelload.operator.settings import OperatorSettings
 

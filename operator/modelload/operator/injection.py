@@ -104,8 +104,8 @@ def _has_container_named(pod: Mapping[str, Any], name: str) -> bool:
 def _check_own_name(pod: Mapping[str, Any]) -> None:
     if _has_container_named(pod, SIDECAR_NAME) and not has_sidecar(pod):
         raise InjectionError(
-            f"the pod already has a container named {SIDECAR_NAME!r}, the name of modelload's sidecar: rename "
-            "that container (the sidecar's name is fixed so that pods, probes and the operator find it)"
+            f"the pod already has a container named {SIDECAR_NAME!r}, the name of modelload's sidecar: "
+            "rename that container (the sidecar's name is fixed so that probes and the operator find it)"
         )
 
 
@@ -162,7 +162,13 @@ def _supplemental_group(spec: Mapping[str, Any], group: int) -> list[Op]:
     """Give every container of the pod the segment's group, so the app can read a 0640 segment."""
     context = spec.get("securityContext")
     if context is None:
-        return [{"op": "add", "path": pointer("spec", "securityContext"), "value": {"supplementalGroups": [group]}}]
+        return [
+            {
+                "op": "add",
+                "path": pointer("spec", "securityContext"),
+                "value": {"supplementalGroups": [group]},
+            }
+        ]
     existing = context.get("supplementalGroups")
     if existing is not None and group in existing:
         return []
@@ -186,8 +192,8 @@ def source_query_problem(source: str) -> str | None:
         return None
     return (
         "carries a query string (a presigned URL's signature, or a token), which would be copied in clear "
-        "into every pod's spec and expires while the ModelLoad lives on: give the plain URL with its token in a "
-        "Secret (spec.headersSecretRef), or an s3:// source with spec.credentialsSecretRef"
+        "into every pod's spec and expires while the ModelLoad lives on: give the plain URL with its token "
+        "in a Secret (spec.headersSecretRef), or an s3:// source with spec.credentialsSecretRef"
     )
 
 
@@ -261,7 +267,12 @@ def _sidecar_container(
         "image": (options.image if options and options.image else None) or sidecar.image,
         "imagePullPolicy": (options.image_pull_policy if options else None) or sidecar.image_pull_policy,
         "command": ["modelload", "sidecar"],
-        "env": sidecar_env(model, port=sidecar.port),
+        "env": sidecar_env(model, port=sidecar.port)
+        + (
+            [{"name": "MODELLOAD_LOG_FORMAT", "value": sidecar.log_format}]
+            if sidecar.log_format != "text"
+            else []
+        ),
         "resources": {k: dict(v) for k, v in resources.items()},
         "volumeMounts": mounts,
         "ports": [{"name": METRICS_PORT_NAME, "containerPort": sidecar.port, "protocol": "TCP"}],

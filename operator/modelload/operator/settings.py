@@ -48,6 +48,8 @@ class SidecarSettings:
     """The group a pod without an fsGroup gets as a supplemental group, and the sidecar runs as, so the app
     can read the 0640 segment. 0: add none (the pod's fsGroup, or running the app as the sidecar's group, is
     then the way in). Pick a group your namespaces' pod security (an OpenShift SCC) allows."""
+    log_format: LogFormat = "text"
+    """The sidecars' log format (their MODELLOAD_LOG_FORMAT): text, or json for a log pipeline."""
     sizing: SizingDefaults = field(default_factory=SizingDefaults)
 
 
@@ -215,6 +217,13 @@ OPTIONS: tuple[Option, ...] = (
         ("sidecar", "mode"),
         _choice("auto", "native", "regular"),
         "native sidecar (1.29+), regular container, or auto from the API server's version",
+    ),
+    Option(
+        "--sidecar-log-format",
+        "MODELLOAD_OPERATOR_SIDECAR_LOG_FORMAT",
+        ("sidecar", "log_format"),
+        _choice("text", "json"),
+        "the injected sidecars' log format: text (default) or json",
     ),
     Option(
         "--segment-group",
