@@ -41,6 +41,7 @@ import contextlib
 import logging
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -371,7 +372,7 @@ def kill_restart(tight: bool) -> Callable[[Bench, int], Result]:
                     # The restart never took the segment over: what it said is the outcome. The old
                     # segment stays LOADING under a dead writer; its readers wait for its heartbeat to age.
                     said = [line for line in _stop(second).splitlines() if line.strip()]
-                    last = said[-1][:160] if said else ""
+                    last = _gist(said[-1]) if said else ""
                     how = "exited" if exited is not None else "stayed up"
                     if said and any(w in last.lower() for w in ("fail", "error", "space")):
                         return Result("error", time.monotonic() - started, f"restart {how}: {last}")
@@ -385,6 +386,12 @@ def kill_restart(tight: bool) -> Callable[[Bench, int], Result]:
                 _stop(second)
 
     return case
+
+
+def _gist(line: str) -> str:
+    """A log line without its time stamp and temporary paths, so equal failures count as one."""
+    line = re.sub(r"^\S+ \S+ (ERROR|WARNING|INFO) ", "", line)
+    return re.sub(r"/tmp/\S+", "<volume>", line)[:140]
 
 
 def _stop(process: subprocess.Popen[bytes]) -> str:
