@@ -37,8 +37,8 @@ from modelload.sidecar.sources import (
     RetryEvent,
     RetryPolicy,
     S3Source,
-    SourceBase,
     read_range,
+    stat_source,
 )
 
 __all__ = ["SAMPLE_BYTES", "check_unchanged", "crc32", "unlanded_ranges", "validator_strength"]
@@ -125,7 +125,7 @@ def check_unchanged(
     consumed tensors are gone by the end of the load, so there is nothing left to compare them with.
     """
     for source, info in zip(model.sources, model.infos, strict=True):
-        fresh = source.restat() if isinstance(source, SourceBase) else source.stat()
+        fresh = stat_source(source, policy=policy, on_retry=on_retry, fresh=True)
         if (fresh.size, fresh.etag, fresh.last_modified) != (info.size, info.etag, info.last_modified):
             raise SourceChangedError(
                 f"{source.display_uri} changed during the load (size {info.size} -> {fresh.size}, ETag "
