@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Literal
@@ -64,6 +64,7 @@ from modelload.sidecar.planner import Chunk, LoadPlan, plan_load
 from modelload.sidecar.progress import LoadObserver
 from modelload.sidecar.sources import (
     OpenedModel,
+    RetryCancelled,
     RetryEvent,
     Source,
     SourceSettings,
@@ -128,9 +129,10 @@ class Engine:
 
     def __init__(self, settings: EngineSettings, *, sources: SourceSettings, observer: LoadObserver) -> None:
         self.settings = settings
-        self._sources = sources
         self._observer = observer
         self._stop = threading.Event()
+        # A stop (SIGTERM) also cuts short a retry's backoff, so stopping never waits out a retry's sleep.
+        self._sources = replace(sources, retry=replace(sources.retry, stop=self._stop))
         self._writer: SegmentWriter | None = None
 
     def stop(self) -> None:
@@ -477,6 +479,7 @@ def error_kind(exc: BaseException) -> str:
     """A short label for a failure, for metrics and logs: what the operator should look at."""
     kinds: tuple[tuple[type[BaseException], str], ...] = (
         (LoadStopped, "stopped"),
+        (RetryCancelled, "stopped"),
         (SourceNotFoundError, "not_found"),
         (SourceAccessDeniedError, "access_denied"),
         (SourceChangedError, "changed"),
