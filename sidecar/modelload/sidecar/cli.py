@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from modelload.loader.errors import ConfigError, ModelloadError
 from modelload.sidecar.settings import SidecarSettings, add_arguments, parse_settings
-from modelload.sidecar.sources import display_url
+from modelload.sidecar.sources import check_scheme, display_url
 
 if TYPE_CHECKING:
     from modelload.sidecar.api import ApiServer
@@ -121,6 +121,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _command(args: argparse.Namespace) -> int:
     try:
         settings = parse_settings(args, os.environ)
+        # An ftp:// source is a bad flag (exit 2), not a load that fails and is served as failed forever.
+        check_scheme(settings.engine.source)
         _configure_logging(settings.log_level, verbose=getattr(args, "verbose", 0))
         return run_sidecar(settings)
     except ConfigError as exc:
@@ -183,9 +185,15 @@ class Sidecar:
     def __init__(self, settings: SidecarSettings, *, engine_factory: EngineFactory = default_engine) -> None:
         from modelload.sidecar.api import ApiServer, create_app
         from modelload.sidecar.metrics import MetricsObserver
-        from modelload.sidecar.notify import Notifier
+        from modelload.sidecar.notify import FailureMarker, Notifier
         from modelload.sidecar.progress import LoadTracker, Observers
 
+        folder = settings.engine.segment.parent
+        if not folder.is_dir():
+            raise ConfigError(
+                f"the segment's folder {folder} does not exist: create it, mount the shared volume there,"
+                " or point --segment/MODELLOAD_SEGMENT into an existing folder"
+            )
         self.settings = settings
         self.shutdown = threading.Event()
         self.tracker: LoadTracker = LoadTracker()
@@ -199,7 +207,8 @@ class Sidecar:
             except BaseException:
                 self.api.stop()
                 raise
-        observers = [self.tracker, self.metrics, LoggingObserver(), self.notifier]
+        marker = FailureMarker(settings.engine.segment)
+        observers = [self.tracker, self.metrics, LoggingObserver(), marker, self.notifier]
         self.observer: LoadObserver = Observers(*[o for o in observers if o is not None])  # type: ignore[assignment]
         self._load = _LoadThread(lambda: engine_factory(settings, self.observer), self.observer, self.tracker)
         self._stopped: int | None = None
