@@ -151,13 +151,18 @@ class FailureMarker:
     fails before its manifest is published (``modelload.loader.segment.failure``), so an app waiting in
     ``attach()`` for a segment that will never come raises the sidecar's reason at once.
 
-    A new load removes an earlier marker. After the manifest the segment itself records a failure, so no
-    marker is written; nor for a stopped load (the pod is going away, and a restart loads again).
+    Building it removes an earlier sidecar's marker, before the status API answers, so an app never reads
+    the last run's failure as this one's; a new load removes it too. After the manifest the segment itself
+    records a failure, so no marker is written; nor for a stopped load (the pod is going away, and a restart
+    loads again).
     """
 
     def __init__(self, segment: Path) -> None:
+        from modelload.loader.segment.failure import remove_failure
+
         self.segment = segment
         self._published = False
+        remove_failure(segment)
 
     def load_started(self, *, source: str, segment: str) -> None:
         from modelload.loader.segment.failure import remove_failure
