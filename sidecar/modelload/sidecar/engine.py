@@ -59,6 +59,7 @@ from modelload.loader.formats import tensorizer as tz
 from modelload.loader.segment import MODEL_DIR_KEY, SegmentReader, SegmentWriter, WriterState
 from modelload.sidecar import integrity
 from modelload.sidecar.memory import MemoryManager, MemorySettings, check_volume, plan_memory
+from modelload.sidecar.meter import ChunkMeter
 from modelload.sidecar.modeldir import write_model_dir
 from modelload.sidecar.planner import Chunk, LoadPlan, plan_load
 from modelload.sidecar.progress import LoadObserver
@@ -69,6 +70,7 @@ from modelload.sidecar.sources import (
     Source,
     SourceSettings,
     display_url,
+    metered,
     open_model,
     read_range,
     read_range_into_fd,
@@ -347,8 +349,10 @@ class _Load:
                     self._next += 1
                 if self.memory is not None and not self.memory.admit(seq, chunk):
                     return  # stopped while waiting for room in the ring
-                self._land(chunk)
-                self.observer.bytes_loaded(chunk.data_bytes)
+                meter = ChunkMeter(self.observer.bytes_loaded, data=chunk.data_bytes, length=chunk.length)
+                with metered(meter):  # progress moves as bytes land, not only per chunk
+                    self._land(chunk)
+                meter.finish()
                 with self._lock:
                     self._remaining[chunk.tensor] -= 1
                     complete = self._remaining[chunk.tensor] == 0

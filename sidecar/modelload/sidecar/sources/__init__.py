@@ -38,6 +38,7 @@ from ._responses import display_url
 from ._retry import RetryCancelled, RetryEvent, read_range, read_range_into_fd, stat_source
 from ._s3 import S3Location, S3Source, plan_s3_location
 from ._settings import HttpSettings, RetryPolicy, S3Addressing, S3Credentials, S3Settings, SourceSettings
+from ._splice import metered
 
 __all__ = [
     "Directory",
@@ -66,6 +67,7 @@ __all__ = [
     "fetch_small_file",
     "is_directory",
     "list_directory",
+    "metered",
     "open_model",
     "open_source",
     "parse_headers",
