@@ -52,10 +52,12 @@ load does not exit: liveness stays green while readiness is red (500, with the r
 variable; a flag given wins over its variable."""
 
 EPILOG = """\
-signals: SIGTERM or SIGINT stop the engine (a segment still loading is marked FAILED, never left torn),
-then the API; a second signal exits at once.
+signals: SIGTERM or SIGINT stop the engine (a segment still loading is marked FAILED, never left torn; a
+wait before a retry is cut short), then the API; a second signal exits at once.
+failures before the manifest: <segment>.failed holds the reason, for apps waiting in attach().
 exit status: 0 after a stop if the load had completed, 1 if it had not (failed or still loading), 2 for a
-bad flag or variable, or when the API port or the notify endpoint cannot be bound."""
+bad flag or variable (a source scheme no backend serves, a segment folder that does not exist), or when the
+API port or the notify endpoint cannot be bound (or another sidecar publishes on it)."""
 
 STOP_TIMEOUT = 10.0
 """Seconds to wait for the engine's readers after stop(): they stop at their next chunk, which a stalled
