@@ -122,10 +122,17 @@ class SegmentWriter:
         target = Path(path)
         load_id = load_id or (secrets.randbits(64) | 1)
         created_ns = created_ns or time.time_ns()
+        _check_writable(target.parent)
         _make_room(target, layout.resident_limit, load_id)
         _check_space(target.parent, layout.resident_limit)
         temp = target.with_name(f".{target.name}.{load_id:016x}.tmp")
-        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, SEGMENT_MODE)
+        try:
+            fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, SEGMENT_MODE)
+        except OSError as exc:  # a read-only volume, a folder of another user: say so, no traceback
+            raise SegmentError(
+                f"cannot create a segment in {target.parent}: {exc.strerror or exc}; mount the volume"
+                " read-write there, or choose a folder this user can write (--segment/MODELLOAD_SEGMENT)"
+            ) from None
         try:
             os.fchmod(fd, SEGMENT_MODE)  # exactly this mode, whatever the umask
             os.ftruncate(fd, layout.segment_length)
@@ -311,6 +318,19 @@ class SegmentWriter:
     def __repr__(self) -> str:
         ready = f"{self._ready}/{len(self.layout.slots)}"
         return f"<SegmentWriter {self.path} load_id={self.load_id:016x} ready={ready}>"
+
+
+def _check_writable(directory: Path) -> None:
+    """A read-only volume is named as such, before the space checks: a small read-only mount is not "full"."""
+    try:
+        read_only = bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+    except OSError:
+        return  # _check_space reports a missing directory
+    if read_only:
+        raise SegmentError(
+            f"cannot create a segment in {directory}: it is on a read-only file system; mount the volume"
+            " read-write there, or choose another folder (--segment/MODELLOAD_SEGMENT)"
+        )
 
 
 def _check_space(directory: Path, needed: int) -> None:

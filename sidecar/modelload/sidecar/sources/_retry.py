@@ -17,14 +17,25 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from modelload.loader.errors import TransientSourceError
+from modelload.loader.errors import ModelloadError, TransientSourceError
 
 from ._base import InterruptedReadError, ObjectInfo, Source, byte_view
 from ._settings import RetryPolicy
 
-__all__ = ["RetryEvent", "read_range", "read_range_into_fd", "stat_source"]
+__all__ = ["RetryCancelled", "RetryEvent", "read_range", "read_range_into_fd", "stat_source"]
 
 _log = logging.getLogger("modelload.sidecar.sources")
+
+
+class RetryCancelled(ModelloadError):
+    """The policy's ``stop`` event was set while waiting to retry: the caller is shutting down."""
+
+
+def _pause(policy: RetryPolicy, delay: float, uri: str) -> None:
+    if policy.stop is None:
+        time.sleep(delay)
+    elif policy.stop.wait(delay):
+        raise RetryCancelled(f"stopped while waiting to retry {uri}")
 
 
 @dataclass(frozen=True)
@@ -162,7 +173,7 @@ def _retrying(
             )
             if on_retry is not None:
                 on_retry(event)
-            time.sleep(delay)
+            _pause(policy, delay, uri)
 
 
 def stat_source(
@@ -196,7 +207,7 @@ def stat_source(
             )
             if on_retry is not None:
                 on_retry(RetryEvent(source.display_uri, budget.retries, delay, exc, 0, 0, 0))
-            time.sleep(delay)
+            _pause(policy, delay, source.display_uri)
 
 
 def _delay(policy: RetryPolicy, failures: int, retry_after: float | None) -> float:
