@@ -317,6 +317,12 @@ class _Load:
         self._lock = threading.Lock()
         self._next = 0
         self._remaining = list(plan.chunk_counts)
+        # Tensors without a stored hash are re-sampled before they are published (integrity.check_tensor).
+        self._chunks_of: list[list[Chunk]] = [[] for _ in plan.index.tensors]
+        for chunk in plan.chunks:
+            self._chunks_of[chunk.tensor].append(chunk)
+        sampled_files = [integrity.needs_samples(model, f) for f in range(len(model.sources))]
+        self._sampled = [sampled_files[t.file] for t in plan.index.tensors]
         self._error: BaseException | None = None
         self._key_proven = False
         self._doubted: tuple[str, str, WrongKeyError] | None = None
@@ -434,6 +440,15 @@ class _Load:
             if self.settings.verify and header.hashes:
                 tz.verify(tz.fastest_hash(header), data, source=uri)
                 verified = True
+        if not verified and self._sampled[tensor]:
+            integrity.check_tensor(
+                self.model,
+                self.plan,
+                self.writer,
+                self._chunks_of[tensor],
+                policy=self.engine._sources.retry,
+                on_retry=self.engine._retried,
+            )
         crc = integrity.crc32(self.writer.slot(tensor))
         self.writer.mark_ready(tensor, verified=verified, decrypted=decrypted, crc32=crc)
         self.observer.tensor_ready(index=tensor, name=slot.name, nbytes=slot.nbytes)
