@@ -120,7 +120,7 @@ def skipped_origins(records: list[dict[str, Any]], section: str) -> dict[str, st
 def main_table(records: list[dict[str, Any]]) -> str:
     grouped = group(records, "table")
     lines = [
-        "| origin | contender | GiB/s | sidecar ÷ this (per round) | CPU-s per GiB | CPU ÷ curl's | peak RSS |",
+        "| origin | contender | GiB/s | sidecar / this (per round) | CPU-s per GiB | CPU / curl's | peak RSS |",
         "|---|---|---|---|---|---|---|",
     ]
     for origin, title in ORIGINS.items():
@@ -173,6 +173,70 @@ def curve_table(records: list[dict[str, Any]], section: str, x_name: str) -> str
     return "\n".join(lines)
 
 
+def _link_and_cap() -> tuple[float, float]:
+    from origins import LINK_GBIT, RATE_MB_S
+
+    return LINK_GBIT * 1e9 / 8 / GIB, RATE_MB_S * 1e6 / GIB
+
+
+def targets(records: list[dict[str, Any]]) -> str:
+    """The issue's figures against what this run measured, each with whether it was reached."""
+    lines = []
+
+    def verdict(value: float, goal: float, *, at_most: bool = False) -> str:
+        if value != value:  # NaN: nothing to compare
+            return "not measured"
+        reached = value <= goal if at_most else value >= goal
+        return f"{value:.2f} ({'reached' if reached else 'not reached'})"
+
+    grouped = group(records, "table")
+    remote = ("http", "s3", "s3like-http", "s3like-s3", "s3rver")
+    for origin, title in ORIGINS.items():
+        cases = grouped.get((origin, None), {})
+        sidecar = cases.get("sidecar")
+        if sidecar is None or not sidecar.ok:
+            continue
+        parts = []
+        for peer, goal in (
+            ("tensorizer", 2.5 if origin in remote else 1.0),
+            ("runai", 3.5 if origin in remote else 0),
+        ):
+            case = cases.get(peer)
+            if case is not None and case.ok and goal:
+                parts.append(f"/ {NAMES[peer]} {verdict(ratio(sidecar, case), goal)} (goal >= {goal:g})")
+        curl = cases.get("curl")
+        if curl is not None and curl.ok:
+            parts.append(
+                f"CPU / curl's {verdict(ratio(sidecar, curl, 'cpu_s_per_gib'), 1.1, at_most=True)} (goal <= 1.1)"
+            )
+        lines.append(f"- {title}: sidecar " + "; ".join(parts))
+    curve = group(records, "readers")
+    if curve:
+        link, cap = _link_and_cap()
+        points = sorted(curve.items(), key=lambda item: float(item[0][1]))
+        shares = []
+        for (_, x), cases in points:
+            sidecar = cases.get("sidecar")
+            if sidecar is not None and sidecar.ok:
+                shares.append(f"{x}: {sidecar.gib_s / min(link, float(x) * cap):.2f}")
+        lines.append(
+            "- S3-like origin, sidecar / min(link, readers x 90 MB/s) by readers (goal >= 0.9): "
+            + ", ".join(shares)
+        )
+        for contender in ORDER:
+            xs = [
+                (float(x), cases[contender].gib_s)
+                for (_, x), cases in points
+                if contender in cases and cases[contender].ok
+            ]
+            if len(xs) < 2:
+                continue
+            best = max(rate for _, rate in xs)
+            stop = next(x for x, rate in xs if rate >= 0.9 * best)
+            lines.append(f"- {NAMES[contender]} stops scaling at {stop:g} readers ({best:.2f} GiB/s at best)")
+    return "\n".join(lines)
+
+
 def setup(meta: dict[str, Any], records: list[dict[str, Any]]) -> str:
     machine, versions = meta.get("machine", {}), meta.get("versions", {})
     args = meta.get("args", {})
@@ -200,6 +264,7 @@ def markdown(meta: dict[str, Any], records: list[dict[str, Any]], *, full: bool)
     if full:
         parts += [
             "", "![CPU per GiB](bench-cpu.png)", "",
+            "**Against the goals** (ratios within rounds):", "", targets(records), "",
             "**Readers** (S3-like origin over S3, GiB/s):", "", curve_table(records, "readers", "readers"), "",
             "![readers](bench-readers.png)", "",
             "**Model size** (local file, GiB/s):", "", curve_table(records, "size", "GiB"), "",
@@ -224,7 +289,6 @@ def plots(records: list[dict[str, Any]]) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from origins import LINK_GBIT, RATE_MB_S
 
     grouped = group(records, "table")
     origins = [o for o in ORIGINS if (o, None) in grouped]
@@ -270,10 +334,10 @@ def plots(records: list[dict[str, Any]]) -> None:
                 ax.plot(xs, ys, marker="o", label=NAMES[contender].strip("*`"))
         if section == "readers":
             xs = [float(x) for (_, x), _ in points]
-            link = LINK_GBIT * 1e9 / 8 / GIB
+            link, cap = _link_and_cap()
             ax.plot(
                 xs,
-                [min(link, x * RATE_MB_S * 1e6 / GIB) for x in xs],
+                [min(link, x * cap) for x in xs],
                 "k--",
                 label="min(link, readers x cap)",
             )

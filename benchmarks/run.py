@@ -145,7 +145,7 @@ def table_cases(origin: str, where: Any, models: Models, args: argparse.Namespac
     loopback = origin in ("file", "http", "s3", "s3rver")
     readers = args.readers if loopback else args.remote_readers
     chunk = 32 * MIB if loopback else 16 * MIB
-    tz_readers = (1, 4, 8) if loopback else (8, 16, 32)
+    tz_readers = (1, 4) if loopback else (16, 32)
     cases: list[Case] = []
 
     def add(contender: str, label: str, argv: list[str], skip: str = "", **kw: Any) -> None:
@@ -307,8 +307,8 @@ def _mem_total() -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=float, default=1.0, help="model size of the table, GiB")
-    parser.add_argument("--runs", type=int, default=3, help="rounds of the table")
-    parser.add_argument("--curve-runs", type=int, default=2, help="rounds of each curve point")
+    parser.add_argument("--runs", type=int, default=2, help="rounds of the table")
+    parser.add_argument("--curve-runs", type=int, default=1, help="rounds of each curve point")
     parser.add_argument("--readers", type=int, default=8, help="readers on loopback origins")
     parser.add_argument("--remote-readers", type=int, default=16, help="readers on the S3-like origin")
     parser.add_argument("--origins", default="file,http,s3,s3like-http,s3like-s3,s3rver")
@@ -316,9 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--curve-size", type=float, default=0.5, help="model size of the readers/chunk curves"
     )
-    parser.add_argument("--sizes", default="0.25,1,2,4,8", help="GiB, the size curve")
-    parser.add_argument("--readers-curve", default="1,2,4,8,16,32,64")
-    parser.add_argument("--chunks-mib", default="4,8,16,32,64")
+    parser.add_argument("--sizes", default="0.25,1,4,8", help="GiB, the size curve")
+    parser.add_argument("--readers-curve", default="1,4,16,64")
+    parser.add_argument("--chunks-mib", default="4,16,64")
     parser.add_argument("--out", type=Path, default=None, help="the JSON lines file")
     parser.add_argument("--publish", action="store_true", help="copy the results to docs/ and report")
     args = parser.parse_args(argv)
