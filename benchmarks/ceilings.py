@@ -1,7 +1,7 @@
 """modelload's sidecar against the raw sources and against tensorizer, in one run, on one model.
 
-``make bench`` runs this. For each source (a local file, HTTP from nginx, S3 from nginx posing as a
-path-style S3 endpoint: moto's server is too slow for throughput, see shared/specs/benchmarking.md):
+The sidecar against what bounds it (``run.py`` compares it with the other loaders). For each source (a
+local file, HTTP from nginx, S3 from nginx posing as a path-style S3 endpoint):
 
 - the raw ceiling: N threads reading the whole object in chunk-sized ranges into reused buffers, with the
   same concurrency as the sidecar (and ``cat``/``curl`` as a single-stream reference);
@@ -15,7 +15,7 @@ path-style S3 endpoint: moto's server is too slow for throughput, see shared/spe
 The machines are shared and noisy: each figure is the median of ``--runs`` runs, contenders alternate within
 a round, and what matters are the ratios printed at the end.
 
-    python benchmarks/run.py [--size 2] [--readers 8] [--chunk-size 32MiB] [--runs 3] [--sources file,http,s3]
+    python benchmarks/ceilings.py [--size 2] [--readers 8] [--chunk-size 32MiB] [--runs 3] [--sources file,http,s3]
 """
 
 from __future__ import annotations

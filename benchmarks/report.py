@@ -306,7 +306,7 @@ def plots(records: list[dict[str, Any]]) -> None:
                 [j + i * width for j in range(len(origins))],
                 values,
                 width,
-                label=NAMES[contender].strip("*`"),
+                label=NAMES[contender].replace("*", "").replace("`", ""),
             )
         ax.set_xticks([j + width * (len(contenders) - 1) / 2 for j in range(len(origins))])
         ax.set_xticklabels([ORIGINS[o] for o in origins], fontsize=8)
@@ -331,7 +331,7 @@ def plots(records: list[dict[str, Any]]) -> None:
                 if contender in cases and cases[contender].ok
             ]
             if xs:
-                ax.plot(xs, ys, marker="o", label=NAMES[contender].strip("*`"))
+                ax.plot(xs, ys, marker="o", label=NAMES[contender].replace("*", "").replace("`", ""))
         if section == "readers":
             xs = [float(x) for (_, x), _ in points]
             link, cap = _link_and_cap()

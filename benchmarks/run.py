@@ -307,14 +307,14 @@ def _mem_total() -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=float, default=1.0, help="model size of the table, GiB")
-    parser.add_argument("--runs", type=int, default=2, help="rounds of the table")
+    parser.add_argument("--runs", type=int, default=3, help="rounds of the table")
     parser.add_argument("--curve-runs", type=int, default=1, help="rounds of each curve point")
     parser.add_argument("--readers", type=int, default=8, help="readers on loopback origins")
     parser.add_argument("--remote-readers", type=int, default=16, help="readers on the S3-like origin")
     parser.add_argument("--origins", default="file,http,s3,s3like-http,s3like-s3,s3rver")
     parser.add_argument("--sections", default="table,readers,size,chunk")
     parser.add_argument(
-        "--curve-size", type=float, default=0.5, help="model size of the readers/chunk curves"
+        "--curve-size", type=float, default=1.0, help="model size of the readers/chunk curves"
     )
     parser.add_argument("--sizes", default="0.25,1,4,8", help="GiB, the size curve")
     parser.add_argument("--readers-curve", default="1,4,16,64")
