@@ -7,6 +7,10 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # The CPU build of torch. A plain `torch` requirement would pull several GB of CUDA wheels.
 TORCH := torch==2.13.0
+# s3rver, the S3 server the demo and the benchmarks load from (npm, into a local folder; moto's server reads
+# a whole object for every ranged GET, too slow to show a load). Without npm the demo falls back to moto.
+S3RVER := .bench-tools/node_modules/.bin/s3rver
+BENCH_STAMP := $(VENV)/.bench-installed
 
 .PHONY: all venv system demo test check fmt crds bench clean
 .PHONY: venv-vllm test-vllm bench-vllm
@@ -61,7 +65,16 @@ venv-vllm: system $(VLLM_STAMP)
 test-vllm: venv venv-vllm
 	MODELLOAD_REQUIRE_SERVERS=1 $(VLLM_VENV)/bin/python -m pytest -q tests/vllm
 
-demo: venv
+$(S3RVER):
+	@if command -v npm >/dev/null 2>&1; then npm install --silent --no-audit --no-fund --prefix .bench-tools s3rver@3.7.1; \
+	else echo "npm not found: s3rver not installed (apt-get install nodejs npm)"; fi
+
+# The benchmark's peers (the bench extra), with torch pinned in the same command so pip cannot replace it.
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/python -m pip install -q -e '.[dev,torch,bench]' $(TORCH)
+	@touch $(BENCH_STAMP)
+
+demo: venv $(S3RVER)
 	$(BIN)/python benchmarks/demo.py
 
 check: venv
@@ -82,8 +95,8 @@ test: check
 	MODELLOAD_REQUIRE_SERVERS=1 $(BIN)/python -m pytest -q
 test: test-vllm
 
-bench: venv
-	$(BIN)/python benchmarks/run.py
+bench: venv $(BENCH_STAMP) $(S3RVER)
+	$(BIN)/python benchmarks/run.py --publish
 	$(BIN)/python benchmarks/memory_modes.py
 bench: bench-vllm
 
@@ -92,4 +105,4 @@ bench-vllm: venv venv-vllm
 	$(VLLM_VENV)/bin/python benchmarks/vllm_first_token.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .bench-tools build *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -4,8 +4,11 @@
 
 1. build a small transformer (``demo_model.TinyLM``, random bf16 weights, a few hundred MB; nothing is
    downloaded) and compute its output on a fixed prompt, the reference;
-2. start moto's S3 server on 127.0.0.1 and upload the model as a Hugging Face-style directory: safetensors
-   shards, ``model.safetensors.index.json`` and ``config.json``;
+2. start a local S3 server on 127.0.0.1 and upload the model as a Hugging Face-style directory: safetensors
+   shards, ``model.safetensors.index.json`` and ``config.json``. The server is npm's s3rver (``make demo``
+   installs it into ``.bench-tools/``): a real S3 server that stays fast under parallel ranged GETs. Where
+   Node is missing, moto's server instead, which reads the whole object for every ranged GET, so the load is
+   then moto's speed, not the sidecar's;
 3. start ``modelload sidecar`` on the prefix ``s3://demo/tinylm/`` with a segment in /dev/shm, exactly as
    the operator's webhook would in a pod (flags and ``AWS_*`` environment): every shard into one segment,
    the config into the model directory beside it;
@@ -14,9 +17,7 @@
    as its weights are in;
 5. check its output against the reference, and print the timeline from both sides.
 
-moto's server is for correctness, not speed: it slows down under parallel range requests (see
-shared/specs/benchmarking.md), so the throughput printed here is moto's. ``benchmarks/run.py`` measures
-speed against nginx.
+``benchmarks/run.py`` compares the sidecar with the loaders a user would use instead.
 """
 
 from __future__ import annotations
@@ -41,11 +42,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from demo_model import Config, build, prompt  # noqa: E402
+from origins import S3RVER_KEY, S3RVER_SECRET, Unavailable, s3rver  # noqa: E402
 from scratch import scratch  # noqa: E402
 
 CREDENTIALS = {
-    "AWS_ACCESS_KEY_ID": "demo-access-key",
-    "AWS_SECRET_ACCESS_KEY": "demo-secret-key",
+    "AWS_ACCESS_KEY_ID": S3RVER_KEY,  # the account s3rver checks signatures against (moto takes any)
+    "AWS_SECRET_ACCESS_KEY": S3RVER_SECRET,
     "AWS_DEFAULT_REGION": "us-east-1",
 }
 BUCKET, PREFIX = "demo", "tinylm/"
@@ -125,16 +127,31 @@ def run(config: Config, work: Path, args: argparse.Namespace) -> int:
     env = {**os.environ, **CREDENTIALS, "PYTHONUNBUFFERED": "1"}
     for variable in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN"):
         env.pop(variable, None)
-    s3_port, api_port = free_port(), free_port()
-    endpoint = f"http://127.0.0.1:{s3_port}"
-    moto = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(s3_port)]
-    with running(moto, env=env, log=work / "moto.log") as server:
-        wait_for(f"{endpoint}/", timeout=60, process=server)
-        step(f"moto's S3 server on {endpoint}")
+    with s3_server(work, env) as (endpoint, server_name):
+        step(f"{server_name} on {endpoint}")
         upload(endpoint, files)
         step(f"uploaded s3://{BUCKET}/{PREFIX} ({', '.join(sorted(files))})")
         del files
-        return load_and_infer(config, work, args, env, endpoint, api_port)
+        return load_and_infer(config, work, args, env, endpoint, free_port(), server_name)
+
+
+@contextlib.contextmanager
+def s3_server(work: Path, env: dict[str, str]) -> Iterator[tuple[str, str]]:
+    """s3rver where Node and ``make demo``'s install of it are there, moto's server otherwise."""
+    with contextlib.ExitStack() as stack:
+        try:
+            origin = stack.enter_context(s3rver(work / "s3rver", bucket=BUCKET))
+        except Unavailable as exc:
+            step(f"s3rver unavailable ({exc}): using moto's S3 server, whose ranged GETs are slow")
+        else:
+            yield origin.s3_endpoint, "s3rver (a real S3 server, Node)"
+            return
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    moto = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    with running(moto, env=env, log=work / "moto.log") as server:
+        wait_for(f"{endpoint}/", timeout=60, process=server)
+        yield endpoint, "moto's S3 server"
 
 
 def hf_directory(state: dict[str, torch.Tensor], config: Config) -> dict[str, bytes]:
@@ -160,7 +177,8 @@ def upload(endpoint: str, files: dict[str, bytes]) -> None:
     from boto3.s3.transfer import TransferConfig
 
     client = boto3.client("s3", endpoint_url=endpoint, **_boto_credentials())
-    client.create_bucket(Bucket=BUCKET)
+    if BUCKET not in {bucket["Name"] for bucket in client.list_buckets().get("Buckets", [])}:
+        client.create_bucket(Bucket=BUCKET)
     for name, data in files.items():
         client.upload_fileobj(
             io.BytesIO(data), BUCKET, PREFIX + name, Config=TransferConfig(multipart_chunksize=64 << 20)
@@ -176,7 +194,13 @@ def _boto_credentials() -> dict[str, str]:
 
 
 def load_and_infer(
-    config: Config, work: Path, args: argparse.Namespace, env: dict[str, str], endpoint: str, api_port: int
+    config: Config,
+    work: Path,
+    args: argparse.Namespace,
+    env: dict[str, str],
+    endpoint: str,
+    api_port: int,
+    server_name: str,
 ) -> int:
     segment = work / "model.seg"
     sidecar = [
@@ -207,7 +231,7 @@ def load_and_infer(
         step("the inference process failed")
         return 1
     result = json.loads(infer.stdout.strip().splitlines()[-1])
-    report(started, status, result)
+    report(started, status, result, server_name)
     return 0 if result["matches"] else 1
 
 
@@ -216,7 +240,7 @@ def read_status(port: int) -> dict[str, object]:
         return dict(json.load(response))
 
 
-def report(started: float, status: dict[str, object], result: dict[str, object]) -> None:
+def report(started: float, status: dict[str, object], result: dict[str, object], server_name: str) -> None:
     def at(value: object) -> str:
         return f"{float(value) - started:7.2f} s" if isinstance(value, (int, float)) else "      -"
 
@@ -242,7 +266,7 @@ def report(started: float, status: dict[str, object], result: dict[str, object])
     print()
     print(
         f"  loaded {size / 2**20:.0f} MiB in {load_seconds:.2f} s: "
-        f"{size / load_seconds / 2**20:.0f} MiB/s from moto "
+        f"{size / load_seconds / 2**20:.0f} MiB/s from {server_name.split(' (', maxsplit=1)[0]} "
         f"({status['retries']} retries)"
     )
     overlap = [name for name, when in steps if when < float(status["finished_at"])]  # type: ignore[arg-type]

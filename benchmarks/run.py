@@ -1,204 +1,428 @@
-"""modelload's sidecar against the raw sources and against tensorizer, in one run, on one model.
+"""modelload's sidecar against what a user would use instead, on origins that behave like theirs.
 
-``make bench`` runs this. For each source (a local file, HTTP from nginx, S3 from nginx posing as a
-path-style S3 endpoint: moto's server is too slow for throughput, see shared/specs/benchmarking.md):
+``make bench`` runs this, then ``report.py``. Every measurement is ``peers.py`` in a fresh process (one
+contender, one load); within a round every contender of a case runs once, in an order that rotates from
+round to round, so the swings of a shared machine hit all alike. Ratios are taken within a round.
 
-- the raw ceiling: N threads reading the whole object in chunk-sized ranges into reused buffers, with the
-  same concurrency as the sidecar (and ``cat``/``curl`` as a single-stream reference);
-- the sidecar: ``modelload sidecar`` from process start until every tensor is READY in a fresh segment, with
-  and without hash verification; its time to the manifest and to the first tensor; its peak memory besides
-  the segment;
-- tensorizer 2.12's ``TensorDeserializer`` loading the same file to CPU memory, best of 1, 4 and 8 readers;
-- the same tensors as safetensors, once as one file and once as a Hugging Face directory of ``--shards``
-  files: the sidecar's throughput across shards against the single file, in the same rounds.
+Sections (``--sections``):
 
-The machines are shared and noisy: each figure is the median of ``--runs`` runs, contenders alternate within
-a round, and what matters are the ratios printed at the end.
+- ``table``: each origin (local file; nginx over loopback as HTTP and as an S3 stand-in; the S3-like origin
+  as HTTP and S3, see ``origins.s3_like``; s3rver, a real S3 server) x each contender that can read it:
+  the sidecar, tensorizer (several ``num_readers``, the best is kept), Run:ai Model Streamer, safetensors
+  (``load_file`` + copy, ``safe_open``), ``torch.load``, and ``curl`` into tmpfs (the floor of landing bytes in
+  new memory). A contender that cannot read an origin gets a line saying why.
+- ``readers``: readers 1 → 64 on the S3-like origin over S3: where each contender stops scaling.
+- ``size``: model size 0.25 → 8 GiB on the local file (sizes the free memory cannot hold are skipped, with
+  the reason recorded).
+- ``chunk``: range size 4 → 64 MiB on the S3-like origin over S3.
 
-    python benchmarks/run.py [--size 2] [--readers 8] [--chunk-size 32MiB] [--runs 3] [--sources file,http,s3]
+Raw results go to ``benchmarks/results/bench-TIMESTAMP.jsonl`` (one JSON object a line: a ``meta`` line with
+the machine and versions, then one per measurement or skip); ``--publish`` also copies them to
+``docs/bench-results.jsonl``, which ``report.py`` turns into the plots and tables.
+
+    python benchmarks/run.py [--size 1] [--runs 3] [--sections table,readers,size,chunk] [--publish]
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import contextlib
+import json
+import os
+import platform
+import shutil
+import subprocess
 import sys
-from collections import defaultdict
-from collections.abc import Callable
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(ROOT))
 
-from harness import (  # noqa: E402
-    Figures,
-    command_ceiling,
-    make_model,
-    make_safetensors,
-    raw_ceiling,
-    sidecar,
-    tensorizer_load,
-)
+from harness import make_model, make_safetensors  # noqa: E402
+from origins import S3RVER_KEY, S3RVER_SECRET, Origin, Unavailable, s3_like, s3rver, upload  # noqa: E402
 from scratch import scratch  # noqa: E402
 
-from modelload.sidecar.settings import parse_size  # noqa: E402
 from tests.support.nginx import NginxServer  # noqa: E402
 
-Contender = Callable[[], Figures]
+MIB, GIB = 1 << 20, 1 << 30
+PEERS = HERE / "peers.py"
+ST, TZ, PT = "st/model.safetensors", "model.tensors", "model.pt"
+NO_HTTP = "no HTTP(S) source"
+FILES_ONLY = "reads local files only"
 
 
-def contenders(
-    kind: str, model: Path, nginx: NginxServer, work: Path, args: argparse.Namespace
-) -> dict[str, Contender]:
-    chunk = parse_size(args.chunk_size, name="--chunk-size")
-    segment = work / "bench.seg"
-    nbytes = model.stat().st_size
-    if kind == "file":
-        uri, endpoint, single = str(model), "", ["cat", str(model)]
-        tensorizer_uri = str(model)
-    elif kind == "http":
-        uri, endpoint, single = (
-            nginx.url(model.name),
-            "",
-            ["curl", "-s", "-o", "/dev/null", nginx.url(model.name)],
-        )
-        tensorizer_uri = uri
-    else:
-        uri, endpoint, single = f"s3://{nginx.bucket}/{model.name}", nginx.s3_endpoint, []
-        tensorizer_uri = uri
-    found: dict[str, Contender] = {
-        "raw, reused buffer": lambda: raw_ceiling(
-            uri, threads=args.readers, chunk=chunk, s3_endpoint=endpoint
-        ),
-        "raw, fresh file": lambda: raw_ceiling(
-            uri, threads=args.readers, chunk=chunk, s3_endpoint=endpoint, fresh=work / "fresh.bin"
-        ),
-    }
-    if single:
-        found[f"{single[0]} (1 stream)"] = lambda: command_ceiling(single, nbytes)
-    for verify in (False, True):
-        label = "sidecar" + (" +verify" if verify else "")
-        found[label] = lambda verify=verify: sidecar(
-            uri, segment, readers=args.readers, chunk=args.chunk_size, verify=verify, s3_endpoint=endpoint
-        )
-    for label, folder in (
-        ("sidecar st 1 file", "st-single"),
-        (f"sidecar st {args.shards} shards", "st-sharded"),
-    ):
-        files = sorted(p.name for p in (work / folder).iterdir())
-        if kind == "file":
-            where, names = str(work / folder), None
-        elif kind == "http":
-            where, names = nginx.url(f"{folder}/"), None
-        else:  # nginx poses as S3 for reads only, so the directory is named rather than listed
-            where, names = f"s3://{nginx.bucket}/{folder}/", files
-        found[label] = lambda where=where, names=names: sidecar(
-            where, segment, readers=args.readers, chunk=args.chunk_size, verify=False, s3_endpoint=endpoint,
-            files=names,
-        )  # fmt: skip
-    if not args.no_tensorizer:
-        for readers in (1, 4, 8):
-            found[f"tensorizer {readers}r"] = lambda readers=readers: tensorizer_load(
-                tensorizer_uri, readers=readers, s3_endpoint=endpoint
+@dataclass
+class Case:
+    """One contender's configuration on one origin: what ``peers.py`` gets, or why it cannot run."""
+
+    contender: str
+    label: str
+    argv: list[str] = field(default_factory=list)
+    readers: int = 8
+    chunk: int = 32 * MIB
+    skip: str = ""
+
+
+@dataclass
+class Models:
+    folder: Path
+    size: int  # the safetensors file's bytes (what curl fetches)
+
+    def path(self, name: str) -> Path:
+        return self.folder / name
+
+
+class Recorder:
+    """Appends one JSON line per result, and echoes a short line to the terminal."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._out = path.open("w")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._out.write(json.dumps(record) + "\n")
+        self._out.flush()
+
+    def close(self) -> None:
+        self._out.close()
+
+
+def measure(case: Case, env: dict[str, str]) -> dict[str, Any]:
+    argv = [sys.executable, str(PEERS), case.contender, *case.argv]
+    argv += ["--readers", str(case.readers), "--chunk", str(case.chunk)]
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, check=False, timeout=900)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr.strip() or done.stdout.strip()).splitlines()
+        return {"error": (tail[-1] if tail else f"exit {done.returncode}")[:300]}
+    return dict(json.loads(lines[-1]))
+
+
+def run_rounds(
+    recorder: Recorder,
+    section: str,
+    origin: str,
+    cases: list[Case],
+    runs: int,
+    env: dict[str, str],
+    **tags: Any,
+) -> None:
+    """``runs`` rounds over ``cases`` (rotating the order); skips are recorded once."""
+    for case in cases:
+        if case.skip:
+            recorder.write({"section": section, "origin": origin, "label": case.label,
+                            "contender": case.contender, "skipped": case.skip, **tags})  # fmt: skip
+    live = [c for c in cases if not c.skip]
+    for number in range(runs):
+        shift = number % max(1, len(live))
+        for case in live[shift:] + live[:shift]:
+            result = measure(case, env)
+            record = {"section": section, "origin": origin, "label": case.label, "contender": case.contender,
+                      "round": number, "readers": case.readers, "chunk": case.chunk, **tags, **result}  # fmt: skip
+            recorder.write(record)
+            shown = (
+                f"{result['gib_s']:6.2f} GiB/s {result['cpu_s_per_gib']:5.2f} CPU-s/GiB "
+                f"{result['peak_rss'] / MIB:6.0f} MiB"
+                if "gib_s" in result
+                else f"failed: {result['error']}"
             )
-    return found
+            print(f"  [{section} {origin}{_tags(tags)} r{number}] {case.label:<22} {shown}", flush=True)
+
+
+def _tags(tags: dict[str, Any]) -> str:
+    return "".join(f" {k}={v}" for k, v in tags.items())
+
+
+def table_cases(origin: str, where: Any, models: Models, args: argparse.Namespace) -> list[Case]:
+    """The contenders of the main table on one origin."""
+    loopback = origin in ("file", "http", "s3", "s3rver")
+    readers = args.readers if loopback else args.remote_readers
+    chunk = 32 * MIB if loopback else 16 * MIB
+    tz_readers = (1, 4) if loopback else (16, 32)
+    cases: list[Case] = []
+
+    def add(contender: str, label: str, argv: list[str], skip: str = "", **kw: Any) -> None:
+        kw.setdefault("readers", readers)
+        kw.setdefault("chunk", chunk)
+        cases.append(Case(contender, label, argv, skip=skip, **kw))
+
+    if origin == "file":
+        add("sidecar", "sidecar", ["--source", str(models.path(ST))])
+        for r in tz_readers:
+            add("tensorizer", f"tensorizer {r}r", ["--source", str(models.path(TZ))], readers=r)
+        add("runai", "runai", ["--source", str(models.path(ST))])
+        add("st-load", "safetensors load_file+copy", ["--source", str(models.path(ST))])
+        add("st-open", "safetensors safe_open", ["--source", str(models.path(ST))])
+        add("torch-load", "torch.load", ["--source", str(models.path(PT))])
+        add("curl", "curl -> tmpfs", ["--source", f"file://{models.path(ST)}", "--size", str(models.size)])
+        return cases
+    s3 = origin in ("s3", "s3like-s3", "s3rver")
+    if s3:
+        endpoint = ["--s3-endpoint", where.s3_endpoint]
+        add("sidecar", "sidecar", ["--source", where.s3_uri(ST), *endpoint])
+        for r in tz_readers:
+            add("tensorizer", f"tensorizer {r}r", ["--source", where.s3_uri(TZ), *endpoint], readers=r)
+        add("runai", "runai", ["--source", where.s3_uri(ST), *endpoint])
+        curl_url = where.presigned(ST) if origin == "s3rver" else where.url(f"{where.bucket}/{ST}")
+    else:
+        add("sidecar", "sidecar", ["--source", where.url(ST)])
+        for r in tz_readers:
+            add("tensorizer", f"tensorizer {r}r", ["--source", where.url(TZ)], readers=r)
+        add("runai", "runai", [], skip=NO_HTTP)
+        curl_url = where.url(ST)
+    for contender, label in (
+        ("st-load", "safetensors load_file+copy"),
+        ("st-open", "safetensors safe_open"),
+        ("torch-load", "torch.load"),
+    ):
+        add(contender, label, [], skip=FILES_ONLY)
+    add("curl", "curl -> tmpfs", ["--source", curl_url, "--size", str(models.size)])
+    return cases
+
+
+@dataclass(frozen=True)
+class Served:
+    """An origin as the cases see it: URLs, the S3 endpoint and bucket, presigned URLs for curl."""
+
+    origin: Origin
+
+    def url(self, name: str) -> str:
+        return self.origin.url(name)
+
+    @property
+    def s3_endpoint(self) -> str:
+        return self.origin.s3_endpoint
+
+    @property
+    def bucket(self) -> str:
+        return self.origin.bucket
+
+    def s3_uri(self, name: str) -> str:
+        return self.origin.s3_uri(name)
+
+    def presigned(self, name: str) -> str:
+        import boto3
+        from botocore.config import Config
+
+        client = boto3.client(
+            "s3", endpoint_url=self.s3_endpoint, region_name="us-east-1", aws_access_key_id=S3RVER_KEY,
+            aws_secret_access_key=S3RVER_SECRET, config=Config(s3={"addressing_style": "path"}),
+        )  # fmt: skip
+        return str(client.generate_presigned_url("get_object", Params={"Bucket": self.bucket, "Key": name}))
+
+
+def make_models(folder: Path, size_gib: float) -> Models:
+    folder.mkdir(parents=True, exist_ok=True)
+    nbytes = int(size_gib * GIB)
+    make_model(folder / TZ, nbytes)
+    make_safetensors(folder / "st", nbytes, shards=1)
+    (folder / "st" / "config.json").unlink(missing_ok=True)
+    import torch
+    from safetensors.torch import load_file
+
+    torch.save(load_file(str(folder / ST)), folder / PT)
+    return Models(folder, (folder / ST).stat().st_size)
+
+
+def mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+@contextlib.contextmanager
+def origin_context(kind: str, models: Models, work: Path) -> Iterator[Served | None]:
+    if kind == "file":
+        yield None
+    elif kind in ("http", "s3"):
+        server = NginxServer(models.folder, bucket="bench", workers=2)
+        try:
+            yield Served(Origin(f"http://127.0.0.1:{server.port}", "bench", "nginx on loopback"))
+        finally:
+            server.stop()
+    elif kind.startswith("s3like"):
+        with s3_like(models.folder) as origin:
+            yield Served(origin)
+    elif kind == "s3rver":
+        with s3rver(work / "s3rver") as origin:
+            upload(origin, {ST: models.path(ST), TZ: models.path(TZ)})
+            yield Served(origin)
+    else:
+        raise SystemExit(f"unknown origin {kind!r}")
+
+
+def metadata(args: argparse.Namespace) -> dict[str, Any]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    versions: dict[str, str] = {"python": platform.python_version()}
+    for package in ("modelload", "torch", "tensorizer", "runai-model-streamer", "runai-model-streamer-s3",
+                    "safetensors", "boto3"):  # fmt: skip
+        try:
+            versions[package] = version(package)
+        except PackageNotFoundError:
+            versions[package] = "not installed"
+    for tool, argv in (("nginx", ["nginx", "-v"]), ("curl", ["curl", "--version"]), ("node", ["node", "-v"])):
+        with contextlib.suppress(OSError):
+            done = subprocess.run(argv, capture_output=True, text=True, check=False)
+            first = (done.stdout or done.stderr).strip().splitlines()[0]
+            numbers = [w.split("/")[-1].lstrip("v") for w in first.split()]
+            versions[tool] = next((n for n in numbers if n[:1].isdigit()), first[:40])
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, check=False).stdout.strip()  # fmt: skip
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+         if line.startswith("model name")), platform.processor(),
+    )  # fmt: skip
+    return {
+        "meta": True,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": commit,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "cpu": cpu,
+            "mem_gib": round(_mem_total() / GIB, 1),
+            "kernel": platform.release(),
+            "load_avg": os.getloadavg()[0],
+        },
+        "versions": versions,
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    }
+
+
+def _mem_total() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", type=float, default=2.0, help="model size in GiB")
-    parser.add_argument("--readers", type=int, default=8)
-    parser.add_argument("--chunk-size", default="32MiB")
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--sources", default="file,http,s3")
-    parser.add_argument("--no-tensorizer", action="store_true")
-    parser.add_argument("--shards", type=int, default=6, help="shards of the directory case")
+    parser.add_argument("--size", type=float, default=1.0, help="model size of the table, GiB")
+    parser.add_argument("--runs", type=int, default=3, help="rounds of the table")
+    parser.add_argument("--curve-runs", type=int, default=1, help="rounds of each curve point")
+    parser.add_argument("--readers", type=int, default=8, help="readers on loopback origins")
+    parser.add_argument("--remote-readers", type=int, default=16, help="readers on the S3-like origin")
+    parser.add_argument("--origins", default="file,http,s3,s3like-http,s3like-s3,s3rver")
+    parser.add_argument("--sections", default="table,readers,size,chunk")
+    parser.add_argument(
+        "--curve-size", type=float, default=1.0, help="model size of the readers/chunk curves"
+    )
+    parser.add_argument("--sizes", default="0.25,1,4,8", help="GiB, the size curve")
+    parser.add_argument("--readers-curve", default="1,4,16,64")
+    parser.add_argument("--chunks-mib", default="4,16,64")
+    parser.add_argument("--out", type=Path, default=None, help="the JSON lines file")
+    parser.add_argument("--publish", action="store_true", help="copy the results to docs/ and report")
     args = parser.parse_args(argv)
-
-    with scratch("modelload-bench-") as work:
-        model = work / "model.tensors"
-        tensor_bytes = make_model(model, int(args.size * 2**30))
-        make_safetensors(work / "st-single", int(args.size * 2**30), shards=1)
-        make_safetensors(work / "st-sharded", int(args.size * 2**30), shards=args.shards)
-        print(
-            f"model: {model.stat().st_size / 2**30:.2f} GiB tensorizer file, {tensor_bytes / 2**30:.2f} GiB of bf16 tensors, in {work}"
-        )
-        print(
-            f"readers {args.readers}, chunks {args.chunk_size}, median of {args.runs} runs, page cache warm\n"
-        )
-        nginx = NginxServer(work, bucket="bench", workers=2)
-        try:
-            for kind in args.sources.split(","):
-                report(kind, run_rounds(contenders(kind, model, nginx, work, args), args.runs))
-        finally:
-            nginx.stop()
+    sections = set(args.sections.split(","))
+    out = args.out or HERE / "results" / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+    recorder = Recorder(out)
+    recorder.write(metadata(args))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "RUNAI_"))}
+    env.update(AWS_ACCESS_KEY_ID=S3RVER_KEY, AWS_SECRET_ACCESS_KEY=S3RVER_SECRET, AWS_DEFAULT_REGION="us-east-1",
+               NO_PROXY="*", PYTHONPATH=str(ROOT))  # fmt: skip
+    started = time.monotonic()
+    try:
+        with scratch("modelload-bench-") as work:
+            if "table" in sections:
+                models = make_models(work / "table", args.size)
+                print(f"table: {models.size / GIB:.2f} GiB of safetensors (and the same as tensorizer, .pt)")
+                for kind in args.origins.split(","):
+                    try:
+                        with origin_context(kind, models, work) as served:
+                            if served is not None:
+                                recorder.write(
+                                    {"origin_info": kind, "description": served.origin.description}
+                                )
+                            run_rounds(recorder, "table", kind, table_cases(kind, served, models, args),
+                                       args.runs, env, size=models.size)  # fmt: skip
+                    except Unavailable as exc:
+                        print(f"  [{kind}] skipped: {exc}")
+                        recorder.write({"section": "table", "origin": kind, "skipped": str(exc)})
+                shutil.rmtree(work / "table", ignore_errors=True)
+            if sections & {"readers", "chunk"}:
+                curves(recorder, work, args, env, sections)
+            if "size" in sections:
+                size_curve(recorder, work, args, env)
+    finally:
+        recorder.close()
+    print(f"results: {out} ({(time.monotonic() - started) / 60:.1f} min)")
+    if args.publish:
+        shutil.copyfile(out, ROOT / "docs" / "bench-results.jsonl")
+        subprocess.run([sys.executable, str(HERE / "report.py")], check=True)
     return 0
 
 
-def run_rounds(found: dict[str, Contender], runs: int) -> dict[str, list[Figures]]:
-    results: dict[str, list[Figures]] = defaultdict(list)
-    for _ in range(runs):
-        for label, measure in found.items():
-            try:
-                results[label].append(measure())
-            except Exception as exc:  # a peer that cannot read this source is reported, not fatal
-                print(f"  {label}: failed: {str(exc).strip().splitlines()[-1][:200]}")
-    return results
+def curves(
+    recorder: Recorder, work: Path, args: argparse.Namespace, env: dict[str, str], sections: set[str]
+) -> None:
+    models = make_models(work / "curves", args.curve_size)
+    try:
+        with s3_like(models.folder) as origin:
+            served = Served(origin)
+            endpoint = ["--s3-endpoint", served.s3_endpoint]
+            if "readers" in sections:
+                for readers in (int(r) for r in args.readers_curve.split(",")):
+                    cases = [
+                        Case("sidecar", "sidecar", ["--source", served.s3_uri(ST), *endpoint]),
+                        Case("tensorizer", "tensorizer", ["--source", served.s3_uri(TZ), *endpoint]),
+                        Case("runai", "runai", ["--source", served.s3_uri(ST), *endpoint]),
+                        Case("curl", "curl -> tmpfs",
+                             ["--source", served.url(f"{served.bucket}/{ST}"), "--size", str(models.size)]),
+                    ]  # fmt: skip
+                    for case in cases:
+                        case.readers, case.chunk = readers, 16 * MIB
+                    run_rounds(recorder, "readers", "s3like-s3", cases, args.curve_runs, env, x=readers,
+                               size=models.size)  # fmt: skip
+            if "chunk" in sections:
+                for mib in (int(c) for c in args.chunks_mib.split(",")):
+                    cases = [
+                        Case("sidecar", "sidecar", ["--source", served.s3_uri(ST), *endpoint]),
+                        Case("runai", "runai", ["--source", served.s3_uri(ST), *endpoint]),
+                    ]
+                    for case in cases:
+                        case.readers, case.chunk = args.remote_readers, mib * MIB
+                    run_rounds(recorder, "chunk", "s3like-s3", cases, args.curve_runs, env, x=mib,
+                               size=models.size)  # fmt: skip
+    except Unavailable as exc:
+        print(f"  curves skipped: {exc}")
+        recorder.write({"section": "readers", "origin": "s3like-s3", "skipped": str(exc)})
+        recorder.write({"section": "chunk", "origin": "s3like-s3", "skipped": str(exc)})
+    finally:
+        shutil.rmtree(work / "curves", ignore_errors=True)
 
 
-def report(kind: str, results: dict[str, list[Figures]]) -> None:
-    print(f"[{kind}]")
-    medians: dict[str, float] = {}
-    for label, figures in results.items():
-        if not figures:
+def size_curve(recorder: Recorder, work: Path, args: argparse.Namespace, env: dict[str, str]) -> None:
+    for size in (float(s) for s in args.sizes.split(",")):
+        # The two files, one load, and the page cache's copy of neither (they are in /dev/shm): 3x, plus a
+        # margin for the other users of this machine.
+        needed = int(3 * size * GIB) + 2 * GIB
+        if mem_available() < needed:
+            reason = f"{mem_available() / GIB:.1f} GiB available, {needed / GIB:.1f} GiB needed"
+            print(f"  [size {size:g} GiB] skipped: {reason}")
+            recorder.write({"section": "size", "origin": "file", "x": size, "skipped": reason})
             continue
-        rate = statistics.median(f.gib_per_s for f in figures)
-        medians[label] = rate
-        line = f"  {label:<22} {rate:6.2f} GiB/s"
-        middle = sorted(figures, key=lambda f: f.gib_per_s)[len(figures) // 2]
-        if middle.first_tensor_s is not None:
-            line += f"  manifest {middle.manifest_s:5.2f} s  first tensor {middle.first_tensor_s:5.2f} s  all {middle.seconds:5.2f} s"
-        if middle.peak_rss_bytes:
-            line += f"  peak RSS {middle.peak_rss_bytes / 2**20:6.0f} MiB"
-        if middle.extra:
-            line += f"  ({middle.extra})"
-        print(line)
-    best_tensorizer = max(
-        (k for k in medians if k.startswith("tensorizer")), key=lambda k: medians[k], default=None
-    )
-    for label in ("sidecar", "sidecar +verify"):
-        if label not in medians:
-            continue
-        ratios = [
-            f"{round_ratio(results, label, baseline):.2f} x {baseline}"
-            for baseline in ("raw, reused buffer", "raw, fresh file", best_tensorizer)
-            if baseline in medians
+        folder = work / f"size-{size:g}"
+        folder.mkdir()
+        make_model(folder / TZ, int(size * GIB))
+        make_safetensors(folder / "st", int(size * GIB), shards=1)
+        st_size = (folder / ST).stat().st_size
+        cases = [
+            Case("sidecar", "sidecar", ["--source", str(folder / ST)]),
+            Case("tensorizer", "tensorizer", ["--source", str(folder / TZ)], readers=4),
+            Case("runai", "runai", ["--source", str(folder / ST)]),
+            Case("curl", "curl -> tmpfs", ["--source", f"file://{folder / ST}", "--size", str(st_size)]),
         ]
-        print(f"  => {label} (engine): {', '.join(ratios)}")
-    sharded = next((k for k in medians if k.startswith("sidecar st ") and k.endswith(" shards")), None)
-    if sharded is not None and "sidecar st 1 file" in medians:
-        print(
-            f"  => {sharded} (engine): {round_ratio(results, sharded, 'sidecar st 1 file', engine=True):.2f} x 1 file"
-        )
-    print()
-
-
-def round_ratio(
-    results: dict[str, list[Figures]], label: str, baseline: str, *, engine: bool = False
-) -> float:
-    """The median over rounds of label/baseline, each pair measured in the same round: on a shared machine
-    the swings from minute to minute are larger than the differences being measured. ``engine`` takes the
-    baseline's engine rate too (two sidecars)."""
-    pairs = zip(results[label], results[baseline], strict=False)
-    return statistics.median(engine_rate(a) / (engine_rate(b) if engine else b.gib_per_s) for a, b in pairs)
-
-
-def engine_rate(figures: Figures) -> float:
-    """The sidecar's rate from its engine's start (imports and process start excluded, as for the peers)."""
-    if figures.extra.startswith("engine "):
-        return float(figures.extra.split()[1])
-    return figures.gib_per_s
+        run_rounds(recorder, "size", "file", cases, args.curve_runs, env, x=size, size=st_size)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -100,7 +100,7 @@ def test_a_tensor_is_usable_before_the_rest_arrives(shm_dir: Path) -> None:
     path = shm_dir / "model.seg"
     with _segment(path, tensors) as writer:
         _fill(writer, 0, tensors["layers.0.w"])
-        with attach(path, notify=False, timeout=0.05) as model:
+        with attach(path, notify=False, tensor_timeout=0.05) as model:
             model.wait(prefix="layers.0.")
             assert model.tensor("layers.0.w").tolist() == [1.0, 1.0]
             assert not model.is_ready("layers.1.w")

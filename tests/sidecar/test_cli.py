@@ -79,7 +79,7 @@ def test_a_complete_load_is_served_until_the_sidecar_stops(
         4,
         4 * ELEMENTS * 4,
     )
-    assert status["notify"] == f"ipc://{shm_dir}/notify.sock"
+    assert status["notify"] == f"ipc://{shm_dir}/model.seg.notify.sock"
     assert "modelload_tensors_ready 4.0" in get(sidecar, "/metrics").text
     time.sleep(0.6)  # the load is over; the sidecar keeps serving
     assert get(sidecar, "/healthz").status_code == 200
@@ -89,7 +89,7 @@ def test_a_complete_load_is_served_until_the_sidecar_stops(
     assert sidecar.stop() == 0
     with pytest.raises(httpx.ConnectError):
         httpx.get(url + "/healthz", timeout=2)
-    assert not (shm_dir / "notify.sock").exists()
+    assert not (shm_dir / "model.seg.notify.sock").exists()
     with SegmentReader.open(shm_dir / "model.seg") as segment:
         assert segment.writer_state == WriterState.COMPLETE  # the segment outlives the sidecar's API
 
@@ -102,7 +102,7 @@ def test_notifications_reach_a_subscriber_while_the_model_loads(
     sub: Any = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.setsockopt(zmq.RCVTIMEO, 5000)
-    sub.connect(f"ipc://{shm_dir}/notify.sock")
+    sub.connect(f"ipc://{shm_dir}/model.seg.notify.sock")
     wait_for(lambda: get(sidecar, "/startupz").status_code == 200)
     time.sleep(0.3)  # the subscription reaches the publisher before the first tensor
     gate.set()
@@ -309,14 +309,14 @@ def test_the_command_loads_a_safetensors_file_and_exits_0_on_sigterm(shm_dir: Pa
         assert status["tensors_total"] == status["tensors_ready"] == 13
         assert status["bytes_done"] == status["bytes_total"] == sum(t.nbytes for t in tensors.values())
         with attach(shm_dir / "model.seg", timeout=5) as model:
-            assert model.metadata["notify"] == f"ipc://{shm_dir}/notify.sock"
+            assert model.metadata["notify"] == f"ipc://{shm_dir}/model.seg.notify.sock"
             for name, expected in tensors.items():
                 assert np.array_equal(model.numpy(name), expected)
     finally:
         code, stderr = stop_command(process)
     assert code == 0, stderr
     assert "load complete" in stderr and "SIGTERM" in stderr
-    assert not (shm_dir / "notify.sock").exists()
+    assert not (shm_dir / "model.seg.notify.sock").exists()
     with SegmentReader.open(shm_dir / "model.seg") as segment:
         assert segment.writer_state == WriterState.COMPLETE
 

@@ -254,3 +254,32 @@ def test_a_staged_segment_records_a_crc32_for_every_tensor_and_inspect_verify_ch
     assert main(["inspect", "--no-progress", "--json", "--verify", str(segment)]) == 0
     verify = json.loads(capsys.readouterr().out)["verify"]
     assert verify["ok"] is True and verify["checked"] == len(tensors)
+
+
+def test_the_end_of_load_look_up_retries_a_transient_error_instead_of_failing_a_complete_load() -> None:
+    from modelload.sidecar.integrity import check_unchanged
+    from modelload.sidecar.sources import InterruptedReadError, ObjectInfo, OpenedModel, RetryPolicy
+
+    info = ObjectInfo(size=10, etag='"v1"')
+
+    class Flaky:
+        display_uri = "http://origin/model.safetensors"
+        supports_fd = False
+        calls = 0
+
+        def stat(self) -> ObjectInfo:
+            return info
+
+        def restat(self) -> ObjectInfo:
+            Flaky.calls += 1
+            if Flaky.calls == 1:
+                raise InterruptedReadError("HTTP 500", uri=self.display_uri)
+            return info
+
+        def close(self) -> None:
+            pass
+
+    model = OpenedModel(uri=Flaky.display_uri, sources=[Flaky()], infos=[info], format="safetensors")  # type: ignore[list-item]
+    policy = RetryPolicy(attempts=3, initial_backoff=0.01, max_backoff=0.01, jitter=0.0, deadline=5.0)
+    assert check_unchanged(model, None, None, policy=policy, readers=1, sample=False) == 0  # type: ignore[arg-type]
+    assert Flaky.calls == 2, "one failed look-up, retried once"

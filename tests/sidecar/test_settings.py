@@ -33,7 +33,7 @@ def test_defaults_follow_the_contract() -> None:
     assert settings.engine.key_file is None and settings.engine.password_file is None
     assert settings.engine.priority == ()
     assert (settings.api.host, settings.api.port) == ("0.0.0.0", 8479)
-    assert settings.notify.endpoint == "ipc:///run/modelload/notify.sock"
+    assert settings.notify.endpoint == "ipc:///run/modelload/model.seg.notify.sock"
     assert settings.sources.s3.endpoint_url is None  # botocore's chain decides
     assert settings.sources.s3.region is None
     assert settings.sources.s3.addressing == "auto"
@@ -130,9 +130,9 @@ def test_settings_come_from_parsed_arguments_of_the_command_line_too() -> None:
     assert parse_settings(args, environ={"MODELLOAD_FORMAT": "tensorizer"}).engine.format == "tensorizer"
 
 
-def test_the_notify_endpoint_defaults_beside_the_segment_and_can_be_turned_off() -> None:
+def test_the_notify_endpoint_defaults_to_one_per_segment_and_can_be_turned_off() -> None:
     settings = parse_settings([*SOURCE, "--segment", "/dev/shm/m/model.seg"], environ={})
-    assert settings.notify.endpoint == "ipc:///dev/shm/m/notify.sock"
+    assert settings.notify.endpoint == "ipc:///dev/shm/m/model.seg.notify.sock"
     assert parse_settings([*SOURCE, "--notify", "none"], environ={}).notify.endpoint is None
 
 
@@ -140,7 +140,7 @@ def test_a_relative_segment_path_is_made_absolute(tmp_path: Path, monkeypatch: p
     monkeypatch.chdir(tmp_path)
     settings = parse_settings([*SOURCE, "--segment", "model.seg"], environ={})
     assert settings.engine.segment == tmp_path / "model.seg"
-    assert settings.notify.endpoint == f"ipc://{tmp_path}/notify.sock"
+    assert settings.notify.endpoint == f"ipc://{tmp_path}/model.seg.notify.sock"
 
 
 @pytest.mark.parametrize(

@@ -10,22 +10,34 @@ from modelload.loader.errors import ConfigError, SourceChangedError, SourceNotFo
 from modelload.sidecar.sources import (
     FileSource,
     HttpSource,
-    MemorySource,
     ObjectInfo,
     S3Source,
     Source,
     SourceBase,
     SourceSettings,
     open_source,
-    put_memory_object,
     register_source,
     registered_schemes,
+)
+from tests.support.memory_source import (
+    MemorySource,
+    put_memory_object,
+    register_memory_scheme,
     remove_memory_object,
 )
 
 
 def test_builtin_schemes_are_registered() -> None:
-    assert {"file", "http", "https", "s3", "memory"} <= set(registered_schemes())
+    assert {"file", "http", "https", "s3"} <= set(registered_schemes())
+
+
+def test_production_registers_no_in_memory_scheme() -> None:
+    import subprocess
+    import sys
+
+    code = "from modelload.sidecar.sources import registered_schemes; print(','.join(registered_schemes()))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().split(",") == ["file", "http", "https", "s3"]
 
 
 def test_plain_paths_and_file_uris_open_file_sources(tmp_path: Path) -> None:
@@ -47,7 +59,7 @@ def test_http_and_s3_uris_open_without_network_io(aws_env: object) -> None:
 
 
 def test_an_unknown_scheme_is_a_config_error_listing_the_known_ones() -> None:
-    with pytest.raises(ConfigError, match=r"gs://.*file, http"):
+    with pytest.raises(ConfigError, match=r"gs://.*file://, http://"):
         open_source("gs://bucket/key")
 
 
@@ -67,6 +79,7 @@ def test_a_registered_factory_serves_its_scheme() -> None:
 
 
 def test_memory_uris_open_published_objects() -> None:
+    register_memory_scheme()
     uri = put_memory_object("test-object", b"0123456789")
     try:
         assert open_source(uri).read_bytes(3, 4) == b"3456"

@@ -14,15 +14,14 @@ from modelload.loader.errors import (
     TransientSourceError,
 )
 from modelload.sidecar.sources import (
-    Interrupt,
     InterruptedReadError,
-    MemorySource,
     ObjectInfo,
     RetryEvent,
     RetryPolicy,
     read_range,
     stat_source,
 )
+from tests.support.memory_source import Interrupt, MemorySource
 
 from .conftest import payload
 

@@ -10,7 +10,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 
+from modelload.loader._logjson import use_log_format
+from modelload.loader.errors import ConfigError
 from modelload.operator.settings import add_arguments, from_args
 
 __all__ = ["register"]
@@ -28,12 +31,34 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    """Run until stopped. Start-up mistakes (no Kubernetes configuration, an API server out of reach) are
+    one line on stderr, not a traceback: they are fixed outside the process."""
     import asyncio
 
+    from kubernetes.config import ConfigException
+
     from modelload.operator.app import run
+    from modelload.operator.kube import KubeError, KubeUnavailableError
 
     settings = from_args(args, os.environ)
     logging.getLogger().setLevel(settings.log_level)
+    use_log_format(settings.log_format)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-    asyncio.run(run(settings))
+    try:
+        asyncio.run(run(settings))
+    except ConfigException as exc:
+        raise ConfigError(
+            f"no Kubernetes configuration ({exc}): run in a cluster (the pod's service account), or point"
+            " KUBECONFIG (default ~/.kube/config) at a kubeconfig with a current context"
+        ) from None
+    except KubeUnavailableError as exc:
+        print(
+            f"modelload operator: cannot reach the Kubernetes API server ({exc}); check the server address"
+            " of the current kubeconfig context and the network, then start again",
+            file=sys.stderr,
+        )
+        return 1
+    except KubeError as exc:
+        print(f"modelload operator: the Kubernetes API refused a start-up call: {exc}", file=sys.stderr)
+        return 1
     return 0

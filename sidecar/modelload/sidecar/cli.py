@@ -26,8 +26,9 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from modelload.loader.errors import ConfigError, ModelloadError
+from modelload.sidecar.logs import add_log_format, apply_log_format
 from modelload.sidecar.settings import SidecarSettings, add_arguments, parse_settings
-from modelload.sidecar.sources import display_url
+from modelload.sidecar.sources import check_scheme, display_url
 
 if TYPE_CHECKING:
     from modelload.sidecar.api import ApiServer
@@ -52,10 +53,12 @@ load does not exit: liveness stays green while readiness is red (500, with the r
 variable; a flag given wins over its variable."""
 
 EPILOG = """\
-signals: SIGTERM or SIGINT stop the engine (a segment still loading is marked FAILED, never left torn),
-then the API; a second signal exits at once.
+signals: SIGTERM or SIGINT stop the engine (a segment still loading is marked FAILED, never left torn; a
+wait before a retry is cut short), then the API; a second signal exits at once.
+failures before the manifest: <segment>.failed holds the reason, for apps waiting in attach().
 exit status: 0 after a stop if the load had completed, 1 if it had not (failed or still loading), 2 for a
-bad flag or variable, or when the API port or the notify endpoint cannot be bound."""
+bad flag or variable (a source scheme no backend serves, a segment folder that does not exist), or when the
+API port or the notify endpoint cannot be bound (or another sidecar publishes on it)."""
 
 STOP_TIMEOUT = 10.0
 """Seconds to wait for the engine's readers after stop(): they stop at their next chunk, which a stalled
@@ -115,13 +118,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(parser)
+    add_log_format(parser)
     parser.set_defaults(func=_command)
 
 
 def _command(args: argparse.Namespace) -> int:
     try:
         settings = parse_settings(args, os.environ)
+        # An ftp:// source is a bad flag (exit 2), not a load that fails and is served as failed forever.
+        check_scheme(settings.engine.source)
         _configure_logging(settings.log_level, verbose=getattr(args, "verbose", 0))
+        apply_log_format(args, os.environ)
         return run_sidecar(settings)
     except ConfigError as exc:
         print(f"modelload sidecar: {exc}", file=sys.stderr)
@@ -183,9 +190,15 @@ class Sidecar:
     def __init__(self, settings: SidecarSettings, *, engine_factory: EngineFactory = default_engine) -> None:
         from modelload.sidecar.api import ApiServer, create_app
         from modelload.sidecar.metrics import MetricsObserver
-        from modelload.sidecar.notify import Notifier
+        from modelload.sidecar.notify import FailureMarker, Notifier
         from modelload.sidecar.progress import LoadTracker, Observers
 
+        folder = settings.engine.segment.parent
+        if not folder.is_dir():
+            raise ConfigError(
+                f"the segment's folder {folder} does not exist: create it, mount the shared volume there,"
+                " or point --segment/MODELLOAD_SEGMENT into an existing folder"
+            )
         self.settings = settings
         self.shutdown = threading.Event()
         self.tracker: LoadTracker = LoadTracker()
@@ -199,7 +212,8 @@ class Sidecar:
             except BaseException:
                 self.api.stop()
                 raise
-        observers = [self.tracker, self.metrics, LoggingObserver(), self.notifier]
+        marker = FailureMarker(settings.engine.segment)
+        observers = [self.tracker, self.metrics, LoggingObserver(), marker, self.notifier]
         self.observer: LoadObserver = Observers(*[o for o in observers if o is not None])  # type: ignore[assignment]
         self._load = _LoadThread(lambda: engine_factory(settings, self.observer), self.observer, self.tracker)
         self._stopped: int | None = None

@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Literal
@@ -59,15 +59,18 @@ from modelload.loader.formats import tensorizer as tz
 from modelload.loader.segment import MODEL_DIR_KEY, SegmentReader, SegmentWriter, WriterState
 from modelload.sidecar import integrity
 from modelload.sidecar.memory import MemoryManager, MemorySettings, check_volume, plan_memory
+from modelload.sidecar.meter import ChunkMeter
 from modelload.sidecar.modeldir import write_model_dir
 from modelload.sidecar.planner import Chunk, LoadPlan, plan_load
 from modelload.sidecar.progress import LoadObserver
 from modelload.sidecar.sources import (
     OpenedModel,
+    RetryCancelled,
     RetryEvent,
     Source,
     SourceSettings,
     display_url,
+    metered,
     open_model,
     read_range,
     read_range_into_fd,
@@ -128,9 +131,10 @@ class Engine:
 
     def __init__(self, settings: EngineSettings, *, sources: SourceSettings, observer: LoadObserver) -> None:
         self.settings = settings
-        self._sources = sources
         self._observer = observer
         self._stop = threading.Event()
+        # A stop (SIGTERM) also cuts short a retry's backoff, so stopping never waits out a retry's sleep.
+        self._sources = replace(sources, retry=replace(sources.retry, stop=self._stop))
         self._writer: SegmentWriter | None = None
 
     def stop(self) -> None:
@@ -313,6 +317,12 @@ class _Load:
         self._lock = threading.Lock()
         self._next = 0
         self._remaining = list(plan.chunk_counts)
+        # Tensors without a stored hash are re-sampled before they are published (integrity.check_tensor).
+        self._chunks_of: list[list[Chunk]] = [[] for _ in plan.index.tensors]
+        for chunk in plan.chunks:
+            self._chunks_of[chunk.tensor].append(chunk)
+        sampled_files = [integrity.needs_samples(model, f) for f in range(len(model.sources))]
+        self._sampled = [sampled_files[t.file] for t in plan.index.tensors]
         self._error: BaseException | None = None
         self._key_proven = False
         self._doubted: tuple[str, str, WrongKeyError] | None = None
@@ -345,8 +355,10 @@ class _Load:
                     self._next += 1
                 if self.memory is not None and not self.memory.admit(seq, chunk):
                     return  # stopped while waiting for room in the ring
-                self._land(chunk)
-                self.observer.bytes_loaded(chunk.data_bytes)
+                meter = ChunkMeter(self.observer.bytes_loaded, data=chunk.data_bytes, length=chunk.length)
+                with metered(meter):  # progress moves as bytes land, not only per chunk
+                    self._land(chunk)
+                meter.finish()
                 with self._lock:
                     self._remaining[chunk.tensor] -= 1
                     complete = self._remaining[chunk.tensor] == 0
@@ -428,6 +440,15 @@ class _Load:
             if self.settings.verify and header.hashes:
                 tz.verify(tz.fastest_hash(header), data, source=uri)
                 verified = True
+        if not verified and self._sampled[tensor]:
+            integrity.check_tensor(
+                self.model,
+                self.plan,
+                self.writer,
+                self._chunks_of[tensor],
+                policy=self.engine._sources.retry,
+                on_retry=self.engine._retried,
+            )
         crc = integrity.crc32(self.writer.slot(tensor))
         self.writer.mark_ready(tensor, verified=verified, decrypted=decrypted, crc32=crc)
         self.observer.tensor_ready(index=tensor, name=slot.name, nbytes=slot.nbytes)
@@ -477,6 +498,7 @@ def error_kind(exc: BaseException) -> str:
     """A short label for a failure, for metrics and logs: what the operator should look at."""
     kinds: tuple[tuple[type[BaseException], str], ...] = (
         (LoadStopped, "stopped"),
+        (RetryCancelled, "stopped"),
         (SourceNotFoundError, "not_found"),
         (SourceAccessDeniedError, "access_denied"),
         (SourceChangedError, "changed"),

@@ -24,21 +24,21 @@ from __future__ import annotations
 
 import logging
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from modelload.loader.errors import SourceChangedError
 from modelload.loader.segment import SegmentWriter
-from modelload.sidecar.planner import LoadPlan
+from modelload.sidecar.planner import Chunk, LoadPlan
 from modelload.sidecar.sources import (
     ObjectInfo,
     OpenedModel,
     RetryEvent,
     RetryPolicy,
     S3Source,
-    SourceBase,
     read_range,
+    stat_source,
 )
 
 __all__ = ["SAMPLE_BYTES", "check_unchanged", "crc32", "unlanded_ranges", "validator_strength"]
@@ -87,14 +87,16 @@ class _Sample:
     length: int
 
 
-def _samples(plan: LoadPlan, model: OpenedModel) -> list[_Sample]:
-    # S3's ETag follows the content; a server without Range support would send the whole object per sample.
-    skip = [
-        isinstance(source, S3Source) or not info.accepts_ranges
-        for source, info in zip(model.sources, model.infos, strict=True)
-    ]
+def needs_samples(model: OpenedModel, file: int) -> bool:
+    """Whether sampled bytes of ``file`` are worth re-reading: S3's ETag follows the content, and a server
+    without Range support would send the whole object per sample."""
+    return not isinstance(model.sources[file], S3Source) and model.infos[file].accepts_ranges
+
+
+def _samples(plan: LoadPlan, model: OpenedModel, chunks: Sequence[Chunk] | None = None) -> list[_Sample]:
+    skip = [not needs_samples(model, file) for file in range(len(model.sources))]
     samples = []
-    for chunk in plan.chunks:
+    for chunk in plan.chunks if chunks is None else chunks:
         if skip[chunk.file]:
             continue
         entry = plan.index.tensors[chunk.tensor]
@@ -106,6 +108,37 @@ def _samples(plan: LoadPlan, model: OpenedModel) -> list[_Sample]:
             end = chunk.length - length
             samples.append(_Sample(chunk.file, chunk.src_offset + end, chunk.dst_offset + end, length))
     return samples
+
+
+def check_tensor(
+    model: OpenedModel,
+    plan: LoadPlan,
+    writer: SegmentWriter,
+    chunks: Sequence[Chunk],
+    *,
+    policy: RetryPolicy,
+    on_retry: Callable[[RetryEvent], None] | None = None,
+) -> None:
+    """Before an unverified tensor (safetensors has no stored hash) is published: re-read the samples of
+    its chunks and compare them with the segment, so a tensor assembled across a replacement that kept its
+    validator is never handed to an app. Raises :class:`SourceChangedError`."""
+    for sample in _samples(plan, model, chunks):
+        buf = bytearray(sample.length)
+        read_range(
+            model.sources[sample.file], sample.src_offset, memoryview(buf), policy=policy, on_retry=on_retry
+        )
+        if writer.region(sample.dst_offset, sample.length) != buf:
+            raise _changed(model.display(sample.file), sample)
+
+
+def _changed(uri: str, sample: _Sample) -> SourceChangedError:
+    return SourceChangedError(
+        f"{uri} was replaced during the load without a change of its validator (ETag or Last-Modified): "
+        f"bytes [{sample.src_offset}, {sample.src_offset + sample.length}) now differ from the ones loaded, "
+        "so the segment would mix two versions and is not published complete; restart the load once the "
+        "model is stable, and publish new versions under new names",
+        uri=uri,
+    )
 
 
 def check_unchanged(
@@ -125,7 +158,7 @@ def check_unchanged(
     consumed tensors are gone by the end of the load, so there is nothing left to compare them with.
     """
     for source, info in zip(model.sources, model.infos, strict=True):
-        fresh = source.restat() if isinstance(source, SourceBase) else source.stat()
+        fresh = stat_source(source, policy=policy, on_retry=on_retry, fresh=True)
         if (fresh.size, fresh.etag, fresh.last_modified) != (info.size, info.etag, info.last_modified):
             raise SourceChangedError(
                 f"{source.display_uri} changed during the load (size {info.size} -> {fresh.size}, ETag "
@@ -149,13 +182,5 @@ def check_unchanged(
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="recheck") as pool:
         for differs in pool.map(compare, samples):
             if differs is not None:
-                uri = model.display(differs.file)
-                raise SourceChangedError(
-                    f"{uri} was replaced during the load without a change of its validator (ETag or "
-                    f"Last-Modified): bytes [{differs.src_offset}, {differs.src_offset + differs.length}) "
-                    "now differ from the ones loaded, so the segment would mix two versions and is not "
-                    "published complete; restart the load once the model is stable, and publish new "
-                    "versions under new names",
-                    uri=uri,
-                )
+                raise _changed(model.display(differs.file), differs)
     return len(samples)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import stat
 import struct
 import threading
@@ -36,7 +37,7 @@ from typing import Any
 
 from modelload.loader.errors import ConfigError
 
-__all__ = ["MAX_REASON_BYTES", "SOCKET_MODE", "Notifier"]
+__all__ = ["MAX_REASON_BYTES", "SOCKET_MODE", "FailureMarker", "Notifier"]
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +62,13 @@ class Notifier:
         import zmq
 
         self.endpoint = endpoint
+        self._path = _ipc_path(endpoint)
+        if self._path is not None:
+            _refuse_a_live_socket(self._path, endpoint)
         self._zmq: Any = zmq
         self._lock = threading.Lock()
         self._context: Any = zmq.Context()
         self._socket: Any = self._context.socket(zmq.PUB)
-        self._path = _ipc_path(endpoint)
         self._inode: int | None = None
         try:
             self._socket.setsockopt(zmq.SNDHWM, send_hwm)
@@ -141,6 +144,63 @@ class Notifier:
 
     def __repr__(self) -> str:
         return f"<Notifier {self.endpoint}{'' if self._socket is not None else ' closed'}>"
+
+
+class FailureMarker:
+    """A :class:`~modelload.sidecar.progress.LoadObserver` that leaves ``<segment>.failed`` when the load
+    fails before its manifest is published (``modelload.loader.segment.failure``), so an app waiting in
+    ``attach()`` for a segment that will never come raises the sidecar's reason at once.
+
+    Building it removes an earlier sidecar's marker, before the status API answers, so an app never reads
+    the last run's failure as this one's; a new load removes it too. After the manifest the segment itself
+    records a failure, so no marker is written; nor for a stopped load (the pod is going away, and a restart
+    loads again).
+    """
+
+    def __init__(self, segment: Path) -> None:
+        from modelload.loader.segment.failure import remove_failure
+
+        self.segment = segment
+        self._published = False
+        remove_failure(segment)
+
+    def load_started(self, *, source: str, segment: str) -> None:
+        from modelload.loader.segment.failure import remove_failure
+
+        self._published = False
+        remove_failure(self.segment)
+
+    def manifest_published(self, *, model_format: str, tensors: int, nbytes: int, notify: str | None) -> None:
+        self._published = True
+
+    def load_failed(self, *, kind: str, reason: str) -> None:
+        from modelload.loader.segment.failure import write_failure
+
+        if not self._published and kind != "stopped":
+            write_failure(self.segment, f"{reason} ({kind})")
+
+
+def _refuse_a_live_socket(path: Path, endpoint: str) -> None:
+    """ConfigError when another process listens at ``path``: libzmq would silently replace its socket file,
+    taking its subscribers. A stale file (a sidecar that was killed) refuses connections and is reused."""
+    if not path.is_socket():
+        if not path.parent.is_dir():
+            raise ConfigError(
+                f"cannot publish notifications on {endpoint}: the folder {path.parent} does not exist;"
+                " create it (it is the segment's folder unless --notify/MODELLOAD_NOTIFY says otherwise)"
+            )
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        return
+    finally:
+        probe.close()
+    raise ConfigError(
+        f"another process publishes notifications on {endpoint}: give this sidecar its own endpoint"
+        " (--notify/MODELLOAD_NOTIFY) or its own segment path"
+    )
 
 
 def _ipc_path(endpoint: str) -> Path | None:

@@ -21,7 +21,7 @@ info or query string (presigned URLs carry signatures there).
 
 >>> settings = parse_settings(["--source", "s3://models/llama.safetensors", "--readers", "16"], environ={})
 >>> settings.engine.readers, settings.engine.chunk_size, settings.notify.endpoint
-(16, 33554432, 'ipc:///run/modelload/notify.sock')
+(16, 33554432, 'ipc:///run/modelload/model.seg.notify.sock')
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ __all__ = [
     "NotifySettings",
     "SidecarSettings",
     "add_arguments",
+    "default_notify_endpoint",
     "parse_bool",
     "parse_settings",
     "parse_size",
@@ -181,8 +182,10 @@ class NotifySettings:
     """Where ready notifications are published (a pyzmq PUB socket).
 
     ``endpoint``: ``ipc:///path``, ``tcp://host:port`` or ``inproc://name``; ``None`` publishes nothing
-    (loaders then poll the segment). Default ``ipc://<segment dir>/notify.sock``, in the shared volume, so
-    the app container can connect. The endpoint is also recorded in the segment's metadata.
+    (loaders then poll the segment). Default ``ipc://<segment>.notify.sock`` (``model.seg.notify.sock``
+    beside ``model.seg``), in the shared volume, so the app container can connect, and one per segment, so
+    two sidecars sharing a folder never share a socket. The endpoint is also recorded in the segment's
+    metadata.
 
     ``send_hwm``: messages queued per subscriber before new ones are dropped. Default 100,000, more than a
     model's tensor count in practice. Dropping is safe: the segment's state table is the truth and a
@@ -340,6 +343,10 @@ _OPTIONS = (
         "file holding the password of an Argon2id-derived key", "FILE",
     ),
     _Option(
+        "range_fallback", "--range-fallback", "MODELLOAD_RANGE_FALLBACK",
+        "read an HTTP(S) server that ignores Range from one stream (one reader; default off)", boolean=True,
+    ),
+    _Option(
         "header_file", "--header-file", "MODELLOAD_HEADER_FILE",
         "file holding a bearer token, or 'Name: value' header lines, for a private HTTP(S) source", "FILE",
     ),
@@ -356,7 +363,7 @@ _OPTIONS = (
     ),
     _Option(
         "notify", "--notify", "MODELLOAD_NOTIFY",
-        "pyzmq PUB endpoint, or 'none' (default ipc://<segment dir>/notify.sock)", "ENDPOINT",
+        "pyzmq PUB endpoint, or 'none' (default ipc://<segment>.notify.sock)", "ENDPOINT",
     ),
     _Option(
         "s3_endpoint", "--s3-endpoint", "MODELLOAD_S3_ENDPOINT",
@@ -509,6 +516,12 @@ def _endpoint(text: str, *, name: str) -> str | None:
     return value
 
 
+def default_notify_endpoint(segment: Path) -> str:
+    """``ipc://<segment>.notify.sock``: one socket per segment, so two sidecars whose segments share a
+    folder never bind (and, stopping, remove) the same socket file."""
+    return f"ipc://{segment.parent}/{segment.name}.notify.sock"
+
+
 def parse_settings(
     argv: Sequence[str] | argparse.Namespace | Mapping[str, object], environ: Mapping[str, str]
 ) -> SidecarSettings:
@@ -566,7 +579,7 @@ def parse_settings(
         ),
     )
     api = ApiSettings(host=get("host", _text, "0.0.0.0"), port=get("port", _int_in(0, 65535), DEFAULT_PORT))  # noqa: S104
-    default_endpoint: str | None = f"ipc://{segment.parent}/notify.sock"
+    default_endpoint: str | None = default_notify_endpoint(segment)
     notify = NotifySettings(endpoint=get("notify", _endpoint, default_endpoint))
     s3 = S3Settings(
         endpoint_url=get("s3_endpoint", _url, None),
@@ -583,6 +596,6 @@ def parse_settings(
             "a header file (--header-file/MODELLOAD_HEADER_FILE) is for http(s):// sources, and the source"
             f" is {display_url(source)}: S3 takes AWS credentials, a file needs none"
         )
-    http = HttpSettings(headers=headers)
+    http = HttpSettings(headers=headers, range_fallback=get("range_fallback", parse_bool, False))
     sources = SourceSettings(http=http, s3=s3, retry=RetryPolicy())
     return SidecarSettings(engine=engine, sources=sources, api=api, notify=notify, log_level=log_level)

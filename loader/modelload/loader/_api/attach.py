@@ -1,27 +1,54 @@
 """``attach()``: the one call inference code makes to reach the model a sidecar is streaming.
 
 This is the loader's edge: the only place it reads its environment (``MODELLOAD_SEGMENT``,
-``MODELLOAD_NOTIFY``, set in the pod by the operator's webhook), once, into a typed settings object.
+``MODELLOAD_NOTIFY``, ``MODELLOAD_STATUS_URL``, set in the pod by the operator's webhook), once, into a typed
+settings object.
+
+Waiting for the segment, it also watches for a load that failed before any segment existed (a missing
+object, a refused credential, a missing key, a full volume), so such a failure reaches the app in about a
+second instead of after the whole timeout: the writer's failure marker beside the segment
+(``modelload.loader.segment.failure``), and, where the pod gives one, the sidecar's ``/status`` (read with
+the standard library's urllib, every couple of seconds, with a short timeout; an unreachable sidecar is not
+an error: it may still be starting).
+
+Two waits, two defaults: the segment must appear within ``timeout`` (600 s: the sidecar starts, lists and
+opens the model; far longer means something is wrong), while tensors are waited for as long as the load
+lasts (``tensor_timeout=None``), since a large model on a slow link takes as long as it takes: a failed load
+raises at once and a dead sidecar is noticed from its heartbeat, so waiting without a limit cannot hang.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from modelload.loader._api.model import Model
 from modelload.loader._api.notify import connect
-from modelload.loader.errors import SidecarUnavailableError
+from modelload.loader.errors import LoadFailedError, SidecarUnavailableError
 from modelload.loader.segment import MemoryMode, SegmentReader
 from modelload.loader.segment.consumers import ConsumerTable
+from modelload.loader.segment.failure import read_failure
 
-__all__ = ["AttachSettings", "attach"]
+__all__ = ["DEFAULT_SEGMENT_TIMEOUT", "AttachSettings", "attach"]
 
 SEGMENT_ENV = "MODELLOAD_SEGMENT"
 NOTIFY_ENV = "MODELLOAD_NOTIFY"
+STATUS_URL_ENV = "MODELLOAD_STATUS_URL"
+
+DEFAULT_SEGMENT_TIMEOUT = 600.0
+"""Seconds ``attach()`` waits for the segment to appear (``timeout``)."""
+
+STATUS_INTERVAL = 2.0
+"""Seconds between looks at the sidecar's ``/status`` while the segment has not appeared."""
+
+STATUS_TIMEOUT = 1.0
+"""Seconds one look at ``/status`` may take: the loopback answers in milliseconds or not at all."""
 
 
 @dataclass(frozen=True)
@@ -32,27 +59,41 @@ class AttachSettings:
     """The segment file (``MODELLOAD_SEGMENT``); the pod's default is ``/run/modelload/model.seg``."""
     notify: str | None
     """The pyzmq endpoint of the sidecar's notifications (``MODELLOAD_NOTIFY``); None: the segment's own."""
+    status_url: str | None = None
+    """The sidecar's status API (``MODELLOAD_STATUS_URL``), consulted while no segment exists."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> AttachSettings:
         env = os.environ if environ is None else environ
         segment = env.get(SEGMENT_ENV)
-        return cls(segment=Path(segment) if segment else None, notify=env.get(NOTIFY_ENV) or None)
+        status_url = (env.get(STATUS_URL_ENV) or "").strip()
+        return cls(
+            segment=Path(segment) if segment else None,
+            notify=env.get(NOTIFY_ENV) or None,
+            status_url=status_url if status_url.startswith(("http://", "https://")) else None,
+        )
 
 
 def attach(
     path: str | os.PathLike[str] | None = None,
     *,
-    timeout: float | None = 600.0,
+    timeout: float | None = DEFAULT_SEGMENT_TIMEOUT,
+    tensor_timeout: float | None = None,
     notify: str | bool = True,
     register: bool = True,
 ) -> Model:
     """Attach to a model segment and return a :class:`Model` over it, tensors usable as they arrive.
 
-    ``path`` defaults to ``MODELLOAD_SEGMENT``. ``timeout`` is how long to wait for the segment to appear
-    (a sidecar that is still starting) and the default wait for tensors afterwards; None waits as long as the
-    sidecar lives (a dead sidecar is noticed from its heartbeat). ``notify`` is a pyzmq endpoint, True to use
-    ``MODELLOAD_NOTIFY`` or the one the sidecar recorded in the segment, or False to poll.
+    ``path`` defaults to ``MODELLOAD_SEGMENT``. ``timeout`` is how long to wait for the segment to appear (a
+    sidecar that is still starting); default 600 s; None waits without limit. ``tensor_timeout`` is the
+    model's default wait for tensors afterwards (each accessor also takes its own ``timeout``); default
+    None: as long as the load lasts, since a failed load raises at once and a dead sidecar is noticed from
+    its heartbeat. ``notify`` is a pyzmq endpoint, True to use ``MODELLOAD_NOTIFY`` or the one the sidecar
+    recorded in the segment, or False to poll.
+
+    A load that fails before the segment exists raises :class:`~modelload.loader.errors.LoadFailedError`
+    with the sidecar's reason, within a couple of seconds, from the failure marker beside the segment or
+    the sidecar's ``/status`` (``MODELLOAD_STATUS_URL``).
 
     When the sidecar runs in memory mode release or ring, ``register`` (the default) makes this process a
     consumer: the sidecar gives a tensor's pages back only once every registered consumer has consumed it
@@ -69,7 +110,7 @@ def attach(
             f"no segment path given and {SEGMENT_ENV} is not set: pass attach(path) or run in a pod the "
             "modelload operator injected (label modelload.dev/model)"
         )
-    reader = _open_when_present(target, timeout)
+    reader = _open_when_present(target, timeout, status_url=settings.status_url)
     endpoint: str | None = None
     if isinstance(notify, str):
         endpoint = notify
@@ -86,16 +127,23 @@ def attach(
             reader.close()
             raise
     subscriber = connect(endpoint) if endpoint else None
-    return Model(reader, subscriber, timeout=timeout, registration=registration)
+    return Model(reader, subscriber, timeout=tensor_timeout, registration=registration)
 
 
-def _open_when_present(path: Path, timeout: float | None) -> SegmentReader:
+def _open_when_present(path: Path, timeout: float | None, *, status_url: str | None) -> SegmentReader:
     deadline = None if timeout is None else time.monotonic() + timeout
     pause = 0.01
+    next_status = time.monotonic()
     while True:
         try:
             return SegmentReader.open(path)
         except SidecarUnavailableError:
+            reason = read_failure(path)
+            if reason is None and status_url is not None and time.monotonic() >= next_status:
+                next_status = time.monotonic() + STATUS_INTERVAL
+                reason = _failure_from_status(status_url)
+            if reason is not None:
+                raise LoadFailedError(reason, path=str(path)) from None
             if deadline is not None and time.monotonic() >= deadline:
                 raise SidecarUnavailableError(
                     f"no segment appeared at {path} within {timeout:g} s: is the modelload sidecar running, "
@@ -103,3 +151,16 @@ def _open_when_present(path: Path, timeout: float | None) -> SegmentReader:
                 ) from None
         time.sleep(pause)
         pause = min(pause * 2, 0.2)
+
+
+def _failure_from_status(url: str) -> str | None:
+    """The sidecar's reason when its ``/status`` says the load failed; None otherwise or when unreachable."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/status", timeout=STATUS_TIMEOUT) as answer:  # noqa: S310
+            status = json.loads(answer.read(1 << 20))
+    except (OSError, ValueError, urllib.error.URLError):
+        return None  # still starting, or not a sidecar: the segment wait decides
+    if not isinstance(status, dict) or status.get("phase") != "failed":
+        return None
+    error = status.get("error")
+    return str(error) if error else "the sidecar reports a failed load"

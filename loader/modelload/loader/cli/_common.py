@@ -23,6 +23,7 @@ from modelload.loader.errors import (
     BadMagicError,
     ConfigError,
     MissingKeyError,
+    ModelloadError,
     SourceAccessDeniedError,
     SourceError,
     SourceNotFoundError,
@@ -233,10 +234,28 @@ def atomic_output(target: Path, *, force: bool) -> Iterator[IO[bytes]]:
         os.fsync(file.fileno())
         file.close()
         _publish(Path(temporary), target, force=force)
-    except BaseException:
-        file.close()
+    except BaseException as exc:
+        with contextlib.suppress(OSError):  # closing flushes, and a full disk fails that too
+            file.close()
         Path(temporary).unlink(missing_ok=True)
+        if isinstance(exc, OSError) and not isinstance(exc, ModelloadError) and exc.errno in _OUTPUT_ERRNOS:
+            raise output_error(exc, target) from None
         raise
+
+
+_OUTPUT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+"""What a write can fail with that is the destination's fault (an input's errors are translated apart)."""
+
+
+def output_error(exc: OSError, target: Path) -> ConfigError:
+    """An OSError while writing ``target`` as a clear error: a full disk or a read-only volume is an ordinary
+    mistake, not a traceback. The partial file is already gone when this is raised."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return ConfigError(
+            f"no room for {target} in {target.parent} ({exc.strerror}); nothing was written: free space"
+            " there or write somewhere else"
+        )
+    return ConfigError(f"cannot write {target}: {exc.strerror}; choose a folder this user can write")
 
 
 def _check_target(target: Path, *, force: bool) -> None:

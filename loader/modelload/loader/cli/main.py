@@ -13,7 +13,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
-from importlib.metadata import entry_points
+from importlib.metadata import PackageNotFoundError, entry_points, version
 
 from modelload.loader.errors import ModelloadError
 
@@ -29,6 +29,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         description="Stream model weights into shared memory and attach to them.",
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    parser.add_argument("--version", action="version", version=f"modelload {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     entries = sorted(entry_points(group="modelload.commands"), key=lambda e: e.name)
     if only is not None and any(e.name == only for e in entries):
@@ -41,6 +42,13 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             continue
         register(subparsers)
     return parser
+
+
+def _version() -> str:
+    try:
+        return version("modelload")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def _register_missing(subparsers: argparse._SubParsersAction, name: str, exc: ImportError) -> None:

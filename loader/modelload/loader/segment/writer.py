@@ -57,6 +57,10 @@ __all__ = ["SegmentWriter"]
 
 log = logging.getLogger(__name__)
 
+SEGMENT_MODE = 0o640
+"""Owner read-write, group read, nobody else: the segment holds decrypted weights. Readers need only read
+access; in a pod they share the group (the operator adds it to the pod's supplementalGroups, or the pod's
+fsGroup owns the volume), on a host run ``attach()`` as the writer's user or group."""
 HEARTBEAT_INTERVAL = 2.0
 """Seconds between heartbeats of a LOADING writer; SPEC.md asks for at most 5."""
 
@@ -118,11 +122,19 @@ class SegmentWriter:
         target = Path(path)
         load_id = load_id or (secrets.randbits(64) | 1)
         created_ns = created_ns or time.time_ns()
+        _check_writable(target.parent)
         _make_room(target, layout.resident_limit, load_id)
         _check_space(target.parent, layout.resident_limit)
         temp = target.with_name(f".{target.name}.{load_id:016x}.tmp")
-        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
+            fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, SEGMENT_MODE)
+        except OSError as exc:  # a read-only volume, a folder of another user: say so, no traceback
+            raise SegmentError(
+                f"cannot create a segment in {target.parent}: {exc.strerror or exc}; mount the volume"
+                " read-write there, or choose a folder this user can write (--segment/MODELLOAD_SEGMENT)"
+            ) from None
+        try:
+            os.fchmod(fd, SEGMENT_MODE)  # exactly this mode, whatever the umask
             os.ftruncate(fd, layout.segment_length)
             if reserve and layout.segment_length:
                 _reserve(fd, layout.segment_length, target)
@@ -306,6 +318,19 @@ class SegmentWriter:
     def __repr__(self) -> str:
         ready = f"{self._ready}/{len(self.layout.slots)}"
         return f"<SegmentWriter {self.path} load_id={self.load_id:016x} ready={ready}>"
+
+
+def _check_writable(directory: Path) -> None:
+    """A read-only volume is named as such, before the space checks: a small read-only mount is not "full"."""
+    try:
+        read_only = bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+    except OSError:
+        return  # _check_space reports a missing directory
+    if read_only:
+        raise SegmentError(
+            f"cannot create a segment in {directory}: it is on a read-only file system; mount the volume"
+            " read-write there, or choose another folder (--segment/MODELLOAD_SEGMENT)"
+        )
 
 
 def _check_space(directory: Path, needed: int) -> None:

@@ -32,25 +32,24 @@ from ._file import FileSource
 from ._headers import RequestHeaders, parse_headers, read_header_file
 from ._http import HttpSource
 from ._listing import Directory, is_directory, list_directory
-from ._memory import Interrupt, MemorySource, put_memory_object, remove_memory_object
 from ._model import OpenedModel, fetch_small_file, open_model
-from ._registry import SourceFactory, open_source, register_source, registered_schemes
+from ._registry import SourceFactory, check_scheme, open_source, register_source, registered_schemes
 from ._responses import display_url
-from ._retry import RetryEvent, read_range, read_range_into_fd, stat_source
+from ._retry import RetryCancelled, RetryEvent, read_range, read_range_into_fd, stat_source
 from ._s3 import S3Location, S3Source, plan_s3_location
 from ._settings import HttpSettings, RetryPolicy, S3Addressing, S3Credentials, S3Settings, SourceSettings
+from ._splice import metered
 
 __all__ = [
     "Directory",
     "FileSource",
     "HttpSettings",
     "HttpSource",
-    "Interrupt",
     "InterruptedReadError",
-    "MemorySource",
     "ObjectInfo",
     "OpenedModel",
     "RequestHeaders",
+    "RetryCancelled",
     "RetryEvent",
     "RetryPolicy",
     "S3Addressing",
@@ -63,20 +62,20 @@ __all__ = [
     "SourceFactory",
     "SourceSettings",
     "check_range",
+    "check_scheme",
     "display_url",
     "fetch_small_file",
     "is_directory",
     "list_directory",
+    "metered",
     "open_model",
     "open_source",
     "parse_headers",
     "plan_s3_location",
-    "put_memory_object",
     "read_header_file",
     "read_range",
     "read_range_into_fd",
     "register_source",
     "registered_schemes",
-    "remove_memory_object",
     "stat_source",
 ]

@@ -67,8 +67,8 @@ class FileSource(SourceBase):
         buf = byte_view(buf)
         info = self._checked_range(offset, len(buf))
         self._check_unchanged(info)
-        done, length = 0, len(buf)
-        while done < length:
+        progress, length = Progress(), len(buf)
+        while (done := progress.done) < length:
             try:
                 got = os.preadv(self._fd, [buf[done:]], offset + done)
             except OSError as exc:
@@ -79,7 +79,7 @@ class FileSource(SourceBase):
                     f"{self._path} ended at {offset + done} bytes, before the {info.size} it had at first",
                     uri=self._path,
                 )
-            done += got
+            progress.done += got
 
     def read_into_fd(self, offset: int, length: int, fd: int, fd_offset: int) -> None:
         info = self._checked_range(offset, length)

@@ -279,7 +279,8 @@ class HttpObject(SourceBase):
             raise RangeNotSupportedError(
                 f"{uri}: the server ignored the Range header (it answered 200 with the whole object), so the"
                 " object cannot be read in parallel ranges; serve it from a server with Range support, or"
-                " allow the single-stream fallback (one reader, whole-object reads)",
+                " allow the single-stream fallback with --range-fallback / MODELLOAD_RANGE_FALLBACK=true"
+                " (and --readers 1: each read starts from the first byte)",
                 uri=uri,
             )
         if not self._fallback_warned:

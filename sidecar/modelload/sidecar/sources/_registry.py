@@ -1,7 +1,8 @@
 """Open a source from its URI: a registry of factories keyed by URI scheme.
 
-Built in: ``file://`` and plain paths, ``http://``, ``https://``, ``s3://``, and ``memory://`` (objects
-published with :func:`put_memory_object`, for tests). A new backend registers one factory::
+Built in: ``file://`` and plain paths, ``http://``, ``https://``, ``s3://``. Nothing else is registered in
+production (the tests' in-memory source registers ``memory://`` from the test support). A new backend
+registers one factory::
 
     register_source("gs", lambda uri, settings: GcsSource(uri, settings))
 """
@@ -17,11 +18,10 @@ from modelload.loader.errors import ConfigError
 from ._base import Source
 from ._file import open_file
 from ._http import open_http
-from ._memory import open_memory
 from ._s3 import open_s3
 from ._settings import SourceSettings
 
-__all__ = ["SourceFactory", "open_source", "register_source", "registered_schemes"]
+__all__ = ["SourceFactory", "check_scheme", "open_source", "register_source", "registered_schemes"]
 
 SourceFactory = Callable[[str, SourceSettings], Source]
 
@@ -34,7 +34,6 @@ _factories: dict[str, SourceFactory] = {
     "http": open_http,
     "https": open_http,
     "s3": open_s3,
-    "memory": open_memory,
 }
 
 
@@ -63,14 +62,28 @@ def open_source(uri: str, settings: SourceSettings | None = None) -> Source:
     SourceNotFoundError / SourceAccessDeniedError for a local file that cannot be opened.
     """
     settings = settings or SourceSettings()
-    match = _SCHEME.match(uri)
-    if match is None:  # a plain path, or file:/path
+    factory = _factory(uri)
+    if factory is None:  # a plain path, or file:/path
         return open_file(uri, settings)
+    return factory(uri, settings)
+
+
+def check_scheme(uri: str) -> None:
+    """Raise ConfigError now if no source serves ``uri``'s scheme: settings call it, so a sidecar given an
+    ``ftp://`` source exits with a configuration error instead of serving a failed load forever."""
+    _factory(uri)
+
+
+def _factory(uri: str) -> SourceFactory | None:
+    match = _SCHEME.match(uri)
+    if match is None:
+        return None
     scheme = match.group(1).lower()
     with _lock:
         factory = _factories.get(scheme)
     if factory is None:
+        known = ", ".join(f"{known}://" for known in registered_schemes())
         raise ConfigError(
-            f"no source for {scheme}:// URIs (known: {', '.join(registered_schemes())}); check the source URI"
+            f"no source for {scheme}:// URIs (supported: {known}, or a local path); check the source URI"
         )
-    return factory(uri, settings)
+    return factory

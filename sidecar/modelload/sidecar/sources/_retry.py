@@ -17,14 +17,25 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from modelload.loader.errors import TransientSourceError
+from modelload.loader.errors import ModelloadError, TransientSourceError
 
 from ._base import InterruptedReadError, ObjectInfo, Source, byte_view
 from ._settings import RetryPolicy
 
-__all__ = ["RetryEvent", "read_range", "read_range_into_fd", "stat_source"]
+__all__ = ["RetryCancelled", "RetryEvent", "read_range", "read_range_into_fd", "stat_source"]
 
 _log = logging.getLogger("modelload.sidecar.sources")
+
+
+class RetryCancelled(ModelloadError):
+    """The policy's ``stop`` event was set while waiting to retry: the caller is shutting down."""
+
+
+def _pause(policy: RetryPolicy, delay: float, uri: str) -> None:
+    if policy.stop is None:
+        time.sleep(delay)
+    elif policy.stop.wait(delay):
+        raise RetryCancelled(f"stopped while waiting to retry {uri}")
 
 
 @dataclass(frozen=True)
@@ -162,19 +173,23 @@ def _retrying(
             )
             if on_retry is not None:
                 on_retry(event)
-            time.sleep(delay)
+            _pause(policy, delay, uri)
 
 
-def stat_source(source: Source, *, policy: RetryPolicy, on_retry: RetryCallback | None = None) -> ObjectInfo:
+def stat_source(
+    source: Source, *, policy: RetryPolicy, on_retry: RetryCallback | None = None, fresh: bool = False
+) -> ObjectInfo:
     """``source.stat()``, retrying transient errors under ``policy`` (the first request of a load).
 
     A throttled or briefly unreachable store at start-up then costs a retry, not the load. Permanent errors
-    (not found, denied) propagate at once.
+    (not found, denied) propagate at once. ``fresh`` bypasses the cached answer (``restat``): the end-of-load
+    look-up that checks the object did not change, which a single 500 must not fail either.
     """
     budget = _Budget(policy)
     while True:
         try:
-            return source.stat()
+            restat = getattr(source, "restat", None)
+            return restat() if fresh and restat is not None else source.stat()
         except TransientSourceError as exc:
             delay = budget.delay_after(exc, progressed=False)
             if delay is None:
@@ -192,7 +207,7 @@ def stat_source(source: Source, *, policy: RetryPolicy, on_retry: RetryCallback 
             )
             if on_retry is not None:
                 on_retry(RetryEvent(source.display_uri, budget.retries, delay, exc, 0, 0, 0))
-            time.sleep(delay)
+            _pause(policy, delay, source.display_uri)
 
 
 def _delay(policy: RetryPolicy, failures: int, retry_after: float | None) -> float:

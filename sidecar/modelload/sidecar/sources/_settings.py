@@ -9,6 +9,7 @@ expect those settings to come from, and it is documented on :class:`S3Settings`.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -105,6 +106,10 @@ class RetryPolicy:
 
     ``deadline``: seconds after which a range is given up on, whatever ``attempts`` says. ``None`` means no
     overall limit.
+
+    ``stop``: an event that cuts the wait before a retry short (the engine's stop, set on SIGTERM): the read
+    then raises :class:`~modelload.sidecar.sources.RetryCancelled` at once instead of sleeping out a
+    backoff of up to ``max_backoff`` seconds. ``None``: waits are not interruptible.
     """
 
     attempts: int = 8
@@ -112,6 +117,7 @@ class RetryPolicy:
     max_backoff: float = 15.0
     jitter: float = 0.5
     deadline: float | None = 600.0
+    stop: threading.Event | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.attempts < 1:

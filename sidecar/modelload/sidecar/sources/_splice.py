@@ -18,23 +18,61 @@ import os
 import select
 import threading
 import time
+from collections.abc import Callable, Iterator
 
 from modelload.loader.errors import SegmentSpaceError
 
-__all__ = ["HAVE_SPLICE", "Progress", "RateFloor", "SlowTransferError", "splice_file", "splice_socket"]
+__all__ = [
+    "HAVE_SPLICE",
+    "Progress",
+    "RateFloor",
+    "SlowTransferError",
+    "metered",
+    "splice_file",
+    "splice_socket",
+]
 
 HAVE_SPLICE = hasattr(os, "splice") and hasattr(os, "SPLICE_F_MOVE")
 _PIPE_SIZE = 1 << 20
 _SOCKET_FLAGS = (os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK | os.SPLICE_F_MORE) if HAVE_SPLICE else 0
 
 
-class Progress:
-    """How many bytes reached the destination so far; readable after an exception interrupted a transfer."""
+_meters = threading.local()
 
-    __slots__ = ("done",)
+
+@contextlib.contextmanager
+def metered(callback: Callable[[int], None]) -> Iterator[None]:
+    """Call ``callback(count)`` as bytes land through transfers on this thread (every :class:`Progress`
+    made inside the block), so a caller can show progress within a long range, not only after it."""
+    previous = getattr(_meters, "callback", None)
+    _meters.callback = callback
+    try:
+        yield
+    finally:
+        _meters.callback = previous
+
+
+class Progress:
+    """How many bytes reached the destination so far; readable after an exception interrupted a transfer.
+
+    Each increase is also reported to the thread's :func:`metered` callback, when one is set.
+    """
+
+    __slots__ = ("_done", "_report")
 
     def __init__(self) -> None:
-        self.done = 0
+        self._done = 0
+        self._report: Callable[[int], None] | None = getattr(_meters, "callback", None)
+
+    @property
+    def done(self) -> int:
+        return self._done
+
+    @done.setter
+    def done(self, value: int) -> None:
+        if self._report is not None and value > self._done:
+            self._report(value - self._done)
+        self._done = value
 
 
 class SlowTransferError(TimeoutError):

@@ -1,4 +1,4 @@
-"""An in-memory source for unit tests of everything above the sources layer.
+"""An in-memory source, for tests only: it lives here, not in the sidecar, so production never opens it.
 
 It behaves like a real source (cached stat, range checks, change detection) and can be scripted to fail,
 so the engine's retry and resume paths can be tested without a server::
@@ -8,7 +8,8 @@ so the engine's retry and resume paths can be tested without a server::
     read_range(src, 0, memoryview(buf), policy=RetryPolicy(initial_backoff=0))
     assert src.calls == [(0, 50), (10, 40)]
 
-``memory://NAME`` URIs open objects published with :func:`put_memory_object`.
+``memory://NAME`` URIs open objects published with :func:`put_memory_object`, once a test has called
+:func:`register_memory_scheme` (the sidecar registers no such scheme: a pod cannot name one).
 """
 
 from __future__ import annotations
@@ -18,11 +19,22 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from modelload.loader.errors import SourceChangedError, SourceError, SourceNotFoundError
+from modelload.sidecar.sources import (
+    InterruptedReadError,
+    ObjectInfo,
+    SourceBase,
+    SourceSettings,
+    register_source,
+)
+from modelload.sidecar.sources._base import byte_view
 
-from ._base import InterruptedReadError, ObjectInfo, SourceBase, byte_view
-from ._settings import SourceSettings
-
-__all__ = ["Interrupt", "MemorySource", "put_memory_object", "remove_memory_object"]
+__all__ = [
+    "Interrupt",
+    "MemorySource",
+    "put_memory_object",
+    "register_memory_scheme",
+    "remove_memory_object",
+]
 
 
 @dataclass(frozen=True)
@@ -132,3 +144,8 @@ def open_memory(uri: str, settings: SourceSettings) -> MemorySource:
             f"no in-memory object named {name!r} (publish it with put_memory_object)", uri=uri
         )
     return MemorySource(data, name=uri)
+
+
+def register_memory_scheme() -> None:
+    """Let :func:`~modelload.sidecar.sources.open_source` open ``memory://`` URIs (idempotent)."""
+    register_source("memory", open_memory)

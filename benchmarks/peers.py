@@ -1,0 +1,307 @@
+"""One contender, one load, one JSON line: the measurement every benchmark of modelload runs.
+
+``python peers.py CONTENDER --source URI [options]`` loads the model once with one contender and prints
+``{"seconds", "nbytes", "cpu_s", "peak_rss", ...}``. It runs in a fresh process per measurement, on this
+machine (``benchmarks/run.py`` spawns it) and in a cluster (``manifests/benchmarks/`` mounts this very file
+into each Job), so both measure the same way. It needs only the standard library plus the contender's own
+package, which is why it imports nothing of modelload.
+
+Contenders:
+
+- ``sidecar``: ``modelload sidecar`` as a pod starts it; timed by its own clock (``/status``) from the
+  engine's start to the last tensor READY. Its CPU is read from ``/proc`` over exactly that interval;
+  its peak RSS is what it holds *besides* the segment (anonymous + file pages), since the segment is the
+  model itself, shared with the inference process.
+- ``tensorizer``: ``TensorDeserializer(uri, device="cpu", num_readers=N)``, every tensor owned in memory.
+- ``runai``: Run:ai Model Streamer's ``SafetensorsStreamer`` (file or S3), every tensor owned
+  (``owned=True``): ``RUNAI_STREAMER_CONCURRENCY`` and ``RUNAI_STREAMER_OBJ_CONCURRENCY`` = readers,
+  ``RUNAI_STREAMER_CHUNK_BYTESIZE`` = chunk.
+- ``st-load``: ``safetensors.torch.load_file`` and a copy of every tensor into private memory (what a
+  framework does when it keeps weights after the file is closed).
+- ``st-open``: ``safe_open`` and ``get_tensor`` of every tensor, kept.
+- ``torch-load``: ``torch.load(weights_only=True)`` of a ``.pt`` file (no mmap).
+- ``curl``: ``curl`` fetching the object as ``readers`` parallel ranges into fresh files in tmpfs: the floor
+  of landing bytes in new memory on this machine (and the throughput a raw client reaches).
+
+For the library peers the load is timed inside the process, imports excluded; CPU is user + system time of
+the process and of the children it waited for (tensorizer runs curl) over the load; peak RSS is the
+process's maximum resident set (the import of torch included, as it is in a real server).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+GIB = 1 << 30
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_now() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _in_process(load: Any) -> dict[str, Any]:
+    """Time ``load()`` (returns the bytes it holds) with the CPU it and its reaped children used."""
+    cpu0, t0 = _cpu_now(), time.perf_counter()
+    nbytes, held = load()
+    seconds, cpu = time.perf_counter() - t0, _cpu_now() - cpu0
+    del held
+    return {
+        "seconds": seconds,
+        "nbytes": nbytes,
+        "cpu_s": cpu,
+        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+
+
+def _tensor_bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def load_tensorizer(args: argparse.Namespace) -> dict[str, Any]:
+    import torch  # noqa: F401  (imported before timing, as a server would have it)
+    from tensorizer import TensorDeserializer
+
+    def load() -> tuple[int, Any]:
+        tensors = TensorDeserializer(args.source, device="cpu", num_readers=args.readers, verify_hash=False)
+        return _tensor_bytes(tensors.values()), tensors
+
+    return _in_process(load)
+
+
+def load_runai(args: argparse.Namespace) -> dict[str, Any]:
+    from runai_model_streamer import SafetensorsStreamer
+
+    def load() -> tuple[int, Any]:
+        held = {}
+        with SafetensorsStreamer() as streamer:
+            streamer.stream_file(args.source, device="cpu", owned=True)
+            for name, tensor in streamer.get_tensors():
+                held[name] = tensor
+        return _tensor_bytes(held.values()), held
+
+    return _in_process(load)
+
+
+def load_st(args: argparse.Namespace) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    def load() -> tuple[int, Any]:
+        held = {name: tensor.clone() for name, tensor in load_file(args.source).items()}
+        return _tensor_bytes(held.values()), held
+
+    return _in_process(load)
+
+
+def load_st_open(args: argparse.Namespace) -> dict[str, Any]:
+    from safetensors import safe_open
+
+    def load() -> tuple[int, Any]:
+        with safe_open(args.source, framework="pt") as handle:
+            held = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
+        return _tensor_bytes(held.values()), held
+
+    return _in_process(load)
+
+
+def load_torch(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    def load() -> tuple[int, Any]:
+        held = torch.load(args.source, weights_only=True, mmap=False)
+        return _tensor_bytes(held.values()), held
+
+    return _in_process(load)
+
+
+def load_curl(args: argparse.Namespace) -> dict[str, Any]:
+    """``readers`` ranges in flight in one curl process, each into its own new tmpfs file."""
+    source = args.source
+    size = args.size
+    if size <= 0:
+        raise SystemExit("curl needs --size, the object's bytes")
+    step = -(-size // args.readers)
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    with tempfile.TemporaryDirectory(prefix="modelload-curl-", dir=base) as folder:
+        argv = [
+            "curl",
+            "-sSf",
+            "--no-progress-meter",
+            "--parallel",
+            "--parallel-immediate",
+            "--parallel-max",
+            str(args.readers),
+        ]
+        if args.sigv4:
+            key, secret = os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"]
+            argv += ["--aws-sigv4", args.sigv4, "--user", f"{key}:{secret}"]
+        for number, start in enumerate(range(0, size, step)):
+            end = min(size, start + step) - 1
+            argv += ["-r", f"{start}-{end}", "-o", f"{folder}/part{number}", source]
+        t0 = time.perf_counter()
+        process = subprocess.Popen(argv)
+        _, status, usage = os.wait4(process.pid, 0)
+        seconds = time.perf_counter() - t0
+        if status != 0:
+            raise SystemExit(f"curl failed with status {status}")
+        landed = sum(p.stat().st_size for p in Path(folder).iterdir())
+    return {
+        "seconds": seconds,
+        "nbytes": landed,
+        "cpu_s": usage.ru_utime + usage.ru_stime,
+        "peak_rss": usage.ru_maxrss * 1024,
+    }
+
+
+class _ProcSampler:
+    """Every 10 ms: the process's CPU ticks (own and reaped children) and its RSS besides shared memory."""
+
+    def __init__(self, pid: int) -> None:
+        self.samples: list[tuple[float, float]] = []
+        self.peak = 0
+        self._pid = pid
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.01):
+            try:
+                stat = Path(f"/proc/{self._pid}/stat").read_text()
+                status = Path(f"/proc/{self._pid}/status").read_text()
+            except OSError:
+                return
+            fields = stat.rsplit(")", 1)[1].split()
+            ticks = sum(int(fields[i]) for i in (11, 12, 13, 14))  # utime stime cutime cstime
+            self.samples.append((time.time(), ticks / CLOCK_TICKS))
+            rss = sum(
+                int(line.split()[1]) * 1024
+                for line in status.splitlines()
+                if line.split(":")[0] in ("RssAnon", "RssFile")
+            )
+            self.peak = max(self.peak, rss)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def cpu_at(self, when: float) -> float:
+        """CPU seconds used by ``when`` (the last sample at or before it)."""
+        before = [cpu for at, cpu in self.samples if at <= when]
+        return before[-1] if before else 0.0
+
+
+def load_sidecar(args: argparse.Namespace) -> dict[str, Any]:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    segment = Path(args.segment or f"/dev/shm/modelload-bench-{os.getpid()}.seg")
+    argv = [
+        *args.sidecar_command.split(), "sidecar", "--source", args.source, "--segment", str(segment),
+        "--readers", str(args.readers), "--chunk-size", str(args.chunk), "--host", "127.0.0.1",
+        "--port", str(port), "--notify", "none", "--verify" if args.verify else "--no-verify",
+    ]  # fmt: skip
+    if args.s3_endpoint:
+        argv += ["--s3-endpoint", args.s3_endpoint, "--s3-addressing", "path"]
+    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    sampler = _ProcSampler(process.pid)
+    try:
+        status = _wait_complete(port, process)
+        time.sleep(0.05)  # one more CPU sample after the finish
+    finally:
+        sampler.stop()
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+        segment.unlink(missing_ok=True)
+    started, finished = float(status["started_at"]), float(status["finished_at"])
+    return {
+        "seconds": finished - started,
+        "nbytes": int(status["bytes_total"]),
+        "cpu_s": sampler.cpu_at(finished + 0.01) - sampler.cpu_at(started),
+        "peak_rss": sampler.peak,
+        "first_tensor_s": float(status["first_tensor_at"]) - started,
+    }
+
+
+def _wait_complete(port: int, process: subprocess.Popen[bytes]) -> dict[str, Any]:
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            error = process.stderr.read().decode()[-2000:] if process.stderr else ""
+            raise SystemExit(f"the sidecar exited: {error}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=2) as response:
+                status = json.load(response)
+        except OSError:
+            time.sleep(0.02)
+            continue
+        if status["phase"] == "complete":
+            return dict(status)
+        if status["phase"] == "failed":
+            raise SystemExit(f"the load failed: {status['error']}")
+        # The sidecar's own clock stamps the phases, so slow polling loses nothing and leaves it the CPU.
+        time.sleep(0.1)
+    raise SystemExit("the sidecar did not finish in 15 minutes")
+
+
+CONTENDERS = {
+    "sidecar": load_sidecar,
+    "tensorizer": load_tensorizer,
+    "runai": load_runai,
+    "st-load": load_st,
+    "st-open": load_st_open,
+    "torch-load": load_torch,
+    "curl": load_curl,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("contender", choices=sorted(CONTENDERS))
+    parser.add_argument("--source", required=True, help="path, http(s):// URL or s3://bucket/key")
+    parser.add_argument("--readers", type=int, default=8, help="ranges in flight (tensorizer: num_readers)")
+    parser.add_argument("--chunk", type=int, default=32 << 20, help="bytes per range request")
+    parser.add_argument("--s3-endpoint", default="", help="an S3 endpoint other than AWS's")
+    parser.add_argument("--size", type=int, default=0, help="the object's bytes (curl only)")
+    parser.add_argument("--sigv4", default="", help="curl --aws-sigv4 provider, for an S3 origin")
+    parser.add_argument("--verify", action="store_true", help="sidecar: check the file's hashes")
+    parser.add_argument("--segment", default=None, help="sidecar: the segment path (default: in /dev/shm)")
+    parser.add_argument("--sidecar-command", default=f"{sys.executable} -m modelload.loader.cli.main")
+    args = parser.parse_args(argv)
+    if args.readers < 1:
+        parser.error("--readers must be at least 1")
+    if args.s3_endpoint:
+        # tensorizer reads AWS_ENDPOINT_URL_S3 (its default is CoreWeave's), Run:ai the AWS SDK's variables.
+        os.environ["AWS_ENDPOINT_URL"] = os.environ["AWS_ENDPOINT_URL_S3"] = args.s3_endpoint
+        os.environ["RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING"] = "0"
+    os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+    # Run:ai: CONCURRENCY for files, OBJ_CONCURRENCY for object storage (its default there is its own).
+    os.environ["RUNAI_STREAMER_CONCURRENCY"] = os.environ["RUNAI_STREAMER_OBJ_CONCURRENCY"] = str(
+        args.readers
+    )
+    os.environ["RUNAI_STREAMER_CHUNK_BYTESIZE"] = str(args.chunk)
+    os.environ.setdefault("RUNAI_STREAMER_LOG_LEVEL", "WARNING")
+    figures = CONTENDERS[args.contender](args)
+    figures["gib_s"] = figures["nbytes"] / figures["seconds"] / GIB
+    figures["cpu_s_per_gib"] = figures["cpu_s"] / (figures["nbytes"] / GIB)
+    print(json.dumps(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""Ordinary mistakes end in one clear line, never a traceback: a full disk, a read-only volume (also a small
+one, which is not "full"), no Kubernetes configuration, an API server out of reach."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from modelload.loader.cli.main import main
+from modelload.loader.formats.safetensors import save_file
+from tests.support.ports import free_port
+
+
+@pytest.fixture
+def read_only_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A small tmpfs mounted read-only (skipped where mounting is not allowed)."""
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    command = ["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(mount)]
+    if os.geteuid() != 0 or subprocess.run(command, capture_output=True, check=False).returncode != 0:
+        pytest.skip("mounting a tmpfs needs privileges this machine does not give")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    """A 2 MiB safetensors file: more than the 1 MiB volumes below hold."""
+    path = tmp_path / "m.safetensors"
+    save_file({"w": np.ones((512, 1024), dtype=np.float32)}, path)
+    return path
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str]:
+    status = main([str(a) for a in argv])
+    return status, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("to", ["m.tensors", "m.safetensors"])
+def test_serialize_onto_a_full_disk_says_so_and_leaves_nothing(
+    model: Path, tiny_tmpfs: Path, to: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, err = run(capsys, "serialize", "--no-progress", model, tiny_tmpfs / to)
+    assert status == 1
+    assert f"no room for {tiny_tmpfs / to} in {tiny_tmpfs}" in err and "free space" in err
+    assert "Traceback" not in err
+    assert list(tiny_tmpfs.iterdir()) == []  # no partial file left behind
+
+
+def test_stage_onto_a_read_only_volume_says_read_only_not_full(
+    model: Path, read_only_tmpfs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, err = run(capsys, "stage", "--no-progress", model, read_only_tmpfs / "m.seg")
+    assert status == 1
+    assert f"cannot create a segment in {read_only_tmpfs}: it is on a read-only file system" in err
+    assert "bytes and" not in err  # not the free-space message of a full volume
+
+
+def test_a_sidecar_on_a_read_only_volume_reports_a_segment_error_not_an_internal_one(
+    model: Path, read_only_tmpfs: Path
+) -> None:
+    from modelload.sidecar.cli import Sidecar
+    from modelload.sidecar.settings import parse_settings
+
+    argv = ["--source", str(model), "--segment", str(read_only_tmpfs / "m.seg"), "--notify", "none"]
+    sidecar = Sidecar(parse_settings([*argv, "--host", "127.0.0.1", "--port", "0"], environ={}))
+    sidecar.start()
+    try:
+        deadline = time.monotonic() + 20
+        while sidecar.tracker.snapshot().phase != "failed":
+            assert time.monotonic() < deadline, "the load did not fail"
+            time.sleep(0.02)
+    finally:
+        sidecar.stop()
+    status = sidecar.tracker.snapshot()
+    assert status.errors == {"segment": 1}
+    assert status.error is not None and "read-only file system" in status.error
+
+
+def operator(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``modelload operator`` in a process of its own: the Kubernetes client reads KUBECONFIG on import."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("KUBE", "MODELLOAD_"))}
+    command = [sys.executable, "-m", "modelload.loader.cli.main", "operator"]
+    environ.update(env)
+    return subprocess.run(command, env=environ, capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_the_operator_without_a_kubeconfig_says_what_to_configure(tmp_path: Path) -> None:
+    pytest.importorskip("kopf")
+    done = operator({"KUBECONFIG": str(tmp_path / "missing-kubeconfig"), "HOME": str(tmp_path)})
+    assert done.returncode == 1
+    assert "no Kubernetes configuration" in done.stderr and "KUBECONFIG" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_the_operator_with_an_unreachable_api_server_says_so(tmp_path: Path) -> None:
+    pytest.importorskip("kopf")
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        f"clusters: [{{name: c, cluster: {{server: 'https://127.0.0.1:{free_port()}'}}}}]\n"
+        "contexts: [{name: c, context: {cluster: c, user: u}}]\n"
+        "users: [{name: u, user: {token: not-a-real-token}}]\n"
+    )
+    done = operator({"KUBECONFIG": str(kubeconfig), "HOME": str(tmp_path)})
+    assert done.returncode == 1
+    assert "cannot reach the Kubernetes API server" in done.stderr
+    assert "Traceback" not in done.stderr and "not-a-real-token" not in done.stderr
