@@ -15,6 +15,7 @@ the engine are imported when the command runs.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import signal
@@ -79,8 +80,9 @@ class LoadEngine(Protocol):
 EngineFactory = Callable[[SidecarSettings, "LoadObserver"], LoadEngine]
 
 
-def default_engine(settings: SidecarSettings, observer: LoadObserver) -> LoadEngine:
-    """The streaming engine of ``modelload.sidecar.engine``, built from the sidecar's settings."""
+def default_engine(settings: SidecarSettings, observer: LoadObserver, *, peers: Any = None) -> LoadEngine:
+    """The streaming engine of ``modelload.sidecar.engine``, built from the sidecar's settings (and this
+    sidecar's :class:`~modelload.sidecar.peers.Peers` when peers are on)."""
     from modelload.sidecar.engine import Engine, EngineSettings
 
     load = settings.engine
@@ -98,7 +100,7 @@ def default_engine(settings: SidecarSettings, observer: LoadObserver) -> LoadEng
         model_dir=load.model_dir,
         files=load.files,
     )
-    return Engine(engine_settings, sources=settings.sources, observer=observer)
+    return Engine(engine_settings, sources=settings.sources, observer=observer, peers=peers)
 
 
 # --- the command -------------------------------------------------------------------------------------------
@@ -198,7 +200,20 @@ class Sidecar:
             except BaseException:
                 self.api.stop()
                 raise
-        observers = [self.tracker, self.metrics, LoggingObserver(), self.notifier]
+        self.peers: Any = None
+        if settings.peers.enabled:
+            from modelload.sidecar.peers import Peers
+
+            try:
+                self.peers = Peers(settings.peers, host=settings.api.host, retry=settings.sources.retry)
+            except BaseException:
+                self.api.stop()
+                if self.notifier is not None:
+                    self.notifier.close()
+                raise
+            if engine_factory is default_engine:
+                engine_factory = functools.partial(default_engine, peers=self.peers)
+        observers = [self.tracker, self.metrics, LoggingObserver(), self.notifier, self.peers]
         self.observer: LoadObserver = Observers(*[o for o in observers if o is not None])  # type: ignore[assignment]
         self._load = _LoadThread(lambda: engine_factory(settings, self.observer), self.observer, self.tracker)
         self._stopped: int | None = None
@@ -206,6 +221,8 @@ class Sidecar:
     def start(self) -> None:
         """Serve the API (the liveness probe answers from now on), then start the load."""
         self.api.start()
+        if self.peers is not None:
+            self.peers.start()
         log.info(
             "status API on %s (/healthz /startupz /readyz /status /metrics); notifications on %s",
             self.api.url,
@@ -235,6 +252,8 @@ class Sidecar:
         if not self._load.join(STOP_TIMEOUT):
             log.warning("the engine did not stop within %.0f s; exiting without it", STOP_TIMEOUT)
         self.api.stop()
+        if self.peers is not None:
+            self.peers.close()
         if self.notifier is not None:
             self.notifier.close()
         status = self.tracker.snapshot()

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, Protocol
 
 from modelload.loader.errors import (
     ConfigError,
@@ -116,11 +116,28 @@ class EngineSettings:
             raise ConfigError("give a key file or a password file, not both")
 
 
+class PeerHook(Protocol):
+    """Other sidecars as sources (``modelload.sidecar.peers.Peers``): ``begin`` may wrap ``model.sources``
+    and reorder the plan; ``finish`` checks a tensor before it is published and returns a CRC-32 to record."""
+
+    def begin(self, *, model: OpenedModel, plan: LoadPlan, writer: Any, segment: Path) -> LoadPlan: ...
+
+    def finish(self, tensor: int) -> int | None: ...
+
+
 class Engine:
     """Loads one model into one segment. Call :meth:`run` (blocking) once; :meth:`stop` from any thread."""
 
-    def __init__(self, settings: EngineSettings, *, sources: SourceSettings, observer: LoadObserver) -> None:
+    def __init__(
+        self,
+        settings: EngineSettings,
+        *,
+        sources: SourceSettings,
+        observer: LoadObserver,
+        peers: PeerHook | None = None,
+    ) -> None:
         self.settings = settings
+        self._peers = peers
         self._sources = sources
         self._observer = observer
         self._stop = threading.Event()
@@ -184,6 +201,8 @@ class Engine:
         observer.manifest_published(
             model_format=index.format, tensors=len(index), nbytes=index.nbytes, notify=settings.notify
         )
+        if self._peers is not None:
+            plan = self._peers.begin(model=model, plan=plan, writer=writer, segment=settings.segment)
         use_fd = settings.splice and all(source.supports_fd for source in model.sources)
         if not use_fd:
             # Landing through the mapping: a full tmpfs would be a SIGBUS, so take every page now. Through the
@@ -348,6 +367,7 @@ class _Load:
         entry = self.plan.index.tensors[tensor]
         slot = self.plan.layout.slots[tensor]
         verified = decrypted = False
+        crc32 = self.engine._peers.finish(tensor) if self.engine._peers is not None else None
         uri = self.model.display(entry.file)
         if self.plan.index.format == "tensorizer":
             offset, length = self.plan.header_span(tensor)
@@ -364,7 +384,7 @@ class _Load:
             if self.settings.verify and header.hashes:
                 tz.verify(tz.fastest_hash(header), data, source=uri)
                 verified = True
-        self.writer.mark_ready(tensor, verified=verified, decrypted=decrypted)
+        self.writer.mark_ready(tensor, verified=verified, decrypted=decrypted, crc32=crc32)
         self.observer.tensor_ready(index=tensor, name=slot.name, nbytes=slot.nbytes)
 
 
