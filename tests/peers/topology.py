@@ -307,7 +307,8 @@ http {{
         segment = folder / "model.seg"
         args = [
             IP, "netns", "exec", host.name, MODELLOAD, "sidecar", "--source", source,
-            "--segment", str(segment), "--notify", "none", "--readers", "8", "--chunk-size", "1MiB", "--host", host.ip, *extra,
+            "--segment", str(segment), "--notify", "none", "--readers", "8", "--chunk-size", "1MiB",
+            "--host", host.ip, *extra,
         ]  # fmt: skip
         if peers is not None:
             urls = ",".join(f"http://{p.ip}:{PEER_PORT}" for p in peers if p is not host)
