@@ -58,6 +58,7 @@ test: check
 
 bench: venv
 	$(BIN)/python benchmarks/run.py
+	$(BIN)/python benchmarks/peer_fleet.py --out docs/peer-fleet.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache

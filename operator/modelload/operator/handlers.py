@@ -29,6 +29,7 @@ import kopf
 
 from modelload.operator.conditions import now_rfc3339
 from modelload.operator.kube import Kube, KubeNotFoundError
+from modelload.operator.peers import ensure_peer_objects
 from modelload.operator.pods import PodLoad, aggregate, classify
 from modelload.operator.resolve import classify_failure, failure_status, resolve, success_status
 from modelload.operator.resource import label_value
@@ -180,6 +181,10 @@ class Handlers:
             raise kopf.TemporaryError(
                 f"{failure.reason}: {failure.message}", delay=failure.retry_after
             ) from None
+        if spec.peers:
+            await ensure_peer_objects(
+                self._kube, namespace=namespace, body=body, label_value=label_value(body)
+            )
         new_status = success_status(resolution, generation=generation, conditions=conditions, now=now)
         patch.status.update(new_status)
         kopf.info(body, reason="Resolved", message=new_status["conditions"][-1]["message"])

@@ -261,6 +261,12 @@ class ModelLoadSpec:
         "A value below what the model needs is refused.",
         default=None,
     )
+    peers: bool = prop(
+        doc="Let this model's sidecars serve each other: each takes chunks from pods that hold them and "
+        "reads the origin only for the rest. The operator creates a headless Service and a token Secret "
+        "named <name>-peers. Encrypted models always read the origin.",
+        default=False,
+    )
 
 
 _HTTP_SOURCE = "(self.source.startsWith('http://') || self.source.startsWith('https://'))"
