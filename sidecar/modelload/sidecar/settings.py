@@ -412,6 +412,11 @@ _OPTIONS = (
         "anonymous S3 requests, for public buckets (default off)", boolean=True,
     ),
     _Option(
+        "proxy", "--proxy", "MODELLOAD_PROXY",
+        "HTTP proxy for origin reads, such as Dragonfly's dfdaemon (default: HTTP(S)_PROXY and NO_PROXY)",
+        "URL",
+    ),
+    _Option(
         "peers", "--peers", "MODELLOAD_PEERS",
         "other sidecars of this model to take chunks from, comma-separated base URLs (default none)",
         "URL,...",
@@ -560,7 +565,13 @@ def parse_settings(
 
     Raises ConfigError naming the flag or variable of the first bad value.
     """
-    from modelload.sidecar.sources import HttpSettings, RetryPolicy, S3Settings, SourceSettings
+    from modelload.sidecar.sources import (
+        HttpSettings,
+        RetryPolicy,
+        S3Settings,
+        SourceSettings,
+        proxy_from_environ,
+    )
 
     if isinstance(argv, argparse.Namespace):
         flags: Mapping[str, object] = vars(argv)
@@ -621,7 +632,8 @@ def parse_settings(
             "a header file (--header-file/MODELLOAD_HEADER_FILE) is for http(s):// sources, and the source"
             f" is {display_url(source)}: S3 takes AWS credentials, a file needs none"
         )
-    http = HttpSettings(headers=headers)
+    proxy = proxy_from_environ(environ, override=get("proxy", _text, None) or None)
+    http = HttpSettings(headers=headers, proxy=proxy)
     sources = SourceSettings(http=http, s3=s3, retry=RetryPolicy())
     peer_urls: tuple[str, ...] = get("peers", _parse_list, ())
     peers = PeerSettings(

@@ -34,6 +34,7 @@ from ._http import HttpSource
 from ._listing import Directory, is_directory, list_directory
 from ._memory import Interrupt, MemorySource, put_memory_object, remove_memory_object
 from ._model import OpenedModel, fetch_small_file, open_model
+from ._proxy import ProxySettings, proxy_from_environ
 from ._registry import SourceFactory, open_source, register_source, registered_schemes
 from ._responses import display_url
 from ._retry import RetryEvent, read_range, read_range_into_fd, stat_source
@@ -50,6 +51,7 @@ __all__ = [
     "MemorySource",
     "ObjectInfo",
     "OpenedModel",
+    "ProxySettings",
     "RequestHeaders",
     "RetryEvent",
     "RetryPolicy",
@@ -71,6 +73,7 @@ __all__ = [
     "open_source",
     "parse_headers",
     "plan_s3_location",
+    "proxy_from_environ",
     "put_memory_object",
     "read_header_file",
     "read_range",
