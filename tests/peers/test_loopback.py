@@ -98,6 +98,15 @@ def test_a_tensorizer_model_comes_whole_from_a_peer_with_its_hashes_checked(
     assert stats["origin_bytes"] == 0
     assert stats["peer_bytes"] > data  # the data and every record header
     assert first.peers.stats()["uploaded_bytes"] == stats["peer_bytes"]
+    from prometheus_client import generate_latest
+
+    samples = dict(
+        line.rsplit(" ", 1)
+        for line in generate_latest(second.metrics.registry).decode().splitlines()
+        if line.startswith("modelload_peer_")
+    )
+    assert float(samples["modelload_peer_received_bytes_total"]) == stats["peer_bytes"]
+    assert float(samples["modelload_peer_origin_bytes_total"]) == 0
 
 
 def _get(port: int, path: str, headers: dict[str, str]) -> tuple[int, bytes]:

@@ -211,6 +211,7 @@ class Sidecar:
                 if self.notifier is not None:
                     self.notifier.close()
                 raise
+            self.peers.register_metrics(self.metrics.registry)
             if engine_factory is default_engine:
                 engine_factory = functools.partial(default_engine, peers=self.peers)
         observers = [self.tracker, self.metrics, LoggingObserver(), self.notifier, self.peers]

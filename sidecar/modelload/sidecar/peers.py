@@ -170,6 +170,37 @@ class Peers:
             return crc
         return None
 
+    def register_metrics(self, registry: Any) -> None:
+        """Expose the ledger on the sidecar's ``/metrics`` (read at each scrape, nothing on the hot path)."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        ledger = self.ledger
+
+        class _Collector:
+            def collect(self) -> Any:
+                figures = ledger.as_dict()
+                for name, key, text in (
+                    ("modelload_peer_origin_bytes", "origin_bytes", "Tensor bytes read from the origin"),
+                    ("modelload_peer_received_bytes", "peer_bytes", "Tensor bytes taken from peers"),
+                    ("modelload_peer_uploaded_bytes", "uploaded_bytes", "Bytes served to peers"),
+                    (
+                        "modelload_peer_mismatches",
+                        "mismatches",
+                        "Tensors from peers that failed verification",
+                    ),
+                ):
+                    yield CounterMetricFamily(name, text, value=figures[key])
+                yield GaugeMetricFamily(
+                    "modelload_peer_excluded_peers",
+                    "Peers excluded from this load",
+                    value=figures["excluded_peers"],
+                )
+
+            def describe(self) -> Any:
+                return []
+
+        registry.register(_Collector())
+
     def _excluded(self, peer: Peer, why: str) -> None:
         with self.ledger._lock:
             self.ledger.excluded += 1
