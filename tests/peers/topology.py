@@ -342,7 +342,11 @@ http {{
         return time.monotonic()
 
     def stop_sidecars(self) -> None:
-        """Stop every sidecar and delete its segment (memory: /dev/shm)."""
+        """Stop every sidecar (all signalled first, then waited for) and delete its segment (/dev/shm)."""
+        for sidecar in self.sidecars:
+            if sidecar.process.poll() is None:
+                sidecar.process.send_signal(signal.SIGCONT)
+                sidecar.process.terminate()
         for sidecar in self.sidecars:
             sidecar.stop()
             sidecar.segment.unlink(missing_ok=True)
