@@ -82,3 +82,27 @@ async def test_a_model_without_peers_gets_no_service(
     await resolved(kube, "plain")
     assert current(kube, "v1/services", NAMESPACE, "plain-peers") is None
     assert current(kube, "v1/secrets", NAMESPACE, "plain-peers") is None
+
+
+async def test_the_status_counts_the_pods_whose_sidecars_serve_their_peers(
+    kube: Any, operator: Any, model_file: Path, api: Any
+) -> None:
+    from tests.operator.test_pod_status import Kubelet, injected_pod, pods_become, sidecar_status
+
+    await create_modelload(api, "tiny", {"source": f"file://{model_file}", "peers": True})
+    await resolved(kube, "tiny")
+    kubelet = Kubelet(api)
+    for name, peers in (("p1", True), ("p2", True), ("p3", False)):
+        pod = injected_pod(name)
+        if peers:  # what the webhook wires into a peered model's sidecar
+            pod["spec"]["initContainers"][0]["env"] = [
+                {"name": "MODELLOAD_PEER_DNS", "value": "tiny-peers.x.svc"}
+            ]
+        await kubelet.create(pod)
+    await pods_become(kube, {"injected": 3, "serving": 0})
+    running = {"state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}, "ready": False}
+    for name in ("p1", "p2", "p3"):
+        await kubelet.status(name, {"phase": "Running", **sidecar_status(**running)})
+    await pods_become(kube, {"injected": 3, "loading": 3, "serving": 2})
+    await kubelet.status("p2", {"phase": "Failed"})
+    await pods_become(kube, {"failed": 1, "serving": 1})

@@ -76,6 +76,7 @@ def pods_body(status: PodsStatus) -> dict[str, Any]:
     """``status.pods`` as a merge patch: every field present, None deleting a stale value."""
     return {
         "injected": status.injected,
+        "serving": status.serving,
         "loading": status.loading,
         "ready": status.ready,
         "failed": status.failed,

@@ -333,6 +333,12 @@ class PodsStatus:
     """The pods that asked for this model, as their sidecars report through the pods' own status."""
 
     injected: int = prop(doc="Pods carrying the sidecar and not terminating.", default=0, minimum=0)
+    serving: int = prop(
+        doc="With spec.peers: pods whose sidecar runs and serves what it holds to the other pods (loading "
+        "ones included).",
+        default=0,
+        minimum=0,
+    )
     loading: int = prop(
         doc="Pods whose sidecar runs and has not loaded every tensor yet.", default=0, minimum=0
     )
