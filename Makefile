@@ -58,6 +58,7 @@ test: check
 
 bench: venv
 	$(BIN)/python benchmarks/run.py
+	$(BIN)/python benchmarks/memory_modes.py
 	$(BIN)/python benchmarks/peer_fleet.py --out docs/peer-fleet.json
 
 clean:

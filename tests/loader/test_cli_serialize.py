@@ -439,3 +439,26 @@ def test_a_model_directory_serializes_into_one_file_of_either_format(tmp_path: P
         stage = tmp_path / f"{name}.seg"
         assert cli_main(["stage", str(tmp_path / name), str(stage), "--no-progress"]) == 0
         models.assert_segment_matches(stage, weights)
+
+
+def test_a_file_serializes_into_a_sharded_directory_that_stages_back(tmp_path: Path) -> None:
+    import json as json_module
+
+    from modelload.loader.cli.main import main as cli_main
+    from tests.sidecar import models
+
+    weights = models.state_dict(seed=64, layers=4)
+    single = tmp_path / "model.tensors"
+    single.write_bytes(models.tensorizer_bytes(weights))
+    out = tmp_path / "hf"
+    assert cli_main(["serialize", str(single), str(out), "--shard-size", "300KiB", "--no-progress"]) == 0
+    shards = sorted(p.name for p in out.iterdir() if p.suffix == ".safetensors")
+    assert len(shards) > 2 and all(
+        (out / s).stat().st_size <= 300 * 1024 + 4096 or s == shards[0] for s in shards
+    ), "each shard holds at most the size, besides one holding a single larger tensor"
+    index = json_module.loads((out / "model.safetensors.index.json").read_text())
+    assert sorted(index["weight_map"]) == sorted(weights)
+    assert sorted(set(index["weight_map"].values())) == shards
+    assert cli_main(["stage", str(out), str(tmp_path / "back.seg"), "--no-progress"]) == 0
+    models.assert_segment_matches(tmp_path / "back.seg", weights)
+    assert cli_main(["serialize", str(single), str(out / "x"), "--shard-size", "0"]) != 0

@@ -94,7 +94,8 @@ def test_an_encrypted_tensorizer_file_stages_decrypted_and_verified(
     assert assert_attached(segment, tensors)["format"] == "tensorizer"
     with SegmentReader.open(segment) as reader:
         for slot in reader.slots:
-            want = TensorFlags.VERIFIED | (TensorFlags.DECRYPTED if slot.nbytes else TensorFlags.NONE)
+            want = TensorFlags.VERIFIED | TensorFlags.CRC32
+            want |= TensorFlags.DECRYPTED if slot.nbytes else TensorFlags.NONE
             assert reader.flags(slot.index) == want, slot.name
 
 

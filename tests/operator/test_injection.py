@@ -164,7 +164,7 @@ def test_the_sidecar_memory_limit_covers_the_volume_because_tmpfs_pages_are_char
     assert "cpu" in sidecar["resources"]["requests"] and "cpu" not in sidecar["resources"]["limits"]
 
 
-def test_the_sidecar_has_its_probes_its_configuration_and_no_declared_port() -> None:
+def test_the_sidecar_has_its_probes_its_configuration_and_its_metrics_port() -> None:
     pod = bare_pod()
     spec = {"readers": 16, "chunkSize": "64MiB", "verifyHashes": False, "priority": ["embed", "layers.0."]}
     patched = apply(pod, build_patch(pod=pod, model=model(spec), sidecar=SIDECAR, native=True))
@@ -173,7 +173,7 @@ def test_the_sidecar_has_its_probes_its_configuration_and_no_declared_port() -> 
     assert sidecar["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert sidecar["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert {p["httpGet"]["port"] for p in (sidecar["startupProbe"], sidecar["readinessProbe"])} == {8479}
-    assert "ports" not in sidecar  # KNative allows one declared port across all containers
+    assert sidecar["ports"] == [{"name": "metrics", "containerPort": 8479, "protocol": "TCP"}]
     env = env_of(sidecar)
     assert env["MODELLOAD_SOURCE"] == "s3://models/llama.tensors"
     assert env["MODELLOAD_SEGMENT"] == "/run/modelload/model.seg"
@@ -302,7 +302,7 @@ def test_overrides_replace_the_image_and_the_computed_resources() -> None:
     kubernetes_validate.validate(patched, "1.33", strict=True)
 
 
-def test_a_knative_pod_keeps_its_single_port() -> None:
+def test_a_knative_pod_keeps_its_ports_and_the_sidecar_adds_its_metrics_port() -> None:
     pod = {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -325,7 +325,9 @@ def test_a_knative_pod_keeps_its_single_port() -> None:
     pod["metadata"]["annotations"] = {"modelload.dev/containers": "user-container"}
     patched = apply(pod, build_patch(pod=pod, model=model(), sidecar=SIDECAR, native=True))
     kubernetes_validate.validate(patched, "1.31", strict=True)
-    assert "ports" not in container(patched, "modelload")
+    # KNative checks its one-port rule on the Revision template; the pod its Deployment makes may carry more.
+    assert container(patched, "user-container")["ports"] == [{"name": "user-port", "containerPort": 8080}]
+    assert [p["name"] for p in container(patched, "modelload")["ports"]] == ["metrics"]
     assert "MODELLOAD_SEGMENT" not in env_of(container(patched, "queue-proxy"))
 
 

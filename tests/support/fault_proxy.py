@@ -8,6 +8,8 @@ back, unless a *fault* applies to that request. Faults:
   cleanly: a short body.
 - :class:`Stall` ``(after=N, seconds=T)``: send N bytes, go quiet for T seconds, then send the rest (a
   client with a shorter timeout gives up first).
+- :class:`Trickle` ``(after=N, piece=P, interval=T)``: send N bytes, then P bytes every T seconds: never
+  silent long enough for a stall timeout, far too slow to finish.
 - :class:`Respond` ``(status, body, headers)``: answer without asking the upstream, for example
   :func:`slow_down` (503 SlowDown with Retry-After), :func:`server_error` (500), or :func:`s3_error` with
   any S3 code (ExpiredToken, AccessDenied...).
@@ -61,6 +63,7 @@ __all__ = [
     "Respond",
     "RewriteETag",
     "Stall",
+    "Trickle",
     "Truncate",
     "s3_error",
     "server_error",
@@ -85,6 +88,13 @@ class Stall:
 
 
 @dataclass(frozen=True)
+class Trickle:
+    after: int = 0
+    piece: int = 16
+    interval: float = 0.05
+
+
+@dataclass(frozen=True)
 class Respond:
     status: int
     body: bytes = b""
@@ -106,7 +116,7 @@ class RewriteETag:
     etag: str = '"rewritten-etag"'
 
 
-Fault = Reset | Truncate | Stall | Respond | IgnoreRange | ReplaceObject | RewriteETag
+Fault = Reset | Truncate | Stall | Trickle | Respond | IgnoreRange | ReplaceObject | RewriteETag
 
 
 def s3_error(status: int, code: str, *, message: str = "", retry_after: float | None = None) -> Respond:
@@ -353,10 +363,18 @@ class FaultProxy:
         method: str,
     ) -> bool:
         """Send the answer, breaking it as the fault says; False when the connection is finished."""
-        if not isinstance(fault, (Reset, Truncate, Stall)):
+        if not isinstance(fault, (Reset, Truncate, Stall, Trickle)):
             _send_response(client, status, reason, headers, body, method)
             return True
         client.sendall(_head(status, reason, headers) + body[: fault.after])
+        if isinstance(fault, Trickle):
+            for start in range(fault.after, len(body), fault.piece):
+                time.sleep(fault.interval)
+                try:
+                    client.sendall(body[start : start + fault.piece])
+                except OSError:
+                    return False  # the client gave up on this connection
+            return True
         if isinstance(fault, Stall):
             time.sleep(fault.seconds)
             try:

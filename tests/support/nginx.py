@@ -6,7 +6,8 @@ One process listens on two ports:
 - ``port``: the folder at ``/NAME``, with byte ranges, strong ETags (``"<mtime>-<size>"``) and If-Match
   (a 412 when the file changed). The same folder is also at ``/BUCKET/NAME``: a path-style, read-only
   **S3 stand-in** that ignores auth, so boto3 or our S3 source pointed at ``endpoint`` with path addressing
-  reads the files at nginx speed (moto is for S3 behaviour, not throughput: see specs/benchmarking.md).
+  reads the files at nginx speed (moto is for S3 behaviour, not throughput: it reads the whole object for
+  every range).
   ``/forbidden/...`` always answers 403; ``/moved/NAME`` redirects (302, relative Location) to ``/NAME``;
   ``/private/NAME`` serves the folder only to requests with ``Authorization: Bearer`` :data:`TOKEN`
   (401 otherwise): a private artifact server (``private_url(name)``).

@@ -30,6 +30,8 @@ you can do about it::
     │   ├── SegmentLayoutError         the segment breaks its layout's rules (see segment/SPEC.md)
     │   ├── SegmentVersionError        a layout version this loader does not know: upgrade the loader
     │   ├── SegmentSpaceError          the volume has no room for the model
+    │   ├── TensorReleasedError        the tensor's pages were given back after every consumer copied it
+    │   ├── MemoryWaitError            ring mode waited longer than allowed for consumers to free room
     │   └── LoadFailedError            the writer gave up; ``reason`` says why
     ├── ModuleLoadError                a model's tensors do not fit a torch module: fix module or call
     │   ├── ModuleMismatchError        names or shapes differ, as torch's strict load reports (a RuntimeError)
@@ -56,6 +58,7 @@ __all__ = [
     "LeftOnMetaError",
     "LoadFailedError",
     "LoadTimeoutError",
+    "MemoryWaitError",
     "MissingKeyError",
     "ModelloadError",
     "ModuleLoadError",
@@ -73,6 +76,7 @@ __all__ = [
     "SourceChangedError",
     "SourceError",
     "SourceNotFoundError",
+    "TensorReleasedError",
     "TransientSourceError",
     "TruncatedError",
     "UnsupportedDtypeError",
@@ -221,6 +225,20 @@ class SegmentVersionError(SegmentError):
 
 class SegmentSpaceError(SegmentError, OSError):
     """The volume has no room for the segment. Raise the emptyDir sizeLimit or the memory limit."""
+
+
+class TensorReleasedError(SegmentError):
+    """The tensor was consumed by every registered consumer and the sidecar (memory mode release or ring)
+    gave its pages back: it cannot be read any more. Keep the model with memory mode ``full``."""
+
+    def __init__(self, message: str, *, name: str) -> None:
+        self.name = name
+        super().__init__(message)
+
+
+class MemoryWaitError(SegmentError):
+    """Ring mode waited longer than its limit for consumers to copy tensors and free room; the message names
+    the consumers the load waited for."""
 
 
 class LoadFailedError(SegmentError):

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from modelload.operator.kube import Kube, KubeError, KubeNotFoundError, load_configuration
+from modelload.operator.metrics import serve as serve_metrics
 from modelload.operator.settings import OperatorSettings
 from modelload.operator.tls import (
     TlsFiles,
@@ -113,6 +114,7 @@ async def running(
     kube = Kube(configuration if configuration is not None else load_configuration())
     stop = asyncio.Event()
     ready = asyncio.Event()
+    exposure = contextlib.ExitStack()  # the metrics server, when one is asked for
     try:
         native = await native_sidecars(kube, settings.sidecar.mode)
         context, files, ca_pem = await _tls(kube, settings)
@@ -123,6 +125,8 @@ async def running(
                 kube, namespace=settings.namespace, webhook=settings.webhook, context=context, files=files
             )
         reloader = asyncio.create_task(renewal, name="modelload-tls-renewal")
+        if settings.metrics_port:
+            exposure.enter_context(serve_metrics(port=settings.metrics_port))
         webhook = PodWebhook(lookup=kube_lookup(kube), sidecar=settings.sidecar, native=native)
         registry = build_registry(settings=settings, kube=kube, login=login)
         hook = settings.webhook
@@ -154,6 +158,7 @@ async def running(
                 with contextlib.suppress(asyncio.CancelledError):
                     await reloader
     finally:
+        exposure.close()
         await kube.close()
 
 

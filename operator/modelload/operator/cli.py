@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 
+from modelload.loader._logjson import use_log_format
 from modelload.operator.settings import add_arguments, from_args
 
 __all__ = ["register"]
@@ -34,6 +35,7 @@ def _run(args: argparse.Namespace) -> int:
 
     settings = from_args(args, os.environ)
     logging.getLogger().setLevel(settings.log_level)
+    use_log_format(settings.log_format)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     asyncio.run(run(settings))
     return 0

@@ -29,6 +29,7 @@ import kopf
 
 from modelload.operator.conditions import now_rfc3339
 from modelload.operator.kube import Kube, KubeNotFoundError
+from modelload.operator.metrics import METRICS
 from modelload.operator.peers import ensure_peer_objects
 from modelload.operator.pods import PodLoad, aggregate, classify
 from modelload.operator.resolve import classify_failure, failure_status, resolve, success_status
@@ -164,7 +165,8 @@ class Handlers:
         try:
             spec = parse_spec(body.get("spec"))
             sizing = self._settings.sidecar.sizing
-            resolution = await resolve(kube=self._kube, namespace=namespace, spec=spec, sizing=sizing)
+            with METRICS.resolving():
+                resolution = await resolve(kube=self._kube, namespace=namespace, spec=spec, sizing=sizing)
         except Exception as exc:
             failure = classify_failure(exc, retry=retry, policy=self._settings.retry)
             if failure is None:

@@ -9,12 +9,23 @@ What a pod gets (the pod-wiring contract in the team's CONTRACTS.md):
 * volume ``modelload``: ``emptyDir{medium: Memory, sizeLimit}`` sized from the model (:mod:`sizing`);
 * the sidecar ``modelload``: an init container with ``restartPolicy: Always`` (a native sidecar) or, where
   the cluster lacks them, a regular container that never exits; probes on /startupz, /readyz, /healthz;
-  its port is not declared (KNative allows one port across all containers);
+  its status port is declared as ``metrics`` (what a PodMonitor scrapes: ``/metrics``). KNative's rule of
+  one port across containers is checked on the Revision's template, never on the pods its Deployment makes,
+  which is where this injection happens (as a service mesh's proxy declares its own port there);
 * S3 credentials as the sidecar's env from the Secret (``secretKeyRef``); the decryption key or password,
   and an HTTP(S) source's token or header lines (``MODELLOAD_HEADER_FILE``), as files mounted read-only in
   the sidecar only (a Secret volume holding the one key): no other container can read them;
 * target containers (all of them, or those the pod's ``modelload.dev/containers`` annotation or the spec
-  names) get the volume at /run/modelload and ``MODELLOAD_SEGMENT``/``_NOTIFY``/``_STATUS_URL``.
+  names) get the volume at /run/modelload and ``MODELLOAD_SEGMENT``/``_NOTIFY``/``_STATUS_URL``;
+* who may read the segment: the sidecar writes it ``0640`` (it holds decrypted weights). A pod with an
+  ``fsGroup`` needs nothing more (the volume's files belong to that group, which every container has). A
+  pod without one gets the sidecar's ``runAsGroup`` set to the segment group (:class:`SidecarSettings`
+  ``segment_group``) and that group added to ``spec.securityContext.supplementalGroups``, so the app reads the
+  segment whatever user it runs as, and processes outside the pod's containers do not.
+
+A container already named ``modelload`` in a pod the webhook has not injected (no ``modelload.dev/injected``
+annotation) is refused with a message that says to rename it: injecting beside it would clash, and treating it
+as the sidecar would wire the app to a volume that never comes.
 
 Idempotent: a pod that already has the sidecar gets only what its target containers still lack (empty for
 a pod sent twice; the missing pieces for containers another webhook added when the API server re-invokes
@@ -27,9 +38,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from modelload.operator.peers import PEER_DIR, PEER_VOLUME, peer_env, peer_volume
-from modelload.operator.quantity import parse_size
+from modelload.operator.quantity import parse_bytes, parse_size
 from modelload.operator.resource import ResolvedModel
-from modelload.operator.schema import MODEL_LABEL
+from modelload.operator.schema import MODEL_LABEL, ModelLoadSpec
 from modelload.operator.settings import SidecarSettings
 from modelload.operator.sizing import plan_sizing
 
@@ -41,6 +52,7 @@ __all__ = [
     "build_patch",
     "has_sidecar",
     "pointer",
+    "source_query_problem",
 ]
 
 SIDECAR_NAME = "modelload"
@@ -60,6 +72,8 @@ HEADERS_DIR = "/var/run/secrets/modelload/headers"
 CONTAINERS_ANNOTATION = "modelload.dev/containers"
 INJECTED_ANNOTATION = "modelload.dev/injected"
 MODE_ANNOTATION = "modelload.dev/sidecar-mode"
+METRICS_PORT_NAME = "metrics"
+"""The sidecar's declared port (its status API, /metrics included): the chart's PodMonitor scrapes it."""
 SECRET_FILE_MODE = 0o444
 """World-readable inside the one container that mounts it: the sidecar runs as a non-root user that does
 not own the files, and no other container mounts the volume."""
@@ -77,9 +91,23 @@ def pointer(*parts: str | int) -> str:
 
 
 def has_sidecar(pod: Mapping[str, Any]) -> bool:
+    """Whether this webhook already injected ``pod`` (its annotation, and the container it added)."""
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    return INJECTED_ANNOTATION in annotations and _has_container_named(pod, SIDECAR_NAME)
+
+
+def _has_container_named(pod: Mapping[str, Any], name: str) -> bool:
     spec = pod.get("spec") or {}
     containers = list(spec.get("containers") or []) + list(spec.get("initContainers") or [])
-    return any(c.get("name") == SIDECAR_NAME for c in containers)
+    return any(c.get("name") == name for c in containers)
+
+
+def _check_own_name(pod: Mapping[str, Any]) -> None:
+    if _has_container_named(pod, SIDECAR_NAME) and not has_sidecar(pod):
+        raise InjectionError(
+            f"the pod already has a container named {SIDECAR_NAME!r}, the name of modelload's sidecar: "
+            "rename that container (the sidecar's name is fixed so that probes and the operator find it)"
+        )
 
 
 def build_patch(
@@ -90,6 +118,8 @@ def build_patch(
     Raises :class:`InjectionError` for a pod that cannot be injected as asked, and
     :class:`~modelload.loader.errors.ConfigError` when the model's overrides cannot hold it.
     """
+    _check_own_name(pod)
+    _check_source(model)
     spec = pod.get("spec") or {}
     containers: list[Mapping[str, Any]] = list(spec.get("containers") or [])
     targets = _target_indices(pod, containers, model)
@@ -106,10 +136,13 @@ def build_patch(
         present = {v.get("name") for v in spec.get("volumes") or ()}  # a memory volume the pod already names
         volumes = [v for v in _volumes(model, sizing.volume_size_limit) if v["name"] not in present]
         ops += _append(("spec", "volumes"), spec.get("volumes"), volumes)
-        container = _sidecar_container(model, sidecar, sizing.resources, native=native)
+        group = _segment_group(spec, sidecar)
+        container = _sidecar_container(model, sidecar, sizing.resources, native=native, group=group)
         where = ("spec", "initContainers") if native else ("spec", "containers")
         ops += _append(where, spec.get(where[1]), [container])
         ops += _annotations(pod, {INJECTED_ANNOTATION: model.name, MODE_ANNOTATION: _mode(native)})
+        if group is not None:
+            ops += _supplemental_group(spec, group)
     for index in targets:
         ops += _wire_target(index, containers[index])
     return ops
@@ -117,6 +150,52 @@ def build_patch(
 
 def _mode(native: bool) -> str:
     return "native" if native else "regular"
+
+
+def _segment_group(spec: Mapping[str, Any], sidecar: SidecarSettings) -> int | None:
+    """The group the sidecar writes the segment as; None when the pod's fsGroup already owns the volume."""
+    if (spec.get("securityContext") or {}).get("fsGroup") is not None or not sidecar.segment_group:
+        return None
+    return sidecar.segment_group
+
+
+def _supplemental_group(spec: Mapping[str, Any], group: int) -> list[Op]:
+    """Give every container of the pod the segment's group, so the app can read a 0640 segment."""
+    context = spec.get("securityContext")
+    if context is None:
+        return [
+            {
+                "op": "add",
+                "path": pointer("spec", "securityContext"),
+                "value": {"supplementalGroups": [group]},
+            }
+        ]
+    existing = context.get("supplementalGroups")
+    if existing is not None and group in existing:
+        return []
+    return _append(("spec", "securityContext", "supplementalGroups"), existing, [group])
+
+
+def _check_source(model: ResolvedModel) -> None:
+    problem = source_query_problem(model.spec.source)
+    if problem is not None:
+        raise InjectionError(f"ModelLoad {model.name!r}: spec.source {problem}")
+
+
+def source_query_problem(source: str) -> str | None:
+    """Why a URL with a query string (a presigned URL, a SAS token) is refused, or None for other sources.
+
+    The source reaches the sidecar as a plain environment value, so a signature in it would sit in clear in
+    every pod's spec (readable by anyone who may read pods, and in audit logs); it also expires (a week at
+    most for S3) while the ModelLoad lives on. The operator refuses it rather than hiding it in a Secret.
+    """
+    if not source.startswith(("http://", "https://")) or "?" not in source:
+        return None
+    return (
+        "carries a query string (a presigned URL's signature, or a token), which would be copied in clear "
+        "into every pod's spec and expires while the ModelLoad lives on: give the plain URL with its token "
+        "in a Secret (spec.headersSecretRef), or an s3:// source with spec.credentialsSecretRef"
+    )
 
 
 # --- what goes where ---------------------------------------------------------------------------------------
@@ -170,7 +249,12 @@ def _secret_volume(name: str, secret: str, key: str) -> dict[str, Any]:
 
 
 def _sidecar_container(
-    model: ResolvedModel, sidecar: SidecarSettings, resources: Mapping[str, Any], *, native: bool
+    model: ResolvedModel,
+    sidecar: SidecarSettings,
+    resources: Mapping[str, Any],
+    *,
+    native: bool,
+    group: int | None,
 ) -> dict[str, Any]:
     options = model.spec.sidecar
     mounts: list[dict[str, Any]] = [{"name": VOLUME_NAME, "mountPath": MOUNT_PATH}]
@@ -188,9 +272,15 @@ def _sidecar_container(
         "image": (options.image if options and options.image else None) or sidecar.image,
         "imagePullPolicy": (options.image_pull_policy if options else None) or sidecar.image_pull_policy,
         "command": ["modelload", "sidecar"],
-        "env": sidecar_env(model, port=sidecar.port),
+        "env": sidecar_env(model, port=sidecar.port)
+        + (
+            [{"name": "MODELLOAD_LOG_FORMAT", "value": sidecar.log_format}]
+            if sidecar.log_format != "text"
+            else []
+        ),
         "resources": {k: dict(v) for k, v in resources.items()},
         "volumeMounts": mounts,
+        "ports": [{"name": METRICS_PORT_NAME, "containerPort": sidecar.port, "protocol": "TCP"}],
         # Passes once the segment header and manifest are published: a native sidecar then lets the app
         # start while the weights stream. 600 tries a second cover a slow first byte from object storage.
         "startupProbe": {
@@ -222,9 +312,27 @@ def _sidecar_container(
         },
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
+    if group is not None:
+        container["securityContext"]["runAsGroup"] = group
     if native:
         container["restartPolicy"] = "Always"
     return container
+
+
+def _memory_env(spec: ModelLoadSpec) -> list[dict[str, Any]]:
+    """The sidecar's memory mode (spec.memory); nothing for the default, full."""
+    memory = spec.memory
+    if memory is None or memory.mode == "full":
+        return []
+    env = [
+        {"name": "MODELLOAD_MEMORY_MODE", "value": memory.mode},
+        {"name": "MODELLOAD_CONSUMERS", "value": str(memory.consumers)},
+    ]
+    if memory.ring_size is not None:
+        env.append({"name": "MODELLOAD_RING_SIZE", "value": str(parse_bytes(memory.ring_size))})
+    if memory.wait_timeout_seconds is not None:
+        env.append({"name": "MODELLOAD_MEMORY_WAIT_TIMEOUT", "value": str(memory.wait_timeout_seconds)})
+    return env
 
 
 def sidecar_env(model: ResolvedModel, *, port: int) -> list[dict[str, Any]]:
@@ -244,6 +352,7 @@ def sidecar_env(model: ResolvedModel, *, port: int) -> list[dict[str, Any]]:
     ]
     if spec.priority:
         env.append({"name": "MODELLOAD_PRIORITY", "value": ",".join(spec.priority)})
+    env += _memory_env(spec)
     if spec.files:
         env.append({"name": "MODELLOAD_FILES", "value": ",".join(spec.files)})
     s3 = spec.s3

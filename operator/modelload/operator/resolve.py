@@ -48,6 +48,7 @@ from modelload.loader.errors import (
     TransientSourceError,
 )
 from modelload.operator.conditions import set_condition
+from modelload.operator.injection import source_query_problem
 from modelload.operator.kube import (
     Kube,
     KubeError,
@@ -105,6 +106,9 @@ class Failure:
 
 async def resolve(*, kube: Kube, namespace: str, spec: ModelLoadSpec, sizing: SizingDefaults) -> Resolution:
     """Check the Secrets, read the index (in a thread), and size the pods' volume and sidecar."""
+    problem = source_query_problem(spec.source)
+    if problem is not None:
+        raise ConfigError(f"spec.source: {problem}")
     credentials = await read_credentials(kube, namespace, spec)
     headers = await read_headers(kube, namespace, spec)
     await check_decryption_secret(kube, namespace, spec)

@@ -26,7 +26,7 @@ from typing import Any
 
 from modelload.loader.errors import ConfigError
 from modelload.operator._dataschema import Quantity, dump, openapi, parse, prop
-from modelload.operator.quantity import parse_size
+from modelload.operator.quantity import parse_bytes, parse_size
 
 __all__ = [
     "API_VERSION",
@@ -39,6 +39,7 @@ __all__ = [
     "CredentialsSecretRef",
     "HeadersSecretRef",
     "KeySecretRef",
+    "MemoryOptions",
     "ModelLoadSpec",
     "ModelLoadStatus",
     "PasswordSecretRef",
@@ -178,6 +179,36 @@ class SidecarOptions:
 
 
 @dataclass(frozen=True)
+class MemoryOptions:
+    """How much host memory a pod keeps for the model: all of it, or only what its app has not copied yet."""
+
+    mode: str = prop(
+        doc="full keeps every tensor for the pod's life (CPU apps that use zero-copy views); release gives "
+        "each tensor's pages back once every attached process copied it (GPU servers); ring never holds "
+        "more than ringSize of the model at once, and sizes the pod's memory from the ring.",
+        default="full",
+        enum=("full", "release", "ring"),
+    )
+    ring_size: Quantity | None = prop(
+        doc="Ring mode only, and required there: the most tensor bytes held at once (e.g. 2Gi). It must hold "
+        "the largest tensor; a few chunks more keep the readers busy while the app copies.",
+        default=None,
+    )
+    wait_timeout_seconds: int | None = prop(
+        doc="Ring mode: fail the load when it waits this long for the app to copy tensors and free room. "
+        "Empty: wait (the sidecar's /status says for whom).",
+        default=None,
+        minimum=1,
+    )
+    consumers: int = prop(
+        doc="Processes that must attach before anything is released (tensor-parallel workers).",
+        default=1,
+        minimum=1,
+        maximum=64,
+    )
+
+
+@dataclass(frozen=True)
 class ModelLoadSpec:
     """Where a model's weights live, how to read them, and which pods get them."""
 
@@ -257,8 +288,12 @@ class ModelLoadSpec:
     )
     sidecar: SidecarOptions | None = prop(doc="Sidecar image and resource overrides.", default=None)
     volume_size_limit: Quantity | None = prop(
-        doc="sizeLimit of the memory-backed volume. Default: the model's bytes plus alignment and headroom. "
-        "A value below what the model needs is refused.",
+        doc="sizeLimit of the memory-backed volume. Default: the model's bytes plus alignment and headroom "
+        "(ring mode: the ring plus headroom). A value below what the model needs is refused.",
+        default=None,
+    )
+    memory: MemoryOptions | None = prop(
+        doc="Memory mode: keep the model (full, the default), release what the app copied, or a ring.",
         default=None,
     )
     peers: bool = prop(
@@ -285,7 +320,13 @@ SPEC_RULES: tuple[tuple[str, str], ...] = (
     ),
     (f"!(has(self.credentialsSecretRef) && {_HTTP_SOURCE})", CREDENTIALS_ON_HTTP),
     (f"!has(self.headersSecretRef) || {_HTTP_SOURCE}", HEADERS_OFF_HTTP),
+    (
+        "!has(self.memory) || "
+        "(has(self.memory.mode) && self.memory.mode == 'ring') == has(self.memory.ringSize)",
+        "memory.ringSize is set exactly when memory.mode is ring",
+    ),
 )
+MIN_RING = 1 << 20
 
 
 def parse_spec(data: Any) -> ModelLoadSpec:
@@ -304,6 +345,14 @@ def parse_spec(data: Any) -> ModelLoadSpec:
         raise ConfigError(f"spec.credentialsSecretRef: {CREDENTIALS_ON_HTTP}")
     if not http and spec.headers_secret_ref is not None:
         raise ConfigError(f"spec.headersSecretRef: {HEADERS_OFF_HTTP}")
+    memory = spec.memory
+    if memory is not None:
+        if (memory.mode == "ring") != (memory.ring_size is not None):
+            raise ConfigError("spec.memory: set ringSize with mode ring (and only then), e.g. ringSize: 2Gi")
+        if memory.ring_size is not None and parse_bytes(memory.ring_size) < MIN_RING:
+            raise ConfigError(
+                f"spec.memory.ringSize: {memory.ring_size} is below 1Mi; it must hold the largest tensor"
+            )
     return spec
 
 

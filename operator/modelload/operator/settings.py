@@ -29,6 +29,7 @@ __all__ = [
 
 SidecarMode = Literal["auto", "native", "regular"]
 TlsMode = Literal["self-signed", "files"]
+LogFormat = Literal["text", "json"]
 DEFAULT_SIDECAR_IMAGE = "ghcr.io/modelload/sidecar:0.1.0"
 
 
@@ -43,6 +44,12 @@ class SidecarSettings:
     on by default from 1.29). regular: a container that never exits. auto: native when the API server
     reports 1.29 or later; set native/regular when nodes lag the control plane or the gate is off."""
     port: int = 8479
+    segment_group: int = 8479
+    """The group a pod without an fsGroup gets as a supplemental group, and the sidecar runs as, so the app
+    can read the 0640 segment. 0: add none (the pod's fsGroup, or running the app as the sidecar's group, is
+    then the way in). Pick a group your namespaces' pod security (an OpenShift SCC) allows."""
+    log_format: LogFormat = "text"
+    """The sidecars' log format (their MODELLOAD_LOG_FORMAT): text, or json for a log pipeline."""
     sizing: SizingDefaults = field(default_factory=SizingDefaults)
 
 
@@ -80,7 +87,11 @@ class OperatorSettings:
     watch_namespaces: tuple[str, ...] = ()
     """Namespaces whose ModelLoads and pods are served; empty serves the whole cluster."""
     liveness_port: int = 8080
+    metrics_port: int = 0
+    """Prometheus metrics (admissions, refusals by reason, resolve latency) on this port; 0: none."""
     log_level: str = "INFO"
+    log_format: LogFormat = "text"
+    """text: one human line per record. json: one JSON object per line, for a log pipeline."""
     webhook: WebhookSettings = field(default_factory=WebhookSettings)
     sidecar: SidecarSettings = field(default_factory=SidecarSettings)
     retry: RetrySettings = field(default_factory=RetrySettings)
@@ -114,6 +125,20 @@ def _port(text: str) -> int:
     return port
 
 
+def _port_or_off(text: str) -> int:
+    return 0 if text.strip() == "0" else _port(text)
+
+
+def _group(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as exc:
+        raise ConfigError(f"{text!r} is not a group id") from exc
+    if not 0 <= value < 2**31:
+        raise ConfigError(f"{value} is not a group id (0 to 2147483647; 0 turns the group off)")
+    return value
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -142,7 +167,21 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "--liveness-port", "MODELLOAD_OPERATOR_LIVENESS_PORT", ("liveness_port",), _port, "kopf's /healthz"
     ),
+    Option(
+        "--metrics-port",
+        "MODELLOAD_OPERATOR_METRICS_PORT",
+        ("metrics_port",),
+        _port_or_off,
+        "Prometheus /metrics port (default 0: off)",
+    ),
     Option("--log-level", "MODELLOAD_OPERATOR_LOG_LEVEL", ("log_level",), str.upper, "DEBUG, INFO, WARNING"),
+    Option(
+        "--log-format",
+        "MODELLOAD_OPERATOR_LOG_FORMAT",
+        ("log_format",),
+        _choice("text", "json"),
+        "text (default) or json: one JSON object per line",
+    ),
     Option("--webhook-port", "MODELLOAD_OPERATOR_WEBHOOK_PORT", ("webhook", "port"), _port, "HTTPS port"),
     Option("--webhook-host", "MODELLOAD_OPERATOR_WEBHOOK_HOST", ("webhook", "host"), str, "bind address"),
     Option(
@@ -178,6 +217,20 @@ OPTIONS: tuple[Option, ...] = (
         ("sidecar", "mode"),
         _choice("auto", "native", "regular"),
         "native sidecar (1.29+), regular container, or auto from the API server's version",
+    ),
+    Option(
+        "--sidecar-log-format",
+        "MODELLOAD_OPERATOR_SIDECAR_LOG_FORMAT",
+        ("sidecar", "log_format"),
+        _choice("text", "json"),
+        "the injected sidecars' log format: text (default) or json",
+    ),
+    Option(
+        "--segment-group",
+        "MODELLOAD_OPERATOR_SEGMENT_GROUP",
+        ("sidecar", "segment_group"),
+        _group,
+        "group that may read a pod's segment when the pod has no fsGroup (default 8479; 0: none)",
     ),
     Option(
         "--sidecar-working-set",

@@ -8,6 +8,12 @@ The segment lives on an ``emptyDir`` with ``medium: Memory`` (tmpfs). Two facts 
 * the segment is larger than the sum of tensor bytes: each tensor starts on a 4096-byte boundary (pinned DMA
   and GPU copies want it), and the header, manifest and state table sit in front.
 
+Memory modes (``spec.memory``) change the first fact's amount: in ``full`` and ``release`` the volume must
+hold the whole segment (release gives pages back as the app copies them, but a slow app lets the segment
+fill up first), so both are sized from the model; in ``ring`` the sidecar never holds more than the ring of
+tensor data, so the volume and the sidecar's memory are the ring plus the segment's header and tables, the
+model directory's small files and headroom: the model's size no longer matters.
+
 The memory request equals the limit: the pages are pinned for the pod's life, so scheduling the pod on a node
 without them free would only move the failure to the kernel's OOM killer. CPU gets a request and no limit:
 hashing and decryption run at the speed of the network when they can.
@@ -29,6 +35,8 @@ MANIFEST_BYTES_PER_TENSOR = 1024
 """A generous bound on a tensor's manifest entry and state slot (name, dtype, shape, offsets, hash)."""
 FIXED_HEADROOM = 64 * MIB
 """Segment header, the notification socket, and slack for the filesystem's own accounting."""
+CONSUMER_TABLE_ENTRIES = 64
+"""Entries of the consumer table beside a segment in memory modes release and ring (segment/SPEC.md)."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +86,13 @@ def plan_sizing(
         needed = segment + FIXED_HEADROOM
     else:
         needed = segment_bytes(model_bytes=model_bytes, tensors=tensors)
+    options = spec.memory
+    if options is not None and options.mode == "ring" and options.ring_size is not None:
+        # What the segment holds besides tensor data (tables, alignment, a directory's small files), plus
+        # the ring, the consumer table beside the segment, and the same headroom.
+        besides_data = max(needed - model_bytes, FIXED_HEADROOM)
+        consumer_table = CONSUMER_TABLE_ENTRIES * (64 + tensors // 8 + 64) + ALIGNMENT
+        needed = min(needed, parse_bytes(options.ring_size) + besides_data + consumer_table)
     if spec.volume_size_limit is not None:
         volume_bytes = parse_bytes(spec.volume_size_limit)
         if volume_bytes < needed:

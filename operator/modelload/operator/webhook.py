@@ -20,12 +20,14 @@ import contextlib
 import json
 import logging
 import ssl
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 from modelload.loader.errors import ConfigError
 from modelload.operator.injection import InjectionError, build_patch, has_sidecar, model_label
 from modelload.operator.kube import Kube, KubeError
+from modelload.operator.metrics import METRICS, OperatorMetrics
 from modelload.operator.resource import NotResolvedError, ResolvedModel, label_value
 from modelload.operator.schema import MODEL_LABEL
 from modelload.operator.settings import SidecarSettings
@@ -67,10 +69,18 @@ def kube_lookup(kube: Kube) -> ModelLookup:
 class PodWebhook:
     """Answers AdmissionReviews for pods; holds no state but its settings and how to find ModelLoads."""
 
-    def __init__(self, *, lookup: ModelLookup, sidecar: SidecarSettings, native: bool) -> None:
+    def __init__(
+        self,
+        *,
+        lookup: ModelLookup,
+        sidecar: SidecarSettings,
+        native: bool,
+        metrics: OperatorMetrics = METRICS,
+    ) -> None:
         self._lookup = lookup
         self._sidecar = sidecar
         self.native = native
+        self._metrics = metrics
 
     async def review(self, review: Mapping[str, Any]) -> dict[str, Any]:
         """The AdmissionReview response to ``review`` (admission.k8s.io/v1)."""
@@ -78,46 +88,68 @@ class PodWebhook:
         if not isinstance(request, Mapping) or "uid" not in request:
             raise ValueError("not an AdmissionReview request: the 'request.uid' field is missing")
         uid = str(request["uid"])
+        started = time.monotonic()
         try:
-            patch = await self._patch_for(request)
+            patch, result = await self._patch_for(request)
         except (ModelNotFoundError, NotResolvedError, InjectionError, ConfigError) as exc:
+            self._metrics.refused(reason=_refusal_reason(exc), seconds=time.monotonic() - started)
             return _response(review, uid, allowed=False, code=403, message=str(exc))
         except KubeError as exc:
             logger.warning("cannot admit a pod: %s", exc)
+            self._metrics.refused(reason="api_unavailable", seconds=time.monotonic() - started)
             message = f"modelload cannot look up the model: {exc}"
             return _response(review, uid, allowed=False, code=503, message=message)
         except Exception:
             # A bug must not admit a pod half-wired, nor answer the API server with a bare HTTP 500.
             logger.exception("the pod webhook failed on request %s", uid)
+            self._metrics.refused(reason="internal", seconds=time.monotonic() - started)
             message = (
                 "modelload's webhook failed on this pod (see the operator's log); the pod was not changed"
             )
             return _response(review, uid, allowed=False, code=500, message=message)
 
+        self._metrics.admitted(result=result, seconds=time.monotonic() - started)
         response = _response(review, uid, allowed=True)
         if patch:
             response["response"]["patchType"] = "JSONPatch"
             response["response"]["patch"] = base64.b64encode(json.dumps(patch).encode()).decode("ascii")
         return response
 
-    async def _patch_for(self, request: Mapping[str, Any]) -> list[dict[str, Any]]:
+    async def _patch_for(self, request: Mapping[str, Any]) -> tuple[list[dict[str, Any]], str]:
+        """The patch for the request, and the admission result to count (see :mod:`metrics`)."""
         kind = request.get("kind") or {}
         if kind.get("kind") != "Pod" or request.get("operation") != "CREATE":
-            return []
+            return [], "unchanged"
         pod = request.get("object") or {}
         value = model_label(pod)
         if value is None:
-            return []
+            return [], "unchanged"
         namespace = str(request.get("namespace") or (pod.get("metadata") or {}).get("namespace") or "default")
         body = await self._lookup(namespace, value)
         model = ResolvedModel.from_body(body)
         ops = build_patch(pod=pod, model=model, sidecar=self._sidecar, native=self.native)
-        if ops:
-            what = "tops up" if has_sidecar(pod) else "injects"
-            logger.info(
-                "%s pod %s/%s with model %s (%d ops)", what, namespace, _pod_name(pod), model.name, len(ops)
-            )
-        return ops
+        if not ops:
+            return ops, "unchanged"
+        topped_up = has_sidecar(pod)
+        logger.info(
+            "%s pod %s/%s with model %s (%d ops)",
+            "tops up" if topped_up else "injects",
+            namespace,
+            _pod_name(pod),
+            model.name,
+            len(ops),
+        )
+        return ops, "topped_up" if topped_up else "injected"
+
+
+def _refusal_reason(exc: Exception) -> str:
+    if isinstance(exc, ModelNotFoundError):
+        return "model_not_found"
+    if isinstance(exc, NotResolvedError):
+        return "model_not_ready"
+    if isinstance(exc, InjectionError):
+        return "bad_pod"
+    return "bad_spec"
 
 
 def _pod_name(pod: Mapping[str, Any]) -> str:

@@ -27,6 +27,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from modelload.loader.errors import ConfigError, ModelloadError
+from modelload.sidecar.logs import add_log_format, apply_log_format
 from modelload.sidecar.settings import SidecarSettings, add_arguments, parse_settings
 from modelload.sidecar.sources import display_url
 
@@ -99,6 +100,7 @@ def default_engine(settings: SidecarSettings, observer: LoadObserver, *, peers: 
         notify=settings.notify.endpoint,
         model_dir=load.model_dir,
         files=load.files,
+        memory=load.memory,
     )
     return Engine(engine_settings, sources=settings.sources, observer=observer, peers=peers)
 
@@ -116,6 +118,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(parser)
+    add_log_format(parser)
     parser.set_defaults(func=_command)
 
 
@@ -123,6 +126,7 @@ def _command(args: argparse.Namespace) -> int:
     try:
         settings = parse_settings(args, os.environ)
         _configure_logging(settings.log_level, verbose=getattr(args, "verbose", 0))
+        apply_log_format(args, os.environ)
         return run_sidecar(settings)
     except ConfigError as exc:
         print(f"modelload sidecar: {exc}", file=sys.stderr)

@@ -15,7 +15,9 @@ One run is one load:
    in this process), ``readinto`` a slice of the mapping otherwise;
 5. the thread that lands a tensor's last chunk decrypts it in place, checks its hash when asked, and
    publishes it READY;
-6. every tensor in: the segment is COMPLETE. Any permanent failure marks it FAILED with the reason, so
+6. every tensor in, and the weight files still the ones the load started with (a fresh look-up of their
+   validators and a re-read sample of every landed range, :mod:`modelload.sidecar.integrity`): the segment is
+   COMPLETE. Any permanent failure marks it FAILED with the reason, so
    attached readers get an error instead of waiting. :meth:`Engine.stop` (SIGTERM) stops the readers at
    their next chunk and marks a loading segment FAILED too: the segment is always consistent.
 
@@ -30,7 +32,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -50,10 +52,13 @@ from modelload.loader.errors import (
     SourceChangedError,
     SourceNotFoundError,
     TransientSourceError,
+    WrongKeyError,
 )
 from modelload.loader.formats import ModelIndex
 from modelload.loader.formats import tensorizer as tz
 from modelload.loader.segment import MODEL_DIR_KEY, SegmentReader, SegmentWriter, WriterState
+from modelload.sidecar import integrity
+from modelload.sidecar.memory import MemoryManager, MemorySettings, check_volume, plan_memory
 from modelload.sidecar.modeldir import write_model_dir
 from modelload.sidecar.planner import Chunk, LoadPlan, plan_load
 from modelload.sidecar.progress import LoadObserver
@@ -108,6 +113,8 @@ class EngineSettings:
     """The pyzmq endpoint recorded in the segment for loaders to subscribe to."""
     splice: bool = True
     """Land bytes with ``os.splice`` where the source supports it (plain HTTP, S3 over HTTP, files)."""
+    memory: MemorySettings = field(default_factory=MemorySettings)
+    """What happens to tensors every consumer has copied: kept (full), released, or held in a ring."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.readers <= 256:
@@ -120,9 +127,13 @@ class PeerHook(Protocol):
     """Other sidecars as sources (``modelload.sidecar.peers.Peers``): ``begin`` may wrap ``model.sources``
     and reorder the plan; ``finish`` checks a tensor before it is published and returns a CRC-32 to record."""
 
-    def begin(self, *, model: OpenedModel, plan: LoadPlan, writer: Any, segment: Path) -> LoadPlan: ...
+    def begin(
+        self, *, model: OpenedModel, plan: LoadPlan, writer: Any, segment: Path, share: bool = True
+    ) -> LoadPlan: ...
 
     def finish(self, tensor: int) -> int | None: ...
+
+    def end(self, model: OpenedModel) -> None: ...
 
 
 class Engine:
@@ -185,10 +196,11 @@ class Engine:
         started = time.monotonic()
         uri = model.uri
         model_dir = None
+        _warn_without_validator(model)
         if model.directory is not None:
             model_dir = write_model_dir(model, self.model_dir, self._sources, on_retry=self._retried)
-        if self._reuse(uri, model.fingerprint, model.size):
-            return
+        if settings.memory.mode == "full" and self._reuse(uri, model.fingerprint, model.size):
+            return  # (a segment whose tensors may have been released is never reused)
         index = model.index
         key = self._key(index, uri)
         plan = plan_load(
@@ -197,21 +209,45 @@ class Engine:
             priority=settings.priority,
             metadata=_metadata(uri, model.fingerprint, model.size, settings.notify, model_dir),
         )
-        self._writer = writer = SegmentWriter.create(settings.segment, plan.layout, reserve=False)
+        plan = plan_memory(plan, settings.memory)
+        check_volume(settings.segment.parent, plan.layout.resident_limit, settings.memory)
+        use_fd = settings.splice and all(source.supports_fd for source in model.sources)
+        # Through the file descriptor nothing writes a meta tensor's slot: reserve it before publishing.
+        unlanded = integrity.unlanded_ranges(plan) if use_fd else []
+        self._writer = writer = SegmentWriter.create(
+            settings.segment, plan.layout, reserve=False, reserve_ranges=unlanded
+        )
+        memory = None
+        if settings.memory.mode != "full":
+            report = getattr(observer, "memory_changed", None)
+            memory = MemoryManager(
+                settings.memory, writer=writer, plan=plan, stop=self._stop, report=report, reserve=not use_fd
+            )
         observer.manifest_published(
             model_format=index.format, tensors=len(index), nbytes=index.nbytes, notify=settings.notify
         )
-        if self._peers is not None:
-            plan = self._peers.begin(model=model, plan=plan, writer=writer, segment=settings.segment)
-        use_fd = settings.splice and all(source.supports_fd for source in model.sources)
-        if not use_fd:
+        if self._peers is not None:  # shared only in full mode: released pages cannot be served
+            share = settings.memory.mode == "full"
+            plan = self._peers.begin(model=model, plan=plan, writer=writer, segment=settings.segment, share=share)
+        if not use_fd and settings.memory.mode != "ring":  # (ring mode takes each chunk's pages as it lands)
             # Landing through the mapping: a full tmpfs would be a SIGBUS, so take every page now. Through the
             # file descriptor a full volume is an ordinary ENOSPC, and reserving would cost a pass of zeroing
             # (0.15 s per 2 GiB here) for pages the data overwrites anyway.
             writer.reserve()
-        _Load(self, model, plan, writer, key, use_fd=use_fd).run()
+        _Load(self, model, plan, writer, key, use_fd=use_fd, memory=memory).run()
+        if self._peers is not None:
+            self._peers.end(model)  # the origin's own sources again: the check below asks the origin
         if self._stop.is_set():
             raise LoadStopped("stopped before the load finished")
+        integrity.check_unchanged(
+            model,
+            plan,
+            writer,
+            policy=self._sources.retry,
+            readers=settings.readers,
+            on_retry=self._retried,
+            sample=settings.memory.mode == "full",
+        )
         writer.mark_complete()
         observer.load_finished(seconds=time.monotonic() - started, nbytes=index.nbytes)
 
@@ -288,8 +324,10 @@ class _Load:
         key: tz.DecryptionKey | None,
         *,
         use_fd: bool,
+        memory: MemoryManager | None = None,
     ) -> None:
         self.engine = engine
+        self.memory = memory
         self.sources: list[Source] = model.sources
         self.model = model
         self.plan = plan
@@ -303,6 +341,7 @@ class _Load:
         self._remaining = list(plan.chunk_counts)
         self._error: BaseException | None = None
         self._key_proven = False
+        self._doubted: tuple[str, str, WrongKeyError] | None = None
         self._land: Callable[[Chunk], None] = self._land_fd if use_fd else self._land_view
 
     def run(self) -> None:
@@ -319,6 +358,8 @@ class _Load:
             thread.join()
         if self._error is not None:
             raise self._error
+        if self._doubted is not None:  # the only encrypted tensor, and it failed: nothing proves the key
+            raise self._doubted[2]
 
     def _read(self) -> None:
         try:
@@ -326,8 +367,10 @@ class _Load:
                 with self._lock:
                     if self._next >= len(self.plan.chunks):
                         return
-                    chunk = self.plan.chunks[self._next]
+                    seq, chunk = self._next, self.plan.chunks[self._next]
                     self._next += 1
+                if self.memory is not None and not self.memory.admit(seq, chunk):
+                    return  # stopped while waiting for room in the ring
                 self._land(chunk)
                 self.observer.bytes_loaded(chunk.data_bytes)
                 with self._lock:
@@ -362,12 +405,35 @@ class _Load:
             on_retry=self.engine._retried,
         )
 
+    def _doubt(self, name: str, uri: str, exc: WrongKeyError) -> bool:
+        """A tensor failed authentication before any other proved the key: a wrong key, or this tensor's
+        bytes are corrupt. Hold the verdict until a second encrypted tensor decides it (True: held).
+
+        Reporting a wrong key for a corrupt file would send an operator to rotate a Secret that is fine.
+        """
+        with self._lock:
+            if self._key_proven:
+                raise _corrupt(name, uri) from exc
+            if self._doubted is not None:
+                return False  # two tensors fail with this key: it is the key
+            self._doubted = (name, uri, exc)
+            return True
+
+    def _prove_key(self) -> None:
+        """A tensor decrypted: the key is right, and a tensor held by :meth:`_doubt` is corrupt."""
+        with self._lock:
+            self._key_proven = True
+            doubted, self._doubted = self._doubted, None
+        if doubted is not None:
+            raise _corrupt(doubted[0], doubted[1]) from doubted[2]
+
     def _publish(self, tensor: int) -> None:
         """Decrypt and check a tensor whose bytes are all in, then mark it READY."""
         entry = self.plan.index.tensors[tensor]
         slot = self.plan.layout.slots[tensor]
         verified = decrypted = False
-        crc32 = self.engine._peers.finish(tensor) if self.engine._peers is not None else None
+        if self.engine._peers is not None:
+            self.engine._peers.finish(tensor)  # bytes from a peer checked (and re-read from the origin if bad)
         uri = self.model.display(entry.file)
         if self.plan.index.format == "tensorizer":
             offset, length = self.plan.header_span(tensor)
@@ -379,13 +445,43 @@ class _Load:
             )
             data = self.writer.slot(tensor)[: entry.data_length]
             if header.encrypted:
-                tz.decrypt_in_place(header, data, self.key, source=uri, key_known_good=self._key_proven)
-                self._key_proven = decrypted = True
+                try:
+                    tz.decrypt_in_place(header, data, self.key, source=uri, key_known_good=self._key_proven)
+                except WrongKeyError as exc:
+                    if self._doubt(entry.name, uri, exc):
+                        return  # published later, if ever: see _doubt
+                    raise
+                decrypted = True
+                self._prove_key()
             if self.settings.verify and header.hashes:
                 tz.verify(tz.fastest_hash(header), data, source=uri)
                 verified = True
-        self.writer.mark_ready(tensor, verified=verified, decrypted=decrypted, crc32=crc32)
+        crc = integrity.crc32(self.writer.slot(tensor))
+        self.writer.mark_ready(tensor, verified=verified, decrypted=decrypted, crc32=crc)
         self.observer.tensor_ready(index=tensor, name=slot.name, nbytes=slot.nbytes)
+
+
+def _corrupt(name: str, uri: str) -> HashMismatchError:
+    return HashMismatchError(
+        f"tensor {name!r}: its encrypted bytes fail authentication although the same key opened other "
+        "tensors of this file: the file's bytes are corrupt (the key is right); re-upload or re-create the "
+        "file",
+        source=uri,
+    )
+
+
+def _warn_without_validator(model: OpenedModel) -> None:
+    """Say loudly when a weight file's origin gives no strong validator: a replacement mid-load is then
+    caught only by the end-of-load re-check of sampled bytes (docs/sidecar.md, "Consistency")."""
+    for source, info in zip(model.sources, model.infos, strict=True):
+        strength = integrity.validator_strength(info)
+        if strength != "strong":
+            log.warning(
+                "%s has %s validator (no strong ETag): a replacement during the load can only be detected "
+                "by the end-of-load re-check of sampled bytes; publish new model versions under new names",
+                source.display_uri,
+                "a weak" if strength == "weak" else "no",
+            )
 
 
 def _metadata(

@@ -18,6 +18,11 @@ Families (units in the names, as Prometheus asks)::
     modelload_retries_total{kind}            counter    range requests retried, by kind of failure
     modelload_errors_total{kind}             counter    every error seen, retried or fatal, by kind
     modelload_phase{modelload_phase}         state set  starting, loading, complete, failed, stopped
+    modelload_memory_resident_bytes          gauge      segment bytes in memory (memory modes release, ring)
+    modelload_memory_released_bytes          gauge      bytes given back after every consumer copied them
+    modelload_memory_waiting                 gauge      1 while ring mode waits for consumers to free room
+    modelload_memory_wait_seconds            gauge      seconds ring mode has waited for room, in all
+    modelload_memory_consumers               gauge      live consumers registered on the segment
 
 Callbacks come from the readers' threads: each is one or two lock-protected updates in prometheus_client.
 """
@@ -88,6 +93,16 @@ class MetricsObserver:
             "modelload_errors", "Errors seen, retried or fatal, by kind.", ["kind"], registry=r
         )
         self.phase = Enum("modelload_phase", "Phase of the load.", states=list(PHASES), registry=r)
+        self.memory = {
+            key: Gauge(f"modelload_memory_{name}", text, registry=r)
+            for key, name, text in (
+                ("resident_bytes", "resident_bytes", "Segment bytes in memory (memory modes release, ring)."),
+                ("released_bytes", "released_bytes", "Bytes given back after every consumer copied them."),
+                ("waiting", "waiting", "1 while ring mode waits for consumers to free room."),
+                ("wait_seconds_total", "wait_seconds", "Seconds ring mode has waited for room, in all."),
+                ("consumers", "consumers", "Live consumers registered on the segment."),
+            )
+        }
 
     # --- LoadObserver ---------------------------------------------------------------------------------
 
@@ -129,6 +144,11 @@ class MetricsObserver:
             self._finished = time.monotonic()
         self.errors.labels(kind=kind).inc()
         self.phase.state("stopped" if kind == "stopped" else "failed")
+
+    def memory_changed(self, status: dict[str, object]) -> None:
+        for key, gauge in self.memory.items():
+            value = status.get(key)
+            gauge.set(len(value) if isinstance(value, list) else float(value or 0))  # type: ignore[arg-type]
 
     # --- derived values -------------------------------------------------------------------------------
 

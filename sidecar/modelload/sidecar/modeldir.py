@@ -27,7 +27,7 @@ def write_model_dir(
     assert directory is not None
 
     def fetch(name: str) -> bytes:
-        return fetch_small_file(directory, name, settings, on_retry=on_retry)
+        return fetch_small_file(directory, name, settings, on_retry=on_retry, opener=model.opener)
 
     written = _write(target, list(model.small), fetch)
     log.info("model directory %s: %d files, %d bytes", written, len(model.small), model.small_bytes)

@@ -11,9 +11,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 __all__ = ["LoadObserver", "LoadPhase", "LoadStatus", "LoadTracker", "Observers"]
 
@@ -64,9 +65,13 @@ class LoadStatus:
     first_tensor_at: float | None = None
     finished_at: float | None = None
     retries: int = 0
+    recent_throughput: float | None = None
+    """Bytes per second over the last :data:`RATE_WINDOW` seconds of loading; None before it can be told."""
     errors: dict[str, int] = field(default_factory=dict)
     error: str | None = None
     notify: str | None = None
+    memory: dict[str, Any] | None = None
+    """Memory modes release and ring: what is held, released, and what the load waits for (memory.py)."""
 
     @property
     def published(self) -> bool:
@@ -91,12 +96,14 @@ class LoadStatus:
 
     @property
     def eta(self) -> float | None:
-        """Seconds left at the current throughput; None when unknown, 0 when done."""
+        """Seconds left at the recent throughput; None when unknown (nothing landed lately: a slow or stuck
+        range), 0 when done. The average since the start would promise "under a second" while the last
+        range trickles in for minutes."""
         if self.phase == "complete":
             return 0.0
-        if not self.throughput or not self.bytes_total:
+        if not self.recent_throughput or not self.bytes_total:
             return None
-        return (self.bytes_total - self.bytes_done) / self.throughput
+        return (self.bytes_total - self.bytes_done) / self.recent_throughput
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -110,6 +117,7 @@ class LoadStatus:
             "bytes_total": self.bytes_total,
             "bytes_done": self.bytes_done,
             "throughput_bytes_per_s": self.throughput,
+            "recent_throughput_bytes_per_s": self.recent_throughput,
             "started_at": self.started_at,
             "manifest_at": self.manifest_at,
             "first_tensor_at": self.first_tensor_at,
@@ -120,13 +128,25 @@ class LoadStatus:
             "errors": dict(self.errors),
             "error": self.error,
             "notify": self.notify,
+            "memory": self.memory,
         }
 
 
-class LoadTracker:
-    """The observer that keeps totals; thread-safe; :meth:`snapshot` for the API."""
+RATE_WINDOW = 20.0
+"""Seconds of recent progress the ETA is computed from."""
 
-    def __init__(self) -> None:
+
+class LoadTracker:
+    """The observer that keeps totals; thread-safe; :meth:`snapshot` for the API.
+
+    ``clock`` (monotonic seconds) times the recent-throughput window; tests pass their own.
+    """
+
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._landed: deque[tuple[float, int]] = deque()
+        """(time, bytes so far) after each landing, the oldest at most RATE_WINDOW old (plus one before)."""
+        self._loading_since: float | None = None
         self._lock = threading.Lock()
         self._status = LoadStatus(phase="starting", source="", segment="")
         self._bytes = 0
@@ -138,6 +158,7 @@ class LoadTracker:
         with self._lock:
             return _replace(
                 self._status,
+                recent_throughput=self._recent_rate(),
                 bytes_done=self._bytes,
                 tensors_ready=self._ready,
                 retries=self._retries,
@@ -161,10 +182,30 @@ class LoadTracker:
                 manifest_at=time.time(),
                 notify=notify,
             )
+            self._loading_since = self._clock()
 
     def bytes_loaded(self, count: int) -> None:
+        now = self._clock()
         with self._lock:
             self._bytes += count
+            self._landed.append((now, self._bytes))
+            while len(self._landed) > 1 and self._landed[1][0] <= now - RATE_WINDOW:
+                self._landed.popleft()
+
+    def _recent_rate(self) -> float | None:
+        """Bytes per second over the last RATE_WINDOW seconds (or since loading began, when sooner)."""
+        if self._loading_since is None:
+            return None
+        now = self._clock()
+        start = max(now - RATE_WINDOW, self._loading_since)
+        if now - start <= 0:
+            return None
+        before = 0
+        for when, total in self._landed:  # the total as the window opened: the last landing before it
+            if when > start:
+                break
+            before = total
+        return (self._bytes - before) / (now - start)
 
     def tensor_ready(self, *, index: int, name: str, nbytes: int) -> None:
         with self._lock:
@@ -180,6 +221,10 @@ class LoadTracker:
     def load_finished(self, *, seconds: float, nbytes: int) -> None:
         with self._lock:
             self._status = _replace(self._status, phase="complete", finished_at=time.time())
+
+    def memory_changed(self, status: dict[str, Any]) -> None:
+        with self._lock:
+            self._status = _replace(self._status, memory=status)
 
     def load_failed(self, *, kind: str, reason: str) -> None:
         with self._lock:

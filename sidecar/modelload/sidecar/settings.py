@@ -34,9 +34,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypeVar, cast, get_args
 
 from modelload.loader.errors import ConfigError
+from modelload.sidecar.memory import MemorySettings
 from modelload.sidecar.sources import display_url
 
 if TYPE_CHECKING:
+    from modelload.sidecar.memory import Mode
     from modelload.sidecar.sources import RequestHeaders, S3Addressing, SourceSettings
 
 __all__ = [
@@ -123,6 +125,8 @@ class LoadSettings:
     priority: tuple[str, ...] = ()
     model_dir: Path | None = None
     files: tuple[str, ...] = ()
+    memory: MemorySettings = field(default_factory=MemorySettings)
+    """Memory modes full, release and ring (``modelload.sidecar.memory``)."""
 
     def __post_init__(self) -> None:
         if not self.source.strip():
@@ -412,6 +416,22 @@ _OPTIONS = (
         "anonymous S3 requests, for public buckets (default off)", boolean=True,
     ),
     _Option(
+        "memory_mode", "--memory-mode", "MODELLOAD_MEMORY_MODE",
+        "full keeps the model; release frees each tensor once every consumer copied it; ring holds at most"
+        " --ring-size (default full)", choices=("full", "release", "ring"),
+    ),
+    _Option(
+        "ring_size", "--ring-size", "MODELLOAD_RING_SIZE", "ring mode's bound on tensor bytes held", "SIZE",
+    ),
+    _Option(
+        "memory_wait_timeout", "--memory-wait-timeout", "MODELLOAD_MEMORY_WAIT_TIMEOUT",
+        "seconds ring mode may wait for consumers to free room before failing (default: no limit)", "SECONDS",
+    ),
+    _Option(
+        "consumers", "--consumers", "MODELLOAD_CONSUMERS",
+        "consumers that must attach before anything is released (default 1)", "N",
+    ),
+    _Option(
         "proxy", "--proxy", "MODELLOAD_PROXY",
         "HTTP proxy for origin reads, such as Dragonfly's dfdaemon (default: HTTP(S)_PROXY and NO_PROXY)",
         "URL",
@@ -516,6 +536,23 @@ def _chunk_size(text: str, *, name: str) -> int:
     return value
 
 
+def _ring_size(text: str, *, name: str) -> int:
+    value = parse_size(text, name=name)
+    if value < MIN_CHUNK:
+        raise ConfigError(f"{name}: a ring must be at least 1MiB (and hold the largest tensor), got {text!r}")
+    return value
+
+
+def _seconds(text: str, *, name: str) -> float:
+    try:
+        value = float(text.strip())
+    except ValueError:
+        raise ConfigError(f"{name}: expected seconds, such as 300, got {text!r}") from None
+    if not value > 0:
+        raise ConfigError(f"{name}: expected a positive number of seconds, got {text!r}")
+    return value
+
+
 def _url(text: str, *, name: str) -> str:
     value = text.strip()
     if not value.startswith(("http://", "https://")):
@@ -613,6 +650,12 @@ def parse_settings(
         priority=get("priority", _parse_priority, ()),
         model_dir=get("model_dir", _path, None),
         files=get("files", _parse_priority, ()),
+        memory=MemorySettings(
+            mode=cast("Mode", get("memory_mode", _parse_choice(("full", "release", "ring")), "full")),
+            ring_size=get("ring_size", _ring_size, 0),
+            wait_timeout=get("memory_wait_timeout", _seconds, None),
+            consumers=get("consumers", _int_in(1, 64), 1),
+        ),
     )
     api = ApiSettings(host=get("host", _text, "0.0.0.0"), port=get("port", _int_in(0, 65535), DEFAULT_PORT))  # noqa: S104
     default_endpoint: str | None = f"ipc://{segment.parent}/notify.sock"

@@ -15,7 +15,8 @@ from pathlib import Path
 from modelload.loader._api.model import Model
 from modelload.loader._api.notify import connect
 from modelload.loader.errors import SidecarUnavailableError
-from modelload.loader.segment import SegmentReader
+from modelload.loader.segment import MemoryMode, SegmentReader
+from modelload.loader.segment.consumers import ConsumerTable
 
 __all__ = ["AttachSettings", "attach"]
 
@@ -44,6 +45,7 @@ def attach(
     *,
     timeout: float | None = 600.0,
     notify: str | bool = True,
+    register: bool = True,
 ) -> Model:
     """Attach to a model segment and return a :class:`Model` over it, tensors usable as they arrive.
 
@@ -51,6 +53,10 @@ def attach(
     (a sidecar that is still starting) and the default wait for tensors afterwards; None waits as long as the
     sidecar lives (a dead sidecar is noticed from its heartbeat). ``notify`` is a pyzmq endpoint, True to use
     ``MODELLOAD_NOTIFY`` or the one the sidecar recorded in the segment, or False to poll.
+
+    When the sidecar runs in memory mode release or ring, ``register`` (the default) makes this process a
+    consumer: the sidecar gives a tensor's pages back only once every registered consumer has consumed it
+    (:meth:`Model.consumed`). Pass False for a process that only looks (a monitor): it holds nothing back.
 
     >>> from modelload.loader import attach
     >>> model = attach()                                          # doctest: +SKIP
@@ -69,8 +75,18 @@ def attach(
         endpoint = notify
     elif notify:
         endpoint = settings.notify or reader.metadata.get("notify")
+    registration = None
+    if register and reader.memory_mode != MemoryMode.FULL:
+        try:
+            table = ConsumerTable.open(
+                reader.path, load_id=reader.load_id, tensor_count=len(reader.slots), write=True
+            )
+            registration = table.register()
+        except BaseException:
+            reader.close()
+            raise
     subscriber = connect(endpoint) if endpoint else None
-    return Model(reader, subscriber, timeout=timeout)
+    return Model(reader, subscriber, timeout=timeout, registration=registration)
 
 
 def _open_when_present(path: Path, timeout: float | None) -> SegmentReader:

@@ -19,7 +19,8 @@ from modelload.loader._api import modules
 from modelload.loader._api import torch as torch_api
 from modelload.loader._api.notify import Subscriber
 from modelload.loader.errors import LoadTimeoutError, ModuleLoadError
-from modelload.loader.segment import MODEL_DIR_KEY, SegmentReader, Slot, WriterState
+from modelload.loader.segment import MODEL_DIR_KEY, SegmentReader, Slot, TensorState, WriterState
+from modelload.loader.segment.consumers import Registration
 
 if TYPE_CHECKING:
     import torch
@@ -71,10 +72,16 @@ class Model:
     """
 
     def __init__(
-        self, reader: SegmentReader, subscriber: Subscriber | None, *, timeout: float | None
+        self,
+        reader: SegmentReader,
+        subscriber: Subscriber | None,
+        *,
+        timeout: float | None,
+        registration: Registration | None = None,
     ) -> None:
         self._reader = reader
         self._subscriber = subscriber
+        self._registration = registration
         self.timeout = timeout
         """Default seconds to wait for tensors (None waits as long as the writer lives)."""
 
@@ -173,6 +180,41 @@ class Model:
                 yield self._reader.slots[int(index)].name
             pending = pending[~np.isin(pending, ready)]
 
+    # --- consumption (memory modes release and ring) -----------------------------------------------------
+
+    @property
+    def memory_mode(self) -> str:
+        """``full``, ``release`` or ``ring``: what the sidecar does with tensors every consumer has copied."""
+        return self._reader.memory_mode.name.lower()
+
+    def consumed(self, names: Iterable[str] | str) -> None:
+        """Tell the sidecar this process is done with tensors ``names``: it has copied them and holds no view.
+
+        In memory modes release and ring the sidecar gives a tensor's pages back once every registered
+        consumer has consumed it; views of it must not be used afterwards. ``state_dict(device="cuda")`` and
+        ``load_into_module(..., device="cuda")`` call this for you as each copy completes; call it yourself
+        when you copy tensors another way. In memory mode full it does nothing. A process that did not
+        register (``attach(register=False)``) records nothing, but still learns whether its copy was whole.
+
+        >>> for name in model.iter_ready():                     # doctest: +SKIP
+        ...     weights[name] = model.tensor(name).to("cuda")
+        ...     model.consumed(name)
+
+        Raises :class:`~modelload.loader.errors.TensorReleasedError` when a tensor was released before this
+        process consumed it (it did not register, or its registration expired): its copy may be torn.
+        """
+        if isinstance(names, str):
+            names = [names]
+        indices = [self._slot(name).index for name in names]
+        registration = self._registration
+        for index in indices:
+            if self._reader.state(index) == TensorState.RELEASED and not (
+                registration is not None and registration.has(index)
+            ):
+                raise self._reader.released(index)
+        if registration is not None:
+            registration.mark(indices)
+
     # --- tensors --------------------------------------------------------------------------------------------
 
     def numpy(self, name: str, *, wait: bool = True) -> npt.NDArray[Any]:
@@ -199,7 +241,7 @@ class Model:
 
         With no ``device`` (or ``"cpu"``) the tensors are zero-copy views of the segment. With a CUDA
         device, each tensor is copied as soon as it is ready, through pinned memory, so the copies overlap
-        the rest of the load.
+        the rest of the load, and marked consumed once copied (see :meth:`consumed`).
         """
         wanted = list(self.names if names is None else names)
         order = self.iter_ready(wanted, timeout=timeout)
@@ -207,7 +249,8 @@ class Model:
         if device is None or _is_cpu(device):
             result = dict(host)
         else:
-            result = dict(torch_api.copy_all(host, device))
+            on_done = self.consumed if self._registration is not None else None
+            result = dict(torch_api.copy_all(host, device, on_done=on_done))
         return {name: result[name] for name in wanted}
 
     def load_into_module(
@@ -268,6 +311,8 @@ class Model:
             self._reader.wait([slot.index], timeout=self.timeout, waiter=self._waiter)
         elif not self._reader.ready_mask([slot.index])[0]:
             self._reader.check()
+            if self._reader.state(slot.index) == TensorState.RELEASED:
+                raise self._reader.released(slot.index)
             raise LoadTimeoutError(f"tensor {name!r} is not ready yet", pending=(name,))
         return slot
 
@@ -292,7 +337,11 @@ class Model:
     # --- closing ----------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Detach. Tensors already handed out stay valid; they keep their part of the mapping alive."""
+        """Detach. Tensors already handed out stay valid (in memory modes release and ring, until they are
+        consumed); they keep their part of the mapping alive. A registered consumer leaves the table."""
+        if self._registration is not None:
+            self._registration.leave()
+            self._registration = None
         if self._subscriber is not None:
             self._subscriber.close()
             self._subscriber = None

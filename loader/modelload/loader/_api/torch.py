@@ -14,7 +14,7 @@ same overlap of copying with loading.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
@@ -56,26 +56,42 @@ class DeviceCopier:
             raise ValueError(f"DeviceCopier copies to CUDA devices, not {self.device}")
         self._torch = torch
         self._stream = torch.cuda.Stream(self.device)
-        self._registered: list[tuple[Any, int, torch.Tensor]] = []  # (event, pointer, keep-alive)
+        self._registered: list[tuple[Any, int, torch.Tensor, Callable[[], None] | None]] = []
+        """(event, pointer, keep-alive, what to call once the copy has left the host bytes)"""
         self._staging: list[tuple[torch.Tensor, Any]] | None = None
         self._next_stage = 0
         self._pin_in_place = True
 
-    def copy(self, host: torch.Tensor) -> torch.Tensor:
-        """Start copying ``host`` to the device. The result may be used once :meth:`finish` returns."""
+    def copy(self, host: torch.Tensor, *, on_done: Callable[[], None] | None = None) -> torch.Tensor:
+        """Start copying ``host`` to the device. The result may be used once :meth:`finish` returns.
+
+        ``on_done`` is called once the host bytes are no longer needed (the copy has read them): the
+        loader then marks the tensor consumed, so the sidecar may give its pages back (memory modes).
+        """
         torch = self._torch
         target = torch.empty(host.shape, dtype=host.dtype, device=self.device)
         if not host.numel():
+            if on_done is not None:
+                on_done()
             return target
         if self._pin_in_place and self._register(host):
             with torch.cuda.stream(self._stream):
                 target.copy_(host, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self._stream)
-            self._registered.append((event, host.data_ptr(), host))
+            if on_done is not None:
+                # Someone waits for these host bytes to be released (memory modes release and ring): the
+                # next tensor may only land once they are, so finish this copy now rather than at the next.
+                event.synchronize()
+                _unregister(host.data_ptr())
+                on_done()
+            else:
+                self._registered.append((event, host.data_ptr(), host, on_done))
             self._release_finished()
         else:
             self._copy_staged(host, target)
+            if on_done is not None:  # the bytes are in a staging buffer now
+                on_done()
         return target
 
     def finish(self) -> None:
@@ -83,8 +99,10 @@ class DeviceCopier:
         torch = self._torch
         self._stream.synchronize()
         torch.cuda.current_stream(self.device).wait_stream(self._stream)
-        for _, pointer, _ in self._registered:
+        for _, pointer, _, on_done in self._registered:
             _unregister(pointer)
+            if on_done is not None:
+                on_done()
         self._registered.clear()
 
     def _register(self, host: torch.Tensor) -> bool:
@@ -103,6 +121,8 @@ class DeviceCopier:
         for entry in self._registered:
             if entry[0].query():
                 _unregister(entry[1])
+                if entry[3] is not None:
+                    entry[3]()
             else:
                 keep.append(entry)
         self._registered = keep
@@ -128,11 +148,22 @@ class DeviceCopier:
 
 
 def copy_all(
-    items: Iterable[tuple[str, torch.Tensor]], device: str | torch.device
+    items: Iterable[tuple[str, torch.Tensor]],
+    device: str | torch.device,
+    *,
+    on_done: Callable[[str], None] | None = None,
 ) -> Iterator[tuple[str, Any]]:
-    """Copy each ``(name, host tensor)`` to ``device`` as it comes; yield the device tensors at the end."""
+    """Copy each ``(name, host tensor)`` to ``device`` as it comes; yield the device tensors at the end.
+
+    ``on_done(name)`` is called for each tensor once its host bytes have been read (see
+    :meth:`DeviceCopier.copy`), in the course of the copies rather than at the end.
+    """
     copier = DeviceCopier(device)
-    results = [(name, copier.copy(host)) for name, host in items]
+
+    def done(name: str) -> Callable[[], None] | None:
+        return None if on_done is None else (lambda: on_done(name))
+
+    results = [(name, copier.copy(host, on_done=done(name))) for name, host in items]
     copier.finish()
     yield from results
 

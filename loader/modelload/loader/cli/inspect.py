@@ -245,12 +245,18 @@ def _verify_file(reader: TensorizerReader | SafetensorsFile, index: ModelIndex, 
                 read(i)
             except WrongKeyError as exc:  # also what a corrupt first chunk looks like: decided below
                 wrong_key = wrong_key or exc
-                failures.append({"name": entry.name, "error": str(exc)})
+                failures.append({"name": entry.name, "error": str(exc), "wrong_key": "yes"})
             except (FormatError, NotEncryptedError) as exc:
                 failures.append({"name": entry.name, "error": str(exc)})
             bar.update(entry.nbytes)
     if wrong_key is not None and len(failures) == len(index.tensors):
         raise wrong_key  # no tensor opened: the key is wrong, not every tensor corrupt
+    for failure in failures:  # other tensors opened with this key: those that did not are corrupt
+        if failure.pop("wrong_key", None):
+            failure["error"] = (
+                "its encrypted bytes fail authentication although the same key opened other tensors of "
+                "this file: the file is corrupt (the key is right); re-upload or re-create it"
+            )
     return _verify_report(len(index.tensors), index.nbytes, time.monotonic() - started, failures, note)
 
 
@@ -413,7 +419,12 @@ def _verify_segment(reader: SegmentReader, *, progress: bool) -> Report:
             elif slot.sha256 is not None and hashlib.sha256(view).hexdigest() != slot.sha256:
                 failures.append({"name": slot.name, "error": "SHA-256 differs from the one in the manifest"})
     parts = [f"{checked} tensors checked against the hashes their writer recorded"]
-    if unchecked:
+    if unchecked and not checked:
+        parts = [
+            f"nothing was checked: the writer recorded no hash for any of the {unchecked} ready tensors "
+            "(an older modelload); write the segment again to get one"
+        ]
+    elif unchecked:
         parts.append(f"{unchecked} have no recorded hash")
     if pending:
         parts.append(f"{pending} are not ready")

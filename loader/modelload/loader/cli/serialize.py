@@ -1,11 +1,12 @@
 """``modelload serialize SRC DST``: convert a model to tensorizer or safetensors, tensor by tensor.
 
 SRC is a safetensors file, a tensorizer file (plain or encrypted), a torch checkpoint, recognised by its
-content, or a model directory, whose weight shards are merged into DST (its config and tokenizer stay
-where they are: DST holds the weights). DST's format comes from ``--to`` or its extension. The conversion
-streams: one tensor's bytes are in memory at a time (a torch checkpoint is mapped, not read whole), and DST
-appears only when it is complete (written under a temporary name and renamed), so an interrupted run
-leaves no half file behind.
+content, or a model directory, whose weight shards are merged into DST (its config and tokenizer stay where
+they are: DST holds the weights). The reverse, ``--shard-size``, writes DST as a directory of safetensors
+shards with ``model.safetensors.index.json``, as ``save_pretrained`` lays a model out. DST's format comes from
+``--to`` or its extension. The conversion streams: one tensor's bytes are in memory at a time (a torch
+checkpoint is mapped, not read whole), and DST appears only when it is complete (written under a temporary
+name and renamed), so an interrupted run leaves no half file behind.
 
 Decisions, for the cases where formats disagree:
 
@@ -130,6 +131,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--force", action="store_true", help="replace DST if it exists")
     parser.add_argument(
+        "--shard-size",
+        metavar="SIZE",
+        help="write DST as a directory of safetensors shards of at most SIZE each (5GB, 500MiB) with "
+        "model.safetensors.index.json; a tensor larger than SIZE gets a shard of its own",
+    )
+    parser.add_argument(
         "--state-dict-key",
         metavar="KEY",
         help="for a torch checkpoint: the key (dotted for nested ones) that holds the state dict",
@@ -171,6 +178,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Convert ``args.src`` to ``args.dst``; the exit status (errors are raised as ModelloadError)."""
+    if args.shard_size is not None:
+        return _run_sharded(args)
     target = _output_format(args.dst, args.to)
     key = decryption_key(args)
     encryption, generated = _encryption(args, target)
@@ -205,6 +214,88 @@ def run(args: argparse.Namespace) -> int:
     how = f"{target}, encrypted" if encryption is not None else target
     print(f"wrote {args.dst} ({how}): {len(source.items)} tensors, {rate(total, seconds)}")
     return 0
+
+
+def _run_sharded(args: argparse.Namespace) -> int:
+    """SRC into a directory of safetensors shards and their index, each shard written atomically."""
+    limit = _parse_shard_size(args.shard_size)
+    if args.to not in (None, "safetensors"):
+        raise ConfigError("--shard-size writes safetensors shards (the Hugging Face layout); drop --to")
+    if any(
+        getattr(args, name) is not None
+        for name in ("encrypt_key_file", "generate_key", "encrypt_password_file", "encrypt_password_env")
+    ):
+        raise ConfigError("safetensors shards cannot be encrypted; write one tensorizer file to encrypt")
+    out: Path = args.dst
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out} exists and is not a directory; --shard-size writes a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    key = decryption_key(args)
+    started = time.monotonic()
+    with _open_input(args, key) as source:
+        groups = _shard_groups([item.nbytes for item in source.items], limit)
+        total = sum(item.nbytes for item in source.items)
+        weight_map: dict[str, str] = {}
+        with ProgressBar(total, "serialize", enabled=not args.no_progress) as bar:
+            for number, group in enumerate(groups, 1):
+                name = f"model-{number:05d}-of-{len(groups):05d}.safetensors"
+                with atomic_output(out / name, force=args.force) as file:
+                    _convert(_Subset(source, group), file, "safetensors", None, bar)
+                weight_map.update((source.items[i].name, name) for i in group)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        with atomic_output(out / SAFETENSORS_INDEX, force=args.force) as file:
+            file.write(json.dumps(index, indent=2).encode() + b"\n")
+    seconds = time.monotonic() - started
+    what = f"{len(groups)} safetensors shards and {SAFETENSORS_INDEX}"
+    print(f"wrote {out}/ ({what}): {len(source.items)} tensors, {rate(total, seconds)}")
+    return 0
+
+
+def _parse_shard_size(text: str) -> int:
+    match = re.fullmatch(r"\s*(\d+)\s*([KMGT]i?B|B)?\s*", text, flags=re.IGNORECASE)
+    if match is None or int(match.group(1)) <= 0:
+        raise ConfigError(f"--shard-size {text!r}: a positive size such as 5GB, 2GiB or 500MiB")
+    unit = (match.group(2) or "B").upper()
+    scale = {
+        "B": 1,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "TB": 10**12,
+        "KIB": 1 << 10,
+        "MIB": 1 << 20,
+        "GIB": 1 << 30,
+        "TIB": 1 << 40,
+    }[unit]
+    return int(match.group(1)) * scale
+
+
+def _shard_groups(sizes: Sequence[int], limit: int) -> list[list[int]]:
+    """Consecutive tensors in shards of at most ``limit`` bytes (a larger tensor alone), as
+    ``save_pretrained`` cuts them."""
+    groups: list[list[int]] = [[]]
+    filled = 0
+    for i, size in enumerate(sizes):
+        if groups[-1] and filled + size > limit:
+            groups.append([])
+            filled = 0
+        groups[-1].append(i)
+        filled += size
+    return groups
+
+
+class _Subset:
+    """Some tensors of an input, read through it."""
+
+    def __init__(self, source: _FileInput | _TorchInput | _DirectoryInput, indices: list[int]) -> None:
+        self.source = source
+        self.indices = indices
+        self.items: Sequence[_Item] = [source.items[i] for i in indices]
+        self.metadata: dict[str, str] | None = {"format": "pt"}
+        self.notes: list[str] = []
+
+    def read(self, index: int, scratch: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], int]:
+        return self.source.read(self.indices[index], scratch)
 
 
 # --- options -----------------------------------------------------------------------------------------------
@@ -542,7 +633,9 @@ def _convert(
     """Read every tensor and write it to ``file``, then read the result's index back as a check."""
     items = source.items
     largest = max((item.nbytes for item in items), default=0)
-    copies = isinstance(source, (_FileInput, _DirectoryInput))
+    copies = isinstance(source, (_FileInput, _DirectoryInput)) or (
+        isinstance(source, _Subset) and isinstance(source.source, (_FileInput, _DirectoryInput))
+    )
     scratch = np.empty(largest if copies else 0, dtype=np.uint8)
     if target == "tensorizer":
         writer = TensorizerWriter(file, encryption=encryption, metadata_size=_metadata_size(items))

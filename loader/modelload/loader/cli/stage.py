@@ -26,6 +26,7 @@ import os
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -277,7 +278,8 @@ def _fill(
             if isinstance(exc, OSError):
                 raise _translate(exc, name, reader) from None
             raise
-        writer.mark_ready(i, verified=verified, decrypted=decrypted)
+        # The CRC32 of the bytes as they lie in the segment: what `inspect --verify` checks later.
+        writer.mark_ready(i, verified=verified, decrypted=decrypted, crc32=zlib.crc32(writer.slot(i)))
 
     pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="stage")
     try:

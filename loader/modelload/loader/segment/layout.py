@@ -38,6 +38,7 @@ __all__ = [
     "STATE_ENTRY_LENGTH",
     "Header",
     "Layout",
+    "MemoryMode",
     "Slot",
     "TensorFlags",
     "TensorSpec",
@@ -50,10 +51,11 @@ __all__ = [
 ]
 
 MAGIC = b"MODELSEG"
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 """The newest layout version. A segment of one weight file is written as version 1 (which older loaders
-read); a segment of several files as version 2, which records each tensor's file."""
-LAYOUT_VERSIONS = (1, 2)
+read); a segment of several files as version 2, which records each tensor's file; a segment whose pages the
+writer gives back once consumed (memory mode release or ring) as version 3, which older loaders refuse."""
+LAYOUT_VERSIONS = (1, 2, 3)
 MAX_FILES = 65536
 MODEL_DIR_KEY = "model_dir"
 """The metadata key naming the model directory (an absolute path) the writer filled with the model's
@@ -77,11 +79,17 @@ OFF_ERROR_LENGTH = 160
 OFF_HEARTBEAT_NS = 168
 OFF_ERROR = 176
 _RESERVED_TAIL = (OFF_ERROR + ERROR_CAPACITY, HEADER_LENGTH)
-_MANIFEST_KEYS = {1: frozenset({"tensors", "metadata"}), 2: frozenset({"tensors", "metadata", "files"})}
+_MANIFEST_KEYS = {
+    1: frozenset({"tensors", "metadata"}),
+    2: frozenset({"tensors", "metadata", "files"}),
+    3: frozenset({"tensors", "metadata", "files"}),
+}
 _TENSOR_KEYS = {
     1: frozenset({"name", "dtype", "shape", "offset", "nbytes", "sha256"}),
     2: frozenset({"name", "dtype", "shape", "offset", "nbytes", "sha256", "file"}),
+    3: frozenset({"name", "dtype", "shape", "offset", "nbytes", "sha256", "file"}),
 }
+_MEMORY = struct.Struct("<IIQ16x")  # version 3: bytes 96-127, memory_mode, reserved, ring_size, reserved
 _REQUIRED_KEYS = frozenset({"name", "dtype", "shape", "offset", "nbytes"})
 _HEX = frozenset("0123456789abcdef")
 
@@ -97,6 +105,19 @@ class TensorState(IntEnum):
     PENDING = 0
     READY = 1
     FAILED = 2
+    RELEASED = 3
+    """Version 3: every consumer copied the tensor and the writer gave its pages back to the system."""
+
+
+class MemoryMode(IntEnum):
+    """What the writer does with a tensor's pages once every consumer copied it (SPEC.md, version 3)."""
+
+    FULL = 0
+    """Keep every page for the segment's life (layout versions 1 and 2)."""
+    RELEASE = 1
+    """Give a tensor's pages back once every registered consumer consumed it."""
+    RING = 2
+    """As RELEASE, and never hold more than ``ring_size`` bytes of tensor data at once."""
 
 
 class TensorFlags(IntFlag):
@@ -160,6 +181,9 @@ class Header:
     created_ns: int
     manifest_offset: int = HEADER_LENGTH
     layout_version: int = LAYOUT_VERSION
+    memory_mode: MemoryMode = MemoryMode.FULL
+    ring_size: int = 0
+    """Version 3, ring mode: the most bytes of tensor data the writer holds at once; 0 otherwise."""
 
     def pack(self) -> bytes:
         return _FIXED.pack(
@@ -177,7 +201,7 @@ class Header:
             self.data_length,
             self.load_id,
             self.created_ns,
-            bytes(32),
+            _MEMORY.pack(self.memory_mode, 0, self.ring_size) if self.layout_version >= 3 else bytes(32),
         )
 
 
@@ -194,10 +218,23 @@ class Layout:
     by_name: Mapping[str, int] = field(repr=False)
     files: tuple[str, ...] = ()
     """The model's weight files, for a segment of several (layout version 2)."""
+    memory_mode: MemoryMode = MemoryMode.FULL
+    """Anything but FULL makes the segment layout version 3 (with a consumer table beside it)."""
+    ring_size: int = 0
+    """Ring mode: the most bytes of tensor data resident at once (a multiple of 4096)."""
 
     @property
     def layout_version(self) -> int:
+        if self.memory_mode != MemoryMode.FULL:
+            return 3
         return 2 if self.files else 1
+
+    @property
+    def resident_limit(self) -> int:
+        """The most bytes of the file that are ever resident: the whole segment, except in ring mode."""
+        if self.memory_mode == MemoryMode.RING:
+            return min(self.data_offset + self.ring_size, self.segment_length)
+        return self.segment_length
 
     @property
     def segment_length(self) -> int:
@@ -220,6 +257,8 @@ class Layout:
             load_id=load_id,
             created_ns=created_ns,
             layout_version=self.layout_version,
+            memory_mode=self.memory_mode,
+            ring_size=self.ring_size,
         )
 
 
@@ -228,6 +267,8 @@ def plan_layout(
     *,
     metadata: Mapping[str, str] | None = None,
     files: Sequence[str] = (),
+    memory_mode: MemoryMode = MemoryMode.FULL,
+    ring_size: int = 0,
 ) -> Layout:
     """Place ``tensors`` in a segment, in the given order, each slot on a 4096-byte boundary.
 
@@ -237,8 +278,12 @@ def plan_layout(
     (12288, 24, 16384)
 
     ``files`` names the weight files of a model of several (a directory's shards); every spec then says its
-    ``file``, and the segment is written as layout version 2.
+    ``file``, and the segment is written as layout version 2. A ``memory_mode`` other than FULL makes it
+    version 3; ``ring_size`` (ring mode only) is rounded up to a multiple of 4096.
     """
+    if (memory_mode == MemoryMode.RING) != (ring_size > 0):
+        raise SegmentLayoutError("a ring size is given exactly when the memory mode is ring")
+    ring_size = align(ring_size)
     specs = list(tensors)
     meta = dict(metadata or {})
     files = tuple(files)
@@ -285,6 +330,8 @@ def plan_layout(
         data_length=max(data_end - data_offset, 0),
         by_name=by_name,
         files=files,
+        memory_mode=memory_mode,
+        ring_size=ring_size,
     )
 
 
@@ -378,7 +425,8 @@ def parse_header(buf: bytes | memoryview, *, file_size: int) -> Header:
         raise _fail(
             f"data region [{data_offset}, {data_offset + data_length}) runs past the end of the segment"
         )
-    if any(reserved) or any(bytes(buf[_RESERVED_TAIL[0] : _RESERVED_TAIL[1]])) or any(bytes(buf[164:168])):
+    memory_mode, ring_size = _parse_memory(version, reserved)
+    if any(bytes(buf[_RESERVED_TAIL[0] : _RESERVED_TAIL[1]])) or any(bytes(buf[164:168])):
         raise _fail("reserved header bytes are not zero")
     state = struct.unpack_from("<I", buf, OFF_WRITER_STATE)[0]
     if state not in WriterState._value2member_map_:
@@ -397,7 +445,25 @@ def parse_header(buf: bytes | memoryview, *, file_size: int) -> Header:
         load_id=load_id,
         created_ns=created_ns,
         layout_version=version,
+        memory_mode=memory_mode,
+        ring_size=ring_size,
     )
+
+
+def _parse_memory(version: int, reserved: bytes) -> tuple[MemoryMode, int]:
+    """Bytes 96-127: reserved (zero) before version 3; memory mode and ring size from version 3 on."""
+    if version < 3:
+        if any(reserved):
+            raise _fail("reserved header bytes are not zero")
+        return MemoryMode.FULL, 0
+    mode, middle, ring_size = _MEMORY.unpack(reserved)
+    if middle or any(reserved[_MEMORY.size - 16 :]):
+        raise _fail("reserved header bytes are not zero")
+    if mode not in (MemoryMode.RELEASE, MemoryMode.RING):
+        raise _fail(f"memory mode {mode} is not 1 (release) or 2 (ring) in a version-3 segment")
+    if (mode == MemoryMode.RING) != (ring_size > 0) or ring_size % ALIGNMENT or ring_size > _MAX_FIELD:
+        raise _fail(f"ring size {ring_size} must be a positive multiple of {ALIGNMENT} in ring mode, else 0")
+    return MemoryMode(mode), ring_size
 
 
 def parse_manifest(

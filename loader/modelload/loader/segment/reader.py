@@ -28,6 +28,7 @@ from modelload.loader.errors import (
     LoadTimeoutError,
     SegmentLayoutError,
     SidecarUnavailableError,
+    TensorReleasedError,
 )
 from modelload.loader.segment import _memory
 from modelload.loader.segment.layout import (
@@ -42,6 +43,7 @@ from modelload.loader.segment.layout import (
     OFF_WRITER_STATE,
     STATE_ENTRY_LENGTH,
     Header,
+    MemoryMode,
     Slot,
     TensorFlags,
     TensorState,
@@ -131,6 +133,11 @@ class SegmentReader:
     @property
     def load_id(self) -> int:
         return self.header.load_id
+
+    @property
+    def memory_mode(self) -> MemoryMode:
+        """What the writer does with consumed tensors (layout version 3); FULL before."""
+        return self.header.memory_mode
 
     @property
     def writer_state(self) -> WriterState:
@@ -239,8 +246,10 @@ class SegmentReader:
                 _memory.acquire_fence()
                 return ready
             self.check()
-            if (states > TensorState.FAILED).any():
-                self.state(int(pending[states > TensorState.FAILED][0]))  # raises, naming the tensor
+            if (states > TensorState.RELEASED).any():
+                self.state(int(pending[states > TensorState.RELEASED][0]))  # raises, naming the tensor
+            if (states == TensorState.RELEASED).any():
+                raise self.released(int(pending[states == TensorState.RELEASED][0]))
             if (states == TensorState.FAILED).any():
                 name = self.slots[int(pending[states == TensorState.FAILED][0])].name
                 reason = self.error or "see the sidecar's log"
@@ -274,6 +283,18 @@ class SegmentReader:
             except LoadTimeoutError:
                 raise self._timed_out(pending, timeout) from None
             pending = pending[~np.isin(pending, ready)]
+
+    def released(self, index: int) -> TensorReleasedError:
+        """The error for reading tensor ``index`` after the writer gave its pages back."""
+        name = self.slots[index].name
+        mode = self.memory_mode.name.lower()
+        return TensorReleasedError(
+            f"tensor {name!r} was released: every consumer of {self.path} had copied it, and the sidecar "
+            f"(memory mode {mode}) gave its pages back. To read tensors again after copying them, run the "
+            "sidecar with --memory-mode full (ModelLoad spec.memory.mode: full); to load again, restart the "
+            "pod",
+            name=name,
+        )
 
     def _timed_out(self, pending: npt.NDArray[np.intp], timeout: float | None) -> LoadTimeoutError:
         names = tuple(self.slots[int(i)].name for i in pending)

@@ -5,7 +5,15 @@ and mark them ready in any order. The writer publishes the header and manifest b
 creating the file under a temporary name and renaming it into place, so a reader never sees half a header.
 
 Pages are reserved up front with ``posix_fallocate``: on tmpfs a write through a mapping into a full volume
-is a SIGBUS that kills the process, while a failed reservation is an ordinary error we can report.
+is a SIGBUS that kills the process, while a failed reservation is an ordinary error we can report. A writer
+that lands its data through the file descriptor instead (``os.splice``, where a full volume is ENOSPC)
+still reserves the pages nothing will ever write: the header, manifest and state table, and the part of a
+slot the source has no bytes for (a meta tensor), which readers fault in.
+
+A writer replacing a segment that is not complete (a sidecar restarted after a crash mid-load) needs room
+for the new file while the old one still takes its pages. When both do not fit, the old segment (and any
+temporary file a crashed writer left) is marked FAILED and removed first: a volume sized for one model then
+holds the new load. Readers that still map the old file keep its pages until they let go of it.
 """
 
 from __future__ import annotations
@@ -19,12 +27,14 @@ import secrets
 import struct
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from modelload.loader.errors import SegmentError, SegmentSpaceError
 from modelload.loader.segment import _memory
+from modelload.loader.segment.consumers import create_table
 from modelload.loader.segment.layout import (
     ERROR_CAPACITY,
     HEADER_LENGTH,
@@ -47,6 +57,10 @@ __all__ = ["SegmentWriter"]
 
 log = logging.getLogger(__name__)
 
+SEGMENT_MODE = 0o640
+"""Owner read-write, group read, nobody else: the segment holds decrypted weights. Readers need only read
+access; in a pod they share the group (the operator adds it to the pod's supplementalGroups, or the pod's
+fsGroup owns the volume), on a host run ``attach()`` as the writer's user or group."""
 HEARTBEAT_INTERVAL = 2.0
 """Seconds between heartbeats of a LOADING writer; SPEC.md asks for at most 5."""
 
@@ -91,6 +105,7 @@ class SegmentWriter:
         load_id: int | None = None,
         created_ns: int | None = None,
         heartbeat: bool = True,
+        reserve_ranges: Sequence[tuple[int, int]] = (),
     ) -> SegmentWriter:
         """Create, size and publish a segment for ``layout`` at ``path``, ready for tensor data.
 
@@ -98,21 +113,33 @@ class SegmentWriter:
         :class:`SegmentSpaceError`; without it, call :meth:`reserve` after publishing, before writing
         through a slot view (on tmpfs a write into a full volume through a mapping is a SIGBUS). A LOADING
         segment already at ``path`` is marked FAILED (superseded)
-        before the new one replaces it, so processes still attached to it stop waiting.
+        before the new one replaces it, so processes still attached to it stop waiting; when the volume
+        cannot hold both, a segment that is not COMPLETE is removed before the new one is created.
+
+        ``reserve_ranges`` (``(offset, length)`` pairs) are reserved before publishing even without
+        ``reserve``, as are the header, manifest and state table: the parts no data transfer will write.
         """
         target = Path(path)
         load_id = load_id or (secrets.randbits(64) | 1)
         created_ns = created_ns or time.time_ns()
-        _check_space(target.parent, layout.segment_length)
+        _make_room(target, layout.resident_limit, load_id)
+        _check_space(target.parent, layout.resident_limit)
         temp = target.with_name(f".{target.name}.{load_id:016x}.tmp")
-        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, SEGMENT_MODE)
         try:
+            os.fchmod(fd, SEGMENT_MODE)  # exactly this mode, whatever the umask
             os.ftruncate(fd, layout.segment_length)
             if reserve and layout.segment_length:
                 _reserve(fd, layout.segment_length, target)
+            elif layout.segment_length:
+                for offset, length in ((0, layout.data_offset), *reserve_ranges):
+                    if length > 0:
+                        _reserve(fd, length, target, offset=offset)
             mm = mmap.mmap(fd, layout.segment_length, flags=mmap.MAP_SHARED)
             writer = cls(target, layout, fd, mm, load_id)
             writer._write_prologue(created_ns)
+            if layout.layout_version >= 3:  # the consumer table first: a version-3 reader looks for it
+                create_table(target, load_id=load_id, tensor_count=len(layout.slots))
             _supersede(target, load_id)
             temp.rename(target)
         except BaseException:
@@ -288,12 +315,11 @@ class SegmentWriter:
 
 def _check_space(directory: Path, needed: int) -> None:
     try:
-        stats = os.statvfs(directory)
+        available = _available(directory)
     except FileNotFoundError:
         raise SegmentError(
             f"segment directory {directory} does not exist; create it or mount the volume"
         ) from None
-    available = stats.f_bavail * stats.f_frsize
     if needed > available:
         raise SegmentSpaceError(
             errno.ENOSPC,
@@ -302,9 +328,9 @@ def _check_space(directory: Path, needed: int) -> None:
         )
 
 
-def _reserve(fd: int, length: int, target: Path) -> None:
+def _reserve(fd: int, length: int, target: Path, *, offset: int = 0) -> None:
     try:
-        os.posix_fallocate(fd, 0, length)
+        os.posix_fallocate(fd, offset, length)
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
             raise SegmentSpaceError(
@@ -315,6 +341,44 @@ def _reserve(fd: int, length: int, target: Path) -> None:
         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise
         log.debug("posix_fallocate is not supported at %s; pages are allocated on first write", target)
+
+
+def _make_room(target: Path, needed: int, load_id: int) -> None:
+    """Remove an unfinished segment at ``target`` (and crashed writers' temporary files) when the volume
+    cannot hold it and a new ``needed``-byte segment at once; a COMPLETE one is never removed here."""
+    try:
+        available = _available(target.parent)
+    except OSError:
+        return  # _check_space reports a missing directory
+    if needed <= available:
+        return
+    leftovers = list(target.parent.glob(f".{target.name}.*.tmp"))
+    old_state = _writer_state(target)
+    if old_state is not None and old_state != WriterState.COMPLETE:
+        _supersede(target, load_id)
+        leftovers.append(target)
+    for path in leftovers:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            log.warning("removed %s, an unfinished segment, to make room for a new load", path)
+
+
+def _available(directory: Path) -> int:
+    stats = os.statvfs(directory)
+    return stats.f_bavail * stats.f_frsize
+
+
+def _writer_state(target: Path) -> int | None:
+    """The writer_state word of the segment at ``target``; None when there is no segment there."""
+    try:
+        with target.open("rb") as file:
+            head = file.read(HEADER_LENGTH)
+    except OSError:
+        return None
+    if len(head) < HEADER_LENGTH or head[:8] != b"MODELSEG":
+        return None
+    state: int = struct.unpack_from("<I", head, OFF_WRITER_STATE)[0]
+    return state
 
 
 def _supersede(target: Path, load_id: int) -> None:

@@ -121,6 +121,11 @@ class SourceBase:
                 info = self._info
         return info
 
+    def restat(self) -> ObjectInfo:
+        """A fresh look-up of the size and validators, bypassing the cache: the end-of-load check that the
+        object is still the one the load started with. The cached :meth:`stat` is left as it was."""
+        return self._stat()
+
     def _stat(self) -> ObjectInfo:
         raise NotImplementedError
 

@@ -17,7 +17,7 @@ import io
 import os
 import socket
 
-from ._splice import HAVE_SPLICE, Progress, splice_socket
+from ._splice import HAVE_SPLICE, Progress, RateFloor, splice_socket
 
 __all__ = ["Body"]
 
@@ -28,11 +28,18 @@ _BOUNCE_SIZE = 1 << 20
 
 class Body:
     """The remaining body of one response. Methods raise EOFError (the server closed early),
-    TimeoutError (a stall) or OSError; ``Progress`` objects passed in say how far they got."""
+    TimeoutError (a stall; SlowTransferError for bytes slower than ``floor``) or OSError; ``Progress``
+    objects passed in say how far they got."""
 
     def __init__(
-        self, response: http.client.HTTPResponse, sock: socket.socket, *, stall_timeout: float
+        self,
+        response: http.client.HTTPResponse,
+        sock: socket.socket,
+        *,
+        stall_timeout: float,
+        floor: RateFloor | None = None,
     ) -> None:
+        self._floor = floor
         self._response = response
         self._sock = sock
         self._stall_timeout = stall_timeout
@@ -61,6 +68,8 @@ class Body:
         length = len(view)
         while progress.done < length:
             progress.done += self.readinto(view[progress.done :])
+            if self._floor is not None:
+                self._floor.check(progress.done)
 
     def skip(self, count: int) -> None:
         """Read and drop ``count`` bytes (single-stream fallback for servers that ignore Range)."""
@@ -91,6 +100,7 @@ class Body:
                 fd_offset + progress.done,
                 stall_timeout=self._stall_timeout,
                 progress=progress,
+                floor=self._floor,
             )
 
     def _take_buffered(self, limit: int) -> bytes:
@@ -115,6 +125,8 @@ class Body:
         while progress.done < count:
             got = self.readinto(scratch[: min(count - progress.done, len(scratch))])
             _pwrite_all(fd, scratch[:got], fd_offset + progress.done, progress)
+            if self._floor is not None:
+                self._floor.check(progress.done)
 
     def finish(self) -> None:
         """Mark the response consumed, so its connection can carry the next request."""

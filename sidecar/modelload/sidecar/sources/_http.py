@@ -38,7 +38,7 @@ from ._body import Body
 from ._connections import ConnectionPool, Origin, socket_of
 from ._responses import display_url, error_for_status, parse_content_range, same_etag
 from ._settings import HttpSettings, SourceSettings
-from ._splice import HAVE_SPLICE, Progress
+from ._splice import HAVE_SPLICE, Progress, RateFloor, SlowTransferError
 
 __all__ = ["HttpObject", "HttpSource", "Target", "open_http"]
 
@@ -223,7 +223,9 @@ class HttpObject(SourceBase):
         exchange = self._open("GET", headers, accept=frozenset({200, 206}))
         reusable = False
         try:
-            body = Body(exchange.response, exchange.sock, stall_timeout=self._settings.stall_timeout)
+            settings = self._settings
+            floor = RateFloor(settings.min_rate, settings.slow_window)
+            body = Body(exchange.response, exchange.sock, stall_timeout=settings.stall_timeout, floor=floor)
             whole = self._check_answer(exchange, info, offset, length)
             if whole is False:
                 body.skip(offset)
@@ -314,7 +316,9 @@ class HttpObject(SourceBase):
             else:
                 reason = f"cannot connect to {connecting.netloc}: {_describe(exc)}"
             return InterruptedReadError(f"{uri}: {reason}", uri=uri)
-        if isinstance(exc, TimeoutError):
+        if isinstance(exc, SlowTransferError):
+            reason = f"{exc} {where}: resuming on another connection"
+        elif isinstance(exc, TimeoutError):
             reason = f"the stream stalled (no bytes for {self._settings.stall_timeout:g} s) {where}"
         elif isinstance(exc, EOFError):
             reason = f"the server closed the connection {where} (short body)"

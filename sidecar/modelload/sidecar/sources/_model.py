@@ -11,6 +11,7 @@ fetched with :func:`fetch_small_file`.
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,11 +33,33 @@ from ._base import ObjectInfo, Source
 from ._listing import Directory, is_directory, list_directory
 from ._registry import open_source
 from ._retry import RetryEvent, read_range, stat_source
+from ._s3 import S3Source, parse_s3_uri
 from ._settings import SourceSettings
 
 __all__ = ["OpenedModel", "fetch_small_file", "open_model"]
 
 _WORKERS = 8
+
+
+class _Opener:
+    """Opens the files of one directory; S3 files share one endpoint resolution and credential chain
+    (botocore's session set-up costs about 0.1 s a file, which a directory of shards would pay per shard)."""
+
+    def __init__(self, settings: SourceSettings) -> None:
+        self._settings = settings
+        self._s3: S3Source | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, uri: str) -> Source:
+        if uri.startswith("s3://"):
+            with self._lock:
+                if self._s3 is not None:
+                    return self._s3.sibling(parse_s3_uri(uri)[1])
+                source = open_source(uri, self._settings)
+                if isinstance(source, S3Source):
+                    self._s3 = source
+                return source
+        return open_source(uri, self._settings)
 
 
 @dataclass
@@ -54,6 +77,8 @@ class OpenedModel:
     directory: Directory | None = None
     small: dict[str, int] = field(default_factory=dict)
     """The small files to copy into the model directory, with their sizes."""
+    opener: Callable[[str], Source] | None = None
+    """How this model's files are opened (sharing S3 set-up); None: :func:`open_source`."""
     _index: ModelIndex | None = None
 
     @property
@@ -145,9 +170,12 @@ def _open_directory(
 ) -> OpenedModel:
     directory = list_directory(uri, settings, files=files)
     where = directory.display
+    opener = _Opener(settings)
     index_json = None
     if SAFETENSORS_INDEX in directory.sizes and format != "tensorizer":
-        index_json = fetch_small_file(directory, SAFETENSORS_INDEX, settings, on_retry=on_retry)
+        index_json = fetch_small_file(
+            directory, SAFETENSORS_INDEX, settings, on_retry=on_retry, opener=opener
+        )
         if not directory.listed:
             directory = directory.with_files(weight_shards(index_json, where=directory.display))
     chosen = select_model_files(directory.names, where=where, index_json=index_json, format=format)
@@ -161,7 +189,7 @@ def _open_directory(
 
     try:
         for name in chosen.weights:
-            sources.append(open_source(directory.file_uri(name), settings))
+            sources.append(opener(directory.file_uri(name)))
         with ThreadPoolExecutor(max_workers=min(_WORKERS, len(sources)), thread_name_prefix="stat") as pool:
             infos = list(pool.map(stat, sources))
     except BaseException:
@@ -176,6 +204,7 @@ def _open_directory(
         weights=chosen.weights,
         directory=directory,
         small=small_sizes,
+        opener=opener,
     )
 
 
@@ -185,9 +214,11 @@ def fetch_small_file(
     settings: SourceSettings,
     *,
     on_retry: Callable[[RetryEvent], None] | None = None,
+    opener: Callable[[str], Source] | None = None,
 ) -> bytes:
     """The whole content of a small file of ``directory``, at most :data:`SMALL_FILE_LIMIT` bytes."""
-    source = open_source(directory.file_uri(name), settings)
+    uri = directory.file_uri(name)
+    source = opener(uri) if opener is not None else open_source(uri, settings)
     try:
         info = stat_source(source, policy=settings.retry, on_retry=on_retry)
         check_small_files({name: info.size}, where=directory.display)

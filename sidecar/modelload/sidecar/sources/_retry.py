@@ -165,16 +165,20 @@ def _retrying(
             time.sleep(delay)
 
 
-def stat_source(source: Source, *, policy: RetryPolicy, on_retry: RetryCallback | None = None) -> ObjectInfo:
+def stat_source(
+    source: Source, *, policy: RetryPolicy, on_retry: RetryCallback | None = None, fresh: bool = False
+) -> ObjectInfo:
     """``source.stat()``, retrying transient errors under ``policy`` (the first request of a load).
 
     A throttled or briefly unreachable store at start-up then costs a retry, not the load. Permanent errors
-    (not found, denied) propagate at once.
+    (not found, denied) propagate at once. ``fresh`` bypasses the cached answer (``restat``): the end-of-load
+    look-up that checks the object did not change, which a single 500 must not fail either.
     """
     budget = _Budget(policy)
     while True:
         try:
-            return source.stat()
+            restat = getattr(source, "restat", None)
+            return restat() if fresh and restat is not None else source.stat()
         except TransientSourceError as exc:
             delay = budget.delay_after(exc, progressed=False)
             if delay is None:

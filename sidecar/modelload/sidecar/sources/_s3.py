@@ -22,7 +22,7 @@ import logging
 import re
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, urlsplit
 
@@ -32,7 +32,7 @@ from ._base import InterruptedReadError
 from ._connections import Origin
 from ._http import HttpObject, Target, _Exchange
 from ._s3_errors import s3_error
-from ._settings import S3Addressing, SourceSettings
+from ._settings import S3Addressing, S3Settings, SourceSettings
 from ._splice import HAVE_SPLICE
 
 __all__ = ["S3Location", "S3Source", "list_s3_prefix", "open_s3", "plan_s3_location"]
@@ -125,37 +125,65 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
     return bucket, key
 
 
+@dataclass
+class _Access:
+    """What botocore resolved for one S3 setting: shared by the sources of one model's files, so a directory
+    of shards resolves its endpoint once and runs the credential chain once."""
+
+    session: Any
+    endpoint_url: str
+    region: str
+    ca_bundle: str | None
+    credentials: Any = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _resolve_access(s3: S3Settings, display: str) -> _Access:
+    botocore = _botocore()
+    try:
+        session = botocore.session.Session()
+        if s3.credentials is not None:  # explicit keys replace the whole chain, never mix with it
+            given = s3.credentials
+            session.set_credentials(given.access_key_id, given.secret_access_key, given.session_token)
+        client = session.create_client(
+            "s3",
+            region_name=s3.region,
+            endpoint_url=s3.endpoint_url,
+            config=botocore.config.Config(signature_version=botocore.UNSIGNED),
+        )
+        return _Access(
+            session=session,
+            endpoint_url=client.meta.endpoint_url,
+            region=client.meta.region_name or "us-east-1",
+            ca_bundle=session.get_config_variable("ca_bundle"),
+        )
+    except (botocore.exceptions.BotoCoreError, ValueError) as exc:
+        raise ConfigError(f"cannot set up S3 access for {display}: {type(exc).__name__}: {exc}") from exc
+
+
 class S3Source(HttpObject):
     """One S3 object, read by signed range GETs over persistent ``http.client`` connections."""
 
-    def __init__(self, bucket: str, key: str, settings: SourceSettings) -> None:
-        botocore = _botocore()
+    def __init__(
+        self, bucket: str, key: str, settings: SourceSettings, *, access: _Access | None = None
+    ) -> None:
         display = f"s3://{bucket}/{key}"
         s3 = settings.s3
         self._bucket, self._key, self._unsigned = bucket, key, s3.unsigned
-        try:
-            session = botocore.session.Session()
-            if s3.credentials is not None:  # explicit keys replace the whole chain, never mix with it
-                given = s3.credentials
-                session.set_credentials(given.access_key_id, given.secret_access_key, given.session_token)
-            client = session.create_client(
-                "s3",
-                region_name=s3.region,
-                endpoint_url=s3.endpoint_url,
-                config=botocore.config.Config(signature_version=botocore.UNSIGNED),
-            )
-            endpoint_url: str = client.meta.endpoint_url
-            self._endpoint_url = endpoint_url
-            self._region: str = client.meta.region_name or "us-east-1"
-            ca_bundle = session.get_config_variable("ca_bundle")
-        except (botocore.exceptions.BotoCoreError, ValueError) as exc:
-            raise ConfigError(f"cannot set up S3 access for {display}: {type(exc).__name__}: {exc}") from exc
-        self._session = session
-        self._location = plan_s3_location(bucket, key, endpoint_url=endpoint_url, addressing=s3.addressing)
-        super().__init__(display, settings.http, ca_bundle=ca_bundle)
+        self._settings_all = settings
+        self._access = access if access is not None else _resolve_access(s3, display)
+        self._endpoint_url = self._access.endpoint_url
+        self._region: str = self._access.region
+        self._session = self._access.session
+        self._location = plan_s3_location(
+            bucket, key, endpoint_url=self._endpoint_url, addressing=s3.addressing
+        )
+        super().__init__(display, settings.http, ca_bundle=self._access.ca_bundle)
         self.supports_fd = HAVE_SPLICE and not self._location.origin.is_tls
-        self._credentials: Any = None
-        self._credentials_lock = threading.Lock()
+
+    def sibling(self, key: str) -> S3Source:
+        """Another object of the same bucket, sharing this source's endpoint and credentials."""
+        return S3Source(self._bucket, key, self._settings_all, access=self._access)
 
     @property
     def location(self) -> S3Location:
@@ -181,11 +209,12 @@ class S3Source(HttpObject):
     def _frozen_credentials(self) -> Any:
         """This request's credentials: resolved through botocore's chain once, refreshed by botocore."""
         exceptions = _botocore().exceptions
+        access = self._access
         try:
-            with self._credentials_lock:
-                if self._credentials is None:
-                    self._credentials = self._session.get_credentials()
-                credentials = self._credentials
+            with access.lock:
+                if access.credentials is None:
+                    access.credentials = self._session.get_credentials()
+                credentials = access.credentials
             if credentials is None:
                 raise SourceAccessDeniedError(
                     f"{self.display_uri}: no AWS credentials found (looked in AWS_ACCESS_KEY_ID /"

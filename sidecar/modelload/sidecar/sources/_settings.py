@@ -39,6 +39,13 @@ class HttpSettings:
     bounds each wait, not the whole transfer. Default 30 s: long enough for a slow object store's first
     byte, short enough that a stuck reader does not hold the load for minutes.
 
+    ``min_rate`` / ``slow_window``: the slowest a range may come, in bytes per second, measured over windows
+    of ``slow_window`` seconds. A range slower than that (one bad connection, a server trickling a few bytes a
+    second, which the stall timeout never catches) is given up on its connection and resumed, from the byte
+    where it stopped, on a fresh one; the retry policy's deadline bounds a server that is slow every time.
+    Defaults 64 KiB/s over 30 s: far below any working link's share per reader, so a healthy slow link is
+    not churned. ``min_rate`` 0 turns the check off.
+
     ``ca_bundle``: a PEM file of CA certificates for HTTPS, for private CAs. ``None`` uses the system store
     (for S3: botocore's ``AWS_CA_BUNDLE`` / ``ca_bundle`` setting when set).
 
@@ -61,6 +68,8 @@ class HttpSettings:
 
     connect_timeout: float = 10.0
     stall_timeout: float = 30.0
+    min_rate: float = 64 * 1024
+    slow_window: float = 30.0
     ca_bundle: str | None = None
     verify_tls: bool = True
     range_fallback: bool = False
@@ -72,6 +81,11 @@ class HttpSettings:
     def __post_init__(self) -> None:
         _require_positive("connect_timeout", self.connect_timeout)
         _require_positive("stall_timeout", self.stall_timeout)
+        _require_positive("slow_window", self.slow_window)
+        if not (self.min_rate >= 0 and math.isfinite(self.min_rate)):
+            raise ConfigError(
+                f"min_rate must be 0 or a positive number of bytes per second, got {self.min_rate!r}"
+            )
         if self.max_redirects < 0:
             raise ConfigError(f"max_redirects must be 0 or more, got {self.max_redirects}")
 

@@ -3,7 +3,7 @@
 ``os.splice`` moves pages from a socket (or a file's page cache) into a pipe and from the pipe into the
 destination file; the kernel fills the destination's tmpfs pages itself, so there are no user-space page
 faults and no copy through a Python buffer. Measured here, landing an HTTP body in a fresh /dev/shm file
-this way runs at 2.0-2.4 GiB/s against 1.6-1.8 for ``readinto`` into a fresh mmap (specs/benchmarking.md).
+this way runs at 2.0-2.4 GiB/s against 1.6-1.8 for ``readinto`` into a fresh mmap (``benchmarks/landing.py``).
 
 Linux only, plain sockets only: TLS needs the bytes decrypted in user space. Each thread keeps one pipe,
 enlarged to 1 MiB when the system allows, so a 32 MiB range is about 64 system calls.
@@ -17,10 +17,11 @@ import fcntl
 import os
 import select
 import threading
+import time
 
 from modelload.loader.errors import SegmentSpaceError
 
-__all__ = ["HAVE_SPLICE", "Progress", "splice_file", "splice_socket"]
+__all__ = ["HAVE_SPLICE", "Progress", "RateFloor", "SlowTransferError", "splice_file", "splice_socket"]
 
 HAVE_SPLICE = hasattr(os, "splice") and hasattr(os, "SPLICE_F_MOVE")
 _PIPE_SIZE = 1 << 20
@@ -34,6 +35,46 @@ class Progress:
 
     def __init__(self) -> None:
         self.done = 0
+
+
+class SlowTransferError(TimeoutError):
+    """A transfer's bytes came slower than its :class:`RateFloor` allows: give the range up on this
+    connection and resume it, from the byte where it stopped, on another."""
+
+    def __init__(self, rate: float, floor: RateFloor) -> None:
+        self.rate = rate
+        super().__init__(
+            f"the range came at {rate:.0f} B/s over {floor.window:g} s, below the minimum of"
+            f" {floor.min_rate:.0f} B/s"
+        )
+
+
+class RateFloor:
+    """The slowest a transfer may go: ``min_rate`` bytes per second, measured over windows of ``window``
+    seconds. The stall timeout only catches total silence; a connection that trickles a few bytes a second
+    would hold its range (and the load) forever. 0 turns the check off."""
+
+    __slots__ = ("_mark_done", "_mark_time", "min_rate", "window")
+
+    def __init__(self, min_rate: float, window: float) -> None:
+        self.min_rate = min_rate
+        self.window = window
+        self._mark_time = time.monotonic()
+        self._mark_done = 0
+
+    def check(self, done: int) -> None:
+        """Raise :class:`SlowTransferError` when the window that just ended brought too few bytes;
+        ``done`` counts the transfer's bytes so far."""
+        if self.min_rate <= 0:
+            return
+        now = time.monotonic()
+        elapsed = now - self._mark_time
+        if elapsed < self.window:
+            return
+        rate = (done - self._mark_done) / elapsed
+        if rate < self.min_rate:
+            raise SlowTransferError(rate, self)
+        self._mark_time, self._mark_done = now, done
 
 
 class _Pipe:
@@ -86,12 +127,20 @@ def _drain(pipe: _Pipe, count: int, dst_fd: int, dst_offset: int, progress: Prog
 
 
 def splice_socket(
-    sock_fd: int, count: int, dst_fd: int, dst_offset: int, *, stall_timeout: float, progress: Progress
+    sock_fd: int,
+    count: int,
+    dst_fd: int,
+    dst_offset: int,
+    *,
+    stall_timeout: float,
+    progress: Progress,
+    floor: RateFloor | None = None,
 ) -> None:
     """Move exactly ``count`` bytes from a non-blocking socket into ``dst_fd`` at ``dst_offset``.
 
-    Raises TimeoutError when no byte arrives for ``stall_timeout`` seconds, EOFError when the peer closes
-    early, OSError for socket errors; ``progress.done`` then says how many bytes reached the file.
+    Raises TimeoutError when no byte arrives for ``stall_timeout`` seconds (SlowTransferError when they come
+    slower than ``floor``), EOFError when the peer closes early, OSError for socket errors;
+    ``progress.done`` then says how many bytes reached the file.
     """
     pipe = _pipe()
     poller = select.poll()
@@ -109,6 +158,8 @@ def splice_socket(
         _drain(pipe, got, dst_fd, dst_offset, progress)
         count -= got
         dst_offset += got
+        if floor is not None:
+            floor.check(progress.done)
 
 
 def splice_file(

@@ -1,6 +1,7 @@
 """The tensorizer file format (CoreWeave), read and written independently of the tensorizer package.
 
-Facts: ``shared/specs/tensorizer-format.md``. Data versions 1-5 as tensorizer 2.12 writes them; pure bytes,
+The format, byte by byte: ``docs/tensorizer-format.md``. Data versions 1-5 as tensorizer 2.12 writes them;
+pure bytes,
 no network: the caller hands in a ``read(offset, length)`` function, a file, or buffers.
 
 Reading remotely (what the sidecar does)::

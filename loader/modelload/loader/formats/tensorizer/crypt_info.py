@@ -1,4 +1,5 @@
-"""The crypt_info block of an encrypted tensor's header (spec 4.9): how to derive the key, how to decrypt.
+"""The crypt_info block of an encrypted tensor's header (docs/tensorizer-format.md, "The crypt_info block"):
+how to derive the key, how to decrypt.
 
 Layout: ``u64 body_len``, then ``u16 chunk_count`` and that many ``u64 chunk_len`` + chunk. Chunk types:
 

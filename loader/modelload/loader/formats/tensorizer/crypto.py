@@ -1,4 +1,5 @@
-"""Decrypting a tensor in place, chunk by chunk, and encrypting one for the writer (spec 4.9).
+"""Decrypting a tensor in place, chunk by chunk, and encrypting one for the writer
+(docs/tensorizer-format.md, "Encryption").
 
 An encrypted tensor's data is split into chunks of ``chunk_size`` bytes (the last one short); chunk k is
 XSalsa20-Poly1305 with the header's nonce plus k (a 192-bit little-endian increment) and the k-th MAC of the

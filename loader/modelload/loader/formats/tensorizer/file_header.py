@@ -1,6 +1,7 @@
 """The file prologue: magic, data version, feature flags, counts, and the length of the metadata block.
 
-The first 73 bytes of every tensorizer file (spec 4.2) say which data version wrote it, whether its tensors
+The first 73 bytes of every tensorizer file (docs/tensorizer-format.md, "Prologue") say which data version
+wrote it, whether its tensors
 carry encryption parameters, how many index entries to parse and how long the metadata block is. Nothing
 else in the file can be read before these are checked, so this module refuses early and cheaply: a bad
 magic, a version outside 1-5, a flag this build does not know, a metadata block above a sane cap, or a
@@ -89,14 +90,16 @@ class FileHeader:
 
     @property
     def has_crypt_info(self) -> bool:
-        """Whether every tensor header carries a crypt_info block (spec 4.3)."""
+        """Whether every tensor header carries a crypt_info block (docs/tensorizer-format.md, "Data versions
+        and feature flags")."""
         return self.version == VERSION_ENCRYPTED or (
             self.version >= VERSION_META and bool(self.flags & FLAG_ENCRYPTED)
         )
 
     @property
     def versioned_headers(self) -> bool:
-        """Whether every index entry starts with a u32 metadata version tag (spec 4.4)."""
+        """Whether every index entry starts with a u32 metadata version tag (docs/tensorizer-format.md,
+        "Index")."""
         return bool(self.flags & FLAG_VERSIONED_HEADERS)
 
     @property

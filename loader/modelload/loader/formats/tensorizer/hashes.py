@@ -1,4 +1,5 @@
-"""Checking a tensor's stored CRC32 and SHA-256 (spec 4.8), streaming and without copies.
+"""Checking a tensor's stored CRC32 and SHA-256 (docs/tensorizer-format.md, "Hashes"), streaming and without
+copies.
 
 Both hashes cover the tensor header (hash values zeroed, crypt_info cut out; :attr:`TensorHeader.hashable`)
 followed by the *plaintext* data, so an encrypted tensor is verified after it is decrypted. zlib and hashlib

@@ -1,4 +1,5 @@
-"""The metadata index (spec 4.4): where each tensor's record lies, read with one or two range reads.
+"""The metadata index (docs/tensorizer-format.md, "Index"): where each tensor's record lies, read with one or
+two range reads.
 
 The index is what a remote reader fetches first and plans every other byte range from, so it is checked as
 a whole before anyone trusts it: every entry parses inside the metadata block, names are unique and form a

@@ -1,4 +1,5 @@
-"""Tensor names: plain UTF-8 keys and structured state_dict paths (spec 4.6).
+"""Tensor names: plain UTF-8 keys and structured state_dict paths (docs/tensorizer-format.md, "Names and
+structured paths").
 
 ``write_state_dict`` of nested dicts and lists gives each tensor a path of str keys and int indices. A path
 of one str is stored as that string in UTF-8; any other path is stored in JSON-seq form: the byte 0x1E, then

@@ -1,4 +1,5 @@
-"""The per-tensor header that precedes each tensor's data (spec 4.5), parsed and built.
+"""The per-tensor header that precedes each tensor's data (docs/tensorizer-format.md, "Records and tensor
+headers"), parsed and built.
 
 A record is ``[header][data]``. The header repeats the index entry's name, dtype and shape and adds what the
 index lacks: the module index, the hashes, the crypt_info block, and the data length. A reader that fetched a
@@ -71,7 +72,8 @@ class TensorHeader:
     """A parsed per-tensor header.
 
     ``hashable`` is what the hashes cover before the data: the header bytes with every hash value zeroed
-    and the crypt_info block cut out (spec 4.8). It is computed once here, so verifying streams only data.
+    and the crypt_info block cut out (docs/tensorizer-format.md, "Hashes"). It is computed once here, so
+    verifying streams only data.
     """
 
     size: int

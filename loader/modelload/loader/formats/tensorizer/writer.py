@@ -1,6 +1,7 @@
 """Writing tensorizer files that the real tensorizer (2.12) loads with ``verify_hash=True``.
 
-Layout decisions, all as tensorizer makes them (spec 4.2-4.10): records back to back after the metadata
+Layout decisions, all as tensorizer makes them (docs/tensorizer-format.md): records back to back after the
+metadata
 block with no alignment; CRC32 and SHA-256 in plain headers, SHA-256 only plus a crypt_info block in
 encrypted ones (an empty block for tensors without data); the data version raised to the highest feature
 used (1; 2 for opaque dtypes; 3 when encrypted; 4 for meta tensors; 5, with versioned index entries, for a

@@ -1,0 +1,282 @@
+"""The consumer table beside a version-3 segment: who reads the model, and which tensors each has copied.
+
+In memory modes release and ring (SPEC.md, layout version 3) the writer gives a tensor's pages back once
+every registered consumer has consumed it. Consumers must therefore write somewhere: they register, beat a
+heartbeat and set one bit per tensor they have copied. That bookkeeping lives in a small file of its own,
+``<segment>.consumers``, not in the segment, for two reasons:
+
+- the segment stays read-only to readers (SPEC.md reader rule 6): a reader cannot corrupt tensor bytes or
+  the state table by mistake, and the loader keeps its read-only, copy-on-write mappings;
+- the writer can make the table writable by every container of the pod (mode 0666: containers often run
+  under different user ids) without making the model's bytes writable too.
+
+Each consumer owns one entry and is its entry's only writer; claiming an entry is serialised with ``flock``
+on the table. The writer only reads the table. Torn reads are harmless: an entry counts only once its state
+word says ACTIVE, and a bit once set is never cleared while the entry lives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+from modelload.loader.errors import SegmentError, SegmentLayoutError
+
+__all__ = [
+    "CAPACITY",
+    "EXPIRY",
+    "HEARTBEAT_INTERVAL",
+    "ConsumerEntry",
+    "ConsumerTable",
+    "Registration",
+    "create_table",
+    "table_path",
+]
+
+MAGIC = b"MODELCON"
+TABLE_VERSION = 1
+HEADER_LENGTH = 4096
+ENTRY_HEADER = 64
+LABEL_LENGTH = 32
+CAPACITY = 64
+"""Consumers one segment can have at once (tensor-parallel workers of one pod are a handful)."""
+HEARTBEAT_INTERVAL = 2.0
+"""Seconds between a consumer's heartbeats."""
+EXPIRY = 30.0
+"""Seconds without a heartbeat after which a consumer counts as gone (its entry may be claimed again)."""
+
+FREE, ACTIVE, LEFT = 0, 1, 2
+_HEADER = struct.Struct(
+    "<8sIIQQII"
+)  # magic, version, capacity, load_id, tensor_count, entry_length, reserved
+_ENTRY = struct.Struct("<IIQQQ32s")  # state, pid, registered_ns, heartbeat_ns, consumed, label
+
+
+def table_path(segment: str | os.PathLike[str]) -> Path:
+    """Where the consumer table of ``segment`` lives: beside it, with ``.consumers`` appended."""
+    path = Path(segment)
+    return path.with_name(path.name + ".consumers")
+
+
+def entry_length(tensor_count: int) -> int:
+    """Bytes of one entry: 64 bytes of fields, then a bitmap of one bit per tensor, padded to 64 bytes."""
+    return -(-(ENTRY_HEADER + -(-tensor_count // 8)) // 64) * 64
+
+
+def table_length(tensor_count: int, capacity: int = CAPACITY) -> int:
+    return HEADER_LENGTH + capacity * entry_length(tensor_count)
+
+
+def create_table(segment: Path, *, load_id: int, tensor_count: int, capacity: int = CAPACITY) -> Path:
+    """Create the empty table for a new load of ``segment``, under a temporary name then renamed into place.
+
+    The writer calls this before it publishes the segment, so that a reader that finds a version-3 segment
+    also finds its table (with the same load id).
+    """
+    final = table_path(segment)
+    temp = final.with_name(f".{final.name}.{load_id:016x}.tmp")
+    fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    try:
+        os.fchmod(fd, 0o666)  # the umask would take write access from the app's containers
+        os.ftruncate(fd, table_length(tensor_count, capacity))
+        header = _HEADER.pack(
+            MAGIC, TABLE_VERSION, capacity, load_id, tensor_count, entry_length(tensor_count), 0
+        )
+        os.pwrite(fd, header, 0)
+        temp.rename(final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            temp.unlink()
+        raise
+    finally:
+        os.close(fd)
+    return final
+
+
+@dataclass(frozen=True)
+class ConsumerEntry:
+    """One consumer as the table shows it (the writer's view)."""
+
+    slot: int
+    pid: int
+    label: str
+    registered_ns: int
+    heartbeat_ns: int
+    consumed: int
+    """Tensors this consumer has marked consumed (advisory)."""
+    active: bool = True
+    """False once the consumer left (``Model.close()``): it needs nothing more."""
+
+    def age(self, now_ns: int | None = None) -> float:
+        """Seconds since the consumer's last heartbeat."""
+        return max(((now_ns or time.time_ns()) - self.heartbeat_ns) / 1e9, 0.0)
+
+
+class ConsumerTable:
+    """A mapping of one consumer table, checked against the segment it belongs to."""
+
+    def __init__(self, path: Path, fd: int, mm: mmap.mmap, capacity: int, tensor_count: int) -> None:
+        self.path = path
+        self._fd = fd
+        self._mm = mm
+        self.capacity = capacity
+        self.tensor_count = tensor_count
+        self.entry_length = entry_length(tensor_count)
+        self._bytes: npt.NDArray[np.uint8] = np.frombuffer(mm, dtype=np.uint8)
+
+    @classmethod
+    def open(
+        cls, segment: str | os.PathLike[str], *, load_id: int, tensor_count: int, write: bool
+    ) -> ConsumerTable:
+        """Open and check the table of ``segment``; ``write`` for a consumer, read-only for the writer."""
+        path = table_path(segment)
+        try:
+            fd = os.open(path, (os.O_RDWR if write else os.O_RDONLY) | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise SegmentLayoutError(
+                f"the segment is layout version 3 but its consumer table {path} is missing; "
+                "the sidecar that wrote it died while creating it: restart the pod"
+            ) from None
+        except PermissionError:
+            raise SegmentError(
+                f"cannot register as a consumer: {path} is not writable by this process (uid {os.getuid()}); "
+                "run the app with write access to the model volume, or attach(register=False) to read only"
+            ) from None
+        try:
+            size = os.fstat(fd).st_size
+            header = os.pread(fd, HEADER_LENGTH, 0)
+            if len(header) < _HEADER.size or size < HEADER_LENGTH:
+                raise SegmentLayoutError(f"consumer table {path} is truncated")
+            magic, version, capacity, table_load, count, length, reserved = _HEADER.unpack_from(header)
+            if magic != MAGIC or version != TABLE_VERSION or reserved:
+                raise SegmentLayoutError(f"{path} is not a version-{TABLE_VERSION} modelload consumer table")
+            if table_load != load_id or count != tensor_count:
+                raise SegmentLayoutError(
+                    f"consumer table {path} belongs to another load ({table_load:016x}, not {load_id:016x}); "
+                    "the sidecar replaced the load: attach again"
+                )
+            if (
+                not 1 <= capacity <= 4096
+                or length != entry_length(count)
+                or size != table_length(count, capacity)
+            ):
+                raise SegmentLayoutError(f"consumer table {path} has an impossible geometry")
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if write else 0)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(path, fd, mm, capacity, count)
+
+    # --- the writer's view ----------------------------------------------------------------------------------
+
+    def entries(self) -> list[ConsumerEntry]:
+        """Every entry ACTIVE (stale or not: the caller judges heartbeats) or LEFT."""
+        found = []
+        for slot in range(self.capacity):
+            state, pid, registered, heartbeat, consumed, label = _ENTRY.unpack_from(self._mm, self._at(slot))
+            if state in (ACTIVE, LEFT):
+                text = label.rstrip(b"\0").decode("utf-8", errors="replace")
+                entry = ConsumerEntry(slot, pid, text, registered, heartbeat, consumed, state == ACTIVE)
+                found.append(entry)
+        return found
+
+    def consumed_bits(self, slot: int) -> npt.NDArray[np.uint8]:
+        """The packed bitmap of entry ``slot`` (bit i, least significant first, is tensor i): a copy."""
+        start = self._at(slot) + ENTRY_HEADER
+        return self._bytes[start : start + -(-self.tensor_count // 8)].copy()
+
+    # --- the consumer's side --------------------------------------------------------------------------------
+
+    def register(self, *, label: str | None = None) -> Registration:
+        """Claim an entry (a free one, one left, or one whose heartbeat expired) and start its heartbeat."""
+        now = time.time_ns()
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            for slot in range(self.capacity):
+                state, _, _, heartbeat, _, _ = _ENTRY.unpack_from(self._mm, self._at(slot))
+                if state != ACTIVE or (now - heartbeat) / 1e9 > EXPIRY:
+                    break
+            else:
+                raise SegmentError(
+                    f"all {self.capacity} consumer entries of {self.path} are taken by live consumers; "
+                    "detach processes that no longer read the model (Model.close())"
+                )
+            at = self._at(slot)
+            start = at + ENTRY_HEADER
+            self._bytes[start : at + self.entry_length] = 0
+            text = (label or f"{socket.gethostname()}/{os.getpid()}").encode()[:LABEL_LENGTH]
+            _ENTRY.pack_into(self._mm, at, FREE, os.getpid() & 0xFFFFFFFF, now, now, 0, text)
+            struct.pack_into("<I", self._mm, at, ACTIVE)  # the state word last: the entry is whole now
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        return Registration(self, slot, now)
+
+    def _at(self, slot: int) -> int:
+        return HEADER_LENGTH + slot * self.entry_length
+
+    def close(self) -> None:
+        self._bytes = np.empty(0, dtype=np.uint8)
+        with contextlib.suppress(BufferError):
+            self._mm.close()
+        os.close(self._fd)
+
+
+class Registration:
+    """This process's entry in a consumer table: mark tensors consumed; a thread keeps the heartbeat."""
+
+    def __init__(self, table: ConsumerTable, slot: int, registered_ns: int) -> None:
+        self.table = table
+        self.slot = slot
+        self.registered_ns = registered_ns
+        self._at = table._at(slot)
+        self._lock = threading.Lock()
+        self._count = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="modelload-consumer-heartbeat", daemon=True)
+        self._thread.start()
+
+    def mark(self, indices: list[int]) -> None:
+        """Record that this consumer is done with tensors ``indices`` (its copy is complete)."""
+        bits = self.table._bytes
+        base = self._at + ENTRY_HEADER
+        with self._lock:
+            if self._stop.is_set():
+                return
+            for index in indices:
+                byte, bit = base + index // 8, 1 << (index % 8)
+                if not bits[byte] & bit:
+                    bits[byte] |= bit
+                    self._count += 1
+            struct.pack_into("<Q", self.table._mm, self._at + 24, self._count)
+
+    def has(self, index: int) -> bool:
+        return bool(self.table._bytes[self._at + ENTRY_HEADER + index // 8] & (1 << (index % 8)))
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_INTERVAL):
+            with self._lock:
+                if self._stop.is_set():
+                    return
+                struct.pack_into("<Q", self.table._mm, self._at + 16, time.time_ns())
+
+    def leave(self) -> None:
+        """Give the entry up: the writer stops waiting for this consumer."""
+        with self._lock:
+            if self._stop.is_set():
+                return
+            self._stop.set()
+            struct.pack_into("<I", self.table._mm, self._at, LEFT)
+        self._thread.join()
+        self.table.close()

@@ -1,0 +1,130 @@
+"""Giving a consumed tensor's pages back: the writer's side of SPEC.md's memory modes (layout version 3).
+
+A RELEASED tensor's state word is stored first, then its pages are punched out of the file
+(``fallocate(PUNCH_HOLE | KEEP_SIZE)``): a reader that checks the state after its copy (the loader does)
+knows the copy was whole when the state still says READY. Offsets never move: the file keeps its full size
+and layout, only its resident pages shrink, so readers need no new arithmetic.
+
+Neighbouring tensors can share a page: the tail of one slot and the lead (scratch room for a record header)
+or start of the next. Such a page is punched only once every tensor touching it is released, so punching
+never takes bytes from a tensor still in use or still landing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import mmap
+import os
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+
+from modelload.loader.errors import SegmentError
+from modelload.loader.segment import _memory
+from modelload.loader.segment.layout import ALIGNMENT, STATE_ENTRY_LENGTH, Layout, TensorState
+
+__all__ = ["Releaser", "page_span", "punch_hole"]
+
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+
+
+def punch_hole(fd: int, offset: int, length: int) -> None:
+    """Free the file's pages in ``[offset, offset + length)``; the file keeps its size, the range reads 0."""
+    if length <= 0:
+        return
+    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+        code = ctypes.get_errno()
+        raise SegmentError(
+            f"cannot give pages back (fallocate PUNCH_HOLE: {os.strerror(code)}); memory modes release and "
+            "ring need a memory-backed volume (tmpfs, emptyDir medium: Memory): use --memory-mode full "
+            "elsewhere"
+        ) from OSError(code, os.strerror(code))
+
+
+def page_span(offset: int, length: int) -> tuple[int, int]:
+    """The first page and the page past the last that bytes ``[offset, offset + length)`` touch."""
+    if length <= 0:
+        return offset // ALIGNMENT, offset // ALIGNMENT
+    return offset // ALIGNMENT, -(-(offset + length) // ALIGNMENT)
+
+
+class Releaser:
+    """Marks tensors RELEASED and punches their pages, through its own descriptor and mapping of the state
+    table (so it outlives the :class:`SegmentWriter`, which closes when the load ends)."""
+
+    def __init__(self, fd: int, layout: Layout, *, leads: Sequence[int] = ()) -> None:
+        """``fd`` is the segment's (duplicated here); ``leads`` the scratch bytes each slot's writer used
+        before the slot (a tensorizer record header), which belong to the tensor's pages too."""
+        self._fd = os.dup(fd)
+        self.layout = layout
+        self._mm = mmap.mmap(self._fd, layout.data_offset, flags=mmap.MAP_SHARED)
+        self._u32 = np.frombuffer(self._mm, dtype="<u4")
+        first = layout.state_offset // 4
+        self.states = self._u32[
+            first : first + len(layout.slots) * (STATE_ENTRY_LENGTH // 4) : STATE_ENTRY_LENGTH // 4
+        ]
+        self.spans = [
+            page_span(
+                s.offset - (leads[s.index] if s.index < len(leads) else 0),
+                s.nbytes + (leads[s.index] if s.index < len(leads) else 0),
+            )
+            for s in layout.slots
+        ]
+        touches: Counter[int] = Counter()
+        for start, stop in self.spans:
+            if stop > start:
+                touches.update({start, stop - 1})
+        self._shared = {page: count for page, count in touches.items() if count > 1}
+        """Pages that several tensors touch, with how many of them still hold the page."""
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def release(self, index: int) -> int:
+        """Mark READY tensor ``index`` RELEASED and punch what only it (or released neighbours) held.
+
+        Returns the bytes punched. A tensor that is not READY is left alone (returns 0).
+        """
+        if int(self.states[index]) != TensorState.READY:
+            return 0
+        self.states[index] = TensorState.RELEASED
+        _memory.release_fence()  # the state before the pages: a reader rechecking after a copy sees it
+        start, stop = self.spans[index]
+        if stop <= start:
+            return 0
+        low, high = start, stop
+        for page in {start, stop - 1}:
+            if page in self._shared:
+                self._shared[page] -= 1
+        if self._shared.get(start, 0) > 0:
+            low += 1
+        if self._shared.get(stop - 1, 0) > 0:
+            high -= 1
+        if high <= low:
+            return 0
+        punch_hole(self._fd, low * ALIGNMENT, (high - low) * ALIGNMENT)
+        return (high - low) * ALIGNMENT
+
+    def close(self) -> None:
+        self.states = self._u32 = np.empty(0, dtype="<u4")
+        with contextlib.suppress(BufferError):
+            self._mm.close()
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+
+
+def resident_bytes(fd: int) -> int:
+    """Bytes the file holds in memory now (its allocated blocks)."""
+    try:
+        return os.fstat(fd).st_blocks * 512
+    except OSError as exc:  # pragma: no cover - a closed descriptor
+        if exc.errno == errno.EBADF:
+            return 0
+        raise

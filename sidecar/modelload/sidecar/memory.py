@@ -1,0 +1,378 @@
+"""Host memory that follows the consumer: memory modes ``full``, ``release`` and ``ring``.
+
+A GPU server copies each tensor to the GPU and never reads the host copy again, yet in mode ``full`` the pod
+keeps every page of the model in its memory-backed volume (charged to the pod) for its whole life. The two
+other modes give pages back:
+
+- ``release``: once every registered consumer has consumed a tensor (its copy is done: the loader records
+  it in the consumer table beside the segment), the tensor is marked RELEASED and its pages are punched out
+  of the tmpfs file. The volume still needs room for the whole model (a slow consumer lets it fill up), but
+  it empties as the app copies.
+- ``ring``: as ``release``, and the sidecar never holds more than ``ring_size`` bytes of tensor data: before
+  landing a chunk it waits until the chunk fits in the room consumers have freed. The segment file keeps
+  its full size and every offset (it is sparse): readers see the same layout and API, and the pod's memory
+  is the ring, not the model.
+
+Chunks are admitted strictly in load order. That makes the ring deadlock-free as long as every tensor fits
+in it (checked when the load is planned): the oldest tensor still landing only waits for room that tensors
+before it hold, and those are complete, so consumers can copy and release them. A consumer that never
+releases (or no consumer at all) makes the load wait; ``/status`` and the metrics show the wait and which
+consumer it waits for, and ``wait_timeout`` turns a wait that long into a failure naming them.
+
+Peers (sidecars serving each other): a sidecar in mode ``full`` serves every READY tensor; in ``release`` and
+``ring`` it serves only tensors still READY, and re-checks the state after reading one (a tensor released
+meanwhile is not served), so peers of a GPU fleet are mostly the ``full``-mode sidecars.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from modelload.loader.errors import ConfigError, MemoryWaitError, SegmentSpaceError
+from modelload.loader.segment import MemoryMode, SegmentWriter, TensorState
+from modelload.loader.segment.consumers import EXPIRY, ConsumerEntry, ConsumerTable
+from modelload.loader.segment.release import Releaser, page_span, resident_bytes
+from modelload.sidecar.planner import Chunk, LoadPlan
+
+__all__ = ["MemoryManager", "MemorySettings", "plan_memory"]
+
+log = logging.getLogger(__name__)
+
+Mode = Literal["full", "release", "ring"]
+POLL_INTERVAL = 0.01
+"""Seconds between reads of the consumer table."""
+POLL_WAITING = 0.001
+"""... while a reader waits for room in the ring: the load is stalled until the next release is seen."""
+STATUS_INTERVAL = 1.0
+"""Seconds between status reports while nothing changes (so a wait's duration shows as it grows)."""
+
+
+@dataclass(frozen=True)
+class MemorySettings:
+    """How much host memory the load may keep (the sidecar's ``--memory-*`` flags).
+
+    ``mode``: ``full`` (default: every page stays, for CPU consumers that keep zero-copy views), ``release``
+    (pages go once every consumer copied the tensor) or ``ring`` (at most ``ring_size`` bytes at once).
+
+    ``ring_size``: ring mode's bound on tensor data in memory, bytes, rounded up to 4096. It must hold the
+    largest tensor; a few times the chunk size keeps the readers busy while the app copies.
+
+    ``wait_timeout``: seconds ring mode may wait for room before failing the load; None waits as long as
+    it takes (the status shows the wait).
+
+    ``consumers``: consumers that must have registered before anything is released (tensor-parallel
+    workers that attach one by one: set it to their count). Default 1. Once they have, a tensor is released
+    when every *live* consumer has consumed it: one that left (``Model.close()``) or whose heartbeat expired
+    (it died) needs nothing more.
+
+    ``expiry``: seconds without a heartbeat after which a consumer counts as gone. Default 30.
+    """
+
+    mode: Mode = "full"
+    ring_size: int = 0
+    wait_timeout: float | None = None
+    consumers: int = 1
+    expiry: float = EXPIRY
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("full", "release", "ring"):
+            raise ConfigError(f"memory mode must be full, release or ring, got {self.mode!r}")
+        if (self.mode == "ring") != (self.ring_size > 0):
+            raise ConfigError(
+                "a ring size (--ring-size/MODELLOAD_RING_SIZE) is needed with --memory-mode ring, and only "
+                "then"
+            )
+        if self.wait_timeout is not None and self.wait_timeout <= 0:
+            raise ConfigError(f"the memory wait timeout must be positive seconds, got {self.wait_timeout}")
+        if not 1 <= self.consumers <= 64:
+            raise ConfigError(f"consumers must be between 1 and 64, got {self.consumers}")
+        if self.expiry < 5:
+            raise ConfigError(f"the consumer expiry must be at least 5 seconds, got {self.expiry}")
+
+    @property
+    def layout_mode(self) -> MemoryMode:
+        return MemoryMode[self.mode.upper()]
+
+
+def chunk_charge(chunk: Chunk) -> int:
+    """The pages a chunk's bytes touch, in bytes: what it may add to the file's resident size."""
+    start, stop = page_span(chunk.dst_offset, chunk.length)
+    return (stop - start) * 4096
+
+
+def plan_memory(plan: LoadPlan, settings: MemorySettings) -> LoadPlan:
+    """Mark ``plan``'s segment with the memory mode, and refuse a ring too small for a tensor."""
+    if settings.mode == "full":
+        return plan
+    if settings.mode == "ring":
+        charges = [0] * len(plan.layout.slots)
+        for chunk in plan.chunks:
+            charges[chunk.tensor] += chunk_charge(chunk)
+        largest = max(range(len(charges)), key=charges.__getitem__, default=None)
+        if largest is not None and charges[largest] > settings.ring_size:
+            need = charges[largest]
+            name = plan.layout.slots[largest].name
+            raise ConfigError(
+                f"tensor {name!r} needs {need} bytes ({need / 2**20:.1f} MiB) in the ring, more than the "
+                f"ring size of {settings.ring_size} bytes: set --ring-size (ModelLoad spec.memory.ringSize) "
+                f"to at least {-(-need // 2**20)}MiB"
+            )
+    layout = replace(
+        plan.layout,
+        memory_mode=settings.layout_mode,
+        ring_size=settings.ring_size if settings.mode == "ring" else 0,
+    )
+    return replace(plan, layout=layout)
+
+
+def check_volume(directory: os.PathLike[str] | str, needed: int, settings: MemorySettings) -> None:
+    """Refuse a volume that cannot hold the ring (ring mode) before anything is created."""
+    if settings.mode != "ring" or not Path(directory).is_dir():
+        return
+    stats = os.statvfs(directory)
+    available = stats.f_bavail * stats.f_frsize
+    if needed > available:
+        raise SegmentSpaceError(
+            errno.ENOSPC,
+            f"ring mode needs {needed} bytes in {directory} (the ring of {settings.ring_size} and the "
+            f"segment's header and tables) and the volume has {available} free: raise the volume's "
+            "sizeLimit or lower --ring-size",
+        )
+
+
+class MemoryManager:
+    """Releases consumed tensors and, in ring mode, admits chunks only into room that was released.
+
+    One thread polls the consumer table; the readers call :meth:`admit` before landing each chunk.
+    """
+
+    def __init__(
+        self,
+        settings: MemorySettings,
+        *,
+        writer: SegmentWriter,
+        plan: LoadPlan,
+        stop: threading.Event,
+        report: Callable[[dict[str, Any]], None] | None = None,
+        reserve: bool = True,
+    ) -> None:
+        """``reserve``: take each chunk's pages before it lands (``posix_fallocate``), for readers that write
+        through the mapping; readers writing through the file descriptor get ENOSPC as an ordinary error, and
+        reserving would zero every page once more before the data overwrites it."""
+        self.settings = settings
+        self._reserve_pages = reserve
+        self.plan = plan
+        self._stop = stop
+        self._report = report
+        layout = plan.layout
+        self._table = ConsumerTable.open(
+            writer.path, load_id=writer.load_id, tensor_count=len(layout.slots), write=False
+        )
+        leads = [plan.header_span(i)[1] for i in range(len(layout.slots))]
+        self._releaser = Releaser(writer.fileno(), layout, leads=leads)
+        self._ring = settings.ring_size if settings.mode == "ring" else 0
+        self._cond = threading.Condition()
+        self._used = 0
+        self._next_grant = 0
+        self._charges = [0] * len(layout.slots)
+        self._released = np.zeros(len(layout.slots), dtype=bool)
+        self._released_bytes = 0
+        self._waiting_since: float | None = None
+        self._wait_total = 0.0
+        self._holders: list[dict[str, Any]] = []
+        self._consumers: list[ConsumerEntry] = []
+        self._seen: set[tuple[int, int]] = set()
+        """Every registration seen, by (entry, time registered): the count ``consumers`` waits for."""
+        self._last_report = 0.0
+        self._resident = 0
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._poll, name="memory-manager", daemon=True)
+        self._thread.start()
+
+    # --- the readers' side ----------------------------------------------------------------------------------
+
+    def admit(self, seq: int, chunk: Chunk) -> bool:
+        """Wait until chunk number ``seq`` (in load order) fits in the ring; False when the load stops.
+
+        Raises :class:`MemoryWaitError` when the wait outlasts ``wait_timeout``.
+        """
+        if not self._ring:
+            return not self._stop.is_set()
+        charge = chunk_charge(chunk)
+        with self._cond:
+            while seq != self._next_grant or self._used + charge > self._ring:
+                if self._stop.is_set():
+                    return False
+                if seq == self._next_grant:
+                    waited = self._start_wait()
+                    limit = self.settings.wait_timeout
+                    if limit is not None and waited > limit:
+                        raise MemoryWaitError(
+                            f"ring mode waited {waited:.0f} s for room to land tensor "
+                            f"{self.plan.layout.slots[chunk.tensor].name!r}: {self._describe_holders()}"
+                        )
+                self._cond.wait(0.05)
+            self._end_wait()
+            self._used += charge
+            self._charges[chunk.tensor] += charge
+            self._next_grant += 1
+            self._cond.notify_all()
+        if self._reserve_pages:
+            self._reserve(chunk)
+        return True
+
+    def _reserve(self, chunk: Chunk) -> None:
+        """Take the chunk's pages now: on a full volume that is an error here, not a SIGBUS in a reader
+        writing through the mapping."""
+        try:
+            os.posix_fallocate(self._releaser.fileno(), chunk.dst_offset, chunk.length)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
+                raise SegmentSpaceError(
+                    exc.errno,
+                    f"no room in the volume for {chunk.length} more bytes of the ring "
+                    f"({self._used} of {self._ring} in use): raise the volume's sizeLimit above the ring "
+                    "size",
+                ) from exc
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+
+    def _start_wait(self) -> float:
+        now = time.monotonic()
+        if self._waiting_since is None:
+            self._waiting_since = now
+        return now - self._waiting_since
+
+    def _end_wait(self) -> None:
+        if self._waiting_since is not None:
+            self._wait_total += time.monotonic() - self._waiting_since
+            self._waiting_since = None
+
+    # --- the release thread ---------------------------------------------------------------------------------
+
+    def _poll(self) -> None:
+        try:
+            while not self._stop.is_set() and not self._released.all():
+                changed = self._release_consumed()
+                self._resident = resident_bytes(self._releaser.fileno())
+                now = time.monotonic()
+                if changed or now - self._last_report >= STATUS_INTERVAL:
+                    self._last_report = now
+                    if self._report is not None:
+                        self._report(self.status())
+                time.sleep(POLL_WAITING if self._waiting_since is not None else POLL_INTERVAL)
+            self._resident = resident_bytes(self._releaser.fileno())
+            if self._report is not None:
+                self._report(self.status())
+        except BaseException as exc:  # a failed punch: the readers see it through the stop event
+            log.error("memory manager failed: %s", exc)
+            self._failure = exc
+            self._stop.set()
+        finally:
+            self._releaser.close()
+            self._table.close()
+
+    def _release_consumed(self) -> bool:
+        now_ns = time.time_ns()
+        entries = self._table.entries()
+        self._seen.update((e.slot, e.registered_ns) for e in entries)
+        live = [e for e in entries if e.active and e.age(now_ns) <= self.settings.expiry]
+        self._consumers = live
+        states = self._releaser.states
+        ready = states == TensorState.READY
+        if len(self._seen) < self.settings.consumers:
+            self._holders = []
+            return False
+        # Consumers that left or whose heartbeat expired need nothing more: only the live ones hold tensors.
+        count = len(self._released)
+        consumed = np.ones(count, dtype=bool)
+        for entry in live:
+            bits = np.unpackbits(self._table.consumed_bits(entry.slot), bitorder="little", count=count)
+            consumed &= bits.astype(bool)
+        todo = np.flatnonzero(consumed & ready & ~self._released)
+        freed = 0
+        for index in todo:
+            self._released_bytes += self._releaser.release(int(index))
+            self._released[index] = True
+            freed += self._charges[index]
+            self._charges[index] = 0
+        # The oldest tensor still held, and who holds it: what /status shows while the ring waits.
+        held = np.flatnonzero(ready & ~self._released & ~consumed)
+        self._holders = self._who_holds(int(held[0]), live) if len(held) else []
+        if freed:
+            with self._cond:
+                self._used -= freed
+                self._cond.notify_all()
+        return bool(len(todo))
+
+    def _who_holds(self, index: int, live: list[ConsumerEntry]) -> list[dict[str, Any]]:
+        holders = []
+        for entry in live:
+            bits = self._table.consumed_bits(entry.slot)
+            if not bits[index // 8] & (1 << (index % 8)):
+                holders.append(
+                    {
+                        "consumer": entry.label,
+                        "pid": entry.pid,
+                        "tensor": self.plan.layout.slots[index].name,
+                        "consumed": entry.consumed,
+                        "heartbeat_age_s": round(entry.age(), 1),
+                    }
+                )
+        return holders
+
+    def _describe_holders(self) -> str:
+        if len(self._seen) < self.settings.consumers:
+            return (
+                f"{len(self._seen)} consumer(s) attached, {self.settings.consumers} needed before "
+                "anything is released: is the app running and attached (modelload.loader.attach())?"
+            )
+        if not self._holders:
+            return "tensors landed are not yet ready"
+        who = ", ".join(
+            f"{h['consumer']} (pid {h['pid']}) has not consumed {h['tensor']!r}" for h in self._holders
+        )
+        return f"{who}; the app must copy tensors and mark them consumed (Model.consumed)"
+
+    # --- reporting ------------------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """The memory section of ``/status``."""
+        with self._cond:
+            waiting = self._waiting_since is not None
+            waited = time.monotonic() - self._waiting_since if self._waiting_since is not None else 0.0
+            used = self._used
+        return {
+            "mode": self.settings.mode,
+            "ring_size": self._ring or None,
+            "ring_used_bytes": used if self._ring else None,
+            "resident_bytes": self._resident,
+            "released_tensors": int(self._released.sum()),
+            "released_bytes": self._released_bytes,
+            "consumers": [
+                {
+                    "consumer": e.label,
+                    "pid": e.pid,
+                    "consumed": e.consumed,
+                    "heartbeat_age_s": round(e.age(), 1),
+                }
+                for e in self._consumers
+            ],
+            "waiting": waiting,
+            "waiting_s": round(waited, 3),
+            "wait_seconds_total": round(self._wait_total + waited, 3),
+            "waiting_for": self._describe_holders() if waiting else None,
+        }
+
+    def failure(self) -> BaseException | None:
+        return self._failure

@@ -1,0 +1,90 @@
+"""spec.memory: the sidecar's memory mode from the ModelLoad, and a pod sized from the ring in ring mode."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jsonschema
+import pytest
+
+from modelload.loader.errors import ConfigError
+from modelload.operator.injection import build_patch
+from modelload.operator.quantity import parse_bytes
+from modelload.operator.schema import parse_spec
+from modelload.operator.sizing import FIXED_HEADROOM, SizingDefaults, plan_sizing
+from tests.operator.test_crd import openapi_schema
+from tests.operator.test_injection import SIDECAR, apply, bare_pod, container, env_of, model
+
+GIB = 1 << 30
+SOURCE = "s3://models/llama.tensors"
+
+
+def _sizing(memory: dict[str, Any] | None, *, model_bytes: int = 16 * GIB, tensors: int = 291) -> Any:
+    spec = parse_spec({"source": SOURCE, **({"memory": memory} if memory else {})})
+    segment = model_bytes + tensors * 4096 + (1 << 20)
+    return plan_sizing(
+        model_bytes=model_bytes, tensors=tensors, spec=spec, defaults=SizingDefaults(), segment=segment
+    )
+
+
+def test_ring_mode_sizes_the_volume_and_the_sidecar_from_the_ring_not_the_model() -> None:
+    full, release, ring = (
+        _sizing(None),
+        _sizing({"mode": "release"}),
+        _sizing({"mode": "ring", "ringSize": "2Gi"}),
+    )
+    assert full.volume_size_limit == release.volume_size_limit, "release may hold the whole model first"
+    assert parse_bytes(full.volume_size_limit) >= 16 * GIB
+    volume = parse_bytes(ring.volume_size_limit)
+    assert 2 * GIB + FIXED_HEADROOM <= volume < 2 * GIB + 2 * FIXED_HEADROOM
+    memory = parse_bytes(ring.resources["limits"]["memory"])
+    assert memory == volume + SizingDefaults().working_set_bytes
+
+
+def test_a_ring_larger_than_the_model_is_sized_as_the_model() -> None:
+    small = _sizing({"mode": "ring", "ringSize": "64Gi"}, model_bytes=GIB)
+    assert small.volume_size_limit == _sizing(None, model_bytes=GIB).volume_size_limit
+
+
+def test_the_sidecar_gets_its_memory_mode_and_full_adds_nothing() -> None:
+    memory = {"mode": "ring", "ringSize": "2Gi", "waitTimeoutSeconds": 900, "consumers": 2}
+    pod = bare_pod()
+    env = env_of(
+        container(
+            apply(pod, build_patch(pod=pod, model=model({"memory": memory}), sidecar=SIDECAR, native=True)),
+            "modelload",
+        )
+    )
+    assert (env["MODELLOAD_MEMORY_MODE"], env["MODELLOAD_RING_SIZE"]) == ("ring", str(2 * GIB))
+    assert (env["MODELLOAD_MEMORY_WAIT_TIMEOUT"], env["MODELLOAD_CONSUMERS"]) == ("900", "2")
+    plain = env_of(
+        container(apply(pod, build_patch(pod=pod, model=model(), sidecar=SIDECAR, native=True)), "modelload")
+    )
+    assert not [name for name in plain if name.startswith(("MODELLOAD_MEMORY", "MODELLOAD_RING"))]
+
+
+@pytest.mark.parametrize(
+    ("memory", "message"),
+    [
+        ({"mode": "ring"}, "set ringSize with mode ring"),
+        ({"mode": "release", "ringSize": "1Gi"}, "set ringSize with mode ring"),
+        ({"mode": "ring", "ringSize": "512Ki"}, "ringSize: 512Ki is below 1Mi"),
+        ({"mode": "small"}, "memory.mode"),
+    ],
+)
+def test_a_bad_memory_spec_is_refused_naming_the_field(memory: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_spec({"source": SOURCE, "memory": memory})
+
+
+def test_the_crd_schema_carries_the_memory_fields_and_their_rule() -> None:
+    schema = openapi_schema()
+    doc = {"apiVersion": "modelload.dev/v1alpha1", "kind": "ModelLoad", "metadata": {"name": "m"}}
+    jsonschema.validate(
+        {**doc, "spec": {"source": SOURCE, "memory": {"mode": "ring", "ringSize": "2Gi"}}}, schema
+    )
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({**doc, "spec": {"source": SOURCE, "memory": {"mode": "tiny"}}}, schema)
+    spec_schema = schema["properties"]["spec"]
+    rules = [rule["rule"] for rule in spec_schema["x-kubernetes-validations"]]
+    assert any("self.memory.ringSize" in rule for rule in rules)

@@ -1,0 +1,239 @@
+"""Memory modes release and ring, end to end: the engine loads from a real file while a consumer attached with
+the loader copies each tensor as it arrives; what the volume holds is read from the file's allocated blocks.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from prometheus_client import generate_latest
+
+from modelload.loader import attach
+from modelload.loader.errors import ConfigError, LoadFailedError, MemoryWaitError, SegmentSpaceError
+from modelload.loader.segment import SegmentReader, TensorState, WriterState
+from modelload.sidecar.engine import Engine, EngineSettings
+from modelload.sidecar.memory import MemorySettings
+from modelload.sidecar.metrics import MetricsObserver
+from modelload.sidecar.progress import LoadTracker, Observers
+from modelload.sidecar.settings import parse_settings
+from modelload.sidecar.sources import SourceSettings
+from tests.sidecar import models
+
+CHUNK = 64 << 10
+RING = 1 << 20
+
+
+def _model(tmp_path: Path, fmt: str = "safetensors", **kwargs: Any) -> tuple[Path, dict[str, torch.Tensor]]:
+    tensors = models.state_dict(**kwargs)
+    data = models.tensorizer_bytes(tensors) if fmt == "tensorizer" else models.safetensors_bytes(tensors)
+    path = tmp_path / f"model.{fmt}"
+    path.write_bytes(data)
+    return path, tensors
+
+
+class Load:
+    """The engine in a thread, with a tracker and metrics, as the sidecar runs it."""
+
+    def __init__(self, source: Path, segment: Path, memory: MemorySettings, **settings: Any) -> None:
+        self.tracker, self.metrics = LoadTracker(), MetricsObserver()
+        self.engine = Engine(
+            EngineSettings(source=str(source), segment=segment, chunk_size=CHUNK, memory=memory, **settings),
+            sources=SourceSettings(),
+            observer=Observers(self.tracker, self.metrics),
+        )
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.engine.run()
+        except BaseException as exc:
+            self.error = exc
+
+    def finish(self) -> None:
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+
+
+def _consume(segment: Path, *, sample: list[int] | None = None) -> dict[str, bytes]:
+    copies = {}
+    with attach(segment, timeout=30, notify=False) as model:
+        for name in model.iter_ready():
+            copies[name] = bytes(model.numpy(name).tobytes())
+            model.consumed(name)
+            if sample is not None:
+                sample.append(os.stat(segment).st_blocks * 512)
+    return copies
+
+
+def _resident(segment: Path) -> int:
+    return os.stat(segment).st_blocks * 512
+
+
+@pytest.mark.parametrize("fmt", ["tensorizer", "safetensors"])
+def test_ring_mode_loads_byte_exact_while_the_volume_never_holds_more_than_the_ring(
+    fmt: str, tmp_path: Path, shm_dir: Path
+) -> None:
+    source, tensors = _model(tmp_path, fmt)
+    segment = shm_dir / "ring.seg"
+    model_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert model_bytes > 3 * RING, "the model must be larger than the ring for this test to mean anything"
+    load = Load(source, segment, MemorySettings(mode="ring", ring_size=RING), readers=4)
+    while not segment.exists():
+        time.sleep(0.005)
+    sample: list[int] = []
+    copies = _consume(segment, sample=sample)
+    load.finish()
+    assert load.error is None
+    assert {name: copies[name] for name in tensors} == {
+        name: models.as_bytes(t) for name, t in tensors.items()
+    }
+    control = 3 * 4096 + 4096 * -(-len(tensors) * 32 // 4096)  # header, manifest, state table
+    assert max(sample) <= RING + control + 4096
+    deadline = time.monotonic() + 5
+    while load.tracker.snapshot().memory["released_tensors"] < len(tensors) and time.monotonic() < deadline:  # type: ignore[index]
+        time.sleep(0.01)
+    memory = load.tracker.snapshot().memory
+    assert memory is not None and memory["released_tensors"] == len(tensors)
+    assert _resident(segment) <= control
+    with SegmentReader.open(segment) as reader:
+        assert reader.writer_state == WriterState.COMPLETE
+        assert {reader.state(i) for i in range(len(reader.slots))} == {TensorState.RELEASED}
+
+
+def test_release_mode_empties_the_volume_once_the_consumer_is_done(tmp_path: Path, shm_dir: Path) -> None:
+    source, tensors = _model(tmp_path, seed=3)
+    segment = shm_dir / "release.seg"
+    load = Load(source, segment, MemorySettings(mode="release"), readers=4)
+    while not segment.exists():
+        time.sleep(0.005)
+    copies = _consume(segment)
+    load.finish()
+    assert copies == {name: models.as_bytes(t) for name, t in tensors.items()}
+    deadline = time.monotonic() + 5
+    while _resident(segment) > 64 << 10 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _resident(segment) <= 64 << 10
+    scraped = generate_latest(load.metrics.registry).decode()
+    assert "modelload_memory_released_bytes" in scraped
+    released = next(
+        line for line in scraped.splitlines() if line.startswith("modelload_memory_released_bytes ")
+    )
+    assert float(released.split()[1]) >= sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def test_a_ring_smaller_than_the_largest_tensor_is_refused_before_anything_is_created(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    source, _ = _model(tmp_path)  # embed.weight: 1024 x 256 bfloat16 = 512 KiB
+    segment = shm_dir / "small.seg"
+    load = Load(source, segment, MemorySettings(mode="ring", ring_size=256 << 10))
+    load.finish()
+    assert isinstance(load.error, ConfigError)
+    assert "'embed.weight' needs 524288 bytes" in str(load.error)
+    assert "set --ring-size (ModelLoad spec.memory.ringSize) to at least 1MiB" in str(load.error)
+    assert not segment.exists()
+
+
+def test_a_consumer_that_never_releases_makes_the_ring_wait_and_the_timeout_names_it(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    source, _ = _model(tmp_path)
+    segment = shm_dir / "stuck.seg"
+    load = Load(source, segment, MemorySettings(mode="ring", ring_size=RING, wait_timeout=1.5), readers=2)
+    while not segment.exists():
+        time.sleep(0.005)
+    hoarder = attach(segment, timeout=5, notify=False)  # registers, reads, never marks anything consumed
+    deadline = time.monotonic() + 5
+    memory = None
+    while time.monotonic() < deadline:
+        memory = load.tracker.snapshot().memory
+        if (
+            memory
+            and memory["waiting"]
+            and memory["waiting_for"]
+            and "has not consumed" in memory["waiting_for"]
+        ):
+            break
+        time.sleep(0.02)
+    assert memory is not None and memory["waiting"], memory
+    assert f"pid {os.getpid()}" in memory["waiting_for"] and memory["consumers"][0]["pid"] == os.getpid()
+    load.finish()
+    assert isinstance(load.error, MemoryWaitError)
+    assert "ring mode waited" in str(load.error) and "has not consumed" in str(load.error)
+    with pytest.raises(LoadFailedError, match=r"ring mode waited .* has not consumed"):
+        hoarder.wait(timeout=5)
+    hoarder.close()
+
+
+def test_a_ring_with_no_consumer_attached_says_so_when_it_times_out(tmp_path: Path, shm_dir: Path) -> None:
+    source, _ = _model(tmp_path)
+    load = Load(source, shm_dir / "alone.seg", MemorySettings(mode="ring", ring_size=RING, wait_timeout=0.5))
+    load.finish()
+    assert isinstance(load.error, MemoryWaitError)
+    assert "0 consumer(s) attached, 1 needed" in str(load.error)
+
+
+def _hold_and_die(segment: str, ready: Any) -> None:
+    model = attach(segment, timeout=10, notify=False)
+    model.numpy(model.names[0])
+    ready.set()
+    time.sleep(60)
+
+
+def test_a_reader_that_died_holding_tensors_stops_counting_when_its_heartbeat_expires(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    source, tensors = _model(tmp_path, seed=5)
+    segment = shm_dir / "dead.seg"
+    load = Load(source, segment, MemorySettings(mode="ring", ring_size=RING, expiry=5.0), readers=2)
+    while not segment.exists():
+        time.sleep(0.005)
+    context = multiprocessing.get_context("spawn")
+    ready = context.Event()
+    reader = context.Process(target=_hold_and_die, args=(str(segment), ready))
+    reader.start()
+    assert ready.wait(30)
+    os.kill(reader.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    reader.join()
+    copies = _consume(segment)  # waits through the dead reader's expiry, then the ring moves on
+    load.finish()
+    assert load.error is None
+    assert copies == {name: models.as_bytes(t) for name, t in tensors.items()}
+
+
+def test_a_volume_too_small_for_the_ring_is_a_clear_error(tmp_path: Path, tiny_tmpfs: Path) -> None:
+    source, _ = _model(tmp_path)
+    load = Load(source, tiny_tmpfs / "model.seg", MemorySettings(mode="ring", ring_size=4 << 20))
+    load.finish()
+    assert isinstance(load.error, SegmentSpaceError)
+    assert "ring mode needs" in str(
+        load.error
+    ) and "raise the volume's sizeLimit or lower --ring-size" in str(load.error)
+    assert not (tiny_tmpfs / "model.seg").exists()
+
+
+def test_the_memory_flags_and_variables_parse_into_settings() -> None:
+    settings = parse_settings(
+        ["--source", "s3://b/m.safetensors", "--memory-mode", "ring", "--ring-size", "256MiB"],
+        environ={"MODELLOAD_MEMORY_WAIT_TIMEOUT": "90", "MODELLOAD_CONSUMERS": "2"},
+    )
+    assert settings.engine.memory == MemorySettings(
+        mode="ring", ring_size=256 << 20, wait_timeout=90.0, consumers=2
+    )
+    assert parse_settings(["--source", "x.safetensors"], environ={}).engine.memory.mode == "full"
+    with pytest.raises(ConfigError, match=r"ring size .* is needed with --memory-mode ring"):
+        parse_settings(["--source", "x", "--memory-mode", "ring"], environ={})
+    with pytest.raises(ConfigError, match="MODELLOAD_MEMORY_MODE: expected one of full, release, ring"):
+        parse_settings(["--source", "x"], environ={"MODELLOAD_MEMORY_MODE": "tiny"})
+    with pytest.raises(ConfigError, match="--ring-size: a ring must be at least 1MiB"):
+        parse_settings(["--source", "x", "--memory-mode", "ring", "--ring-size", "4096"], environ={})
