@@ -228,7 +228,9 @@ class Engine:
         )
         if self._peers is not None:  # shared only in full mode: released pages cannot be served
             share = settings.memory.mode == "full"
-            plan = self._peers.begin(model=model, plan=plan, writer=writer, segment=settings.segment, share=share)
+            plan = self._peers.begin(
+                model=model, plan=plan, writer=writer, segment=settings.segment, share=share
+            )
         if not use_fd and settings.memory.mode != "ring":  # (ring mode takes each chunk's pages as it lands)
             # Landing through the mapping: a full tmpfs would be a SIGBUS, so take every page now. Through the
             # file descriptor a full volume is an ordinary ENOSPC, and reserving would cost a pass of zeroing
@@ -433,7 +435,9 @@ class _Load:
         slot = self.plan.layout.slots[tensor]
         verified = decrypted = False
         if self.engine._peers is not None:
-            self.engine._peers.finish(tensor)  # bytes from a peer checked (and re-read from the origin if bad)
+            self.engine._peers.finish(
+                tensor
+            )  # bytes from a peer checked (and re-read from the origin if bad)
         uri = self.model.display(entry.file)
         if self.plan.index.format == "tensorizer":
             offset, length = self.plan.header_span(tensor)
