@@ -99,14 +99,22 @@ class Peers:
 
     # --- the engine's hooks ------------------------------------------------------------------------------
 
-    def begin(self, *, model: OpenedModel, plan: LoadPlan, writer: Any, segment: Path) -> LoadPlan:
+    def begin(
+        self, *, model: OpenedModel, plan: LoadPlan, writer: Any, segment: Path, share: bool = True
+    ) -> LoadPlan:
         """Wrap ``model``'s sources to ask peers first and return the plan to load, own tensors first.
 
-        Called once the segment exists. Encrypted models and objects without an ETag load from the origin
-        as before (see the module docstring)."""
+        Called once the segment exists. Encrypted models, objects without an ETag, and loads that will not
+        keep their tensors (``share`` false: a memory mode that releases pages) load from the origin as
+        before and serve nothing (see the module docstring)."""
         index = plan.index
-        if index.encrypted or any(info.etag is None for info in model.infos):
-            why = "the model is encrypted" if index.encrypted else "a weight file has no ETag to match by"
+        if not share or index.encrypted or any(info.etag is None for info in model.infos):
+            if not share:
+                why = "this load releases tensors once consumed (memory mode), so it could not serve them"
+            elif index.encrypted:
+                why = "the model is encrypted"
+            else:
+                why = "a weight file has no ETag to match by"
             log.info("peers are off for this load: %s", why)
             with self._lock:
                 self._phase = "unshared"
@@ -129,6 +137,10 @@ class Peers:
             for i, origin in enumerate(model.sources)
         ]
         return replace(plan, chunks=self._own_first(plan))
+
+    def end(self, model: OpenedModel) -> None:
+        """Give ``model`` its origin sources back once every chunk is in (a last check reads the origin)."""
+        model.sources[:] = [s.origin if isinstance(s, PeerSource) else s for s in model.sources]
 
     def _own_first(self, plan: LoadPlan) -> tuple[Chunk, ...]:
         """Chunks of the tensors this sidecar would read from the origin first, then the rest, each in load
