@@ -133,8 +133,6 @@ class PeerHook(Protocol):
 
     def finish(self, tensor: int) -> int | None: ...
 
-    def end(self, model: OpenedModel) -> None: ...
-
 
 class Engine:
     """Loads one model into one segment. Call :meth:`run` (blocking) once; :meth:`stop` from any thread."""
@@ -237,8 +235,6 @@ class Engine:
             # (0.15 s per 2 GiB here) for pages the data overwrites anyway.
             writer.reserve()
         _Load(self, model, plan, writer, key, use_fd=use_fd, memory=memory).run()
-        if self._peers is not None:
-            self._peers.end(model)  # the origin's own sources again: the check below asks the origin
         if self._stop.is_set():
             raise LoadStopped("stopped before the load finished")
         integrity.check_unchanged(
