@@ -138,10 +138,6 @@ class Peers:
         ]
         return replace(plan, chunks=self._own_first(plan))
 
-    def end(self, model: OpenedModel) -> None:
-        """Give ``model`` its origin sources back once every chunk is in (a last check reads the origin)."""
-        model.sources[:] = [s.origin if isinstance(s, PeerSource) else s for s in model.sources]
-
     def _own_first(self, plan: LoadPlan) -> tuple[Chunk, ...]:
         """Chunks of the tensors this sidecar would read from the origin first, then the rest, each in load
         order: the fleet's origin readers then work in parallel from the start, and what others read is

@@ -329,6 +329,11 @@ class PeerSource:
     def stat(self) -> ObjectInfo:
         return self.origin.stat()
 
+    def restat(self) -> ObjectInfo:
+        """The origin's fresh look-up (the end-of-load check that the object did not change)."""
+        restat = getattr(self.origin, "restat", None)
+        return restat() if restat is not None else self.origin.stat()
+
     def read_bytes(self, offset: int, length: int) -> bytes:
         return self.origin.read_bytes(offset, length)
 
