@@ -72,6 +72,7 @@ test: check
 bench: venv $(BENCH_STAMP) $(S3RVER)
 	$(BIN)/python benchmarks/run.py --publish
 	$(BIN)/python benchmarks/memory_modes.py
+	$(BIN)/python benchmarks/peer_fleet.py --out docs/peer-fleet.json
 
 clean:
 	rm -rf $(VENV) .bench-tools build *.egg-info .mypy_cache .ruff_cache .pytest_cache
