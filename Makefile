@@ -98,6 +98,7 @@ test: test-vllm
 bench: venv $(BENCH_STAMP) $(S3RVER)
 	$(BIN)/python benchmarks/run.py --publish
 	$(BIN)/python benchmarks/memory_modes.py
+	$(BIN)/python benchmarks/peer_fleet.py --out docs/peer-fleet.json
 bench: bench-vllm
 
 # vLLM's first token through modelload against vLLM's own safetensors and tensorizer loaders.

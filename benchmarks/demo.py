@@ -218,10 +218,17 @@ def load_and_infer(
         "--segment", str(segment),
         "--expected", str(work / "expected.pt"),
     ]  # fmt: skip
-    step("starting the sidecar and, beside it, the inference process")
+    # The inference process starts first and waits for the segment, as an app container does when the pod
+    # starts: its interpreter and torch are up before the first weight arrives, so the timeline shows what
+    # the sidecar does rather than how long torch takes to import.
+    step("starting the inference process, then the sidecar beside it")
+    app = subprocess.Popen(inference, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert app.stderr is not None
+    app.stderr.readline()  # "waiting for the segment": imports done
     started = time.time()
     with running(sidecar, env=env, log=work / "sidecar.log") as side:
-        infer = subprocess.run(inference, env=env, capture_output=True, text=True, check=False, timeout=900)
+        out, err = app.communicate(timeout=900)
+        infer = subprocess.CompletedProcess(inference, app.returncode, out, err)
         status = read_status(api_port)
         if side.poll() is not None:
             print((work / "sidecar.log").read_text(), file=sys.stderr)

@@ -92,14 +92,25 @@ def prompt(config: Config) -> torch.Tensor:
     return torch.arange(config.context).remainder(config.vocab).unsqueeze(0)
 
 
+def _warm_up() -> None:
+    """One bf16 block forward on random weights: torch's first kernels (thread pool, bf16 paths) start once,
+    before the segment is there, as in a server that has started but has no weights yet."""
+    small = Config(vocab=256, width=256, heads=4, mlp=704, layers=1)
+    with torch.no_grad():
+        build(small).to(torch.bfloat16)(prompt(small))
+
+
 def infer(segment: str, expected_path: str) -> dict[str, object]:
     """Attach to ``segment``, read the config from its model directory, and run the forward pass block by
     block as the weights arrive."""
     from modelload.loader import attach
 
     started = time.time()
+    _warm_up()
+    print("waiting for the segment", file=sys.stderr, flush=True)
     loaded = attach(segment, timeout=600)
     attached_at = time.time()
+    ready_at_attach = loaded.progress().tensors_ready
     assert loaded.model_dir is not None, (
         "the sidecar loaded a model directory: its config is beside the segment"
     )
@@ -108,7 +119,6 @@ def infer(segment: str, expected_path: str) -> dict[str, object]:
     with torch.device("meta"):
         model = TinyLM(config).eval()
     model_ready_at = time.time()
-    ready_at_attach = loaded.progress().tensors_ready
     steps: list[tuple[str, float]] = []
 
     def take(module: nn.Module, prefix: str) -> None:

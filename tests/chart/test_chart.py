@@ -134,6 +134,7 @@ def test_rbac_has_no_wildcards_and_only_the_verbs_the_operator_uses(variant: str
         ("modelload.dev", "modelloads/status"): {"get", "patch"},
         ("", "pods"): {"list", "watch"},
         ("", "secrets"): {"get", "patch", "create"},
+        ("", "services"): {"create"},
         ("", "events"): {"create"},
         ("admissionregistration.k8s.io", "mutatingwebhookconfigurations"): {"get", "patch"},
     }

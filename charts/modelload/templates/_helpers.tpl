@@ -75,6 +75,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get"]
+# Peers (spec.peers): a headless Service and a token Secret per ModelLoad, created once, owned by it.
+- apiGroups: [""]
+  resources: ["services", "secrets"]
+  verbs: ["create"]
 # Events about ModelLoads (kopf posts core/v1 Events).
 - apiGroups: [""]
   resources: ["events"]

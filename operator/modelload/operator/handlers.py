@@ -30,6 +30,7 @@ import kopf
 from modelload.operator.conditions import now_rfc3339
 from modelload.operator.kube import Kube, KubeNotFoundError
 from modelload.operator.metrics import METRICS
+from modelload.operator.peers import ensure_peer_objects
 from modelload.operator.pods import PodLoad, aggregate, classify
 from modelload.operator.resolve import classify_failure, failure_status, resolve, success_status
 from modelload.operator.resource import label_value
@@ -76,6 +77,7 @@ def pods_body(status: PodsStatus) -> dict[str, Any]:
     """``status.pods`` as a merge patch: every field present, None deleting a stale value."""
     return {
         "injected": status.injected,
+        "serving": status.serving,
         "loading": status.loading,
         "ready": status.ready,
         "failed": status.failed,
@@ -182,6 +184,10 @@ class Handlers:
             raise kopf.TemporaryError(
                 f"{failure.reason}: {failure.message}", delay=failure.retry_after
             ) from None
+        if spec.peers:
+            await ensure_peer_objects(
+                self._kube, namespace=namespace, body=body, label_value=label_value(body)
+            )
         new_status = success_status(resolution, generation=generation, conditions=conditions, now=now)
         patch.status.update(new_status)
         kopf.info(body, reason="Resolved", message=new_status["conditions"][-1]["message"])

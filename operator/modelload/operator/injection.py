@@ -37,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from modelload.operator.peers import PEER_DIR, PEER_VOLUME, peer_env, peer_volume
 from modelload.operator.quantity import parse_bytes, parse_size
 from modelload.operator.resource import ResolvedModel
 from modelload.operator.schema import MODEL_LABEL, ModelLoadSpec
@@ -231,6 +232,8 @@ def _volumes(model: ResolvedModel, size_limit: str) -> list[dict[str, Any]]:
     headers_ref = model.spec.headers_secret_ref
     if headers_ref is not None:
         volumes.append(_secret_volume(HEADERS_VOLUME, headers_ref.name, headers_ref.key))
+    if model.spec.peers:
+        volumes.append(peer_volume(name=model.name, mode=SECRET_FILE_MODE))
     return volumes
 
 
@@ -261,6 +264,8 @@ def _sidecar_container(
         mounts.append({"name": PASSWORD_VOLUME, "mountPath": PASSWORD_DIR, "readOnly": True})
     if model.spec.headers_secret_ref is not None:
         mounts.append({"name": HEADERS_VOLUME, "mountPath": HEADERS_DIR, "readOnly": True})
+    if model.spec.peers:
+        mounts.append({"name": PEER_VOLUME, "mountPath": PEER_DIR, "readOnly": True})
     probe = {"port": sidecar.port, "scheme": "HTTP"}
     container: dict[str, Any] = {
         "name": SIDECAR_NAME,
@@ -375,6 +380,8 @@ def sidecar_env(model: ResolvedModel, *, port: int) -> list[dict[str, Any]]:
     if spec.headers_secret_ref is not None:
         path = f"{HEADERS_DIR}/{spec.headers_secret_ref.key}"
         env.append({"name": "MODELLOAD_HEADER_FILE", "value": path})
+    if spec.peers:
+        env += peer_env(name=model.name, namespace=model.namespace)
     return env
 
 

@@ -138,6 +138,12 @@ class Kube:
             what, self._core.patch_namespaced_secret, name, namespace, dict(body), _content_type=MERGE_PATCH
         )
 
+    # --- Services ------------------------------------------------------------------------------------------
+
+    async def create_service(self, namespace: str, body: Mapping[str, Any]) -> None:
+        what = f"create Service {namespace}/{body['metadata']['name']}"
+        await self._call(what, self._core.create_namespaced_service, namespace, dict(body))
+
     # --- ModelLoads ----------------------------------------------------------------------------------------
 
     async def list_modelloads(self, namespace: str) -> list[dict[str, Any]]:

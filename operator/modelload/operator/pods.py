@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 import statistics
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
@@ -48,6 +48,12 @@ class PodLoad:
     load_seconds: float | None = None
     ready_at: str | None = None
     """The pod's Ready transition time (RFC 3339), to find the most recent load."""
+    peers: bool = False
+    """The sidecar was given peers (``spec.peers``): while it runs it serves what it holds to the others."""
+
+    @property
+    def serving(self) -> bool:
+        return self.peers and self.state in ("loading", "ready")
 
 
 def classify(pod: Mapping[str, Any]) -> PodLoad | None:
@@ -56,8 +62,15 @@ def classify(pod: Mapping[str, Any]) -> PodLoad | None:
     spec = pod.get("spec") or {}
     status = pod.get("status") or {}
     declared = list(spec.get("initContainers") or []) + list(spec.get("containers") or [])
-    if not any(c.get("name") == SIDECAR_NAME for c in declared):
+    sidecars = [c for c in declared if c.get("name") == SIDECAR_NAME]
+    if not sidecars:
         return None
+    peers = any(e.get("name") == "MODELLOAD_PEER_DNS" for e in sidecars[0].get("env") or ())
+    load = _classify(meta, status)
+    return load if load is None or not peers else replace(load, peers=True)
+
+
+def _classify(meta: Mapping[str, Any], status: Mapping[str, Any]) -> PodLoad | None:
     if meta.get("deletionTimestamp") or status.get("phase") == "Succeeded":
         return None
     if status.get("phase") == "Failed":
@@ -130,6 +143,7 @@ def aggregate(loads: Iterable[PodLoad], *, model_bytes: int | None) -> PodsStatu
         throughput = int(model_bytes / last_seconds)
     return PodsStatus(
         injected=len(items),
+        serving=sum(1 for p in items if p.serving),
         loading=counts["loading"],
         ready=counts["ready"],
         failed=counts["failed"],

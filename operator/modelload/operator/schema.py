@@ -296,6 +296,12 @@ class ModelLoadSpec:
         doc="Memory mode: keep the model (full, the default), release what the app copied, or a ring.",
         default=None,
     )
+    peers: bool = prop(
+        doc="Let this model's sidecars serve each other: each takes chunks from pods that hold them and "
+        "reads the origin only for the rest. The operator creates a headless Service and a token Secret "
+        "named <name>-peers. Encrypted models always read the origin.",
+        default=False,
+    )
 
 
 _HTTP_SOURCE = "(self.source.startsWith('http://') || self.source.startsWith('https://'))"
@@ -376,6 +382,12 @@ class PodsStatus:
     """The pods that asked for this model, as their sidecars report through the pods' own status."""
 
     injected: int = prop(doc="Pods carrying the sidecar and not terminating.", default=0, minimum=0)
+    serving: int = prop(
+        doc="With spec.peers: pods whose sidecar runs and serves what it holds to the other pods (loading "
+        "ones included).",
+        default=0,
+        minimum=0,
+    )
     loading: int = prop(
         doc="Pods whose sidecar runs and has not loaded every tensor yet.", default=0, minimum=0
     )

@@ -15,6 +15,7 @@ the engine are imported when the command runs.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import signal
@@ -82,8 +83,9 @@ class LoadEngine(Protocol):
 EngineFactory = Callable[[SidecarSettings, "LoadObserver"], LoadEngine]
 
 
-def default_engine(settings: SidecarSettings, observer: LoadObserver) -> LoadEngine:
-    """The streaming engine of ``modelload.sidecar.engine``, built from the sidecar's settings."""
+def default_engine(settings: SidecarSettings, observer: LoadObserver, *, peers: Any = None) -> LoadEngine:
+    """The streaming engine of ``modelload.sidecar.engine``, built from the sidecar's settings (and this
+    sidecar's :class:`~modelload.sidecar.peers.Peers` when peers are on)."""
     from modelload.sidecar.engine import Engine, EngineSettings
 
     load = settings.engine
@@ -102,7 +104,7 @@ def default_engine(settings: SidecarSettings, observer: LoadObserver) -> LoadEng
         files=load.files,
         memory=load.memory,
     )
-    return Engine(engine_settings, sources=settings.sources, observer=observer)
+    return Engine(engine_settings, sources=settings.sources, observer=observer, peers=peers)
 
 
 # --- the command -------------------------------------------------------------------------------------------
@@ -212,8 +214,22 @@ class Sidecar:
             except BaseException:
                 self.api.stop()
                 raise
+        self.peers: Any = None
+        if settings.peers.enabled:
+            from modelload.sidecar.peers import Peers
+
+            try:
+                self.peers = Peers(settings.peers, host=settings.api.host, retry=settings.sources.retry)
+            except BaseException:
+                self.api.stop()
+                if self.notifier is not None:
+                    self.notifier.close()
+                raise
+            self.peers.register_metrics(self.metrics.registry)
+            if engine_factory is default_engine:
+                engine_factory = functools.partial(default_engine, peers=self.peers)
         marker = FailureMarker(settings.engine.segment)
-        observers = [self.tracker, self.metrics, LoggingObserver(), marker, self.notifier]
+        observers = [self.tracker, self.metrics, LoggingObserver(), marker, self.notifier, self.peers]
         self.observer: LoadObserver = Observers(*[o for o in observers if o is not None])  # type: ignore[assignment]
         self._load = _LoadThread(lambda: engine_factory(settings, self.observer), self.observer, self.tracker)
         self._stopped: int | None = None
@@ -221,6 +237,8 @@ class Sidecar:
     def start(self) -> None:
         """Serve the API (the liveness probe answers from now on), then start the load."""
         self.api.start()
+        if self.peers is not None:
+            self.peers.start()
         log.info(
             "status API on %s (/healthz /startupz /readyz /status /metrics); notifications on %s",
             self.api.url,
@@ -250,6 +268,8 @@ class Sidecar:
         if not self._load.join(STOP_TIMEOUT):
             log.warning("the engine did not stop within %.0f s; exiting without it", STOP_TIMEOUT)
         self.api.stop()
+        if self.peers is not None:
+            self.peers.close()
         if self.notifier is not None:
             self.notifier.close()
         status = self.tracker.snapshot()

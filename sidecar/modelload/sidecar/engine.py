@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, Protocol
 
 from modelload.loader.errors import (
     ConfigError,
@@ -126,11 +126,30 @@ class EngineSettings:
             raise ConfigError("give a key file or a password file, not both")
 
 
+class PeerHook(Protocol):
+    """Other sidecars as sources (``modelload.sidecar.peers.Peers``): ``begin`` may wrap ``model.sources``
+    and reorder the plan; ``finish`` checks a tensor before it is published and returns a CRC-32 to record."""
+
+    def begin(
+        self, *, model: OpenedModel, plan: LoadPlan, writer: Any, segment: Path, share: bool = True
+    ) -> LoadPlan: ...
+
+    def finish(self, tensor: int) -> int | None: ...
+
+
 class Engine:
     """Loads one model into one segment. Call :meth:`run` (blocking) once; :meth:`stop` from any thread."""
 
-    def __init__(self, settings: EngineSettings, *, sources: SourceSettings, observer: LoadObserver) -> None:
+    def __init__(
+        self,
+        settings: EngineSettings,
+        *,
+        sources: SourceSettings,
+        observer: LoadObserver,
+        peers: PeerHook | None = None,
+    ) -> None:
         self.settings = settings
+        self._peers = peers
         self._observer = observer
         self._stop = threading.Event()
         # A stop (SIGTERM) also cuts short a retry's backoff, so stopping never waits out a retry's sleep.
@@ -209,6 +228,11 @@ class Engine:
         observer.manifest_published(
             model_format=index.format, tensors=len(index), nbytes=index.nbytes, notify=settings.notify
         )
+        if self._peers is not None:  # shared only in full mode: released pages cannot be served
+            share = settings.memory.mode == "full"
+            plan = self._peers.begin(
+                model=model, plan=plan, writer=writer, segment=settings.segment, share=share
+            )
         if not use_fd and settings.memory.mode != "ring":  # (ring mode takes each chunk's pages as it lands)
             # Landing through the mapping: a full tmpfs would be a SIGBUS, so take every page now. Through the
             # file descriptor a full volume is an ordinary ENOSPC, and reserving would cost a pass of zeroing
@@ -225,6 +249,7 @@ class Engine:
             readers=settings.readers,
             on_retry=self._retried,
             sample=settings.memory.mode == "full",
+            skip=getattr(self._peers, "verified_by_peers", ()),
         )
         writer.mark_complete()
         observer.load_finished(seconds=time.monotonic() - started, nbytes=index.nbytes)
@@ -418,6 +443,9 @@ class _Load:
         entry = self.plan.index.tensors[tensor]
         slot = self.plan.layout.slots[tensor]
         verified = decrypted = False
+        peers = self.engine._peers
+        if peers is not None:
+            peers.finish(tensor)  # bytes from a peer checked (and re-read from the origin if bad)
         uri = self.model.display(entry.file)
         if self.plan.index.format == "tensorizer":
             offset, length = self.plan.header_span(tensor)
@@ -440,7 +468,8 @@ class _Load:
             if self.settings.verify and header.hashes:
                 tz.verify(tz.fastest_hash(header), data, source=uri)
                 verified = True
-        if not verified and self._sampled[tensor]:
+        from_peers = peers is not None and tensor in getattr(peers, "verified_by_peers", ())
+        if not verified and not from_peers and self._sampled[tensor]:
             integrity.check_tensor(
                 self.model,
                 self.plan,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -37,6 +37,7 @@ from modelload.sidecar.sources import (
     RetryEvent,
     RetryPolicy,
     S3Source,
+    Source,
     read_range,
     stat_source,
 )
@@ -87,10 +88,16 @@ class _Sample:
     length: int
 
 
+def _origin(source: Source) -> Source:
+    """The origin behind a peer-aware source: samples must come from the origin, or a peer's copy would be
+    compared with itself."""
+    return getattr(source, "origin", source)
+
+
 def needs_samples(model: OpenedModel, file: int) -> bool:
     """Whether sampled bytes of ``file`` are worth re-reading: S3's ETag follows the content, and a server
     without Range support would send the whole object per sample."""
-    return not isinstance(model.sources[file], S3Source) and model.infos[file].accepts_ranges
+    return not isinstance(_origin(model.sources[file]), S3Source) and model.infos[file].accepts_ranges
 
 
 def _samples(plan: LoadPlan, model: OpenedModel, chunks: Sequence[Chunk] | None = None) -> list[_Sample]:
@@ -124,9 +131,8 @@ def check_tensor(
     validator is never handed to an app. Raises :class:`SourceChangedError`."""
     for sample in _samples(plan, model, chunks):
         buf = bytearray(sample.length)
-        read_range(
-            model.sources[sample.file], sample.src_offset, memoryview(buf), policy=policy, on_retry=on_retry
-        )
+        source = _origin(model.sources[sample.file])
+        read_range(source, sample.src_offset, memoryview(buf), policy=policy, on_retry=on_retry)
         if writer.region(sample.dst_offset, sample.length) != buf:
             raise _changed(model.display(sample.file), sample)
 
@@ -150,12 +156,15 @@ def check_unchanged(
     readers: int,
     on_retry: Callable[[RetryEvent], None] | None = None,
     sample: bool = True,
+    skip: Collection[int] = (),
 ) -> int:
     """Raise :class:`SourceChangedError` when a weight file is no longer the one the segment was loaded
     from (see the module's docstring); return how many samples were compared.
 
     ``sample=False`` re-checks the validators only: in the release and ring memory modes the pages of
     consumed tensors are gone by the end of the load, so there is nothing left to compare them with.
+    ``skip`` names tensors checked otherwise (bytes from peers, matched against the checksums they listed
+    for the same ETag), whose samples the origin need not serve again.
     """
     for source, info in zip(model.sources, model.infos, strict=True):
         fresh = stat_source(source, policy=policy, on_retry=on_retry, fresh=True)
@@ -168,14 +177,13 @@ def check_unchanged(
             )
     if not sample:
         return 0
-    samples = _samples(plan, model)
+    samples = _samples(plan, model, [c for c in plan.chunks if c.tensor not in skip] if skip else None)
     log.info("re-reading %d samples of the landed ranges to check the model did not change", len(samples))
 
     def compare(sample: _Sample) -> _Sample | None:
         buf = bytearray(sample.length)
-        read_range(
-            model.sources[sample.file], sample.src_offset, memoryview(buf), policy=policy, on_retry=on_retry
-        )
+        source = _origin(model.sources[sample.file])
+        read_range(source, sample.src_offset, memoryview(buf), policy=policy, on_retry=on_retry)
         return None if writer.region(sample.dst_offset, sample.length) == buf else sample
 
     workers = max(1, min(readers, len(samples)))

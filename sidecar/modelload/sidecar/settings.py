@@ -48,6 +48,7 @@ __all__ = [
     "LoadSettings",
     "ModelFormat",
     "NotifySettings",
+    "PeerSettings",
     "SidecarSettings",
     "add_arguments",
     "default_notify_endpoint",
@@ -63,6 +64,7 @@ MiB = 1 << 20
 GiB = 1 << 30
 DEFAULT_SEGMENT = Path("/run/modelload/model.seg")
 DEFAULT_PORT = 8479
+DEFAULT_PEER_PORT = 8480
 MAX_READERS = 256
 MIN_CHUNK, MAX_CHUNK = MiB, GiB
 NOTIFY_OFF = ("none", "off", "false", "")
@@ -206,6 +208,43 @@ class NotifySettings:
 
 
 @dataclass(frozen=True)
+class PeerSettings:
+    """Sidecars of the same model as each other's sources (docs/peers.md). Off unless peers are named.
+
+    ``urls``: peers' base URLs (``http://10.0.0.7:8480``), from ``--peers``. ``dns``: a name whose addresses
+    are the peers (a headless Service with ``publishNotReadyAddresses``), re-resolved while loading, each
+    address with ``port``. ``port``: where this sidecar serves its peers. ``token``: the shared secret peers
+    present and ask for (read from ``--peer-token-file``; ``repr`` hides it). ``max_uploads``: uploads served
+    at once before answering 429. ``stall_timeout``: seconds a peer may send nothing (or an owner make no
+    progress) before its chunks move elsewhere. ``settle``: seconds to wait at the start of a load for every
+    peer address to answer, so that sidecars started together agree on who reads what from the origin.
+    """
+
+    urls: tuple[str, ...] = ()
+    dns: str | None = None
+    port: int = DEFAULT_PEER_PORT
+    token: str = field(default="", repr=False)
+    max_uploads: int = 8
+    stall_timeout: float = 10.0
+    settle: float = 5.0
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.urls or self.dns)
+
+    def __post_init__(self) -> None:
+        if self.enabled and not self.token:
+            raise ConfigError(
+                "peers are named (--peers/--peer-dns) but no token is: pass --peer-token-file or set"
+                " MODELLOAD_PEER_TOKEN_FILE (the ModelLoad's peer Secret)"
+            )
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"the peer port must be between 0 and 65535, got {self.port}")
+        if not 1 <= self.max_uploads <= 256:
+            raise ConfigError(f"peer uploads must be between 1 and 256, got {self.max_uploads}")
+
+
+@dataclass(frozen=True)
 class SidecarSettings:
     """All of the sidecar's settings, grouped by the component that uses them.
 
@@ -218,6 +257,7 @@ class SidecarSettings:
     api: ApiSettings = field(default_factory=ApiSettings)
     notify: NotifySettings = field(default_factory=lambda: NotifySettings(endpoint=None))
     log_level: LogLevel = "info"
+    peers: PeerSettings = field(default_factory=PeerSettings)
 
 
 # --- value parsers -----------------------------------------------------------------------------------------
@@ -399,6 +439,36 @@ _OPTIONS = (
         "consumers that must attach before anything is released (default 1)", "N",
     ),
     _Option(
+        "proxy", "--proxy", "MODELLOAD_PROXY",
+        "HTTP proxy for origin reads, such as Dragonfly's dfdaemon (default: HTTP(S)_PROXY and NO_PROXY)",
+        "URL",
+    ),
+    _Option(
+        "peers", "--peers", "MODELLOAD_PEERS",
+        "other sidecars of this model to take chunks from, comma-separated base URLs (default none)",
+        "URL,...",
+    ),
+    _Option(
+        "peer_dns", "--peer-dns", "MODELLOAD_PEER_DNS",
+        "a DNS name resolving to the peers (a headless Service), each at --peer-port", "NAME",
+    ),
+    _Option(
+        "peer_port", "--peer-port", "MODELLOAD_PEER_PORT",
+        f"port serving this sidecar's bytes to peers (default {DEFAULT_PEER_PORT})", "PORT",
+    ),
+    _Option(
+        "peer_token_file", "--peer-token-file", "MODELLOAD_PEER_TOKEN_FILE",
+        "file holding the token peers share (required with peers)", "FILE",
+    ),
+    _Option(
+        "peer_uploads", "--peer-uploads", "MODELLOAD_PEER_UPLOADS",
+        "uploads to peers at once before answering busy (default 8)", "N",
+    ),
+    _Option(
+        "peer_stall_timeout", "--peer-stall-timeout", "MODELLOAD_PEER_STALL_TIMEOUT",
+        "seconds a silent peer keeps a chunk before it moves elsewhere (default 10)", "SECONDS",
+    ),
+    _Option(
         "log_level", "--log-level", "MODELLOAD_LOG_LEVEL", "modelload's log level (default info)",
         choices=get_args(LogLevel),
     ),
@@ -505,6 +575,22 @@ def _header_file(text: str, *, name: str) -> RequestHeaders:
     return read_header_file(_path(text, name=name), origin=name)
 
 
+def _parse_list(text: str, *, name: str) -> tuple[str, ...]:
+    return _parse_priority(text, name=name)
+
+
+def _token_file(text: str, *, name: str) -> str:
+    """The peer token, read now so a missing or empty file fails before the load; never shown."""
+    path = _path(text, name=name)
+    try:
+        token = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{name}: cannot read the peer token file {path} ({type(exc).__name__})") from None
+    if not token or any(c.isspace() for c in token) or len(token) > 4096:
+        raise ConfigError(f"{name}: the peer token file {path} must hold one token (at most 4096 characters)")
+    return token
+
+
 def _endpoint(text: str, *, name: str) -> str | None:
     """A pyzmq endpoint, or None for 'none' (notifications off: loaders poll the segment)."""
 
@@ -529,7 +615,13 @@ def parse_settings(
 
     Raises ConfigError naming the flag or variable of the first bad value.
     """
-    from modelload.sidecar.sources import HttpSettings, RetryPolicy, S3Settings, SourceSettings
+    from modelload.sidecar.sources import (
+        HttpSettings,
+        RetryPolicy,
+        S3Settings,
+        SourceSettings,
+        proxy_from_environ,
+    )
 
     if isinstance(argv, argparse.Namespace):
         flags: Mapping[str, object] = vars(argv)
@@ -596,6 +688,18 @@ def parse_settings(
             "a header file (--header-file/MODELLOAD_HEADER_FILE) is for http(s):// sources, and the source"
             f" is {display_url(source)}: S3 takes AWS credentials, a file needs none"
         )
-    http = HttpSettings(headers=headers, range_fallback=get("range_fallback", parse_bool, False))
+    proxy = proxy_from_environ(environ, override=get("proxy", _text, None) or None)
+    http = HttpSettings(headers=headers, proxy=proxy, range_fallback=get("range_fallback", parse_bool, False))
     sources = SourceSettings(http=http, s3=s3, retry=RetryPolicy())
-    return SidecarSettings(engine=engine, sources=sources, api=api, notify=notify, log_level=log_level)
+    peer_urls: tuple[str, ...] = get("peers", _parse_list, ())
+    peers = PeerSettings(
+        urls=tuple(_url(u, name="--peers/MODELLOAD_PEERS") for u in peer_urls),
+        dns=get("peer_dns", _text, None) or None,
+        port=get("peer_port", _int_in(0, 65535), DEFAULT_PEER_PORT),
+        token=get("peer_token_file", _token_file, ""),
+        max_uploads=get("peer_uploads", _int_in(1, 256), 8),
+        stall_timeout=float(get("peer_stall_timeout", _int_in(1, 3600), 10)),
+    )
+    return SidecarSettings(
+        engine=engine, sources=sources, api=api, notify=notify, log_level=log_level, peers=peers
+    )

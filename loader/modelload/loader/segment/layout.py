@@ -35,6 +35,10 @@ __all__ = [
     "MAGIC",
     "MAX_MANIFEST_LENGTH",
     "MAX_TENSORS",
+    "ENTRY_CRC32",
+    "ENTRY_FLAGS",
+    "ENTRY_READY_NS",
+    "ENTRY_STATE",
     "STATE_ENTRY_LENGTH",
     "Header",
     "Layout",
@@ -45,6 +49,7 @@ __all__ = [
     "TensorState",
     "WriterState",
     "align",
+    "entry_offset",
     "parse_header",
     "parse_manifest",
     "plan_layout",
@@ -79,6 +84,23 @@ OFF_ERROR_LENGTH = 160
 OFF_HEARTBEAT_NS = 168
 OFF_ERROR = 176
 _RESERVED_TAIL = (OFF_ERROR + ERROR_CAPACITY, HEADER_LENGTH)
+
+# Field offsets inside a 32-byte state entry (SPEC.md, "State table").
+ENTRY_STATE = 0
+"""u32: PENDING, READY, FAILED (and RELEASED in layout 3)."""
+ENTRY_FLAGS = 4
+"""u32: TensorFlags."""
+ENTRY_READY_NS = 8
+"""u64: when the tensor became READY."""
+ENTRY_CRC32 = 16
+"""u32: the tensor's CRC-32, when the CRC32 flag is set."""
+
+
+def entry_offset(state_offset: int, index: int, field: int = ENTRY_STATE) -> int:
+    """The absolute offset of ``field`` of tensor ``index``'s state entry."""
+    return state_offset + STATE_ENTRY_LENGTH * index + field
+
+
 _MANIFEST_KEYS = {
     1: frozenset({"tensors", "metadata"}),
     2: frozenset({"tensors", "metadata", "files"}),

@@ -32,6 +32,10 @@ from modelload.loader.errors import (
 )
 from modelload.loader.segment import _memory
 from modelload.loader.segment.layout import (
+    ENTRY_CRC32,
+    ENTRY_FLAGS,
+    ENTRY_READY_NS,
+    ERROR_CAPACITY,
     HEADER_LENGTH,
     OFF_BYTES_READY,
     OFF_ERROR,
@@ -48,6 +52,7 @@ from modelload.loader.segment.layout import (
     TensorFlags,
     TensorState,
     WriterState,
+    entry_offset,
     parse_header,
     parse_manifest,
 )
@@ -150,7 +155,7 @@ class SegmentReader:
     @property
     def error(self) -> str:
         """The writer's reason for failing ('' unless FAILED)."""
-        length = min(int(self._u32[OFF_ERROR_LENGTH // 4]), 1024)
+        length = min(int(self._u32[OFF_ERROR_LENGTH // 4]), ERROR_CAPACITY)
         return bytes(self._control[OFF_ERROR : OFF_ERROR + length]).decode("utf-8", errors="replace")
 
     @property
@@ -183,16 +188,16 @@ class SegmentReader:
             ) from None
 
     def flags(self, index: int) -> TensorFlags:
-        return TensorFlags(int(self._u32[(self.header.state_offset + STATE_ENTRY_LENGTH * index) // 4 + 1]))
+        return TensorFlags(int(self._u32[entry_offset(self.header.state_offset, index, ENTRY_FLAGS) // 4]))
 
     def crc32(self, index: int) -> int | None:
         """The writer's CRC-32 of the tensor's bytes, when it recorded one."""
         if TensorFlags.CRC32 not in self.flags(index):
             return None
-        return int(self._u32[(self.header.state_offset + STATE_ENTRY_LENGTH * index) // 4 + 4])
+        return int(self._u32[entry_offset(self.header.state_offset, index, ENTRY_CRC32) // 4])
 
     def ready_ns(self, index: int) -> int:
-        return int(self._u64(self.header.state_offset + STATE_ENTRY_LENGTH * index + 8))
+        return int(self._u64(entry_offset(self.header.state_offset, index, ENTRY_READY_NS)))
 
     def ready_mask(self, indices: Sequence[int] | None = None) -> npt.NDArray[np.bool_]:
         """Which of ``indices`` (all tensors when None) are READY, read in one pass over the state table."""

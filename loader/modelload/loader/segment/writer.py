@@ -36,8 +36,12 @@ from modelload.loader.errors import SegmentError, SegmentSpaceError
 from modelload.loader.segment import _memory
 from modelload.loader.segment.consumers import create_table
 from modelload.loader.segment.layout import (
+    ENTRY_CRC32,
+    ENTRY_FLAGS,
+    ENTRY_READY_NS,
     ERROR_CAPACITY,
     HEADER_LENGTH,
+    MAGIC,
     OFF_BYTES_READY,
     OFF_ERROR,
     OFF_ERROR_LENGTH,
@@ -46,11 +50,11 @@ from modelload.loader.segment.layout import (
     OFF_TENSORS_READY,
     OFF_WRITER_PID,
     OFF_WRITER_STATE,
-    STATE_ENTRY_LENGTH,
     Layout,
     TensorFlags,
     TensorState,
     WriterState,
+    entry_offset,
 )
 
 __all__ = ["SegmentWriter"]
@@ -215,9 +219,10 @@ class SegmentWriter:
             self._check_open()
             if self._u32[word] != TensorState.PENDING:
                 raise SegmentError(f"tensor {slot.name!r} was already marked {self.state(index).name}")
-            self._u64[(word * 4 + 8) // 8] = time.time_ns()
-            self._u32[word + 1] = int(flags)
-            self._u32[word + 4] = (crc32 or 0) & 0xFFFFFFFF
+            entry = word * 4
+            self._u64[(entry + ENTRY_READY_NS) // 8] = time.time_ns()
+            self._u32[(entry + ENTRY_FLAGS) // 4] = int(flags)
+            self._u32[(entry + ENTRY_CRC32) // 4] = (crc32 or 0) & 0xFFFFFFFF
             # SPEC.md, writer rule 2: the slot's bytes, then the entry, then the state word last.
             _memory.release_fence()
             self._u32[word] = TensorState.READY
@@ -274,7 +279,7 @@ class SegmentWriter:
     def _state_word(self, index: int) -> int:
         if not 0 <= index < len(self.layout.slots):
             raise IndexError(f"tensor index {index} out of range 0..{len(self.layout.slots) - 1}")
-        return (self.layout.state_offset + STATE_ENTRY_LENGTH * index) // 4
+        return entry_offset(self.layout.state_offset, index) // 4
 
     def _check_open(self) -> None:
         if self._closed:
@@ -395,7 +400,7 @@ def _writer_state(target: Path) -> int | None:
             head = file.read(HEADER_LENGTH)
     except OSError:
         return None
-    if len(head) < HEADER_LENGTH or head[:8] != b"MODELSEG":
+    if len(head) < HEADER_LENGTH or head[: len(MAGIC)] != MAGIC:
         return None
     state: int = struct.unpack_from("<I", head, OFF_WRITER_STATE)[0]
     return state
@@ -412,7 +417,8 @@ def _supersede(target: Path, load_id: int) -> None:
         if size < HEADER_LENGTH:
             return
         with mmap.mmap(fd, HEADER_LENGTH, flags=mmap.MAP_SHARED) as old:
-            if old[:8] != b"MODELSEG" or struct.unpack_from("<I", old, OFF_WRITER_STATE)[0] != 1:
+            loading = struct.unpack_from("<I", old, OFF_WRITER_STATE)[0] == WriterState.LOADING
+            if old[: len(MAGIC)] != MAGIC or not loading:
                 return
             reason = _truncate_utf8(
                 f"superseded by a new load ({load_id:016x}); attach again", ERROR_CAPACITY

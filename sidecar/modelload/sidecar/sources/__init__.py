@@ -33,6 +33,7 @@ from ._headers import RequestHeaders, parse_headers, read_header_file
 from ._http import HttpSource
 from ._listing import Directory, is_directory, list_directory
 from ._model import OpenedModel, fetch_small_file, open_model
+from ._proxy import ProxySettings, proxy_from_environ
 from ._registry import SourceFactory, check_scheme, open_source, register_source, registered_schemes
 from ._responses import display_url
 from ._retry import RetryCancelled, RetryEvent, read_range, read_range_into_fd, stat_source
@@ -48,6 +49,7 @@ __all__ = [
     "InterruptedReadError",
     "ObjectInfo",
     "OpenedModel",
+    "ProxySettings",
     "RequestHeaders",
     "RetryCancelled",
     "RetryEvent",
@@ -72,6 +74,7 @@ __all__ = [
     "open_source",
     "parse_headers",
     "plan_s3_location",
+    "proxy_from_environ",
     "read_header_file",
     "read_range",
     "read_range_into_fd",

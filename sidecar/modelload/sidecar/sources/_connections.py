@@ -106,10 +106,28 @@ class ConnectionPool:
             self.connections_opened += 1
         return conn, False
 
+    def request_path(self, origin: Origin, path: str) -> str:
+        """The request target: ``path``, or the absolute URL when a plain-HTTP origin goes through a proxy."""
+        if not origin.is_tls and self._proxy(origin) is not None:
+            return f"http://{origin.netloc}{path}"
+        return path
+
+    def _proxy(self, origin: Origin) -> tuple[str, int] | None:
+        proxy = self._settings.proxy
+        return proxy.for_origin(origin.scheme, origin.host) if proxy is not None else None
+
     def _new(self, origin: Origin) -> http.client.HTTPConnection:
         timeout = self._settings.connect_timeout
         conn: http.client.HTTPConnection
-        if origin.is_tls:
+        proxy = self._proxy(origin)
+        if proxy is not None:
+            host, port = proxy
+            if origin.is_tls:
+                conn = http.client.HTTPSConnection(host, port, timeout=timeout, context=self._context())
+                conn.set_tunnel(origin.host, origin.port)  # CONNECT; TLS end to end with the origin
+            else:
+                conn = http.client.HTTPConnection(host, port, timeout=timeout)
+        elif origin.is_tls:
             conn = http.client.HTTPSConnection(
                 origin.host, origin.port, timeout=timeout, context=self._context()
             )

@@ -131,7 +131,8 @@ class HttpObject(SourceBase):
                 raise self._translate(exc, connecting=target.origin) from exc
             sock = socket_of(conn)
             try:
-                conn.request(method, target.path, headers=dict(target.headers))
+                path = self._pool.request_path(target.origin, target.path)
+                conn.request(method, path, headers=dict(target.headers))
                 response = conn.getresponse()
             except _STALE as exc:
                 self._pool.discard(target.origin, conn)

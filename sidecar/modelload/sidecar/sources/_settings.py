@@ -16,6 +16,7 @@ from typing import Literal
 from modelload.loader.errors import ConfigError
 
 from ._headers import RequestHeaders
+from ._proxy import ProxySettings
 
 __all__ = ["HttpSettings", "RetryPolicy", "S3Addressing", "S3Credentials", "S3Settings", "SourceSettings"]
 
@@ -75,6 +76,8 @@ class HttpSettings:
     range_fallback: bool = False
     max_redirects: int = 5
     headers: RequestHeaders | None = None
+    proxy: ProxySettings | None = None
+    """Send origin requests through an HTTP proxy (Dragonfly's dfdaemon, a caching proxy): see ``_proxy``."""
 
     def __post_init__(self) -> None:
         _require_positive("connect_timeout", self.connect_timeout)

@@ -1,0 +1,166 @@
+"""Sidecars as each other's sources, against every sidecar reading the origin, on a shaped topology.
+
+N sidecars (1, 2, 4, 8) start together, each in a network namespace of its own behind a ``--pod-rate``
+link, and load one safetensors model from nginx in an origin namespace behind a slower ``--origin-rate``
+link (``tc tbf``; ``netem`` adds ``--delay`` where the kernel has it). For each N, once with peers (a static
+list of every other sidecar) and once without, the figures are:
+
+- origin bytes: body bytes in nginx's access log, as a multiple of the model's size;
+- load window: from the first sidecar's load start to the last one's finish (their /status), which leaves
+  out the Python start of N processes on this machine's few cores;
+- launch to all ready: from starting the N processes until every segment is COMPLETE.
+
+Needs root (namespaces), nginx and iproute2. Writes ``--out`` (JSON) and an SVG plot beside it.
+
+    sudo .venv/bin/python benchmarks/peer_fleet.py [--size-mib 64] [--origin-rate 100mbit] [--pod-rate 1gbit]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+import torch  # noqa: E402
+
+from tests.peers.topology import Topology, can_make_namespaces  # noqa: E402
+from tests.sidecar.models import safetensors_bytes  # noqa: E402
+
+
+def _model(size_mib: int) -> bytes:
+    generator = torch.Generator().manual_seed(0)
+    return safetensors_bytes(
+        {f"layers.{i}.weight": torch.randn(512, 512, generator=generator) for i in range(size_mib)}
+    )
+
+
+def _round(topology: Topology, count: int, *, peers: bool, size: int) -> dict[str, float]:
+    topology.reset_log()
+    hosts = topology.hosts[1 : count + 1]
+    launched = time.monotonic()
+    sidecars = [
+        topology.start_sidecar(host, topology.url("model.safetensors"), peers=hosts if peers else None)
+        for host in hosts
+    ]
+    done = topology.wait_complete(sidecars, timeout=600)
+    docs = [topology.status(s) for s in sidecars]
+    window = max(float(d["finished_at"]) for d in docs) - min(float(d["started_at"]) for d in docs)  # type: ignore[arg-type]
+    figures = {
+        "n": count,
+        "peers": peers,
+        "origin_x": topology.origin_bytes() / size,
+        "window_s": window,
+        "launch_to_ready_s": done - launched,
+    }
+    topology.stop_sidecars()
+    return figures
+
+
+def _svg(results: list[dict[str, float]], path: Path, *, title: str) -> None:
+    """Two small line charts (load window and origin bytes against N), with and without peers."""
+    width, height, pad = 360, 240, 44
+    panels = [("window_s", "load window (s)"), ("origin_x", "origin bytes (x model)")]
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{2 * width}" height="{height + 30}" font-size="11">'
+    ]
+    parts.append(f'<text x="{width}" y="16" text-anchor="middle" font-size="13">{title}</text>')
+    counts = sorted({int(r["n"]) for r in results})
+    for p, (key, label) in enumerate(panels):
+        x0 = p * width
+        top = max(r[key] for r in results) * 1.1 or 1.0
+
+        def point(n: int, value: float, x0: int = x0, top: float = top) -> tuple[float, float]:
+            x = x0 + pad + (counts.index(n) / max(len(counts) - 1, 1)) * (width - 2 * pad)
+            y = 30 + (height - pad) * (1 - value / top)
+            return x, y
+
+        parts.append(
+            f'<line x1="{x0 + pad}" y1="{30 + height - pad}" x2="{x0 + width - pad}" y2="{30 + height - pad}" stroke="black"/>'
+        )
+        parts.append(
+            f'<line x1="{x0 + pad}" y1="30" x2="{x0 + pad}" y2="{30 + height - pad}" stroke="black"/>'
+        )
+        parts.append(
+            f'<text x="{x0 + width / 2}" y="{height + 25}" text-anchor="middle">N sidecars; {label}</text>'
+        )
+        for n in counts:
+            x, _ = point(n, 0)
+            parts.append(f'<text x="{x}" y="{30 + height - pad + 14}" text-anchor="middle">{n}</text>')
+        parts.append(f'<text x="{x0 + pad - 4}" y="34" text-anchor="end">{top / 1.1:.1f}</text>')
+        for peers, colour in ((True, "#1f77b4"), (False, "#d62728")):
+            rows = sorted((r for r in results if r["peers"] == peers), key=lambda r: r["n"])
+            points = " ".join(f"{x:.1f},{y:.1f}" for x, y in (point(int(r["n"]), r[key]) for r in rows))
+            parts.append(f'<polyline points="{points}" fill="none" stroke="{colour}" stroke-width="2"/>')
+            name = "with peers" if peers else "without peers"
+            parts.append(
+                f'<text x="{x0 + pad + 8}" y="{44 + (0 if peers else 14)}" fill="{colour}">{name}</text>'
+            )
+    parts.append("</svg>")
+    path.write_text("\n".join(parts) + "\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--size-mib", type=int, default=64)
+    parser.add_argument("--origin-rate", default="100mbit")
+    parser.add_argument("--pod-rate", default="1gbit")
+    parser.add_argument("--delay", default="1ms")
+    parser.add_argument("--counts", default="1,2,4,8")
+    parser.add_argument("--out", type=Path, default=Path("peer-fleet.json"))
+    args = parser.parse_args()
+    why = can_make_namespaces()
+    if why is not None:
+        print(f"benchmarks/peer_fleet.py: skipped: {why}", file=sys.stderr)
+        return 0
+    counts = [int(c) for c in args.counts.split(",")]
+    root = Path(tempfile.mkdtemp(prefix="ml-peers-bench-origin-", dir="/dev/shm"))
+    work = Path(tempfile.mkdtemp(prefix="ml-peers-bench-", dir="/dev/shm"))
+    (root / "model.safetensors").write_bytes(_model(args.size_mib))
+    size = (root / "model.safetensors").stat().st_size
+    topology = Topology(
+        root=root, work=work, origin_rate=args.origin_rate, pod_rate=args.pod_rate, delay=args.delay
+    )
+    results = []
+    try:
+        for _ in range(max(counts)):
+            topology.add_host(f"pod{len(topology.hosts)}")
+        for count in counts:
+            for peers in (True, False):
+                figures = _round(topology, count, peers=peers, size=size)
+                results.append(figures)
+                print(
+                    f"N={count} {'peers   ' if peers else 'no peers'}: origin {figures['origin_x']:.2f} x model,"
+                    f" load window {figures['window_s']:.2f} s, launch to all ready {figures['launch_to_ready_s']:.2f} s",
+                    flush=True,
+                )
+    finally:
+        topology.close()
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+    setup = {
+        "model_bytes": size,
+        "origin_rate": args.origin_rate,
+        "pod_rate": args.pod_rate,
+        "delay": args.delay if topology.delayed else "none (no sch_netem)",
+    }
+    args.out.write_text(json.dumps({"setup": setup, "results": results}, indent=2) + "\n")
+    title = f"{size >> 20} MiB model, origin {args.origin_rate}, pods {args.pod_rate}"
+    _svg(results, args.out.with_suffix(".svg"), title=title)
+    alone = next(r["window_s"] for r in results if r["n"] == 1 and r["peers"])
+    for r in results:
+        if r["peers"] and r["n"] > 1:
+            print(f"N={int(r['n'])} with peers: {r['window_s'] / alone:.2f} x one sidecar's load window")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

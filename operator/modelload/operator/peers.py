@@ -1,0 +1,107 @@
+"""The Kubernetes side of peers (``spec.peers: true``): a headless Service and a token Secret per ModelLoad.
+
+Sidecars find each other through DNS: a headless Service selecting the model's pods with
+``publishNotReadyAddresses`` resolves to every pod, loading ones included (a loading pod is not Ready, and
+it is exactly the one that serves what it has so far). The pods need no RBAC for this, unlike listing
+Endpoints. The token that peers present to each other is a random value in a Secret the operator creates
+once; both objects are owned by the ModelLoad, so deleting it deletes them.
+
+The webhook wires each sidecar to them (:func:`peer_env`, :func:`peer_volume`).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import secrets
+from collections.abc import Mapping
+from typing import Any
+
+from modelload.operator.kube import Kube, KubeConflictError
+from modelload.operator.schema import GROUP, MODEL_LABEL, VERSION
+
+__all__ = [
+    "PEER_PORT",
+    "ensure_peer_objects",
+    "peer_env",
+    "peer_names",
+    "peer_volume",
+    "service_body",
+    "token_secret_body",
+]
+
+PEER_PORT = 8480
+PEER_VOLUME = "modelload-peer-token"
+PEER_DIR = "/var/run/secrets/modelload/peer"
+TOKEN_KEY = "token"  # noqa: S105 - the Secret's key name
+
+
+def peer_names(name: str) -> str:
+    """The Service's and the Secret's name for ModelLoad ``name`` (a DNS label when ``name`` is short)."""
+    return f"{name}-peers"[:63].rstrip("-")
+
+
+def _owner(name: str, uid: str) -> list[dict[str, Any]]:
+    return [{"apiVersion": f"{GROUP}/{VERSION}", "kind": "ModelLoad", "name": name, "uid": uid}]
+
+
+def service_body(*, name: str, uid: str, label_value: str) -> dict[str, Any]:
+    """The headless Service over the model's pods; loading pods resolve too."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": peer_names(name), "ownerReferences": _owner(name, uid)},
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {MODEL_LABEL: label_value},
+            "ports": [{"name": "peers", "port": PEER_PORT, "targetPort": PEER_PORT, "protocol": "TCP"}],
+        },
+    }
+
+
+def token_secret_body(*, name: str, uid: str) -> dict[str, Any]:
+    """A Secret with a fresh random token (256 bits)."""
+    token = secrets.token_urlsafe(32)
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {"name": peer_names(name), "ownerReferences": _owner(name, uid)},
+        "data": {TOKEN_KEY: base64.b64encode(token.encode()).decode("ascii")},
+    }
+
+
+async def ensure_peer_objects(
+    kube: Kube, *, namespace: str, body: Mapping[str, Any], label_value: str
+) -> None:
+    """Create the Service and the Secret when missing; existing ones are kept (a token never rotates under
+    running pods)."""
+    meta = body.get("metadata") or {}
+    name, uid = str(meta.get("name")), str(meta.get("uid") or "")
+    for create, obj in (
+        (kube.create_secret, token_secret_body(name=name, uid=uid)),
+        (kube.create_service, service_body(name=name, uid=uid, label_value=label_value)),
+    ):
+        with contextlib.suppress(KubeConflictError):  # made earlier (by this operator, or another replica)
+            await create(namespace, obj)
+
+
+def peer_env(*, name: str, namespace: str) -> list[dict[str, str]]:
+    """The sidecar's peer variables: the Service's DNS name, the port and the token file."""
+    return [
+        {"name": "MODELLOAD_PEER_DNS", "value": f"{peer_names(name)}.{namespace}.svc"},
+        {"name": "MODELLOAD_PEER_PORT", "value": str(PEER_PORT)},
+        {"name": "MODELLOAD_PEER_TOKEN_FILE", "value": f"{PEER_DIR}/{TOKEN_KEY}"},
+    ]
+
+
+def peer_volume(*, name: str, mode: int) -> dict[str, Any]:
+    return {
+        "name": PEER_VOLUME,
+        "secret": {
+            "secretName": peer_names(name),
+            "items": [{"key": TOKEN_KEY, "path": TOKEN_KEY}],
+            "defaultMode": mode,
+        },
+    }

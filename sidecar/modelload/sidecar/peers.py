@@ -1,0 +1,282 @@
+"""Sidecars as each other's sources: what the engine and the sidecar process see of peer-to-peer loading.
+
+:class:`Peers` is one sidecar's side of it. It is
+
+- the engine's hook (:meth:`begin` wraps each weight file's origin source in a
+  :class:`~modelload.sidecar.peers_fetch.PeerSource` and orders the chunks; :meth:`finish` checks a tensor
+  before it is published);
+- a load observer (it learns which tensors are READY and how far the load is, for its manifest);
+- what the :class:`~modelload.sidecar.peers_server.PeerServer` serves.
+
+Trust. A peer is trusted no more than the origin: every tensor with bytes from a peer is checked against
+the CRC-32 of its whole record (record header and data) that the peer lists for it, which the first sidecar
+that read the tensor from the origin computed there and every later holder re-checked. A mismatch drops the
+peer's bytes, reads the tensor again from the origin, excludes that peer for the rest of the load and counts
+it. Tensorizer tensors are in addition checked against their stored hashes, as always. The peer token (a
+per-ModelLoad Secret) keeps other workloads from reading the weights and from posing as peers; a holder of
+the token is trusted to report the checksums of what it read from the origin (see docs/peers.md).
+
+Encrypted models do not use peers: their tensors are decrypted in place in the segment, so what a sidecar
+holds is plaintext that the origin never served, and serving it would hand decrypted weights to anything with
+the peer token. Such a load reads from the origin as before and serves nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import zlib
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from modelload.sidecar.peers_fetch import Fleet, Ledger, Peer, PeerSource
+from modelload.sidecar.peers_map import RangeMap
+from modelload.sidecar.peers_server import PeerServer, Slice, bitmap
+from modelload.sidecar.planner import Chunk, LoadPlan
+from modelload.sidecar.settings import PeerSettings
+from modelload.sidecar.sources import OpenedModel, RetryPolicy, read_range
+
+__all__ = ["Peers"]
+
+log = logging.getLogger(__name__)
+
+_crc32: Callable[..., int]
+try:  # ISA-L: the same CRC-32 as zlib, several times faster; the check then costs little on a big model
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # pragma: no cover - depends on the environment
+    _crc32 = zlib.crc32
+
+
+class Peers:
+    """One sidecar's peer-to-peer side: serve what it holds, take what others hold."""
+
+    def __init__(
+        self,
+        settings: PeerSettings,
+        *,
+        host: str = "0.0.0.0",  # noqa: S104 - the askers are other pods
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        self.settings = settings
+        self.id = secrets.token_hex(8)
+        self.ledger = Ledger()
+        self.fleet = Fleet(settings, self_id=self.id)
+        self.fleet.on_exclude = self._excluded
+        self._retry = retry or RetryPolicy()
+        self._lock = threading.Lock()
+        self._ranges: RangeMap | None = None
+        self._files: list[tuple[str, int]] = []
+        self._ready: list[bool] = []
+        self._crc: list[int] = []
+        self.verified_by_peers: set[int] = set()
+        """Tensors whose bytes came from peers and matched the CRC-32 they listed."""
+        self._phase = "starting"
+        self._bytes_done = 0
+        self._fd: int | None = None
+        self._origins: list[Any] = []
+        self._format = ""
+        self._chunks: dict[int, list[Chunk]] = {}
+        self._writer: Any = None
+        self.server = PeerServer(
+            self, token=settings.token, host=host, port=settings.port, max_uploads=settings.max_uploads
+        )
+
+    # --- the process -------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.server.start()
+        log.info("serving peers on port %d (id %s)", self.server.port, self.id)
+
+    def close(self) -> None:
+        self.fleet.stop()
+        self.server.stop()
+        with self._lock:
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    # --- the engine's hooks ------------------------------------------------------------------------------
+
+    def begin(
+        self, *, model: OpenedModel, plan: LoadPlan, writer: Any, segment: Path, share: bool = True
+    ) -> LoadPlan:
+        """Wrap ``model``'s sources to ask peers first and return the plan to load, own tensors first.
+
+        Called once the segment exists. Encrypted models, objects without an ETag, and loads that will not
+        keep their tensors (``share`` false: a memory mode that releases pages) load from the origin as
+        before and serve nothing (see the module docstring)."""
+        index = plan.index
+        if not share or index.encrypted or any(info.etag is None for info in model.infos):
+            if not share:
+                why = "this load releases tensors once consumed (memory mode), so it could not serve them"
+            elif index.encrypted:
+                why = "the model is encrypted"
+            else:
+                why = "a weight file has no ETag to match by"
+            log.info("peers are off for this load: %s", why)
+            with self._lock:
+                self._phase = "unshared"
+            return plan
+        ranges = RangeMap(plan)
+        fd = os.open(segment, os.O_RDONLY)
+        with self._lock:
+            self._ranges, self._fd, self._writer = ranges, fd, writer
+            self._files = [(info.etag or "", info.size) for info in model.infos]
+            self._ready = [False] * len(index.tensors)
+            self._crc = [0] * len(index.tensors)
+            self._format = index.format
+            self._origins = list(model.sources)
+            self._phase = "loading"
+        for chunk in plan.chunks:
+            self._chunks.setdefault(chunk.tensor, []).append(chunk)
+        self.fleet.start(infos=model.infos, tensors=len(index.tensors), salt=model.fingerprint or "")
+        model.sources[:] = [
+            PeerSource(origin, file=i, fleet=self.fleet, ranges=ranges, ledger=self.ledger)
+            for i, origin in enumerate(model.sources)
+        ]
+        return replace(plan, chunks=self._own_first(plan))
+
+    def _own_first(self, plan: LoadPlan) -> tuple[Chunk, ...]:
+        """Chunks of the tensors this sidecar would read from the origin first, then the rest, each in load
+        order: the fleet's origin readers then work in parallel from the start, and what others read is
+        mostly in by the time it is asked for."""
+        fleet = self.fleet
+        own: list[Chunk] = []
+        other: list[Chunk] = []
+        for chunk in plan.chunks:
+            mine = not fleet.holders(chunk.tensor) and fleet.owner(chunk.tensor) is None
+            (own if mine else other).append(chunk)
+        return (*own, *other)
+
+    def finish(self, tensor: int) -> int | None:
+        """Check a tensor whose bytes are all in; re-read it from the origin when a peer's bytes are wrong.
+
+        Returns the CRC-32 to record in the segment's state table (safetensors tensors; tensorizer tensors
+        have their own hashes), or None."""
+        ranges = self._ranges
+        if ranges is None:
+            return None
+        offset, length = ranges.record(tensor)
+        region = self._writer.region(offset, length)
+        crc = _crc32(region)
+        claims = self.ledger.claim(tensor)
+        if claims:
+            bad = [peer for peer, listed in claims.items() if listed != crc]
+            if not bad:
+                with self._lock:
+                    self.verified_by_peers.add(tensor)
+            if bad:
+                with self.ledger._lock:
+                    self.ledger.mismatches += 1
+                for peer in bad:
+                    self.fleet.exclude(peer, "its bytes failed verification")
+                log.warning(
+                    "tensor %d from peers failed verification (CRC-32 %08x, listed %s): reading it again from"
+                    " the origin",
+                    tensor, crc, ", ".join(f"{c & 0xFFFFFFFF:08x}" for c in claims.values()),
+                )  # fmt: skip
+                for chunk in self._chunks.get(tensor, []):
+                    view = self._writer.region(chunk.dst_offset, chunk.length)
+                    read_range(self._origins[chunk.file], chunk.src_offset, view, policy=self._retry)
+                    self.ledger.origin(chunk.length)
+                crc = _crc32(region)
+        with self._lock:
+            self._crc[tensor] = crc
+        if self._format == "safetensors":
+            return crc
+        return None
+
+    def register_metrics(self, registry: Any) -> None:
+        """Expose the ledger on the sidecar's ``/metrics`` (read at each scrape, nothing on the hot path)."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        ledger = self.ledger
+
+        class _Collector:
+            def collect(self) -> Any:
+                figures = ledger.as_dict()
+                for name, key, text in (
+                    ("modelload_peer_origin_bytes", "origin_bytes", "Tensor bytes read from the origin"),
+                    ("modelload_peer_received_bytes", "peer_bytes", "Tensor bytes taken from peers"),
+                    ("modelload_peer_uploaded_bytes", "uploaded_bytes", "Bytes served to peers"),
+                    (
+                        "modelload_peer_mismatches",
+                        "mismatches",
+                        "Tensors from peers that failed verification",
+                    ),
+                ):
+                    yield CounterMetricFamily(name, text, value=figures[key])
+                yield GaugeMetricFamily(
+                    "modelload_peer_excluded_peers",
+                    "Peers excluded from this load",
+                    value=figures["excluded_peers"],
+                )
+
+            def describe(self) -> Any:
+                return []
+
+        registry.register(_Collector())
+
+    def _excluded(self, peer: Peer, why: str) -> None:
+        with self.ledger._lock:
+            self.ledger.excluded += 1
+
+    # --- observer: what this sidecar holds ---------------------------------------------------------------
+
+    def tensor_ready(self, *, index: int, name: str, nbytes: int) -> None:
+        with self._lock:
+            if index < len(self._ready):
+                self._ready[index] = True
+
+    def bytes_loaded(self, count: int) -> None:
+        with self._lock:
+            self._bytes_done += count
+
+    def load_finished(self, *, seconds: float, nbytes: int) -> None:
+        with self._lock:
+            if self._phase == "loading":
+                self._phase = "complete"
+        self.fleet.stop()
+
+    def load_failed(self, *, kind: str, reason: str) -> None:
+        with self._lock:
+            if self._phase in ("starting", "loading"):
+                self._phase = "failed"
+        self.fleet.stop()
+
+    # --- what the server serves --------------------------------------------------------------------------
+
+    def manifest(self) -> dict[str, Any]:
+        with self._lock:
+            doc: dict[str, Any] = {"id": self.id, "phase": self._phase, "bytes_done": self._bytes_done}
+            if self._ranges is not None:
+                doc["files"] = [{"etag": etag, "size": size} for etag, size in self._files]
+                doc["ready"] = bitmap(self._ready)
+                doc["crc32"] = [c if r else 0 for c, r in zip(self._crc, self._ready, strict=True)]
+        return doc
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            phase = self._phase
+        return {"id": self.id, "phase": phase, "peers": self.fleet.serving(), **self.ledger.as_dict()}
+
+    def file_info(self, file: int) -> tuple[str, int] | None:
+        with self._lock:
+            return self._files[file] if 0 <= file < len(self._files) else None
+
+    def locate(self, file: int, offset: int, length: int) -> Slice | None:
+        with self._lock:
+            ranges, fd = self._ranges, self._fd
+            if ranges is None or fd is None:
+                return None
+            span = ranges.span(file, offset, length)
+            if span is None or not self._ready[span.tensor]:
+                return None
+        return Slice(fd=fd, offset=span.segment_offset, length=length)
+
+    def uploaded(self, nbytes: int) -> None:
+        self.ledger.uploaded(nbytes)

@@ -1,0 +1,109 @@
+"""``spec.peers``: the operator makes a headless Service and a token Secret per ModelLoad, and the webhook
+wires each sidecar to them (DNS name, port, token file): sidecars find each other with no RBAC in the pod."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from modelload.operator.injection import build_patch
+from tests.operator.conftest import NAMESPACE, create_modelload, current, resolved, wait_for
+from tests.operator.test_injection import SIDECAR, bare_pod, model
+
+pytestmark = pytest.mark.usefixtures("no_aws_env")
+
+
+def _sidecar(ops: list[dict[str, Any]]) -> dict[str, Any]:
+    for op in ops:
+        value = op.get("value")
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, dict) and item.get("name") == "modelload" and "image" in item:
+                return item
+    raise AssertionError(f"no sidecar container in {ops}")
+
+
+def _volumes(ops: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [v for op in ops if op["path"].startswith("/spec/volumes") for v in op["value"]]
+
+
+def test_a_sidecar_of_a_peered_model_gets_the_services_name_its_port_and_the_token_file() -> None:
+    ops = build_patch(pod=bare_pod(), model=model({"peers": True}), sidecar=SIDECAR, native=True)
+    sidecar = _sidecar(ops)
+    env = {e["name"]: e.get("value") for e in sidecar["env"]}
+    assert env["MODELLOAD_PEER_DNS"] == "llama-peers.serving.svc"
+    assert env["MODELLOAD_PEER_PORT"] == "8480"
+    token_file = env["MODELLOAD_PEER_TOKEN_FILE"]
+    mount = next(m for m in sidecar["volumeMounts"] if m["name"] == "modelload-peer-token")
+    assert token_file.startswith(mount["mountPath"] + "/") and mount["readOnly"]
+    # KNative allows one declared port per pod: the peer port is not declared, the Service targets it anyway.
+    assert all(port["containerPort"] != 8480 for port in sidecar.get("ports", []))
+    volume = next(v for v in _volumes(ops) if v["name"] == "modelload-peer-token")
+    assert volume["secret"]["secretName"] == "llama-peers"
+
+
+def test_a_model_without_peers_gets_no_peer_wiring() -> None:
+    ops = build_patch(pod=bare_pod(), model=model(), sidecar=SIDECAR, native=True)
+    sidecar = _sidecar(ops)
+    assert not [e for e in sidecar["env"] if e["name"].startswith("MODELLOAD_PEER")]
+    assert not [v for v in _volumes(ops) if v["name"] == "modelload-peer-token"]
+
+
+async def test_the_operator_makes_the_headless_service_and_the_token_secret_once(
+    kube: Any, operator: Any, model_file: Path, api: Any
+) -> None:
+    await create_modelload(api, "tiny", {"source": f"file://{model_file}", "peers": True})
+    obj = await resolved(kube, "tiny")
+    service = await wait_for(
+        lambda: current(kube, "v1/services", NAMESPACE, "tiny-peers"), what="the peers' Service"
+    )
+    secret = current(kube, "v1/secrets", NAMESPACE, "tiny-peers")
+    assert secret is not None
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["publishNotReadyAddresses"] is True
+    assert service["spec"]["selector"] == {"modelload.dev/model": "tiny"}
+    assert service["spec"]["ports"][0]["port"] == 8480
+    owner = service["metadata"]["ownerReferences"][0]
+    assert (owner["kind"], owner["name"], owner["uid"]) == (
+        "ModelLoad",
+        "tiny",
+        obj["metadata"].get("uid", ""),
+    )  # KMock sets none
+    token = base64.b64decode(secret["data"]["token"])
+    assert len(token) >= 32
+    assert token.decode() not in str(obj.get("status"))
+
+
+async def test_a_model_without_peers_gets_no_service(
+    kube: Any, operator: Any, model_file: Path, api: Any
+) -> None:
+    await create_modelload(api, "plain", {"source": f"file://{model_file}"})
+    await resolved(kube, "plain")
+    assert current(kube, "v1/services", NAMESPACE, "plain-peers") is None
+    assert current(kube, "v1/secrets", NAMESPACE, "plain-peers") is None
+
+
+async def test_the_status_counts_the_pods_whose_sidecars_serve_their_peers(
+    kube: Any, operator: Any, model_file: Path, api: Any
+) -> None:
+    from tests.operator.test_pod_status import Kubelet, injected_pod, pods_become, sidecar_status
+
+    await create_modelload(api, "tiny", {"source": f"file://{model_file}", "peers": True})
+    await resolved(kube, "tiny")
+    kubelet = Kubelet(api)
+    for name, peers in (("p1", True), ("p2", True), ("p3", False)):
+        pod = injected_pod(name)
+        if peers:  # what the webhook wires into a peered model's sidecar
+            pod["spec"]["initContainers"][0]["env"] = [
+                {"name": "MODELLOAD_PEER_DNS", "value": "tiny-peers.x.svc"}
+            ]
+        await kubelet.create(pod)
+    await pods_become(kube, {"injected": 3, "serving": 0})
+    running = {"state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}, "ready": False}
+    for name in ("p1", "p2", "p3"):
+        await kubelet.status(name, {"phase": "Running", **sidecar_status(**running)})
+    await pods_become(kube, {"injected": 3, "loading": 3, "serving": 2})
+    await kubelet.status("p2", {"phase": "Failed"})
+    await pods_become(kube, {"failed": 1, "serving": 1})

@@ -1,0 +1,196 @@
+"""Peers on loopback: in-process sidecars, the real peer server and nginx as the origin, no namespaces.
+
+These run everywhere (no root): the tensorizer path through a peer (record headers land in the slot's lead
+and are served from there), the server's answers to bad askers, and the settings' checks.
+"""
+
+from __future__ import annotations
+
+import http.client
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from modelload.loader.errors import ConfigError
+from modelload.sidecar.cli import Sidecar
+from modelload.sidecar.peers_map import owner
+from modelload.sidecar.settings import parse_settings
+from tests.sidecar.models import assert_segment_matches, safetensors_bytes, tensorizer_bytes
+from tests.support.fixtures import nginx  # noqa: F401 - the fixture
+from tests.support.nginx import NginxServer
+from tests.support.ports import free_port
+
+TOKEN = "peer-token-for-tests-0123456789"
+
+
+def _tensors(seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {f"block.{i}.weight": torch.randn(256, 256 + i, generator=generator) for i in range(12)}
+
+
+@pytest.fixture
+def token_file(tmp_path: Path) -> Path:
+    path = tmp_path / "token"
+    path.write_text(TOKEN + "\n")
+    return path
+
+
+class _Running:
+    def __init__(self) -> None:
+        self.sidecars: list[Sidecar] = []
+
+    def start(
+        self, source: str, segment: Path, *, peer_port: int, peers: list[int], token_file: Path
+    ) -> Sidecar:
+        urls = ",".join(f"http://127.0.0.1:{p}" for p in peers) or f"http://127.0.0.1:{peer_port}"
+        argv = [
+            "--source", source, "--segment", str(segment), "--notify", "none", "--port", "0",
+            "--host", "127.0.0.1", "--chunk-size", "1MiB", "--peers", urls, "--peer-port", str(peer_port),
+            "--peer-token-file", str(token_file), "--peer-stall-timeout", "2",
+        ]  # fmt: skip
+        sidecar = Sidecar(parse_settings(argv, {}))
+        sidecar.start()
+        self.sidecars.append(sidecar)
+        return sidecar
+
+
+@pytest.fixture
+def running() -> Iterator[_Running]:
+    fleet = _Running()
+    try:
+        yield fleet
+    finally:
+        for sidecar in fleet.sidecars:
+            sidecar.stop()
+
+
+def _complete(sidecar: Sidecar, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while sidecar.tracker.snapshot().phase != "complete":
+        status = sidecar.tracker.snapshot()
+        assert status.phase not in ("failed", "stopped"), status.error
+        assert time.monotonic() < deadline, f"not complete: {status}"
+        time.sleep(0.02)
+
+
+def test_a_tensorizer_model_comes_whole_from_a_peer_with_its_hashes_checked(
+    nginx: NginxServer,  # noqa: F811 - the fixture
+    running: _Running,
+    tmp_path: Path,
+    token_file: Path,
+) -> None:
+    tensors = _tensors(1)
+    (nginx.root / "peers-model.tensors").write_bytes(tensorizer_bytes(tensors))
+    url = nginx.url("peers-model.tensors")
+    first_port, second_port = free_port(), free_port()
+    first = running.start(url, tmp_path / "a.seg", peer_port=first_port, peers=[], token_file=token_file)
+    _complete(first)
+    second = running.start(
+        url, tmp_path / "b.seg", peer_port=second_port, peers=[first_port], token_file=token_file
+    )
+    _complete(second)
+    assert_segment_matches(tmp_path / "b.seg", tensors)
+    stats = second.peers.stats()
+    data = sum(t.numel() * 4 for t in tensors.values())
+    assert stats["origin_bytes"] == 0
+    assert stats["peer_bytes"] > data  # the data and every record header
+    assert first.peers.stats()["uploaded_bytes"] == stats["peer_bytes"]
+    from prometheus_client import generate_latest
+
+    samples = dict(
+        line.rsplit(" ", 1)
+        for line in generate_latest(second.metrics.registry).decode().splitlines()
+        if line.startswith("modelload_peer_")
+    )
+    assert float(samples["modelload_peer_received_bytes_total"]) == stats["peer_bytes"]
+    assert float(samples["modelload_peer_origin_bytes_total"]) == 0
+
+
+def _get(port: int, path: str, headers: dict[str, str]) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request("GET", path, headers=headers)
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+def test_the_peer_server_answers_only_token_holders_and_only_with_ready_tensor_ranges(
+    nginx: NginxServer,  # noqa: F811 - the fixture
+    running: _Running,
+    tmp_path: Path,
+    token_file: Path,
+) -> None:
+    tensors = _tensors(2)
+    (nginx.root / "peers-model.safetensors").write_bytes(safetensors_bytes(tensors))
+    port = free_port()
+    sidecar = running.start(
+        nginx.url("peers-model.safetensors"),
+        tmp_path / "a.seg",
+        peer_port=port,
+        peers=[],
+        token_file=token_file,
+    )
+    _complete(sidecar)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    assert _get(port, "/peer/v1/manifest", {})[0] == 401
+    assert _get(port, "/peer/v1/manifest", {"Authorization": "Bearer wrong"})[0] == 401
+    status, body = _get(port, "/peer/v1/manifest", auth)
+    assert status == 200
+    assert TOKEN.encode() not in body
+    first = sidecar.peers._ranges.plan.index.tensors[0]
+    start, end = first.data_offset, first.data_offset + first.data_length - 1
+    status, body = _get(port, "/peer/v1/files/0", {**auth, "Range": f"bytes={start}-{end}"})
+    assert status == 206
+    assert body == (nginx.root / "peers-model.safetensors").read_bytes()[start : end + 1]
+    assert _get(port, "/peer/v1/files/0", {**auth, "Range": "bytes=0-99"})[0] == 404  # the header
+    assert _get(port, "/peer/v1/files/0", {**auth, "Range": f"bytes={start}-{end + 5}"})[0] == 404
+    assert _get(port, "/peer/v1/files/1", {**auth, "Range": "bytes=0-9"})[0] == 404
+    other = {**auth, "Range": f"bytes={start}-{end}", "If-Match": '"another-version"'}
+    assert _get(port, "/peer/v1/files/0", other)[0] == 412
+    server = sidecar.peers.server
+    for _ in range(sidecar.settings.peers.max_uploads):  # every upload slot taken
+        server._uploads.acquire()
+    try:
+        status, _ = _get(port, "/peer/v1/files/0", {**auth, "Range": f"bytes={start}-{end}"})
+        assert status == 429
+    finally:
+        for _ in range(sidecar.settings.peers.max_uploads):
+            server._uploads.release()
+
+
+def test_peers_need_a_token_and_never_show_it(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no token"):
+        parse_settings(["--source", "file:///m", "--peers", "http://10.0.0.2:8480"], {})
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    with pytest.raises(ConfigError, match="must hold one token"):
+        parse_settings(["--source", "file:///m", "--peer-dns", "x", "--peer-token-file", str(empty)], {})
+    with pytest.raises(ConfigError, match="http:// or https://"):
+        parse_settings(["--source", "file:///m", "--peers", "10.0.0.2:8480"], {})
+    secret = tmp_path / "token"
+    secret.write_text("s3cr3t-peer-token\n")
+    settings = parse_settings(
+        [],
+        {
+            "MODELLOAD_SOURCE": "file:///m",
+            "MODELLOAD_PEER_DNS": "m.ns.svc",
+            "MODELLOAD_PEER_TOKEN_FILE": str(secret),
+        },
+    )
+    assert settings.peers.enabled and settings.peers.token == "s3cr3t-peer-token"
+    assert "s3cr3t" not in repr(settings)
+
+
+def test_rendezvous_moves_only_the_tensors_of_a_member_that_leaves() -> None:
+    members = [f"m{i}" for i in range(8)]
+    before = {t: owner(t, members, salt="v1") for t in range(2000)}
+    after = {t: owner(t, members[:-1], salt="v1") for t in range(2000)}
+    moved = [t for t in before if before[t] != after[t]]
+    assert all(before[t] == "m7" for t in moved)
+    share = sum(1 for t in before if before[t] == "m0") / 2000
+    assert 0.08 < share < 0.17  # about one eighth each
