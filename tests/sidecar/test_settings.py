@@ -1,4 +1,4 @@
-"""The sidecar's settings: every flag and variable of CONTRACTS.md, flags over variables, clear refusals."""
+"""The sidecar's settings: every flag and variable of docs/contracts.md, flags over variables, refusals."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Pure: a pod and a resolved ModelLoad in, RFC 6902 operations out. The webhook ne
 because a full replacement drops fields that the webhook's own libraries do not know (the failure that
 strips ``restartPolicy`` from native sidecars, KEP-753's first rollout hazard).
 
-What a pod gets (the pod-wiring contract in the team's CONTRACTS.md):
+What a pod gets (docs/contracts.md, "Pod wiring"):
 
 * volume ``modelload``: ``emptyDir{medium: Memory, sizeLimit}`` sized from the model (:mod:`sizing`);
 * the sidecar ``modelload``: an init container with ``restartPolicy: Always`` (a native sidecar) or, where
@@ -336,7 +336,7 @@ def _memory_env(spec: ModelLoadSpec) -> list[dict[str, Any]]:
 
 
 def sidecar_env(model: ResolvedModel, *, port: int) -> list[dict[str, Any]]:
-    """The sidecar's configuration (CONTRACTS.md's MODELLOAD_* variables) and credential references."""
+    """The sidecar's configuration (docs/contracts.md, "Variables") and credential references."""
     spec = model.spec
     env: list[dict[str, Any]] = [
         {"name": "MODELLOAD_SOURCE", "value": spec.source},
@@ -390,7 +390,7 @@ def _secret_env(name: str, secret: str, key: str, *, optional: bool) -> dict[str
 
 
 def target_env(port: int = 8479) -> list[dict[str, str]]:
-    """What the loader library in an inference container reads (CONTRACTS.md, pod wiring)."""
+    """What the loader library in an inference container reads (docs/contracts.md, "Variables")."""
     return [
         {"name": "MODELLOAD_SEGMENT", "value": SEGMENT_PATH},
         {"name": "MODELLOAD_NOTIFY", "value": NOTIFY_ENDPOINT},

@@ -1,6 +1,6 @@
 """The status API: the kubelet's probes, a JSON status, and Prometheus metrics, over FastAPI.
 
-Endpoints (CONTRACTS.md)::
+Endpoints (docs/contracts.md, "The status API")::
 
     GET /healthz    200 while the process runs (liveness: a failed load is not a reason to restart)
     GET /startupz   200 once the segment's manifest is published (apps can attach), else 503;
@@ -48,7 +48,7 @@ class StatusSource(Protocol):
 
 
 def status_body(status: LoadStatus) -> dict[str, Any]:
-    """The ``/status`` document: the snapshot's fields (``state`` is CONTRACTS.md's name for the phase)."""
+    """The ``/status`` document: the snapshot's fields (``state``: the phase's older name)."""
     return status.as_dict()
 
 

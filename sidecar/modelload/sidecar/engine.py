@@ -87,7 +87,7 @@ class LoadStopped(ModelloadError):
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """What to load, where to, and how (the sidecar's flags; see CONTRACTS in the docs)."""
+    """What to load, where to, and how (the sidecar's flags: docs/contracts.md)."""
 
     source: str
     """The model's URI: ``s3://bucket/key``, ``http(s)://...``, ``file:///path`` or a plain path; a directory

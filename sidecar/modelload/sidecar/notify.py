@@ -1,6 +1,6 @@
 """Ready notifications: an observer that publishes each event of the load on a pyzmq PUB socket.
 
-The messages are those of CONTRACTS.md, two frames each::
+The messages are those of docs/contracts.md ("Notifications"), two frames each::
 
     [b"ready",  <u32 tensor index, little-endian>]
     [b"done",   b""]

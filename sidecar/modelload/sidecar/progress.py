@@ -47,6 +47,14 @@ class LoadObserver(Protocol):
     def load_failed(self, *, kind: str, reason: str) -> None:
         """The load gave up; the segment is marked FAILED with ``reason`` (never holding credentials)."""
 
+    def memory_changed(self, status: dict[str, Any]) -> None:
+        """Release or ring mode: resident and released bytes, and what a waiting ring waits for, changed."""
+
+
+EVENTS = frozenset(name for name in vars(LoadObserver) if not name.startswith("_"))
+"""The events an observer can receive: :class:`Observers` refuses any other name, so a misspelled event
+is an error where it is written instead of a call that silently reaches nobody."""
+
 
 @dataclass(frozen=True)
 class LoadStatus:
@@ -240,6 +248,8 @@ class Observers:
         self._observers = observers
 
     def __getattr__(self, event: str) -> object:
+        if event not in EVENTS:
+            raise AttributeError(f"{event!r} is not a load event (known: {', '.join(sorted(EVENTS))})")
         methods = [getattr(o, event) for o in self._observers if hasattr(o, event)]
 
         def fan_out(*args: object, **kwargs: object) -> None:

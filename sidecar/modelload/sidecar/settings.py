@@ -1,17 +1,17 @@
 """The sidecar's settings: every flag and ``MODELLOAD_*`` variable, parsed once at the edge into typed values.
 
-CONTRACTS.md lists the flags; each has one environment variable, and a flag given on the command line wins
-over its variable (the operator sets variables; a person debugging a pod adds flags). Values are parsed and
-checked here, and only here: the engine, the API and the notifier receive typed, valid settings and never
-read the environment. A wrong value is a :class:`ConfigError` that names the flag or variable it came from
-and what is expected.
+docs/contracts.md lists the flags; each has one environment variable, and a flag given on the command line
+wins over its variable (the operator sets variables; a person debugging a pod adds flags). Values are parsed
+and checked here, and only here: the engine, the API and the notifier receive typed, valid settings and never
+read the environment. A wrong value is a :class:`ConfigError` that names the flag or variable it came from and
+what is expected.
 
 S3 endpoint, region and credentials: the sources layer hands them to botocore's own chain
 (``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, ``AWS_DEFAULT_REGION``, profiles, IRSA...), so these
 settings carry only the explicit overrides (``--s3-endpoint``, ``--s3-region`` and their ``MODELLOAD_S3_*``
 variables) and leave the rest to botocore, as users of the AWS tools expect. One exception: botocore (1.44)
 does not read ``AWS_REGION``, which the AWS CLI v2, the newer SDKs and EKS (IRSA, Pod Identity) use, and
-which CONTRACTS.md names; so ``AWS_REGION`` is read here, after ``--s3-region``/``MODELLOAD_S3_REGION``
+which docs/contracts.md names; so ``AWS_REGION`` is read here, after ``--s3-region``/``MODELLOAD_S3_REGION``
 and before botocore's own ``AWS_DEFAULT_REGION`` (the CLI v2's order).
 
 Secrets never show here: the key and password are files whose paths are settings, read by the engine; the
