@@ -28,7 +28,7 @@ from modelload.loader.errors import (
     SourceError,
     SourceNotFoundError,
 )
-from modelload.loader.formats import detect_format
+from modelload.loader.formats import SAFETENSORS_INDEX, ModelFiles, detect_format, select_model_files
 from modelload.loader.formats.safetensors import SafetensorsFile
 from modelload.loader.formats.tensorizer import DecryptionKey, TensorizerReader
 from modelload.loader.segment.layout import MAGIC as SEGMENT_MAGIC
@@ -39,6 +39,7 @@ __all__ = [
     "add_decryption_options",
     "atomic_output",
     "decryption_key",
+    "local_model_files",
     "local_path",
     "modelload_version",
     "rate",
@@ -135,6 +136,16 @@ def read_password(path: Path | None, env: str | None) -> bytes | None:
 
 
 # --- what a file is ----------------------------------------------------------------------------------------
+
+
+def local_model_files(directory: Path, *, format: str = "auto") -> ModelFiles:  # noqa: A002 - the CLI's word
+    """A local model directory's files by role (weights, small files, ignored), by the sidecar's rules."""
+    try:
+        names = [entry.name for entry in os.scandir(directory) if entry.is_file()]
+        index_json = (directory / SAFETENSORS_INDEX).read_bytes() if SAFETENSORS_INDEX in names else None
+    except OSError as exc:
+        raise translate_os_error(exc, directory) from None
+    return select_model_files(names, where=f"{directory}/", index_json=index_json, format=format)  # type: ignore[arg-type]
 
 
 def local_path(text: str, *, command: str, remote: str) -> Path:

@@ -31,6 +31,7 @@ from typing import Any
 from modelload.loader.cli._common import (
     add_decryption_options,
     decryption_key,
+    local_model_files,
     local_path,
     sniff,
     translate_os_error,
@@ -43,7 +44,7 @@ from modelload.loader.errors import (
     NotEncryptedError,
     WrongKeyError,
 )
-from modelload.loader.formats import SAFETENSORS_INDEX, ModelIndex, merge_indexes, select_model_files
+from modelload.loader.formats import ModelIndex, merge_indexes
 from modelload.loader.formats.safetensors import SafetensorsFile
 from modelload.loader.formats.tensorizer import DecryptionKey, TensorizerReader
 from modelload.loader.segment import SegmentReader, TensorFlags, TensorState
@@ -279,12 +280,7 @@ def _verify_report(
 def _inspect_directory(path: Path, key: DecryptionKey | None, *, verify: bool, progress: bool) -> Report:
     """One report over a directory's weight files, as the one model they make."""
     where = f"{path}/"
-    try:
-        names = [entry.name for entry in path.iterdir() if entry.is_file()]
-        index_json = (path / SAFETENSORS_INDEX).read_bytes() if SAFETENSORS_INDEX in names else None
-    except OSError as exc:
-        raise translate_os_error(exc, path) from None
-    chosen = select_model_files(names, where=where, index_json=index_json)
+    chosen = local_model_files(path)
     kinds = {name: sniff(path / name) for name in chosen.weights}
     for name, kind in kinds.items():
         if kind not in ("tensorizer", "safetensors"):

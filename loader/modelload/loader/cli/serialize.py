@@ -48,6 +48,7 @@ from modelload.loader.cli._common import (
     add_decryption_options,
     atomic_output,
     decryption_key,
+    local_model_files,
     open_model_file,
     rate,
     read_password,
@@ -66,7 +67,7 @@ from modelload.loader.errors import (
     ModelloadError,
     UnsupportedDtypeError,
 )
-from modelload.loader.formats import SAFETENSORS_INDEX, merge_indexes, read_index, select_model_files
+from modelload.loader.formats import SAFETENSORS_INDEX, merge_indexes, read_index
 from modelload.loader.formats.safetensors import HEADER_SIZE_CAP, RawTensor, SafetensorsFile, serialize
 from modelload.loader.formats.tensorizer import (
     Argon2Limits,
@@ -450,9 +451,7 @@ class _DirectoryInput:
 def _open_directory(args: argparse.Namespace, key: DecryptionKey | None) -> Iterator[_DirectoryInput]:
     src: Path = args.src
     where = f"{src}/"
-    names = [entry.name for entry in src.iterdir() if entry.is_file()]
-    index_json = (src / SAFETENSORS_INDEX).read_bytes() if SAFETENSORS_INDEX in names else None
-    chosen = select_model_files(names, where=where, index_json=index_json)
+    chosen = local_model_files(src)
     with contextlib.ExitStack() as stack:
         parts = []
         for name in chosen.weights:

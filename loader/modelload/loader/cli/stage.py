@@ -35,6 +35,7 @@ from pathlib import Path
 from modelload.loader.cli._common import (
     add_decryption_options,
     decryption_key,
+    local_model_files,
     local_path,
     modelload_version,
     open_model_file,
@@ -50,11 +51,9 @@ from modelload.loader.errors import (
     TruncatedError,
 )
 from modelload.loader.formats import (
-    SAFETENSORS_INDEX,
     ModelIndex,
     check_small_files,
     merge_indexes,
-    select_model_files,
 )
 from modelload.loader.formats.safetensors import SafetensorsFile
 from modelload.loader.formats.tensorizer import DecryptionKey, TensorizerReader
@@ -173,9 +172,7 @@ def _open_model(source: Path, fmt: str, key: DecryptionKey | None, *, verify: bo
             yield _Model([reader], reader.index, None)
         return
     where = f"{source}/"
-    names = [entry.name for entry in os.scandir(source) if entry.is_file()]
-    index_json = (source / SAFETENSORS_INDEX).read_bytes() if SAFETENSORS_INDEX in names else None
-    chosen = select_model_files(names, where=where, index_json=index_json, format=fmt)  # type: ignore[arg-type]
+    chosen = local_model_files(source, format=fmt)
     check_small_files({n: (source / n).stat().st_size for n in chosen.small}, where=where)
     with contextlib.ExitStack() as stack:
         readers: list[Reader] = []
