@@ -343,9 +343,6 @@ class _Load:
         self._next = 0
         self._remaining = list(plan.chunk_counts)
         # Tensors without a stored hash are re-sampled before they are published (integrity.check_tensor).
-        self._chunks_of: list[list[Chunk]] = [[] for _ in plan.index.tensors]
-        for chunk in plan.chunks:
-            self._chunks_of[chunk.tensor].append(chunk)
         sampled_files = [integrity.needs_samples(model, f) for f in range(len(model.sources))]
         self._sampled = [sampled_files[t.file] for t in plan.index.tensors]
         self._error: BaseException | None = None
@@ -474,7 +471,7 @@ class _Load:
                 self.model,
                 self.plan,
                 self.writer,
-                self._chunks_of[tensor],
+                self.plan.chunks_by_tensor[tensor],
                 policy=self.engine._sources.retry,
                 on_retry=self.engine._retried,
             )

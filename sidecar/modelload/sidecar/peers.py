@@ -79,7 +79,7 @@ class Peers:
         self._fd: int | None = None
         self._origins: list[Any] = []
         self._format = ""
-        self._chunks: dict[int, list[Chunk]] = {}
+        self._chunks: tuple[tuple[Chunk, ...], ...] = ()
         self._writer: Any = None
         self.server = PeerServer(
             self, token=settings.token, host=host, port=settings.port, max_uploads=settings.max_uploads
@@ -131,8 +131,7 @@ class Peers:
             self._format = index.format
             self._origins = list(model.sources)
             self._phase = "loading"
-        for chunk in plan.chunks:
-            self._chunks.setdefault(chunk.tensor, []).append(chunk)
+        self._chunks = plan.chunks_by_tensor
         self.fleet.start(infos=model.infos, tensors=len(index.tensors), salt=model.fingerprint or "")
         model.sources[:] = [
             PeerSource(origin, file=i, fleet=self.fleet, ranges=ranges, ledger=self.ledger)
@@ -179,7 +178,7 @@ class Peers:
                     " the origin",
                     tensor, crc, ", ".join(f"{c & 0xFFFFFFFF:08x}" for c in claims.values()),
                 )  # fmt: skip
-                for chunk in self._chunks.get(tensor, []):
+                for chunk in self._chunks[tensor]:
                     view = self._writer.region(chunk.dst_offset, chunk.length)
                     read_range(self._origins[chunk.file], chunk.src_offset, view, policy=self._retry)
                     self.ledger.origin(chunk.length)

@@ -11,6 +11,7 @@ A plan is pure arithmetic over the index; nothing is read or allocated here. Its
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -48,6 +49,15 @@ class LoadPlan:
     """How many chunks each tensor (by index) is split into; 0 for a tensor with nothing to fetch."""
     order: tuple[int, ...]
     """Tensor indices in load order."""
+
+    @functools.cached_property
+    def chunks_by_tensor(self) -> tuple[tuple[Chunk, ...], ...]:
+        """Each tensor's chunks (by tensor index), in load order: what re-reading or checking one tensor
+        touches."""
+        grouped: list[list[Chunk]] = [[] for _ in self.index.tensors]
+        for chunk in self.chunks:
+            grouped[chunk.tensor].append(chunk)
+        return tuple(tuple(group) for group in grouped)
 
     def header_span(self, tensor: int) -> tuple[int, int]:
         """``(segment offset, length)`` of the tensor's record header once fetched; length 0: none."""

@@ -63,7 +63,12 @@ class Directory:
         """The URI of file ``name`` in this directory."""
         if "://" not in self.uri:
             return str(Path(self.uri) / name)
-        return self.uri + quote(name, safe="~@!$&'()*+,;=:")
+        return _join(self.uri, name)
+
+
+def _join(base: str, name: str) -> str:
+    """A file's URL under a directory URL ending in ``/`` (the name percent-encoded as a path segment)."""
+    return base + quote(name, safe="~@!$&'()*+,;=:")
 
 
 def _local_path(uri: str) -> Path | None:
@@ -133,7 +138,7 @@ def _probe(
     """Stat ``names`` under an HTTP(S) base in parallel; absent ones are left out unless ``required``."""
 
     def stat(name: str) -> tuple[str, int | None]:
-        uri = base + quote(name, safe="~@!$&'()*+,;=:")
+        uri = _join(base, name)
         source = open_source(uri, settings)
         try:
             return name, stat_source(source, policy=settings.retry).size
