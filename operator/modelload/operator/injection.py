@@ -37,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from modelload.loader.errors import ModelloadError
 from modelload.operator.peers import PEER_DIR, PEER_VOLUME, peer_env, peer_volume
 from modelload.operator.quantity import parse_bytes, parse_size
 from modelload.operator.resource import ResolvedModel
@@ -81,8 +82,10 @@ not own the files, and no other container mounts the volume."""
 Op = dict[str, Any]
 
 
-class InjectionError(Exception):
+class InjectionError(ModelloadError):
     """The pod cannot be given the model as asked (a bad annotation, a name clash); the message says why."""
+
+    kind = "bad_pod"
 
 
 def pointer(*parts: str | int) -> str:

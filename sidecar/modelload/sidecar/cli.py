@@ -134,7 +134,7 @@ def _command(args: argparse.Namespace) -> int:
         return run_sidecar(settings)
     except ConfigError as exc:
         print(f"modelload sidecar: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_status
 
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
@@ -318,7 +318,7 @@ class _LoadThread:
                 self._engine = engine = self._build()
             engine.run()
         except ModelloadError as exc:
-            self._report(exc, "config" if isinstance(exc, ConfigError) else "internal")
+            self._report(exc, exc.kind)
         except Exception as exc:
             log.exception("the engine failed unexpectedly")
             self._report(exc, "internal")

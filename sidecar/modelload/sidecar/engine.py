@@ -39,19 +39,11 @@ from typing import Any, Literal, Protocol
 
 from modelload.loader.errors import (
     ConfigError,
-    EncryptionError,
-    FormatError,
     HashMismatchError,
     MissingKeyError,
     ModelloadError,
     NotEncryptedError,
-    RangeNotSupportedError,
     SegmentError,
-    SegmentSpaceError,
-    SourceAccessDeniedError,
-    SourceChangedError,
-    SourceNotFoundError,
-    TransientSourceError,
     WrongKeyError,
 )
 from modelload.loader.formats import ModelIndex
@@ -65,7 +57,6 @@ from modelload.sidecar.planner import Chunk, LoadPlan, plan_load
 from modelload.sidecar.progress import LoadObserver
 from modelload.sidecar.sources import (
     OpenedModel,
-    RetryCancelled,
     RetryEvent,
     Source,
     SourceSettings,
@@ -83,6 +74,8 @@ log = logging.getLogger(__name__)
 
 class LoadStopped(ModelloadError):
     """The load was stopped (SIGTERM) before it finished; the segment is marked FAILED."""
+
+    kind = "stopped"
 
 
 @dataclass(frozen=True)
@@ -521,26 +514,9 @@ def _metadata(
 
 
 def error_kind(exc: BaseException) -> str:
-    """A short label for a failure, for metrics and logs: what the operator should look at."""
-    kinds: tuple[tuple[type[BaseException], str], ...] = (
-        (LoadStopped, "stopped"),
-        (RetryCancelled, "stopped"),
-        (SourceNotFoundError, "not_found"),
-        (SourceAccessDeniedError, "access_denied"),
-        (SourceChangedError, "changed"),
-        (RangeNotSupportedError, "range_unsupported"),
-        (TransientSourceError, "transient"),
-        (HashMismatchError, "hash_mismatch"),
-        (EncryptionError, "encryption"),
-        (FormatError, "format"),
-        (SegmentSpaceError, "no_space"),
-        (SegmentError, "segment"),
-        (ConfigError, "config"),
-    )
-    for cls, kind in kinds:
-        if isinstance(exc, cls):
-            return kind
-    return "internal"
+    """A short label for a failure, for metrics and logs: what the operator should look at. The error
+    tree's own ``kind`` (:mod:`modelload.loader.errors`); ``internal`` for anything outside it."""
+    return exc.kind if isinstance(exc, ModelloadError) else "internal"
 
 
 def retry_kind(event: RetryEvent) -> str:
