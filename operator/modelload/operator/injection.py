@@ -38,8 +38,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from modelload.loader.errors import ModelloadError
+from modelload.loader.sizes import parse_size
 from modelload.operator.peers import PEER_DIR, PEER_VOLUME, peer_env, peer_volume
-from modelload.operator.quantity import parse_bytes, parse_size
+from modelload.operator.quantity import parse_bytes
 from modelload.operator.resource import ResolvedModel
 from modelload.operator.schema import MODEL_LABEL, ModelLoadSpec
 from modelload.operator.settings import SidecarSettings

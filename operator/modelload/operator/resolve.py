@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from modelload.loader.errors import ConfigError, ModelloadError, SourceUriError, TransientSourceError
+from modelload.loader.sizes import format_bytes
 from modelload.operator.conditions import set_condition
 from modelload.operator.injection import source_query_problem
 from modelload.operator.kube import Kube, KubeNotFoundError
@@ -48,7 +49,6 @@ from modelload.operator.model_source import (
     parse_headers,
     read_summary,
 )
-from modelload.operator.quantity import humanize_bytes
 from modelload.operator.schema import ModelLoadSpec
 from modelload.operator.settings import RetrySettings
 from modelload.operator.sizing import Sizing, SizingDefaults, plan_sizing
@@ -254,7 +254,7 @@ def success_status(
 ) -> dict[str, Any]:
     s = resolution.summary
     message = (
-        f"{s.tensors} tensors, {humanize_bytes(s.bytes)} ({s.format} v{s.format_version}"
+        f"{s.tensors} tensors, {format_bytes(s.bytes)} ({s.format} v{s.format_version}"
         f"{', encrypted' if s.encrypted else ''}); "
         f"pods get a {resolution.sizing.volume_size_limit} memory volume"
     )
@@ -265,7 +265,7 @@ def success_status(
         "formatVersion": s.format_version,
         "tensors": s.tensors,
         "bytes": s.bytes,
-        "size": humanize_bytes(s.bytes),
+        "size": format_bytes(s.bytes),
         "fileBytes": s.file_bytes,
         "files": s.files,
         "encrypted": s.encrypted,

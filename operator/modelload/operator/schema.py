@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from modelload.loader.errors import ConfigError, SourceUriError
+from modelload.loader.sizes import parse_size
 from modelload.operator._dataschema import Quantity, dump, openapi, parse, prop
-from modelload.operator.quantity import parse_bytes, parse_size
+from modelload.operator.quantity import parse_bytes
 
 __all__ = [
     "API_VERSION",

@@ -27,6 +27,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from modelload.loader.errors import ConfigError, ModelloadError
+from modelload.loader.sizes import format_bytes
 from modelload.sidecar.logs import add_log_format, apply_log_format
 from modelload.sidecar.settings import SidecarSettings, add_arguments, parse_settings
 from modelload.sidecar.sources import check_scheme, display_url
@@ -334,8 +335,6 @@ class _LoadThread:
 
 def describe_progress(status: LoadStatus) -> str:
     """One line of progress: ``loading: 45.2% 1.2 GiB/2.7 GiB, 800.0 MiB/s, 120/291 tensors, ETA 2 s``."""
-    from modelload.loader.cli.progress import format_bytes
-
     share = status.bytes_done / status.bytes_total if status.bytes_total else 0.0
     eta = status.eta
     return (
@@ -364,8 +363,6 @@ class LoggingObserver:
         self._log.info("loading %s into %s", display_url(source), segment)
 
     def manifest_published(self, *, model_format: str, tensors: int, nbytes: int, notify: str | None) -> None:
-        from modelload.loader.cli.progress import format_bytes
-
         self._log.info(
             "manifest published: %d tensors, %s, %s; apps can attach now",
             tensors,
@@ -387,8 +384,6 @@ class LoggingObserver:
         self._log.warning("retrying a range (%s): %s%s", kind, message, more)
 
     def load_finished(self, *, seconds: float, nbytes: int) -> None:
-        from modelload.loader.cli.progress import format_bytes
-
         rate = nbytes / seconds if seconds > 0 else 0.0
         self._log.info(
             "load complete: %s in %.2f s (%s/s)", format_bytes(nbytes), seconds, format_bytes(rate)

@@ -28,8 +28,8 @@ import urllib.error
 import urllib.request
 from typing import Any, TextIO
 
-from modelload.loader.cli.progress import format_bytes
 from modelload.loader.errors import SidecarUnavailableError
+from modelload.loader.sizes import format_bytes
 
 __all__ = ["EXIT_FAILED", "EXIT_LOADING", "EXIT_UNREACHABLE", "fetch_status", "register", "render", "watch"]
 

@@ -27,13 +27,13 @@ info or query string (presigned URLs carry signatures there).
 from __future__ import annotations
 
 import argparse
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypeVar, cast, get_args
 
 from modelload.loader.errors import ConfigError
+from modelload.loader.sizes import parse_size
 from modelload.sidecar.memory import MemorySettings
 from modelload.sidecar.sources import display_url
 
@@ -54,7 +54,6 @@ __all__ = [
     "default_notify_endpoint",
     "parse_bool",
     "parse_settings",
-    "parse_size",
 ]
 
 ModelFormat = Literal["auto", "tensorizer", "safetensors"]
@@ -262,38 +261,8 @@ class SidecarSettings:
 
 # --- value parsers -----------------------------------------------------------------------------------------
 
-_SIZE = re.compile(r"^\s*(\d+)\s*([A-Za-z]*)\s*$")
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "ki": 1024,
-    "kib": 1024,
-    "mi": MiB,
-    "mib": MiB,
-    "gi": GiB,
-    "gib": GiB,
-}
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
-
-
-def parse_size(text: str, *, name: str = "size") -> int:
-    """A byte count: plain bytes (``33554432``), binary units (``32MiB``, ``1Gi``) or decimal (``500MB``).
-
-    >>> parse_size("32MiB"), parse_size("1 GiB"), parse_size("4096"), parse_size("2MB")
-    (33554432, 1073741824, 4096, 2000000)
-    """
-    match = _SIZE.match(text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS:
-        raise ConfigError(f"{name}: expected a size such as 32MiB, 1GiB or a number of bytes, got {text!r}")
-    return int(match.group(1)) * _UNITS[unit]
 
 
 def parse_bool(text: str, *, name: str = "value") -> bool:
@@ -537,14 +506,14 @@ def _int_in(low: int, high: int) -> Callable[..., int]:
 
 
 def _chunk_size(text: str, *, name: str) -> int:
-    value = parse_size(text, name=name)
+    value = parse_size(text, setting=name)
     if not MIN_CHUNK <= value <= MAX_CHUNK:
         raise ConfigError(f"{name}: expected a size from 1MiB to 1GiB, got {text!r} ({value} bytes)")
     return value
 
 
 def _ring_size(text: str, *, name: str) -> int:
-    value = parse_size(text, name=name)
+    value = parse_size(text, setting=name)
     if value < MIN_CHUNK:
         raise ConfigError(f"{name}: a ring must be at least 1MiB (and hold the largest tensor), got {text!r}")
     return value

@@ -18,7 +18,6 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import IO, Literal
 
-from modelload.loader.cli.progress import format_bytes
 from modelload.loader.errors import (
     BadMagicError,
     ConfigError,
@@ -32,6 +31,7 @@ from modelload.loader.formats import SAFETENSORS_INDEX, ModelFiles, detect_forma
 from modelload.loader.formats.safetensors import SafetensorsFile
 from modelload.loader.formats.tensorizer import DecryptionKey, TensorizerReader
 from modelload.loader.segment.layout import MAGIC as SEGMENT_MAGIC
+from modelload.loader.sizes import format_bytes
 
 __all__ = [
     "PASSWORD_ENV",

@@ -36,7 +36,7 @@ from modelload.loader.cli._common import (
     sniff,
     translate_os_error,
 )
-from modelload.loader.cli.progress import ProgressBar, format_bytes
+from modelload.loader.cli.progress import ProgressBar
 from modelload.loader.errors import (
     ConfigError,
     FormatError,
@@ -48,6 +48,7 @@ from modelload.loader.formats import ModelIndex, merge_indexes
 from modelload.loader.formats.safetensors import SafetensorsFile
 from modelload.loader.formats.tensorizer import DecryptionKey, TensorizerReader
 from modelload.loader.segment import SegmentReader, TensorFlags, TensorState
+from modelload.loader.sizes import format_bytes
 
 __all__ = ["JSON_KEYS", "register", "run"]
 
