@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from modelload.loader.errors import ConfigError
+from modelload.loader.wiring import STATUS_PORT
 from modelload.operator.quantity import parse_bytes
 from modelload.operator.sizing import SizingDefaults
 
@@ -43,7 +44,7 @@ class SidecarSettings:
     """native: an init container with restartPolicy Always (Kubernetes 1.29+ with the SidecarContainers gate,
     on by default from 1.29). regular: a container that never exits. auto: native when the API server
     reports 1.29 or later; set native/regular when nodes lag the control plane or the gate is off."""
-    port: int = 8479
+    port: int = STATUS_PORT
     segment_group: int = 8479
     """The group a pod without an fsGroup gets as a supplemental group, and the sidecar runs as, so the app
     can read the 0640 segment. 0: add none (the pod's fsGroup, or running the app as the sidecar's group, is

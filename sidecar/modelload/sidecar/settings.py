@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypeVar, cast, get_args
 
+from modelload.loader import wiring
 from modelload.loader.errors import ConfigError
 from modelload.loader.sizes import parse_size
 from modelload.sidecar.memory import MemorySettings
@@ -61,9 +62,9 @@ LogLevel = Literal["debug", "info", "warning", "error"]
 
 MiB = 1 << 20
 GiB = 1 << 30
-DEFAULT_SEGMENT = Path("/run/modelload/model.seg")
-DEFAULT_PORT = 8479
-DEFAULT_PEER_PORT = 8480
+DEFAULT_SEGMENT = Path(wiring.SEGMENT_PATH)
+DEFAULT_PORT = wiring.STATUS_PORT
+DEFAULT_PEER_PORT = wiring.PEER_PORT
 MAX_READERS = 256
 MIN_CHUNK, MAX_CHUNK = MiB, GiB
 NOTIFY_OFF = ("none", "off", "false", "")
@@ -323,9 +324,9 @@ _OPTIONS = (
         "source", "--source", "MODELLOAD_SOURCE",
         "model URI: s3://bucket/key, http(s)://..., file:///path or a path (required)", "URI",
     ),
-    _Option("segment", "--segment", "MODELLOAD_SEGMENT", f"segment file (default {DEFAULT_SEGMENT})", "PATH"),
+    _Option("segment", "--segment", wiring.SEGMENT_ENV, f"segment file (default {DEFAULT_SEGMENT})", "PATH"),
     _Option(
-        "model_dir", "--model-dir", "MODELLOAD_MODEL_DIR",
+        "model_dir", "--model-dir", wiring.MODEL_DIR_ENV,
         "where a directory model's config and tokenizer go (default: model/ beside the segment)", "PATH",
     ),
     _Option(
@@ -371,7 +372,7 @@ _OPTIONS = (
         "status API bind address (default 0.0.0.0: probes come from the kubelet)", "HOST",
     ),
     _Option(
-        "notify", "--notify", "MODELLOAD_NOTIFY",
+        "notify", "--notify", wiring.NOTIFY_ENV,
         "pyzmq PUB endpoint, or 'none' (default ipc://<segment>.notify.sock)", "ENDPOINT",
     ),
     _Option(
