@@ -14,10 +14,10 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
-from modelload.loader._logjson import LOG_FORMATS, LogFormat, use_log_format
-from modelload.loader.errors import ConfigError
+from modelload.loader._logjson import LogFormat, parse_log_format, use_log_format
+from modelload.loader.options import Lookup, Option, add_arguments
 from modelload.loader.sizes import format_bytes
 from modelload.sidecar.sources import display_url
 
@@ -31,26 +31,21 @@ log = logging.getLogger("modelload.sidecar")
 ENV = "MODELLOAD_LOG_FORMAT"
 
 
+_OPTIONS = (
+    Option(
+        "log_format", "--log-format", ENV,
+        "text (default) or json: one JSON object per line, for a log pipeline", "FORMAT",
+    ),
+)  # fmt: skip
+
+
 def add_log_format(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--log-format",
-        dest="log_format",
-        default=None,
-        metavar="FORMAT",
-        help=f"text (default) or json: one JSON object per line, for a log pipeline [{ENV}]",
-    )
+    add_arguments(parser, _OPTIONS)
 
 
 def log_format(args: argparse.Namespace, environ: Mapping[str, str]) -> LogFormat:
     """The flag, else the variable, else ``text``; :class:`ConfigError` for anything else."""
-    value = getattr(args, "log_format", None)
-    where = "--log-format"
-    if value is None:
-        value, where = environ.get(ENV) or "text", ENV
-    value = value.strip().lower()
-    if value not in LOG_FORMATS:
-        raise ConfigError(f"{where}: {value!r} is not one of {', '.join(LOG_FORMATS)}")
-    return cast("LogFormat", value)
+    return Lookup(_OPTIONS, vars(args), environ).get("log_format", parse_log_format, "text")
 
 
 def apply_log_format(args: argparse.Namespace, environ: Mapping[str, str]) -> None:

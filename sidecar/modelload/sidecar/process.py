@@ -62,25 +62,9 @@ EngineFactory = Callable[[SidecarSettings, "LoadObserver"], LoadEngine]
 def default_engine(settings: SidecarSettings, observer: LoadObserver, *, peers: Any = None) -> LoadEngine:
     """The streaming engine of ``modelload.sidecar.engine``, built from the sidecar's settings (and this
     sidecar's :class:`~modelload.sidecar.peers.Peers` when peers are on)."""
-    from modelload.sidecar.engine import Engine, EngineSettings
+    from modelload.sidecar.engine import Engine
 
-    load = settings.engine
-    engine_settings = EngineSettings(
-        source=load.source,
-        segment=load.segment,
-        format=load.format,
-        readers=load.readers,
-        chunk_size=load.chunk_size,
-        verify=load.verify,
-        key_file=load.key_file,
-        password_file=load.password_file,
-        priority=load.priority,
-        notify=settings.notify.endpoint,
-        model_dir=load.model_dir,
-        files=load.files,
-        memory=load.memory,
-    )
-    return Engine(engine_settings, sources=settings.sources, observer=observer, peers=peers)
+    return Engine(settings.engine, sources=settings.sources, observer=observer, peers=peers)
 
 
 # --- the process -------------------------------------------------------------------------------------------
