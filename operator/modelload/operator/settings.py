@@ -114,38 +114,34 @@ def _choice(*allowed: str) -> Callable[[str], str]:
     return convert
 
 
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError as exc:
-        raise ConfigError(f"{text!r} is not a port number") from exc
-    if not 0 < port < 65536:
-        raise ConfigError(f"{port} is not a port number (1-65535)")
-    return port
+def _number(convert: Callable[[str], Any], what: str, valid: Callable[[Any], bool], bounds: str) -> Any:
+    """A parser of the numbers ``convert`` reads and ``valid`` accepts; messages say ``what``, ``bounds``."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError as exc:
+            raise ConfigError(f"{text!r} is not {what}") from exc
+        if not valid(value):
+            raise ConfigError(f"{value} is not {bounds}")
+        return value
+
+    return parse
+
+
+_port: Callable[[str], int] = _number(
+    int, "a port number", lambda v: 0 < v < 65536, "a port number (1-65535)"
+)
+_group: Callable[[str], int] = _number(
+    int, "a group id", lambda v: 0 <= v < 2**31, "a group id (0 to 2147483647; 0 turns the group off)"
+)
+_seconds: Callable[[str], float] = _number(
+    float, "a number of seconds", lambda v: 0 < v < 86400, "a sensible number of seconds (0 to 86400)"
+)
 
 
 def _port_or_off(text: str) -> int:
     return 0 if text.strip() == "0" else _port(text)
-
-
-def _group(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError as exc:
-        raise ConfigError(f"{text!r} is not a group id") from exc
-    if not 0 <= value < 2**31:
-        raise ConfigError(f"{value} is not a group id (0 to 2147483647; 0 turns the group off)")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError as exc:
-        raise ConfigError(f"{text!r} is not a number of seconds") from exc
-    if not 0 < value < 86400:
-        raise ConfigError(f"{value} is not a sensible number of seconds (0 to 86400)")
-    return value
 
 
 OPTIONS: tuple[Option, ...] = (
