@@ -13,7 +13,7 @@ import os
 import sys
 
 from modelload.loader._logjson import use_log_format
-from modelload.loader.errors import ConfigError
+from modelload.loader.errors import ConfigError, ModelloadError
 from modelload.operator.settings import add_arguments, from_args
 
 __all__ = ["register"]
@@ -31,8 +31,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    """Run until stopped. Start-up mistakes (no Kubernetes configuration, an API server out of reach) are
-    one line on stderr, not a traceback: they are fixed outside the process."""
+    """Run until stopped. Start-up mistakes (a bad flag, no Kubernetes configuration, an API server out of
+    reach) are one line on stderr and the error's ``exit_status`` (2 for configuration, else 1), not a
+    traceback: they are fixed outside the process."""
+    try:
+        _serve(args)
+    except ModelloadError as exc:
+        print(f"modelload operator: {exc}", file=sys.stderr)
+        return exc.exit_status
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> None:
     import asyncio
 
     from kubernetes.config import ConfigException
@@ -52,13 +62,9 @@ def _run(args: argparse.Namespace) -> int:
             " KUBECONFIG (default ~/.kube/config) at a kubeconfig with a current context"
         ) from None
     except KubeUnavailableError as exc:
-        print(
-            f"modelload operator: cannot reach the Kubernetes API server ({exc}); check the server address"
-            " of the current kubeconfig context and the network, then start again",
-            file=sys.stderr,
-        )
-        return 1
+        raise KubeUnavailableError(
+            f"cannot reach the Kubernetes API server ({exc}); check the server address of the current"
+            " kubeconfig context and the network, then start again"
+        ) from exc
     except KubeError as exc:
-        print(f"modelload operator: the Kubernetes API refused a start-up call: {exc}", file=sys.stderr)
-        return 1
-    return 0
+        raise KubeError(f"the Kubernetes API refused a start-up call: {exc}") from exc
