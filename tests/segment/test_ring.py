@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import struct
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -127,6 +128,21 @@ def test_several_processes_copy_a_ring_model_byte_exact_and_a_released_tensor_is
         model.close()
     releaser.close()
     writer.close()
+
+
+def test_torch_tensors_over_a_ring_come_without_torch_s_writable_buffer_warning(shm_dir: Path) -> None:
+    torch = pytest.importorskip("torch")
+    path = shm_dir / "ring.seg"
+    layout = _layout([10000, 9000])
+    with SegmentWriter.create(path, layout, heartbeat=False) as writer:
+        for slot in layout.slots:
+            writer.slot(slot.index)[:] = expected_bytes(4, slot.index, slot.nbytes)
+            writer.mark_ready(slot.index)
+        with attach(path, timeout=5, notify=False) as model, warnings.catch_warnings():
+            warnings.simplefilter("error")
+            tensor = model.tensor("t1")  # runs past the ring's end
+            assert tensor.dtype == torch.uint8 and bytes(tensor.numpy()) == expected_bytes(4, 1, 9000)
+            del tensor
 
 
 # --- hostile ring headers and manifests ----------------------------------------------------------------
