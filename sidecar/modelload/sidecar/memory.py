@@ -23,8 +23,8 @@ releases (or no consumer at all) makes the load wait; ``/status`` and the metric
 consumer it waits for, and ``wait_timeout`` turns a wait that long into a failure naming them.
 
 Peers (sidecars serving each other): a sidecar in mode ``full`` serves every READY tensor; in ``release`` and
-``ring`` it serves only tensors still READY, and re-checks the state after reading one (a tensor released
-meanwhile is not served), so peers of a GPU fleet are mostly the ``full``-mode sidecars.
+``ring`` the engine turns peers off for the load (a ring reuses a tensor's bytes once it is copied), so peers
+of a GPU fleet are the ``full``-mode sidecars.
 """
 
 from __future__ import annotations
