@@ -79,15 +79,24 @@ def _resident(segment: Path) -> int:
     return os.stat(segment).st_blocks * 512
 
 
-@pytest.mark.parametrize("fmt", ["tensorizer", "safetensors"])
+@pytest.mark.parametrize(
+    ("fmt", "how"),
+    [
+        ("tensorizer", {}),  # spliced through the descriptor, split where the ring wraps
+        ("safetensors", {}),
+        ("tensorizer", {"splice": False}),  # read into the writer's double mapping
+        ("safetensors", {"splice": False, "priority": ("layers.5.", "layers.2.mlp.")}),  # not file order
+    ],
+    ids=["tensorizer", "safetensors", "tensorizer-mapping", "safetensors-mapping-priority"],
+)
 def test_ring_mode_loads_byte_exact_while_the_volume_never_holds_more_than_the_ring(
-    fmt: str, tmp_path: Path, shm_dir: Path
+    fmt: str, how: dict[str, Any], tmp_path: Path, shm_dir: Path
 ) -> None:
     source, tensors = _model(tmp_path, fmt)
     segment = shm_dir / "ring.seg"
     model_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     assert model_bytes > 3 * RING, "the model must be larger than the ring for this test to mean anything"
-    load = Load(source, segment, MemorySettings(mode="ring", ring_size=RING), readers=4)
+    load = Load(source, segment, MemorySettings(mode="ring", ring_size=RING), readers=4, **how)
     while not segment.exists():
         time.sleep(0.005)
     sample: list[int] = []
