@@ -110,6 +110,20 @@ def test_a_ring_segment_is_layout_4_its_tables_then_its_ring(shm_dir: Path) -> N
         assert reader.header.data_length == 8192
 
 
+def test_a_version_3_ring_of_an_older_writer_is_still_read_as_a_full_size_file(shm_dir: Path) -> None:
+    path = shm_dir / "old-ring.seg"
+    layout = release_layout()
+    with SegmentWriter.create(path, layout, heartbeat=False) as writer:
+        writer.slot(1)[:] = b"\x07" * 8
+        writer.mark_ready(1)
+    with path.open("r+b") as f:  # what an older sidecar wrote in ring mode: version 3, mode 2, a ring size
+        f.seek(96)
+        f.write(struct.pack("<IIQ", 2, 0, 8192))
+    with SegmentReader.open(path) as reader:
+        assert (reader.header.layout_version, reader.memory_mode) == (3, MemoryMode.RING)
+        assert bytes(reader.view(1)) == b"\x07" * 8, "offsets are file offsets in a version-3 ring"
+
+
 def test_a_full_mode_segment_keeps_layout_1_and_no_consumer_table(shm_dir: Path) -> None:
     path = shm_dir / "full.seg"
     with SegmentWriter.create(path, small_layout(), heartbeat=False):
