@@ -4,6 +4,7 @@ the loader copies each tensor as it arrives; what the volume holds is read from 
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing
 import os
 import signal
@@ -166,22 +167,30 @@ def test_a_tensor_a_consumer_holds_keeps_its_bytes_while_the_ring_waits_for_it(
     assert copies == {name: models.as_bytes(t) for name, t in tensors.items()}
 
 
-def test_two_consumers_copy_a_model_larger_than_the_ring_byte_exact(tmp_path: Path, shm_dir: Path) -> None:
+def _consume_elsewhere(segment: str, results: Any) -> None:
+    results.put({name: hashlib.sha256(data).hexdigest() for name, data in _consume(Path(segment)).items()})
+
+
+def test_two_consumers_in_two_processes_copy_a_model_larger_than_the_ring_byte_exact(
+    tmp_path: Path, shm_dir: Path
+) -> None:
     source, tensors = _model(tmp_path, "tensorizer", seed=6)
     segment = shm_dir / "two.seg"
     load = Load(source, segment, MemorySettings(mode="ring", ring_size=RING, consumers=2), readers=4)
     while not segment.exists():
         time.sleep(0.005)
-    results: list[dict[str, bytes]] = []
-    threads = [threading.Thread(target=lambda: results.append(_consume(segment))) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    other = context.Process(target=_consume_elsewhere, args=(str(segment), results))
+    other.start()
+    here = _consume(segment)  # the ring waits for both: neither may see a lap the other has not released
+    elsewhere = results.get(timeout=60)
+    other.join(30)
     load.finish()
     assert load.error is None
     expected = {name: models.as_bytes(t) for name, t in tensors.items()}
-    assert results == [expected, expected]
+    assert here == expected
+    assert elsewhere == {name: hashlib.sha256(data).hexdigest() for name, data in expected.items()}
 
 
 def test_a_meta_tensor_in_a_ring_reads_as_zeros_not_as_an_older_tensor_s_bytes(
