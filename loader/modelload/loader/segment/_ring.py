@@ -85,6 +85,7 @@ def map_ring(fd: int, *, start: int, ring_offset: int, ring_size: int, writable:
         _unmap(base, total)
         raise
     pages = (ctypes.c_ubyte * total).from_address(base)
-    weakref.finalize(pages, _unmap, base, total)  # the last view, array or tensor of it unmaps it
+    finalizer = weakref.finalize(pages, _unmap, base, total)  # the last view, array or tensor unmaps it
+    finalizer.atexit = False  # at exit the process's mappings go anyway; a daemon thread may still read it
     view = memoryview(pages).cast("B")
     return view if writable else view.toreadonly()
