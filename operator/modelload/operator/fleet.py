@@ -79,7 +79,7 @@ def _figures(doc: Any) -> dict[str, int] | None:
     return out
 
 
-async def fetch(session: aiohttp.ClientSession, load: PodLoad, token: str) -> PodStats:
+async def fetch(session: aiohttp.ClientSession, load: PodLoad, token: str, *, timeout: float) -> PodStats:
     """Ask one pod's sidecar for its stats. Never raises for the pod's faults: they become ``error``."""
     url = f"http://{load.address}{STATS_PATH}"
     try:
@@ -90,7 +90,7 @@ async def fetch(session: aiohttp.ClientSession, load: PodLoad, token: str) -> Po
             if response.status != 200:
                 return PodStats(load.pod, error=f"answered HTTP {response.status}")
     except asyncio.TimeoutError:
-        return PodStats(load.pod, error=f"no answer in {TIMEOUT:g} s")
+        return PodStats(load.pod, error=f"no answer in {timeout:g} s")
     except (aiohttp.ClientError, OSError) as exc:
         # The class name only: an exception's text may quote the request, and so the header.
         return PodStats(load.pod, error=f"unreachable ({type(exc).__name__})")
@@ -211,7 +211,7 @@ class FleetPoller:
 
     async def _fetch(self, session: aiohttp.ClientSession, load: PodLoad, token: str) -> PodStats:
         async with self._limit:
-            return await fetch(session, load, token)
+            return await fetch(session, load, token, timeout=self._timeout)
 
     async def _token(self, namespace: str, name: str) -> str | None:
         secret = peer_names(name)
