@@ -101,6 +101,8 @@ class OperatorSettings:
     webhook: WebhookSettings = field(default_factory=WebhookSettings)
     sidecar: SidecarSettings = field(default_factory=SidecarSettings)
     retry: RetrySettings = field(default_factory=RetrySettings)
+    fleet_interval: float = 20.0
+    """Seconds between two readings of a peered model's pod stats (status.fleet); one GET per serving pod."""
 
 
 def _choice(*allowed: str) -> Callable[[str], str]:
@@ -276,6 +278,13 @@ OPTIONS: tuple[Option, ...] = (
         "MODELLOAD_OPERATOR_SIDECAR_CPU_REQUEST",
         "sidecar CPU request (e.g. 500m)",
         parse=parse_text,
+    ),
+    Option(
+        "--fleet-interval",
+        "MODELLOAD_OPERATOR_FLEET_INTERVAL",
+        ("fleet_interval",),
+        _seconds,
+        "seconds between readings of peered models' pod stats into status.fleet (default 20)",
     ),
 )
 

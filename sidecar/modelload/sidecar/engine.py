@@ -37,6 +37,8 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
+
 from modelload.loader.errors import (
     HashMismatchError,
     MissingKeyError,
@@ -47,7 +49,7 @@ from modelload.loader.errors import (
 )
 from modelload.loader.formats import ModelIndex
 from modelload.loader.formats import tensorizer as tz
-from modelload.loader.segment import MODEL_DIR_KEY, SegmentReader, SegmentWriter, WriterState
+from modelload.loader.segment import MODEL_DIR_KEY, MemoryMode, SegmentReader, SegmentWriter, WriterState
 from modelload.sidecar import integrity
 from modelload.sidecar.memory import MemoryManager, check_volume, plan_memory
 from modelload.sidecar.meter import ChunkMeter
@@ -168,15 +170,15 @@ class Engine:
         use_fd = settings.splice and all(source.supports_fd for source in model.sources)
         # Through the file descriptor nothing writes a meta tensor's slot: reserve it before publishing.
         unlanded = integrity.unlanded_ranges(plan) if use_fd else []
+        # A ring's pages are taken once, now, and reused lap after lap (a full volume fails here).
+        ring = settings.memory.mode == "ring"
         self._writer = writer = SegmentWriter.create(
-            settings.segment, plan.layout, reserve=False, reserve_ranges=unlanded
+            settings.segment, plan.layout, reserve=ring, reserve_ranges=unlanded
         )
         memory = None
         if settings.memory.mode != "full":
             report = getattr(observer, "memory_changed", None)
-            memory = MemoryManager(
-                settings.memory, writer=writer, plan=plan, stop=self._stop, report=report, reserve=not use_fd
-            )
+            memory = MemoryManager(settings.memory, writer=writer, plan=plan, stop=self._stop, report=report)
         observer.manifest_published(
             model_format=index.format, tensors=len(index), nbytes=index.nbytes, notify=settings.notify
         )
@@ -345,15 +347,19 @@ class _Load:
             self.stop.set()
 
     def _land_fd(self, chunk: Chunk) -> None:
-        read_range_into_fd(
-            self.sources[chunk.file],
-            chunk.src_offset,
-            chunk.length,
-            self.writer.fileno(),
-            chunk.dst_offset,
-            policy=self.engine._sources.retry,
-            on_retry=self.engine._retried,
-        )
+        src_offset = chunk.src_offset
+        # One piece of the file, or two where a ring segment's ring wraps (one more request per lap).
+        for file_offset, length in self.writer.file_ranges(chunk.dst_offset, chunk.length):
+            read_range_into_fd(
+                self.sources[chunk.file],
+                src_offset,
+                length,
+                self.writer.fileno(),
+                file_offset,
+                policy=self.engine._sources.retry,
+                on_retry=self.engine._retried,
+            )
+            src_offset += length
 
     def _land_view(self, chunk: Chunk) -> None:
         view = self.writer.region(chunk.dst_offset, chunk.length)
@@ -396,6 +402,11 @@ class _Load:
         if peers is not None:
             peers.finish(tensor)  # bytes from a peer checked (and re-read from the origin if bad)
         uri = self.model.display(entry.file)
+        if slot.nbytes > entry.data_length and self.plan.layout.memory_mode == MemoryMode.RING:
+            # A meta tensor's zeros: a ring's bytes hold an older tensor's data, not the zeros of a new file.
+            zeros = np.frombuffer(self.writer.slot(tensor), dtype=np.uint8)
+            zeros[entry.data_length :] = 0
+            del zeros
         if self.plan.index.format == "tensorizer":
             offset, length = self.plan.header_span(tensor)
             header = tz.parse_tensor_header(
