@@ -230,7 +230,7 @@ def test_a_ring_serves_no_peers(tmp_path: Path, shm_dir: Path) -> None:
     segment = shm_dir / "peers.seg"
     peers = _Peers()
     engine = Engine(
-        EngineSettings(
+        LoadSettings(
             source=str(source), segment=segment, chunk_size=CHUNK,
             memory=MemorySettings(mode="ring", ring_size=RING),
         ),

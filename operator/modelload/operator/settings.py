@@ -280,11 +280,11 @@ OPTIONS: tuple[Option, ...] = (
         parse=parse_text,
     ),
     Option(
+        "fleet_interval",
         "--fleet-interval",
         "MODELLOAD_OPERATOR_FLEET_INTERVAL",
-        ("fleet_interval",),
-        _seconds,
         "seconds between readings of peered models' pod stats into status.fleet (default 20)",
+        parse=_seconds,
     ),
 )
 
