@@ -382,7 +382,7 @@ class _Item:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return self.dtype.nbytes(self.shape)
 
 
 class _Input(Protocol):

@@ -64,7 +64,7 @@ class TensorEntry:
     @property
     def nbytes(self) -> int:
         """Bytes the tensor takes in memory: element size times the number of elements."""
-        return self.numel * self.dtype.itemsize
+        return self.dtype.nbytes(self.shape)
 
     @property
     def record_length(self) -> int:

@@ -18,7 +18,6 @@ cannot express sharing, and writing the bytes twice would change the model's siz
 from __future__ import annotations
 
 import json
-import math
 import os
 import struct
 import sys
@@ -201,7 +200,7 @@ def _from_raw(name: str, raw: RawTensor) -> _Prepared:
     view = memoryview(raw.data)
     if view.nbytes and not view.c_contiguous:
         raise ValueError(f"the data of tensor {name!r} is not C-contiguous")
-    expected = math.prod(shape) * raw.dtype.itemsize
+    expected = raw.dtype.nbytes(shape)
     if view.nbytes != expected:
         raise SizeMismatchError(
             f"tensor {name!r} is {raw.dtype.name} with shape {list(shape)}, {expected} bytes, but its data "
