@@ -4,6 +4,7 @@ SPEC.md beside this file is the contract, byte by byte. ``layout`` plans and val
 it, ``reader`` maps it and waits for tensors.
 """
 
+from modelload.loader.segment.finish import TensorFinisher
 from modelload.loader.segment.layout import (
     ALIGNMENT,
     LAYOUT_VERSION,
@@ -31,6 +32,7 @@ __all__ = [
     "SegmentReader",
     "SegmentWriter",
     "Slot",
+    "TensorFinisher",
     "TensorFlags",
     "TensorSpec",
     "TensorState",
