@@ -9,19 +9,25 @@ later, by range.
 from __future__ import annotations
 
 import math
+import mmap
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
+
+import numpy as np
 
 from modelload.loader.dtypes import DType
 
-__all__ = ["MAX_NDIM", "FormatName", "ModelIndex", "RangeRead", "TensorEntry"]
+__all__ = ["MAX_NDIM", "FormatName", "ModelIndex", "RangeRead", "TensorEntry", "WritableBuffer"]
 
 MAX_NDIM = 64
 """The most dimensions a tensor may have: numpy's limit (and torch's), and the segment's. A file that declares
 more could be indexed but never loaded, so the readers refuse it with the index."""
 
 FormatName = Literal["tensorizer", "safetensors"]
+
+WritableBuffer = bytearray | memoryview | mmap.mmap | np.ndarray[Any, Any]
+"""Anything that exposes writable, C-contiguous memory through the buffer protocol: what the readers fill."""
 
 RangeRead = Callable[[int, int], bytes]
 """``read(offset, length) -> bytes``: at most ``length`` bytes of the file from ``offset`` (fewer only at
