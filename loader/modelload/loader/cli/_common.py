@@ -28,9 +28,16 @@ from modelload.loader.errors import (
     SourceError,
     SourceNotFoundError,
 )
-from modelload.loader.formats import SAFETENSORS_INDEX, ModelFiles, detect_format, select_model_files
-from modelload.loader.formats.safetensors import SafetensorsFile
-from modelload.loader.formats.tensorizer import DecryptionKey, TensorizerReader
+from modelload.loader.formats import (
+    SAFETENSORS_INDEX,
+    FormatName,
+    ModelFiles,
+    ModelReader,
+    detect_format,
+    open_reader,
+    select_model_files,
+)
+from modelload.loader.formats.tensorizer import DecryptionKey
 from modelload.loader.segment.layout import MAGIC as SEGMENT_MAGIC
 
 __all__ = [
@@ -189,15 +196,12 @@ def sniff(path: Path) -> FileKind:
 @contextlib.contextmanager
 def open_model_file(
     path: Path, kind: str, key: DecryptionKey | None, *, verify: bool
-) -> Iterator[TensorizerReader | SafetensorsFile]:
-    """A local tensorizer or safetensors file, open for reading; an encrypted one without a key is refused."""
+) -> Iterator[ModelReader]:
+    """A local tensorizer or safetensors file, open for reading; an encrypted one without a key is refused.
+    Any other ``kind`` is read as safetensors, whose reader says what the file is not."""
+    fmt: FormatName = "tensorizer" if kind == "tensorizer" else "safetensors"
     try:
-        reader: TensorizerReader | SafetensorsFile
-        reader = (
-            TensorizerReader(path, key=key, verify=verify, hashes="fastest")
-            if kind == "tensorizer"
-            else SafetensorsFile(path)
-        )
+        reader = open_reader(path, fmt, key=key, verify=verify, hashes="fastest")
     except OSError as exc:
         raise translate_os_error(exc, path) from None
     with reader:

@@ -67,13 +67,12 @@ from modelload.loader.errors import (
     ModelloadError,
     UnsupportedDtypeError,
 )
-from modelload.loader.formats import SAFETENSORS_INDEX, merge_indexes, read_index
-from modelload.loader.formats.safetensors import HEADER_SIZE_CAP, RawTensor, SafetensorsFile, serialize
+from modelload.loader.formats import SAFETENSORS_INDEX, ModelReader, merge_indexes, read_index
+from modelload.loader.formats.safetensors import HEADER_SIZE_CAP, RawTensor, serialize
 from modelload.loader.formats.tensorizer import (
     Argon2Limits,
     DecryptionKey,
     EncryptionParams,
-    TensorizerReader,
     TensorizerWriter,
 )
 from modelload.loader.formats.tensorizer.file_header import DEFAULT_METADATA_SIZE, MAX_METADATA_SIZE
@@ -400,7 +399,7 @@ class _Input(Protocol):
 class _FileInput:
     """A safetensors or tensorizer file, read tensor by tensor into a scratch buffer (verified, decrypted)."""
 
-    reader: TensorizerReader | SafetensorsFile
+    reader: ModelReader
     items: Sequence[_Item]
     metadata: dict[str, str] | None
     notes: list[str]
@@ -408,10 +407,8 @@ class _FileInput:
     def read(self, index: int, scratch: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], int]:
         entry = self.reader.index.tensors[index]
         out = scratch[: entry.nbytes]
-        if isinstance(self.reader, TensorizerReader):
-            return out, self.reader.readinto(entry, out.data).module_idx
-        self.reader.readinto(entry.name, out)
-        return out, 0
+        header = self.reader.readinto(entry, out)
+        return out, header.module_idx if header is not None else 0
 
 
 @dataclass
