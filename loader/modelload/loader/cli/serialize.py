@@ -59,24 +59,20 @@ from modelload.loader.cli._common import (
 from modelload.loader.cli.progress import ProgressBar
 from modelload.loader.dtypes import DType
 from modelload.loader.errors import (
-    BoundsError,
     ConfigError,
     DuplicateNameError,
     FormatError,
-    HeaderError,
     ModelloadError,
     UnsupportedDtypeError,
 )
 from modelload.loader.formats import SAFETENSORS_INDEX, ModelReader, merge_indexes, read_index
-from modelload.loader.formats.safetensors import HEADER_SIZE_CAP, RawTensor, serialize
+from modelload.loader.formats.safetensors import plan_header
 from modelload.loader.formats.tensorizer import (
     Argon2Limits,
     DecryptionKey,
     EncryptionParams,
     TensorizerWriter,
 )
-from modelload.loader.formats.tensorizer.file_header import DEFAULT_METADATA_SIZE, MAX_METADATA_SIZE
-from modelload.loader.formats.tensorizer.names import encode_name
 
 __all__ = ["STATE_DICT_KEYS", "register", "run"]
 
@@ -634,8 +630,9 @@ def _convert(
     )
     scratch = np.empty(largest if copies else 0, dtype=np.uint8)
     if target == "tensorizer":
-        writer = TensorizerWriter(file, encryption=encryption, metadata_size=_metadata_size(items))
+        writer = TensorizerWriter(file, encryption=encryption)
         try:
+            writer.reserve((item.path or item.name, item.dtype, item.shape) for item in items)
             for i, item in enumerate(items):
                 data, module_idx = source.read(i, scratch)
                 array = data.view(item.dtype.numpy).reshape(item.shape)
@@ -659,51 +656,14 @@ def _convert(
     _check_written(file, items, target)
 
 
-def _metadata_size(items: Sequence[_Item]) -> int:
-    """A tensorizer metadata block that surely holds every entry: the writer fixes its size at the first
-    tensor, and tensors are written one at a time here."""
-    total = 0
-    for item in items:
-        name = encode_name(item.path or (item.name,))
-        dtype = item.dtype.tensorizer.encode("utf-8")
-        total += 2 + len(name) + 1 + 1 + len(dtype) + 1 + 8 * len(item.shape) + 24 + 4
-    return min(max(DEFAULT_METADATA_SIZE, -(-total // 4096) * 4096), MAX_METADATA_SIZE)
-
-
 def _safetensors_header(items: Sequence[_Item], metadata: dict[str, str] | None) -> tuple[bytes, list[int]]:
-    """The size field and header of a safetensors file of ``items``, and each item's data offset.
-
-    The order of tensors (and every check on names, dtypes and metadata) is the formats package's writer's:
-    it is asked with zero-length placeholders, whose header lists the tensors in the order its real files
-    use. So a file written here is byte for byte the one ``save_file`` (and the reference writer) writes.
-    """
-    names = {item.name: i for i, item in enumerate(items)}
-    if len(names) != len(items):
+    """The size field and header of a safetensors file of ``items`` (the formats package's writer's, byte for
+    byte), and each item's data offset."""
+    planned = {item.name: (item.dtype, item.shape) for item in items}
+    if len(planned) != len(items):
         raise DuplicateNameError("two tensors share a name; safetensors names must be unique")
-    placeholders = {item.name: RawTensor(item.dtype, (0,), b"") for item in items}
-    probe = serialize(placeholders, metadata=metadata)
-    document: dict[str, Any] = json.loads(probe[8 : 8 + int.from_bytes(probe[:8], "little")])
-    offsets = [0] * len(items)
-    offset = 0
-    for name, entry in document.items():
-        if name == "__metadata__":
-            continue
-        i = names[name]
-        entry["shape"] = list(items[i].shape)
-        entry["data_offsets"] = [offset, offset + items[i].nbytes]
-        offsets[i] = offset
-        offset += items[i].nbytes
-    try:
-        text = json.dumps(document, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise HeaderError(f"a tensor name is not encodable as UTF-8 ({exc.reason})") from None
-    text += b" " * (-len(text) % 8)
-    if len(text) > HEADER_SIZE_CAP:
-        raise BoundsError(
-            f"the safetensors header would be {len(text)} bytes, over the {HEADER_SIZE_CAP}-byte limit of "
-            "its readers; write a tensorizer file, or split the model into shards"
-        )
-    return len(text).to_bytes(8, "little") + text, offsets
+    header, offsets = plan_header(planned, metadata=metadata)
+    return header, [offsets[item.name] for item in items]
 
 
 def _write_at(fd: int, data: bytes | memoryview, offset: int) -> None:
