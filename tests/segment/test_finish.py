@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,6 +56,19 @@ def segment(shm_dir: Path) -> Iterator[tuple[SegmentWriter, Path]]:
     writer.close()
 
 
+@contextlib.contextmanager
+def encrypted_load(
+    tmp_path: Path, writer: SegmentWriter, key: bytes, *, corrupt: str | None = None
+) -> Iterator[tuple[TensorFinisher, ModelReader]]:
+    """A file encrypted with KEY (tensor ``corrupt`` damaged), read and finished with ``key``."""
+    file = tensorizer_file(tmp_path / "m.tensors", key=KEY)
+    if corrupt is not None:
+        corrupt_data_of(file, corrupt)
+    finisher = TensorFinisher(writer, key=DecryptionKey.from_bytes(key), encrypted=True, verify=True)
+    with open_reader(file, "tensorizer", key=finisher.keys.key) as reader:
+        yield finisher, reader
+
+
 def land(reader: ModelReader, writer: SegmentWriter, i: int) -> bytes | bytearray | None:
     return reader.read_record(reader.index.tensors[i], writer.slot(i))
 
@@ -88,10 +102,7 @@ def test_an_encrypted_tensor_is_decrypted_in_its_slot(
     tmp_path: Path, segment: tuple[SegmentWriter, Path]
 ) -> None:
     writer, path = segment
-    finisher = TensorFinisher(writer, key=DecryptionKey.from_bytes(KEY), encrypted=True, verify=True)
-    with open_reader(
-        tensorizer_file(tmp_path / "m.tensors", key=KEY), "tensorizer", key=finisher.keys.key
-    ) as r:
+    with encrypted_load(tmp_path, writer, KEY) as (finisher, r):
         finish_all(r, writer, finisher)
     assert finisher.keys.proven
     with SegmentReader.open(path) as seg:
@@ -131,10 +142,7 @@ def test_a_wrong_key_is_told_once_two_tensors_fail_with_it(
     tmp_path: Path, segment: tuple[SegmentWriter, Path]
 ) -> None:
     writer, _ = segment
-    finisher = TensorFinisher(writer, key=DecryptionKey.from_bytes(OTHER_KEY), encrypted=True, verify=True)
-    with open_reader(
-        tensorizer_file(tmp_path / "m.tensors", key=KEY), "tensorizer", key=finisher.keys.key
-    ) as r:
+    with encrypted_load(tmp_path, writer, OTHER_KEY) as (finisher, r):
         assert finish_all(r, writer, finisher, order=[0]) == [False], "the first failure is held"
         with pytest.raises(errors.WrongKeyError):
             finish_all(r, writer, finisher, order=[1])
@@ -144,10 +152,7 @@ def test_the_only_failing_tensor_settles_as_a_wrong_key(
     tmp_path: Path, segment: tuple[SegmentWriter, Path]
 ) -> None:
     writer, _ = segment
-    finisher = TensorFinisher(writer, key=DecryptionKey.from_bytes(OTHER_KEY), encrypted=True, verify=True)
-    with open_reader(
-        tensorizer_file(tmp_path / "m.tensors", key=KEY), "tensorizer", key=finisher.keys.key
-    ) as r:
+    with encrypted_load(tmp_path, writer, OTHER_KEY) as (finisher, r):
         assert finish_all(r, writer, finisher, order=[2]) == [False]
     with pytest.raises(errors.WrongKeyError):
         finisher.settle()
@@ -158,11 +163,8 @@ def test_a_corrupt_encrypted_tensor_is_told_as_corrupt_when_another_opens(
     tmp_path: Path, segment: tuple[SegmentWriter, Path], order: list[int]
 ) -> None:
     writer, path = segment
-    file = tensorizer_file(tmp_path / "m.tensors", key=KEY)
-    corrupt_data_of(file, "t1")
-    finisher = TensorFinisher(writer, key=DecryptionKey.from_bytes(KEY), encrypted=True, verify=True)
     with (
-        open_reader(file, "tensorizer", key=finisher.keys.key) as reader,
+        encrypted_load(tmp_path, writer, KEY, corrupt="t1") as (finisher, reader),
         pytest.raises(errors.HashMismatchError, match=r"'t1'.*corrupt"),
     ):
         finish_all(reader, writer, finisher, order=order)

@@ -8,6 +8,7 @@ later, by range.
 
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 from collections.abc import Callable
@@ -109,3 +110,17 @@ class ModelIndex:
 
     def __len__(self) -> int:
         return len(self.tensors)
+
+    @functools.cached_property
+    def _by_name(self) -> dict[str, TensorEntry]:
+        return {t.name: t for t in self.tensors}
+
+    def entry(self, tensor: str | TensorEntry, *, source: str) -> TensorEntry:
+        """A tensor's entry by name (an entry is returned as it is); ``KeyError`` naming ``source``, the
+        file, when it has no such tensor. What every reader's ``entry`` answers."""
+        if isinstance(tensor, TensorEntry):
+            return tensor
+        try:
+            return self._by_name[tensor]
+        except KeyError:
+            raise KeyError(f"{source} has no tensor named {tensor!r}") from None

@@ -45,7 +45,6 @@ class SafetensorsFile:
         except BaseException:
             os.close(self._fd)
             raise
-        self._by_name = {entry.name: entry for entry in self.index.tensors}
 
     @property
     def metadata(self) -> dict[str, str]:
@@ -64,12 +63,7 @@ class SafetensorsFile:
 
     def entry(self, tensor: str | TensorEntry) -> TensorEntry:
         """The index entry of one tensor (``KeyError`` when the file has no such tensor)."""
-        if isinstance(tensor, TensorEntry):
-            return tensor
-        try:
-            return self._by_name[tensor]
-        except KeyError:
-            raise KeyError(f"{self.path} has no tensor named {tensor!r}") from None
+        return self.index.entry(tensor, source=self.path)
 
     def read_header(self, tensor: str | TensorEntry) -> TensorHeader | None:
         """None: safetensors records have no header (the :class:`~modelload.loader.formats.ModelReader`

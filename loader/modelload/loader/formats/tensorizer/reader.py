@@ -82,7 +82,6 @@ class TensorizerReader:
         except BaseException:
             self.close()
             raise
-        self._by_name = {t.name: t for t in self.index.tensors}
 
     @property
     def source(self) -> str:
@@ -134,15 +133,11 @@ class TensorizerReader:
         return len(self.index.tensors)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._by_name)
+        return (t.name for t in self.index.tensors)
 
     def entry(self, tensor: str | TensorEntry) -> TensorEntry:
-        if isinstance(tensor, TensorEntry):
-            return tensor
-        try:
-            return self._by_name[tensor]
-        except KeyError:
-            raise KeyError(f"{self.path} has no tensor named {tensor!r}") from None
+        """The index entry of one tensor (``KeyError`` when the file has no such tensor)."""
+        return self.index.entry(tensor, source=self.path)
 
     def read_header(self, tensor: str | TensorEntry) -> TensorHeader:
         """The parsed per-tensor header (module index, hashes, encryption parameters), checked against
