@@ -61,6 +61,7 @@ from modelload.loader.segment import (
     SegmentWriter,
     TensorFinisher,
     WriterState,
+    run_in_order,
 )
 from modelload.sidecar import integrity
 from modelload.sidecar.memory import MemoryManager, MemorySettings, check_volume, plan_memory
@@ -344,12 +345,10 @@ class _Load:
         self.observer = engine._observer
         self.stop = engine._stop
         self._lock = threading.Lock()
-        self._next = 0
         self._remaining = list(plan.chunk_counts)
         # Tensors without a stored hash are re-sampled before they are published (integrity.check_tensor).
         sampled_files = [integrity.needs_samples(model, f) for f in range(len(model.sources))]
         self._sampled = [sampled_files[t.file] for t in plan.index.tensors]
-        self._error: BaseException | None = None
         self.finisher = TensorFinisher(
             writer, key=key, encrypted=plan.index.encrypted, verify=engine.settings.verify
         )
@@ -359,42 +358,24 @@ class _Load:
         for tensor in self.plan.order:
             if self._remaining[tensor] == 0:  # nothing to fetch: an empty tensor
                 self._publish(tensor)
-        readers = [
-            threading.Thread(target=self._read, name=f"reader-{i}", daemon=True)
-            for i in range(min(self.settings.readers, len(self.plan.chunks)))
-        ]
-        for thread in readers:
-            thread.start()
-        for thread in readers:
-            thread.join()
-        if self._error is not None:
-            raise self._error
+        chunks = len(self.plan.chunks)
+        run_in_order(chunks, self._read, threads=self.settings.readers, stop=self.stop, name="reader")
         self.finisher.settle()  # the only encrypted tensor, and it failed: nothing proves the key
 
-    def _read(self) -> None:
-        try:
-            while not self.stop.is_set():
-                with self._lock:
-                    if self._next >= len(self.plan.chunks):
-                        return
-                    seq, chunk = self._next, self.plan.chunks[self._next]
-                    self._next += 1
-                if self.memory is not None and not self.memory.admit(seq, chunk):
-                    return  # stopped while waiting for room in the ring
-                meter = ChunkMeter(self.observer.bytes_loaded, data=chunk.data_bytes, length=chunk.length)
-                with metered(meter):  # progress moves as bytes land, not only per chunk
-                    self._land(chunk)
-                meter.finish()
-                with self._lock:
-                    self._remaining[chunk.tensor] -= 1
-                    complete = self._remaining[chunk.tensor] == 0
-                if complete:
-                    self._publish(chunk.tensor)
-        except BaseException as exc:
-            with self._lock:
-                if self._error is None:
-                    self._error = exc
-            self.stop.set()
+    def _read(self, seq: int) -> None:
+        """Land chunk ``seq`` (a reader thread of the shared pool); finish its tensor if it is the last."""
+        chunk = self.plan.chunks[seq]
+        if self.memory is not None and not self.memory.admit(seq, chunk):
+            return  # stopped while waiting for room in the ring
+        meter = ChunkMeter(self.observer.bytes_loaded, data=chunk.data_bytes, length=chunk.length)
+        with metered(meter):  # progress moves as bytes land, not only per chunk
+            self._land(chunk)
+        meter.finish()
+        with self._lock:
+            self._remaining[chunk.tensor] -= 1
+            complete = self._remaining[chunk.tensor] == 0
+        if complete:
+            self._publish(chunk.tensor)
 
     def _land_fd(self, chunk: Chunk) -> None:
         read_range_into_fd(

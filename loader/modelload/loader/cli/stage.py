@@ -6,8 +6,9 @@ every weight file into the one segment, and copies its small files into the mode
 
 The simple path the sidecar replaces with a streaming one: plan the layout from the file's index, create
 and publish the segment, then fill the slots, each published as soon as its bytes are in. A thread pool
-takes tensors in file order, so early tensors are ready first and reading overlaps hashing. A tensor is
-finished as the sidecar finishes it, by the segment's :class:`TensorFinisher` (decrypt, verify, publish).
+takes tensors in file order, so early tensors are ready first and reading overlaps hashing. The threads and
+the finishing of a tensor (decrypt, verify, publish) are the sidecar engine's own, from the segment package
+(:func:`run_in_order`, :class:`TensorFinisher`); only how bytes land differs:
 
 - Tensorizer tensors are read with one ``preadv`` (header and data) straight into their slot of the mapped
   segment, decrypted and verified there: no intermediate buffer.
@@ -28,7 +29,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,6 +65,7 @@ from modelload.loader.segment import (
     TensorFinisher,
     TensorSpec,
     plan_layout,
+    run_in_order,
 )
 from modelload.loader.segment.layout import MAGIC
 from modelload.loader.segment.modeldir import write_model_dir
@@ -250,11 +251,11 @@ def _fill(
     threads: int,
     bar: ProgressBar,
 ) -> None:
-    """Land and finish every slot with a pool of ``threads``, tensors handed out in file order.
+    """Land and finish every slot with ``threads`` threads, tensors handed out in file order.
 
     The segment's slots follow the files in order, each file's tensors in its own order. Landing is this
-    command's own (a kernel copy, or one ``preadv`` of a record); finishing is the sidecar's
-    (:class:`TensorFinisher`: decrypt, verify, publish).
+    command's own (a kernel copy, or one ``preadv`` of a record); the threads (:func:`run_in_order`) and the
+    finishing (:class:`TensorFinisher`: decrypt, verify, publish) are the sidecar's.
     """
     jobs: list[tuple[ModelReader, TensorEntry, _KernelCopy | None]] = []
     copiers: list[_KernelCopy] = []
@@ -264,6 +265,8 @@ def _fill(
             copier = _KernelCopy(reader, writer)
             copiers.append(copier)
         jobs.extend((reader, entry, copier) for entry in reader.index.tensors)
+
+    progress = threading.Lock()
 
     def load(i: int) -> None:
         """Land and finish slot ``i``, or mark it FAILED."""
@@ -278,18 +281,12 @@ def _fill(
             if isinstance(exc, OSError):
                 raise _translate(exc, entry.name, reader) from None
             raise
+        with progress:
+            bar.update(entry.nbytes)
 
-    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="stage")
     try:
-        futures: dict[Future[None], int] = {pool.submit(load, i): i for i in range(len(jobs))}
-        for future in as_completed(futures):
-            future.result()
-            bar.update(jobs[futures[future]][1].nbytes)
-    except BaseException:
-        pool.shutdown(wait=True, cancel_futures=True)
-        raise
+        run_in_order(len(jobs), load, threads=threads, name="stage")
     finally:
-        pool.shutdown(wait=True)
         for copier in copiers:
             copier.close()
     finisher.settle()

@@ -19,6 +19,7 @@ from modelload.loader.segment.layout import (
     WriterState,
     plan_layout,
 )
+from modelload.loader.segment.pool import run_in_order
 from modelload.loader.segment.reader import SegmentReader, Waiter
 from modelload.loader.segment.writer import SegmentWriter
 
@@ -39,4 +40,5 @@ __all__ = [
     "Waiter",
     "WriterState",
     "plan_layout",
+    "run_in_order",
 ]
