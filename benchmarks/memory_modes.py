@@ -11,8 +11,9 @@ consumed. Sampled every 5 ms during each load:
   segment's pages mapped in, already counted as volume bytes.
 
 Figures per mode (median of ``--runs``, modes alternating within a round): seconds from the consumer
-attaching to its last copy, GiB/s, the peak of volume bytes + sidecar RSS, and the volume's bytes once the
-consumer is done. The goals checked at the end:
+attaching to its last copy, GiB/s, CPU seconds per GiB over that time (the sidecar's and the consumer's,
+user and system: the kernel's page work is charged to whichever of them touches the pages), the peak of
+volume bytes + sidecar RSS, and the volume's bytes once the consumer is done. The goals checked at the end:
 
 - ring (``--ring-size``, default 256 MiB): peak <= ring + 128 MiB;
 - release: volume under 64 MiB once the consumer is done;
@@ -62,10 +63,21 @@ class Run:
     peak_volume: int
     peak_rss: int
     volume_after: int
+    cpu_seconds: float
 
     @property
     def gib_s(self) -> float:
         return self.nbytes / self.seconds / GiB
+
+    @property
+    def cpu_per_gib(self) -> float:
+        return self.cpu_seconds / (self.nbytes / GiB)
+
+
+def _cpu(pid: int) -> float:
+    """User and system CPU seconds of process ``pid`` so far, every thread included."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def make_model(path: Path, total: int) -> int:
@@ -150,6 +162,7 @@ def one_load(source: Path, work: Path, mode: str, args: argparse.Namespace) -> R
         model = attach(segment, timeout=60)  # ready notifications from the sidecar, as in a pod
         buffer = np.empty(TENSOR_BYTES, dtype=np.uint8)
         started = time.monotonic()
+        cpu_before = _cpu(process.pid) + time.process_time()
         nbytes = 0
         for name in model.iter_ready():
             view = model.numpy(name).view(np.uint8).reshape(-1)
@@ -157,6 +170,7 @@ def one_load(source: Path, work: Path, mode: str, args: argparse.Namespace) -> R
             nbytes += view.size
             model.consumed(name)
         seconds = time.monotonic() - started
+        cpu_seconds = _cpu(process.pid) + time.process_time() - cpu_before
         model.close()
         deadline = time.monotonic() + 5
         after = sampler.volume()
@@ -172,7 +186,7 @@ def one_load(source: Path, work: Path, mode: str, args: argparse.Namespace) -> R
         process.wait(timeout=30)
         segment.unlink(missing_ok=True)
         table_path(segment).unlink(missing_ok=True)
-    return Run(seconds, nbytes, sampler.peak, sampler.peak_volume, sampler.peak_rss, after)
+    return Run(seconds, nbytes, sampler.peak, sampler.peak_volume, sampler.peak_rss, after, cpu_seconds)
 
 
 def _status(port: int) -> dict[str, object]:
@@ -208,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         source = disk / "model.safetensors"
         make_model(source, int(args.size * GiB))
         one_load(source, shm, "full", args)  # warm the page cache and the imports
+        load_before = os.getloadavg()[0]
         runs: dict[str, list[Run]] = {"full": [], "release": [], "ring": []}
         for _ in range(args.runs):
             for mode, results in runs.items():
@@ -217,21 +232,23 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(shm, ignore_errors=True)
 
     print(f"\nmemory modes: {args.size:g} GiB safetensors model from a local file, {args.readers} readers, "
-          f"{args.chunk_size} chunks, ring {args.ring_size}; median of {args.runs}")  # fmt: skip
-    print(f"{'mode':<8} {'seconds':>8} {'GiB/s':>7} {'peak vol+rss':>13} {'peak vol':>9} {'peak rss':>9} "
-          f"{'vol after':>10}")  # fmt: skip
+          f"{args.chunk_size} chunks, ring {args.ring_size}; median of {args.runs}; load average "
+          f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after")  # fmt: skip
+    print(f"{'mode':<8} {'seconds':>8} {'GiB/s':>7} {'CPU s/GiB':>10} {'peak vol+rss':>13} {'peak vol':>9} "
+          f"{'peak rss':>9} {'vol after':>10}")  # fmt: skip
     medians: dict[str, dict[str, float]] = {}
     for mode, results in runs.items():
         m = {
             "seconds": statistics.median(r.seconds for r in results),
             "gib_s": statistics.median(r.gib_s for r in results),
+            "cpu": statistics.median(r.cpu_per_gib for r in results),
             "peak": statistics.median(r.peak_bytes for r in results),
             "peak_volume": statistics.median(r.peak_volume for r in results),
             "peak_rss": statistics.median(r.peak_rss for r in results),
             "after": statistics.median(r.volume_after for r in results),
         }
         medians[mode] = m
-        print(f"{mode:<8} {m['seconds']:>8.2f} {m['gib_s']:>7.2f} {m['peak'] / MiB:>9.0f} MiB "
+        print(f"{mode:<8} {m['seconds']:>8.2f} {m['gib_s']:>7.2f} {m['cpu']:>10.2f} {m['peak'] / MiB:>9.0f} MiB "
               f"{m['peak_volume'] / MiB:>5.0f} MiB {m['peak_rss'] / MiB:>5.0f} MiB {m['after'] / MiB:>6.1f} MiB")  # fmt: skip
     ring_peak_ok = medians["ring"]["peak"] <= ring + 128 * MiB
     release_ok = medians["release"]["after"] < 64 * MiB

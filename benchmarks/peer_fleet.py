@@ -10,7 +10,12 @@ list of every other sidecar) and once without, the figures are:
   out the Python start of N processes on this machine's few cores;
 - launch to all ready: from starting the N processes until every segment is COMPLETE.
 
-Needs root (namespaces), nginx and iproute2. Writes ``--out`` (JSON) and an SVG plot beside it.
+Then one sidecar alone, with peers on and off, over ``--single-rounds`` rounds in the same run (the order
+swapped every round, so a drift of the machine's load falls on both alike): the median of the per-round
+ratios of the load windows, with peers over without, is the cost of turning peers on for a single pod.
+
+Needs root (namespaces), nginx and iproute2. Writes ``--out`` (JSON) and an SVG plot beside it;
+``--single-only`` runs the single-pod rounds alone and writes no plot.
 
     sudo .venv/bin/python benchmarks/peer_fleet.py [--size-mib 64] [--origin-rate 100mbit] [--pod-rate 1gbit]
 """
@@ -19,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -61,6 +68,39 @@ def _round(topology: Topology, count: int, *, peers: bool, size: int) -> dict[st
     }
     topology.stop_sidecars()
     return figures
+
+
+def _single(topology: Topology, rounds: int, *, size: int) -> dict[str, object]:
+    """N = 1 with and without peers, alternating, ``rounds`` times; the median ratio of the load windows."""
+    rows = []
+    for i in range(rounds):
+        order = (True, False) if i % 2 == 0 else (False, True)
+        pair = {peers: _round(topology, 1, peers=peers, size=size) for peers in order}
+        rows.append(
+            {
+                "with_s": pair[True]["window_s"],
+                "without_s": pair[False]["window_s"],
+                "launch_with_s": pair[True]["launch_to_ready_s"],
+                "launch_without_s": pair[False]["launch_to_ready_s"],
+            }
+        )
+        print(
+            f"N=1 round {i + 1}: load window {pair[True]['window_s']:.2f} s with peers,"
+            f" {pair[False]['window_s']:.2f} s without; launch to ready {pair[True]['launch_to_ready_s']:.2f} s"
+            f" and {pair[False]['launch_to_ready_s']:.2f} s",
+            flush=True,
+        )
+    ratios = [r["with_s"] / r["without_s"] for r in rows]
+    return {
+        "rounds": rows,
+        "median_ratio": statistics.median(ratios),
+        "min_ratio": min(ratios),
+        "max_ratio": max(ratios),
+        "median_launch_ratio": statistics.median(r["launch_with_s"] / r["launch_without_s"] for r in rows),
+        "median_with_s": statistics.median(r["with_s"] for r in rows),
+        "median_without_s": statistics.median(r["without_s"] for r in rows),
+        "load_average": os.getloadavg()[0],
+    }
 
 
 def _svg(results: list[dict[str, float]], path: Path, *, title: str) -> None:
@@ -115,6 +155,8 @@ def main() -> int:
     parser.add_argument("--pod-rate", default="1gbit")
     parser.add_argument("--delay", default="1ms")
     parser.add_argument("--counts", default="1,2,4,8")
+    parser.add_argument("--single-rounds", type=int, default=6, help="rounds of N = 1 with and without peers")
+    parser.add_argument("--single-only", action="store_true", help="only the N = 1 rounds; no plot")
     parser.add_argument("--out", type=Path, default=Path("peer-fleet.json"))
     args = parser.parse_args()
     why = can_make_namespaces()
@@ -130,10 +172,11 @@ def main() -> int:
         root=root, work=work, origin_rate=args.origin_rate, pod_rate=args.pod_rate, delay=args.delay
     )
     results = []
+    single: dict[str, object] = {}
     try:
-        for _ in range(max(counts)):
+        for _ in range(1 if args.single_only else max(counts)):
             topology.add_host(f"pod{len(topology.hosts)}")
-        for count in counts:
+        for count in [] if args.single_only else counts:
             for peers in (True, False):
                 figures = _round(topology, count, peers=peers, size=size)
                 results.append(figures)
@@ -142,6 +185,16 @@ def main() -> int:
                     f" load window {figures['window_s']:.2f} s, launch to all ready {figures['launch_to_ready_s']:.2f} s",
                     flush=True,
                 )
+        if args.single_rounds > 0:
+            single = _single(topology, args.single_rounds, size=size)
+            print(
+                f"N=1 over {args.single_rounds} alternating rounds: with peers / without ="
+                f" {single['median_ratio']:.3f} (median; range {single['min_ratio']:.3f} to"
+                f" {single['max_ratio']:.3f}), medians {single['median_with_s']:.2f} s and"
+                f" {single['median_without_s']:.2f} s; launch to ready {single['median_launch_ratio']:.3f};"
+                f" load average {single['load_average']:.2f}",
+                flush=True,
+            )
     finally:
         topology.close()
         shutil.rmtree(root, ignore_errors=True)
@@ -152,7 +205,9 @@ def main() -> int:
         "pod_rate": args.pod_rate,
         "delay": args.delay if topology.delayed else "none (no sch_netem)",
     }
-    args.out.write_text(json.dumps({"setup": setup, "results": results}, indent=2) + "\n")
+    args.out.write_text(json.dumps({"setup": setup, "results": results, "single": single}, indent=2) + "\n")
+    if args.single_only:
+        return 0
     title = f"{size >> 20} MiB model, origin {args.origin_rate}, pods {args.pod_rate}"
     _svg(results, args.out.with_suffix(".svg"), title=title)
     alone = next(r["window_s"] for r in results if r["n"] == 1 and r["peers"])

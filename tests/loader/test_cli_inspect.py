@@ -7,6 +7,7 @@ import subprocess
 import sys
 import tracemalloc
 import warnings
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,8 @@ import pytest
 from modelload.loader.cli.main import main
 from modelload.loader.dtypes import by_name
 from modelload.loader.formats import read_index
-from modelload.loader.segment import SegmentWriter, TensorSpec, plan_layout
+from modelload.loader.segment import MemoryMode, SegmentWriter, TensorSpec, plan_layout
+from modelload.loader.segment.release import Releaser
 from tests.formats.tensorizer_support import sample, torch
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -320,6 +322,30 @@ def test_a_segment_shows_its_writer_state_readiness_error_metadata_and_flags(
         assert code == 0
         assert "writer      FAILED" in out and "error       the source went away" in out
         assert "flags       verified 1, decrypted 1, crc32 1" in out
+
+
+def test_a_ring_segment_is_verified_through_the_ring_and_released_tensors_count_as_not_ready(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    specs = [TensorSpec(f"t{i}", by_name("uint8"), (n,)) for i, n in enumerate([5000, 6000, 7000])]
+    layout = plan_layout(specs, memory_mode=MemoryMode.RING, ring_size=3 * 4096)
+    path = tmp_path / "ring.seg"
+    with SegmentWriter.create(path, layout, heartbeat=False) as writer:
+        releaser = Releaser(writer.fileno(), layout, punch=False)
+        for slot in layout.slots[:2]:  # t1 runs past the ring's end, over t0's bytes; t2 is pending
+            data = bytes([slot.index + 1]) * slot.nbytes
+            writer.slot(slot.index)[:] = data
+            writer.mark_ready(slot.index, crc32=zlib.crc32(data))
+            if slot.index == 0:
+                releaser.release(0)
+        releaser.close()
+        assert len(writer.file_ranges(layout.slots[1].offset, 6000)) == 2
+        code, report = inspect_json(capsys, path, "--verify")
+    assert code == 0, report.get("verify")
+    assert report["version"] == 4 and report["file_size"] == layout.data_offset + 3 * 4096
+    assert [t["state"] for t in report["tensors"]] == ["RELEASED", "READY", "PENDING"]
+    assert report["verify"]["ok"] is True and report["verify"]["checked"] == 1
+    assert "2 are not ready" in report["verify"]["note"]
 
 
 def test_a_torch_checkpoint_or_a_stranger_is_refused_with_a_reason(

@@ -107,3 +107,41 @@ async def test_the_status_counts_the_pods_whose_sidecars_serve_their_peers(
     await pods_become(kube, {"injected": 3, "loading": 3, "serving": 2})
     await kubelet.status("p2", {"phase": "Failed"})
     await pods_become(kube, {"failed": 1, "serving": 1})
+
+
+def test_the_knative_example_asks_for_a_model_with_peers_on() -> None:
+    import yaml
+
+    from modelload.operator.schema import parse_spec
+
+    examples = Path(__file__).resolve().parents[2] / "manifests" / "examples"
+    docs = [d for p in sorted(examples.glob("*.yaml")) for d in yaml.safe_load_all(p.read_text()) if d]
+    services = [d for d in docs if d["apiVersion"].startswith("serving.knative.dev/")]
+    labels = {s["spec"]["template"]["metadata"]["labels"].get("modelload.dev/model") for s in services}
+    models = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ModelLoad"}
+    assert any(parse_spec(models[label]["spec"]).peers for label in labels if label in models)
+
+
+def test_the_fleet_figures_the_operator_writes_validate_against_the_crd() -> None:
+    import jsonschema
+
+    from modelload.operator import crd
+    from modelload.operator.fleet import PodStats, fleet_body, sum_stats
+
+    figures = {"origin_bytes": 7, "peer_bytes": 5, "uploaded_bytes": 5, "mismatches": 0}
+    answers = [PodStats("a", figures=figures), PodStats("b", error="unreachable (ClientConnectorError)")]
+    body = fleet_body(sum_stats(2, answers), now="2026-01-01T00:00:00Z")
+    assert body == {
+        "pods": 2,
+        "reporting": 1,
+        "originBytes": 7,
+        "peerBytes": 5,
+        "servedBytes": 5,
+        "mismatches": 0,
+        "updated": "2026-01-01T00:00:00Z",
+    }
+    version = crd.build_crd()["spec"]["versions"][0]
+    status = version["schema"]["openAPIV3Schema"]["properties"]["status"]
+    jsonschema.validate({"fleet": body}, status)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"fleet": {**body, "peerBytes": -1}}, status)

@@ -1,7 +1,8 @@
-"""Layout version 3 (memory modes release and ring): header fields, the consumer table, and releasing pages.
+"""Layout versions 3 (memory mode release) and 4 (ring): header fields, the consumer table, releasing pages.
 
-The golden bytes pin what SPEC.md says about version 3; the rest checks each rule with a real tmpfs file
-(punching holes needs one) and real processes' views of it.
+The golden bytes pin what SPEC.md says about versions 3 and 4; the rest checks each rule with a real tmpfs
+file (punching holes needs one) and real processes' views of it. The ring itself (version 4's modular data
+region, mapped twice) is in ``test_ring.py``.
 """
 
 from __future__ import annotations
@@ -32,11 +33,20 @@ from modelload.loader.segment.release import Releaser
 from tests.segment.helpers import small_layout
 from tests.segment.test_golden import CREATED_NS, GOLDEN_HEADER, GOLDEN_MANIFEST, LOAD_ID
 
-GOLDEN_RING_HEADER = (
+GOLDEN_RELEASE_HEADER = (
     GOLDEN_HEADER[:8]
     + bytes.fromhex("03000000")  # layout version 3
     + GOLDEN_HEADER[12:96]  # the same geometry, ids and times
-    + bytes.fromhex("02000000000000000020000000000000")  # memory_mode 2 (ring), reserved, ring_size 8192
+    + bytes.fromhex("01000000000000000000000000000000")  # memory_mode 1 (release), reserved, ring_size 0
+    + bytes(16)  # reserved
+)
+GOLDEN_RING_HEADER = (
+    GOLDEN_HEADER[:8]
+    + bytes.fromhex("04000000")  # layout version 4
+    + GOLDEN_HEADER[12:16]
+    + bytes.fromhex("0040000000000000")  # segment_length 16384: the tables (12288) and the ring (4096)
+    + GOLDEN_HEADER[24:96]  # the same manifest, tables, data_offset, data_length 8192 (the manifest's), ids
+    + bytes.fromhex("02000000000000000010000000000000")  # memory_mode 2 (ring), reserved, ring_size 4096
     + bytes(16)  # reserved
 )
 GOLDEN_TABLE_HEADER = bytes.fromhex(
@@ -50,7 +60,7 @@ GOLDEN_TABLE_HEADER = bytes.fromhex(
 )
 
 
-def ring_layout(ring: int = 8192, **kwargs: object) -> layout_module.Layout:
+def ring_layout(ring: int = 4096, **kwargs: object) -> layout_module.Layout:
     base = small_layout()
     return plan_layout(
         [TensorSpec(s.name, s.dtype, s.shape) for s in base.slots],
@@ -61,18 +71,57 @@ def ring_layout(ring: int = 8192, **kwargs: object) -> layout_module.Layout:
     )
 
 
-def test_a_ring_segment_is_layout_3_with_its_mode_and_ring_in_the_header(shm_dir: Path) -> None:
-    path = shm_dir / "ring.seg"
-    with SegmentWriter.create(path, ring_layout(), load_id=LOAD_ID, created_ns=CREATED_NS, heartbeat=False):
+def release_layout() -> layout_module.Layout:
+    base = small_layout()
+    return plan_layout(
+        [TensorSpec(s.name, s.dtype, s.shape) for s in base.slots],
+        metadata=base.metadata,
+        memory_mode=MemoryMode.RELEASE,
+    )
+
+
+def test_a_release_segment_is_layout_3_with_its_mode_in_the_header(shm_dir: Path) -> None:
+    path = shm_dir / "release.seg"
+    with SegmentWriter.create(
+        path, release_layout(), load_id=LOAD_ID, created_ns=CREATED_NS, heartbeat=False
+    ):
         data = path.read_bytes()
         table = table_path(path).read_bytes()
-    assert data[:128] == GOLDEN_RING_HEADER
+    assert data[:128] == GOLDEN_RELEASE_HEADER
     assert data[4096 : 4096 + len(GOLDEN_MANIFEST)] == GOLDEN_MANIFEST, "the manifest is version 1's"
     assert table[: len(GOLDEN_TABLE_HEADER)] == GOLDEN_TABLE_HEADER
     assert len(table) == 4096 + 64 * 128 and table[len(GOLDEN_TABLE_HEADER) :] == bytes(len(table) - 40)
     assert os.stat(table_path(path)).st_mode & 0o777 == 0o666, "every container of the pod may register"
     with SegmentReader.open(path) as reader:
-        assert (reader.memory_mode, reader.header.ring_size) == (MemoryMode.RING, 8192)
+        assert (reader.memory_mode, reader.header.ring_size) == (MemoryMode.RELEASE, 0)
+
+
+def test_a_ring_segment_is_layout_4_its_tables_then_its_ring(shm_dir: Path) -> None:
+    path = shm_dir / "ring.seg"
+    with SegmentWriter.create(path, ring_layout(), load_id=LOAD_ID, created_ns=CREATED_NS, heartbeat=False):
+        data = path.read_bytes()
+        table = table_path(path).read_bytes()
+    assert data[:128] == GOLDEN_RING_HEADER
+    assert len(data) == 12288 + 4096, "the file ends with the ring, not with the manifest's last slot"
+    assert data[4096 : 4096 + len(GOLDEN_MANIFEST)] == GOLDEN_MANIFEST, "offsets are the manifest's as ever"
+    assert table[: len(GOLDEN_TABLE_HEADER)] == GOLDEN_TABLE_HEADER
+    with SegmentReader.open(path) as reader:
+        assert (reader.memory_mode, reader.header.ring_size) == (MemoryMode.RING, 4096)
+        assert reader.header.data_length == 8192
+
+
+def test_a_version_3_ring_of_an_older_writer_is_still_read_as_a_full_size_file(shm_dir: Path) -> None:
+    path = shm_dir / "old-ring.seg"
+    layout = release_layout()
+    with SegmentWriter.create(path, layout, heartbeat=False) as writer:
+        writer.slot(1)[:] = b"\x07" * 8
+        writer.mark_ready(1)
+    with path.open("r+b") as f:  # what an older sidecar wrote in ring mode: version 3, mode 2, a ring size
+        f.seek(96)
+        f.write(struct.pack("<IIQ", 2, 0, 8192))
+    with SegmentReader.open(path) as reader:
+        assert (reader.header.layout_version, reader.memory_mode) == (3, MemoryMode.RING)
+        assert bytes(reader.view(1)) == b"\x07" * 8, "offsets are file offsets in a version-3 ring"
 
 
 def test_a_full_mode_segment_keeps_layout_1_and_no_consumer_table(shm_dir: Path) -> None:
@@ -86,10 +135,23 @@ def test_a_loader_that_knows_versions_1_and_2_refuses_a_version_3_segment_saying
     shm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = shm_dir / "new.seg"
-    with SegmentWriter.create(path, ring_layout(), heartbeat=False):
+    with SegmentWriter.create(path, release_layout(), heartbeat=False):
         pass
     monkeypatch.setattr(layout_module, "LAYOUT_VERSIONS", (1, 2))  # the loader of the previous release
     with pytest.raises(SegmentVersionError, match=r"version 3 is not known .* reads versions 1, 2; install"):
+        SegmentReader.open(path)
+
+
+def test_a_loader_that_knows_versions_1_to_3_refuses_a_ring_segment_saying_to_upgrade(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = shm_dir / "ring.seg"
+    with SegmentWriter.create(path, ring_layout(), heartbeat=False):
+        pass
+    monkeypatch.setattr(layout_module, "LAYOUT_VERSIONS", (1, 2, 3))  # would read past the ring's end
+    with pytest.raises(
+        SegmentVersionError, match=r"version 4 is not known .* reads versions 1, 2, 3; install"
+    ):
         SegmentReader.open(path)
 
 
@@ -99,8 +161,11 @@ def test_a_loader_that_knows_versions_1_and_2_refuses_a_version_3_segment_saying
         (96, struct.pack("<I", 0), "memory mode 0 is not 1 .release. or 2 .ring."),
         (96, struct.pack("<I", 7), "memory mode 7"),
         (100, struct.pack("<I", 1), "reserved header bytes"),
-        (104, struct.pack("<Q", 8193), "ring size 8193 must be a positive multiple of 4096"),
-        (104, struct.pack("<Q", 0), "ring size 0"),
+        (
+            104,
+            struct.pack("<Q", 8192),
+            "ring size 8192 must be a positive multiple of 4096 in ring mode, else 0",
+        ),
         (120, b"\x01", "reserved header bytes"),
     ],
 )
@@ -108,7 +173,7 @@ def test_a_hostile_version_3_header_is_refused(
     shm_dir: Path, offset: int, value: bytes, message: str
 ) -> None:
     path = shm_dir / "hostile.seg"
-    with SegmentWriter.create(path, ring_layout(), heartbeat=False):
+    with SegmentWriter.create(path, release_layout(), heartbeat=False):
         pass
     with path.open("r+b") as f:
         f.seek(offset)

@@ -4,6 +4,7 @@ the loader copies each tensor as it arrives; what the volume holds is read from 
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing
 import os
 import signal
@@ -79,15 +80,24 @@ def _resident(segment: Path) -> int:
     return os.stat(segment).st_blocks * 512
 
 
-@pytest.mark.parametrize("fmt", ["tensorizer", "safetensors"])
+@pytest.mark.parametrize(
+    ("fmt", "how"),
+    [
+        ("tensorizer", {}),  # spliced through the descriptor, split where the ring wraps
+        ("safetensors", {}),
+        ("tensorizer", {"splice": False}),  # read into the writer's double mapping
+        ("safetensors", {"splice": False, "priority": ("layers.5.", "layers.2.mlp.")}),  # not file order
+    ],
+    ids=["tensorizer", "safetensors", "tensorizer-mapping", "safetensors-mapping-priority"],
+)
 def test_ring_mode_loads_byte_exact_while_the_volume_never_holds_more_than_the_ring(
-    fmt: str, tmp_path: Path, shm_dir: Path
+    fmt: str, how: dict[str, Any], tmp_path: Path, shm_dir: Path
 ) -> None:
     source, tensors = _model(tmp_path, fmt)
     segment = shm_dir / "ring.seg"
     model_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     assert model_bytes > 3 * RING, "the model must be larger than the ring for this test to mean anything"
-    load = Load(source, segment, MemorySettings(mode="ring", ring_size=RING), readers=4)
+    load = Load(source, segment, MemorySettings(mode="ring", ring_size=RING), readers=4, **how)
     while not segment.exists():
         time.sleep(0.005)
     sample: list[int] = []
@@ -99,6 +109,11 @@ def test_ring_mode_loads_byte_exact_while_the_volume_never_holds_more_than_the_r
     }
     control = 3 * 4096 + 4096 * -(-len(tensors) * 32 // 4096)  # header, manifest, state table
     assert max(sample) <= RING + control + 4096
+    with SegmentReader.open(segment) as reader:
+        data_offset = reader.header.data_offset
+        assert os.stat(segment).st_size == data_offset + RING, "the file is the tables and the ring"
+        wrapped = [s.name for s in reader.slots if (s.offset - data_offset) % RING + s.nbytes > RING]
+        assert wrapped, "some tensor must run past the ring's end for this test to mean anything"
     deadline = time.monotonic() + 5
     while load.tracker.snapshot().memory["released_tensors"] < len(tensors) and time.monotonic() < deadline:  # type: ignore[index]
         time.sleep(0.01)
@@ -108,6 +123,128 @@ def test_ring_mode_loads_byte_exact_while_the_volume_never_holds_more_than_the_r
     with SegmentReader.open(segment) as reader:
         assert reader.writer_state == WriterState.COMPLETE
         assert {reader.state(i) for i in range(len(reader.slots))} == {TensorState.RELEASED}
+
+
+def test_a_tensor_a_consumer_holds_keeps_its_bytes_while_the_ring_waits_for_it(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    source, tensors = _model(tmp_path, seed=4)
+    segment = shm_dir / "held.seg"
+    load = Load(source, segment, MemorySettings(mode="ring", ring_size=RING), readers=4)
+    while not segment.exists():
+        time.sleep(0.005)
+    held: dict[str, Any] = {}
+    copies: dict[str, bytes] = {}
+    model = attach(segment, timeout=30, notify=False)
+
+    def consume() -> None:
+        for name in model.iter_ready():
+            if name == "embed.weight":  # the first in load order: every later lap needs its bytes
+                held[name] = model.numpy(name)
+                continue
+            copies[name] = model.numpy(name).tobytes()
+            model.consumed(name)
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    deadline = time.monotonic() + 10
+    memory: dict[str, Any] | None = None
+    while time.monotonic() < deadline:
+        memory = load.tracker.snapshot().memory
+        if memory and memory["waiting"] and memory["waiting_for"] and "embed.weight" in memory["waiting_for"]:
+            break
+        time.sleep(0.01)
+    assert memory is not None and memory["waiting"], f"the ring must wait for the held tensor: {memory}"
+    assert load.thread.is_alive() and not model.complete
+    time.sleep(0.2)  # the ring stays stalled: nothing overwrites the held tensor
+    assert held["embed.weight"].tobytes() == models.as_bytes(tensors["embed.weight"])
+    copies["embed.weight"] = held.pop("embed.weight").tobytes()
+    model.consumed("embed.weight")
+    consumer.join(30)
+    load.finish()
+    model.close()
+    assert load.error is None
+    assert copies == {name: models.as_bytes(t) for name, t in tensors.items()}
+
+
+def _consume_elsewhere(segment: str, results: Any) -> None:
+    results.put({name: hashlib.sha256(data).hexdigest() for name, data in _consume(Path(segment)).items()})
+
+
+def test_two_consumers_in_two_processes_copy_a_model_larger_than_the_ring_byte_exact(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    source, tensors = _model(tmp_path, "tensorizer", seed=6)
+    segment = shm_dir / "two.seg"
+    load = Load(source, segment, MemorySettings(mode="ring", ring_size=RING, consumers=2), readers=4)
+    while not segment.exists():
+        time.sleep(0.005)
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    other = context.Process(target=_consume_elsewhere, args=(str(segment), results))
+    other.start()
+    here = _consume(segment)  # the ring waits for both: neither may see a lap the other has not released
+    elsewhere = results.get(timeout=60)
+    other.join(30)
+    load.finish()
+    assert load.error is None
+    expected = {name: models.as_bytes(t) for name, t in tensors.items()}
+    assert here == expected
+    assert elsewhere == {name: hashlib.sha256(data).hexdigest() for name, data in expected.items()}
+
+
+def test_a_meta_tensor_in_a_ring_reads_as_zeros_not_as_an_older_tensor_s_bytes(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    tensors = models.state_dict(seed=8)
+    tensors["zeros"] = torch.empty(64 << 10, device="meta")  # landed after the ring has wrapped
+    source = tmp_path / "meta.tensorizer"
+    source.write_bytes(models.tensorizer_bytes(tensors))
+    segment = shm_dir / "meta.seg"
+    load = Load(source, segment, MemorySettings(mode="ring", ring_size=RING), readers=4)
+    while not segment.exists():
+        time.sleep(0.005)
+    copies = _consume(segment)
+    load.finish()
+    assert load.error is None
+    assert copies["zeros"] == bytes(256 << 10)
+    assert copies["embed.weight"] == models.as_bytes(tensors["embed.weight"])
+
+
+class _Peers:
+    """A peer hook that records what the engine offers it."""
+
+    def __init__(self) -> None:
+        self.share: bool | None = None
+
+    def begin(self, *, model: Any, plan: Any, writer: Any, segment: Path, share: bool = True) -> Any:
+        self.share = share
+        return plan
+
+    def finish(self, tensor: int) -> int | None:
+        return None
+
+
+def test_a_ring_serves_no_peers(tmp_path: Path, shm_dir: Path) -> None:
+    source, _ = _model(tmp_path, seed=9)
+    segment = shm_dir / "peers.seg"
+    peers = _Peers()
+    engine = Engine(
+        EngineSettings(
+            source=str(source), segment=segment, chunk_size=CHUNK,
+            memory=MemorySettings(mode="ring", ring_size=RING),
+        ),
+        sources=SourceSettings(),
+        observer=LoadTracker(),
+        peers=peers,
+    )  # fmt: skip
+    thread = threading.Thread(target=engine.run, daemon=True)
+    thread.start()
+    while not segment.exists():
+        time.sleep(0.005)
+    _consume(segment)
+    thread.join(30)
+    assert peers.share is False, "a ring reuses its bytes: it cannot serve a tensor to a peer"
 
 
 def test_release_mode_empties_the_volume_once_the_consumer_is_done(tmp_path: Path, shm_dir: Path) -> None:

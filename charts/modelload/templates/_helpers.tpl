@@ -71,7 +71,8 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list", "watch"]
-# Secrets: the S3 credentials and key Secrets that ModelLoads reference, read to check them and fetch the index.
+# Secrets: the S3 credentials and key Secrets that ModelLoads reference, read to check them and fetch the index,
+# and each peered model's token Secret, read to ask its pods for their peer stats (status.fleet).
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get"]

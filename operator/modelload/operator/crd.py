@@ -99,6 +99,27 @@ def _printer_columns() -> list[dict[str, Any]]:
             "jsonPath": ".status.pods.medianLoadSeconds",
             "description": "Median seconds from sidecar start to pod Ready",
         },
+        {
+            "name": "Serving",
+            "type": "integer",
+            "jsonPath": ".status.pods.serving",
+            "description": "With peers: pods serving the others",
+            "priority": 1,
+        },
+        {
+            "name": "Origin",
+            "type": "integer",
+            "jsonPath": ".status.fleet.originBytes",
+            "description": "With peers: bytes the serving pods read from the origin",
+            "priority": 1,
+        },
+        {
+            "name": "FromPeers",
+            "type": "integer",
+            "jsonPath": ".status.fleet.peerBytes",
+            "description": "With peers: bytes the serving pods took from each other",
+            "priority": 1,
+        },
         {"name": "Source", "type": "string", "jsonPath": ".spec.source", "priority": 1},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]

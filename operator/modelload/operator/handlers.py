@@ -12,6 +12,9 @@ the real handlers against an emulated API server in its own event loop, and two 
   event, so a pod event handler sees the pod's new state.
 * A pod event (any change, including deletion) recomputes its ModelLoad's ``status.pods`` and patches it
   when it changed. Pods are never written to, and get no finalizers.
+* For ModelLoads with ``spec.peers``, a task started with the operator (not a kopf timer: those add a
+  finalizer to every object) asks the serving pods for their peer stats into ``status.fleet``
+  (:mod:`modelload.operator.fleet`).
 
 No handler needs a finalizer on ModelLoads: deleting one releases nothing outside it (running pods keep
 their sidecar; new pods are refused by the webhook), so deletion is immediate.
@@ -28,6 +31,7 @@ from typing import Any
 import kopf
 
 from modelload.operator.conditions import now_rfc3339
+from modelload.operator.fleet import FleetPoller
 from modelload.operator.kube import Kube, KubeNotFoundError
 from modelload.operator.metrics import METRICS
 from modelload.operator.peers import ensure_peer_objects
@@ -126,9 +130,11 @@ class PodAggregator:
 def modelloads_by_label(
     *, namespace: str | None, name: str, body: kopf.Body, status: kopf.Status, **_: Any
 ) -> Any:
-    """Index: the ModelLoad (and its model's bytes) that each pod label value in a namespace selects."""
+    """Index: the ModelLoad (its model's bytes, whether it has peers) that each pod label value in a
+    namespace selects."""
     nbytes = status.get("bytes")
-    return {(namespace, label_value(body)): (name, nbytes if isinstance(nbytes, int) else None)}
+    peers = (body.get("spec") or {}).get("peers") is True
+    return {(namespace, label_value(body)): (name, nbytes if isinstance(nbytes, int) else None, peers)}
 
 
 def pod_loads(*, namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> Any:
@@ -144,6 +150,14 @@ class Handlers:
         self._settings = settings
         self._kube = kube
         self._aggregator = PodAggregator(kube)
+        self.fleet = FleetPoller(kube, interval=settings.fleet_interval)
+
+    async def start_fleet(self, **kwargs: Any) -> None:
+        """Start reading peered models' pod stats, over kopf's live indices (filled as kopf watches)."""
+        self.fleet.start(models=kwargs["modelloads_by_label"], pods=kwargs["pod_loads"])
+
+    async def stop_fleet(self, **_: Any) -> None:
+        await self.fleet.stop()
 
     async def resolve_model(
         self,
@@ -190,6 +204,8 @@ class Handlers:
             )
         new_status = success_status(resolution, generation=generation, conditions=conditions, now=now)
         patch.status.update(new_status)
+        if not spec.peers and status.get("fleet") is not None:
+            patch.status["fleet"] = None  # peers turned off: no fleet figures to keep showing
         kopf.info(body, reason="Resolved", message=new_status["conditions"][-1]["message"])
         selector, index = (namespace, label_value(body)), kwargs["pod_loads"]
         await self._aggregator.refresh(
@@ -203,7 +219,7 @@ class Handlers:
         owners = list(kwargs["modelloads_by_label"].get(selector, []))
         if len(owners) != 1:
             return  # no ModelLoad (the webhook refused such pods), or an ambiguous label: nothing to report
-        name, model_bytes = owners[0]
+        name, model_bytes, _ = owners[0]
         index = kwargs["pod_loads"]
         await self._aggregator.refresh(
             namespace, name, lambda: index.get(selector, []), model_bytes=model_bytes
@@ -227,6 +243,8 @@ def build_registry(
     labelled = {MODEL_LABEL: kopf.PRESENT}
     kopf.on.startup(id="configure", registry=registry)(configure)
     kopf.on.login(id="login", registry=registry)(log_in)
+    kopf.on.startup(id="fleet", registry=registry)(handlers.start_fleet)
+    kopf.on.cleanup(id="fleet", registry=registry)(handlers.stop_fleet)
     kopf.index(*model_loads, id="modelloads_by_label", registry=registry)(modelloads_by_label)
     kopf.index("v1", "pods", id="pod_loads", labels=labelled, registry=registry)(pod_loads)
     for on in (kopf.on.create, kopf.on.update, kopf.on.resume):

@@ -1,9 +1,10 @@
 """What a pod's own status says about its model load, and the sum over a model's pods.
 
 The operator learns about loads from the pods alone: the kubelet records the sidecar's state, readiness and
-start time, and the pod's Ready condition. The sidecar needs no RBAC and the operator opens no connection to
-pods (NetworkPolicies often forbid one). A native sidecar reports in ``initContainerStatuses``, a regular one
-in ``containerStatuses``; both are read.
+start time, and the pod's Ready condition. The sidecar needs no RBAC and, for these figures, the operator
+opens no connection to pods (NetworkPolicies often forbid one); only a peered model's byte figures are asked
+of its pods (:mod:`modelload.operator.fleet`, at the address noted here). A native sidecar reports in
+``initContainerStatuses``, a regular one in ``containerStatuses``; both are read.
 
 Load time is measured from the sidecar container's start to the pod's Ready transition. With a native
 sidecar the pod is Ready only once the sidecar's readiness (every tensor in) and the app's are true, so this
@@ -20,6 +21,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
+from modelload.operator.peers import PEER_PORT
 from modelload.operator.schema import PodsStatus
 
 __all__ = ["PodLoad", "aggregate", "classify"]
@@ -50,6 +52,10 @@ class PodLoad:
     """The pod's Ready transition time (RFC 3339), to find the most recent load."""
     peers: bool = False
     """The sidecar was given peers (``spec.peers``): while it runs it serves what it holds to the others."""
+    pod: str = ""
+    address: str | None = None
+    """``host:port`` of the sidecar's peer server (the pod's IP and its MODELLOAD_PEER_PORT), once the pod
+    has an IP; None without peers."""
 
     @property
     def serving(self) -> bool:
@@ -65,9 +71,19 @@ def classify(pod: Mapping[str, Any]) -> PodLoad | None:
     sidecars = [c for c in declared if c.get("name") == SIDECAR_NAME]
     if not sidecars:
         return None
-    peers = any(e.get("name") == "MODELLOAD_PEER_DNS" for e in sidecars[0].get("env") or ())
+    env = {e.get("name"): e.get("value") for e in sidecars[0].get("env") or ()}
     load = _classify(meta, status)
-    return load if load is None or not peers else replace(load, peers=True)
+    if load is None or "MODELLOAD_PEER_DNS" not in env:
+        return load
+    return replace(load, peers=True, pod=str(meta.get("name") or ""), address=_address(status, env))
+
+
+def _address(status: Mapping[str, Any], env: Mapping[Any, Any]) -> str | None:
+    ip = status.get("podIP")
+    port = str(env.get("MODELLOAD_PEER_PORT") or PEER_PORT)
+    if not isinstance(ip, str) or not ip or not port.isdigit():
+        return None
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
 def _classify(meta: Mapping[str, Any], status: Mapping[str, Any]) -> PodLoad | None:

@@ -37,6 +37,7 @@ __all__ = [
     "VERSION",
     "Condition",
     "CredentialsSecretRef",
+    "FleetStatus",
     "HeadersSecretRef",
     "KeySecretRef",
     "MemoryOptions",
@@ -405,6 +406,28 @@ class PodsStatus:
 
 
 @dataclass(frozen=True)
+class FleetStatus:
+    """With spec.peers: what the serving pods' sidecars moved, summed over the pods serving now."""
+
+    pods: int = prop(doc="Serving pods with an IP that the operator asked for their peer stats.", minimum=0)
+    reporting: int = prop(
+        doc="Of those, the pods that answered (the others: unreachable, too slow, or refusing the token).",
+        minimum=0,
+    )
+    origin_bytes: int = prop(doc="Tensor bytes the reporting pods read from the origin.", minimum=0)
+    peer_bytes: int = prop(doc="Tensor bytes the reporting pods took from peers.", minimum=0)
+    served_bytes: int = prop(doc="Bytes the reporting pods served to peers.", minimum=0)
+    mismatches: int = prop(
+        doc="Tensors from peers that failed verification and were read again from the origin.", minimum=0
+    )
+    updated: str = prop(
+        doc="When these figures last changed (the operator asks every fleet interval and writes on change). "
+        "They are the live fleet's: a pod that left stops counting, a restarted sidecar starts at zero.",
+        format="date-time",
+    )
+
+
+@dataclass(frozen=True)
 class ModelLoadStatus:
     """What the operator found out about the model and the pods that use it."""
 
@@ -441,6 +464,9 @@ class ModelLoadStatus:
     )
     resolved_at: str | None = prop(doc="When the index was last read.", default=None, format="date-time")
     pods: PodsStatus | None = prop(doc="The pods that asked for this model.", default=None)
+    fleet: FleetStatus | None = prop(
+        doc="With spec.peers: the serving pods' origin bytes against peer bytes.", default=None
+    )
 
 
 def status_schema() -> dict[str, Any]:

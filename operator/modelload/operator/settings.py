@@ -95,6 +95,8 @@ class OperatorSettings:
     webhook: WebhookSettings = field(default_factory=WebhookSettings)
     sidecar: SidecarSettings = field(default_factory=SidecarSettings)
     retry: RetrySettings = field(default_factory=RetrySettings)
+    fleet_interval: float = 20.0
+    """Seconds between two readings of a peered model's pod stats (status.fleet); one GET per serving pod."""
 
 
 @dataclass(frozen=True)
@@ -259,6 +261,13 @@ OPTIONS: tuple[Option, ...] = (
         ("sidecar", "sizing", "cpu_request"),
         str,
         "sidecar CPU request (e.g. 500m)",
+    ),
+    Option(
+        "--fleet-interval",
+        "MODELLOAD_OPERATOR_FLEET_INTERVAL",
+        ("fleet_interval",),
+        _seconds,
+        "seconds between readings of peered models' pod stats into status.fleet (default 20)",
     ),
 )
 

@@ -222,15 +222,15 @@ class Engine:
         use_fd = settings.splice and all(source.supports_fd for source in model.sources)
         # Through the file descriptor nothing writes a meta tensor's slot: reserve it before publishing.
         unlanded = integrity.unlanded_ranges(plan) if use_fd else []
+        # A ring's pages are taken once, now, and reused lap after lap (a full volume fails here).
+        ring = settings.memory.mode == "ring"
         self._writer = writer = SegmentWriter.create(
-            settings.segment, plan.layout, reserve=False, reserve_ranges=unlanded
+            settings.segment, plan.layout, reserve=ring, reserve_ranges=unlanded
         )
         memory = None
         if settings.memory.mode != "full":
             report = getattr(observer, "memory_changed", None)
-            memory = MemoryManager(
-                settings.memory, writer=writer, plan=plan, stop=self._stop, report=report, reserve=not use_fd
-            )
+            memory = MemoryManager(settings.memory, writer=writer, plan=plan, stop=self._stop, report=report)
         observer.manifest_published(
             model_format=index.format, tensors=len(index), nbytes=index.nbytes, notify=settings.notify
         )
@@ -378,15 +378,19 @@ class _Load:
             self._publish(chunk.tensor)
 
     def _land_fd(self, chunk: Chunk) -> None:
-        read_range_into_fd(
-            self.sources[chunk.file],
-            chunk.src_offset,
-            chunk.length,
-            self.writer.fileno(),
-            chunk.dst_offset,
-            policy=self.engine._sources.retry,
-            on_retry=self.engine._retried,
-        )
+        src_offset = chunk.src_offset
+        # One piece of the file, or two where a ring segment's ring wraps (one more request per lap).
+        for file_offset, length in self.writer.file_ranges(chunk.dst_offset, chunk.length):
+            read_range_into_fd(
+                self.sources[chunk.file],
+                src_offset,
+                length,
+                self.writer.fileno(),
+                file_offset,
+                policy=self.engine._sources.retry,
+                on_retry=self.engine._retried,
+            )
+            src_offset += length
 
     def _land_view(self, chunk: Chunk) -> None:
         view = self.writer.region(chunk.dst_offset, chunk.length)

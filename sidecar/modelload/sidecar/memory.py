@@ -8,10 +8,13 @@ other modes give pages back:
   it in the consumer table beside the segment), the tensor is marked RELEASED and its pages are punched out
   of the tmpfs file. The volume still needs room for the whole model (a slow consumer lets it fill up), but
   it empties as the app copies.
-- ``ring``: as ``release``, and the sidecar never holds more than ``ring_size`` bytes of tensor data: before
-  landing a chunk it waits until the chunk fits in the room consumers have freed. The segment file keeps
-  its full size and every offset (it is sparse): readers see the same layout and API, and the pod's memory
-  is the ring, not the model.
+- ``ring``: the segment's data region is a ring of ``ring_size`` bytes (layout version 4): the byte at
+  manifest offset ``x`` lives at ``data_offset + (x - data_offset) mod ring_size``, and readers map the ring
+  twice back to back so every tensor is still one view. Before landing a chunk the sidecar waits until the
+  ring bytes it covers hold no tensor that is landed (or landing) and not yet released (:mod:`.ring`). The
+  ring's pages are taken once, when the segment is created, and reused lap after lap: nothing is freed and
+  allocated again per tensor, which is what made a sparse full-size ring slower than mode full. Once every
+  tensor is released the ring is punched out, so the volume empties as in release mode.
 
 Chunks are admitted strictly in load order. That makes the ring deadlock-free as long as every tensor fits
 in it (checked when the load is planned): the oldest tensor still landing only waits for room that tensors
@@ -20,8 +23,8 @@ releases (or no consumer at all) makes the load wait; ``/status`` and the metric
 consumer it waits for, and ``wait_timeout`` turns a wait that long into a failure naming them.
 
 Peers (sidecars serving each other): a sidecar in mode ``full`` serves every READY tensor; in ``release`` and
-``ring`` it serves only tensors still READY, and re-checks the state after reading one (a tensor released
-meanwhile is not served), so peers of a GPU fleet are mostly the ``full``-mode sidecars.
+``ring`` the engine turns peers off for the load (a ring reuses a tensor's bytes once it is copied), so peers
+of a GPU fleet are the ``full``-mode sidecars.
 """
 
 from __future__ import annotations
@@ -39,10 +42,12 @@ from typing import Any, Literal
 import numpy as np
 
 from modelload.loader.errors import ConfigError, MemoryWaitError, SegmentSpaceError
-from modelload.loader.segment import MemoryMode, SegmentWriter, TensorState
+from modelload.loader.segment import ALIGNMENT, MemoryMode, SegmentWriter, TensorState
 from modelload.loader.segment.consumers import EXPIRY, ConsumerEntry, ConsumerTable
-from modelload.loader.segment.release import Releaser, page_span, resident_bytes
+from modelload.loader.segment.layout import align
+from modelload.loader.segment.release import Releaser, punch_hole, resident_bytes
 from modelload.sidecar.planner import Chunk, LoadPlan
+from modelload.sidecar.ring import RingSpace
 
 __all__ = ["MemoryManager", "MemorySettings", "plan_memory"]
 
@@ -64,8 +69,9 @@ class MemorySettings:
     ``mode``: ``full`` (default: every page stays, for CPU consumers that keep zero-copy views), ``release``
     (pages go once every consumer copied the tensor) or ``ring`` (at most ``ring_size`` bytes at once).
 
-    ``ring_size``: ring mode's bound on tensor data in memory, bytes, rounded up to 4096. It must hold the
-    largest tensor; a few times the chunk size keeps the readers busy while the app copies.
+    ``ring_size``: ring mode's bound on tensor data in memory, bytes, rounded up to 4096 (and down to the
+    model's data, when that is smaller). It must hold the largest tensor with its record header; a few times
+    the chunk size keeps the readers busy while the app copies.
 
     ``wait_timeout``: seconds ring mode may wait for room before failing the load; None waits as long as
     it takes (the status shows the wait).
@@ -104,34 +110,37 @@ class MemorySettings:
         return MemoryMode[self.mode.upper()]
 
 
-def chunk_charge(chunk: Chunk) -> int:
-    """The pages a chunk's bytes touch, in bytes: what it may add to the file's resident size."""
-    start, stop = page_span(chunk.dst_offset, chunk.length)
-    return (stop - start) * 4096
+def ring_span(plan: LoadPlan, tensor: int) -> tuple[int, int]:
+    """``(segment offset, length)`` of what tensor ``tensor`` takes in a ring: its record header (in the
+    padding before the slot) and its whole slot, zeros a meta tensor's file lacks included."""
+    slot = plan.layout.slots[tensor]
+    start = min(plan.header_span(tensor)[0], slot.offset)
+    return start, slot.offset + slot.nbytes - start
 
 
 def plan_memory(plan: LoadPlan, settings: MemorySettings) -> LoadPlan:
     """Mark ``plan``'s segment with the memory mode, and refuse a ring too small for a tensor."""
     if settings.mode == "full":
         return plan
+    ring_size = 0
     if settings.mode == "ring":
-        charges = [0] * len(plan.layout.slots)
-        for chunk in plan.chunks:
-            charges[chunk.tensor] += chunk_charge(chunk)
-        largest = max(range(len(charges)), key=charges.__getitem__, default=None)
-        if largest is not None and charges[largest] > settings.ring_size:
-            need = charges[largest]
+        data_offset = plan.layout.data_offset
+        needs = [
+            offset + length - max(offset, data_offset)  # the first header sits before the ring
+            for offset, length in (ring_span(plan, i) for i in range(len(plan.layout.slots)))
+        ]
+        largest = max(range(len(needs)), key=needs.__getitem__, default=None)
+        if largest is not None and needs[largest] > settings.ring_size:
+            need = needs[largest]
             name = plan.layout.slots[largest].name
             raise ConfigError(
                 f"tensor {name!r} needs {need} bytes ({need / 2**20:.1f} MiB) in the ring, more than the "
                 f"ring size of {settings.ring_size} bytes: set --ring-size (ModelLoad spec.memory.ringSize) "
                 f"to at least {-(-need // 2**20)}MiB"
             )
-    layout = replace(
-        plan.layout,
-        memory_mode=settings.layout_mode,
-        ring_size=settings.ring_size if settings.mode == "ring" else 0,
-    )
+        # A ring larger than the model's data would only hold pages nothing uses.
+        ring_size = min(align(settings.ring_size), max(align(plan.layout.data_length), ALIGNMENT))
+    layout = replace(plan.layout, memory_mode=settings.layout_mode, ring_size=ring_size)
     return replace(plan, layout=layout)
 
 
@@ -151,9 +160,11 @@ def check_volume(directory: os.PathLike[str] | str, needed: int, settings: Memor
 
 
 class MemoryManager:
-    """Releases consumed tensors and, in ring mode, admits chunks only into room that was released.
+    """Releases consumed tensors and, in ring mode, admits chunks only into ring bytes that were released.
 
-    One thread polls the consumer table; the readers call :meth:`admit` before landing each chunk.
+    One thread polls the consumer table; the readers call :meth:`admit` before landing each chunk. The ring's
+    pages were all taken when the segment was created (so a full volume fails then, never as a SIGBUS
+    later), and are reused rather than freed: in ring mode nothing is punched until every tensor is released.
     """
 
     def __init__(
@@ -164,13 +175,8 @@ class MemoryManager:
         plan: LoadPlan,
         stop: threading.Event,
         report: Callable[[dict[str, Any]], None] | None = None,
-        reserve: bool = True,
     ) -> None:
-        """``reserve``: take each chunk's pages before it lands (``posix_fallocate``), for readers that write
-        through the mapping; readers writing through the file descriptor get ENOSPC as an ordinary error, and
-        reserving would zero every page once more before the data overwrites it."""
         self.settings = settings
-        self._reserve_pages = reserve
         self.plan = plan
         self._stop = stop
         self._report = report
@@ -179,12 +185,11 @@ class MemoryManager:
             writer.path, load_id=writer.load_id, tensor_count=len(layout.slots), write=False
         )
         leads = [plan.header_span(i)[1] for i in range(len(layout.slots))]
-        self._releaser = Releaser(writer.fileno(), layout, leads=leads)
-        self._ring = settings.ring_size if settings.mode == "ring" else 0
+        self._ring = layout.ring_size if layout.memory_mode == MemoryMode.RING else 0
+        self._releaser = Releaser(writer.fileno(), layout, leads=leads, punch=not self._ring)
+        self._space = RingSpace(data_offset=layout.data_offset, size=self._ring or ALIGNMENT)
         self._cond = threading.Condition()
-        self._used = 0
         self._next_grant = 0
-        self._charges = [0] * len(layout.slots)
         self._released = np.zeros(len(layout.slots), dtype=bool)
         self._released_bytes = 0
         self._waiting_since: float | None = None
@@ -208,9 +213,9 @@ class MemoryManager:
         """
         if not self._ring:
             return not self._stop.is_set()
-        charge = chunk_charge(chunk)
+        offset, length = self._claim(chunk)
         with self._cond:
-            while seq != self._next_grant or self._used + charge > self._ring:
+            while seq != self._next_grant or self._space.holder(offset, length) is not None:
                 if self._stop.is_set():
                     return False
                 if seq == self._next_grant:
@@ -223,29 +228,19 @@ class MemoryManager:
                         )
                 self._cond.wait(0.05)
             self._end_wait()
-            self._used += charge
-            self._charges[chunk.tensor] += charge
+            self._space.take(chunk.tensor, offset, length)
             self._next_grant += 1
             self._cond.notify_all()
-        if self._reserve_pages:
-            self._reserve(chunk)
         return True
 
-    def _reserve(self, chunk: Chunk) -> None:
-        """Take the chunk's pages now: on a full volume that is an error here, not a SIGBUS in a reader
-        writing through the mapping."""
-        try:
-            os.posix_fallocate(self._releaser.fileno(), chunk.dst_offset, chunk.length)
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
-                raise SegmentSpaceError(
-                    exc.errno,
-                    f"no room in the volume for {chunk.length} more bytes of the ring "
-                    f"({self._used} of {self._ring} in use): raise the volume's sizeLimit above the ring "
-                    "size",
-                ) from exc
-            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise
+    def _claim(self, chunk: Chunk) -> tuple[int, int]:
+        """The segment bytes ``chunk`` takes in the ring: its own, and for the chunk that lands a tensor's
+        last data byte, the rest of the slot too (a meta tensor's zeros, which the engine writes)."""
+        slot = self.plan.layout.slots[chunk.tensor]
+        stop = chunk.dst_offset + chunk.length
+        if stop >= slot.offset + self.plan.index.tensors[chunk.tensor].data_length:
+            stop = max(stop, slot.offset + slot.nbytes)
+        return chunk.dst_offset, stop - chunk.dst_offset
 
     def _start_wait(self) -> float:
         now = time.monotonic()
@@ -264,6 +259,9 @@ class MemoryManager:
         try:
             while not self._stop.is_set() and not self._released.all():
                 changed = self._release_consumed()
+                if changed and self._ring and self._released.all():  # the last lap is done: empty the ring
+                    layout = self.plan.layout
+                    punch_hole(self._releaser.fileno(), layout.data_offset, layout.ring_size)
                 self._resident = resident_bytes(self._releaser.fileno())
                 now = time.monotonic()
                 if changed or now - self._last_report >= STATUS_INTERVAL:
@@ -300,18 +298,17 @@ class MemoryManager:
             bits = np.unpackbits(self._table.consumed_bits(entry.slot), bitorder="little", count=count)
             consumed &= bits.astype(bool)
         todo = np.flatnonzero(consumed & ready & ~self._released)
-        freed = 0
         for index in todo:
-            self._released_bytes += self._releaser.release(int(index))
+            punched = self._releaser.release(int(index))
+            self._released_bytes += punched if not self._ring else self.plan.layout.slots[index].nbytes
             self._released[index] = True
-            freed += self._charges[index]
-            self._charges[index] = 0
         # The oldest tensor still held, and who holds it: what /status shows while the ring waits.
         held = np.flatnonzero(ready & ~self._released & ~consumed)
         self._holders = self._who_holds(int(held[0]), live) if len(held) else []
-        if freed:
-            with self._cond:
-                self._used -= freed
+        if self._ring and len(todo):
+            with self._cond:  # RELEASED is stored: the bytes may now take newer tensors
+                for index in todo:
+                    self._space.free(int(index))
                 self._cond.notify_all()
         return bool(len(todo))
 
@@ -351,7 +348,7 @@ class MemoryManager:
         with self._cond:
             waiting = self._waiting_since is not None
             waited = time.monotonic() - self._waiting_since if self._waiting_since is not None else 0.0
-            used = self._used
+            used = self._space.used
         return {
             "mode": self.settings.mode,
             "ring_size": self._ring or None,

@@ -2,7 +2,9 @@
 
 Every tensor handed out is a view of the segment: nothing is copied on the host. Arrays of tensors that are
 not ready yet are never handed out: each accessor waits for its tensor first (or raises, with
-``wait=False``). Views are copy-on-write: changing one in place is private to this process.
+``wait=False``). Views are copy-on-write: changing one in place is private to this process. In memory mode
+ring they are read-only instead (numpy arrays say so; a write to a torch tensor faults): the sidecar reuses
+a ring's bytes for newer tensors, which a private copy of a page would hide from this process.
 """
 
 from __future__ import annotations

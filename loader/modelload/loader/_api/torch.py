@@ -14,6 +14,7 @@ same overlap of copying with loading.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any
@@ -33,13 +34,24 @@ _STAGING_BYTES = 64 << 20
 
 
 def as_tensor(view: memoryview, dtype: DType, shape: tuple[int, ...]) -> torch.Tensor:
-    """A torch tensor over ``view``'s bytes, without a copy, with ``dtype`` and ``shape``."""
+    """A torch tensor over ``view``'s bytes, without a copy, with ``dtype`` and ``shape``.
+
+    A read-only ``view`` (a ring segment's) gives a tensor that must not be written: torch cannot mark it
+    read-only, and the pages are mapped without write access, so a write faults.
+    """
     import torch
 
     target = dtype.torch()
     if not len(view):
         return torch.empty(shape, dtype=target)
-    flat = torch.frombuffer(view, dtype=torch.uint8)
+    if view.readonly:  # a ring's bytes (memory mode ring): torch has no read-only tensors, and says so once
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", message="The given buffer is not writable", category=UserWarning
+            )
+            flat = torch.frombuffer(view, dtype=torch.uint8)
+    else:
+        flat = torch.frombuffer(view, dtype=torch.uint8)
     if target is not torch.uint8:
         flat = flat.view(target)
     return flat.reshape(shape)

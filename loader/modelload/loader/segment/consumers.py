@@ -1,6 +1,6 @@
-"""The consumer table beside a version-3 segment: who reads the model, and which tensors each has copied.
+"""The consumer table beside a segment of layout 3 or 4: who reads the model, which tensors each copied.
 
-In memory modes release and ring (SPEC.md, layout version 3) the writer gives a tensor's pages back once
+In memory modes release and ring (SPEC.md, layouts 3 and 4) the writer gives a tensor's pages back once
 every registered consumer has consumed it. Consumers must therefore write somewhere: they register, beat a
 heartbeat and set one bit per tensor they have copied. That bookkeeping lives in a small file of its own,
 ``<segment>.consumers``, not in the segment, for two reasons:
@@ -145,7 +145,8 @@ class ConsumerTable:
             fd = os.open(path, (os.O_RDWR if write else os.O_RDONLY) | os.O_CLOEXEC)
         except FileNotFoundError:
             raise SegmentLayoutError(
-                f"the segment is layout version 3 but its consumer table {path} is missing; "
+                f"the segment releases consumed tensors (memory mode release or ring) but its consumer table "
+                f"{path} is missing; "
                 "the sidecar that wrote it died while creating it: restart the pod"
             ) from None
         except PermissionError:

@@ -3,17 +3,19 @@
 Whatever lands the bytes (the sidecar's range readers, ``modelload stage`` from a local file, bytes taken
 from peers), a tensor is finished by :meth:`TensorFinisher.finish`:
 
-1. a tensorizer record's header (landed beside the slot, or read apart) is parsed and checked against the
+1. a meta tensor (no data in the file) gets its zeros where the slot's bytes may hold an older tensor's
+   (a ring segment reuses its pages; a new file is zeros already);
+2. a tensorizer record's header (landed beside the slot, or read apart) is parsed and checked against the
    tensor's index entry;
-2. an encrypted tensor is decrypted in place in its slot, and proves the key right (one
+3. an encrypted tensor is decrypted in place in its slot, and proves the key right (one
    :class:`~modelload.loader.formats.tensorizer.record.KeyState` per load, shared by its threads);
-3. its fastest stored hash is checked when the load verifies (CRC32 with ISA-L where installed);
-4. the caller's own last check runs (the sidecar re-reads samples of a tensor nothing else verified);
-5. the slot's CRC-32 is recorded and the tensor published READY, with its verified and decrypted flags.
+4. its fastest stored hash is checked when the load verifies (CRC32 with ISA-L where installed);
+5. the caller's own last check runs (the sidecar re-reads samples of a tensor nothing else verified);
+6. the slot's CRC-32 is recorded and the tensor published READY, with its verified and decrypted flags.
 
 A tensor that fails authentication before any other proved the key is held, neither READY nor failed,
 until a second encrypted tensor decides between a wrong key and corrupt bytes; :meth:`TensorFinisher.settle`
-at the end of the load raises a verdict still open. Nothing is published half-checked: every step before 5
+at the end of the load raises a verdict still open. Nothing is published half-checked: every step before 6
 raises instead.
 """
 
@@ -21,11 +23,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
+
 from modelload.loader.errors import WrongKeyError
 from modelload.loader.formats._index import TensorEntry
 from modelload.loader.formats.tensorizer.hashes import crc32
 from modelload.loader.formats.tensorizer.keys import DecryptionKey
 from modelload.loader.formats.tensorizer.record import KeyState, open_record
+from modelload.loader.segment.layout import MemoryMode
 from modelload.loader.segment.writer import SegmentWriter
 
 __all__ = ["TensorFinisher"]
@@ -48,6 +53,7 @@ class TensorFinisher:
         self.keys = KeyState(key)
         self._encrypted = encrypted
         self._verify = verify
+        self._ring = writer.layout.memory_mode == MemoryMode.RING
 
     def finish(
         self,
@@ -66,6 +72,10 @@ class TensorFinisher:
         """
         writer = self.writer
         verified = decrypted = False
+        if self._ring and writer.layout.slots[tensor].nbytes > entry.data_length:
+            zeros = np.frombuffer(writer.slot(tensor), dtype=np.uint8)
+            zeros[entry.data_length :] = 0
+            del zeros  # no export of the mapping left behind
         if header is not None:
             data = writer.slot(tensor)[: entry.data_length]
             try:

@@ -55,11 +55,12 @@ __all__ = [
 ]
 
 MAGIC = b"MODELSEG"
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 4
 """The newest layout version. A segment of one weight file is written as version 1 (which older loaders
 read); a segment of several files as version 2, which records each tensor's file; a segment whose pages the
-writer gives back once consumed (memory mode release or ring) as version 3, which older loaders refuse."""
-LAYOUT_VERSIONS = (1, 2, 3)
+writer gives back once consumed as version 3 (memory mode release) or 4 (memory mode ring, whose file holds
+only a ring of data that tensors reuse), which older loaders refuse."""
+LAYOUT_VERSIONS = (1, 2, 3, 4)
 MAX_FILES = 65536
 MODEL_DIR_KEY = "model_dir"
 """The metadata key naming the model directory (an absolute path) the writer filled with the model's
@@ -104,13 +105,17 @@ _MANIFEST_KEYS = {
     1: frozenset({"tensors", "metadata"}),
     2: frozenset({"tensors", "metadata", "files"}),
     3: frozenset({"tensors", "metadata", "files"}),
+    4: frozenset({"tensors", "metadata", "files"}),
 }
 _TENSOR_KEYS = {
     1: frozenset({"name", "dtype", "shape", "offset", "nbytes", "sha256"}),
     2: frozenset({"name", "dtype", "shape", "offset", "nbytes", "sha256", "file"}),
     3: frozenset({"name", "dtype", "shape", "offset", "nbytes", "sha256", "file"}),
+    4: frozenset({"name", "dtype", "shape", "offset", "nbytes", "sha256", "file"}),
 }
-_MEMORY = struct.Struct("<IIQ16x")  # version 3: bytes 96-127, memory_mode, reserved, ring_size, reserved
+_MEMORY = struct.Struct(
+    "<IIQ16x"
+)  # versions 3 and 4: bytes 96-127, memory_mode, reserved, ring_size, reserved
 _REQUIRED_KEYS = frozenset({"name", "dtype", "shape", "offset", "nbytes"})
 _HEX = frozenset("0123456789abcdef")
 
@@ -138,7 +143,8 @@ class MemoryMode(IntEnum):
     RELEASE = 1
     """Give a tensor's pages back once every registered consumer consumed it."""
     RING = 2
-    """As RELEASE, and never hold more than ``ring_size`` bytes of tensor data at once."""
+    """Never hold more than ``ring_size`` bytes of tensor data at once: the data lives in a ring of that size
+    whose bytes newer tensors reuse once older ones are released (layout version 4)."""
 
 
 class TensorFlags(IntFlag):
@@ -204,7 +210,12 @@ class Header:
     layout_version: int = LAYOUT_VERSION
     memory_mode: MemoryMode = MemoryMode.FULL
     ring_size: int = 0
-    """Version 3, ring mode: the most bytes of tensor data the writer holds at once; 0 otherwise."""
+    """Ring mode (version 4, or 3 from older writers): the bytes of the ring; 0 otherwise."""
+
+    @property
+    def ring(self) -> bool:
+        """Whether the data region is a ring (version 4): offsets past it wrap around to its start."""
+        return self.layout_version >= 4
 
     def pack(self) -> bytes:
         return _FIXED.pack(
@@ -240,26 +251,36 @@ class Layout:
     files: tuple[str, ...] = ()
     """The model's weight files, for a segment of several (layout version 2)."""
     memory_mode: MemoryMode = MemoryMode.FULL
-    """Anything but FULL makes the segment layout version 3 (with a consumer table beside it)."""
+    """RELEASE makes the segment layout version 3, RING version 4 (both with a consumer table beside it)."""
     ring_size: int = 0
-    """Ring mode: the most bytes of tensor data resident at once (a multiple of 4096)."""
+    """Ring mode: the bytes of the ring, the file's data region (a multiple of 4096)."""
 
     @property
     def layout_version(self) -> int:
-        if self.memory_mode != MemoryMode.FULL:
+        if self.memory_mode == MemoryMode.RING:
+            return 4
+        if self.memory_mode == MemoryMode.RELEASE:
             return 3
         return 2 if self.files else 1
 
     @property
     def resident_limit(self) -> int:
-        """The most bytes of the file that are ever resident: the whole segment, except in ring mode."""
-        if self.memory_mode == MemoryMode.RING:
-            return min(self.data_offset + self.ring_size, self.segment_length)
+        """The most bytes of the file ever resident: all of it (in ring mode, the tables and the ring)."""
         return self.segment_length
 
     @property
     def segment_length(self) -> int:
+        """The file's size: the data region after the tables, or in ring mode the ring instead."""
+        if self.memory_mode == MemoryMode.RING:
+            return self.data_offset + self.ring_size
         return self.data_offset + self.data_length
+
+    def file_offset(self, offset: int) -> int:
+        """Where the byte at segment offset ``offset`` (manifest arithmetic) lives in the file: the same
+        offset, except in ring mode, where the data region wraps around the ring."""
+        if self.memory_mode != MemoryMode.RING or offset < self.data_offset:
+            return offset
+        return self.data_offset + (offset - self.data_offset) % self.ring_size
 
     @property
     def nbytes(self) -> int:
@@ -299,8 +320,8 @@ def plan_layout(
     (12288, 24, 16384)
 
     ``files`` names the weight files of a model of several (a directory's shards); every spec then says its
-    ``file``, and the segment is written as layout version 2. A ``memory_mode`` other than FULL makes it
-    version 3; ``ring_size`` (ring mode only) is rounded up to a multiple of 4096.
+    ``file``, and the segment is written as layout version 2. Memory mode RELEASE makes it version 3, RING
+    version 4; ``ring_size`` (ring mode only) is rounded up to a multiple of 4096.
     """
     if (memory_mode == MemoryMode.RING) != (ring_size > 0):
         raise SegmentLayoutError("a ring size is given exactly when the memory mode is ring")
@@ -322,6 +343,10 @@ def plan_layout(
             raise SegmentLayoutError(f"tensor {spec.name!r} has an invalid shape {spec.shape}")
         if spec.lead < 0:
             raise SegmentLayoutError(f"tensor {spec.name!r} asks for a negative lead {spec.lead}")
+        if memory_mode == MemoryMode.RING and spec.nbytes > ring_size:
+            raise SegmentLayoutError(
+                f"tensor {spec.name!r}: {spec.nbytes} bytes do not fit in the ring of {ring_size}"
+            )
         by_name[spec.name] = i
 
     # The manifest holds the slot offsets, which depend on where the data starts, which depends on the
@@ -442,11 +467,19 @@ def parse_header(buf: bytes | memoryview, *, file_size: int) -> Header:
         raise _fail(f"state table offset {state_offset} is unaligned or inside the manifest")
     if data_offset % ALIGNMENT or data_offset < state_offset + STATE_ENTRY_LENGTH * tensor_count:
         raise _fail(f"data offset {data_offset} is unaligned or inside the state table")
-    if data_offset + data_length > segment_length:
+    memory_mode, ring_size = _parse_memory(version, reserved)
+    if version >= 4:  # the data region is a ring: the file ends with it, whatever the model's size
+        if data_offset + ring_size != segment_length:
+            raise _fail(
+                f"a ring segment is its tables and then its ring: {data_offset} + {ring_size} bytes, but the "
+                f"header says {segment_length}"
+            )
+        if data_length > _MAX_FIELD - data_offset:
+            raise _fail(f"data length {data_length} is larger than any segment")
+    elif data_offset + data_length > segment_length:
         raise _fail(
             f"data region [{data_offset}, {data_offset + data_length}) runs past the end of the segment"
         )
-    memory_mode, ring_size = _parse_memory(version, reserved)
     if any(bytes(buf[_RESERVED_TAIL[0] : _RESERVED_TAIL[1]])) or any(bytes(buf[164:168])):
         raise _fail("reserved header bytes are not zero")
     state = struct.unpack_from("<I", buf, OFF_WRITER_STATE)[0]
@@ -472,7 +505,8 @@ def parse_header(buf: bytes | memoryview, *, file_size: int) -> Header:
 
 
 def _parse_memory(version: int, reserved: bytes) -> tuple[MemoryMode, int]:
-    """Bytes 96-127: reserved (zero) before version 3; memory mode and ring size from version 3 on."""
+    """Bytes 96-127: reserved (zero) before version 3; memory mode and ring size from version 3 on (version 4
+    is always a ring)."""
     if version < 3:
         if any(reserved):
             raise _fail("reserved header bytes are not zero")
@@ -480,6 +514,8 @@ def _parse_memory(version: int, reserved: bytes) -> tuple[MemoryMode, int]:
     mode, middle, ring_size = _MEMORY.unpack(reserved)
     if middle or any(reserved[_MEMORY.size - 16 :]):
         raise _fail("reserved header bytes are not zero")
+    if version >= 4 and mode != MemoryMode.RING:
+        raise _fail(f"memory mode {mode} is not 2 (ring) in a version-{version} segment")
     if mode not in (MemoryMode.RELEASE, MemoryMode.RING):
         raise _fail(f"memory mode {mode} is not 1 (release) or 2 (ring) in a version-3 segment")
     if (mode == MemoryMode.RING) != (ring_size > 0) or ring_size % ALIGNMENT or ring_size > _MAX_FIELD:
@@ -580,6 +616,8 @@ def _parse_slot(index: int, entry: object, header: Header, file_count: int) -> S
     data_end = header.data_offset + header.data_length
     if offset < header.data_offset or offset + nbytes > data_end:
         raise _fail(f"{label}: slot [{offset}, {offset + nbytes}) lies outside the data region")
+    if header.ring and nbytes > header.ring_size:
+        raise _fail(f"{label}: {nbytes} bytes do not fit in the ring of {header.ring_size}")
     return Slot(index, name, dtype, tuple(shape), offset, nbytes, sha256, file)
 
 

@@ -5,6 +5,10 @@ the header and state table shared and read-only (so the writer's progress shows)
 copy-on-write (so numpy and torch get writable arrays, and an in-place change stays in this process). Several
 processes may read one segment at once; a reader never writes to it.
 
+A ring segment (layout version 4, memory mode ring) is mapped differently: its data region is a ring the
+writer reuses, mapped twice back to back, shared and read-only (:mod:`._ring`). A private copy of a page
+would hide the newer tensors the writer lands there later, so arrays over a ring are read-only.
+
 Waiting polls the state table. A caller that has a faster way to learn of progress (the loader's pyzmq
 subscription) passes it as ``waiter``, which blocks until something happens or its timeout passes; the state
 table stays the truth either way, so a missed message costs at most one wait.
@@ -30,7 +34,7 @@ from modelload.loader.errors import (
     SidecarUnavailableError,
     TensorReleasedError,
 )
-from modelload.loader.segment import _memory
+from modelload.loader.segment import _memory, _ring
 from modelload.loader.segment.layout import (
     ENTRY_CRC32,
     ENTRY_FLAGS,
@@ -78,7 +82,7 @@ class SegmentReader:
         slots: tuple[Slot, ...],
         metadata: dict[str, str],
         control: mmap.mmap,
-        data: mmap.mmap | None,
+        data: mmap.mmap | memoryview | None,
         data_base: int,
         files: tuple[str, ...] = (),
     ) -> None:
@@ -93,6 +97,7 @@ class SegmentReader:
         self._data = data
         self._data_base = data_base
         self._data_view = memoryview(data) if data is not None else memoryview(b"")
+        self._ring = header.ring_size if header.ring else 0
         self._u32: npt.NDArray[np.uint32] = np.frombuffer(control, dtype="<u4")
         first = header.state_offset // 4
         self._states = self._u32[
@@ -207,9 +212,12 @@ class SegmentReader:
         return mask
 
     def view(self, index: int) -> memoryview:
-        """The bytes of tensor ``index``: meaningful only once it is READY (see :meth:`wait`)."""
+        """The bytes of tensor ``index``: meaningful only once it is READY (see :meth:`wait`), and in ring
+        mode only until it is RELEASED (the writer then reuses its bytes for newer tensors)."""
         slot = self.slots[index]
         start = slot.offset - self._data_base
+        if self._ring:
+            start %= self._ring
         return self._data_view[start : start + slot.nbytes]
 
     # --- waiting --------------------------------------------------------------------------------------------
@@ -320,9 +328,10 @@ class SegmentReader:
         self._data_view.release()
         self._states = self._u32 = np.empty(0, dtype="<u4")
         for mm in (self._data, self._control):
-            if mm is not None:
+            if isinstance(mm, mmap.mmap):
                 with contextlib.suppress(BufferError):
                     mm.close()
+        self._data = None  # a ring's mapping goes with the last view of it
 
     def __enter__(self) -> SegmentReader:
         return self
@@ -334,8 +343,15 @@ class SegmentReader:
         return f"<SegmentReader {self.path} tensors={len(self.slots)} state={self.writer_state.name}>"
 
 
-def _map_data(fd: int, header: Header) -> tuple[mmap.mmap | None, int]:
-    """Map the data region copy-on-write, from the allocation boundary at or below data_offset."""
+def _map_data(fd: int, header: Header) -> tuple[mmap.mmap | memoryview | None, int]:
+    """Map the data region copy-on-write, from the allocation boundary at or below data_offset; a ring twice
+    over, shared and read-only."""
+    if header.ring:
+        ring = _ring.map_ring(
+            fd, start=header.data_offset, ring_offset=header.data_offset, ring_size=header.ring_size,
+            writable=False,
+        )  # fmt: skip
+        return ring, header.data_offset
     if header.data_length == 0:
         return None, header.data_offset
     base = header.data_offset - header.data_offset % mmap.ALLOCATIONGRANULARITY

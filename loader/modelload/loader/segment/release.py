@@ -1,4 +1,4 @@
-"""Giving a consumed tensor's pages back: the writer's side of SPEC.md's memory modes (layout version 3).
+"""Giving a consumed tensor's pages back: the writer's side of SPEC.md's memory modes (layout versions 3, 4).
 
 A RELEASED tensor's state word is stored first, then its pages are punched out of the file
 (``fallocate(PUNCH_HOLE | KEEP_SIZE)``): a reader that checks the state after its copy (the loader does)
@@ -8,6 +8,9 @@ and layout, only its resident pages shrink, so readers need no new arithmetic.
 Neighbouring tensors can share a page: the tail of one slot and the lead (scratch room for a record header)
 or start of the next. Such a page is punched only once every tensor touching it is released, so punching
 never takes bytes from a tensor still in use or still landing.
+
+In ring mode (layout version 4) a released tensor's bytes are not punched but reused for newer tensors: the
+releaser only stores the state word, and the whole ring is punched once every tensor is released.
 """
 
 from __future__ import annotations
@@ -59,9 +62,11 @@ class Releaser:
     """Marks tensors RELEASED and punches their pages, through its own descriptor and mapping of the state
     table (so it outlives the :class:`SegmentWriter`, which closes when the load ends)."""
 
-    def __init__(self, fd: int, layout: Layout, *, leads: Sequence[int] = ()) -> None:
+    def __init__(self, fd: int, layout: Layout, *, leads: Sequence[int] = (), punch: bool = True) -> None:
         """``fd`` is the segment's (duplicated here); ``leads`` the scratch bytes each slot's writer used
-        before the slot (a tensorizer record header), which belong to the tensor's pages too."""
+        before the slot (a tensorizer record header), which belong to the tensor's pages too. Without
+        ``punch`` (a ring, whose pages are reused) releasing only marks the state."""
+        self._punch = punch
         self._fd = os.dup(fd)
         self.layout = layout
         self._mm = mmap.mmap(self._fd, layout.data_offset, flags=mmap.MAP_SHARED)
@@ -97,7 +102,7 @@ class Releaser:
         self.states[index] = TensorState.RELEASED
         _memory.release_fence()  # the state before the pages: a reader rechecking after a copy sees it
         start, stop = self.spans[index]
-        if stop <= start:
+        if stop <= start or not self._punch:
             return 0
         low, high = start, stop
         for page in {start, stop - 1}:

@@ -14,6 +14,11 @@ A writer replacing a segment that is not complete (a sidecar restarted after a c
 for the new file while the old one still takes its pages. When both do not fit, the old segment (and any
 temporary file a crashed writer left) is marked FAILED and removed first: a volume sized for one model then
 holds the new load. Readers that still map the old file keep its pages until they let go of it.
+
+A ring segment (layout version 4) holds only ``ring_size`` bytes of data after its tables, and a tensor's
+bytes wrap around the ring's end. The writer maps the ring a second time right after the file
+(:mod:`._ring`), so :meth:`SegmentWriter.slot` and :meth:`SegmentWriter.region` still give one contiguous
+view; landing through the descriptor takes :meth:`SegmentWriter.file_ranges`, one or two pieces of the file.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from modelload.loader.errors import SegmentError, SegmentSpaceError
-from modelload.loader.segment import _memory
+from modelload.loader.segment import _memory, _ring
 from modelload.loader.segment.consumers import create_table
 from modelload.loader.segment.layout import (
     ENTRY_CRC32,
@@ -51,6 +56,7 @@ from modelload.loader.segment.layout import (
     OFF_WRITER_PID,
     OFF_WRITER_STATE,
     Layout,
+    MemoryMode,
     TensorFlags,
     TensorState,
     WriterState,
@@ -81,7 +87,7 @@ class SegmentWriter:
     ...     writer.mark_complete()
     """
 
-    def __init__(self, path: Path, layout: Layout, fd: int, mm: mmap.mmap, load_id: int) -> None:
+    def __init__(self, path: Path, layout: Layout, fd: int, mm: mmap.mmap | memoryview, load_id: int) -> None:
         self.path = path
         self.layout = layout
         self.load_id = load_id
@@ -146,7 +152,13 @@ class SegmentWriter:
                 for offset, length in ((0, layout.data_offset), *reserve_ranges):
                     if length > 0:
                         _reserve(fd, length, target, offset=offset)
-            mm = mmap.mmap(fd, layout.segment_length, flags=mmap.MAP_SHARED)
+            mm: mmap.mmap | memoryview
+            if layout.memory_mode == MemoryMode.RING:
+                mm = _ring.map_ring(
+                    fd, start=0, ring_offset=layout.data_offset, ring_size=layout.ring_size, writable=True
+                )
+            else:
+                mm = mmap.mmap(fd, layout.segment_length, flags=mmap.MAP_SHARED)
             writer = cls(target, layout, fd, mm, load_id)
             writer._write_prologue(created_ns)
             if layout.layout_version >= 3:  # the consumer table first: a version-3 reader looks for it
@@ -170,8 +182,8 @@ class SegmentWriter:
     def _write_prologue(self, created_ns: int) -> None:
         header = self.layout.header(load_id=self.load_id, created_ns=created_ns).pack()
         self._view[: len(header)] = header
-        struct.pack_into("<I", self._mm, OFF_WRITER_PID, os.getpid() & 0xFFFFFFFF)
-        struct.pack_into("<Q", self._mm, OFF_HEARTBEAT_NS, time.time_ns())
+        struct.pack_into("<I", self._view, OFF_WRITER_PID, os.getpid() & 0xFFFFFFFF)
+        struct.pack_into("<Q", self._view, OFF_HEARTBEAT_NS, time.time_ns())
         manifest = self.layout.manifest
         self._view[HEADER_LENGTH : HEADER_LENGTH + len(manifest)] = manifest
         # The state table is zero (PENDING) from ftruncate. LOADING last: the file is then complete.
@@ -180,22 +192,48 @@ class SegmentWriter:
     # --- filling --------------------------------------------------------------------------------------------
 
     def fileno(self) -> int:
-        """The segment's file descriptor, for ``os.pwrite``/``os.splice`` straight into a slot's offset."""
+        """The segment's file descriptor, for ``os.pwrite``/``os.splice`` into the file offsets that
+        :meth:`file_ranges` gives (in ring mode they are not the manifest's offsets)."""
         return self._fd
 
     def slot(self, index: int) -> memoryview:
         """A writable view of slot ``index``'s bytes. Fill it completely, then :meth:`mark_ready`."""
         s = self.layout.slots[index]
-        return self._view[s.offset : s.offset + s.nbytes]
+        return self._at(s.offset, s.nbytes)
 
     def region(self, offset: int, length: int) -> memoryview:
         """A writable view of bytes ``[offset, offset + length)`` of the segment: a slot, or padding used as
         scratch (SPEC.md allows it), such as the room a slot's lead leaves before it."""
-        if offset < self.layout.state_offset or offset + length > self.layout.segment_length:
+        layout = self.layout
+        if offset < layout.state_offset or offset + length > layout.data_offset + layout.data_length:
             raise IndexError(
                 f"bytes [{offset}, {offset + length}) are outside the writable part of the segment"
             )
+        return self._at(offset, length)
+
+    def file_ranges(self, offset: int, length: int) -> list[tuple[int, int]]:
+        """``(file offset, length)`` of the pieces of the file that hold segment bytes ``[offset, offset +
+        length)``, in order: the range itself, except where a ring wraps (two pieces)."""
+        layout = self.layout
+        start = layout.file_offset(offset)
+        if layout.memory_mode != MemoryMode.RING:
+            return [(start, length)]
+        self._check_ring_span(offset, length)
+        first = min(length, layout.segment_length - start)
+        return [(start, first)] if first == length else [(start, first), (layout.data_offset, length - first)]
+
+    def _at(self, offset: int, length: int) -> memoryview:
+        if self.layout.memory_mode == MemoryMode.RING:
+            self._check_ring_span(offset, length)
+            offset = self.layout.file_offset(offset)  # and on through the ring's second mapping
         return self._view[offset : offset + length]
+
+    def _check_ring_span(self, offset: int, length: int) -> None:
+        layout = self.layout
+        if offset + length - max(offset, layout.data_offset) > layout.ring_size:
+            raise IndexError(
+                f"bytes [{offset}, {offset + length}) are more than the ring of {layout.ring_size} holds"
+            )
 
     def state(self, index: int) -> TensorState:
         return TensorState(int(self._u32[self._state_word(index)]))
@@ -310,8 +348,10 @@ class SegmentWriter:
             del self._u32, self._u64
             self._view.release()
             # Views from slot() that a caller still holds keep the mapping alive; it goes with the last one.
-            with contextlib.suppress(BufferError):
-                self._mm.close()
+            if isinstance(self._mm, mmap.mmap):
+                with contextlib.suppress(BufferError):
+                    self._mm.close()
+            del self._mm
             os.close(self._fd)
 
     def __enter__(self) -> SegmentWriter:
