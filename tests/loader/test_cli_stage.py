@@ -244,3 +244,45 @@ def test_stage_refuses_a_remote_uri_naming_the_sidecar(
     assert "s3:/bucket" not in err
     assert "modelload sidecar --source" in err
     assert "Traceback" not in err
+
+
+def test_staging_with_a_wrong_key_says_the_key_is_wrong(
+    shm_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = shm_dir / "m.tensors"
+    tz_write(
+        source,
+        {"a": sample("float32", (100,)), "b": sample("int32", (50,))},
+        encryption=tensorizer.EncryptionParams.random(),
+    )
+    key = shm_dir / "wrong.key"
+    key.write_bytes(os.urandom(32))
+    segment = shm_dir / "model.seg"
+
+    code, _, err = cli(capsys, source, segment, "--key-file", key, "--threads", "1")
+    assert code == 1 and "key or password is wrong" in err
+    with SegmentReader.open(segment) as reader:
+        assert reader.writer_state == WriterState.FAILED
+
+
+def test_a_corrupt_encrypted_tensor_is_told_as_corrupt_not_as_a_wrong_key(
+    shm_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The first tensor's MAC fails: held until the second opens with the same key (the sidecar's rule)."""
+    source = shm_dir / "m.tensors"
+    params = tensorizer.EncryptionParams.random()
+    tz_write(source, {"a": sample("float32", (100,)), "b": sample("int32", (50,))}, encryption=params)
+    data = bytearray(source.read_bytes())
+    entry = read_index(lambda o, n: bytes(data[o : o + n]), size=len(data)).tensors[0]
+    data[entry.data_offset] ^= 0x10
+    source.write_bytes(data)
+    key = shm_dir / "m.key"
+    key.write_bytes(params.key)
+    segment = shm_dir / "model.seg"
+
+    code, _, err = cli(capsys, source, segment, "--key-file", key, "--threads", "1")
+    assert code == 1
+    assert "tensor 'a'" in err and "corrupt (the key is right)" in err
+    with SegmentReader.open(segment) as reader:
+        assert reader.writer_state == WriterState.FAILED
+        assert reader.state(0) != TensorState.READY

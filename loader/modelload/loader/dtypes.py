@@ -17,6 +17,8 @@ quantization parameters that no supported format stores.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +46,10 @@ class DType:
     """True when numpy has no equivalent: numpy views carry the raw bits as unsigned integers."""
     safetensors: str | None
     """The safetensors dtype string, or None when safetensors cannot store this type."""
+
+    def nbytes(self, shape: Iterable[int]) -> int:
+        """Bytes of a C-order tensor of this type and ``shape``: the one place the product is written."""
+        return math.prod(shape) * self.itemsize
 
     @property
     def numpy(self) -> np.dtype[Any]:

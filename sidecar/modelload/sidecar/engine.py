@@ -37,19 +37,22 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
-
 from modelload.loader.errors import (
-    HashMismatchError,
     MissingKeyError,
     ModelloadError,
     NotEncryptedError,
     SegmentError,
-    WrongKeyError,
 )
 from modelload.loader.formats import ModelIndex
 from modelload.loader.formats import tensorizer as tz
-from modelload.loader.segment import MODEL_DIR_KEY, MemoryMode, SegmentReader, SegmentWriter, WriterState
+from modelload.loader.segment import (
+    MODEL_DIR_KEY,
+    SegmentReader,
+    SegmentWriter,
+    TensorFinisher,
+    WriterState,
+    run_in_order,
+)
 from modelload.sidecar import integrity
 from modelload.sidecar.memory import MemoryManager, check_volume, plan_memory
 from modelload.sidecar.meter import ChunkMeter
@@ -289,62 +292,41 @@ class _Load:
         self.model = model
         self.plan = plan
         self.writer = writer
-        self.key = key
         self.settings = engine.settings
         self.observer = engine._observer
         self.stop = engine._stop
         self._lock = threading.Lock()
-        self._next = 0
         self._remaining = list(plan.chunk_counts)
         # Tensors without a stored hash are re-sampled before they are published (integrity.check_tensor).
         sampled_files = [integrity.needs_samples(model, f) for f in range(len(model.sources))]
         self._sampled = [sampled_files[t.file] for t in plan.index.tensors]
-        self._error: BaseException | None = None
-        self._key_proven = False
-        self._doubted: tuple[str, str, WrongKeyError] | None = None
+        self.finisher = TensorFinisher(
+            writer, key=key, encrypted=plan.index.encrypted, verify=engine.settings.verify
+        )
         self._land: Callable[[Chunk], None] = self._land_fd if use_fd else self._land_view
 
     def run(self) -> None:
         for tensor in self.plan.order:
             if self._remaining[tensor] == 0:  # nothing to fetch: an empty tensor
                 self._publish(tensor)
-        readers = [
-            threading.Thread(target=self._read, name=f"reader-{i}", daemon=True)
-            for i in range(min(self.settings.readers, len(self.plan.chunks)))
-        ]
-        for thread in readers:
-            thread.start()
-        for thread in readers:
-            thread.join()
-        if self._error is not None:
-            raise self._error
-        if self._doubted is not None:  # the only encrypted tensor, and it failed: nothing proves the key
-            raise self._doubted[2]
+        chunks = len(self.plan.chunks)
+        run_in_order(chunks, self._read, threads=self.settings.readers, stop=self.stop, name="reader")
+        self.finisher.settle()  # the only encrypted tensor, and it failed: nothing proves the key
 
-    def _read(self) -> None:
-        try:
-            while not self.stop.is_set():
-                with self._lock:
-                    if self._next >= len(self.plan.chunks):
-                        return
-                    seq, chunk = self._next, self.plan.chunks[self._next]
-                    self._next += 1
-                if self.memory is not None and not self.memory.admit(seq, chunk):
-                    return  # stopped while waiting for room in the ring
-                meter = ChunkMeter(self.observer.bytes_loaded, data=chunk.data_bytes, length=chunk.length)
-                with metered(meter):  # progress moves as bytes land, not only per chunk
-                    self._land(chunk)
-                meter.finish()
-                with self._lock:
-                    self._remaining[chunk.tensor] -= 1
-                    complete = self._remaining[chunk.tensor] == 0
-                if complete:
-                    self._publish(chunk.tensor)
-        except BaseException as exc:
-            with self._lock:
-                if self._error is None:
-                    self._error = exc
-            self.stop.set()
+    def _read(self, seq: int) -> None:
+        """Land chunk ``seq`` (a reader thread of the shared pool); finish its tensor if it is the last."""
+        chunk = self.plan.chunks[seq]
+        if self.memory is not None and not self.memory.admit(seq, chunk):
+            return  # stopped while waiting for room in the ring
+        meter = ChunkMeter(self.observer.bytes_loaded, data=chunk.data_bytes, length=chunk.length)
+        with metered(meter):  # progress moves as bytes land, not only per chunk
+            self._land(chunk)
+        meter.finish()
+        with self._lock:
+            self._remaining[chunk.tensor] -= 1
+            complete = self._remaining[chunk.tensor] == 0
+        if complete:
+            self._publish(chunk.tensor)
 
     def _land_fd(self, chunk: Chunk) -> None:
         src_offset = chunk.src_offset
@@ -371,85 +353,32 @@ class _Load:
             on_retry=self.engine._retried,
         )
 
-    def _doubt(self, name: str, uri: str, exc: WrongKeyError) -> bool:
-        """A tensor failed authentication before any other proved the key: a wrong key, or this tensor's
-        bytes are corrupt. Hold the verdict until a second encrypted tensor decides it (True: held).
-
-        Reporting a wrong key for a corrupt file would send an operator to rotate a Secret that is fine.
-        """
-        with self._lock:
-            if self._key_proven:
-                raise _corrupt(name, uri) from exc
-            if self._doubted is not None:
-                return False  # two tensors fail with this key: it is the key
-            self._doubted = (name, uri, exc)
-            return True
-
-    def _prove_key(self) -> None:
-        """A tensor decrypted: the key is right, and a tensor held by :meth:`_doubt` is corrupt."""
-        with self._lock:
-            self._key_proven = True
-            doubted, self._doubted = self._doubted, None
-        if doubted is not None:
-            raise _corrupt(doubted[0], doubted[1]) from doubted[2]
-
     def _publish(self, tensor: int) -> None:
-        """Decrypt and check a tensor whose bytes are all in, then mark it READY."""
+        """Finish a tensor whose bytes are all in (the shared :class:`TensorFinisher`), then tell."""
         entry = self.plan.index.tensors[tensor]
-        slot = self.plan.layout.slots[tensor]
-        verified = decrypted = False
         peers = self.engine._peers
         if peers is not None:
             peers.finish(tensor)  # bytes from a peer checked (and re-read from the origin if bad)
-        uri = self.model.display(entry.file)
-        if slot.nbytes > entry.data_length and self.plan.layout.memory_mode == MemoryMode.RING:
-            # A meta tensor's zeros: a ring's bytes hold an older tensor's data, not the zeros of a new file.
-            zeros = np.frombuffer(self.writer.slot(tensor), dtype=np.uint8)
-            zeros[entry.data_length :] = 0
-            del zeros
-        if self.plan.index.format == "tensorizer":
-            offset, length = self.plan.header_span(tensor)
-            header = tz.parse_tensor_header(
-                self.writer.region(offset, length),
-                entry=entry,
-                encrypted_file=self.plan.index.encrypted,
-                source=uri,
-            )
-            data = self.writer.slot(tensor)[: entry.data_length]
-            if header.encrypted:
-                try:
-                    tz.decrypt_in_place(header, data, self.key, source=uri, key_known_good=self._key_proven)
-                except WrongKeyError as exc:
-                    if self._doubt(entry.name, uri, exc):
-                        return  # published later, if ever: see _doubt
-                    raise
-                decrypted = True
-                self._prove_key()
-            if self.settings.verify and header.hashes:
-                tz.verify(tz.fastest_hash(header), data, source=uri)
-                verified = True
+        header = None
+        if self.plan.index.format == "tensorizer":  # the record's header landed in the slot's lead
+            header = self.writer.region(*self.plan.header_span(tensor))
         from_peers = peers is not None and tensor in getattr(peers, "verified_by_peers", ())
-        if not verified and not from_peers and self._sampled[tensor]:
-            integrity.check_tensor(
-                self.model,
-                self.plan,
-                self.writer,
-                self.plan.chunks_by_tensor[tensor],
-                policy=self.engine._sources.retry,
-                on_retry=self.engine._retried,
-            )
-        crc = integrity.crc32(self.writer.slot(tensor))
-        self.writer.mark_ready(tensor, verified=verified, decrypted=decrypted, crc32=crc)
-        self.observer.tensor_ready(index=tensor, name=slot.name, nbytes=slot.nbytes)
 
+        def check(verified: bool) -> None:
+            if not verified and not from_peers and self._sampled[tensor]:
+                integrity.check_tensor(
+                    self.model,
+                    self.plan,
+                    self.writer,
+                    self.plan.chunks_by_tensor[tensor],
+                    policy=self.engine._sources.retry,
+                    on_retry=self.engine._retried,
+                )
 
-def _corrupt(name: str, uri: str) -> HashMismatchError:
-    return HashMismatchError(
-        f"tensor {name!r}: its encrypted bytes fail authentication although the same key opened other "
-        "tensors of this file: the file's bytes are corrupt (the key is right); re-upload or re-create the "
-        "file",
-        source=uri,
-    )
+        uri = self.model.display(entry.file)
+        if self.finisher.finish(tensor, entry=entry, header=header, source=uri, check=check):
+            slot = self.plan.layout.slots[tensor]
+            self.observer.tensor_ready(index=tensor, name=slot.name, nbytes=slot.nbytes)
 
 
 def _warn_without_validator(model: OpenedModel) -> None:

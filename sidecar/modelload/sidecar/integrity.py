@@ -23,12 +23,12 @@ inspect --verify`` can check a segment later.
 from __future__ import annotations
 
 import logging
-import zlib
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from modelload.loader.errors import SourceChangedError
+from modelload.loader.formats.tensorizer.hashes import crc32
 from modelload.loader.segment import SegmentWriter
 from modelload.sidecar.planner import Chunk, LoadPlan
 from modelload.sidecar.sources import (
@@ -48,16 +48,6 @@ log = logging.getLogger(__name__)
 
 SAMPLE_BYTES = 4096
 """Bytes re-read at the end of each landed chunk: one page, one small request."""
-
-try:  # ISA-L's CRC32 runs at several GB/s; zlib's at about one.
-    from isal.isal_zlib import crc32 as _crc32
-except ImportError:  # pragma: no cover - isal is a sidecar dependency
-    _crc32 = zlib.crc32
-
-
-def crc32(data: memoryview) -> int:
-    """CRC-32 (zlib/IEEE) of ``data``, as SPEC.md's state entry records it."""
-    return int(_crc32(data)) & 0xFFFFFFFF
 
 
 def validator_strength(info: ObjectInfo) -> str:

@@ -27,12 +27,11 @@ import logging
 import os
 import secrets
 import threading
-import zlib
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from modelload.loader.formats.tensorizer.hashes import crc32
 from modelload.sidecar.peers_fetch import Fleet, Ledger, Peer, PeerSource
 from modelload.sidecar.peers_map import RangeMap
 from modelload.sidecar.peers_server import PeerServer, Slice, bitmap
@@ -43,12 +42,6 @@ from modelload.sidecar.sources import OpenedModel, RetryPolicy, read_range
 __all__ = ["Peers"]
 
 log = logging.getLogger(__name__)
-
-_crc32: Callable[..., int]
-try:  # ISA-L: the same CRC-32 as zlib, several times faster; the check then costs little on a big model
-    from isal.isal_zlib import crc32 as _crc32
-except ImportError:  # pragma: no cover - depends on the environment
-    _crc32 = zlib.crc32
 
 
 class Peers:
@@ -161,7 +154,7 @@ class Peers:
             return None
         offset, length = ranges.record(tensor)
         region = self._writer.region(offset, length)
-        crc = _crc32(region)
+        crc = crc32(region)
         claims = self.ledger.claim(tensor)
         if claims:
             bad = [peer for peer, listed in claims.items() if listed != crc]
@@ -182,7 +175,7 @@ class Peers:
                     view = self._writer.region(chunk.dst_offset, chunk.length)
                     read_range(self._origins[chunk.file], chunk.src_offset, view, policy=self._retry)
                     self.ledger.origin(chunk.length)
-                crc = _crc32(region)
+                crc = crc32(region)
         with self._lock:
             self._crc[tensor] = crc
         if self._format == "safetensors":

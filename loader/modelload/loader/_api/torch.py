@@ -120,7 +120,7 @@ class DeviceCopier:
 
     def _register(self, host: torch.Tensor) -> bool:
         cudart = self._torch.cuda.cudart()
-        nbytes = host.numel() * host.element_size()
+        nbytes = host.nbytes
         flags = _HOST_REGISTER_PORTABLE | _HOST_REGISTER_READ_ONLY
         status = cudart.cudaHostRegister(host.data_ptr(), nbytes, flags)
         if int(status) == 0:

@@ -12,7 +12,6 @@ import argparse
 import contextlib
 import errno
 import os
-import tempfile
 from collections.abc import Iterator
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -27,9 +26,17 @@ from modelload.loader.errors import (
     SourceError,
     SourceNotFoundError,
 )
-from modelload.loader.formats import SAFETENSORS_INDEX, ModelFiles, detect_format, select_model_files
-from modelload.loader.formats.safetensors import SafetensorsFile
-from modelload.loader.formats.tensorizer import DecryptionKey, TensorizerReader
+from modelload.loader.formats import (
+    SAFETENSORS_INDEX,
+    FormatName,
+    ModelFiles,
+    ModelReader,
+    detect_format,
+    open_reader,
+    select_model_files,
+)
+from modelload.loader.formats._atomic import atomic_file
+from modelload.loader.formats.tensorizer import DecryptionKey
 from modelload.loader.segment.layout import MAGIC as SEGMENT_MAGIC
 from modelload.loader.sizes import format_bytes
 
@@ -189,15 +196,12 @@ def sniff(path: Path) -> FileKind:
 @contextlib.contextmanager
 def open_model_file(
     path: Path, kind: str, key: DecryptionKey | None, *, verify: bool
-) -> Iterator[TensorizerReader | SafetensorsFile]:
-    """A local tensorizer or safetensors file, open for reading; an encrypted one without a key is refused."""
+) -> Iterator[ModelReader]:
+    """A local tensorizer or safetensors file, open for reading; an encrypted one without a key is refused.
+    Any other ``kind`` is read as safetensors, whose reader says what the file is not."""
+    fmt: FormatName = "tensorizer" if kind == "tensorizer" else "safetensors"
     try:
-        reader: TensorizerReader | SafetensorsFile
-        reader = (
-            TensorizerReader(path, key=key, verify=verify, hashes="fastest")
-            if kind == "tensorizer"
-            else SafetensorsFile(path)
-        )
+        reader = open_reader(path, fmt, key=key, verify=verify, hashes="fastest")
     except OSError as exc:
         raise translate_os_error(exc, path) from None
     with reader:
@@ -227,29 +231,28 @@ def translate_os_error(exc: OSError, path: Path) -> SourceError | ConfigError:
 def atomic_output(target: Path, *, force: bool) -> Iterator[IO[bytes]]:
     """A new file beside ``target`` that becomes ``target`` only when the block ends without an error.
 
-    Until then the data lives under a hidden temporary name in the same directory (so the final rename is
-    atomic), and an error or an interrupt removes it: ``target`` is never half written. Without ``force`` an
-    existing ``target`` is refused, also one that appears while the file is being written (the rename is a
-    hard link, which never replaces).
+    The formats' one atomic writer (:func:`~modelload.loader.formats._atomic.atomic_file`: a hidden
+    temporary file in the same directory, mode 0666 less the umask, fsync'ed with its directory), with the
+    command's errors: ``target`` is never half written. Without ``force`` an existing ``target`` is refused,
+    also one that appears while the file is being written.
     """
     _check_target(target, force=force)
+    created = written = False
     try:
-        fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
+        with atomic_file(target, replace=force) as file:
+            created = True
+            yield file
+            written = True
     except OSError as exc:
-        raise ConfigError(f"cannot create a file in {target.parent}: {exc.strerror}") from None
-    file = os.fdopen(fd, "w+b")
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())
-        yield file
-        file.flush()
-        os.fsync(file.fileno())
-        file.close()
-        _publish(Path(temporary), target, force=force)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):  # closing flushes, and a full disk fails that too
-            file.close()
-        Path(temporary).unlink(missing_ok=True)
-        if isinstance(exc, OSError) and not isinstance(exc, ModelloadError) and exc.errno in _OUTPUT_ERRNOS:
+        if isinstance(exc, ModelloadError):
+            raise
+        if not created:
+            raise ConfigError(f"cannot create a file in {target.parent}: {exc.strerror}") from None
+        if written and isinstance(exc, FileExistsError) and not force:
+            raise ConfigError(
+                f"{target} appeared while it was being written; nothing was replaced (pass --force to)"
+            ) from None
+        if exc.errno in _OUTPUT_ERRNOS:
             raise output_error(exc, target) from None
         raise
 
@@ -276,37 +279,6 @@ def _check_target(target: Path, *, force: bool) -> None:
         raise ConfigError(f"the directory {target.parent} does not exist; create it first")
     if target.exists() and not force:
         raise ConfigError(f"{target} exists; pass --force to replace it")
-
-
-def _publish(temporary: Path, target: Path, *, force: bool) -> None:
-    if force:
-        temporary.replace(target)
-    else:
-        try:
-            os.link(temporary, target)
-        except FileExistsError:
-            raise ConfigError(
-                f"{target} appeared while it was being written; nothing was replaced (pass --force to)"
-            ) from None
-        except OSError as exc:
-            if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
-                raise
-            _check_target(target, force=False)  # a filesystem without hard links: check, then rename
-            temporary.replace(target)
-        else:
-            temporary.unlink()
-    with contextlib.suppress(OSError):  # make the rename durable where the directory can be opened
-        directory = os.open(target.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 # --- figures -----------------------------------------------------------------------------------------------

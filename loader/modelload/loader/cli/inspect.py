@@ -22,8 +22,6 @@ import hashlib
 import json
 import sys
 import time
-import zlib
-from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -44,9 +42,9 @@ from modelload.loader.errors import (
     NotEncryptedError,
     WrongKeyError,
 )
-from modelload.loader.formats import ModelIndex, merge_indexes
-from modelload.loader.formats.safetensors import SafetensorsFile
-from modelload.loader.formats.tensorizer import DecryptionKey, TensorizerReader
+from modelload.loader.formats import ModelIndex, ModelReader, merge_indexes, open_reader
+from modelload.loader.formats.tensorizer import DecryptionKey
+from modelload.loader.formats.tensorizer.hashes import crc32
 from modelload.loader.segment import SegmentReader, TensorFlags, TensorState
 from modelload.loader.sizes import format_bytes
 
@@ -155,12 +153,7 @@ def _emit(report: Report, args: argparse.Namespace) -> int:
 def _inspect_file(
     path: Path, kind: str, key: DecryptionKey | None, *, verify: bool, progress: bool
 ) -> tuple[Report, ModelIndex]:
-    reader: TensorizerReader | SafetensorsFile
-    if kind == "tensorizer":
-        reader = TensorizerReader(path, key=key)
-    else:
-        reader = SafetensorsFile(path)
-    with reader:
+    with open_reader(path, "tensorizer" if kind == "tensorizer" else "safetensors", key=key) as reader:
         index = reader.index
         if verify and index.encrypted and key is None:
             raise MissingKeyError(
@@ -168,7 +161,7 @@ def _inspect_file(
                 "(--password-file, --password-env); without --verify its index is shown without one"
             )
         report = _index_report(path, index)
-        if isinstance(reader, TensorizerReader):
+        if index.format == "tensorizer":  # record kinds and stored lengths: only tensorizer has them
             report["encryption"] = _encryption(reader)
             for row, entry in zip(report["tensors"], index.tensors, strict=True):
                 row.update(kind=entry.kind, data_length=entry.data_length)
@@ -203,14 +196,15 @@ def _index_report(path: Path, index: ModelIndex) -> Report:
     }
 
 
-def _encryption(reader: TensorizerReader) -> dict[str, Any] | None:
+def _encryption(reader: ModelReader) -> dict[str, Any] | None:
     """How an encrypted file's key is made, from the first tensor with data (stored in clear)."""
     if not reader.index.encrypted:
         return None
     entry = next((t for t in reader.index.tensors if t.data_length), None)
     if entry is None:
         return {"key": "unknown", "argon2": None, "chunk_size": None}
-    crypt = reader.read_header(entry).crypt
+    header = reader.read_header(entry)
+    crypt = header.crypt if header is not None else None
     kdf = crypt.kdf if crypt is not None else None
     cipher = crypt.cipher if crypt is not None else None
     return {
@@ -220,31 +214,21 @@ def _encryption(reader: TensorizerReader) -> dict[str, Any] | None:
     }
 
 
-def _verify_file(reader: TensorizerReader | SafetensorsFile, index: ModelIndex, *, progress: bool) -> Report:
+def _verify_file(reader: ModelReader, index: ModelIndex, *, progress: bool) -> Report:
     # One window for every tensor, whatever they declare: a file may claim terabytes (a meta tensor costs
     # nothing on disk), so memory must follow the window, never a tensor's size.
     scratch = memoryview(bytearray(VERIFY_WINDOW))
-    read: Callable[[int], None]
-    if isinstance(reader, TensorizerReader):
-
-        def read(i: int) -> None:
-            reader.check(index.tensors[i], scratch=scratch)
-
+    if index.format == "tensorizer":
         note = "CRC32 and SHA-256 of every tensor checked" + (" after decryption" if index.encrypted else "")
     else:
-
-        def read(i: int) -> None:
-            for _ in reader.chunks(index.tensors[i].name, scratch):
-                pass
-
         note = "safetensors stores no hashes: every tensor was read to its end, nothing could be compared"
     failures: list[dict[str, str]] = []
     wrong_key: WrongKeyError | None = None
     started = time.monotonic()
     with ProgressBar(index.nbytes, "verify", enabled=progress) as bar:
-        for i, entry in enumerate(index.tensors):
+        for entry in index.tensors:
             try:
-                read(i)
+                reader.check(entry, scratch=scratch)
             except WrongKeyError as exc:  # also what a corrupt first chunk looks like: decided below
                 wrong_key = wrong_key or exc
                 failures.append({"name": entry.name, "error": str(exc), "wrong_key": "yes"})
@@ -408,7 +392,7 @@ def _verify_segment(reader: SegmentReader, *, progress: bool) -> Report:
                 unchecked += 1
                 continue
             view = reader.view(slot.index)
-            found = zlib.crc32(view) if crc is not None else None
+            found = crc32(view) if crc is not None else None
             sha_differs = (
                 slot.sha256 is not None and found == crc and hashlib.sha256(view).hexdigest() != slot.sha256
             )

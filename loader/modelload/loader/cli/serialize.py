@@ -27,63 +27,52 @@ Decisions, for the cases where formats disagree:
 from __future__ import annotations
 
 import argparse
-import bisect
 import contextlib
-import itertools
 import json
 import os
-import pickle
-import re
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any, Literal, Protocol
+from typing import IO, Literal
 
 import numpy as np
 
-from modelload.loader import dtypes
 from modelload.loader.cli._common import (
     add_decryption_options,
     atomic_output,
     decryption_key,
-    local_model_files,
-    open_model_file,
     rate,
     read_password,
     read_secret,
-    sniff,
-    translate_os_error,
+)
+from modelload.loader.cli._inputs import (
+    STATE_DICT_KEYS,
+    DirectoryInput,
+    FileInput,
+    Input,
+    Item,
+    Subset,
+    TorchInput,
+    open_input,
 )
 from modelload.loader.cli.progress import ProgressBar
-from modelload.loader.dtypes import DType
 from modelload.loader.errors import (
-    BoundsError,
     ConfigError,
     DuplicateNameError,
-    FormatError,
-    HeaderError,
     ModelloadError,
-    UnsupportedDtypeError,
 )
-from modelload.loader.formats import SAFETENSORS_INDEX, merge_indexes, read_index
-from modelload.loader.formats.safetensors import HEADER_SIZE_CAP, RawTensor, SafetensorsFile, serialize
+from modelload.loader.formats import SAFETENSORS_INDEX, read_index
+from modelload.loader.formats.safetensors import plan_header
 from modelload.loader.formats.tensorizer import (
     Argon2Limits,
     DecryptionKey,
     EncryptionParams,
-    TensorizerReader,
     TensorizerWriter,
 )
-from modelload.loader.formats.tensorizer.file_header import DEFAULT_METADATA_SIZE, MAX_METADATA_SIZE
-from modelload.loader.formats.tensorizer.names import encode_name
 from modelload.loader.sizes import parse_size
 
 __all__ = ["STATE_DICT_KEYS", "register", "run"]
-
-STATE_DICT_KEYS = ("state_dict", "model_state_dict", "model", "module", "weights", "params", "net")
-"""Keys under which training checkpoints commonly keep the model's state dict, tried in this order."""
 
 _EXTENSIONS = {".tensors": "tensorizer", ".tensorizer": "tensorizer", ".safetensors": "safetensors"}
 _ARGON2 = {
@@ -242,7 +231,7 @@ def _run_sharded(args: argparse.Namespace) -> int:
             for number, group in enumerate(groups, 1):
                 name = f"model-{number:05d}-of-{len(groups):05d}.safetensors"
                 with atomic_output(out / name, force=args.force) as file:
-                    _convert(_Subset(source, group), file, "safetensors", None, bar)
+                    _convert(Subset(source, group), file, "safetensors", None, bar)
                 weight_map.update((source.items[i].name, name) for i in group)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         with atomic_output(out / SAFETENSORS_INDEX, force=args.force) as file:
@@ -251,6 +240,18 @@ def _run_sharded(args: argparse.Namespace) -> int:
     what = f"{len(groups)} safetensors shards and {SAFETENSORS_INDEX}"
     print(f"wrote {out}/ ({what}): {len(source.items)} tensors, {rate(total, seconds)}")
     return 0
+
+
+def _open_input(
+    args: argparse.Namespace, key: DecryptionKey | None
+) -> contextlib.AbstractContextManager[FileInput | TorchInput | DirectoryInput]:
+    return open_input(
+        args.src,
+        source_format=args.source_format,
+        key=key,
+        verify=not args.no_verify,
+        state_dict_key=args.state_dict_key,
+    )
 
 
 def _parse_shard_size(text: str) -> int:
@@ -274,20 +275,6 @@ def _shard_groups(sizes: Sequence[int], limit: int) -> list[list[int]]:
         groups[-1].append(i)
         filled += size
     return groups
-
-
-class _Subset:
-    """Some tensors of an input, read through it."""
-
-    def __init__(self, source: _FileInput | _TorchInput | _DirectoryInput, indices: list[int]) -> None:
-        self.source = source
-        self.indices = indices
-        self.items: Sequence[_Item] = [source.items[i] for i in indices]
-        self.metadata: dict[str, str] | None = {"format": "pt"}
-        self.notes: list[str] = []
-
-    def read(self, index: int, scratch: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], int]:
-        return self.source.read(self.indices[index], scratch)
 
 
 # --- options -----------------------------------------------------------------------------------------------
@@ -357,264 +344,11 @@ def _save_key(path: Path, key: bytes) -> None:
     os.close(fd)
 
 
-# --- inputs ------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Item:
-    """One tensor to convert, known before its bytes are read."""
-
-    name: str
-    dtype: DType
-    shape: tuple[int, ...]
-    path: tuple[str | int, ...] | None = None
-    """A tensorizer structured name, kept when writing tensorizer."""
-    kind: Literal["param", "buffer", "state_dict"] = "state_dict"
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
-
-
-class _Input(Protocol):
-    items: Sequence[_Item]
-    metadata: dict[str, str] | None
-    notes: list[str]
-
-    def read(self, index: int, scratch: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], int]:
-        """Tensor ``index``'s bytes as a flat uint8 array (in ``scratch`` or a view of the source), and its
-        tensorizer module index (0 when the source has none)."""
-        ...
-
-
-@dataclass
-class _FileInput:
-    """A safetensors or tensorizer file, read tensor by tensor into a scratch buffer (verified, decrypted)."""
-
-    reader: TensorizerReader | SafetensorsFile
-    items: Sequence[_Item]
-    metadata: dict[str, str] | None
-    notes: list[str]
-
-    def read(self, index: int, scratch: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], int]:
-        entry = self.reader.index.tensors[index]
-        out = scratch[: entry.nbytes]
-        if isinstance(self.reader, TensorizerReader):
-            return out, self.reader.readinto(entry, out.data).module_idx
-        self.reader.readinto(entry.name, out)
-        return out, 0
-
-
-@dataclass
-class _TorchInput:
-    """The tensors of a torch checkpoint, mapped from the file by torch."""
-
-    tensors: list[Any]
-    items: Sequence[_Item]
-    metadata: dict[str, str] | None
-    notes: list[str]
-
-    def read(self, index: int, scratch: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], int]:
-        import torch
-
-        tensor = self.tensors[index].detach()
-        plain = tensor.resolve_conj().resolve_neg().contiguous()
-        flat: np.ndarray[Any, Any] = plain.reshape(-1).view(torch.uint8).numpy()
-        return flat, 0
-
-
-@dataclass
-class _DirectoryInput:
-    """A model directory's weight files, read one after the other as one model."""
-
-    parts: list[_FileInput]
-    items: Sequence[_Item]
-    metadata: dict[str, str] | None
-    notes: list[str]
-    _starts: list[int]
-
-    def read(self, index: int, scratch: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], int]:
-        part = bisect.bisect_right(self._starts, index) - 1
-        return self.parts[part].read(index - self._starts[part], scratch)
-
-
-@contextlib.contextmanager
-def _open_directory(args: argparse.Namespace, key: DecryptionKey | None) -> Iterator[_DirectoryInput]:
-    src: Path = args.src
-    where = f"{src}/"
-    chosen = local_model_files(src)
-    with contextlib.ExitStack() as stack:
-        parts = []
-        for name in chosen.weights:
-            path = src / name
-            reader = stack.enter_context(open_model_file(path, sniff(path), key, verify=not args.no_verify))
-            index = reader.index
-            items = [_Item(t.name, t.dtype, t.shape, t.path, t.kind) for t in index.tensors]
-            parts.append((name, _FileInput(reader, items, dict(index.metadata) or None, [])))
-        merge_indexes([(name, part.reader.index) for name, part in parts], where=where)  # names unique
-        starts = list(itertools.accumulate((len(part.items) for _, part in parts), initial=0))[:-1]
-        notes = [f"merging {len(parts)} weight files of {src}; its config and tokenizer are not copied"]
-        yield _DirectoryInput(
-            [part for _, part in parts],
-            [item for _, part in parts for item in part.items],
-            parts[0][1].metadata,
-            notes,
-            starts,
-        )
-
-
-@contextlib.contextmanager
-def _open_input(
-    args: argparse.Namespace, key: DecryptionKey | None
-) -> Iterator[_FileInput | _TorchInput | _DirectoryInput]:
-    """SRC opened as its format's reader (torch checkpoints mapped by torch), closed after the block."""
-    src: Path = args.src
-    if src.is_dir() and args.source_format == "auto":
-        with _open_directory(args, key) as directory:
-            yield directory
-        return
-    kind = sniff(src) if args.source_format == "auto" else args.source_format
-    if kind == "segment":
-        raise ConfigError(
-            f"{src} is a modelload segment, not a model file; `modelload inspect` shows what it holds"
-        )
-    if key is not None and kind != "tensorizer":
-        raise ConfigError(
-            f"a key or password was given, but {src} is a {kind} file, which is never encrypted; drop it"
-        )
-    if args.state_dict_key is not None and kind != "torch":
-        raise ConfigError(f"--state-dict-key applies to torch checkpoints; {src} is a {kind} file")
-    if kind == "torch":
-        yield _open_torch(src, args.state_dict_key)
-        return
-    with open_model_file(src, kind, key, verify=not args.no_verify) as reader:
-        index = reader.index
-        items = [_Item(t.name, t.dtype, t.shape, t.path, t.kind) for t in index.tensors]
-        yield _FileInput(reader, items, dict(index.metadata) or None, [])
-
-
-def _open_torch(path: Path, key: str | None) -> _TorchInput:
-    try:
-        import torch
-    except ImportError:
-        raise ConfigError(
-            f"{path} is a torch checkpoint, and reading one needs torch: install it (pip install "
-            "'modelload[torch]'), or convert the checkpoint where torch is installed"
-        ) from None
-    loaded = _torch_load(torch, path)
-    found, notes = _state_dict(loaded, key, torch)
-    tensors: list[Any] = []
-    items: list[_Item] = []
-    storages: dict[int, list[str]] = {}
-    for name, tensor in found.items():
-        if tensor.layout != torch.strided or tensor.is_meta:
-            what = "on the meta device" if tensor.is_meta else f"{tensor.layout}"
-            raise UnsupportedDtypeError(
-                f"tensor {name!r} is {what}, which has no plain bytes to store; materialize it (.to_dense())"
-            )
-        try:
-            dtype = dtypes.from_torch(tensor.dtype)
-        except UnsupportedDtypeError as exc:
-            raise UnsupportedDtypeError(f"tensor {name!r}: {exc}", source=str(path)) from None
-        tensors.append(tensor)
-        items.append(_Item(name, dtype, tuple(int(d) for d in tensor.shape)))
-        if tensor.numel():
-            storages.setdefault(tensor.untyped_storage().data_ptr(), []).append(name)
-    for names in storages.values():
-        if len(names) > 1:
-            shown = ", ".join(repr(n) for n in names[:4]) + (", ..." if len(names) > 4 else "")
-            notes.append(f"tensors {shown} share storage (tied weights): each is written as its own copy")
-    return _TorchInput(tensors, items, None, notes)
-
-
-def _torch_load(torch: Any, path: Path) -> Any:
-    def load(mmap: bool) -> Any:
-        return torch.load(path, weights_only=True, map_location="cpu", mmap=mmap)
-
-    try:
-        try:
-            return load(mmap=True)
-        except RuntimeError as exc:
-            if "mmap can only be used" not in str(exc):
-                raise
-            return load(mmap=False)  # the legacy (pre-1.6) format cannot be mapped: read it whole
-    except OSError as exc:
-        raise translate_os_error(exc, path) from None
-    except pickle.UnpicklingError as exc:
-        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
-        detail = f" (it refers to {found.group(1)})" if found else ""
-        raise FormatError(
-            "the checkpoint holds Python objects besides tensors, and modelload loads checkpoints with "
-            f"weights_only=True so that no code in them runs{detail}; re-save just the weights: "
-            "torch.save(model.state_dict(), path)",
-            source=str(path),
-        ) from None
-    except (RuntimeError, EOFError, ValueError) as exc:
-        first = str(exc).split(". ")[0].splitlines()[0] if str(exc) else type(exc).__name__
-        raise FormatError(
-            f"torch cannot load this checkpoint ({first}); it may be truncated or not a checkpoint",
-            source=str(path),
-        ) from None
-
-
-def _state_dict(loaded: Any, key: str | None, torch: Any) -> tuple[dict[str, Any], list[str]]:
-    """The flat ``{name: tensor}`` of a loaded checkpoint, and notes on what was chosen or skipped."""
-    notes: list[str] = []
-    chosen: Any = loaded
-    if key is not None:
-        for part in key.split("."):
-            if not isinstance(chosen, Mapping) or part not in chosen:
-                keys = ", ".join(repr(k) for k in list(chosen)[:10]) if isinstance(chosen, Mapping) else ""
-                raise ConfigError(f"--state-dict-key {key!r}: no key {part!r} in the checkpoint ({keys})")
-            chosen = chosen[part]
-    elif isinstance(loaded, Mapping) and not any(isinstance(v, torch.Tensor) for v in loaded.values()):
-        holders = [k for k, v in loaded.items() if _holds_tensors(v, torch)]
-        common = [k for k in STATE_DICT_KEYS if k in holders]
-        pick = common[0] if common else (holders[0] if len(holders) == 1 else None)
-        if pick is not None:
-            chosen = loaded[pick]
-            notes.append(f"using the state dict under the checkpoint's key {pick!r}")
-    if isinstance(chosen, torch.Tensor):
-        raise FormatError("the checkpoint holds a single tensor, not a state dict; save it in a dict")
-    found: dict[str, Any] = {}
-    skipped: list[str] = []
-    for name, value in _flatten(chosen, ()):
-        if not isinstance(value, torch.Tensor):
-            skipped.append(name)
-        elif name in found:
-            raise DuplicateNameError(f"two tensors flatten to the name {name!r}; rename one")
-        else:
-            found[name] = value
-    if skipped:
-        shown = ", ".join(skipped[:5]) + (", ..." if len(skipped) > 5 else "")
-        notes.append(f"skipped {len(skipped)} entries that are not tensors: {shown}")
-    if not found:
-        raise FormatError("the checkpoint holds no tensors")
-    return found, notes
-
-
-def _holds_tensors(value: Any, torch: Any) -> bool:
-    return any(isinstance(leaf, torch.Tensor) for _, leaf in _flatten(value, ()))
-
-
-def _flatten(value: Any, prefix: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
-    """(dotted name, leaf) for every leaf of nested dicts, lists and tuples."""
-    if isinstance(value, Mapping):
-        children: Iterator[tuple[Any, Any]] = iter(value.items())
-    elif isinstance(value, list | tuple):
-        children = enumerate(value)
-    else:
-        yield ".".join(prefix), value
-        return
-    for key, child in children:
-        yield from _flatten(child, (*prefix, str(key)))
-
-
 # --- outputs -----------------------------------------------------------------------------------------------
 
 
 def _convert(
-    source: _Input,
+    source: Input,
     file: IO[bytes],
     target: OutputFormat,
     encryption: EncryptionParams | None,
@@ -623,13 +357,11 @@ def _convert(
     """Read every tensor and write it to ``file``, then read the result's index back as a check."""
     items = source.items
     largest = max((item.nbytes for item in items), default=0)
-    copies = isinstance(source, (_FileInput, _DirectoryInput)) or (
-        isinstance(source, _Subset) and isinstance(source.source, (_FileInput, _DirectoryInput))
-    )
-    scratch = np.empty(largest if copies else 0, dtype=np.uint8)
+    scratch = np.empty(largest if source.copies else 0, dtype=np.uint8)
     if target == "tensorizer":
-        writer = TensorizerWriter(file, encryption=encryption, metadata_size=_metadata_size(items))
+        writer = TensorizerWriter(file, encryption=encryption)
         try:
+            writer.reserve((item.path or item.name, item.dtype, item.shape) for item in items)
             for i, item in enumerate(items):
                 data, module_idx = source.read(i, scratch)
                 array = data.view(item.dtype.numpy).reshape(item.shape)
@@ -642,7 +374,7 @@ def _convert(
         writer.close()
     else:
         # Hugging Face loaders expect a safetensors file made from torch tensors to say so.
-        metadata = {"format": "pt"} if isinstance(source, _TorchInput) else source.metadata
+        metadata = {"format": "pt"} if isinstance(source, TorchInput) else source.metadata
         header, offsets = _safetensors_header(items, metadata)
         _write_at(file.fileno(), header, 0)
         os.ftruncate(file.fileno(), len(header) + sum(item.nbytes for item in items))
@@ -653,51 +385,14 @@ def _convert(
     _check_written(file, items, target)
 
 
-def _metadata_size(items: Sequence[_Item]) -> int:
-    """A tensorizer metadata block that surely holds every entry: the writer fixes its size at the first
-    tensor, and tensors are written one at a time here."""
-    total = 0
-    for item in items:
-        name = encode_name(item.path or (item.name,))
-        dtype = item.dtype.tensorizer.encode("utf-8")
-        total += 2 + len(name) + 1 + 1 + len(dtype) + 1 + 8 * len(item.shape) + 24 + 4
-    return min(max(DEFAULT_METADATA_SIZE, -(-total // 4096) * 4096), MAX_METADATA_SIZE)
-
-
-def _safetensors_header(items: Sequence[_Item], metadata: dict[str, str] | None) -> tuple[bytes, list[int]]:
-    """The size field and header of a safetensors file of ``items``, and each item's data offset.
-
-    The order of tensors (and every check on names, dtypes and metadata) is the formats package's writer's:
-    it is asked with zero-length placeholders, whose header lists the tensors in the order its real files
-    use. So a file written here is byte for byte the one ``save_file`` (and the reference writer) writes.
-    """
-    names = {item.name: i for i, item in enumerate(items)}
-    if len(names) != len(items):
+def _safetensors_header(items: Sequence[Item], metadata: dict[str, str] | None) -> tuple[bytes, list[int]]:
+    """The size field and header of a safetensors file of ``items`` (the formats package's writer's, byte for
+    byte), and each item's data offset."""
+    planned = {item.name: (item.dtype, item.shape) for item in items}
+    if len(planned) != len(items):
         raise DuplicateNameError("two tensors share a name; safetensors names must be unique")
-    placeholders = {item.name: RawTensor(item.dtype, (0,), b"") for item in items}
-    probe = serialize(placeholders, metadata=metadata)
-    document: dict[str, Any] = json.loads(probe[8 : 8 + int.from_bytes(probe[:8], "little")])
-    offsets = [0] * len(items)
-    offset = 0
-    for name, entry in document.items():
-        if name == "__metadata__":
-            continue
-        i = names[name]
-        entry["shape"] = list(items[i].shape)
-        entry["data_offsets"] = [offset, offset + items[i].nbytes]
-        offsets[i] = offset
-        offset += items[i].nbytes
-    try:
-        text = json.dumps(document, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise HeaderError(f"a tensor name is not encodable as UTF-8 ({exc.reason})") from None
-    text += b" " * (-len(text) % 8)
-    if len(text) > HEADER_SIZE_CAP:
-        raise BoundsError(
-            f"the safetensors header would be {len(text)} bytes, over the {HEADER_SIZE_CAP}-byte limit of "
-            "its readers; write a tensorizer file, or split the model into shards"
-        )
-    return len(text).to_bytes(8, "little") + text, offsets
+    header, offsets = plan_header(planned, metadata=metadata)
+    return header, [offsets[item.name] for item in items]
 
 
 def _write_at(fd: int, data: bytes | memoryview, offset: int) -> None:
@@ -707,7 +402,7 @@ def _write_at(fd: int, data: bytes | memoryview, offset: int) -> None:
         done += os.pwrite(fd, view[done:], offset + done)
 
 
-def _check_written(file: IO[bytes], items: Sequence[_Item], target: OutputFormat) -> None:
+def _check_written(file: IO[bytes], items: Sequence[Item], target: OutputFormat) -> None:
     """Read the new file's index back and compare it with what was meant: a cheap guard against writing a
     file that reads as something else."""
     file.flush()

@@ -6,7 +6,9 @@ every weight file into the one segment, and copies its small files into the mode
 
 The simple path the sidecar replaces with a streaming one: plan the layout from the file's index, create
 and publish the segment, then fill the slots, each published as soon as its bytes are in. A thread pool
-takes tensors in file order, so early tensors are ready first and reading overlaps hashing.
+takes tensors in file order, so early tensors are ready first and reading overlaps hashing. The threads and
+the finishing of a tensor (decrypt, verify, publish) are the sidecar engine's own, from the segment package
+(:func:`run_in_order`, :class:`TensorFinisher`); only how bytes land differs:
 
 - Tensorizer tensors are read with one ``preadv`` (header and data) straight into their slot of the mapped
   segment, decrypted and verified there: no intermediate buffer.
@@ -26,9 +28,7 @@ import os
 import sys
 import threading
 import time
-import zlib
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,16 +52,23 @@ from modelload.loader.errors import (
 )
 from modelload.loader.formats import (
     ModelIndex,
+    ModelReader,
+    TensorEntry,
     check_small_files,
     merge_indexes,
 )
-from modelload.loader.formats.safetensors import SafetensorsFile
-from modelload.loader.formats.tensorizer import DecryptionKey, TensorizerReader
-from modelload.loader.segment import MODEL_DIR_KEY, Layout, SegmentWriter, TensorSpec, plan_layout
+from modelload.loader.formats.tensorizer import DecryptionKey
+from modelload.loader.segment import (
+    MODEL_DIR_KEY,
+    Layout,
+    SegmentWriter,
+    TensorFinisher,
+    TensorSpec,
+    plan_layout,
+    run_in_order,
+)
 from modelload.loader.segment.layout import MAGIC
 from modelload.loader.segment.modeldir import write_model_dir
-
-Reader = TensorizerReader | SafetensorsFile
 
 __all__ = ["register", "run"]
 
@@ -133,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
         writer = SegmentWriter.create(args.segment, _layout(source, model, model_dir))
         try:
             with ProgressBar(index.nbytes, "stage", enabled=not args.no_progress) as bar:
-                _fill(model.readers, writer, threads=args.threads, verify=args.verify, bar=bar)
+                finisher = TensorFinisher(writer, key=key, encrypted=index.encrypted, verify=args.verify)
+                _fill(model.readers, writer, finisher, threads=args.threads, bar=bar)
             writer.mark_complete()
         except BaseException as exc:
             writer.mark_failed(_reason(exc))
@@ -158,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
 class _Model:
     """A local model's open readers (one per weight file), its merged index, and its small files."""
 
-    readers: list[Reader]
+    readers: list[ModelReader]
     index: ModelIndex
     small: list[str] | None
     """A directory's small files; None for a single file."""
@@ -175,7 +183,7 @@ def _open_model(source: Path, fmt: str, key: DecryptionKey | None, *, verify: bo
     chosen = local_model_files(source, format=fmt)
     check_small_files({n: (source / n).stat().st_size for n in chosen.small}, where=where)
     with contextlib.ExitStack() as stack:
-        readers: list[Reader] = []
+        readers: list[ModelReader] = []
         for name in chosen.weights:
             path = source / name
             readers.append(
@@ -223,7 +231,7 @@ def _layout(source: Path, model: _Model, model_dir: Path | None) -> Layout:
     index = model.index
     several = bool(index.files)
     specs = [TensorSpec(t.name, t.dtype, t.shape, file=t.file if several else None) for t in index.tensors]
-    size = sum(Path(_path_of(r)).stat().st_size for r in model.readers)
+    size = sum(Path(r.path).stat().st_size for r in model.readers)
     metadata = {
         "format": index.format,
         "source": str(source.resolve()),
@@ -235,110 +243,78 @@ def _layout(source: Path, model: _Model, model_dir: Path | None) -> Layout:
     return plan_layout(specs, metadata=metadata, files=index.files)
 
 
-def _path_of(reader: Reader) -> str:
-    return str(reader.source if isinstance(reader, TensorizerReader) else reader.path)
-
-
 def _fill(
-    readers: list[Reader],
+    readers: list[ModelReader],
     writer: SegmentWriter,
+    finisher: TensorFinisher,
     *,
     threads: int,
-    verify: bool,
     bar: ProgressBar,
 ) -> None:
-    """Fill and publish every slot with a pool of ``threads``, tensors handed out in file order.
+    """Land and finish every slot with ``threads`` threads, tensors handed out in file order.
 
-    The segment's slots follow the files in order, each file's tensors in its own order.
+    The segment's slots follow the files in order, each file's tensors in its own order. Landing is this
+    command's own (a kernel copy, or one ``preadv`` of a record); the threads (:func:`run_in_order`) and the
+    finishing (:class:`TensorFinisher`: decrypt, verify, publish) are the sidecar's.
     """
-    jobs: list[tuple[Callable[[], tuple[bool, bool]], str, Reader, int]] = []
-    copiers: list[_SafetensorsCopy] = []
-    slot = 0
+    jobs: list[tuple[ModelReader, TensorEntry, _KernelCopy | None]] = []
+    copiers: list[_KernelCopy] = []
     for reader in readers:
         copier = None
-        if isinstance(reader, SafetensorsFile):
-            copier = _SafetensorsCopy(reader, writer, first_slot=slot)
+        if reader.index.format == "safetensors":  # stored as it loads: no header to open
+            copier = _KernelCopy(reader, writer)
             copiers.append(copier)
-        for local, entry in enumerate(reader.index.tensors):
-            jobs.append(
-                (_filler(reader, copier, writer, local, slot, verify), entry.name, reader, entry.nbytes)
-            )
-            slot += 1
+        jobs.extend((reader, entry, copier) for entry in reader.index.tensors)
+
+    progress = threading.Lock()
 
     def load(i: int) -> None:
-        """Load and publish slot ``i``, or mark it FAILED."""
-        fill, name, reader, _ = jobs[i]
+        """Land and finish slot ``i``, or mark it FAILED."""
+        reader, entry, copier = jobs[i]
         try:
-            verified, decrypted = fill()
+            header = None
+            if copier is None or not copier(entry, i):
+                header = reader.read_record(entry, writer.slot(i))
+            finisher.finish(i, entry=entry, header=header, source=reader.path)
         except BaseException as exc:
             writer.mark_tensor_failed(i)
             if isinstance(exc, OSError):
-                raise _translate(exc, name, reader) from None
+                raise _translate(exc, entry.name, reader) from None
             raise
-        # The CRC32 of the bytes as they lie in the segment: what `inspect --verify` checks later.
-        writer.mark_ready(i, verified=verified, decrypted=decrypted, crc32=zlib.crc32(writer.slot(i)))
+        with progress:
+            bar.update(entry.nbytes)
 
-    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="stage")
     try:
-        futures: dict[Future[None], int] = {pool.submit(load, i): i for i in range(len(jobs))}
-        for future in as_completed(futures):
-            future.result()
-            bar.update(jobs[futures[future]][3])
-    except BaseException:
-        pool.shutdown(wait=True, cancel_futures=True)
-        raise
+        run_in_order(len(jobs), load, threads=threads, name="stage")
     finally:
-        pool.shutdown(wait=True)
         for copier in copiers:
             copier.close()
+    finisher.settle()
 
 
-def _filler(
-    reader: Reader,
-    copier: _SafetensorsCopy | None,
-    writer: SegmentWriter,
-    local: int,
-    slot: int,
-    verify: bool,
-) -> Callable[[], tuple[bool, bool]]:
-    """What fills one slot: tensorizer reads (and verifies, decrypts) into it; safetensors copies."""
-    if isinstance(reader, TensorizerReader):
-        entry = reader.index.tensors[local]
+class _KernelCopy:
+    """Copies a tensor's stored bytes into its slot inside the kernel (``copy_file_range``), where it can."""
 
-        def fill() -> tuple[bool, bool]:
-            header = reader.readinto(entry, writer.slot(slot))
-            return verify, header.encrypted
-
-        return fill
-    assert copier is not None
-    return lambda: copier(local)
-
-
-class _SafetensorsCopy:
-    """Copies a safetensors tensor into its slot inside the kernel, or reads it into the slot."""
-
-    def __init__(self, reader: SafetensorsFile, writer: SegmentWriter, *, first_slot: int = 0) -> None:
-        self._reader = reader
+    def __init__(self, reader: ModelReader, writer: SegmentWriter) -> None:
+        self._path = reader.path
         self._writer = writer
-        self._first = first_slot
         self._src = os.open(reader.path, os.O_RDONLY | os.O_CLOEXEC)
         self._kernel_copy = hasattr(os, "copy_file_range")
         self._lock = threading.Lock()
 
-    def __call__(self, i: int) -> tuple[bool, bool]:
-        entry = self._reader.index.tensors[i]
-        if self._kernel_copy and entry.data_length:
-            try:
-                slot = self._writer.layout.slots[self._first + i]
-                self._copy(entry.data_offset, slot.offset, entry.data_length)
-                return False, False
-            except OSError as exc:
-                if exc.errno not in _NO_KERNEL_COPY:
-                    raise
-                with self._lock:
-                    self._kernel_copy = False  # this kernel or filesystem cannot: read instead
-        self._reader.readinto(entry.name, self._writer.slot(self._first + i))
-        return False, False
+    def __call__(self, entry: TensorEntry, slot: int) -> bool:
+        """Copy ``entry``'s data into ``slot``; False when this kernel or filesystem cannot (read it)."""
+        if not (self._kernel_copy and entry.data_length):
+            return False
+        try:
+            self._copy(entry.data_offset, self._writer.layout.slots[slot].offset, entry.data_length)
+            return True
+        except OSError as exc:
+            if exc.errno not in _NO_KERNEL_COPY:
+                raise
+            with self._lock:
+                self._kernel_copy = False
+            return False
 
     def _copy(self, src_at: int, dst_at: int, length: int) -> None:
         done = 0
@@ -350,7 +326,7 @@ class _SafetensorsCopy:
                 raise TruncatedError(
                     f"the file ended at byte {src_at + done} while copying a tensor: it shrank after it was "
                     "opened (is something rewriting it?)",
-                    source=self._reader.path,
+                    source=self._path,
                 )
             done += count
 
@@ -358,12 +334,12 @@ class _SafetensorsCopy:
         os.close(self._src)
 
 
-def _translate(exc: OSError, tensor: str, reader: Reader) -> ModelloadError:
+def _translate(exc: OSError, tensor: str, reader: ModelReader) -> ModelloadError:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return SegmentSpaceError(
             exc.errno, f"no room in the segment's volume while loading tensor {tensor!r}: {exc.strerror}"
         )
-    source = reader.source if isinstance(reader, TensorizerReader) else reader.path
+    source = reader.path
     return SourceError(f"loading tensor {tensor!r} from {source} failed: {exc.strerror or exc}", uri=source)
 
 

@@ -3,6 +3,7 @@
 Each format reads its index from the first bytes of a file (:func:`read_index`), so a remote reader plans
 its byte ranges from one small read, and reads or writes tensors from byte ranges alone.
 :func:`read_index` here detects the format (:func:`detect_format`) and dispatches to the format's reader.
+Local files open as one :class:`ModelReader`, whichever the format (:func:`open_reader`).
 """
 
 from modelload.loader.formats._detect import PrefixedRead, detect_format, read_index
@@ -18,6 +19,7 @@ from modelload.loader.formats._directory import (
     weight_shards,
 )
 from modelload.loader.formats._index import FormatName, ModelIndex, RangeRead, TensorEntry
+from modelload.loader.formats._reader import ModelReader, open_reader
 
 __all__ = [
     "SAFETENSORS_INDEX",
@@ -27,12 +29,14 @@ __all__ = [
     "FormatName",
     "ModelFiles",
     "ModelIndex",
+    "ModelReader",
     "PrefixedRead",
     "RangeRead",
     "TensorEntry",
     "check_small_files",
     "detect_format",
     "merge_indexes",
+    "open_reader",
     "read_index",
     "select_model_files",
     "weight_shards",

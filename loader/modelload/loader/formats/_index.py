@@ -8,20 +8,27 @@ later, by range.
 
 from __future__ import annotations
 
+import functools
 import math
+import mmap
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
+
+import numpy as np
 
 from modelload.loader.dtypes import DType
 
-__all__ = ["MAX_NDIM", "FormatName", "ModelIndex", "RangeRead", "TensorEntry"]
+__all__ = ["MAX_NDIM", "FormatName", "ModelIndex", "RangeRead", "TensorEntry", "WritableBuffer"]
 
 MAX_NDIM = 64
 """The most dimensions a tensor may have: numpy's limit (and torch's), and the segment's. A file that declares
 more could be indexed but never loaded, so the readers refuse it with the index."""
 
 FormatName = Literal["tensorizer", "safetensors"]
+
+WritableBuffer = bytearray | memoryview | mmap.mmap | np.ndarray[Any, Any]
+"""Anything that exposes writable, C-contiguous memory through the buffer protocol: what the readers fill."""
 
 RangeRead = Callable[[int, int], bytes]
 """``read(offset, length) -> bytes``: at most ``length`` bytes of the file from ``offset`` (fewer only at
@@ -64,7 +71,7 @@ class TensorEntry:
     @property
     def nbytes(self) -> int:
         """Bytes the tensor takes in memory: element size times the number of elements."""
-        return self.numel * self.dtype.itemsize
+        return self.dtype.nbytes(self.shape)
 
     @property
     def record_length(self) -> int:
@@ -103,3 +110,17 @@ class ModelIndex:
 
     def __len__(self) -> int:
         return len(self.tensors)
+
+    @functools.cached_property
+    def _by_name(self) -> dict[str, TensorEntry]:
+        return {t.name: t for t in self.tensors}
+
+    def entry(self, tensor: str | TensorEntry, *, source: str) -> TensorEntry:
+        """A tensor's entry by name (an entry is returned as it is); ``KeyError`` naming ``source``, the
+        file, when it has no such tensor. What every reader's ``entry`` answers."""
+        if isinstance(tensor, TensorEntry):
+            return tensor
+        try:
+            return self._by_name[tensor]
+        except KeyError:
+            raise KeyError(f"{source} has no tensor named {tensor!r}") from None

@@ -4,6 +4,7 @@ SPEC.md beside this file is the contract, byte by byte. ``layout`` plans and val
 it, ``reader`` maps it and waits for tensors.
 """
 
+from modelload.loader.segment.finish import TensorFinisher
 from modelload.loader.segment.layout import (
     ALIGNMENT,
     LAYOUT_VERSION,
@@ -18,6 +19,7 @@ from modelload.loader.segment.layout import (
     WriterState,
     plan_layout,
 )
+from modelload.loader.segment.pool import run_in_order
 from modelload.loader.segment.reader import SegmentReader, Waiter
 from modelload.loader.segment.writer import SegmentWriter
 
@@ -31,10 +33,12 @@ __all__ = [
     "SegmentReader",
     "SegmentWriter",
     "Slot",
+    "TensorFinisher",
     "TensorFlags",
     "TensorSpec",
     "TensorState",
     "Waiter",
     "WriterState",
     "plan_layout",
+    "run_in_order",
 ]

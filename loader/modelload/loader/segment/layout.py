@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import struct
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
@@ -176,7 +175,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+        return self.dtype.nbytes(self.shape)
 
 
 @dataclass(frozen=True)
@@ -610,7 +609,7 @@ def _parse_slot(index: int, entry: object, header: Header, file_count: int) -> S
         dtype = dtypes.by_name(dtype_name)
     except ModelloadError:
         raise _fail(f"{label}: unknown dtype {dtype_name!r}") from None
-    if math.prod(shape) * dtype.itemsize != nbytes:
+    if dtype.nbytes(shape) != nbytes:
         raise _fail(f"{label}: nbytes {nbytes} does not match {dtype_name} of shape {shape}")
     if offset % ALIGNMENT:
         raise _fail(f"{label}: offset {offset} is not a multiple of {ALIGNMENT}")

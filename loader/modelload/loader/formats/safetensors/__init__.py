@@ -16,7 +16,8 @@ What we check, and with which error, is tabled in :mod:`._header`. The pieces:
   sources and the planner;
 - :class:`SafetensorsFile` / :func:`load_numpy` read a local file's tensors into caller-given buffers;
 - :func:`save_file` / :func:`serialize` write numpy arrays, torch tensors and :class:`RawTensor` bytes,
-  byte-identical to the reference writer.
+  byte-identical to the reference writer; :func:`plan_header` lays out the same header for a writer that
+  streams the tensors' bytes in afterwards.
 
 torch stays optional: it is imported only when torch tensors are handed in or asked for.
 """
@@ -28,7 +29,7 @@ from modelload.loader.formats.safetensors._header import (
     parse_header,
     read_index,
 )
-from modelload.loader.formats.safetensors._writer import RawTensor, save_file, serialize
+from modelload.loader.formats.safetensors._writer import RawTensor, plan_header, save_file, serialize
 
 __all__ = [
     "FIRST_READ_LENGTH",
@@ -38,6 +39,7 @@ __all__ = [
     "WritableBuffer",
     "load_numpy",
     "parse_header",
+    "plan_header",
     "read_index",
     "save_file",
     "serialize",

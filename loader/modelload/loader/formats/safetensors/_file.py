@@ -8,22 +8,20 @@ without an intermediate ``bytes`` object.
 
 from __future__ import annotations
 
-import mmap
 import os
 from collections.abc import Iterator
-from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from modelload.loader.errors import TruncatedError
-from modelload.loader.formats._index import ModelIndex, TensorEntry
+from modelload.loader.formats._index import ModelIndex, TensorEntry, WritableBuffer
 from modelload.loader.formats.safetensors._header import read_index
 
-__all__ = ["SafetensorsFile", "WritableBuffer", "load_numpy"]
+if TYPE_CHECKING:
+    from modelload.loader.formats.tensorizer.tensor_header import TensorHeader
 
-WritableBuffer = bytearray | memoryview | mmap.mmap | np.ndarray[Any, Any]
-"""Anything that exposes writable, C-contiguous memory through the buffer protocol."""
+__all__ = ["SafetensorsFile", "WritableBuffer", "load_numpy"]
 
 
 class SafetensorsFile:
@@ -47,7 +45,6 @@ class SafetensorsFile:
         except BaseException:
             os.close(self._fd)
             raise
-        self._by_name = {entry.name: entry for entry in self.index.tensors}
 
     @property
     def metadata(self) -> dict[str, str]:
@@ -64,13 +61,24 @@ class SafetensorsFile:
     def __len__(self) -> int:
         return len(self.index.tensors)
 
-    def entry(self, name: str) -> TensorEntry:
+    def entry(self, tensor: str | TensorEntry) -> TensorEntry:
         """The index entry of one tensor (``KeyError`` when the file has no such tensor)."""
-        return self._by_name[name]
+        return self.index.entry(tensor, source=self.path)
 
-    def readinto(self, name: str, buffer: WritableBuffer) -> None:
+    def read_header(self, tensor: str | TensorEntry) -> TensorHeader | None:
+        """None: safetensors records have no header (the :class:`~modelload.loader.formats.ModelReader`
+        protocol's tensorizer part)."""
+        self.entry(tensor)
+        return None
+
+    def read_record(self, tensor: str | TensorEntry, out: WritableBuffer) -> None:
+        """:meth:`readinto`: a safetensors tensor is stored as it loads, with no header to return."""
+        self.readinto(tensor, out)
+
+    def readinto(self, tensor: str | TensorEntry, buffer: WritableBuffer) -> None:
         """Read one tensor's bytes into ``buffer``, which must be writable, contiguous and exactly as long."""
-        entry = self._by_name[name]
+        entry = self.entry(tensor)
+        name = entry.name
         view = buffer.data if isinstance(buffer, np.ndarray) else memoryview(buffer)
         if view.readonly:
             raise ValueError(f"the buffer for tensor {name!r} is read-only")
@@ -82,13 +90,13 @@ class SafetensorsFile:
             raise ValueError(f"the buffer for tensor {name!r} is not C-contiguous")
         self._readinto(view.cast("B"), entry.data_offset)
 
-    def chunks(self, name: str, scratch: WritableBuffer) -> Iterator[memoryview]:
+    def chunks(self, tensor: str | TensorEntry, scratch: WritableBuffer) -> Iterator[memoryview]:
         """One tensor's bytes in order, read piece by piece into ``scratch`` and yielded as views of it.
 
         Each view is valid until the next one is read. Memory stays at ``scratch`` whatever the tensor's
         size: the way to read a tensor through (to check the file is whole) without holding it.
         """
-        entry = self._by_name[name]
+        entry = self.entry(tensor)
         window = scratch.data if isinstance(scratch, np.ndarray) else memoryview(scratch)
         window = window.cast("B")
         if not window.nbytes or window.readonly:
@@ -98,12 +106,18 @@ class SafetensorsFile:
             self._readinto(piece, entry.data_offset + start)
             yield piece
 
-    def numpy(self, name: str) -> np.ndarray[Any, Any]:
+    def check(self, tensor: str | TensorEntry, *, scratch: WritableBuffer) -> None:
+        """Read one tensor through ``scratch`` to its end: the file holds it whole (safetensors stores no
+        hashes to compare)."""
+        for _ in self.chunks(tensor, scratch):
+            pass
+
+    def numpy(self, tensor: str | TensorEntry) -> np.ndarray[Any, Any]:
         """One tensor as a fresh numpy array (types numpy lacks, such as bfloat16, as same-width unsigned
         integers: reinterpret with torch's ``.view(dtype)``)."""
-        entry = self._by_name[name]
+        entry = self.entry(tensor)
         array: np.ndarray[Any, Any] = np.empty(entry.shape, dtype=entry.dtype.numpy)
-        self.readinto(name, array)
+        self.readinto(entry, array)
         return array
 
     def close(self) -> None:
@@ -114,9 +128,7 @@ class SafetensorsFile:
     def __enter__(self) -> SafetensorsFile:
         return self
 
-    def __exit__(
-        self, kind: type[BaseException] | None, value: BaseException | None, trace: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def _pread(self, offset: int, length: int) -> bytes:

@@ -18,17 +18,15 @@ cannot express sharing, and writing the bytes twice would change the model's siz
 from __future__ import annotations
 
 import json
-import math
 import os
 import struct
 import sys
-import tempfile
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import islice, pairwise
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -40,9 +38,10 @@ from modelload.loader.errors import (
     SizeMismatchError,
     UnsupportedDtypeError,
 )
+from modelload.loader.formats._atomic import atomic_file
 from modelload.loader.formats.safetensors._header import HEADER_SIZE_CAP, METADATA_KEY
 
-__all__ = ["RawTensor", "save_file", "serialize"]
+__all__ = ["RawTensor", "plan_header", "save_file", "serialize"]
 
 # The reference writer's dtype order, narrowest first; it sorts by the reverse, then by name. Ties between
 # dtypes of one width follow this order too, which is what makes our files equal to the reference's.
@@ -70,12 +69,29 @@ class RawTensor:
 
 
 @dataclass(frozen=True)
+class _Planned:
+    """A tensor as the header lists it: its bytes come later."""
+
+    name: str
+    code: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class _Prepared:
     name: str
     code: str
     shape: tuple[int, ...]
     data: memoryview
     """The tensor's bytes, C order, one byte per item."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
+_Item = TypeVar("_Item", _Planned, _Prepared)
 
 
 def serialize(tensors: Mapping[str, Any], *, metadata: Mapping[str, str] | None = None) -> bytes:
@@ -98,28 +114,50 @@ def save_file(
 ) -> None:
     """Write ``tensors`` (numpy arrays or torch tensors) to a safetensors file at ``path``.
 
-    The file appears whole or not at all: it is written beside ``path`` under a temporary name and renamed
-    over it when complete.
+    The file appears whole or not at all (:func:`~modelload.loader.formats._atomic.atomic_file`: written
+    beside ``path`` under a temporary name, synced, and renamed over it when complete).
     """
     header, items = _prepare(tensors, metadata)
-    target = Path(path)
-    fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
-    try:
-        _write_all(fd, [memoryview(header), *(item.data for item in items)])
-        os.close(fd)
-        fd = -1
-        Path(temporary).replace(target)
-    except BaseException:
-        if fd >= 0:
-            os.close(fd)
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    with atomic_file(Path(path)) as file:
+        _write_all(file.fileno(), [memoryview(header), *(item.data for item in items)])
+
+
+def plan_header(
+    tensors: Mapping[str, tuple[dtypes.DType, tuple[int, ...]]], *, metadata: Mapping[str, str] | None = None
+) -> tuple[bytes, dict[str, int]]:
+    """The size field and header of a file of ``tensors`` (``{name: (dtype, shape)}``) whose bytes come
+    later, and where each tensor's bytes go, from the start of the data buffer (right after the header).
+
+    For a writer that streams tensors one at a time into a file of this header (``modelload serialize``):
+    the file is byte for byte the one :func:`save_file` writes for the same tensors.
+
+    >>> header, offsets = plan_header({"b": (dtypes.by_name("float16"), (2,))})
+    >>> header[8:]
+    b'{"b":{"dtype":"F16","shape":[2],"data_offsets":[0,4]}}  '
+    >>> offsets
+    {'b': 0}
+    """
+    items = [
+        _Planned(_check_name(name), _code(name, dtype), shape, dtype.nbytes(shape))
+        for name, (dtype, shape) in tensors.items()
+    ]
+    header, ordered = _header(items, metadata)
+    offsets: dict[str, int] = {}
+    offset = 0
+    for item in ordered:
+        offsets[item.name] = offset
+        offset += item.nbytes
+    return header, offsets
 
 
 def _prepare(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None) -> tuple[bytes, list[_Prepared]]:
     """Check and convert every tensor, lay out the header: ``(size field + header, tensors in order)``."""
     _refuse_shared(tensors)
-    items = [_convert(name, value) for name, value in tensors.items()]
+    return _header([_convert(name, value) for name, value in tensors.items()], metadata)
+
+
+def _header(items: list[_Item], metadata: Mapping[str, str] | None) -> tuple[bytes, list[_Item]]:
+    """The size field and header of ``items`` in the reference writer's order, and the items in it."""
     items.sort(key=lambda item: (-_RANK[item.code], item.name))
     document: dict[str, Any] = {}
     if metadata is not None:
@@ -129,9 +167,9 @@ def _prepare(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None) -> 
         document[item.name] = {
             "dtype": item.code,
             "shape": list(item.shape),
-            "data_offsets": [offset, offset + item.data.nbytes],
+            "data_offsets": [offset, offset + item.nbytes],
         }
-        offset += item.data.nbytes
+        offset += item.nbytes
     try:
         text = json.dumps(document, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
     except UnicodeEncodeError as exc:
@@ -142,7 +180,7 @@ def _prepare(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None) -> 
     if len(text) > HEADER_SIZE_CAP:
         raise BoundsError(
             f"the header would be {len(text)} bytes, over the {HEADER_SIZE_CAP}-byte limit of safetensors "
-            "readers; split the model into several files (shards)"
+            "readers; split the model into several files (shards), or write a tensorizer file"
         )
     return struct.pack("<Q", len(text)) + text, items
 
@@ -157,11 +195,16 @@ def _check_metadata(metadata: Mapping[str, str]) -> dict[str, str]:
     return dict(metadata)
 
 
-def _convert(name: Any, value: Any) -> _Prepared:
+def _check_name(name: Any) -> str:
     if not isinstance(name, str):
         raise HeaderError(f"tensor names must be strings, got {name!r}")
     if name == METADATA_KEY:
         raise HeaderError(f"{METADATA_KEY!r} is reserved for the file's metadata; rename the tensor")
+    return name
+
+
+def _convert(name: Any, value: Any) -> _Prepared:
+    _check_name(name)
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.Tensor):
         return _from_torch(name, value)
@@ -201,7 +244,7 @@ def _from_raw(name: str, raw: RawTensor) -> _Prepared:
     view = memoryview(raw.data)
     if view.nbytes and not view.c_contiguous:
         raise ValueError(f"the data of tensor {name!r} is not C-contiguous")
-    expected = math.prod(shape) * raw.dtype.itemsize
+    expected = raw.dtype.nbytes(shape)
     if view.nbytes != expected:
         raise SizeMismatchError(
             f"tensor {name!r} is {raw.dtype.name} with shape {list(shape)}, {expected} bytes, but its data "

@@ -12,6 +12,9 @@ Reading remotely (what the sidecar does)::
         decrypt_in_place(header, data_view, key)                   # if header.encrypted
         verify(header, data_view)                                  # CRC32 and SHA-256 of the plaintext
 
+The steps after parsing, as one call over a key's state shared by a load's threads:
+:func:`.record.open_record` (the segment's ``TensorFinisher`` publishes on top of it).
+
 Reading a local file: :class:`TensorizerReader`. Writing: :class:`TensorizerWriter`. Keys:
 :class:`DecryptionKey` (reading) and :class:`EncryptionParams` (writing).
 """

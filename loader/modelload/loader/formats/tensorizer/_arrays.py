@@ -41,10 +41,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for dim in self.shape:
-            n *= dim
-        return n
+        return self.dtype.nbytes(self.shape)
 
 
 def describe(value: Any, *, dtype: DType | str | None = None) -> TensorSpec:

@@ -1,8 +1,8 @@
 """A whole-file reader for local tensorizer files: the index, then any tensor into a buffer you give.
 
-This is what ``modelload stage`` and ``modelload inspect`` use on files on disk; the sidecar instead reads
-ranges from remote sources and calls the same pieces (:func:`read_index`, :func:`parse_tensor_header`,
-:func:`decrypt_in_place`, :func:`verify`) itself.
+This is what ``modelload stage``, ``inspect`` and ``serialize`` use on files on disk, through the
+:class:`~modelload.loader.formats.ModelReader` protocol the safetensors reader shares; the sidecar instead
+reads ranges from remote sources and finishes each record with the same :func:`.record.open_record`.
 
 Data goes straight from the file into the caller's buffer with ``os.preadv`` (one syscall for the header and
 the data when the file has a descriptor), is decrypted there, and verified there. Reads use positional I/O,
@@ -21,13 +21,13 @@ from typing import IO, TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from modelload.loader.errors import ConfigError, NotEncryptedError, TruncatedError
-from modelload.loader.formats._index import ModelIndex, TensorEntry
+from modelload.loader.formats._index import ModelIndex, TensorEntry, WritableBuffer
 from modelload.loader.formats.tensorizer._arrays import as_numpy, as_torch
-from modelload.loader.formats.tensorizer.crypto import TensorDecryptor, decrypt_in_place
+from modelload.loader.formats.tensorizer.crypto import TensorDecryptor
 from modelload.loader.formats.tensorizer.hashes import TensorHasher, fastest_hash
-from modelload.loader.formats.tensorizer.hashes import verify as verify_hashes
 from modelload.loader.formats.tensorizer.index import read_index
 from modelload.loader.formats.tensorizer.keys import DecryptionKey
+from modelload.loader.formats.tensorizer.record import KeyState, open_record
 from modelload.loader.formats.tensorizer.tensor_header import TensorHeader, parse_tensor_header
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ class TensorizerReader:
     ...     for entry in reader.index.tensors:
     ...         out = bytearray(entry.nbytes)
     ...         reader.readinto(entry, out)             # decrypted and verified in place
-    ...     weights = reader.read_numpy("lm_head.weight")
+    ...     weights = reader.numpy("lm_head.weight")
     """
 
     def __init__(
@@ -58,32 +58,35 @@ class TensorizerReader:
         if isinstance(file, str | os.PathLike):
             self._file: IO[bytes] = Path(file).open("rb")  # noqa: SIM115 - closed by close()
             self._owned = True
-            self.source = os.fspath(file)
+            self.path = os.fspath(file)
         else:
             self._file = file
             self._owned = False
-            self.source = str(getattr(file, "name", "<file object>"))
+            self.path = str(getattr(file, "name", "<file object>"))
         try:
             self._fd: int | None = self._file.fileno()
         except (OSError, AttributeError, io.UnsupportedOperation):
             self._fd = None
         self._lock = threading.Lock()
-        self._key = key
+        self._keys = KeyState(key)
         self._verify = verify
         self._hashes = hashes
-        self._key_proven = False
         try:
             self.size = self._size()
-            self.index: ModelIndex = read_index(self._read_range, source=self.source, size=self.size)
+            self.index: ModelIndex = read_index(self._read_range, source=self.path, size=self.size)
             if key is not None and not self.index.encrypted:
                 raise NotEncryptedError(
-                    f"{self.source}: a key was given but the file is not encrypted; drop the key, or check "
+                    f"{self.path}: a key was given but the file is not encrypted; drop the key, or check "
                     "that this is the file you meant"
                 )
         except BaseException:
             self.close()
             raise
-        self._by_name = {t.name: t for t in self.index.tensors}
+
+    @property
+    def source(self) -> str:
+        """The file's path (or a file object's name): :attr:`path`, under its older name."""
+        return self.path
 
     # --- file access -------------------------------------------------------------------------------------
 
@@ -115,7 +118,7 @@ class TensorizerReader:
                 raise TruncatedError(
                     f"the file ends at byte {offset + done}, inside a tensor record that should end at byte "
                     f"{offset + wanted}; re-upload or re-create it",
-                    source=self.source,
+                    source=self.path,
                 )
             done += got
             while views and got >= views[0].nbytes:
@@ -130,15 +133,11 @@ class TensorizerReader:
         return len(self.index.tensors)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._by_name)
+        return (t.name for t in self.index.tensors)
 
     def entry(self, tensor: str | TensorEntry) -> TensorEntry:
-        if isinstance(tensor, TensorEntry):
-            return tensor
-        try:
-            return self._by_name[tensor]
-        except KeyError:
-            raise KeyError(f"{self.source} has no tensor named {tensor!r}") from None
+        """The index entry of one tensor (``KeyError`` when the file has no such tensor)."""
+        return self.index.entry(tensor, source=self.path)
 
     def read_header(self, tensor: str | TensorEntry) -> TensorHeader:
         """The parsed per-tensor header (module index, hashes, encryption parameters), checked against
@@ -149,40 +148,44 @@ class TensorizerReader:
         return self._parse(buf, entry)
 
     def _parse(self, buf: bytearray, entry: TensorEntry) -> TensorHeader:
-        return parse_tensor_header(buf, entry=entry, encrypted_file=self.index.encrypted, source=self.source)
+        return parse_tensor_header(buf, entry=entry, encrypted_file=self.index.encrypted, source=self.path)
 
-    def readinto(self, tensor: str | TensorEntry, out: Buffer) -> TensorHeader:
+    def read_record(self, tensor: str | TensorEntry, out: Buffer | WritableBuffer) -> bytearray:
+        """Land one tensor's data as stored (ciphertext when encrypted, unchecked) in the first
+        ``data_length`` bytes of ``out`` (writable, exactly ``nbytes``); its record header's bytes.
+
+        One ``preadv`` for both. :func:`.record.open_record` (or the segment's ``TensorFinisher``) then
+        decrypts and verifies the data where it lies.
+        """
+        entry = self.entry(tensor)
+        view = _writable(out, entry)
+        header = bytearray(entry.data_offset - entry.record_offset)
+        views = [memoryview(header), view[: entry.data_length]] if entry.data_length else [memoryview(header)]
+        self._readinto(views, entry.record_offset)
+        return header
+
+    def readinto(self, tensor: str | TensorEntry, out: Buffer | WritableBuffer) -> TensorHeader:
         """Read one tensor's bytes into ``out`` (writable, exactly ``nbytes``), decrypt and verify them there.
 
         A meta tensor (no data in the file) comes out as zeros. Returns the tensor's parsed header.
         """
         entry = self.entry(tensor)
-        view = memoryview(out)
-        if view.ndim != 1 or view.format != "B":
-            view = view.cast("B")
-        if view.readonly or view.nbytes != entry.nbytes:
-            raise ConfigError(
-                f"readinto({entry.name!r}) needs a writable buffer of exactly {entry.nbytes} bytes, got "
-                f"{'a read-only one of ' if view.readonly else ''}{view.nbytes}"
-            )
-        header_buf = bytearray(entry.data_offset - entry.record_offset)
-        data = view[: entry.data_length]
-        self._readinto(
-            [memoryview(header_buf), data] if entry.data_length else [memoryview(header_buf)],
-            entry.record_offset,
+        view = _writable(out, entry)
+        header = self.read_record(entry, view)
+        parsed = open_record(
+            header,
+            view[: entry.data_length],
+            entry=entry,
+            encrypted_file=self.index.encrypted,
+            keys=self._keys,
+            hashes=self._hashes if self._verify else "none",
+            source=self.path,
         )
-        header = self._parse(header_buf, entry)
-        if header.encrypted:
-            decrypt_in_place(header, data, self._key, source=self.source, key_known_good=self._key_proven)
-            self._key_proven = True
-        if self._verify:
-            checked = fastest_hash(header) if self._hashes == "fastest" else header
-            verify_hashes(checked, data, source=self.source)
         if entry.data_length == 0 and entry.nbytes:
             np.frombuffer(view, dtype=np.uint8)[:] = 0
-        return header
+        return parsed
 
-    def check(self, tensor: str | TensorEntry, *, scratch: Buffer) -> TensorHeader:
+    def check(self, tensor: str | TensorEntry, *, scratch: Buffer | WritableBuffer) -> TensorHeader:
         """Decrypt and verify one tensor a piece at a time through ``scratch``, keeping nothing.
 
         This is ``readinto`` for a caller that wants the verdict, not the bytes (``inspect --verify``): memory
@@ -192,23 +195,21 @@ class TensorizerReader:
         Raises as :meth:`readinto` does.
         """
         entry = self.entry(tensor)
-        window = memoryview(scratch).cast("B")
+        window = _view(scratch).cast("B")
         if not window.nbytes or window.readonly:
             raise ConfigError("check() needs a writable scratch buffer of at least one byte")
         header = self.read_header(entry)
-        hasher = TensorHasher(
-            fastest_hash(header) if self._hashes == "fastest" else header, source=self.source
-        )
+        hasher = TensorHasher(fastest_hash(header) if self._hashes == "fastest" else header, source=self.path)
         if header.encrypted:
             decryptor = TensorDecryptor(
-                header, self._key, source=self.source, key_known_good=self._key_proven
+                header, self._keys.key, source=self.path, key_known_good=self._keys.proven
             )
             for k in range(decryptor.chunk_count):
                 start, length = decryptor.chunk_span(k)
                 piece = window[:length] if length <= window.nbytes else memoryview(bytearray(length))
                 self._readinto([piece], entry.data_offset + start)
                 decryptor.decrypt_chunk(k, piece)
-                self._key_proven = True
+                self._keys.prove()
                 hasher.update(piece)
         else:
             for start in range(0, entry.data_length, window.nbytes):
@@ -218,22 +219,25 @@ class TensorizerReader:
         hasher.verify()
         return header
 
-    def read_numpy(self, tensor: str | TensorEntry) -> np.ndarray[Any, Any]:
+    def numpy(self, tensor: str | TensorEntry) -> np.ndarray[Any, Any]:
         """A new numpy array with the tensor (opaque dtypes as same-width unsigned integers)."""
         entry = self.entry(tensor)
         storage = np.empty(entry.nbytes, dtype=np.uint8)
         self.readinto(entry, storage.data)
         return as_numpy(storage, entry.dtype, entry.shape)
 
+    read_numpy = numpy
+    """:meth:`numpy`, under its older name."""
+
     def read_torch(self, tensor: str | TensorEntry) -> Any:
         """A new CPU torch tensor with the tensor's true dtype. Imports torch."""
         entry = self.entry(tensor)
-        return as_torch(self.read_numpy(entry), entry.dtype)
+        return as_torch(self.numpy(entry), entry.dtype)
 
     def iter_numpy(self) -> Iterator[tuple[str, np.ndarray[Any, Any]]]:
         """Every tensor in file order, as (name, numpy array)."""
         for entry in self.index.tensors:
-            yield entry.name, self.read_numpy(entry)
+            yield entry.name, self.numpy(entry)
 
     # --- lifetime ----------------------------------------------------------------------------------------
 
@@ -248,4 +252,21 @@ class TensorizerReader:
         self.close()
 
     def __repr__(self) -> str:
-        return f"TensorizerReader({self.source!r}, {len(self.index.tensors)} tensors, v{self.index.version})"
+        return f"TensorizerReader({self.path!r}, {len(self.index.tensors)} tensors, v{self.index.version})"
+
+
+def _writable(out: Buffer | WritableBuffer, entry: TensorEntry) -> memoryview:
+    """``out`` as flat bytes, checked to be writable and exactly the tensor's size."""
+    view = _view(out)
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    if view.readonly or view.nbytes != entry.nbytes:
+        raise ConfigError(
+            f"readinto({entry.name!r}) needs a writable buffer of exactly {entry.nbytes} bytes, got "
+            f"{'a read-only one of ' if view.readonly else ''}{view.nbytes}"
+        )
+    return view
+
+
+def _view(buffer: Buffer | WritableBuffer) -> memoryview:
+    return buffer.data if isinstance(buffer, np.ndarray) else memoryview(buffer)

@@ -97,10 +97,7 @@ class TensorHeader:
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for dim in self.shape:
-            n *= dim
-        return n
+        return self.dtype.nbytes(self.shape)
 
     @property
     def is_meta(self) -> bool:

@@ -25,11 +25,12 @@ from __future__ import annotations
 import io
 import os
 import secrets
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path as FsPath
 from typing import IO, Any
 
+from modelload.loader.dtypes import DType
 from modelload.loader.errors import ConfigError, DuplicateNameError
 from modelload.loader.formats._index import MAX_NDIM
 from modelload.loader.formats.tensorizer._arrays import TensorSpec, describe, flat_bytes, is_torch_tensor
@@ -154,6 +155,22 @@ class TensorizerWriter:
         self._reserve_block([(path, spec)])
         self._register([path])
         self._write_record(path, spec, kind=kind, module_idx=module_idx)
+
+    def reserve(self, tensors: Iterable[tuple[str | Sequence[str | int], DType, tuple[int, ...]]]) -> None:
+        """Size the metadata block for tensors that will be written one at a time with :meth:`write_tensor`
+        (``(name, dtype, shape)`` each), before any data: the block is fixed at the first data write.
+
+        What a streaming converter calls, which knows every tensor's name and shape but holds one tensor's
+        bytes at a time. Raises ConfigError when the index cannot fit in any block.
+        """
+        if self._data_started:
+            raise ConfigError("reserve() comes before the first tensor is written")
+        self._reserve_block(
+            [
+                (self._check_name(name, "state_dict"), TensorSpec(dtype, shape, False, None))
+                for name, dtype, shape in tensors
+            ]
+        )
 
     def write_state_dict(self, state_dict: Mapping[str, Any] | Sequence[Any]) -> None:
         """Write every tensor of a flat or nested state_dict (dicts with str keys, lists, tuples)."""
