@@ -63,8 +63,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from modelload.loader.errors import ModelloadError
 from modelload.loader.segment import SegmentReader, WriterState
 from modelload.loader.segment.layout import TensorState
-from modelload.sidecar.engine import Engine, EngineSettings, LoadStopped
+from modelload.sidecar.engine import Engine, LoadStopped
 from modelload.sidecar.progress import LoadTracker
+from modelload.sidecar.settings import LoadSettings
 from modelload.sidecar.sources import HttpSettings, RetryPolicy, SourceSettings
 from tests.sidecar import models
 from tests.support import fault_proxy as fp
@@ -228,7 +229,7 @@ def load(url: str, segment: Path, versions: Versions, proxy: SoakProxy) -> Resul
     reader stuck in a trickling range would otherwise hold the run for as long as the range takes.
     """
     engine = Engine(
-        EngineSettings(source=url, segment=segment, readers=3, chunk_size=64 << 10, notify=None),
+        LoadSettings(source=url, segment=segment, readers=3, chunk_size=64 << 10, notify=None),
         sources=SETTINGS,
         observer=LoadTracker(),
     )

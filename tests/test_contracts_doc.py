@@ -143,14 +143,24 @@ def test_every_sidecar_variable_of_the_wiring_table_is_one_the_sidecar_reads() -
     assert not unknown, f"the webhook sets variables the sidecar does not read: {sorted(unknown)}"
 
 
+def test_the_paths_ports_and_variables_of_the_pod_are_those_of_the_wiring_module() -> None:
+    from modelload.loader import wiring
+
+    text = CONTRACTS.read_text(encoding="utf-8")
+    for constant in wiring.__all__:
+        value = getattr(wiring, constant)
+        if callable(value):
+            continue
+        assert f"`{value}`" in text, f"contracts.md does not give {constant} = {value!r}"
+    assert "`loader/modelload/loader/wiring.py`" in text, (
+        "contracts.md names the wiring module as the source of truth"
+    )
+
+
 def test_the_paths_and_names_of_the_pod_are_those_of_the_webhook() -> None:
     injection = pytest.importorskip("modelload.operator.injection")
     text = CONTRACTS.read_text(encoding="utf-8")
     for constant in (
-        "MOUNT_PATH",
-        "SEGMENT_PATH",
-        "NOTIFY_ENDPOINT",
-        "MODEL_DIR_PATH",
         "KEY_DIR",
         "PASSWORD_DIR",
         "HEADERS_DIR",

@@ -68,7 +68,7 @@ def test_stage_onto_a_read_only_volume_says_read_only_not_full(
 def test_a_sidecar_on_a_read_only_volume_reports_a_segment_error_not_an_internal_one(
     model: Path, read_only_tmpfs: Path
 ) -> None:
-    from modelload.sidecar.cli import Sidecar
+    from modelload.sidecar.process import Sidecar
     from modelload.sidecar.settings import parse_settings
 
     argv = ["--source", str(model), "--segment", str(read_only_tmpfs / "m.seg"), "--notify", "none"]

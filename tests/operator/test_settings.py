@@ -74,3 +74,11 @@ def test_every_option_has_a_flag_and_a_prefixed_variable() -> None:
         assert option.flag.startswith("--")
         assert option.env.startswith("MODELLOAD_OPERATOR_")
     assert len({o.env for o in OPTIONS}) == len(OPTIONS)
+
+
+def test_a_bad_flag_stops_the_command_with_status_2_and_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from modelload.loader.cli.main import main
+
+    assert main(["operator", "--webhook-port", "99999"]) == 2
+    err = capsys.readouterr().err
+    assert err == "modelload operator: --webhook-port: 99999 is not a port number (1-65535)\n"

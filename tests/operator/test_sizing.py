@@ -9,8 +9,9 @@ import pytest
 
 from modelload.loader.errors import ConfigError
 from modelload.loader.formats import read_index
+from modelload.loader.sizes import format_bytes, parse_size
 from modelload.operator.model_source import check_priority, segment_bound
-from modelload.operator.quantity import format_mib, humanize_bytes, parse_bytes, parse_size
+from modelload.operator.quantity import format_mib, parse_bytes
 from modelload.operator.schema import parse_spec
 from modelload.operator.sizing import FIXED_HEADROOM, SizingDefaults, plan_sizing
 
@@ -40,8 +41,8 @@ def test_sizes_and_their_human_forms() -> None:
     assert parse_size("32MiB") == 32 << 20
     assert parse_size("65536") == 65536
     assert format_mib((1 << 30) + 1) == "1025Mi"
-    assert humanize_bytes(15 * (1 << 30)) == "15.0 GiB"
-    assert humanize_bytes(100) == "100 B"
+    assert format_bytes(15 * (1 << 30)) == "15.0 GiB"
+    assert format_bytes(100) == "100 B"
 
 
 def tensorizer_index(tmp_path: Path, shapes: list[tuple[int, ...]]):  # type: ignore[no-untyped-def]

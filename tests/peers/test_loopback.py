@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from modelload.loader.errors import ConfigError
-from modelload.sidecar.cli import Sidecar
 from modelload.sidecar.peers_map import owner
+from modelload.sidecar.process import Sidecar
 from modelload.sidecar.settings import parse_settings
 from tests.sidecar.models import assert_segment_matches, safetensors_bytes, tensorizer_bytes
 from tests.support.fixtures import nginx  # noqa: F401 - the fixture

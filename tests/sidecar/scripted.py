@@ -104,7 +104,7 @@ class ScriptedEngine:
 
 
 def scripted(**options: object):  # type: ignore[no-untyped-def]
-    """An engine factory for :class:`~modelload.sidecar.cli.Sidecar`: ``scripted(fail_at=2)``."""
+    """An engine factory for :class:`~modelload.sidecar.process.Sidecar`: ``scripted(fail_at=2)``."""
 
     def factory(settings: SidecarSettings, observer: LoadObserver) -> ScriptedEngine:
         return ScriptedEngine(settings, observer, **options)  # type: ignore[arg-type]

@@ -15,7 +15,7 @@ import pytest
 from modelload.loader import attach
 from modelload.loader.errors import LoadFailedError
 from modelload.loader.segment.failure import marker_path, write_failure
-from modelload.sidecar.cli import Sidecar, default_engine
+from modelload.sidecar.process import Sidecar, default_engine
 from modelload.sidecar.settings import parse_settings
 from tests.sidecar.scripted import scripted, tensor_values
 

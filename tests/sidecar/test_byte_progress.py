@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 
 from modelload.loader.formats.safetensors import save_file
-from modelload.sidecar.engine import Engine, EngineSettings
+from modelload.sidecar.engine import Engine
 from modelload.sidecar.meter import ChunkMeter
 from modelload.sidecar.progress import LoadTracker
+from modelload.sidecar.settings import LoadSettings
 from modelload.sidecar.sources import HttpSettings, SourceSettings
 from tests.support.fault_proxy import FaultProxy, Stall
 from tests.support.nginx import NginxServer
@@ -30,7 +31,7 @@ def test_a_long_range_shows_its_bytes_while_it_streams(
     nginx_proxy.always(Stall(after=2 * MiB, seconds=2.0), path="progress/one.safetensors")
     tracker = LoadTracker()
     engine = Engine(
-        EngineSettings(
+        LoadSettings(
             source=nginx_proxy.url("progress/one.safetensors"),
             segment=shm_dir / "model.seg",
             readers=1,

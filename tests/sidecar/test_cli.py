@@ -24,7 +24,8 @@ from modelload.loader.cli.main import main
 from modelload.loader.errors import ConfigError
 from modelload.loader.formats.safetensors import save_file
 from modelload.loader.segment import SegmentReader, TensorState, WriterState
-from modelload.sidecar.cli import LoggingObserver, Sidecar
+from modelload.sidecar.logs import LoggingObserver
+from modelload.sidecar.process import Sidecar
 from modelload.sidecar.settings import SidecarSettings, parse_settings
 from tests.sidecar.scripted import ELEMENTS, ScriptedEngine, scripted, tensor_values
 from tests.support.ports import free_port, wait_for_port
@@ -207,7 +208,7 @@ def test_retries_are_logged_at_most_once_a_second(caplog: pytest.LogCaptureFixtu
 def test_progress_is_logged_while_the_model_loads(
     run_sidecar: Callable[..., Sidecar], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("modelload.sidecar.cli.PROGRESS_INTERVAL", 0.0)
+    monkeypatch.setattr("modelload.sidecar.process.PROGRESS_INTERVAL", 0.0)
     caplog.set_level(logging.INFO, logger="modelload")
     sidecar = run_sidecar(scripted(tensors=4, pause_at=2))
     wait_for(lambda: sidecar.tracker.snapshot().tensors_ready == 2)
@@ -260,7 +261,7 @@ def test_the_help_states_what_a_failed_load_does(capsys: pytest.CaptureFixture[s
 
 def test_loading_the_commands_imports_no_web_framework_or_zmq() -> None:
     code = (
-        "import sys, modelload.sidecar.cli, modelload.sidecar.monitor;"
+        "import sys, modelload.sidecar.cli, modelload.sidecar.process, modelload.sidecar.monitor;"
         "heavy = ('fastapi', 'uvicorn', 'zmq', 'prometheus_client', 'modelload.sidecar.engine');"
         "print(sorted(m for m in heavy if m in sys.modules))"
     )
@@ -341,7 +342,8 @@ def test_the_command_keeps_serving_a_missing_source_as_a_failed_load(shm_dir: Pa
 
 PAUSED = """
 import sys
-from modelload.sidecar.cli import _configure_logging, run_sidecar
+from modelload.sidecar.cli import _configure_logging
+from modelload.sidecar.process import run_sidecar
 from modelload.sidecar.settings import parse_settings
 from tests.sidecar.scripted import scripted
 

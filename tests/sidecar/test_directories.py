@@ -23,8 +23,9 @@ from modelload.loader.errors import (
 )
 from modelload.loader.formats import _directory
 from modelload.loader.segment import SegmentReader, WriterState
-from modelload.sidecar.engine import Engine, EngineSettings
+from modelload.sidecar.engine import Engine
 from modelload.sidecar.progress import LoadTracker, Observers
+from modelload.sidecar.settings import LoadSettings
 from modelload.sidecar.sources import S3Settings, SourceSettings
 from tests.sidecar import models
 from tests.sidecar.test_engine import FAST, Recorder, load
@@ -224,7 +225,7 @@ def test_a_shard_replaced_mid_load_fails_the_segment_rather_than_mixing(nginx: A
                 )
 
     engine = Engine(
-        EngineSettings(source=nginx.url("hf/changing/"), segment=shm_dir / "model.seg", readers=1),
+        LoadSettings(source=nginx.url("hf/changing/"), segment=shm_dir / "model.seg", readers=1),
         sources=FAST,
         observer=Observers(ReplaceSecondShard(), LoadTracker()),
     )

@@ -26,8 +26,9 @@ from modelload.loader.errors import (
 )
 from modelload.loader.segment import SegmentReader, TensorFlags, WriterState
 from modelload.loader.segment import writer as writer_module
-from modelload.sidecar.engine import Engine, EngineSettings
+from modelload.sidecar.engine import Engine
 from modelload.sidecar.progress import LoadTracker, Observers
+from modelload.sidecar.settings import LoadSettings
 from modelload.sidecar.sources import HttpSettings, RetryPolicy, S3Settings, SourceSettings
 from tests.sidecar import models
 from tests.support.fault_proxy import Stall
@@ -61,7 +62,7 @@ def load(
 ) -> tuple[Recorder, LoadTracker]:
     recorder, tracker = Recorder(), LoadTracker()
     engine = Engine(
-        EngineSettings(source=source, segment=segment, **settings),
+        LoadSettings(source=source, segment=segment, **settings),
         sources=sources,
         observer=Observers(recorder, tracker),
     )
@@ -147,9 +148,7 @@ def test_a_corrupt_tensor_fails_the_load_and_marks_the_segment(nginx: Any, shm_d
     data = models.corrupt_tensor(models.tensorizer_bytes(tensors), "layers.1.attn.weight")
     url = nginx.put("engine-corrupt.bin", data)
     recorder = Recorder()
-    engine = Engine(
-        EngineSettings(source=url, segment=shm_dir / "model.seg"), sources=FAST, observer=recorder
-    )
+    engine = Engine(LoadSettings(source=url, segment=shm_dir / "model.seg"), sources=FAST, observer=recorder)
     with pytest.raises(HashMismatchError, match="CRC32"):
         engine.run()
     assert recorder.named("load_failed")[0]["kind"] == "hash_mismatch"
@@ -206,7 +205,7 @@ def test_stopping_mid_load_leaves_the_segment_failed_not_torn(
     nginx.put("engine-stop.bin", models.safetensors_bytes(tensors))
     nginx_proxy.always(Stall(after=0, seconds=0.2))
     engine = Engine(
-        EngineSettings(
+        LoadSettings(
             source=nginx_proxy.url("engine-stop.bin"),
             segment=shm_dir / "model.seg",
             readers=1,

@@ -23,8 +23,9 @@ from modelload.loader.errors import (
     TransientSourceError,
 )
 from modelload.loader.segment import SegmentReader, WriterState
-from modelload.sidecar.engine import Engine, EngineSettings
+from modelload.sidecar.engine import Engine
 from modelload.sidecar.progress import LoadTracker
+from modelload.sidecar.settings import LoadSettings
 from modelload.sidecar.sources import HttpSettings, RetryPolicy, S3Settings, SourceSettings
 from tests.sidecar import models
 from tests.support.fault_proxy import (
@@ -50,7 +51,7 @@ def run(source: str, segment: Path, sources: SourceSettings = SETTINGS, **kwargs
     tracker = LoadTracker()
     kwargs = {"readers": 3, "chunk_size": 64 << 10, **kwargs}
     engine = Engine(
-        EngineSettings(source=source, segment=segment, **kwargs),
+        LoadSettings(source=source, segment=segment, **kwargs),
         sources=sources,
         observer=tracker,
     )

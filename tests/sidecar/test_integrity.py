@@ -26,9 +26,10 @@ from modelload.loader.cli.main import main
 from modelload.loader.errors import HashMismatchError, SegmentSpaceError, SourceChangedError
 from modelload.loader.formats import read_index
 from modelload.loader.segment import SegmentReader, SegmentWriter, TensorFlags, WriterState
-from modelload.sidecar.engine import Engine, EngineSettings
+from modelload.sidecar.engine import Engine
 from modelload.sidecar.planner import plan_load
 from modelload.sidecar.progress import LoadTracker
+from modelload.sidecar.settings import LoadSettings
 from modelload.sidecar.sources import HttpSettings, RetryPolicy, SourceSettings
 from tests.sidecar import models
 
@@ -56,7 +57,7 @@ class _OnFirstData(LoadTracker):
 def load(source: str, segment: Path, *, observer: LoadTracker | None = None, **settings: Any) -> LoadTracker:
     tracker = observer or LoadTracker()
     kwargs = {"readers": 1, "chunk_size": 64 << 10, **settings}
-    Engine(EngineSettings(source=source, segment=segment, **kwargs), sources=FAST, observer=tracker).run()
+    Engine(LoadSettings(source=source, segment=segment, **kwargs), sources=FAST, observer=tracker).run()
     return tracker
 
 

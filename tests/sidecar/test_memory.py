@@ -20,11 +20,11 @@ from prometheus_client import generate_latest
 from modelload.loader import attach
 from modelload.loader.errors import ConfigError, LoadFailedError, MemoryWaitError, SegmentSpaceError
 from modelload.loader.segment import SegmentReader, TensorState, WriterState
-from modelload.sidecar.engine import Engine, EngineSettings
+from modelload.sidecar.engine import Engine
 from modelload.sidecar.memory import MemorySettings
 from modelload.sidecar.metrics import MetricsObserver
 from modelload.sidecar.progress import LoadTracker, Observers
-from modelload.sidecar.settings import parse_settings
+from modelload.sidecar.settings import LoadSettings, parse_settings
 from modelload.sidecar.sources import SourceSettings
 from tests.sidecar import models
 
@@ -46,7 +46,7 @@ class Load:
     def __init__(self, source: Path, segment: Path, memory: MemorySettings, **settings: Any) -> None:
         self.tracker, self.metrics = LoadTracker(), MetricsObserver()
         self.engine = Engine(
-            EngineSettings(source=str(source), segment=segment, chunk_size=CHUNK, memory=memory, **settings),
+            LoadSettings(source=str(source), segment=segment, chunk_size=CHUNK, memory=memory, **settings),
             sources=SourceSettings(),
             observer=Observers(self.tracker, self.metrics),
         )
@@ -230,7 +230,7 @@ def test_a_ring_serves_no_peers(tmp_path: Path, shm_dir: Path) -> None:
     segment = shm_dir / "peers.seg"
     peers = _Peers()
     engine = Engine(
-        EngineSettings(
+        LoadSettings(
             source=str(source), segment=segment, chunk_size=CHUNK,
             memory=MemorySettings(mode="ring", ring_size=RING),
         ),

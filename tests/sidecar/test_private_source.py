@@ -14,7 +14,7 @@ import pytest
 
 from modelload.loader.errors import ConfigError
 from modelload.loader.segment import SegmentReader, WriterState
-from modelload.sidecar.cli import Sidecar
+from modelload.sidecar.process import Sidecar
 from modelload.sidecar.settings import parse_settings
 from tests.sidecar import models
 from tests.support.fault_proxy import FaultProxy, Respond, Stall

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from modelload.loader.errors import ConfigError
+from modelload.loader.sizes import parse_size
 from modelload.sidecar.settings import (
     ENVIRONMENT,
     LoadSettings,
@@ -15,7 +16,6 @@ from modelload.sidecar.settings import (
     add_arguments,
     parse_bool,
     parse_settings,
-    parse_size,
 )
 from modelload.sidecar.sources import display_url
 
@@ -164,7 +164,7 @@ def test_sizes_accept_bytes_and_units(text: str, expected: int) -> None:
 @pytest.mark.parametrize("text", ["", "MiB", "32 MiBs", "-1", "1.5GiB", "32XB", "0x10"])
 def test_a_malformed_size_is_refused_with_what_is_expected(text: str) -> None:
     with pytest.raises(ConfigError, match=r"--chunk-size: expected a size such as 32MiB"):
-        parse_size(text, name="--chunk-size")
+        parse_size(text, setting="--chunk-size")
 
 
 @pytest.mark.parametrize(

@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 
 from modelload.loader.errors import ConfigError
-from modelload.sidecar.engine import Engine, EngineSettings
+from modelload.sidecar.engine import Engine
 from modelload.sidecar.progress import RATE_WINDOW, LoadTracker
+from modelload.sidecar.settings import LoadSettings
 from modelload.sidecar.sources import HttpSettings, RetryPolicy, SourceSettings
 from tests.sidecar import models
 from tests.support.fault_proxy import Stall, Trickle
@@ -34,7 +35,7 @@ def test_a_trickling_range_moves_to_another_connection_and_resumes_where_it_stop
     )
     tracker = LoadTracker()
     engine = Engine(
-        EngineSettings(
+        LoadSettings(
             source=nginx_proxy.url("trickle.bin"),
             segment=shm_dir / "model.seg",
             readers=1,

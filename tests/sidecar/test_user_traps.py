@@ -12,9 +12,9 @@ from prometheus_client import generate_latest
 
 from modelload.loader.cli.main import main
 from modelload.loader.errors import ConfigError
-from modelload.sidecar.cli import Sidecar
 from modelload.sidecar.metrics import MetricsObserver
 from modelload.sidecar.notify import Notifier
+from modelload.sidecar.process import Sidecar
 from modelload.sidecar.settings import parse_settings
 from tests.support.ports import free_port
 

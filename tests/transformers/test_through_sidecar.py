@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
-from modelload.sidecar.engine import Engine, EngineSettings
+from modelload.sidecar.engine import Engine
 from modelload.sidecar.progress import LoadTracker
+from modelload.sidecar.settings import LoadSettings
 from modelload.sidecar.sources import HttpSettings, RetryPolicy, S3Settings, SourceSettings
 from tests.support.fixtures import aws_env, moto_s3, nginx  # noqa: F401 - fixtures
 
@@ -48,7 +49,7 @@ def load_while_an_app_builds(source: str, segment: Path, sources: SourceSettings
     thread = threading.Thread(target=app)
     thread.start()
     tracker = LoadTracker()
-    settings = EngineSettings(source=source, segment=segment, chunk_size=32 << 10)
+    settings = LoadSettings(source=source, segment=segment, chunk_size=32 << 10)
     Engine(settings, sources=sources, observer=tracker).run()
     thread.join(60)
     assert not failed, failed

@@ -16,10 +16,20 @@ import sys
 import time
 from typing import Literal
 
-__all__ = ["LOG_FORMATS", "JsonFormatter", "LogFormat", "use_log_format"]
+from modelload.loader.errors import ConfigError
+
+__all__ = ["LOG_FORMATS", "JsonFormatter", "LogFormat", "parse_log_format", "use_log_format"]
 
 LogFormat = Literal["text", "json"]
 LOG_FORMATS: tuple[LogFormat, ...] = ("text", "json")
+
+
+def parse_log_format(text: str) -> LogFormat:
+    """``text`` or ``json``, in any case: the value of the sidecar's and the operator's ``--log-format``."""
+    value = text.strip().lower()
+    if value not in LOG_FORMATS:
+        raise ConfigError(f"{value!r} is not one of {', '.join(LOG_FORMATS)}")
+    return value
 
 
 class JsonFormatter(logging.Formatter):

@@ -5,6 +5,7 @@ you can do about it::
 
     ModelloadError
     ├── ConfigError                    a setting, flag or URI is wrong: fix the configuration
+    │   └── SourceUriError             the source URI cannot name a model
     ├── FormatError                    a model file breaks its format's rules: re-create or re-upload it
     │   ├── BadMagicError              not a file of the expected format
     │   ├── UnsupportedVersionError    a format version this build does not read
@@ -39,12 +40,33 @@ you can do about it::
     ├── LoadTimeoutError               waiting for tensors took longer than allowed (also a TimeoutError)
     └── SidecarUnavailableError        no sidecar serves the segment this process was pointed to
 
+Each class carries its own classification, as class attributes the consumers read instead of testing
+classes or parsing messages:
+
+``kind``
+    a short snake_case label for metrics and logs (the sidecar's ``modelload_load_failures_total{kind}`` and
+    its failure log line): what an operator should look at. ``internal`` for anything unclassified.
+``condition``
+    the ``reason`` of a ModelLoad's ``Ready`` condition when resolving it fails with this error (CamelCase,
+    docs/operator.md lists them). ``Error`` for anything unclassified.
+``transient``
+    the same call may well succeed later, unchanged: the operator retries it as ``Retrying``.
+``exit_status``
+    the status a service command (``modelload sidecar``) exits with when this error stops it at start: 2
+    for a configuration error, 1 otherwise. The one-shot commands (inspect, stage, serialize) exit 1 on any
+    error.
+
+A :class:`ConfigError` also names the ``setting`` it concerns (a flag, a variable, a spec field), which its
+message starts with.
+
 Third-party exceptions (botocore, HTTP clients, libsodium) are translated into this tree at one boundary,
 inside the module that calls the library, and chained as ``__cause__``. Messages name the file, object or
 setting involved and what to do; they never carry credentials, keys or passwords.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 __all__ = [
     "BadMagicError",
@@ -76,6 +98,7 @@ __all__ = [
     "SourceChangedError",
     "SourceError",
     "SourceNotFoundError",
+    "SourceUriError",
     "TensorReleasedError",
     "TransientSourceError",
     "TruncatedError",
@@ -88,9 +111,37 @@ __all__ = [
 class ModelloadError(Exception):
     """The base of every error modelload raises on purpose."""
 
+    kind: ClassVar[str] = "internal"
+    """The label of metrics and logs (see the module's docstring)."""
+    condition: str = "Error"
+    """The ModelLoad condition's reason. A class attribute; an operator error may set it per instance."""
+    transient: ClassVar[bool] = False
+    """Worth retrying unchanged."""
+    exit_status: ClassVar[int] = 1
+    """The exit status of a service command this error stops."""
+
 
 class ConfigError(ModelloadError, ValueError):
-    """A setting, flag, environment variable or URI is invalid. Fix it: retrying will not help."""
+    """A setting, flag, environment variable or URI is invalid. Fix it: retrying will not help.
+
+    ``setting`` names what is wrong (``--readers``, ``MODELLOAD_READERS``, ``spec.chunkSize``) when one
+    setting is; the message then starts with it.
+    """
+
+    kind = "config"
+    condition = "BadSpec"
+    exit_status = 2
+
+    def __init__(self, message: str, *, setting: str | None = None) -> None:
+        self.setting = setting
+        super().__init__(f"{setting}: {message}" if setting else message)
+
+
+class SourceUriError(ConfigError):
+    """The model's source URI cannot name a model: an unknown scheme, a malformed ``s3://`` or HTTP(S) URL, an
+    empty path, a query string the operator refuses. Fix the URI (``--source``, ``spec.source``)."""
+
+    condition = "BadSource"
 
 
 # --- files -------------------------------------------------------------------------------------------------
@@ -102,6 +153,9 @@ class FormatError(ModelloadError):
     ``source`` names the file or object when known. The file has to be re-created or re-uploaded: reading it
     again gives the same answer.
     """
+
+    kind = "format"
+    condition = "BadModel"
 
     def __init__(self, message: str, *, source: str | None = None) -> None:
         self.source = source
@@ -147,12 +201,16 @@ class UnsupportedDtypeError(FormatError):
 class HashMismatchError(FormatError):
     """The bytes read do not match the hash the file stores for them: the file or the transfer is corrupt."""
 
+    kind = "hash_mismatch"
+
 
 # --- encryption --------------------------------------------------------------------------------------------
 
 
 class EncryptionError(ModelloadError):
     """Encrypted data cannot be opened with what was given. Never carries the key or the password."""
+
+    kind = "encryption"
 
 
 class MissingKeyError(EncryptionError):
@@ -184,17 +242,30 @@ class SourceError(ModelloadError):
 class SourceNotFoundError(SourceError):
     """The object, bucket, file or URL does not exist. Check the URI."""
 
+    kind = "not_found"
+    condition = "SourceNotFound"
+
 
 class SourceAccessDeniedError(SourceError):
     """The source refused the credentials, or none were found. Check the Secret, role or bucket policy."""
+
+    kind = "access_denied"
+    condition = "AccessDenied"
 
 
 class SourceChangedError(SourceError):
     """The object changed (its ETag or size) while it was being read; the load would mix two versions."""
 
+    kind = "changed"
+    condition = "SourceUnreadable"
+    transient = True
+
 
 class RangeNotSupportedError(SourceError):
     """The server ignores HTTP Range requests, so the object cannot be read in parallel ranges."""
+
+    kind = "range_unsupported"
+    condition = "BadSource"
 
 
 class TransientSourceError(SourceError):
@@ -202,6 +273,10 @@ class TransientSourceError(SourceError):
 
     ``retry_after`` is the delay the source asked for, in seconds, when it named one.
     """
+
+    kind = "transient"
+    condition = "SourceUnreadable"
+    transient = True
 
     def __init__(self, message: str, *, uri: str | None = None, retry_after: float | None = None) -> None:
         self.retry_after = retry_after
@@ -214,6 +289,8 @@ class TransientSourceError(SourceError):
 class SegmentError(ModelloadError):
     """The shared-memory segment cannot be created, read or used."""
 
+    kind = "segment"
+
 
 class SegmentLayoutError(SegmentError):
     """The segment breaks a rule of its layout (segment/SPEC.md): it is corrupt, truncated or hostile."""
@@ -225,6 +302,8 @@ class SegmentVersionError(SegmentError):
 
 class SegmentSpaceError(SegmentError, OSError):
     """The volume has no room for the segment. Raise the emptyDir sizeLimit or the memory limit."""
+
+    kind = "no_space"
 
 
 class TensorReleasedError(SegmentError):

@@ -60,6 +60,8 @@ class Rules:
     """What a valid value looks like, for people; replaces the regular expression in errors."""
     cel: tuple[tuple[str, str], ...] = ()
     """``(rule, message)`` pairs for ``x-kubernetes-validations`` (checked by the API server only)."""
+    error: type[ConfigError] = ConfigError
+    """The branch of ConfigError a bad value of this field raises (its condition reason)."""
 
 
 def prop(
@@ -78,6 +80,7 @@ def prop(
     item_max_length: int | None = None,
     hint: str | None = None,
     cel: tuple[tuple[str, str], ...] = (),
+    error: type[ConfigError] = ConfigError,
 ) -> Any:
     """A dataclass field with its documentation and validation rules.
 
@@ -98,6 +101,7 @@ def prop(
         item_max_length=item_max_length,
         hint=hint,
         cel=cel,
+        error=error,
     )
     metadata = {_META_KEY: rules}
     if isinstance(default, (list, dict)):
@@ -262,10 +266,15 @@ def parse(cls: type[_T], data: Any, *, path: str = "spec") -> _T:
             elif optional:
                 kwargs[f.attr] = None
             else:
-                raise ConfigError(f"{where} is required")
+                raise f.rules.error(f"{where} is required")
             continue
-        value = _parse_value(hint, data[f.json], where)
-        _check_rules(value, f.rules, where)
+        try:
+            value = _parse_value(hint, data[f.json], where)
+            _check_rules(value, f.rules, where)
+        except ConfigError as exc:
+            if type(exc) is f.rules.error or type(exc) is not ConfigError:
+                raise
+            raise f.rules.error(str(exc)) from None
         kwargs[f.attr] = value
     return cls(**kwargs)
 

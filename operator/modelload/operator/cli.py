@@ -13,7 +13,7 @@ import os
 import sys
 
 from modelload.loader._logjson import use_log_format
-from modelload.loader.errors import ConfigError
+from modelload.loader.errors import ModelloadError
 from modelload.operator.settings import add_arguments, from_args
 
 __all__ = ["register"]
@@ -31,8 +31,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    """Run until stopped. Start-up mistakes (no Kubernetes configuration, an API server out of reach) are
-    one line on stderr, not a traceback: they are fixed outside the process."""
+    """Run until stopped. Start-up mistakes are one line on stderr and the error's ``exit_status``, not a
+    traceback: they are fixed outside the process. A bad flag or variable exits 2 (as the sidecar's do); no
+    Kubernetes configuration, an API server out of reach or a refused call, 1."""
+    try:
+        _serve(args)
+    except ModelloadError as exc:
+        print(f"modelload operator: {exc}", file=sys.stderr)
+        return exc.exit_status
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> None:
     import asyncio
 
     from kubernetes.config import ConfigException
@@ -46,19 +56,15 @@ def _run(args: argparse.Namespace) -> int:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     try:
         asyncio.run(run(settings))
-    except ConfigException as exc:
-        raise ConfigError(
+    except ConfigException as exc:  # nothing says where the API server is: no call can be made (exit 1)
+        raise KubeError(
             f"no Kubernetes configuration ({exc}): run in a cluster (the pod's service account), or point"
             " KUBECONFIG (default ~/.kube/config) at a kubeconfig with a current context"
         ) from None
     except KubeUnavailableError as exc:
-        print(
-            f"modelload operator: cannot reach the Kubernetes API server ({exc}); check the server address"
-            " of the current kubeconfig context and the network, then start again",
-            file=sys.stderr,
-        )
-        return 1
+        raise KubeUnavailableError(
+            f"cannot reach the Kubernetes API server ({exc}); check the server address of the current"
+            " kubeconfig context and the network, then start again"
+        ) from exc
     except KubeError as exc:
-        print(f"modelload operator: the Kubernetes API refused a start-up call: {exc}", file=sys.stderr)
-        return 1
-    return 0
+        raise KubeError(f"the Kubernetes API refused a start-up call: {exc}") from exc

@@ -37,8 +37,22 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from modelload.loader.errors import ModelloadError
+from modelload.loader.sizes import parse_size
+from modelload.loader.wiring import (
+    MODEL_DIR_ENV,
+    MODEL_DIR_PATH,
+    MOUNT_PATH,
+    NOTIFY_ENDPOINT,
+    NOTIFY_ENV,
+    SEGMENT_ENV,
+    SEGMENT_PATH,
+    STATUS_PORT,
+    STATUS_URL_ENV,
+    status_url,
+)
 from modelload.operator.peers import PEER_DIR, PEER_VOLUME, peer_env, peer_volume
-from modelload.operator.quantity import parse_bytes, parse_size
+from modelload.operator.quantity import parse_bytes
 from modelload.operator.resource import ResolvedModel
 from modelload.operator.schema import MODEL_LABEL, ModelLoadSpec
 from modelload.operator.settings import SidecarSettings
@@ -60,12 +74,6 @@ VOLUME_NAME = "modelload"
 KEY_VOLUME = "modelload-key"
 PASSWORD_VOLUME = "modelload-password"  # noqa: S105 - a volume name
 HEADERS_VOLUME = "modelload-headers"
-MOUNT_PATH = "/run/modelload"
-SEGMENT_PATH = f"{MOUNT_PATH}/model.seg"
-NOTIFY_ENDPOINT = f"ipc://{MOUNT_PATH}/notify.sock"
-MODEL_DIR_PATH = f"{MOUNT_PATH}/model"
-"""Where the sidecar puts a directory model's config and tokenizer (its default: ``model/`` beside the
-segment); the app passes it to its engine as the model path."""
 KEY_DIR = "/var/run/secrets/modelload/key"
 PASSWORD_DIR = "/var/run/secrets/modelload/password"  # noqa: S105 - a path
 HEADERS_DIR = "/var/run/secrets/modelload/headers"
@@ -81,8 +89,10 @@ not own the files, and no other container mounts the volume."""
 Op = dict[str, Any]
 
 
-class InjectionError(Exception):
+class InjectionError(ModelloadError):
     """The pod cannot be given the model as asked (a bad annotation, a name clash); the message says why."""
+
+    kind = "bad_pod"
 
 
 def pointer(*parts: str | int) -> str:
@@ -340,9 +350,9 @@ def sidecar_env(model: ResolvedModel, *, port: int) -> list[dict[str, Any]]:
     spec = model.spec
     env: list[dict[str, Any]] = [
         {"name": "MODELLOAD_SOURCE", "value": spec.source},
-        {"name": "MODELLOAD_SEGMENT", "value": SEGMENT_PATH},
-        {"name": "MODELLOAD_NOTIFY", "value": NOTIFY_ENDPOINT},
-        {"name": "MODELLOAD_MODEL_DIR", "value": MODEL_DIR_PATH},
+        {"name": SEGMENT_ENV, "value": SEGMENT_PATH},
+        {"name": NOTIFY_ENV, "value": NOTIFY_ENDPOINT},
+        {"name": MODEL_DIR_ENV, "value": MODEL_DIR_PATH},
         {"name": "MODELLOAD_FORMAT", "value": spec.format},
         {"name": "MODELLOAD_READERS", "value": str(spec.readers)},
         {"name": "MODELLOAD_CHUNK_SIZE", "value": str(parse_size(spec.chunk_size))},
@@ -389,13 +399,13 @@ def _secret_env(name: str, secret: str, key: str, *, optional: bool) -> dict[str
     return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key, "optional": optional}}}
 
 
-def target_env(port: int = 8479) -> list[dict[str, str]]:
+def target_env(port: int = STATUS_PORT) -> list[dict[str, str]]:
     """What the loader library in an inference container reads (docs/contracts.md, "Variables")."""
     return [
-        {"name": "MODELLOAD_SEGMENT", "value": SEGMENT_PATH},
-        {"name": "MODELLOAD_NOTIFY", "value": NOTIFY_ENDPOINT},
-        {"name": "MODELLOAD_STATUS_URL", "value": f"http://127.0.0.1:{port}"},
-        {"name": "MODELLOAD_MODEL_DIR", "value": MODEL_DIR_PATH},
+        {"name": SEGMENT_ENV, "value": SEGMENT_PATH},
+        {"name": NOTIFY_ENV, "value": NOTIFY_ENDPOINT},
+        {"name": STATUS_URL_ENV, "value": status_url(port)},
+        {"name": MODEL_DIR_ENV, "value": MODEL_DIR_PATH},
     ]
 
 

@@ -5,14 +5,17 @@ kopf owns the watches and the patches of the objects it handles. Everything else
 configuration's caBundle, the server's version) goes through :class:`Kube`, a thin async face over the
 official client's blocking calls (run in threads). Its errors are sorted by what the caller does next::
 
-    KubeError
-    ├── KubeNotFoundError      the object does not exist
-    ├── KubeForbiddenError     RBAC refuses the call: a chart or role is missing a rule
-    ├── KubeConflictError      the object exists already (create)
-    ├── KubeInvalidError       the API server refused the request's content: a bug to report
-    └── KubeUnavailableError   worth retrying: a 5xx, a timeout, a refused connection
+    ModelloadError (modelload.loader.errors)
+    └── KubeError
+        ├── KubeNotFoundError      the object does not exist
+        ├── KubeForbiddenError     RBAC refuses the call: a chart or role is missing a rule
+        ├── KubeConflictError      the object exists already (create)
+        ├── KubeInvalidError       the API server refused the request's content: a bug to report
+        └── KubeUnavailableError   worth retrying: a 5xx, a timeout, a refused connection
 
-Messages name the object and the verb; a Secret's data never appears in one.
+They are branches of the project's one error tree, with its classification: a ModelLoad whose resolving
+fails on ``KubeForbiddenError`` says ``Forbidden``, on ``KubeUnavailableError`` ``APIUnavailable`` (and
+retries). Messages name the object and the verb; a Secret's data never appears in one.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from modelload.loader.errors import ModelloadError
 from modelload.operator.schema import GROUP, PLURAL, VERSION
 
 __all__ = [
@@ -41,7 +45,7 @@ MERGE_PATCH = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
 
 
-class KubeError(Exception):
+class KubeError(ModelloadError):
     """A Kubernetes API call failed; the subclass says whether to fix, wait or retry."""
 
 
@@ -50,7 +54,7 @@ class KubeNotFoundError(KubeError):
 
 
 class KubeForbiddenError(KubeError):
-    pass
+    condition = "Forbidden"
 
 
 class KubeConflictError(KubeError):
@@ -62,7 +66,8 @@ class KubeInvalidError(KubeError):
 
 
 class KubeUnavailableError(KubeError):
-    pass
+    condition = "APIUnavailable"
+    transient = True
 
 
 def load_configuration() -> Any:

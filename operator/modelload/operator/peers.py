@@ -17,6 +17,7 @@ import secrets
 from collections.abc import Mapping
 from typing import Any
 
+from modelload.loader.wiring import PEER_PORT
 from modelload.operator.kube import Kube, KubeConflictError
 from modelload.operator.schema import GROUP, MODEL_LABEL, VERSION
 
@@ -30,7 +31,6 @@ __all__ = [
     "token_secret_body",
 ]
 
-PEER_PORT = 8480
 PEER_VOLUME = "modelload-peer-token"
 PEER_DIR = "/var/run/secrets/modelload/peer"
 TOKEN_KEY = "token"  # noqa: S105 - the Secret's key name

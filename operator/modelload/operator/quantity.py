@@ -1,7 +1,9 @@
-"""Kubernetes resource quantities, as far as memory sizing needs them: parse to bytes, format, humanize.
+"""Kubernetes resource quantities, as far as memory sizing needs them: parse to bytes, and format.
 
 The webhook computes the pod's volume ``sizeLimit`` and the sidecar's memory from a model's byte count, and
 compares users' overrides with what the model needs, so both directions are exact integers (no floats).
+These are the values written into a pod spec, so the grammar is Kubernetes' own (``1.5Gi``, ``500m``,
+``2e9``; not ``1GB``); the project's other sizes (``chunkSize``, flags) use :mod:`modelload.loader.sizes`.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from decimal import Decimal, InvalidOperation
 
 from modelload.loader.errors import ConfigError
 
-__all__ = ["MIB", "format_mib", "humanize_bytes", "parse_bytes", "parse_size"]
+__all__ = ["MIB", "format_mib", "parse_bytes"]
 
 MIB = 1 << 20
 
@@ -55,27 +57,6 @@ def parse_bytes(value: str | int) -> int:
     return math.ceil(total)
 
 
-def parse_size(text: str) -> int:
-    """A chunk size as the ModelLoad spec writes it (``32MiB``, ``65536``, ``1GiB``, ``512B``) in bytes."""
-    match = re.fullmatch(r"([1-9][0-9]*)(B|KiB|MiB|GiB)?", text.strip())
-    if match is None:
-        raise ConfigError(
-            f"{text!r} is not a size: use a number of bytes with an optional B, KiB, MiB or GiB"
-        )
-    unit = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}[match.group(2) or ""]
-    return int(match.group(1)) * unit
-
-
 def format_mib(nbytes: int) -> str:
     """``nbytes`` rounded up to whole MiB, as a quantity (``1536Mi``): exact, and readable in a pod spec."""
     return f"{max(1, math.ceil(nbytes / MIB))}Mi"
-
-
-def humanize_bytes(nbytes: int) -> str:
-    """``15.0 GiB``: for the status column people read, never for arithmetic."""
-    size = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")  # pragma: no cover

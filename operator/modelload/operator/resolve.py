@@ -37,25 +37,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from modelload.loader.errors import (
-    ConfigError,
-    FormatError,
-    ModelloadError,
-    RangeNotSupportedError,
-    SourceAccessDeniedError,
-    SourceChangedError,
-    SourceNotFoundError,
-    TransientSourceError,
-)
+from modelload.loader.errors import ConfigError, ModelloadError, SourceUriError, TransientSourceError
+from modelload.loader.sizes import format_bytes
 from modelload.operator.conditions import set_condition
 from modelload.operator.injection import source_query_problem
-from modelload.operator.kube import (
-    Kube,
-    KubeError,
-    KubeForbiddenError,
-    KubeNotFoundError,
-    KubeUnavailableError,
-)
+from modelload.operator.kube import Kube, KubeNotFoundError
 from modelload.operator.model_source import (
     ModelSummary,
     RequestHeaders,
@@ -63,7 +49,6 @@ from modelload.operator.model_source import (
     parse_headers,
     read_summary,
 )
-from modelload.operator.quantity import humanize_bytes
 from modelload.operator.schema import ModelLoadSpec
 from modelload.operator.settings import RetrySettings
 from modelload.operator.sizing import Sizing, SizingDefaults, plan_sizing
@@ -81,11 +66,12 @@ __all__ = [
 KEY_BYTES = 32
 
 
-class SecretProblemError(Exception):
-    """A referenced Secret is missing, lacks a key, or holds a value of the wrong shape."""
+class SecretProblemError(ModelloadError):
+    """A referenced Secret is missing, lacks a key, or holds a value of the wrong shape; ``condition`` is
+    the reason (``SecretNotFound``, ``BadKey``...) the ModelLoad's condition gives."""
 
-    def __init__(self, reason: str, message: str) -> None:
-        self.reason = reason
+    def __init__(self, condition: str, message: str) -> None:
+        self.condition = condition
         super().__init__(message)
 
 
@@ -108,7 +94,7 @@ async def resolve(*, kube: Kube, namespace: str, spec: ModelLoadSpec, sizing: Si
     """Check the Secrets, read the index (in a thread), and size the pods' volume and sidecar."""
     problem = source_query_problem(spec.source)
     if problem is not None:
-        raise ConfigError(f"spec.source: {problem}")
+        raise SourceUriError(problem, setting="spec.source")
     credentials = await read_credentials(kube, namespace, spec)
     headers = await read_headers(kube, namespace, spec)
     await check_decryption_secret(kube, namespace, spec)
@@ -240,42 +226,24 @@ def backoff(retry: int, policy: RetrySettings, retry_after: float | None = None)
     return max(delay, retry_after or 0.0)
 
 
+_ADVICE = {"BadModel": ". The file is not a readable model: upload it again, or fix spec.format"}
+"""What a condition's message adds to the error's own, by reason."""
+
+
 def classify_failure(exc: BaseException, *, retry: int, policy: RetrySettings) -> Failure | None:
-    """What a failure of :func:`resolve` means; None for an unexpected error (let kopf retry and log it)."""
-    reason, message = _reason(exc)
-    if reason is None:
+    """What a failure of :func:`resolve` means, from the error's own classification (its ``condition`` and
+    ``transient``: :mod:`modelload.loader.errors`); None for an unexpected error (let kopf retry and log
+    it)."""
+    if not isinstance(exc, ModelloadError):
         return None
-    if isinstance(exc, (TransientSourceError, SourceChangedError, KubeUnavailableError)):
+    reason = exc.condition
+    message = f"{exc}{_ADVICE.get(reason, '')}"
+    if exc.transient:
         retry_after = exc.retry_after if isinstance(exc, TransientSourceError) else None
-        return Failure(reason, message, "Retrying", backoff(retry, policy, retry_after))
+        return Failure(reason, f"{message} (retrying)", "Retrying", backoff(retry, policy, retry_after))
     if reason in _FIX_ELSEWHERE:
         return Failure(reason, message, "Failed", backoff(retry, policy))
     return Failure(reason, message, "Failed", None)
-
-
-def _reason(exc: BaseException) -> tuple[str | None, str]:
-    message = str(exc)
-    if isinstance(exc, SecretProblemError):
-        return exc.reason, message
-    if isinstance(exc, ConfigError):
-        return ("BadSource" if "source" in message.split(":", maxsplit=1)[0] else "BadSpec"), message
-    if isinstance(exc, FormatError):
-        return "BadModel", f"{message}. The file is not a readable model: upload it again, or fix spec.format"
-    if isinstance(exc, SourceNotFoundError):
-        return "SourceNotFound", message
-    if isinstance(exc, SourceAccessDeniedError):
-        return "AccessDenied", message
-    if isinstance(exc, RangeNotSupportedError):
-        return "BadSource", message
-    if isinstance(exc, (TransientSourceError, SourceChangedError)):
-        return "SourceUnreadable", f"{message} (retrying)"
-    if isinstance(exc, KubeForbiddenError):
-        return "Forbidden", message
-    if isinstance(exc, KubeUnavailableError):
-        return "APIUnavailable", f"{message} (retrying)"
-    if isinstance(exc, (ModelloadError, KubeError)):
-        return "Error", message
-    return None, message
 
 
 # --- status bodies -----------------------------------------------------------------------------------------
@@ -286,7 +254,7 @@ def success_status(
 ) -> dict[str, Any]:
     s = resolution.summary
     message = (
-        f"{s.tensors} tensors, {humanize_bytes(s.bytes)} ({s.format} v{s.format_version}"
+        f"{s.tensors} tensors, {format_bytes(s.bytes)} ({s.format} v{s.format_version}"
         f"{', encrypted' if s.encrypted else ''}); "
         f"pods get a {resolution.sizing.volume_size_limit} memory volume"
     )
@@ -297,7 +265,7 @@ def success_status(
         "formatVersion": s.format_version,
         "tensors": s.tensors,
         "bytes": s.bytes,
-        "size": humanize_bytes(s.bytes),
+        "size": format_bytes(s.bytes),
         "fileBytes": s.file_bytes,
         "files": s.files,
         "encrypted": s.encrypted,

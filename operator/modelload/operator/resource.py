@@ -10,13 +10,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from modelload.loader.errors import ModelloadError
 from modelload.operator.schema import ModelLoadSpec, parse_spec
 
 __all__ = ["NotResolvedError", "ResolvedModel", "label_value"]
 
 
-class NotResolvedError(Exception):
+class NotResolvedError(ModelloadError):
     """The ModelLoad exists but its index has not been read for its current spec; the message says why."""
+
+    kind = "model_not_ready"
 
 
 def label_value(body: Mapping[str, Any]) -> str:

@@ -24,9 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from modelload.loader.errors import ConfigError
+from modelload.loader.errors import ConfigError, SourceUriError
+from modelload.loader.sizes import parse_size
 from modelload.operator._dataschema import Quantity, dump, openapi, parse, prop
-from modelload.operator.quantity import parse_bytes, parse_size
+from modelload.operator.quantity import parse_bytes
 
 __all__ = [
     "API_VERSION",
@@ -220,6 +221,7 @@ class ModelLoadSpec:
         "from its own.",
         pattern=SOURCE_PATTERN,
         max_length=2048,
+        error=SourceUriError,
         hint="s3://bucket/key (bucket: 3-63 lower-case letters, digits, dots, dashes), http(s)://host/path "
         "without user:password@ (credentials belong in a Secret), or file:///path",
     )

@@ -1,8 +1,10 @@
 """The operator's settings: typed, grouped, read once at the edge (flags and ``MODELLOAD_OPERATOR_*``).
 
-Every knob is one row of :data:`OPTIONS`: its flag, its environment variable, its default and why. The CLI
-builds its parser from the table (a flag wins over the variable), the Helm chart sets the variables, and
-nothing below this module reads the environment.
+Every knob is one row of :data:`OPTIONS`: its flag, its environment variable and its parser; its default
+and why are on the dataclasses below. The rows are the loader's :class:`~modelload.loader.options.Option`,
+read as the sidecar reads its own (a flag wins over the variable, an empty variable is unset, a bad value is
+a ConfigError naming the flag or variable). The Helm chart sets the variables, and nothing below this
+module reads the environment.
 """
 
 from __future__ import annotations
@@ -13,7 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from modelload.loader import options
+from modelload.loader._logjson import parse_log_format
 from modelload.loader.errors import ConfigError
+from modelload.loader.options import Lookup, Option, parse_list, parse_text
+from modelload.loader.wiring import STATUS_PORT
 from modelload.operator.quantity import parse_bytes
 from modelload.operator.sizing import SizingDefaults
 
@@ -43,7 +49,7 @@ class SidecarSettings:
     """native: an init container with restartPolicy Always (Kubernetes 1.29+ with the SidecarContainers gate,
     on by default from 1.29). regular: a container that never exits. auto: native when the API server
     reports 1.29 or later; set native/regular when nodes lag the control plane or the gate is off."""
-    port: int = 8479
+    port: int = STATUS_PORT
     segment_group: int = 8479
     """The group a pod without an fsGroup gets as a supplemental group, and the sidecar runs as, so the app
     can read the 0640 segment. 0: add none (the pod's fsGroup, or running the app as the sidecar's group, is
@@ -99,16 +105,9 @@ class OperatorSettings:
     """Seconds between two readings of a peered model's pod stats (status.fleet); one GET per serving pod."""
 
 
-@dataclass(frozen=True)
-class Option:
-    flag: str
-    env: str
-    path: tuple[str, ...]
-    convert: Callable[[str], Any]
-    help: str
-
-
 def _choice(*allowed: str) -> Callable[[str], str]:
+    """One of ``allowed``, exactly: Kubernetes' enums (``IfNotPresent``) are case-sensitive."""
+
     def convert(text: str) -> str:
         if text not in allowed:
             raise ConfigError(f"{text!r} is not one of {', '.join(allowed)}")
@@ -117,193 +116,197 @@ def _choice(*allowed: str) -> Callable[[str], str]:
     return convert
 
 
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError as exc:
-        raise ConfigError(f"{text!r} is not a port number") from exc
-    if not 0 < port < 65536:
-        raise ConfigError(f"{port} is not a port number (1-65535)")
-    return port
+def _number(convert: Callable[[str], Any], what: str, valid: Callable[[Any], bool], bounds: str) -> Any:
+    """A parser of the numbers ``convert`` reads and ``valid`` accepts; messages say ``what``, ``bounds``."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError as exc:
+            raise ConfigError(f"{text!r} is not {what}") from exc
+        if not valid(value):
+            raise ConfigError(f"{value} is not {bounds}")
+        return value
+
+    return parse
+
+
+_port: Callable[[str], int] = _number(
+    int, "a port number", lambda v: 0 < v < 65536, "a port number (1-65535)"
+)
+_group: Callable[[str], int] = _number(
+    int, "a group id", lambda v: 0 <= v < 2**31, "a group id (0 to 2147483647; 0 turns the group off)"
+)
+_seconds: Callable[[str], float] = _number(
+    float, "a number of seconds", lambda v: 0 < v < 86400, "a sensible number of seconds (0 to 86400)"
+)
 
 
 def _port_or_off(text: str) -> int:
     return 0 if text.strip() == "0" else _port(text)
 
 
-def _group(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError as exc:
-        raise ConfigError(f"{text!r} is not a group id") from exc
-    if not 0 <= value < 2**31:
-        raise ConfigError(f"{value} is not a group id (0 to 2147483647; 0 turns the group off)")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError as exc:
-        raise ConfigError(f"{text!r} is not a number of seconds") from exc
-    if not 0 < value < 86400:
-        raise ConfigError(f"{value} is not a sensible number of seconds (0 to 86400)")
-    return value
-
-
-def _namespaces(text: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in text.split(",") if part.strip())
-
-
 OPTIONS: tuple[Option, ...] = (
     Option(
-        "--namespace", "MODELLOAD_OPERATOR_NAMESPACE", ("namespace",), str, "the operator's own namespace"
+        "namespace",
+        "--namespace",
+        "MODELLOAD_OPERATOR_NAMESPACE",
+        "the operator's own namespace",
+        parse=parse_text,
     ),
     Option(
+        "watch_namespaces",
         "--watch-namespaces",
         "MODELLOAD_OPERATOR_WATCH_NAMESPACES",
-        ("watch_namespaces",),
-        _namespaces,
         "comma-separated namespaces to serve (default: the whole cluster)",
+        parse=parse_list,
     ),
     Option(
-        "--liveness-port", "MODELLOAD_OPERATOR_LIVENESS_PORT", ("liveness_port",), _port, "kopf's /healthz"
+        "liveness_port", "--liveness-port", "MODELLOAD_OPERATOR_LIVENESS_PORT", "kopf's /healthz", parse=_port
     ),
     Option(
+        "metrics_port",
         "--metrics-port",
         "MODELLOAD_OPERATOR_METRICS_PORT",
-        ("metrics_port",),
-        _port_or_off,
         "Prometheus /metrics port (default 0: off)",
+        parse=_port_or_off,
     ),
-    Option("--log-level", "MODELLOAD_OPERATOR_LOG_LEVEL", ("log_level",), str.upper, "DEBUG, INFO, WARNING"),
     Option(
+        "log_level", "--log-level", "MODELLOAD_OPERATOR_LOG_LEVEL", "DEBUG, INFO, WARNING", parse=str.upper
+    ),
+    Option(
+        "log_format",
         "--log-format",
         "MODELLOAD_OPERATOR_LOG_FORMAT",
-        ("log_format",),
-        _choice("text", "json"),
         "text (default) or json: one JSON object per line",
+        parse=parse_log_format,
     ),
-    Option("--webhook-port", "MODELLOAD_OPERATOR_WEBHOOK_PORT", ("webhook", "port"), _port, "HTTPS port"),
-    Option("--webhook-host", "MODELLOAD_OPERATOR_WEBHOOK_HOST", ("webhook", "host"), str, "bind address"),
+    Option("webhook.port", "--webhook-port", "MODELLOAD_OPERATOR_WEBHOOK_PORT", "HTTPS port", parse=_port),
     Option(
+        "webhook.host", "--webhook-host", "MODELLOAD_OPERATOR_WEBHOOK_HOST", "bind address", parse=parse_text
+    ),
+    Option(
+        "webhook.tls",
         "--webhook-tls",
         "MODELLOAD_OPERATOR_WEBHOOK_TLS",
-        ("webhook", "tls"),
-        _choice("self-signed", "files"),
         "self-signed (the operator manages a CA) or files (cert-manager mounts them)",
+        parse=_choice("self-signed", "files"),
     ),
     Option(
-        "--cert-dir", "MODELLOAD_OPERATOR_CERT_DIR", ("webhook", "cert_dir"), Path, "tls.crt/tls.key folder"
+        "webhook.cert_dir", "--cert-dir", "MODELLOAD_OPERATOR_CERT_DIR", "tls.crt/tls.key folder", parse=Path
     ),
-    Option("--webhook-service", "MODELLOAD_OPERATOR_WEBHOOK_SERVICE", ("webhook", "service"), str, "Service"),
     Option(
+        "webhook.service",
+        "--webhook-service",
+        "MODELLOAD_OPERATOR_WEBHOOK_SERVICE",
+        "Service",
+        parse=parse_text,
+    ),
+    Option(
+        "webhook.configuration",
         "--webhook-configuration",
         "MODELLOAD_OPERATOR_WEBHOOK_CONFIGURATION",
-        ("webhook", "configuration"),
-        str,
         "MutatingWebhookConfiguration whose caBundle the operator sets (self-signed mode)",
+        parse=parse_text,
     ),
-    Option("--tls-secret", "MODELLOAD_OPERATOR_TLS_SECRET", ("webhook", "tls_secret"), str, "CA+cert Secret"),
-    Option("--sidecar-image", "MODELLOAD_OPERATOR_SIDECAR_IMAGE", ("sidecar", "image"), str, "sidecar image"),
     Option(
+        "webhook.tls_secret",
+        "--tls-secret",
+        "MODELLOAD_OPERATOR_TLS_SECRET",
+        "CA+cert Secret",
+        parse=parse_text,
+    ),
+    Option(
+        "sidecar.image",
+        "--sidecar-image",
+        "MODELLOAD_OPERATOR_SIDECAR_IMAGE",
+        "sidecar image",
+        parse=parse_text,
+    ),
+    Option(
+        "sidecar.image_pull_policy",
         "--sidecar-pull-policy",
         "MODELLOAD_OPERATOR_SIDECAR_PULL_POLICY",
-        ("sidecar", "image_pull_policy"),
-        _choice("Always", "IfNotPresent", "Never"),
         "sidecar imagePullPolicy",
+        parse=_choice("Always", "IfNotPresent", "Never"),
     ),
     Option(
+        "sidecar.mode",
         "--sidecar-mode",
         "MODELLOAD_OPERATOR_SIDECAR_MODE",
-        ("sidecar", "mode"),
-        _choice("auto", "native", "regular"),
         "native sidecar (1.29+), regular container, or auto from the API server's version",
+        parse=_choice("auto", "native", "regular"),
     ),
     Option(
+        "sidecar.log_format",
         "--sidecar-log-format",
         "MODELLOAD_OPERATOR_SIDECAR_LOG_FORMAT",
-        ("sidecar", "log_format"),
-        _choice("text", "json"),
         "the injected sidecars' log format: text (default) or json",
+        parse=parse_log_format,
     ),
     Option(
+        "sidecar.segment_group",
         "--segment-group",
         "MODELLOAD_OPERATOR_SEGMENT_GROUP",
-        ("sidecar", "segment_group"),
-        _group,
         "group that may read a pod's segment when the pod has no fsGroup (default 8479; 0: none)",
+        parse=_group,
     ),
     Option(
+        "sidecar.sizing.working_set_bytes",
         "--sidecar-working-set",
         "MODELLOAD_OPERATOR_SIDECAR_WORKING_SET",
-        ("sidecar", "sizing", "working_set_bytes"),
-        parse_bytes,
         "sidecar memory beyond the model (e.g. 512Mi)",
+        parse=parse_bytes,
     ),
     Option(
+        "retry.first_delay",
         "--retry-first-delay",
         "MODELLOAD_OPERATOR_RETRY_FIRST_DELAY",
-        ("retry", "first_delay"),
-        _seconds,
         "seconds before re-trying a ModelLoad that could not be resolved (doubled each time)",
+        parse=_seconds,
     ),
     Option(
+        "retry.max_delay",
         "--retry-max-delay",
         "MODELLOAD_OPERATOR_RETRY_MAX_DELAY",
-        ("retry", "max_delay"),
-        _seconds,
         "the longest wait between tries",
+        parse=_seconds,
     ),
     Option(
+        "sidecar.sizing.cpu_request",
         "--sidecar-cpu-request",
         "MODELLOAD_OPERATOR_SIDECAR_CPU_REQUEST",
-        ("sidecar", "sizing", "cpu_request"),
-        str,
         "sidecar CPU request (e.g. 500m)",
+        parse=parse_text,
     ),
     Option(
+        "fleet_interval",
         "--fleet-interval",
         "MODELLOAD_OPERATOR_FLEET_INTERVAL",
-        ("fleet_interval",),
-        _seconds,
         "seconds between readings of peered models' pod stats into status.fleet (default 20)",
+        parse=_seconds,
     ),
 )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per option; each defaults to nothing so :func:`from_args` can fall back to the environment."""
-    for option in OPTIONS:
-        parser.add_argument(
-            option.flag,
-            dest=_dest(option),
-            default=None,
-            metavar=option.flag[2:].upper().replace("-", "_"),
-            help=f"{option.help} [{option.env}]",
-        )
-
-
-def _dest(option: Option) -> str:
-    return "opt_" + "_".join(option.path)
+    options.add_arguments(parser, OPTIONS)
 
 
 def from_args(args: argparse.Namespace | None, environ: Mapping[str, str]) -> OperatorSettings:
     """Settings from flags, then ``MODELLOAD_OPERATOR_*`` variables, then the defaults above."""
+    lookup = Lookup(OPTIONS, vars(args) if args is not None else {}, environ)
     values: dict[tuple[str, ...], Any] = {}
     for option in OPTIONS:
-        raw = getattr(args, _dest(option), None) if args is not None else None
-        source = option.flag
-        if raw is None:
-            raw = environ.get(option.env)
-            source = option.env
-        if raw is None or raw == "":
-            continue
-        try:
-            values[option.path] = option.convert(raw)
-        except ConfigError as exc:
-            raise ConfigError(f"{source}: {exc}") from exc
+        assert option.parse is not None
+        value = lookup.get(option.dest, option.parse, _UNSET)
+        if value is not _UNSET:
+            values[tuple(option.dest.split("."))] = value
     return _build(values)
+
+
+_UNSET: Any = object()
 
 
 def _build(values: Mapping[tuple[str, ...], Any]) -> OperatorSettings:

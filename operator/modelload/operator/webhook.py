@@ -24,7 +24,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
-from modelload.loader.errors import ConfigError
+from modelload.loader.errors import ConfigError, ModelloadError
 from modelload.operator.injection import InjectionError, build_patch, has_sidecar, model_label
 from modelload.operator.kube import Kube, KubeError
 from modelload.operator.metrics import METRICS, OperatorMetrics
@@ -40,8 +40,10 @@ ModelLookup = Callable[[str, str], Awaitable[Mapping[str, Any]]]
 """``lookup(namespace, label_value)`` → the ModelLoad object, or :class:`ModelNotFoundError`."""
 
 
-class ModelNotFoundError(Exception):
+class ModelNotFoundError(ModelloadError):
     """No single ModelLoad answers to a pod's label; the message says what to create or fix."""
+
+    kind = "model_not_found"
 
 
 def kube_lookup(kube: Kube) -> ModelLookup:
@@ -92,7 +94,9 @@ class PodWebhook:
         try:
             patch, result = await self._patch_for(request)
         except (ModelNotFoundError, NotResolvedError, InjectionError, ConfigError) as exc:
-            self._metrics.refused(reason=_refusal_reason(exc), seconds=time.monotonic() - started)
+            # A ConfigError here is the ModelLoad's spec (or its overrides) as the pod's patch reads it.
+            reason = "bad_spec" if isinstance(exc, ConfigError) else exc.kind
+            self._metrics.refused(reason=reason, seconds=time.monotonic() - started)
             return _response(review, uid, allowed=False, code=403, message=str(exc))
         except KubeError as exc:
             logger.warning("cannot admit a pod: %s", exc)
@@ -140,16 +144,6 @@ class PodWebhook:
             len(ops),
         )
         return ops, "topped_up" if topped_up else "injected"
-
-
-def _refusal_reason(exc: Exception) -> str:
-    if isinstance(exc, ModelNotFoundError):
-        return "model_not_found"
-    if isinstance(exc, NotResolvedError):
-        return "model_not_ready"
-    if isinstance(exc, InjectionError):
-        return "bad_pod"
-    return "bad_spec"
 
 
 def _pod_name(pod: Mapping[str, Any]) -> str:

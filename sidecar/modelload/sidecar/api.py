@@ -146,7 +146,10 @@ class ApiServer:
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"the status API did not start on {self.url}: {self.failure!r}")
+                raise ConfigError(
+                    f"the status API did not start on {self.url}: {self.failure!r}; check --host and --port"
+                    " (MODELLOAD_HOST, MODELLOAD_PORT)"
+                )
             time.sleep(0.01)
 
     def stop(self, *, timeout: float = 10.0) -> None:

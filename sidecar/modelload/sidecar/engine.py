@@ -32,26 +32,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from modelload.loader.errors import (
-    ConfigError,
-    EncryptionError,
-    FormatError,
-    HashMismatchError,
     MissingKeyError,
     ModelloadError,
     NotEncryptedError,
-    RangeNotSupportedError,
     SegmentError,
-    SegmentSpaceError,
-    SourceAccessDeniedError,
-    SourceChangedError,
-    SourceNotFoundError,
-    TransientSourceError,
 )
 from modelload.loader.formats import ModelIndex
 from modelload.loader.formats import tensorizer as tz
@@ -64,14 +54,14 @@ from modelload.loader.segment import (
     run_in_order,
 )
 from modelload.sidecar import integrity
-from modelload.sidecar.memory import MemoryManager, MemorySettings, check_volume, plan_memory
+from modelload.sidecar.memory import MemoryManager, check_volume, plan_memory
 from modelload.sidecar.meter import ChunkMeter
 from modelload.sidecar.modeldir import write_model_dir
 from modelload.sidecar.planner import Chunk, LoadPlan, plan_load
 from modelload.sidecar.progress import LoadObserver
+from modelload.sidecar.settings import LoadSettings
 from modelload.sidecar.sources import (
     OpenedModel,
-    RetryCancelled,
     RetryEvent,
     Source,
     SourceSettings,
@@ -82,7 +72,7 @@ from modelload.sidecar.sources import (
     read_range_into_fd,
 )
 
-__all__ = ["Engine", "EngineSettings", "LoadStopped", "error_kind"]
+__all__ = ["Engine", "LoadStopped", "error_kind"]
 
 log = logging.getLogger(__name__)
 
@@ -90,46 +80,7 @@ log = logging.getLogger(__name__)
 class LoadStopped(ModelloadError):
     """The load was stopped (SIGTERM) before it finished; the segment is marked FAILED."""
 
-
-@dataclass(frozen=True)
-class EngineSettings:
-    """What to load, where to, and how (the sidecar's flags: docs/contracts.md)."""
-
-    source: str
-    """The model's URI: ``s3://bucket/key``, ``http(s)://...``, ``file:///path`` or a plain path; a directory
-    (``s3://bucket/prefix/``, ``https://host/models/llama/``, a local directory) loads all its shards."""
-    segment: Path
-    """The segment file to create (in a memory-backed volume)."""
-    model_dir: Path | None = None
-    """Where a directory's small files go (config, tokenizer); None: ``model/`` beside the segment."""
-    files: tuple[str, ...] = ()
-    """A directory's file names, for an HTTP(S) directory that does not use the Hugging Face names."""
-    format: Literal["auto", "tensorizer", "safetensors"] = "auto"
-    readers: int = 8
-    """Parallel range readers. More than the source's useful concurrency only adds connections."""
-    chunk_size: int = 32 << 20
-    """Bytes per range request: large enough to amortise a request, small enough to share big tensors."""
-    verify: bool = True
-    """Check each tensor against the file's stored hash (tensorizer CRC32, or SHA-256 when it is the only
-    one) before publishing it. Encrypted tensors are always authenticated by their MACs."""
-    key_file: Path | None = None
-    """A raw 32-byte decryption key."""
-    password_file: Path | None = None
-    """A password from which the key is derived with the Argon2id parameters stored in the file."""
-    priority: tuple[str, ...] = ()
-    """Tensor names or name prefixes to load first, in this order."""
-    notify: str | None = None
-    """The pyzmq endpoint recorded in the segment for loaders to subscribe to."""
-    splice: bool = True
-    """Land bytes with ``os.splice`` where the source supports it (plain HTTP, S3 over HTTP, files)."""
-    memory: MemorySettings = field(default_factory=MemorySettings)
-    """What happens to tensors every consumer has copied: kept (full), released, or held in a ring."""
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.readers <= 256:
-            raise ConfigError(f"readers must be between 1 and 256, got {self.readers}")
-        if self.key_file is not None and self.password_file is not None:
-            raise ConfigError("give a key file or a password file, not both")
+    kind = "stopped"
 
 
 class PeerHook(Protocol):
@@ -148,7 +99,7 @@ class Engine:
 
     def __init__(
         self,
-        settings: EngineSettings,
+        settings: LoadSettings,
         *,
         sources: SourceSettings,
         observer: LoadObserver,
@@ -462,26 +413,9 @@ def _metadata(
 
 
 def error_kind(exc: BaseException) -> str:
-    """A short label for a failure, for metrics and logs: what the operator should look at."""
-    kinds: tuple[tuple[type[BaseException], str], ...] = (
-        (LoadStopped, "stopped"),
-        (RetryCancelled, "stopped"),
-        (SourceNotFoundError, "not_found"),
-        (SourceAccessDeniedError, "access_denied"),
-        (SourceChangedError, "changed"),
-        (RangeNotSupportedError, "range_unsupported"),
-        (TransientSourceError, "transient"),
-        (HashMismatchError, "hash_mismatch"),
-        (EncryptionError, "encryption"),
-        (FormatError, "format"),
-        (SegmentSpaceError, "no_space"),
-        (SegmentError, "segment"),
-        (ConfigError, "config"),
-    )
-    for cls, kind in kinds:
-        if isinstance(exc, cls):
-            return kind
-    return "internal"
+    """A short label for a failure, for metrics and logs: what the operator should look at. The error
+    tree's own ``kind`` (:mod:`modelload.loader.errors`); ``internal`` for anything outside it."""
+    return exc.kind if isinstance(exc, ModelloadError) else "internal"
 
 
 def retry_kind(event: RetryEvent) -> str:

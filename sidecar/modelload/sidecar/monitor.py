@@ -28,13 +28,14 @@ import urllib.error
 import urllib.request
 from typing import Any, TextIO
 
-from modelload.loader.cli.progress import format_bytes
 from modelload.loader.errors import SidecarUnavailableError
+from modelload.loader.sizes import format_bytes
+from modelload.loader.wiring import STATUS_URL, STATUS_URL_ENV
 
 __all__ = ["EXIT_FAILED", "EXIT_LOADING", "EXIT_UNREACHABLE", "fetch_status", "register", "render", "watch"]
 
-DEFAULT_URL = "http://127.0.0.1:8479"
-URL_ENV = "MODELLOAD_STATUS_URL"
+DEFAULT_URL = STATUS_URL
+URL_ENV = STATUS_URL_ENV
 EXIT_FAILED = 1
 EXIT_UNREACHABLE = 3
 EXIT_LOADING = 4

@@ -27,19 +27,29 @@ info or query string (presigned URLs carry signatures there).
 from __future__ import annotations
 
 import argparse
-import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, TypeVar, cast, get_args
+from typing import TYPE_CHECKING, Literal, cast, get_args
 
+from modelload.loader import options, wiring
 from modelload.loader.errors import ConfigError
+from modelload.loader.options import (
+    Option,
+    parse_bool,
+    parse_choice,
+    parse_int,
+    parse_list,
+    parse_seconds,
+    parse_text,
+)
+from modelload.loader.sizes import parse_size
 from modelload.sidecar.memory import MemorySettings
 from modelload.sidecar.sources import display_url
 
 if TYPE_CHECKING:
     from modelload.sidecar.memory import Mode
-    from modelload.sidecar.sources import RequestHeaders, S3Addressing, SourceSettings
+    from modelload.sidecar.sources import S3Addressing, SourceSettings
 
 __all__ = [
     "DEFAULT_PORT",
@@ -54,7 +64,6 @@ __all__ = [
     "default_notify_endpoint",
     "parse_bool",
     "parse_settings",
-    "parse_size",
 ]
 
 ModelFormat = Literal["auto", "tensorizer", "safetensors"]
@@ -62,11 +71,13 @@ LogLevel = Literal["debug", "info", "warning", "error"]
 
 MiB = 1 << 20
 GiB = 1 << 30
-DEFAULT_SEGMENT = Path("/run/modelload/model.seg")
-DEFAULT_PORT = 8479
-DEFAULT_PEER_PORT = 8480
+DEFAULT_SEGMENT = Path(wiring.SEGMENT_PATH)
+DEFAULT_PORT = wiring.STATUS_PORT
+DEFAULT_PEER_PORT = wiring.PEER_PORT
 MAX_READERS = 256
 MIN_CHUNK, MAX_CHUNK = MiB, GiB
+MIN_CODE_CHUNK = 4096
+"""The smallest chunk settings built in code may ask for (tests and tiny models); flags start at 1 MiB."""
 NOTIFY_OFF = ("none", "off", "false", "")
 _NOTIFY_SCHEMES = ("ipc://", "tcp://", "inproc://")
 AWS_REGION_ENV = "AWS_REGION"  # botocore reads AWS_DEFAULT_REGION only
@@ -77,7 +88,7 @@ AWS_REGION_ENV = "AWS_REGION"  # botocore reads AWS_DEFAULT_REGION only
 
 @dataclass(frozen=True)
 class LoadSettings:
-    """What to load, where to, and how hard to pull (the engine's group).
+    """What to load, where to, and how hard to pull: the engine's settings, from the flags or from code.
 
     ``source``: the model's URI (``s3://bucket/key``, ``http(s)://...``, ``file:///path`` or a plain path).
     Required. A directory loads every weight file in it into the one segment: an S3 prefix
@@ -94,12 +105,15 @@ class LoadSettings:
     ``readers``: parallel range readers, 1 to 256. Default 8: enough to fill a 10 Gbit/s link from S3,
     whose single streams top out near 100 MB/s, without overloading a small HTTP server.
 
-    ``chunk_size``: bytes per range request, 1 MiB to 1 GiB. Default 32 MiB: large enough that request
-    latency is small against transfer time, small enough that a retry re-reads little and that the
-    readers share a model of a few GB evenly.
+    ``chunk_size``: bytes per range request, 1 MiB to 1 GiB from a flag or variable. Default 32 MiB: large
+    enough that request latency is small against transfer time, small enough that a retry re-reads little
+    and that the readers share a model of a few GB evenly. Code may go down to a page (4 KiB), for models of
+    a few kilobytes.
 
-    ``verify``: check each tensor against the hash its file stores (tensorizer), when it has one.
-    Default on: a corrupt transfer is then an error, not wrong weights.
+    ``verify``: check each tensor against the hash its file stores (tensorizer CRC32, or SHA-256 when it is
+    the only one) before publishing it. Default on: a corrupt transfer is then an error, not wrong weights.
+    Encrypted tensors are always authenticated by their MACs.
+
 
     ``key_file`` / ``password_file``: a file holding the raw 32-byte decryption key, or the password of an
     Argon2id-derived key, for encrypted tensorizer files. At most one; default none. Only the paths are
@@ -113,6 +127,12 @@ class LoadSettings:
 
     ``files``: a directory's file names, instead of listing it: for an HTTP(S) directory that has neither a
     ``model.safetensors.index.json`` nor a ``model.safetensors`` (a server cannot be listed). Default empty.
+
+    ``notify``: the pyzmq endpoint recorded in the segment for loaders to subscribe to (the sidecar's
+    ``--notify``, :attr:`NotifySettings.endpoint`). Default none.
+
+    ``splice``: land bytes with ``os.splice`` where the source supports it (plain HTTP, S3 over HTTP,
+    files). Default on; off only to compare the two paths.
     """
 
     source: str
@@ -126,6 +146,8 @@ class LoadSettings:
     priority: tuple[str, ...] = ()
     model_dir: Path | None = None
     files: tuple[str, ...] = ()
+    notify: str | None = None
+    splice: bool = True
     memory: MemorySettings = field(default_factory=MemorySettings)
     """Memory modes full, release and ring (``modelload.sidecar.memory``)."""
 
@@ -138,8 +160,8 @@ class LoadSettings:
             raise ConfigError(f"format must be auto, tensorizer or safetensors, got {self.format!r}")
         if not 1 <= self.readers <= MAX_READERS:
             raise ConfigError(f"readers must be between 1 and {MAX_READERS}, got {self.readers}")
-        if not MIN_CHUNK <= self.chunk_size <= MAX_CHUNK:
-            raise ConfigError(f"chunk size must be between 1 MiB and 1 GiB, got {self.chunk_size} bytes")
+        if not MIN_CODE_CHUNK <= self.chunk_size <= MAX_CHUNK:
+            raise ConfigError(f"chunk size must be between 4 KiB and 1 GiB, got {self.chunk_size} bytes")
         if self.key_file is not None and self.password_file is not None:
             raise ConfigError("give a key file or a password file, not both")
         if not self.segment.is_absolute():
@@ -155,7 +177,7 @@ class LoadSettings:
             f"format={self.format!r}, readers={self.readers}, chunk_size={self.chunk_size}, "
             f"verify={self.verify}, key_file={_opt_path(self.key_file)}, "
             f"password_file={_opt_path(self.password_file)}, priority={self.priority!r}, "
-            f"model_dir={_opt_path(self.model_dir)}, files={self.files!r})"
+            f"model_dir={_opt_path(self.model_dir)}, files={self.files!r}, notify={self.notify!r})"
         )
 
 
@@ -260,75 +282,6 @@ class SidecarSettings:
     peers: PeerSettings = field(default_factory=PeerSettings)
 
 
-# --- value parsers -----------------------------------------------------------------------------------------
-
-_SIZE = re.compile(r"^\s*(\d+)\s*([A-Za-z]*)\s*$")
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "ki": 1024,
-    "kib": 1024,
-    "mi": MiB,
-    "mib": MiB,
-    "gi": GiB,
-    "gib": GiB,
-}
-_TRUE = ("true", "1", "yes", "on")
-_FALSE = ("false", "0", "no", "off")
-
-
-def parse_size(text: str, *, name: str = "size") -> int:
-    """A byte count: plain bytes (``33554432``), binary units (``32MiB``, ``1Gi``) or decimal (``500MB``).
-
-    >>> parse_size("32MiB"), parse_size("1 GiB"), parse_size("4096"), parse_size("2MB")
-    (33554432, 1073741824, 4096, 2000000)
-    """
-    match = _SIZE.match(text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS:
-        raise ConfigError(f"{name}: expected a size such as 32MiB, 1GiB or a number of bytes, got {text!r}")
-    return int(match.group(1)) * _UNITS[unit]
-
-
-def parse_bool(text: str, *, name: str = "value") -> bool:
-    """``true``/``false``, ``1``/``0``, ``yes``/``no``, ``on``/``off``, in any case."""
-    value = text.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ConfigError(f"{name}: expected true or false (also 1/0, yes/no), got {text!r}")
-
-
-def _parse_int(text: str, *, name: str) -> int:
-    try:
-        return int(text.strip())
-    except ValueError:
-        raise ConfigError(f"{name}: expected a whole number, got {text!r}") from None
-
-
-def _parse_priority(text: str, *, name: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in text.split(",") if part.strip())
-
-
-def _parse_choice(choices: Sequence[str]) -> Callable[..., str]:
-    """A parser for one of ``choices``; argparse does not check them, so flags and variables read alike."""
-
-    def parse(text: str, *, name: str) -> str:
-        value = text.strip().lower()
-        if value not in choices:
-            raise ConfigError(f"{name}: expected one of {', '.join(choices)}, got {text!r}")
-        return value
-
-    return parse
-
-
 def _opt_path(path: Path | None) -> str:
     return repr(str(path)) if path is not None else "None"
 
@@ -336,139 +289,126 @@ def _opt_path(path: Path | None) -> str:
 # --- flags and variables -----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Option:
-    """One setting: its flag, its variable, and its help text (which ends up in ``--help``)."""
-
-    dest: str
-    flag: str
-    env: str
-    help: str
-    metavar: str | None = None  # argparse's default: the flag's name in capitals
-    boolean: bool = False
-    choices: tuple[str, ...] | None = None
-
-
 _OPTIONS = (
-    _Option(
+    Option(
         "source", "--source", "MODELLOAD_SOURCE",
         "model URI: s3://bucket/key, http(s)://..., file:///path or a path (required)", "URI",
     ),
-    _Option("segment", "--segment", "MODELLOAD_SEGMENT", f"segment file (default {DEFAULT_SEGMENT})", "PATH"),
-    _Option(
-        "model_dir", "--model-dir", "MODELLOAD_MODEL_DIR",
+    Option("segment", "--segment", wiring.SEGMENT_ENV, f"segment file (default {DEFAULT_SEGMENT})", "PATH"),
+    Option(
+        "model_dir", "--model-dir", wiring.MODEL_DIR_ENV,
         "where a directory model's config and tokenizer go (default: model/ beside the segment)", "PATH",
     ),
-    _Option(
+    Option(
         "files", "--files", "MODELLOAD_FILES",
         "a directory's files, comma-separated, for an HTTP(S) directory with no model.safetensors.index.json",
         "NAME,...",
     ),
-    _Option(
+    Option(
         "format", "--format", "MODELLOAD_FORMAT", "model format (default auto: from the first bytes)",
         choices=get_args(ModelFormat),
     ),
-    _Option("readers", "--readers", "MODELLOAD_READERS", "parallel range readers, 1-256 (default 8)", "N"),
-    _Option(
+    Option("readers", "--readers", "MODELLOAD_READERS", "parallel range readers, 1-256 (default 8)", "N"),
+    Option(
         "chunk_size", "--chunk-size", "MODELLOAD_CHUNK_SIZE",
         "bytes per range request, 1MiB-1GiB (default 32MiB)", "SIZE",
     ),
-    _Option(
+    Option(
         "verify", "--verify", "MODELLOAD_VERIFY", "check tensors against the file's hashes (default on)",
         boolean=True,
     ),
-    _Option("key_file", "--key-file", "MODELLOAD_KEY_FILE", "file holding the raw 32-byte key", "FILE"),
-    _Option(
+    Option("key_file", "--key-file", "MODELLOAD_KEY_FILE", "file holding the raw 32-byte key", "FILE"),
+    Option(
         "password_file", "--password-file", "MODELLOAD_PASSWORD_FILE",
         "file holding the password of an Argon2id-derived key", "FILE",
     ),
-    _Option(
+    Option(
         "range_fallback", "--range-fallback", "MODELLOAD_RANGE_FALLBACK",
         "read an HTTP(S) server that ignores Range from one stream (one reader; default off)", boolean=True,
     ),
-    _Option(
+    Option(
         "header_file", "--header-file", "MODELLOAD_HEADER_FILE",
         "file holding a bearer token, or 'Name: value' header lines, for a private HTTP(S) source", "FILE",
     ),
-    _Option(
+    Option(
         "priority", "--priority", "MODELLOAD_PRIORITY",
         "comma-separated tensor names or prefixes to load first (default: file order)", "NAMES",
     ),
-    _Option(
+    Option(
         "port", "--port", "MODELLOAD_PORT", f"status API port (default {DEFAULT_PORT}; 0: any)", "PORT",
     ),
-    _Option(
+    Option(
         "host", "--host", "MODELLOAD_HOST",
         "status API bind address (default 0.0.0.0: probes come from the kubelet)", "HOST",
     ),
-    _Option(
-        "notify", "--notify", "MODELLOAD_NOTIFY",
+    Option(
+        "notify", "--notify", wiring.NOTIFY_ENV,
         "pyzmq PUB endpoint, or 'none' (default ipc://<segment>.notify.sock)", "ENDPOINT",
     ),
-    _Option(
+    Option(
         "s3_endpoint", "--s3-endpoint", "MODELLOAD_S3_ENDPOINT",
         "S3-compatible endpoint URL (default: botocore's: AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, else AWS)",
         "URL",
     ),
-    _Option(
+    Option(
         "s3_region", "--s3-region", "MODELLOAD_S3_REGION",
         "S3 region (default: botocore's chain: AWS_REGION, AWS_DEFAULT_REGION, the profile)", "REGION",
     ),
-    _Option(
+    Option(
         "s3_addressing", "--s3-addressing", "MODELLOAD_S3_ADDRESSING", "S3 addressing style (default auto)",
         choices=("auto", "path", "virtual"),
     ),
-    _Option(
+    Option(
         "s3_unsigned", "--s3-unsigned", "MODELLOAD_S3_UNSIGNED",
         "anonymous S3 requests, for public buckets (default off)", boolean=True,
     ),
-    _Option(
+    Option(
         "memory_mode", "--memory-mode", "MODELLOAD_MEMORY_MODE",
         "full keeps the model; release frees each tensor once every consumer copied it; ring holds at most"
         " --ring-size (default full)", choices=("full", "release", "ring"),
     ),
-    _Option(
+    Option(
         "ring_size", "--ring-size", "MODELLOAD_RING_SIZE", "ring mode's bound on tensor bytes held", "SIZE",
     ),
-    _Option(
+    Option(
         "memory_wait_timeout", "--memory-wait-timeout", "MODELLOAD_MEMORY_WAIT_TIMEOUT",
         "seconds ring mode may wait for consumers to free room before failing (default: no limit)", "SECONDS",
     ),
-    _Option(
+    Option(
         "consumers", "--consumers", "MODELLOAD_CONSUMERS",
         "consumers that must attach before anything is released (default 1)", "N",
     ),
-    _Option(
+    Option(
         "proxy", "--proxy", "MODELLOAD_PROXY",
         "HTTP proxy for origin reads, such as Dragonfly's dfdaemon (default: HTTP(S)_PROXY and NO_PROXY)",
         "URL",
     ),
-    _Option(
+    Option(
         "peers", "--peers", "MODELLOAD_PEERS",
         "other sidecars of this model to take chunks from, comma-separated base URLs (default none)",
         "URL,...",
     ),
-    _Option(
+    Option(
         "peer_dns", "--peer-dns", "MODELLOAD_PEER_DNS",
         "a DNS name resolving to the peers (a headless Service), each at --peer-port", "NAME",
     ),
-    _Option(
+    Option(
         "peer_port", "--peer-port", "MODELLOAD_PEER_PORT",
         f"port serving this sidecar's bytes to peers (default {DEFAULT_PEER_PORT})", "PORT",
     ),
-    _Option(
+    Option(
         "peer_token_file", "--peer-token-file", "MODELLOAD_PEER_TOKEN_FILE",
         "file holding the token peers share (required with peers)", "FILE",
     ),
-    _Option(
+    Option(
         "peer_uploads", "--peer-uploads", "MODELLOAD_PEER_UPLOADS",
         "uploads to peers at once before answering busy (default 8)", "N",
     ),
-    _Option(
+    Option(
         "peer_stall_timeout", "--peer-stall-timeout", "MODELLOAD_PEER_STALL_TIMEOUT",
         "seconds a silent peer keeps a chunk before it moves elsewhere (default 10)", "SECONDS",
     ),
-    _Option(
+    Option(
         "log_level", "--log-level", "MODELLOAD_LOG_LEVEL", "modelload's log level (default info)",
         choices=get_args(LogLevel),
     ),
@@ -478,127 +418,58 @@ ENVIRONMENT = (*(option.env for option in _OPTIONS), AWS_REGION_ENV)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add every sidecar flag to ``parser``; a flag left out stays ``None`` and falls back to its variable.
-
-    Values stay strings here: :class:`_Lookup` parses flags and variables alike, so both get the same checks
-    and the same messages.
-    """
-    for option in _OPTIONS:
-        text = f"{option.help} [env {option.env}]"
-        if option.boolean:
-            parser.add_argument(
-                option.flag, dest=option.dest, action=argparse.BooleanOptionalAction, help=text
-            )
-        else:
-            metavar = "{" + ",".join(option.choices) + "}" if option.choices else option.metavar
-            parser.add_argument(option.flag, dest=option.dest, metavar=metavar, help=text)
+    """Add every sidecar flag to ``parser``; a flag left out stays ``None`` and falls back to its variable."""
+    options.add_arguments(parser, _OPTIONS)
 
 
-T = TypeVar("T")
-
-
-class _Lookup:
-    """Where each value comes from: the flag when given, else its variable, else the default."""
-
-    def __init__(self, flags: Mapping[str, object], environ: Mapping[str, str]) -> None:
-        self._flags = flags
-        self._environ = environ
-        self._options = {option.dest: option for option in _OPTIONS}
-
-    def get(self, dest: str, parse: Callable[..., T], default: T) -> T:
-        option = self._options[dest]
-        value = self._flags.get(dest)
-        if value is not None:
-            if isinstance(value, bool):  # --verify / --no-verify arrive parsed
-                return cast("T", value)
-            return parse(str(value), name=option.flag)
-        text = self._environ.get(option.env)
-        if text is None or not text.strip():  # an empty variable is an unset one (a blank Helm value)
-            return default
-        return parse(text, name=option.env)
-
-
-def _text(text: str, *, name: str) -> str:
-    return text.strip()
-
-
-def _path(text: str, *, name: str) -> Path:
+def _path(text: str) -> Path:
     return Path(text.strip()).absolute()
 
 
-def _int_in(low: int, high: int) -> Callable[..., int]:
-    def parse(text: str, *, name: str) -> int:
-        value = _parse_int(text, name=name)
-        if not low <= value <= high:
-            raise ConfigError(f"{name}: expected a number from {low} to {high}, got {value}")
-        return value
-
-    return parse
-
-
-def _chunk_size(text: str, *, name: str) -> int:
-    value = parse_size(text, name=name)
+def _chunk_size(text: str) -> int:
+    value = parse_size(text)
     if not MIN_CHUNK <= value <= MAX_CHUNK:
-        raise ConfigError(f"{name}: expected a size from 1MiB to 1GiB, got {text!r} ({value} bytes)")
+        raise ConfigError(f"expected a size from 1MiB to 1GiB, got {text!r} ({value} bytes)")
     return value
 
 
-def _ring_size(text: str, *, name: str) -> int:
-    value = parse_size(text, name=name)
+def _ring_size(text: str) -> int:
+    value = parse_size(text)
     if value < MIN_CHUNK:
-        raise ConfigError(f"{name}: a ring must be at least 1MiB (and hold the largest tensor), got {text!r}")
+        raise ConfigError(f"a ring must be at least 1MiB (and hold the largest tensor), got {text!r}")
     return value
 
 
-def _seconds(text: str, *, name: str) -> float:
-    try:
-        value = float(text.strip())
-    except ValueError:
-        raise ConfigError(f"{name}: expected seconds, such as 300, got {text!r}") from None
-    if not value > 0:
-        raise ConfigError(f"{name}: expected a positive number of seconds, got {text!r}")
-    return value
-
-
-def _url(text: str, *, name: str) -> str:
+def _url(text: str) -> str:
     value = text.strip()
     if not value.startswith(("http://", "https://")):
-        raise ConfigError(f"{name}: expected an http:// or https:// URL, got {value!r}")
+        raise ConfigError(f"expected an http:// or https:// URL, got {value!r}")
     return value
 
 
-def _header_file(text: str, *, name: str) -> RequestHeaders:
-    """The headers of a private HTTP(S) source, read now: a bad file is a clear error before the load starts,
-    naming the file and line (never a value). Read once: a load takes minutes, not a token's lifetime."""
-    from modelload.sidecar.sources import read_header_file
-
-    return read_header_file(_path(text, name=name), origin=name)
+def _urls(text: str) -> tuple[str, ...]:
+    return tuple(_url(url) for url in parse_list(text))
 
 
-def _parse_list(text: str, *, name: str) -> tuple[str, ...]:
-    return _parse_priority(text, name=name)
-
-
-def _token_file(text: str, *, name: str) -> str:
+def _token_file(text: str) -> str:
     """The peer token, read now so a missing or empty file fails before the load; never shown."""
-    path = _path(text, name=name)
+    path = _path(text)
     try:
         token = path.read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{name}: cannot read the peer token file {path} ({type(exc).__name__})") from None
+        raise ConfigError(f"cannot read the peer token file {path} ({type(exc).__name__})") from None
     if not token or any(c.isspace() for c in token) or len(token) > 4096:
-        raise ConfigError(f"{name}: the peer token file {path} must hold one token (at most 4096 characters)")
+        raise ConfigError(f"the peer token file {path} must hold one token (at most 4096 characters)")
     return token
 
 
-def _endpoint(text: str, *, name: str) -> str | None:
+def _endpoint(text: str) -> str | None:
     """A pyzmq endpoint, or None for 'none' (notifications off: loaders poll the segment)."""
-
     value = text.strip()
     if value.lower() in NOTIFY_OFF:
         return None
     if not value.startswith(_NOTIFY_SCHEMES):
-        raise ConfigError(f"{name}: expected ipc://PATH, tcp://HOST:PORT or none, got {value!r}")
+        raise ConfigError(f"expected ipc://PATH, tcp://HOST:PORT or none, got {value!r}")
     return value
 
 
@@ -621,6 +492,7 @@ def parse_settings(
         S3Settings,
         SourceSettings,
         proxy_from_environ,
+        read_header_file,
     )
 
     if isinstance(argv, argparse.Namespace):
@@ -637,8 +509,9 @@ def parse_settings(
         if unknown:
             raise ConfigError(f"unknown arguments: {' '.join(unknown)} (see modelload sidecar --help)")
         flags = vars(namespace)
-    get = _Lookup(flags, environ).get
-    source = get("source", _text, "")
+    lookup = options.Lookup(_OPTIONS, flags, environ)
+    get = lookup.get
+    source = get("source", parse_text, "")
     if not source:
         raise ConfigError(
             "no model source: pass --source URI or set MODELLOAD_SOURCE (s3://, http(s)://, file://)"
@@ -651,54 +524,60 @@ def parse_settings(
             "both a key file (--key-file/MODELLOAD_KEY_FILE) and a password file"
             " (--password-file/MODELLOAD_PASSWORD_FILE) are set: give one"
         )
+    default_endpoint: str | None = default_notify_endpoint(segment)
+    notify = NotifySettings(endpoint=get("notify", _endpoint, default_endpoint))
     engine = LoadSettings(
         source=source,
         segment=segment,
-        format=cast("ModelFormat", get("format", _parse_choice(get_args(ModelFormat)), "auto")),
-        readers=get("readers", _int_in(1, MAX_READERS), 8),
+        format=cast("ModelFormat", get("format", parse_choice(get_args(ModelFormat)), "auto")),
+        readers=get("readers", parse_int(1, MAX_READERS), 8),
         chunk_size=get("chunk_size", _chunk_size, 32 * MiB),
         verify=get("verify", parse_bool, True),
         key_file=key_file,
         password_file=password_file,
-        priority=get("priority", _parse_priority, ()),
+        priority=get("priority", parse_list, ()),
         model_dir=get("model_dir", _path, None),
-        files=get("files", _parse_priority, ()),
+        files=get("files", parse_list, ()),
+        notify=notify.endpoint,
         memory=MemorySettings(
-            mode=cast("Mode", get("memory_mode", _parse_choice(("full", "release", "ring")), "full")),
+            mode=cast("Mode", get("memory_mode", parse_choice(("full", "release", "ring")), "full")),
             ring_size=get("ring_size", _ring_size, 0),
-            wait_timeout=get("memory_wait_timeout", _seconds, None),
-            consumers=get("consumers", _int_in(1, 64), 1),
+            wait_timeout=get("memory_wait_timeout", parse_seconds, None),
+            consumers=get("consumers", parse_int(1, 64), 1),
         ),
     )
-    api = ApiSettings(host=get("host", _text, "0.0.0.0"), port=get("port", _int_in(0, 65535), DEFAULT_PORT))  # noqa: S104
-    default_endpoint: str | None = default_notify_endpoint(segment)
-    notify = NotifySettings(endpoint=get("notify", _endpoint, default_endpoint))
+    host = get("host", parse_text, "0.0.0.0")  # noqa: S104 - probes come from the kubelet
+    api = ApiSettings(host=host, port=get("port", parse_int(0, 65535), DEFAULT_PORT))
     s3 = S3Settings(
         endpoint_url=get("s3_endpoint", _url, None),
-        region=get("s3_region", _text, None) or environ.get(AWS_REGION_ENV, "").strip() or None,
+        region=get("s3_region", parse_text, None) or environ.get(AWS_REGION_ENV, "").strip() or None,
         addressing=cast(
-            "S3Addressing", get("s3_addressing", _parse_choice(("auto", "path", "virtual")), "auto")
+            "S3Addressing", get("s3_addressing", parse_choice(("auto", "path", "virtual")), "auto")
         ),
         unsigned=get("s3_unsigned", parse_bool, False),
     )
-    log_level = cast("LogLevel", get("log_level", _parse_choice(get_args(LogLevel)), "info"))
-    headers = get("header_file", _header_file, None)
+    log_level = cast("LogLevel", get("log_level", parse_choice(get_args(LogLevel)), "info"))
+    # The header file is read now: a bad one is a clear error before the load starts, naming the file and
+    # line (never a value). Read once: a load takes minutes, not a token's lifetime.
+    header_file = get("header_file", _path, None)
+    headers = (
+        None if header_file is None else read_header_file(header_file, origin=lookup.origin("header_file"))
+    )
     if headers is not None and not source.startswith(("http://", "https://")):
         raise ConfigError(
             "a header file (--header-file/MODELLOAD_HEADER_FILE) is for http(s):// sources, and the source"
             f" is {display_url(source)}: S3 takes AWS credentials, a file needs none"
         )
-    proxy = proxy_from_environ(environ, override=get("proxy", _text, None) or None)
+    proxy = proxy_from_environ(environ, override=get("proxy", parse_text, None) or None)
     http = HttpSettings(headers=headers, proxy=proxy, range_fallback=get("range_fallback", parse_bool, False))
     sources = SourceSettings(http=http, s3=s3, retry=RetryPolicy())
-    peer_urls: tuple[str, ...] = get("peers", _parse_list, ())
     peers = PeerSettings(
-        urls=tuple(_url(u, name="--peers/MODELLOAD_PEERS") for u in peer_urls),
-        dns=get("peer_dns", _text, None) or None,
-        port=get("peer_port", _int_in(0, 65535), DEFAULT_PEER_PORT),
+        urls=get("peers", _urls, ()),
+        dns=get("peer_dns", parse_text, None) or None,
+        port=get("peer_port", parse_int(0, 65535), DEFAULT_PEER_PORT),
         token=get("peer_token_file", _token_file, ""),
-        max_uploads=get("peer_uploads", _int_in(1, 256), 8),
-        stall_timeout=float(get("peer_stall_timeout", _int_in(1, 3600), 10)),
+        max_uploads=get("peer_uploads", parse_int(1, 256), 8),
+        stall_timeout=float(get("peer_stall_timeout", parse_int(1, 3600), 10)),
     )
     return SidecarSettings(
         engine=engine, sources=sources, api=api, notify=notify, log_level=log_level, peers=peers

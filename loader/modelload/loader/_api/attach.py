@@ -34,12 +34,9 @@ from modelload.loader.errors import LoadFailedError, SidecarUnavailableError
 from modelload.loader.segment import MemoryMode, SegmentReader
 from modelload.loader.segment.consumers import ConsumerTable
 from modelload.loader.segment.failure import read_failure
+from modelload.loader.wiring import NOTIFY_ENV, SEGMENT_ENV, STATUS_URL_ENV
 
 __all__ = ["DEFAULT_SEGMENT_TIMEOUT", "AttachSettings", "attach"]
-
-SEGMENT_ENV = "MODELLOAD_SEGMENT"
-NOTIFY_ENV = "MODELLOAD_NOTIFY"
-STATUS_URL_ENV = "MODELLOAD_STATUS_URL"
 
 DEFAULT_SEGMENT_TIMEOUT = 600.0
 """Seconds ``attach()`` waits for the segment to appear (``timeout``)."""

@@ -20,6 +20,7 @@ from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
 from modelload.loader.dtypes import DType
+from modelload.loader.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -65,7 +66,7 @@ class DeviceCopier:
 
         self.device = torch.device(device)
         if self.device.type != "cuda":
-            raise ValueError(f"DeviceCopier copies to CUDA devices, not {self.device}")
+            raise ConfigError(f"DeviceCopier copies to CUDA devices, not {self.device}")
         self._torch = torch
         self._stream = torch.cuda.Stream(self.device)
         self._registered: list[tuple[Any, int, torch.Tensor, Callable[[], None] | None]] = []

@@ -17,7 +17,6 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import IO, Literal
 
-from modelload.loader.cli.progress import format_bytes
 from modelload.loader.errors import (
     BadMagicError,
     ConfigError,
@@ -39,6 +38,7 @@ from modelload.loader.formats import (
 from modelload.loader.formats._atomic import atomic_file
 from modelload.loader.formats.tensorizer import DecryptionKey
 from modelload.loader.segment.layout import MAGIC as SEGMENT_MAGIC
+from modelload.loader.sizes import format_bytes
 
 __all__ = [
     "PASSWORD_ENV",

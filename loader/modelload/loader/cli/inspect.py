@@ -34,7 +34,7 @@ from modelload.loader.cli._common import (
     sniff,
     translate_os_error,
 )
-from modelload.loader.cli.progress import ProgressBar, format_bytes
+from modelload.loader.cli.progress import ProgressBar
 from modelload.loader.errors import (
     ConfigError,
     FormatError,
@@ -46,6 +46,7 @@ from modelload.loader.formats import ModelIndex, ModelReader, merge_indexes, ope
 from modelload.loader.formats.tensorizer import DecryptionKey
 from modelload.loader.formats.tensorizer.hashes import crc32
 from modelload.loader.segment import SegmentReader, TensorFlags, TensorState
+from modelload.loader.sizes import format_bytes
 
 __all__ = ["JSON_KEYS", "register", "run"]
 

@@ -67,7 +67,9 @@ def _register_missing(subparsers: argparse._SubParsersAction, name: str, exc: Im
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status (2 for usage and configuration errors)."""
+    """Run the command line; returns the exit status: 2 for a usage error (argparse), 1 when a command fails
+    with a ModelloadError. The service commands (sidecar, operator) end on their own errors with the error's
+    ``exit_status`` (2 for configuration) before it comes to that."""
     arguments = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in arguments if not a.startswith("-")), None)
     parser = build_parser(command)

@@ -10,16 +10,9 @@ import sys
 import time
 from typing import TextIO
 
-__all__ = ["ProgressBar", "format_bytes"]
+from modelload.loader.sizes import format_bytes
 
-
-def format_bytes(count: float) -> str:
-    """``1536`` → ``"1.5 KiB"``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(count) < 1024 or unit == "TiB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1024
-    raise AssertionError("unreachable")
+__all__ = ["ProgressBar"]
 
 
 class ProgressBar:

@@ -30,7 +30,6 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import sys
 import time
 from collections.abc import Sequence
@@ -71,6 +70,7 @@ from modelload.loader.formats.tensorizer import (
     EncryptionParams,
     TensorizerWriter,
 )
+from modelload.loader.sizes import parse_size
 
 __all__ = ["STATE_DICT_KEYS", "register", "run"]
 
@@ -255,22 +255,12 @@ def _open_input(
 
 
 def _parse_shard_size(text: str) -> int:
-    match = re.fullmatch(r"\s*(\d+)\s*([KMGT]i?B|B)?\s*", text, flags=re.IGNORECASE)
-    if match is None or int(match.group(1)) <= 0:
-        raise ConfigError(f"--shard-size {text!r}: a positive size such as 5GB, 2GiB or 500MiB")
-    unit = (match.group(2) or "B").upper()
-    scale = {
-        "B": 1,
-        "KB": 10**3,
-        "MB": 10**6,
-        "GB": 10**9,
-        "TB": 10**12,
-        "KIB": 1 << 10,
-        "MIB": 1 << 20,
-        "GIB": 1 << 30,
-        "TIB": 1 << 40,
-    }[unit]
-    return int(match.group(1)) * scale
+    limit = parse_size(text, setting="--shard-size")
+    if limit <= 0:
+        raise ConfigError(
+            f"a positive size such as 5GB, 2GiB or 500MiB, got {text!r}", setting="--shard-size"
+        )
+    return limit
 
 
 def _shard_groups(sizes: Sequence[int], limit: int) -> list[list[int]]:

@@ -19,6 +19,7 @@ from modelload.loader.errors import (
     SourceChangedError,
     SourceError,
     SourceNotFoundError,
+    SourceUriError,
 )
 
 from ._base import InterruptedReadError, ObjectInfo, SourceBase, byte_view
@@ -130,5 +131,5 @@ def open_file(uri: str, settings: SourceSettings) -> FileSource:
     else:
         path = uri
     if not path:
-        raise ConfigError("the source path is empty")
+        raise SourceUriError("the source path is empty")
     return FileSource(path)

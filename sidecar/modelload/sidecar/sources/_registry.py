@@ -13,7 +13,7 @@ import re
 import threading
 from collections.abc import Callable
 
-from modelload.loader.errors import ConfigError
+from modelload.loader.errors import ConfigError, SourceUriError
 
 from ._base import Source
 from ._file import open_file
@@ -83,7 +83,7 @@ def _factory(uri: str) -> SourceFactory | None:
         factory = _factories.get(scheme)
     if factory is None:
         known = ", ".join(f"{known}://" for known in registered_schemes())
-        raise ConfigError(
+        raise SourceUriError(
             f"no source for {scheme}:// URIs (supported: {known}, or a local path); check the source URI"
         )
     return factory

@@ -30,6 +30,8 @@ _log = logging.getLogger("modelload.sidecar.sources")
 class RetryCancelled(ModelloadError):
     """The policy's ``stop`` event was set while waiting to retry: the caller is shutting down."""
 
+    kind = "stopped"
+
 
 def _pause(policy: RetryPolicy, delay: float, uri: str) -> None:
     if policy.stop is None:

@@ -26,7 +26,13 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, urlsplit
 
-from modelload.loader.errors import ConfigError, ModelloadError, SourceAccessDeniedError, SourceError
+from modelload.loader.errors import (
+    ConfigError,
+    ModelloadError,
+    SourceAccessDeniedError,
+    SourceError,
+    SourceUriError,
+)
 
 from ._base import InterruptedReadError
 from ._connections import Origin
@@ -121,7 +127,7 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
     rest = uri.removeprefix("s3://")
     bucket, _, key = rest.partition("/")
     if not bucket or not key:
-        raise ConfigError(f"an S3 source is s3://BUCKET/KEY, got {uri!r}")
+        raise SourceUriError(f"an S3 source is s3://BUCKET/KEY, got {uri!r}")
     return bucket, key
 
 
