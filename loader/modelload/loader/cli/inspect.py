@@ -115,7 +115,9 @@ def run(args: argparse.Namespace) -> int:
     if args.limit < 0:
         raise ConfigError("--limit must be 0 or more")
     path = local_path(
-        args.file, command="inspect", remote="modelload sidecar --source URI, then inspect its segment"
+        args.file,
+        command="inspect",
+        remote="`modelload sidecar --source URI --segment PATH`, then `modelload inspect PATH`",
     )
     key = decryption_key(args)
     if path.is_dir():

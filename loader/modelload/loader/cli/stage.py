@@ -119,7 +119,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Stage ``args.source`` into ``args.segment``; ModelloadErrors carry what went wrong."""
     started = time.monotonic()
-    source = local_path(args.source, command="stage", remote="modelload sidecar --source URI --segment PATH")
+    source = local_path(
+        args.source, command="stage", remote="`modelload sidecar --source URI --segment PATH`"
+    )
     if args.threads < 1:
         raise ConfigError("--threads must be 1 or more")
     key = decryption_key(args)
