@@ -87,7 +87,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--model-dir",
         metavar="DIR",
         type=Path,
-        help="where a directory's config and tokenizer go (default: model/ beside SEGMENT)",
+        help=(
+            "where a directory's config and tokenizer go (default: model/ beside SEGMENT, which every segment "
+            "in that folder shares: give each model its own DIR, or its own folder)"
+        ),
     )
     parser.add_argument(
         "--format",
