@@ -88,8 +88,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="DIR",
         type=Path,
         help=(
-            "where a directory's config and tokenizer go (default: model/ beside SEGMENT, which every segment "
-            "in that folder shares: give each model its own DIR, or its own folder)"
+            "where a directory's config and tokenizer go (default: model/ beside SEGMENT, which every "
+            "segment in that folder shares: give each model its own DIR, or its own folder)"
         ),
     )
     parser.add_argument(
