@@ -4,6 +4,7 @@ the loader copies each tensor as it arrives; what the volume holds is read from 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import multiprocessing
 import os
@@ -18,7 +19,13 @@ import torch
 from prometheus_client import generate_latest
 
 from modelload.loader import attach
-from modelload.loader.errors import ConfigError, LoadFailedError, MemoryWaitError, SegmentSpaceError
+from modelload.loader.errors import (
+    ConfigError,
+    LoadFailedError,
+    MemoryWaitError,
+    ModelloadError,
+    SegmentSpaceError,
+)
 from modelload.loader.segment import SegmentReader, TensorState, WriterState
 from modelload.sidecar.engine import Engine, EngineSettings
 from modelload.sidecar.memory import MemorySettings
@@ -374,3 +381,31 @@ def test_the_memory_flags_and_variables_parse_into_settings() -> None:
         parse_settings(["--source", "x"], environ={"MODELLOAD_MEMORY_MODE": "tiny"})
     with pytest.raises(ConfigError, match="--ring-size: a ring must be at least 1MiB"):
         parse_settings(["--source", "x", "--memory-mode", "ring", "--ring-size", "4096"], environ={})
+
+
+def test_a_sidecar_restarting_over_its_unfinished_ring_reuses_the_room_of_the_old_one(
+    tmp_path: Path, tiny_tmpfs: Path
+) -> None:
+    from modelload.loader.dtypes import by_name
+    from modelload.loader.segment import MemoryMode, SegmentWriter, TensorSpec, plan_layout
+
+    ring = 600 << 10  # two rings do not fit the 1 MiB volume: the old one must make room for the new
+    segment = tiny_tmpfs / "model.seg"
+    crashed = plan_layout(
+        [TensorSpec("w", by_name("uint8"), (ring,))], memory_mode=MemoryMode.RING, ring_size=ring
+    )
+    old = SegmentWriter.create(segment, crashed, heartbeat=False)  # a sidecar that died mid-load
+    old.close()
+    source, tensors = _model(tmp_path, seed=10)
+    load = Load(source, segment, MemorySettings(mode="ring", ring_size=ring), readers=2)
+    deadline = time.monotonic() + 10
+    while load.thread.is_alive() and time.monotonic() < deadline:
+        with contextlib.suppress(ModelloadError):
+            with SegmentReader.open(segment) as reader:
+                if reader.load_id != old.load_id:
+                    break
+        time.sleep(0.01)
+    copies = _consume(segment) if load.thread.is_alive() else {}
+    load.finish()
+    assert load.error is None, load.error
+    assert copies == {name: models.as_bytes(t) for name, t in tensors.items()}

@@ -46,6 +46,7 @@ from modelload.loader.segment import ALIGNMENT, MemoryMode, SegmentWriter, Tenso
 from modelload.loader.segment.consumers import EXPIRY, ConsumerEntry, ConsumerTable
 from modelload.loader.segment.layout import align
 from modelload.loader.segment.release import Releaser, punch_hole, resident_bytes
+from modelload.loader.segment.writer import reclaimable_bytes
 from modelload.sidecar.planner import Chunk, LoadPlan
 from modelload.sidecar.ring import RingSpace
 
@@ -144,12 +145,15 @@ def plan_memory(plan: LoadPlan, settings: MemorySettings) -> LoadPlan:
     return replace(plan, layout=layout)
 
 
-def check_volume(directory: os.PathLike[str] | str, needed: int, settings: MemorySettings) -> None:
-    """Refuse a volume that cannot hold the ring (ring mode) before anything is created."""
-    if settings.mode != "ring" or not Path(directory).is_dir():
+def check_volume(segment: os.PathLike[str] | str, needed: int, settings: MemorySettings) -> None:
+    """Refuse a volume that cannot hold the ring (ring mode) before anything is created. An unfinished
+    segment already at ``segment`` (a sidecar restarted mid-load) counts as room: the writer removes it
+    when the new one does not fit beside it."""
+    directory = Path(segment).parent
+    if settings.mode != "ring" or not directory.is_dir():
         return
     stats = os.statvfs(directory)
-    available = stats.f_bavail * stats.f_frsize
+    available = stats.f_bavail * stats.f_frsize + reclaimable_bytes(segment)
     if needed > available:
         raise SegmentSpaceError(
             errno.ENOSPC,
