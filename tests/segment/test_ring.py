@@ -198,3 +198,22 @@ def test_a_ring_manifest_with_a_tensor_longer_than_the_ring_is_refused(shm_dir: 
     _patch(path, 104, struct.pack("<Q", 4096))
     with pytest.raises(SegmentLayoutError, match=r"'t0'\): 8192 bytes do not fit in the ring of 4096"):
         SegmentReader.open(path)
+
+
+def test_a_ring_that_is_not_whole_pages_of_the_host_is_refused_clearly(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from modelload.loader.errors import SegmentError
+    from modelload.loader.segment import _ring
+
+    path = shm_dir / "pages.seg"
+    path.write_bytes(bytes(3 * 4096))
+    monkeypatch.setattr(_ring.mmap, "PAGESIZE", 64 << 10)  # an arm64 host of 64 KiB pages
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        # The ring starts on a page of the host, but ends inside one: the second mapping could not follow
+        # the first (MAP_FIXED at an unaligned address), which must not read as a lack of address space.
+        with pytest.raises(SegmentError, match="pages of 65536 bytes"):
+            _ring.map_ring(fd, start=0, ring_offset=0, ring_size=3 * 4096, writable=False)
+    finally:
+        os.close(fd)
