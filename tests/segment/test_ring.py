@@ -11,6 +11,7 @@ import os
 import struct
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -217,3 +218,37 @@ def test_a_ring_that_is_not_whole_pages_of_the_host_is_refused_clearly(
             _ring.map_ring(fd, start=0, ring_offset=0, ring_size=3 * 4096, writable=False)
     finally:
         os.close(fd)
+
+
+def test_a_gpu_copy_by_a_process_that_did_not_register_is_checked_against_a_release_under_it(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("torch")
+    from modelload.loader._api import torch as torch_api
+
+    path = shm_dir / "ring.seg"
+    layout = _layout([10000, 9000])
+    writer = SegmentWriter.create(path, layout, heartbeat=False)
+    for slot in layout.slots:
+        writer.slot(slot.index)[:] = expected_bytes(3, slot.index, slot.nbytes)
+        writer.mark_ready(slot.index)
+    releaser = Releaser(writer.fileno(), layout, punch=False)
+
+    def racing_copy(items: Any, device: Any, *, on_done: Any = None) -> Any:
+        """A device copy that the sidecar overtakes: t0 is released and its bytes reused mid-copy."""
+        results = []
+        for name, host in items:
+            if name == "t0":
+                releaser.release(0)
+                writer.slot(1)[-4096:] = b"\xee" * 4096  # t1 lands on t0's ring bytes
+            results.append((name, host.clone()))
+            if on_done is not None:
+                on_done(name)
+        yield from results
+
+    monkeypatch.setattr(torch_api, "copy_all", racing_copy)
+    with attach(path, timeout=5, notify=False, register=False) as model:  # the ring never waits for it
+        with pytest.raises(TensorReleasedError, match="'t0'"):
+            model.state_dict(device="cuda")  # a torn copy must not come back as the weights
+    releaser.close()
+    writer.close()

@@ -21,7 +21,14 @@ from modelload.loader._api import modules
 from modelload.loader._api import torch as torch_api
 from modelload.loader._api.notify import Subscriber
 from modelload.loader.errors import LoadTimeoutError, ModuleLoadError
-from modelload.loader.segment import MODEL_DIR_KEY, SegmentReader, Slot, TensorState, WriterState
+from modelload.loader.segment import (
+    MODEL_DIR_KEY,
+    MemoryMode,
+    SegmentReader,
+    Slot,
+    TensorState,
+    WriterState,
+)
 from modelload.loader.segment.consumers import Registration
 
 if TYPE_CHECKING:
@@ -253,6 +260,10 @@ class Model:
         else:
             on_done = self.consumed if self._registration is not None else None
             result = dict(torch_api.copy_all(host, device, on_done=on_done))
+            if on_done is None and self._reader.memory_mode != MemoryMode.FULL:
+                # Not a consumer: nothing waited for these copies, so check now that none was torn by a
+                # release under it (SPEC.md, consumer table rule 5); consumed() only checks here.
+                self.consumed(wanted)
         return {name: result[name] for name in wanted}
 
     def load_into_module(
