@@ -409,3 +409,16 @@ def test_a_sidecar_restarting_over_its_unfinished_ring_reuses_the_room_of_the_ol
     load.finish()
     assert load.error is None, load.error
     assert copies == {name: models.as_bytes(t) for name, t in tensors.items()}
+
+
+def test_a_ring_that_gave_up_waiting_no_longer_reports_a_wait(tmp_path: Path, shm_dir: Path) -> None:
+    source, _ = _model(tmp_path)
+    load = Load(source, shm_dir / "gave-up.seg", MemorySettings(mode="ring", ring_size=RING, wait_timeout=0.5))
+    load.finish()
+    assert isinstance(load.error, MemoryWaitError)
+    time.sleep(0.1)  # the memory thread's last report
+    memory = load.tracker.snapshot().memory
+    assert memory is not None and not memory["waiting"] and memory["waiting_for"] is None, memory
+    waited = memory["wait_seconds_total"]
+    assert 0.5 <= waited < 5, memory
+    assert "modelload_memory_waiting 0.0" in generate_latest(load.metrics.registry).decode()

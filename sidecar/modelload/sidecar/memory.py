@@ -221,11 +221,14 @@ class MemoryManager:
         with self._cond:
             while seq != self._next_grant or self._space.holder(offset, length) is not None:
                 if self._stop.is_set():
+                    if seq == self._next_grant:
+                        self._end_wait()  # nothing waits any more: /status and the metrics say so
                     return False
                 if seq == self._next_grant:
                     waited = self._start_wait()
                     limit = self.settings.wait_timeout
                     if limit is not None and waited > limit:
+                        self._end_wait()  # the load fails: it waits no more (the total keeps the wait)
                         raise MemoryWaitError(
                             f"ring mode waited {waited:.0f} s for room to land tensor "
                             f"{self.plan.layout.slots[chunk.tensor].name!r}: {self._describe_holders()}"
