@@ -426,3 +426,51 @@ def test_a_ring_that_gave_up_waiting_no_longer_reports_a_wait(tmp_path: Path, sh
     waited = memory["wait_seconds_total"]
     assert 0.5 <= waited < 5, memory
     assert "modelload_memory_waiting 0.0" in generate_latest(load.metrics.registry).decode()
+
+
+class _Tied(torch.nn.Module):
+    """Tied input and output embeddings, with layers between them larger than the ring."""
+
+    def __init__(self, layers: int = 6, width: int = 256) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(1024, width)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width, bias=False) for _ in range(layers))
+        self.head = torch.nn.Linear(width, 1024, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_a_module_with_tied_weights_loads_into_a_ring_smaller_than_the_span_between_the_twins(
+    tmp_path: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from modelload.loader._api import torch as torch_api
+
+    torch.manual_seed(11)
+    tensors = {name: t.detach().clone() for name, t in _Tied().state_dict().items()}
+    assert "embed.weight" in tensors and "head.weight" in tensors, "the file stores both names of the tie"
+    source = tmp_path / "tied.tensorizer"
+    source.write_bytes(models.tensorizer_bytes(tensors))
+    segment = shm_dir / "tied.seg"
+    ring = 1536 << 10  # holds the embedding (1 MiB), not the embedding and every layer after it
+    load = Load(source, segment, MemorySettings(mode="ring", ring_size=ring, wait_timeout=10), readers=2)
+    while not segment.exists():
+        time.sleep(0.005)
+
+    def copy_all(items: Any, device: Any, *, on_done: Any = None) -> Any:
+        """A device copy without a device: each tensor is copied, then marked consumed, as a GPU's is."""
+        results = []
+        for name, host in items:
+            results.append((name, host.clone()))
+            if on_done is not None:
+                on_done(name)
+        yield from results
+
+    monkeypatch.setattr(torch_api, "copy_all", copy_all)
+    with torch.device("meta"):
+        module = _Tied()
+    with attach(segment, timeout=30, notify=False) as model:
+        model.load_into_module(module, device="cuda")
+    load.finish()
+    assert load.error is None, load.error
+    assert module.head.weight is module.embed.weight
+    assert torch.equal(module.embed.weight, tensors["embed.weight"])
+    assert torch.equal(module.layers[5].weight, tensors["layers.5.weight"])

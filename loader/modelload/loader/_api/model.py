@@ -302,10 +302,23 @@ class Model:
             )
         shapes = {name: self._slot(name).shape for name in self.names}
         plan = modules.plan(module, shapes, strict=strict, leftover=leftover)
-        if plan.twins:
+        names = list(plan.sources)
+        seconds = [second for _, second in plan.twins]
+        streamed = self._reader.memory_mode != MemoryMode.FULL and not (device is None or _is_cpu(device))
+        if plan.twins and not streamed:
             self.wait([name for pair in plan.twins for name in pair], timeout=timeout)
             modules.check_twins(plan, lambda name: self.tensor(name, wait=False))
-        tensors = self.state_dict(device=device, names=list(plan.sources), timeout=timeout)
+        elif plan.twins:
+            # Memory modes release and ring: the sidecar may need the first twin's bytes back before the
+            # second lands (a ring smaller than the span between them), so waiting for both before copying
+            # anything would never end. Copy the second twins too (and so consume them), compare the copies.
+            names += [name for name in seconds if name not in plan.sources]
+        tensors = self.state_dict(device=device, names=names, timeout=timeout)
+        if plan.twins and streamed:
+            modules.check_twins(plan, tensors.__getitem__)
+            for name in seconds:
+                if name not in plan.sources:
+                    tensors.pop(name, None)
         if dtype is not None:
             tensors = {n: t.to(dtype) if t.is_floating_point() else t for n, t in tensors.items()}
         return modules.assign(module, plan, tensors, leftover=leftover)
