@@ -474,3 +474,37 @@ def test_a_module_with_tied_weights_loads_into_a_ring_smaller_than_the_span_betw
     assert module.head.weight is module.embed.weight
     assert torch.equal(module.embed.weight, tensors["embed.weight"])
     assert torch.equal(module.layers[5].weight, tensors["layers.5.weight"])
+
+
+def test_a_module_that_takes_not_every_tensor_of_the_file_loads_through_a_ring(
+    tmp_path: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from modelload.loader._api import torch as torch_api
+
+    torch.manual_seed(12)
+    tensors = {name: t.detach().clone() for name, t in _Tied().state_dict().items()}
+    tensors = {"attn.rotary.inv_freq": torch.rand(128), **tensors}  # older checkpoints hold such leftovers
+    source = tmp_path / "extra.safetensors"
+    source.write_bytes(models.safetensors_bytes(tensors))
+    segment = shm_dir / "extra.seg"
+    load = Load(source, segment, MemorySettings(mode="ring", ring_size=1536 << 10, wait_timeout=10))
+    while not segment.exists():
+        time.sleep(0.005)
+
+    def copy_all(items: Any, device: Any, *, on_done: Any = None) -> Any:
+        results = []
+        for name, host in items:
+            results.append((name, host.clone()))
+            if on_done is not None:
+                on_done(name)
+        yield from results
+
+    monkeypatch.setattr(torch_api, "copy_all", copy_all)
+    with torch.device("meta"):
+        module = _Tied()
+    with attach(segment, timeout=30, notify=False) as model:
+        _, unexpected = model.load_into_module(module, device="cuda", strict=False)
+    load.finish()
+    assert load.error is None, load.error  # the ring did not wait for a tensor nobody will copy
+    assert list(unexpected) == ["attn.rotary.inv_freq"]
+    assert torch.equal(module.layers[5].weight, tensors["layers.5.weight"])

@@ -292,7 +292,8 @@ class Model:
         ``leftover`` is ``"keep"`` or a function ``fn(name, meta_tensor) -> tensor`` that re-creates each.
         With ``strict``, names that differ raise :class:`~modelload.loader.errors.ModuleMismatchError`
         (shapes always do). Every refusal comes before anything is assigned. Returns torch's
-        ``(missing_keys, unexpected_keys)``.
+        ``(missing_keys, unexpected_keys)``. In memory modes release and ring, a registered consumer marks
+        the unexpected tensors consumed (it will not copy them), so the sidecar does not keep them for it.
         """
         import torch
 
@@ -313,6 +314,10 @@ class Model:
             # second lands (a ring smaller than the span between them), so waiting for both before copying
             # anything would never end. Copy the second twins too (and so consume them), compare the copies.
             names += [name for name in seconds if name not in plan.sources]
+        if plan.unexpected and self._registration is not None:
+            # Tensors the module does not take (strict=False) are never copied: consume them now, or the
+            # sidecar would keep them, and a ring would wait for their bytes, as long as this process lives.
+            self._registration.mark([self._slot(name).index for name in plan.unexpected])
         tensors = self.state_dict(device=device, names=names, timeout=timeout)
         if plan.twins and streamed:
             modules.check_twins(plan, tensors.__getitem__)
