@@ -247,8 +247,9 @@ def test_a_gpu_copy_by_a_process_that_did_not_register_is_checked_against_a_rele
         yield from results
 
     monkeypatch.setattr(torch_api, "copy_all", racing_copy)
-    with attach(path, timeout=5, notify=False, register=False) as model:  # the ring never waits for it
-        with pytest.raises(TensorReleasedError, match="'t0'"):
-            model.state_dict(device="cuda")  # a torn copy must not come back as the weights
+    model = attach(path, timeout=5, notify=False, register=False)  # the ring never waits for it
+    with pytest.raises(TensorReleasedError, match="'t0'"):
+        model.state_dict(device="cuda")  # a torn copy must not come back as the weights
+    model.close()
     releaser.close()
     writer.close()

@@ -400,10 +400,9 @@ def test_a_sidecar_restarting_over_its_unfinished_ring_reuses_the_room_of_the_ol
     load = Load(source, segment, MemorySettings(mode="ring", ring_size=ring), readers=2)
     deadline = time.monotonic() + 10
     while load.thread.is_alive() and time.monotonic() < deadline:
-        with contextlib.suppress(ModelloadError):
-            with SegmentReader.open(segment) as reader:
-                if reader.load_id != old.load_id:
-                    break
+        with contextlib.suppress(ModelloadError), SegmentReader.open(segment) as reader:
+            if reader.load_id != old.load_id:
+                break
         time.sleep(0.01)
     copies = _consume(segment) if load.thread.is_alive() else {}
     load.finish()
@@ -417,7 +416,8 @@ def test_a_sidecar_restarting_over_its_unfinished_ring_reuses_the_room_of_the_ol
 
 def test_a_ring_that_gave_up_waiting_no_longer_reports_a_wait(tmp_path: Path, shm_dir: Path) -> None:
     source, _ = _model(tmp_path)
-    load = Load(source, shm_dir / "gave-up.seg", MemorySettings(mode="ring", ring_size=RING, wait_timeout=0.5))
+    settings = MemorySettings(mode="ring", ring_size=RING, wait_timeout=0.5)
+    load = Load(source, shm_dir / "gave-up.seg", settings)
     load.finish()
     assert isinstance(load.error, MemoryWaitError)
     time.sleep(0.1)  # the memory thread's last report

@@ -443,7 +443,7 @@ def reclaimable_bytes(target: str | os.PathLike[str]) -> int:
     total = 0
     for path in _removable(Path(target)):
         with contextlib.suppress(OSError):
-            total += os.stat(path).st_blocks * 512
+            total += path.stat().st_blocks * 512
     return total
 
 
