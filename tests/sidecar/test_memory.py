@@ -508,3 +508,29 @@ def test_a_module_that_takes_not_every_tensor_of_the_file_loads_through_a_ring(
     assert load.error is None, load.error  # the ring did not wait for a tensor nobody will copy
     assert list(unexpected) == ["attn.rotary.inv_freq"]
     assert torch.equal(module.layers[5].weight, tensors["layers.5.weight"])
+
+
+def test_a_ring_s_wait_names_the_tensor_whose_bytes_it_waits_for(tmp_path: Path, shm_dir: Path) -> None:
+    source, _ = _model(tmp_path, seed=13)
+    segment = shm_dir / "blocker.seg"
+    # head.bias lands first (ring bytes [0, 296)), then layers.5.*: layers.5.mlp.weight needs the ring bytes
+    # layers.5.attn.weight holds, and nothing of head.bias's.
+    settings = MemorySettings(mode="ring", ring_size=RING, wait_timeout=2)
+    load = Load(source, segment, settings, readers=2, priority=("head.bias", "layers.5."))
+    while not segment.exists():
+        time.sleep(0.005)
+    model = attach(segment, timeout=30, notify=False)
+    with pytest.raises(LoadFailedError, match="ring mode waited"):
+        for name in model.iter_ready():
+            if name not in ("head.bias", "layers.5.attn.weight"):  # held, never consumed
+                model.consumed(name)
+    load.finish()
+    model.close()
+    assert isinstance(load.error, MemoryWaitError)
+    with SegmentReader.open(segment) as reader:
+        data_offset = reader.header.data_offset
+        ring = {s.name: (s.offset - data_offset) % RING for s in reader.slots}
+    assert ring["head.bias"] == 0 and ring["layers.5.attn.weight"] > 4096, "the layout this test relies on"
+    assert "to land tensor 'layers.5.mlp.weight'" in str(load.error)
+    assert "has not consumed 'layers.5.attn.weight'" in str(load.error), load.error
+    assert "head.bias" not in str(load.error), "a held tensor the ring does not wait for is not the reason"

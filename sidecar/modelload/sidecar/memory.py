@@ -197,6 +197,8 @@ class MemoryManager:
         self._released = np.zeros(len(layout.slots), dtype=bool)
         self._released_bytes = 0
         self._waiting_since: float | None = None
+        self._blocker: int | None = None
+        """The tensor whose ring bytes the oldest waiting chunk needs (None: no wait, or a wait for order)."""
         self._wait_total = 0.0
         self._holders: list[dict[str, Any]] = []
         self._consumers: list[ConsumerEntry] = []
@@ -225,14 +227,16 @@ class MemoryManager:
                         self._end_wait()  # nothing waits any more: /status and the metrics say so
                     return False
                 if seq == self._next_grant:
+                    self._blocker = self._space.holder(offset, length)
                     waited = self._start_wait()
                     limit = self.settings.wait_timeout
                     if limit is not None and waited > limit:
-                        self._end_wait()  # the load fails: it waits no more (the total keeps the wait)
-                        raise MemoryWaitError(
+                        error = MemoryWaitError(
                             f"ring mode waited {waited:.0f} s for room to land tensor "
                             f"{self.plan.layout.slots[chunk.tensor].name!r}: {self._describe_holders()}"
                         )
+                        self._end_wait()  # the load fails: it waits no more (the total keeps the wait)
+                        raise error
                 self._cond.wait(0.05)
             self._end_wait()
             self._space.take(chunk.tensor, offset, length)
@@ -256,6 +260,7 @@ class MemoryManager:
         return now - self._waiting_since
 
     def _end_wait(self) -> None:
+        self._blocker = None
         if self._waiting_since is not None:
             self._wait_total += time.monotonic() - self._waiting_since
             self._waiting_since = None
@@ -309,9 +314,13 @@ class MemoryManager:
             punched = self._releaser.release(int(index))
             self._released_bytes += punched if not self._ring else self.plan.layout.slots[index].nbytes
             self._released[index] = True
-        # The oldest tensor still held, and who holds it: what /status shows while the ring waits.
+        # Who holds the tensor whose bytes the ring waits for (else the oldest one held): what /status shows.
         held = np.flatnonzero(ready & ~self._released & ~consumed)
-        self._holders = self._who_holds(int(held[0]), live) if len(held) else []
+        blocker = self._blocker
+        if blocker is not None and not self._released[blocker]:
+            self._holders = self._who_holds(blocker, live) if ready[blocker] else []
+        else:
+            self._holders = self._who_holds(int(held[0]), live) if len(held) else []
         if self._ring and len(todo):
             with self._cond:  # RELEASED is stored: the bytes may now take newer tensors
                 for index in todo:
@@ -342,6 +351,10 @@ class MemoryManager:
                 "anything is released: is the app running and attached (modelload.loader.attach())?"
             )
         if not self._holders:
+            blocker = self._blocker
+            if blocker is not None:
+                name = self.plan.layout.slots[blocker].name
+                return f"tensor {name!r}, whose ring bytes it needs, is still landing"
             return "tensors landed are not yet ready"
         who = ", ".join(
             f"{h['consumer']} (pid {h['pid']}) has not consumed {h['tensor']!r}" for h in self._holders
