@@ -253,3 +253,26 @@ def test_a_gpu_copy_by_a_process_that_did_not_register_is_checked_against_a_rele
     model.close()
     releaser.close()
     writer.close()
+
+
+def test_a_consumer_whose_entry_was_taken_over_after_it_expired_marks_nothing_in_the_new_one(
+    shm_dir: Path,
+) -> None:
+    from modelload.loader.segment.consumers import ConsumerTable
+
+    path = shm_dir / "ring.seg"
+    layout = _layout([10000, 9000])
+    with SegmentWriter.create(path, layout, heartbeat=False) as writer:
+        table = ConsumerTable.open(path, load_id=writer.load_id, tensor_count=2, write=True)
+        stalled = table.register(label="stalled")
+        # It stops beating for longer than the expiry (a stopped container, a host under pressure) ...
+        struct.pack_into("<Q", table._mm, table._at(stalled.slot) + 16, 1)
+        other = ConsumerTable.open(path, load_id=writer.load_id, tensor_count=2, write=True)
+        newcomer = other.register(label="newcomer")
+        assert newcomer.slot == stalled.slot, "the expired entry is the one a newcomer takes"
+        # ... then wakes and marks what it copied: in its own entry, which is the newcomer's now.
+        stalled.mark([0])
+        assert not newcomer.has(0), "the writer would release t0 while the newcomer still copies it"
+        assert not stalled.has(0), "a consumer that lost its entry cannot vouch for a copy any more"
+        newcomer.leave()
+        stalled.leave()
