@@ -534,3 +534,13 @@ def test_a_ring_s_wait_names_the_tensor_whose_bytes_it_waits_for(tmp_path: Path,
     assert "to land tensor 'layers.5.mlp.weight'" in str(load.error)
     assert "has not consumed 'layers.5.attn.weight'" in str(load.error), load.error
     assert "head.bias" not in str(load.error), "a held tensor the ring does not wait for is not the reason"
+
+
+def test_a_volume_too_small_for_a_ring_cut_to_the_model_names_the_ring_it_needs(
+    tmp_path: Path, tiny_tmpfs: Path
+) -> None:
+    source, _ = _model(tmp_path)  # about 3.5 MiB of data: a 64 MiB ring is cut to the model's size
+    load = Load(source, tiny_tmpfs / "model.seg", MemorySettings(mode="ring", ring_size=64 << 20))
+    load.finish()
+    assert isinstance(load.error, SegmentSpaceError)
+    assert str(64 << 20) not in str(load.error), "the error names a ring that is not the one it needs"

@@ -145,7 +145,9 @@ def plan_memory(plan: LoadPlan, settings: MemorySettings) -> LoadPlan:
     return replace(plan, layout=layout)
 
 
-def check_volume(segment: os.PathLike[str] | str, needed: int, settings: MemorySettings) -> None:
+def check_volume(
+    segment: os.PathLike[str] | str, needed: int, settings: MemorySettings, *, ring_size: int = 0
+) -> None:
     """Refuse a volume that cannot hold the ring (ring mode) before anything is created. An unfinished
     segment already at ``segment`` (a sidecar restarted mid-load) counts as room: the writer removes it
     when the new one does not fit beside it."""
@@ -155,9 +157,10 @@ def check_volume(segment: os.PathLike[str] | str, needed: int, settings: MemoryS
     stats = os.statvfs(directory)
     available = stats.f_bavail * stats.f_frsize + reclaimable_bytes(segment)
     if needed > available:
+        ring = ring_size or settings.ring_size  # the ring planned: cut to the model's data when smaller
         raise SegmentSpaceError(
             errno.ENOSPC,
-            f"ring mode needs {needed} bytes in {directory} (the ring of {settings.ring_size} and the "
+            f"ring mode needs {needed} bytes in {directory} (the ring of {ring} and the "
             f"segment's header and tables) and the volume has {available} free: raise the volume's "
             "sizeLimit or lower --ring-size",
         )
