@@ -414,6 +414,36 @@ def test_a_sidecar_restarting_over_its_unfinished_ring_reuses_the_room_of_the_ol
     time.sleep(0.1)
 
 
+@pytest.mark.parametrize("mode", ["ring", "release"])
+def test_a_sidecar_restarted_after_a_complete_load_keeps_the_segment_its_app_already_consumed(
+    mode: str, tmp_path: Path, shm_dir: Path
+) -> None:
+    source, tensors = _model(tmp_path, seed=11)
+    segment = shm_dir / "done.seg"
+    memory = (
+        MemorySettings(mode=mode, ring_size=RING, wait_timeout=2.0)
+        if mode == "ring"
+        else MemorySettings(mode="release")
+    )
+    first = Load(source, segment, memory, readers=2)
+    while not segment.exists():
+        time.sleep(0.005)
+    assert _consume(segment) == {name: models.as_bytes(t) for name, t in tensors.items()}
+    first.finish()
+    assert first.error is None
+    with SegmentReader.open(segment) as reader:
+        load_id = reader.load_id
+    # The app has everything and does not attach again: a new load would wait for it (a ring) or hold the
+    # whole model again (release); the restarted sidecar reports the finished load instead.
+    again = Load(source, segment, memory, readers=2)
+    again.finish()
+    assert again.error is None, again.error
+    assert again.tracker.snapshot().phase == "complete"
+    with SegmentReader.open(segment) as reader:
+        assert reader.load_id == load_id
+        assert reader.writer_state == WriterState.COMPLETE
+
+
 def test_a_ring_that_gave_up_waiting_no_longer_reports_a_wait(tmp_path: Path, shm_dir: Path) -> None:
     source, _ = _model(tmp_path)
     settings = MemorySettings(mode="ring", ring_size=RING, wait_timeout=0.5)

@@ -158,8 +158,8 @@ class Engine:
         _warn_without_validator(model)
         if model.directory is not None:
             model_dir = write_model_dir(model, self.model_dir, self._sources, on_retry=self._retried)
-        if settings.memory.mode == "full" and self._reuse(uri, model.fingerprint, model.size):
-            return  # (a segment whose tensors may have been released is never reused)
+        if self._reuse(uri, model.fingerprint, model.size):
+            return
         index = model.index
         key = self._key(index, uri)
         plan = plan_load(
@@ -225,7 +225,13 @@ class Engine:
         self._observer.retried(kind=retry_kind(event), message=str(event.error))
 
     def _reuse(self, uri: str, etag: str | None, size: int) -> bool:
-        """Reuse a COMPLETE segment of this same object (URI, ETag and size), as after a sidecar restart."""
+        """Reuse a COMPLETE segment of this same object (URI, ETag and size), as after a sidecar restart.
+
+        In every memory mode: the app attached before the restart has copied (and consumed) what it
+        released, and does not attach again, so loading anew in ``release`` or ``ring`` mode would wait for
+        a consumer that never comes (a ring stalls, and the pod stops being ready). A segment written in
+        another memory mode is loaded again.
+        """
         path = self.settings.segment
         if etag is None or not path.exists():
             return False
@@ -238,6 +244,13 @@ class Engine:
                     str(size),
                 )
                 if not same or old.writer_state != WriterState.COMPLETE:
+                    return False
+                if old.memory_mode.name.lower() != self.settings.memory.mode:
+                    log.info(
+                        "not reusing the segment at %s: it was written in memory mode %s",
+                        path,
+                        old.memory_mode.name.lower(),
+                    )
                     return False
                 nbytes = sum(s.nbytes for s in old.slots)
                 self._observer.manifest_published(
