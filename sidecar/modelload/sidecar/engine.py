@@ -170,7 +170,7 @@ class Engine:
         )
         plan = plan_memory(plan, settings.memory)
         check_volume(
-            settings.segment, plan.layout.resident_limit, settings.memory, ring_size=plan.layout.ring_size
+            settings.segment, plan.layout.segment_length, settings.memory, ring_size=plan.layout.ring_size
         )
         use_fd = settings.splice and all(source.supports_fd for source in model.sources)
         # Through the file descriptor nothing writes a meta tensor's slot: reserve it before publishing.

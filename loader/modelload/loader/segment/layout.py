@@ -264,11 +264,6 @@ class Layout:
         return 2 if self.files else 1
 
     @property
-    def resident_limit(self) -> int:
-        """The most bytes of the file ever resident: all of it (in ring mode, the tables and the ring)."""
-        return self.segment_length
-
-    @property
     def segment_length(self) -> int:
         """The file's size: the data region after the tables, or in ring mode the ring instead."""
         if self.memory_mode == MemoryMode.RING:

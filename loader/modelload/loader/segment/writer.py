@@ -133,8 +133,8 @@ class SegmentWriter:
         load_id = load_id or (secrets.randbits(64) | 1)
         created_ns = created_ns or time.time_ns()
         _check_writable(target.parent)
-        _make_room(target, layout.resident_limit, load_id)
-        _check_space(target.parent, layout.resident_limit)
+        _make_room(target, layout.segment_length, load_id)
+        _check_space(target.parent, layout.segment_length)
         temp = target.with_name(f".{target.name}.{load_id:016x}.tmp")
         try:
             fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, SEGMENT_MODE)
