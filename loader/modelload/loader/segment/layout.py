@@ -87,7 +87,7 @@ _RESERVED_TAIL = (OFF_ERROR + ERROR_CAPACITY, HEADER_LENGTH)
 
 # Field offsets inside a 32-byte state entry (SPEC.md, "State table").
 ENTRY_STATE = 0
-"""u32: PENDING, READY, FAILED (and RELEASED in layout 3)."""
+"""u32: PENDING, READY, FAILED (and RELEASED in layouts 3 and 4)."""
 ENTRY_FLAGS = 4
 """u32: TensorFlags."""
 ENTRY_READY_NS = 8

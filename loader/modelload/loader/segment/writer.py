@@ -161,7 +161,7 @@ class SegmentWriter:
                 mm = mmap.mmap(fd, layout.segment_length, flags=mmap.MAP_SHARED)
             writer = cls(target, layout, fd, mm, load_id)
             writer._write_prologue(created_ns)
-            if layout.layout_version >= 3:  # the consumer table first: a version-3 reader looks for it
+            if layout.layout_version >= 3:  # the consumer table first: a version-3 or -4 reader looks for it
                 create_table(target, load_id=load_id, tensor_count=len(layout.slots))
             _supersede(target, load_id)
             temp.rename(target)
