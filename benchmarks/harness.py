@@ -15,12 +15,12 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from attach import shapes
+from peers import wait_complete
 
 from modelload.loader.formats.tensorizer import TensorizerWriter
 
@@ -191,7 +191,7 @@ def sidecar(
     process = subprocess.Popen(argv, env=_aws_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     sampler = _Sampler(process.pid, ("RssAnon", "RssFile"))
     try:
-        status = _wait_complete(port, process)
+        status = wait_complete(port, process, timeout_s=600)
     finally:
         peak = sampler.stop()
         process.send_signal(signal.SIGTERM)
@@ -206,29 +206,6 @@ def sidecar(
         manifest_s=float(status["manifest_at"]) - spawned,
         extra=f"engine {int(status['bytes_total']) / (finished - float(status['started_at'])) / 2**30:.2f} GiB/s",
     )
-
-
-def _wait_complete(port: int, process: subprocess.Popen[bytes]) -> dict[str, object]:
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(
-                f"the sidecar exited: {process.stderr.read().decode()[-2000:] if process.stderr else ''}"
-            )
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=2) as response:
-                status = json.load(response)
-        except OSError:
-            time.sleep(0.01)
-            continue
-        if status["phase"] == "complete":
-            return dict(status)
-        if status["phase"] == "failed":
-            raise RuntimeError(f"the load failed: {status['error']}")
-        # The times reported come from the sidecar's own clock (/status), so polling slowly loses no precision
-        # and leaves the 2 cores to the load (polling every 10 ms cost the sidecar about 20 % here).
-        time.sleep(0.1)
-    raise TimeoutError("the sidecar did not finish in 10 minutes")
 
 
 TENSORIZER = """
