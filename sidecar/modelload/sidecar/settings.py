@@ -62,7 +62,6 @@ __all__ = [
     "SidecarSettings",
     "add_arguments",
     "default_notify_endpoint",
-    "parse_bool",
     "parse_settings",
 ]
 
