@@ -45,11 +45,19 @@ from modelload.loader.options import (
 )
 from modelload.loader.sizes import parse_size
 from modelload.sidecar.memory import MemorySettings
-from modelload.sidecar.sources import display_url
+from modelload.sidecar.sources import (
+    HttpSettings,
+    RetryPolicy,
+    S3Settings,
+    SourceSettings,
+    display_url,
+    proxy_from_environ,
+    read_header_file,
+)
 
 if TYPE_CHECKING:
     from modelload.sidecar.memory import Mode
-    from modelload.sidecar.sources import S3Addressing, SourceSettings
+    from modelload.sidecar.sources import S3Addressing
 
 __all__ = [
     "DEFAULT_PORT",
@@ -112,7 +120,6 @@ class LoadSettings:
     ``verify``: check each tensor against the hash its file stores (tensorizer CRC32, or SHA-256 when it is
     the only one) before publishing it. Default on: a corrupt transfer is then an error, not wrong weights.
     Encrypted tensors are always authenticated by their MACs.
-
 
     ``key_file`` / ``password_file``: a file holding the raw 32-byte decryption key, or the password of an
     Argon2id-derived key, for encrypted tensorizer files. At most one; default none. Only the paths are
@@ -489,15 +496,10 @@ def parse_settings(
     engine, notify = _load_settings(lookup)
     host = lookup.get("host", parse_text, "0.0.0.0")  # noqa: S104 - probes come from the kubelet
     api = ApiSettings(host=host, port=lookup.get("port", parse_int(0, 65535), DEFAULT_PORT))
+    sources = _source_settings(lookup, environ, source=engine.source)
     log_level = cast("LogLevel", lookup.get("log_level", parse_choice(get_args(LogLevel)), "info"))
-    return SidecarSettings(
-        engine=engine,
-        sources=_source_settings(lookup, environ, source=engine.source),
-        api=api,
-        notify=notify,
-        log_level=log_level,
-        peers=_peer_settings(lookup),
-    )
+    peers = _peer_settings(lookup)
+    return SidecarSettings(engine, sources, api, notify, log_level, peers)  # distinct types: mypy checks
 
 
 def _flags(argv: Sequence[str] | argparse.Namespace | Mapping[str, object]) -> Mapping[str, object]:
@@ -560,15 +562,6 @@ def _load_settings(lookup: options.Lookup) -> tuple[LoadSettings, NotifySettings
 
 def _source_settings(lookup: options.Lookup, environ: Mapping[str, str], *, source: str) -> SourceSettings:
     """How the sources reach S3 and HTTP(S) servers; a header file is checked against ``source``'s scheme."""
-    from modelload.sidecar.sources import (
-        HttpSettings,
-        RetryPolicy,
-        S3Settings,
-        SourceSettings,
-        proxy_from_environ,
-        read_header_file,
-    )
-
     get = lookup.get
     s3 = S3Settings(
         endpoint_url=get("s3_endpoint", _url, None),
