@@ -168,8 +168,11 @@ def load_curl(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-class _ProcSampler:
-    """Every 10 ms: the process's CPU ticks (own and reaped children) and its RSS besides shared memory."""
+class ProcSampler:
+    """Every 10 ms: the process's CPU ticks (own and reaped children) and its RSS besides shared memory.
+
+    ``harness.py`` imports it too, so that every benchmark reads a sidecar's memory the same way.
+    """
 
     def __init__(self, pid: int) -> None:
         self.samples: list[tuple[float, float]] = []
@@ -196,9 +199,11 @@ class _ProcSampler:
             )
             self.peak = max(self.peak, rss)
 
-    def stop(self) -> None:
+    def stop(self) -> int:
+        """Stop sampling; the peak RSS besides shared memory, in bytes."""
         self._stop.set()
         self._thread.join()
+        return self.peak
 
     def cpu_at(self, when: float) -> float:
         """CPU seconds used by ``when`` (the last sample at or before it)."""
@@ -219,7 +224,7 @@ def load_sidecar(args: argparse.Namespace) -> dict[str, Any]:
     if args.s3_endpoint:
         argv += ["--s3-endpoint", args.s3_endpoint, "--s3-addressing", "path"]
     process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    sampler = _ProcSampler(process.pid)
+    sampler = ProcSampler(process.pid)
     try:
         try:
             status = wait_complete(port, process)
