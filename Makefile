@@ -18,9 +18,13 @@ BENCH_STAMP := $(VENV)/.bench-installed
 all: test
 
 # Debian packages the tests and benchmarks use: nginx serves ranges over loopback, libsodium lets the real
-# tensorizer package (an interop peer) encrypt and decrypt.
+# tensorizer package (an interop peer) encrypt and decrypt. Debian's own python3 makes virtualenvs only with
+# python3-venv (without it `python3 -m venv` leaves a .venv with no pip, which the next run would reuse).
 system:
 	@missing=""; \
+	if $(PYTHON) -c '' 2>/dev/null && ! $(PYTHON) -c 'import ensurepip' 2>/dev/null; then \
+		missing="$$missing python3-venv"; \
+	fi; \
 	command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || missing="$$missing nginx-light"; \
 	ldconfig -p 2>/dev/null | grep -q libsodium.so.23 || missing="$$missing libsodium23"; \
 	if [ -n "$$missing" ]; then \

@@ -395,6 +395,8 @@ def test_inspect_refuses_overlapping_shards_and_remote_uris(tmp_path: Path, caps
     assert main(["inspect", "s3://bucket/model.safetensors"]) != 0
     err = capsys.readouterr().err
     assert "modelload sidecar --source" in err and "s3:/bucket" not in err
+    # the advice is two commands, each quoted whole (the closing backtick once fell after the second)
+    assert "`modelload sidecar --source URI --segment PATH`, then `modelload inspect PATH`" in err
 
 
 def subprocess_json(main: Any, argv: list[str]) -> str:

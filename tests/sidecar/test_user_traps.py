@@ -68,6 +68,20 @@ def test_an_unsupported_scheme_exits_at_once_with_a_config_error(
     # (that production lists no memory:// is checked in a fresh process: tests here register it)
 
 
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("source", ["s3:/bucket/model/", "https:/host/m.safetensors", "s3:bucket/m"])
+def test_a_uri_missing_a_slash_is_named_as_such_instead_of_read_as_a_local_path(
+    source: str, shm_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # before the fix "s3:/bucket/model/" was a local path: the load failed with "no file at s3:/bucket/model/:
+    # check the path and the volume mount", and the sidecar served that failure instead of exiting
+    status = main(["sidecar", "--source", source, "--segment", str(shm_dir / "m.seg"), "--port", "0"])
+    err = capsys.readouterr().err
+    scheme = source.split(":", 1)[0]
+    assert status == 2
+    assert f"{source!r} is not a {scheme}:// URI" in err and f"{scheme}://" in err
+
+
 def test_a_stop_during_connection_retries_is_prompt(shm_dir: Path) -> None:
     closed = free_port()  # nothing listens: every connect is refused and retried with backoff
     settings = parse_settings(

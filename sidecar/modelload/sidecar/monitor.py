@@ -48,7 +48,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "monitor",
         help="watch a sidecar's load: progress bar, throughput, ETA",
-        description="Poll a modelload sidecar's /status and draw its load until it ends.",
+        description=(
+            "Poll a modelload sidecar's /status and draw its load until it ends. It reads the sidecar's "
+            "HTTP API, not a segment file: `modelload inspect SEGMENT` shows a segment's state."
+        ),
         epilog="exit status: 0 complete, 1 failed or stopped, 3 unreachable, 4 still loading (--once)",
     )
     parser.add_argument(

@@ -156,7 +156,8 @@ def local_model_files(directory: Path, *, format: str = "auto") -> ModelFiles:  
 
 
 def local_path(text: str, *, command: str, remote: str) -> Path:
-    """A local path from a command's argument; a remote URI is refused naming the command that reads it.
+    """A local path from a command's argument; a remote URI is refused naming the command that reads it
+    (``remote``: the advice, commands in backticks).
 
     ``Path("s3://bucket/key")`` would quietly become ``s3:/bucket/key`` and fail as a missing file.
     """
@@ -168,7 +169,7 @@ def local_path(text: str, *, command: str, remote: str) -> Path:
             return Path(unquote(urlsplit(text).path))
         raise ConfigError(
             f"{command} reads local files and directories, and {text.partition('?')[0]} is a remote "
-            f"({scheme}://) URI: load it with `{remote}`"
+            f"({scheme}://) URI: load it with {remote}"
         )
     return Path(text)
 

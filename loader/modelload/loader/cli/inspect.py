@@ -87,9 +87,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "inspect",
         help="show what a model file or segment holds; --verify checks its hashes",
         description=(
-            "Show a tensorizer file, a safetensors file or a modelload segment (detected by content):\n"
-            "format, tensors, bytes, encryption, metadata, dtypes. An encrypted file's index is readable\n"
-            "without its key."
+            "Show a tensorizer file, a safetensors file, a modelload segment (detected by content)\n"
+            "or a model directory of shards (as one model): format, tensors, bytes, encryption,\n"
+            "metadata, dtypes. An encrypted file's index is readable without its key. Local paths\n"
+            "only: for s3:// or http(s)://, load the model with `modelload sidecar` and inspect its\n"
+            "segment."
         ),
         epilog=JSON_KEYS,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -114,7 +116,9 @@ def run(args: argparse.Namespace) -> int:
     if args.limit < 0:
         raise ConfigError("--limit must be 0 or more")
     path = local_path(
-        args.file, command="inspect", remote="modelload sidecar --source URI, then inspect its segment"
+        args.file,
+        command="inspect",
+        remote="`modelload sidecar --source URI --segment PATH`, then `modelload inspect PATH`",
     )
     key = decryption_key(args)
     if path.is_dir():

@@ -125,7 +125,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--shard-size",
         metavar="SIZE",
         help="write DST as a directory of safetensors shards of at most SIZE each (5GB, 500MiB) with "
-        "model.safetensors.index.json; a tensor larger than SIZE gets a shard of its own",
+        "model.safetensors.index.json; a tensor larger than SIZE gets a shard of its own. Weights only: "
+        "copy config.json and the tokenizer into DST yourself (from_pretrained and vLLM read them)",
     )
     parser.add_argument(
         "--state-dict-key",

@@ -94,7 +94,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--model-dir",
         metavar="DIR",
         type=Path,
-        help="where a directory's config and tokenizer go (default: model/ beside SEGMENT)",
+        help=(
+            "where a directory's config and tokenizer go (default: model/ beside SEGMENT, which every "
+            "segment in that folder shares: give each model its own DIR, or its own folder)"
+        ),
     )
     parser.add_argument(
         "--format",
@@ -126,7 +129,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Stage ``args.source`` into ``args.segment``; ModelloadErrors carry what went wrong."""
     started = time.monotonic()
-    source = local_path(args.source, command="stage", remote="modelload sidecar --source URI --segment PATH")
+    source = local_path(
+        args.source, command="stage", remote="`modelload sidecar --source URI --segment PATH`"
+    )
     if args.threads < 1:
         raise ConfigError("--threads must be 1 or more")
     key = decryption_key(args)

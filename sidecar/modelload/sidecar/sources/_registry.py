@@ -77,6 +77,7 @@ def check_scheme(uri: str) -> None:
 def _factory(uri: str) -> SourceFactory | None:
     match = _SCHEME.match(uri)
     if match is None:
+        _refuse_a_scheme_short_of_its_slashes(uri)
         return None
     scheme = match.group(1).lower()
     with _lock:
@@ -87,3 +88,19 @@ def _factory(uri: str) -> SourceFactory | None:
             f"no source for {scheme}:// URIs (supported: {known}, or a local path); check the source URI"
         )
     return factory
+
+
+def _refuse_a_scheme_short_of_its_slashes(uri: str) -> None:
+    """``s3:/bucket/m`` or ``https:host/m`` would otherwise be read as a local path and fail as a missing
+    file; ``file:/path`` stays a path, as documented."""
+    short = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*):/?(?!/)", uri)
+    if short is None:
+        return
+    scheme = short.group(1).lower()
+    with _lock:
+        known = scheme in _factories and scheme != "file"
+    if known:
+        rest = uri[short.end() :]
+        raise ConfigError(
+            f"{uri!r} is not a {scheme}:// URI (two slashes after '{scheme}:'): did you mean {scheme}://{rest}?"
+        )
