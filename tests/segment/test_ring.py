@@ -11,6 +11,7 @@ import os
 import struct
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -198,3 +199,80 @@ def test_a_ring_manifest_with_a_tensor_longer_than_the_ring_is_refused(shm_dir: 
     _patch(path, 104, struct.pack("<Q", 4096))
     with pytest.raises(SegmentLayoutError, match=r"'t0'\): 8192 bytes do not fit in the ring of 4096"):
         SegmentReader.open(path)
+
+
+def test_a_ring_that_is_not_whole_pages_of_the_host_is_refused_clearly(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from modelload.loader.errors import SegmentError
+    from modelload.loader.segment import _ring
+
+    path = shm_dir / "pages.seg"
+    path.write_bytes(bytes(3 * 4096))
+    monkeypatch.setattr(_ring.mmap, "PAGESIZE", 64 << 10)  # an arm64 host of 64 KiB pages
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        # The ring starts on a page of the host, but ends inside one: the second mapping could not follow
+        # the first (MAP_FIXED at an unaligned address), which must not read as a lack of address space.
+        with pytest.raises(SegmentError, match="pages of 65536 bytes"):
+            _ring.map_ring(fd, start=0, ring_offset=0, ring_size=3 * 4096, writable=False)
+    finally:
+        os.close(fd)
+
+
+def test_a_gpu_copy_by_a_process_that_did_not_register_is_checked_against_a_release_under_it(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("torch")
+    from modelload.loader._api import torch as torch_api
+
+    path = shm_dir / "ring.seg"
+    layout = _layout([10000, 9000])
+    writer = SegmentWriter.create(path, layout, heartbeat=False)
+    for slot in layout.slots:
+        writer.slot(slot.index)[:] = expected_bytes(3, slot.index, slot.nbytes)
+        writer.mark_ready(slot.index)
+    releaser = Releaser(writer.fileno(), layout, punch=False)
+
+    def racing_copy(items: Any, device: Any, *, on_done: Any = None) -> Any:
+        """A device copy that the sidecar overtakes: t0 is released and its bytes reused mid-copy."""
+        results = []
+        for name, host in items:
+            if name == "t0":
+                releaser.release(0)
+                writer.slot(1)[-4096:] = b"\xee" * 4096  # t1 lands on t0's ring bytes
+            results.append((name, host.clone()))
+            if on_done is not None:
+                on_done(name)
+        yield from results
+
+    monkeypatch.setattr(torch_api, "copy_all", racing_copy)
+    model = attach(path, timeout=5, notify=False, register=False)  # the ring never waits for it
+    with pytest.raises(TensorReleasedError, match="'t0'"):
+        model.state_dict(device="cuda")  # a torn copy must not come back as the weights
+    model.close()
+    releaser.close()
+    writer.close()
+
+
+def test_a_consumer_whose_entry_was_taken_over_after_it_expired_marks_nothing_in_the_new_one(
+    shm_dir: Path,
+) -> None:
+    from modelload.loader.segment.consumers import ConsumerTable
+
+    path = shm_dir / "ring.seg"
+    layout = _layout([10000, 9000])
+    with SegmentWriter.create(path, layout, heartbeat=False) as writer:
+        table = ConsumerTable.open(path, load_id=writer.load_id, tensor_count=2, write=True)
+        stalled = table.register(label="stalled")
+        # It stops beating for longer than the expiry (a stopped container, a host under pressure) ...
+        struct.pack_into("<Q", table._mm, table._at(stalled.slot) + 16, 1)
+        other = ConsumerTable.open(path, load_id=writer.load_id, tensor_count=2, write=True)
+        newcomer = other.register(label="newcomer")
+        assert newcomer.slot == stalled.slot, "the expired entry is the one a newcomer takes"
+        # ... then wakes and marks what it copied: in its own entry, which is the newcomer's now.
+        stalled.mark([0])
+        assert not newcomer.has(0), "the writer would release t0 while the newcomer still copies it"
+        assert not stalled.has(0), "a consumer that lost its entry cannot vouch for a copy any more"
+        newcomer.leave()
+        stalled.leave()

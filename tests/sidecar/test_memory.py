@@ -4,6 +4,7 @@ the loader copies each tensor as it arrives; what the volume holds is read from 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import multiprocessing
 import os
@@ -18,7 +19,13 @@ import torch
 from prometheus_client import generate_latest
 
 from modelload.loader import attach
-from modelload.loader.errors import ConfigError, LoadFailedError, MemoryWaitError, SegmentSpaceError
+from modelload.loader.errors import (
+    ConfigError,
+    LoadFailedError,
+    MemoryWaitError,
+    ModelloadError,
+    SegmentSpaceError,
+)
 from modelload.loader.segment import SegmentReader, TensorState, WriterState
 from modelload.sidecar.engine import Engine
 from modelload.sidecar.memory import MemorySettings
@@ -374,3 +381,166 @@ def test_the_memory_flags_and_variables_parse_into_settings() -> None:
         parse_settings(["--source", "x"], environ={"MODELLOAD_MEMORY_MODE": "tiny"})
     with pytest.raises(ConfigError, match="--ring-size: a ring must be at least 1MiB"):
         parse_settings(["--source", "x", "--memory-mode", "ring", "--ring-size", "4096"], environ={})
+
+
+def test_a_sidecar_restarting_over_its_unfinished_ring_reuses_the_room_of_the_old_one(
+    tmp_path: Path, tiny_tmpfs: Path
+) -> None:
+    from modelload.loader.dtypes import by_name
+    from modelload.loader.segment import MemoryMode, SegmentWriter, TensorSpec, plan_layout
+
+    ring = 600 << 10  # two rings do not fit the 1 MiB volume: the old one must make room for the new
+    segment = tiny_tmpfs / "model.seg"
+    crashed = plan_layout(
+        [TensorSpec("w", by_name("uint8"), (ring,))], memory_mode=MemoryMode.RING, ring_size=ring
+    )
+    old = SegmentWriter.create(segment, crashed, heartbeat=False)  # a sidecar that died mid-load
+    old.close()
+    source, tensors = _model(tmp_path, seed=10)
+    load = Load(source, segment, MemorySettings(mode="ring", ring_size=ring), readers=2)
+    deadline = time.monotonic() + 10
+    while load.thread.is_alive() and time.monotonic() < deadline:
+        with contextlib.suppress(ModelloadError), SegmentReader.open(segment) as reader:
+            if reader.load_id != old.load_id:
+                break
+        time.sleep(0.01)
+    copies = _consume(segment) if load.thread.is_alive() else {}
+    load.finish()
+    assert load.error is None, load.error
+    assert copies == {name: models.as_bytes(t) for name, t in tensors.items()}
+    deadline = time.monotonic() + 5  # the memory thread lets go of the file once the last lap is released
+    while load.tracker.snapshot().memory["released_tensors"] < len(tensors) and time.monotonic() < deadline:  # type: ignore[index]
+        time.sleep(0.01)
+    time.sleep(0.1)
+
+
+def test_a_ring_that_gave_up_waiting_no_longer_reports_a_wait(tmp_path: Path, shm_dir: Path) -> None:
+    source, _ = _model(tmp_path)
+    settings = MemorySettings(mode="ring", ring_size=RING, wait_timeout=0.5)
+    load = Load(source, shm_dir / "gave-up.seg", settings)
+    load.finish()
+    assert isinstance(load.error, MemoryWaitError)
+    time.sleep(0.1)  # the memory thread's last report
+    memory = load.tracker.snapshot().memory
+    assert memory is not None and not memory["waiting"] and memory["waiting_for"] is None, memory
+    waited = memory["wait_seconds_total"]
+    assert 0.5 <= waited < 5, memory
+    assert "modelload_memory_waiting 0.0" in generate_latest(load.metrics.registry).decode()
+
+
+class _Tied(torch.nn.Module):
+    """Tied input and output embeddings, with layers between them larger than the ring."""
+
+    def __init__(self, layers: int = 6, width: int = 256) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(1024, width)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width, bias=False) for _ in range(layers))
+        self.head = torch.nn.Linear(width, 1024, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_a_module_with_tied_weights_loads_into_a_ring_smaller_than_the_span_between_the_twins(
+    tmp_path: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from modelload.loader._api import torch as torch_api
+
+    torch.manual_seed(11)
+    tensors = {name: t.detach().clone() for name, t in _Tied().state_dict().items()}
+    assert "embed.weight" in tensors and "head.weight" in tensors, "the file stores both names of the tie"
+    source = tmp_path / "tied.tensorizer"
+    source.write_bytes(models.tensorizer_bytes(tensors))
+    segment = shm_dir / "tied.seg"
+    ring = 1536 << 10  # holds the embedding (1 MiB), not the embedding and every layer after it
+    load = Load(source, segment, MemorySettings(mode="ring", ring_size=ring, wait_timeout=10), readers=2)
+    while not segment.exists():
+        time.sleep(0.005)
+
+    def copy_all(items: Any, device: Any, *, on_done: Any = None) -> Any:
+        """A device copy without a device: each tensor is copied, then marked consumed, as a GPU's is."""
+        results = []
+        for name, host in items:
+            results.append((name, host.clone()))
+            if on_done is not None:
+                on_done(name)
+        yield from results
+
+    monkeypatch.setattr(torch_api, "copy_all", copy_all)
+    with torch.device("meta"):
+        module = _Tied()
+    with attach(segment, timeout=30, notify=False) as model:
+        model.load_into_module(module, device="cuda")
+    load.finish()
+    assert load.error is None, load.error
+    assert module.head.weight is module.embed.weight
+    assert torch.equal(module.embed.weight, tensors["embed.weight"])
+    assert torch.equal(module.layers[5].weight, tensors["layers.5.weight"])
+
+
+def test_a_module_that_takes_not_every_tensor_of_the_file_loads_through_a_ring(
+    tmp_path: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from modelload.loader._api import torch as torch_api
+
+    torch.manual_seed(12)
+    tensors = {name: t.detach().clone() for name, t in _Tied().state_dict().items()}
+    tensors = {"attn.rotary.inv_freq": torch.rand(128), **tensors}  # older checkpoints hold such leftovers
+    source = tmp_path / "extra.safetensors"
+    source.write_bytes(models.safetensors_bytes(tensors))
+    segment = shm_dir / "extra.seg"
+    load = Load(source, segment, MemorySettings(mode="ring", ring_size=1536 << 10, wait_timeout=10))
+    while not segment.exists():
+        time.sleep(0.005)
+
+    def copy_all(items: Any, device: Any, *, on_done: Any = None) -> Any:
+        results = []
+        for name, host in items:
+            results.append((name, host.clone()))
+            if on_done is not None:
+                on_done(name)
+        yield from results
+
+    monkeypatch.setattr(torch_api, "copy_all", copy_all)
+    with torch.device("meta"):
+        module = _Tied()
+    with attach(segment, timeout=30, notify=False) as model:
+        _, unexpected = model.load_into_module(module, device="cuda", strict=False)
+    load.finish()
+    assert load.error is None, load.error  # the ring did not wait for a tensor nobody will copy
+    assert list(unexpected) == ["attn.rotary.inv_freq"]
+    assert torch.equal(module.layers[5].weight, tensors["layers.5.weight"])
+
+
+def test_a_ring_s_wait_names_the_tensor_whose_bytes_it_waits_for(tmp_path: Path, shm_dir: Path) -> None:
+    source, _ = _model(tmp_path, seed=13)
+    segment = shm_dir / "blocker.seg"
+    # head.bias lands first (ring bytes [0, 296)), then layers.5.*: layers.5.mlp.weight needs the ring bytes
+    # layers.5.attn.weight holds, and nothing of head.bias's.
+    settings = MemorySettings(mode="ring", ring_size=RING, wait_timeout=2)
+    load = Load(source, segment, settings, readers=2, priority=("head.bias", "layers.5."))
+    while not segment.exists():
+        time.sleep(0.005)
+    model = attach(segment, timeout=30, notify=False)
+    with pytest.raises(LoadFailedError, match="ring mode waited"):
+        for name in model.iter_ready():
+            if name not in ("head.bias", "layers.5.attn.weight"):  # held, never consumed
+                model.consumed(name)
+    load.finish()
+    model.close()
+    assert isinstance(load.error, MemoryWaitError)
+    with SegmentReader.open(segment) as reader:
+        data_offset = reader.header.data_offset
+        ring = {s.name: (s.offset - data_offset) % RING for s in reader.slots}
+    assert ring["head.bias"] == 0 and ring["layers.5.attn.weight"] > 4096, "the layout this test relies on"
+    assert "to land tensor 'layers.5.mlp.weight'" in str(load.error)
+    assert "has not consumed 'layers.5.attn.weight'" in str(load.error), load.error
+    assert "head.bias" not in str(load.error), "a held tensor the ring does not wait for is not the reason"
+
+
+def test_a_volume_too_small_for_a_ring_cut_to_the_model_names_the_ring_it_needs(
+    tmp_path: Path, tiny_tmpfs: Path
+) -> None:
+    source, _ = _model(tmp_path)  # about 3.5 MiB of data: a 64 MiB ring is cut to the model's size
+    load = Load(source, tiny_tmpfs / "model.seg", MemorySettings(mode="ring", ring_size=64 << 20))
+    load.finish()
+    assert isinstance(load.error, SegmentSpaceError)
+    assert str(64 << 20) not in str(load.error), "the error names a ring that is not the one it needs"

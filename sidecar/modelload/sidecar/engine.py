@@ -169,7 +169,9 @@ class Engine:
             metadata=_metadata(uri, model.fingerprint, model.size, settings.notify, model_dir),
         )
         plan = plan_memory(plan, settings.memory)
-        check_volume(settings.segment.parent, plan.layout.resident_limit, settings.memory)
+        check_volume(
+            settings.segment, plan.layout.resident_limit, settings.memory, ring_size=plan.layout.ring_size
+        )
         use_fd = settings.splice and all(source.supports_fd for source in model.sources)
         # Through the file descriptor nothing writes a meta tensor's slot: reserve it before publishing.
         unlanded = integrity.unlanded_ranges(plan) if use_fd else []

@@ -46,6 +46,7 @@ from modelload.loader.segment import ALIGNMENT, MemoryMode, SegmentWriter, Tenso
 from modelload.loader.segment.consumers import EXPIRY, ConsumerEntry, ConsumerTable
 from modelload.loader.segment.layout import align
 from modelload.loader.segment.release import Releaser, punch_hole, resident_bytes
+from modelload.loader.segment.writer import reclaimable_bytes
 from modelload.sidecar.planner import Chunk, LoadPlan
 from modelload.sidecar.ring import RingSpace
 
@@ -144,16 +145,22 @@ def plan_memory(plan: LoadPlan, settings: MemorySettings) -> LoadPlan:
     return replace(plan, layout=layout)
 
 
-def check_volume(directory: os.PathLike[str] | str, needed: int, settings: MemorySettings) -> None:
-    """Refuse a volume that cannot hold the ring (ring mode) before anything is created."""
-    if settings.mode != "ring" or not Path(directory).is_dir():
+def check_volume(
+    segment: os.PathLike[str] | str, needed: int, settings: MemorySettings, *, ring_size: int = 0
+) -> None:
+    """Refuse a volume that cannot hold the ring (ring mode) before anything is created. An unfinished
+    segment already at ``segment`` (a sidecar restarted mid-load) counts as room: the writer removes it
+    when the new one does not fit beside it."""
+    directory = Path(segment).parent
+    if settings.mode != "ring" or not directory.is_dir():
         return
     stats = os.statvfs(directory)
-    available = stats.f_bavail * stats.f_frsize
+    available = stats.f_bavail * stats.f_frsize + reclaimable_bytes(segment)
     if needed > available:
+        ring = ring_size or settings.ring_size  # the ring planned: cut to the model's data when smaller
         raise SegmentSpaceError(
             errno.ENOSPC,
-            f"ring mode needs {needed} bytes in {directory} (the ring of {settings.ring_size} and the "
+            f"ring mode needs {needed} bytes in {directory} (the ring of {ring} and the "
             f"segment's header and tables) and the volume has {available} free: raise the volume's "
             "sizeLimit or lower --ring-size",
         )
@@ -193,6 +200,8 @@ class MemoryManager:
         self._released = np.zeros(len(layout.slots), dtype=bool)
         self._released_bytes = 0
         self._waiting_since: float | None = None
+        self._blocker: int | None = None
+        """The tensor whose ring bytes the oldest waiting chunk needs (None: no wait, or a wait for order)."""
         self._wait_total = 0.0
         self._holders: list[dict[str, Any]] = []
         self._consumers: list[ConsumerEntry] = []
@@ -217,15 +226,20 @@ class MemoryManager:
         with self._cond:
             while seq != self._next_grant or self._space.holder(offset, length) is not None:
                 if self._stop.is_set():
+                    if seq == self._next_grant:
+                        self._end_wait()  # nothing waits any more: /status and the metrics say so
                     return False
                 if seq == self._next_grant:
+                    self._blocker = self._space.holder(offset, length)
                     waited = self._start_wait()
                     limit = self.settings.wait_timeout
                     if limit is not None and waited > limit:
-                        raise MemoryWaitError(
+                        error = MemoryWaitError(
                             f"ring mode waited {waited:.0f} s for room to land tensor "
                             f"{self.plan.layout.slots[chunk.tensor].name!r}: {self._describe_holders()}"
                         )
+                        self._end_wait()  # the load fails: it waits no more (the total keeps the wait)
+                        raise error
                 self._cond.wait(0.05)
             self._end_wait()
             self._space.take(chunk.tensor, offset, length)
@@ -249,6 +263,7 @@ class MemoryManager:
         return now - self._waiting_since
 
     def _end_wait(self) -> None:
+        self._blocker = None
         if self._waiting_since is not None:
             self._wait_total += time.monotonic() - self._waiting_since
             self._waiting_since = None
@@ -302,9 +317,13 @@ class MemoryManager:
             punched = self._releaser.release(int(index))
             self._released_bytes += punched if not self._ring else self.plan.layout.slots[index].nbytes
             self._released[index] = True
-        # The oldest tensor still held, and who holds it: what /status shows while the ring waits.
+        # Who holds the tensor whose bytes the ring waits for (else the oldest one held): what /status shows.
         held = np.flatnonzero(ready & ~self._released & ~consumed)
-        self._holders = self._who_holds(int(held[0]), live) if len(held) else []
+        blocker = self._blocker
+        if blocker is not None and not self._released[blocker]:
+            self._holders = self._who_holds(blocker, live) if ready[blocker] else []
+        else:
+            self._holders = self._who_holds(int(held[0]), live) if len(held) else []
         if self._ring and len(todo):
             with self._cond:  # RELEASED is stored: the bytes may now take newer tensors
                 for index in todo:
@@ -335,6 +354,10 @@ class MemoryManager:
                 "anything is released: is the app running and attached (modelload.loader.attach())?"
             )
         if not self._holders:
+            blocker = self._blocker
+            if blocker is not None:
+                name = self.plan.layout.slots[blocker].name
+                return f"tensor {name!r}, whose ring bytes it needs, is still landing"
             return "tensors landed are not yet ready"
         who = ", ".join(
             f"{h['consumer']} (pid {h['pid']}) has not consumed {h['tensor']!r}" for h in self._holders

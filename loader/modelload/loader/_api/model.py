@@ -21,7 +21,14 @@ from modelload.loader._api import modules
 from modelload.loader._api import torch as torch_api
 from modelload.loader._api.notify import Subscriber
 from modelload.loader.errors import LoadTimeoutError, ModuleLoadError
-from modelload.loader.segment import MODEL_DIR_KEY, SegmentReader, Slot, TensorState, WriterState
+from modelload.loader.segment import (
+    MODEL_DIR_KEY,
+    MemoryMode,
+    SegmentReader,
+    Slot,
+    TensorState,
+    WriterState,
+)
 from modelload.loader.segment.consumers import Registration
 
 if TYPE_CHECKING:
@@ -253,6 +260,10 @@ class Model:
         else:
             on_done = self.consumed if self._registration is not None else None
             result = dict(torch_api.copy_all(host, device, on_done=on_done))
+            if on_done is None and self._reader.memory_mode != MemoryMode.FULL:
+                # Not a consumer: nothing waited for these copies, so check now that none was torn by a
+                # release under it (SPEC.md, consumer table rule 5); consumed() only checks here.
+                self.consumed(wanted)
         return {name: result[name] for name in wanted}
 
     def load_into_module(
@@ -281,7 +292,8 @@ class Model:
         ``leftover`` is ``"keep"`` or a function ``fn(name, meta_tensor) -> tensor`` that re-creates each.
         With ``strict``, names that differ raise :class:`~modelload.loader.errors.ModuleMismatchError`
         (shapes always do). Every refusal comes before anything is assigned. Returns torch's
-        ``(missing_keys, unexpected_keys)``.
+        ``(missing_keys, unexpected_keys)``. In memory modes release and ring, a registered consumer marks
+        the unexpected tensors consumed (it will not copy them), so the sidecar does not keep them for it.
         """
         import torch
 
@@ -291,10 +303,27 @@ class Model:
             )
         shapes = {name: self._slot(name).shape for name in self.names}
         plan = modules.plan(module, shapes, strict=strict, leftover=leftover)
-        if plan.twins:
+        names = list(plan.sources)
+        seconds = [second for _, second in plan.twins]
+        streamed = self._reader.memory_mode != MemoryMode.FULL and not (device is None or _is_cpu(device))
+        if plan.twins and not streamed:
             self.wait([name for pair in plan.twins for name in pair], timeout=timeout)
             modules.check_twins(plan, lambda name: self.tensor(name, wait=False))
-        tensors = self.state_dict(device=device, names=list(plan.sources), timeout=timeout)
+        elif plan.twins:
+            # Memory modes release and ring: the sidecar may need the first twin's bytes back before the
+            # second lands (a ring smaller than the span between them), so waiting for both before copying
+            # anything would never end. Copy the second twins too (and so consume them), compare the copies.
+            names += [name for name in seconds if name not in plan.sources]
+        if plan.unexpected and self._registration is not None:
+            # Tensors the module does not take (strict=False) are never copied: consume them now, or the
+            # sidecar would keep them, and a ring would wait for their bytes, as long as this process lives.
+            self._registration.mark([self._slot(name).index for name in plan.unexpected])
+        tensors = self.state_dict(device=device, names=names, timeout=timeout)
+        if plan.twins and streamed:
+            modules.check_twins(plan, tensors.__getitem__)
+            for name in seconds:
+                if name not in plan.sources:
+                    tensors.pop(name, None)
         if dtype is not None:
             tensors = {n: t.to(dtype) if t.is_floating_point() else t for n, t in tensors.items()}
         return modules.assign(module, plan, tensors, leftover=leftover)

@@ -65,14 +65,17 @@ def map_ring(fd: int, *, start: int, ring_offset: int, ring_size: int, writable:
     ring_size)`` once more right after them, shared; return a byte view of the whole stretch.
 
     Byte ``ring_offset + k`` of the file then shows at view offsets ``ring_offset - start + k`` and
-    ``ring_offset - start + ring_size + k``. ``start`` and ``ring_offset`` are multiples of the page size.
-    The view is read-only unless ``writable``: readers of a ring must not keep private copies of pages the
-    writer reuses for newer tensors.
+    ``ring_offset - start + ring_size + k``. ``start``, ``ring_offset`` and ``ring_size`` are multiples of
+    the page size (the second mapping starts where the first ends). The view is read-only unless
+    ``writable``: readers of a ring must not keep private copies of pages the writer reuses for newer
+    tensors.
     """
-    if start % mmap.PAGESIZE or ring_offset % mmap.PAGESIZE or ring_size <= 0 or start > ring_offset:
+    page = mmap.PAGESIZE
+    if start % page or ring_offset % page or ring_size % page or ring_size <= 0 or start > ring_offset:
         raise SegmentError(
             f"cannot map a ring of {ring_size} bytes at offset {ring_offset} (from {start}) with pages of "
-            f"{mmap.PAGESIZE} bytes: ring segments need the ring on page boundaries"
+            f"{page} bytes: ring segments need the ring to start and end on page boundaries (hosts of 4 KiB "
+            "pages; elsewhere use memory mode full or release)"
         )
     first = ring_offset + ring_size - start
     total = first + ring_size

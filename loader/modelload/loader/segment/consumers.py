@@ -253,7 +253,7 @@ class Registration:
         bits = self.table._bytes
         base = self._at + ENTRY_HEADER
         with self._lock:
-            if self._stop.is_set():
+            if self._stop.is_set() or not self.owns():
                 return
             for index in indices:
                 byte, bit = base + index // 8, 1 << (index % 8)
@@ -263,12 +263,22 @@ class Registration:
             struct.pack_into("<Q", self.table._mm, self._at + 24, self._count)
 
     def has(self, index: int) -> bool:
-        return bool(self.table._bytes[self._at + ENTRY_HEADER + index // 8] & (1 << (index % 8)))
+        """Whether this consumer marked tensor ``index`` consumed (False once it lost its entry)."""
+        return self.owns() and bool(
+            self.table._bytes[self._at + ENTRY_HEADER + index // 8] & (1 << (index % 8))
+        )
+
+    def owns(self) -> bool:
+        """Whether the entry is still this consumer's. One that stopped beating past the expiry may find its
+        entry taken by a newer consumer (rule 1): it must then write nothing there, neither bits the
+        newcomer has not earned (the writer would release tensors the newcomer still copies) nor LEFT."""
+        registered: int = struct.unpack_from("<Q", self.table._mm, self._at + 8)[0]
+        return registered == self.registered_ns
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_INTERVAL):
             with self._lock:
-                if self._stop.is_set():
+                if self._stop.is_set() or not self.owns():
                     return
                 struct.pack_into("<Q", self.table._mm, self._at + 16, time.time_ns())
 
@@ -278,6 +288,7 @@ class Registration:
             if self._stop.is_set():
                 return
             self._stop.set()
-            struct.pack_into("<I", self.table._mm, self._at, LEFT)
+            if self.owns():
+                struct.pack_into("<I", self.table._mm, self._at, LEFT)
         self._thread.join()
         self.table.close()

@@ -63,7 +63,7 @@ from modelload.loader.segment.layout import (
     entry_offset,
 )
 
-__all__ = ["SegmentWriter"]
+__all__ = ["SegmentWriter", "reclaimable_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -417,15 +417,34 @@ def _make_room(target: Path, needed: int, load_id: int) -> None:
         return  # _check_space reports a missing directory
     if needed <= available:
         return
-    leftovers = list(target.parent.glob(f".{target.name}.*.tmp"))
-    old_state = _writer_state(target)
-    if old_state is not None and old_state != WriterState.COMPLETE:
+    leftovers = _removable(target)
+    if target in leftovers:
         _supersede(target, load_id)
-        leftovers.append(target)
     for path in leftovers:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
             log.warning("removed %s, an unfinished segment, to make room for a new load", path)
+
+
+def _removable(target: Path) -> list[Path]:
+    """What :func:`_make_room` removes when the volume is short: crashed writers' temporary files, and the
+    segment at ``target`` unless it is COMPLETE."""
+    leftovers = list(target.parent.glob(f".{target.name}.*.tmp"))
+    old_state = _writer_state(target)
+    if old_state is not None and old_state != WriterState.COMPLETE:
+        leftovers.append(target)
+    return leftovers
+
+
+def reclaimable_bytes(target: str | os.PathLike[str]) -> int:
+    """Bytes of the volume that creating a segment at ``target`` may free to make room (an unfinished
+    segment there, as a restarted sidecar finds it, and crashed writers' temporary files), so that a check
+    of the volume's room made before :meth:`SegmentWriter.create` counts them as free, as it does."""
+    total = 0
+    for path in _removable(Path(target)):
+        with contextlib.suppress(OSError):
+            total += path.stat().st_blocks * 512
+    return total
 
 
 def _available(directory: Path) -> int:

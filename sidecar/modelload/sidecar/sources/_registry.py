@@ -101,6 +101,6 @@ def _refuse_a_scheme_short_of_its_slashes(uri: str) -> None:
         known = scheme in _factories and scheme != "file"
     if known:
         rest = uri[short.end() :]
-        raise ConfigError(
+        raise SourceUriError(
             f"{uri!r} is not a {scheme}:// URI (two slashes after '{scheme}:'): did you mean {scheme}://{rest}?"
         )
