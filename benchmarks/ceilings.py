@@ -42,7 +42,7 @@ from harness import (  # noqa: E402
 )
 from scratch import scratch  # noqa: E402
 
-from modelload.sidecar.settings import parse_size  # noqa: E402
+from modelload.loader.sizes import parse_size  # noqa: E402
 from tests.support.nginx import NginxServer  # noqa: E402
 
 Contender = Callable[[], Figures]

@@ -27,7 +27,6 @@ import contextlib
 import io
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -40,10 +39,13 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))  # the repository root, for tests.support
 
 from demo_model import Config, build, prompt  # noqa: E402
 from origins import S3RVER_KEY, S3RVER_SECRET, Unavailable, s3rver  # noqa: E402
 from scratch import scratch  # noqa: E402
+
+from tests.support.processes import stop_process  # noqa: E402
 
 CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": S3RVER_KEY,  # the account s3rver checks signatures against (moto takes any)
@@ -81,13 +83,7 @@ def running(args: list[str], *, env: dict[str, str], log: Path) -> Iterator[subp
         try:
             yield process
         finally:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+            stop_process(process)
 
 
 def step(message: str) -> None:

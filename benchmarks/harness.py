@@ -13,14 +13,13 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from attach import shapes
+from peers import ProcSampler, wait_complete
 
 from modelload.loader.formats.tensorizer import TensorizerWriter
 
@@ -81,35 +80,6 @@ def make_safetensors(directory: Path, total_bytes: int, *, shards: int) -> list[
         files.append("model.safetensors.index.json")
     (directory / "config.json").write_text("{}")
     return [*files, "config.json"]
-
-
-class _Sampler:
-    """Peak of the given /proc/PID/status fields, summed, sampled every 10 ms in a thread."""
-
-    def __init__(self, pid: int, fields: tuple[str, ...]) -> None:
-        self.peak = 0
-        self._pid, self._fields = pid, fields
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.01):
-            try:
-                text = Path(f"/proc/{self._pid}/status").read_text()
-            except OSError:
-                return
-            total = sum(
-                int(line.split()[1]) * 1024
-                for line in text.splitlines()
-                if line.split(":")[0] in self._fields
-            )
-            self.peak = max(self.peak, total)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return self.peak
 
 
 RAW = """
@@ -189,9 +159,9 @@ def sidecar(
         argv += ["--files", ",".join(files)]
     spawned = time.time()
     process = subprocess.Popen(argv, env=_aws_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    sampler = _Sampler(process.pid, ("RssAnon", "RssFile"))
+    sampler = ProcSampler(process.pid)
     try:
-        status = _wait_complete(port, process)
+        status = wait_complete(port, process, timeout_s=600)
     finally:
         peak = sampler.stop()
         process.send_signal(signal.SIGTERM)
@@ -206,29 +176,6 @@ def sidecar(
         manifest_s=float(status["manifest_at"]) - spawned,
         extra=f"engine {int(status['bytes_total']) / (finished - float(status['started_at'])) / 2**30:.2f} GiB/s",
     )
-
-
-def _wait_complete(port: int, process: subprocess.Popen[bytes]) -> dict[str, object]:
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(
-                f"the sidecar exited: {process.stderr.read().decode()[-2000:] if process.stderr else ''}"
-            )
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=2) as response:
-                status = json.load(response)
-        except OSError:
-            time.sleep(0.01)
-            continue
-        if status["phase"] == "complete":
-            return dict(status)
-        if status["phase"] == "failed":
-            raise RuntimeError(f"the load failed: {status['error']}")
-        # The times reported come from the sidecar's own clock (/status), so polling slowly loses no precision
-        # and leaves the 2 cores to the load (polling every 10 ms cost the sidecar about 20 % here).
-        time.sleep(0.1)
-    raise TimeoutError("the sidecar did not finish in 10 minutes")
 
 
 TENSORIZER = """

@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--readers", type=int, default=8)
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args(argv)
-    from modelload.sidecar.settings import parse_size
+    from modelload.loader.sizes import parse_size
 
     ring = parse_size(args.ring_size, name="--ring-size")
     disk = Path(tempfile.mkdtemp(prefix="modelload-memory-bench-"))

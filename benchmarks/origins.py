@@ -29,6 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the repository root, for tests.support (report.py imports this module too)
+
+from tests.support.processes import stop_process  # noqa: E402
+
 S3RVER = ROOT / ".bench-tools" / "node_modules" / ".bin" / "s3rver"
 S3RVER_KEY, S3RVER_SECRET = "S3RVER", "S3RVER"  # s3rver's built-in account: it checks SigV4 against it
 RATE_MB_S = 90.0  # one S3 GET's rate (AWS: 85-90 MB/s per request)
@@ -176,7 +180,7 @@ def s3_like(
     finally:
         for child in (proxy, nginx):
             if child is not None:
-                _stop(child)
+                stop_process(child, timeout=10)
         subprocess.run(["ip", "link", "del", host], capture_output=True, check=False)
         subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
         shutil.rmtree(state, ignore_errors=True)
@@ -202,16 +206,7 @@ def s3rver(data: Path, *, bucket: str = "bench") -> Iterator[Origin]:
         _wait_port("127.0.0.1", port, process)
         yield Origin(base=f"http://127.0.0.1:{port}", bucket=bucket, description="s3rver 3.7 (Node)")
     finally:
-        _stop(process)
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+        stop_process(process, timeout=10)
 
 
 def upload(origin: Origin, files: dict[str, Path]) -> None:

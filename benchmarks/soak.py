@@ -70,6 +70,7 @@ from modelload.sidecar.sources import HttpSettings, RetryPolicy, SourceSettings
 from tests.sidecar import models
 from tests.support import fault_proxy as fp
 from tests.support.nginx import NginxServer
+from tests.support.processes import stop_process
 
 RETRY = RetryPolicy(attempts=4, initial_backoff=0.01, max_backoff=0.05, jitter=0.0, deadline=20.0)
 HTTP = HttpSettings(connect_timeout=2.0, stall_timeout=0.3, slow_window=1.0)
@@ -400,13 +401,7 @@ def _gist(line: str) -> str:
 
 
 def _stop(process: subprocess.Popen[bytes]) -> str:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    stop_process(process)
     return process.stderr.read().decode(errors="replace") if process.stderr else ""
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from modelload.loader import dtypes
+from modelload.loader import dtypes, formats
 from modelload.loader.formats.tensorizer import read_index
 
 torch = pytest.importorskip("torch")
@@ -35,6 +35,21 @@ def sample(name: str, shape: tuple[int, ...] = (3, 5), *, seed: int = 0) -> Any:
         raw[:8] = np.array([-0.0, np.nan], dtype="<f4").view(np.uint8)
         raw[4:8] = np.frombuffer(struct.pack("<I", 0x7FC01234), dtype=np.uint8)  # a NaN with a payload
     return torch.from_numpy(raw.copy()).view(dtype).reshape(shape)
+
+
+def tz_write(path: Path, tensors: dict[str, Any], *, encryption: Any = None) -> None:
+    """Write ``tensors`` with the real tensorizer package (callers skip when it is not installed)."""
+    from tensorizer import TensorSerializer
+
+    serializer = TensorSerializer(str(path), encryption=encryption)
+    serializer.write_state_dict(tensors)
+    serializer.close()
+
+
+def index_of(path: Path) -> Any:
+    """The index of the model file at ``path`` (either format), read by ranges as a remote reader does."""
+    data = path.read_bytes()
+    return formats.read_index(lambda offset, length: data[offset : offset + length], size=len(data))
 
 
 def raw_bytes(tensor: Any) -> bytes:

@@ -23,7 +23,7 @@ from modelload.loader.formats.tensorizer import (
     TensorizerWriter,
     read_index,
 )
-from tests.formats.tensorizer_support import ALL_DTYPES, NUMPY_DTYPES, raw_bytes, sample, torch
+from tests.formats.tensorizer_support import ALL_DTYPES, NUMPY_DTYPES, raw_bytes, sample, torch, tz_write
 
 tensorizer = pytest.importorskip("tensorizer")
 from tensorizer import DecryptionParams, TensorDeserializer, TensorSerializer  # noqa: E402
@@ -31,12 +31,6 @@ from tensorizer import EncryptionParams as TzEncryption  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 MIN = TzEncryption.OpsLimit.MIN, TzEncryption.MemLimit.MIN
-
-
-def tz_write(path: Path, tensors: dict[str, Any], *, encryption: Any = None) -> None:
-    serializer = TensorSerializer(str(path), encryption=encryption)
-    serializer.write_state_dict(tensors)
-    serializer.close()
 
 
 def tz_read(path: Path, *, key: bytes | None = None, password: str | None = None) -> dict[Any, Any]:

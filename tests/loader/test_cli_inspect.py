@@ -16,15 +16,14 @@ import pytest
 
 from modelload.loader.cli.main import main
 from modelload.loader.dtypes import by_name
-from modelload.loader.formats import read_index
 from modelload.loader.segment import MemoryMode, SegmentWriter, TensorSpec, plan_layout
 from modelload.loader.segment.release import Releaser
-from tests.formats.tensorizer_support import sample, torch
+from tests.formats.tensorizer_support import index_of, sample, torch, tz_write
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 tensorizer = pytest.importorskip("tensorizer")
 from safetensors import safe_open  # noqa: E402
-from tensorizer import TensorDeserializer, TensorSerializer  # noqa: E402
+from tensorizer import TensorDeserializer  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 MIN_ARGON2 = (tensorizer.EncryptionParams.OpsLimit.MIN, tensorizer.EncryptionParams.MemLimit.MIN)
@@ -40,17 +39,6 @@ def inspect_json(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple
     code, out, _ = cli(capsys, "--json", *args)
     assert out.count("\n") == 1, "one JSON document on one line"
     return code, json.loads(out)
-
-
-def tz_write(path: Path, tensors: dict[str, Any], *, encryption: Any = None) -> None:
-    serializer = TensorSerializer(str(path), encryption=encryption)
-    serializer.write_state_dict(tensors)
-    serializer.close()
-
-
-def index_of(path: Path) -> Any:
-    data = path.read_bytes()
-    return read_index(lambda offset, length: data[offset : offset + length], size=len(data))
 
 
 MODEL = {

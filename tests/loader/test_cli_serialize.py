@@ -14,8 +14,7 @@ import pytest
 
 from modelload.loader import dtypes
 from modelload.loader.cli.main import main
-from modelload.loader.formats import read_index
-from tests.formats.tensorizer_support import raw_bytes, sample, torch
+from tests.formats.tensorizer_support import index_of, raw_bytes, sample, torch, tz_write
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 tensorizer = pytest.importorskip("tensorizer")
@@ -52,17 +51,6 @@ def tz_read(path: Path, **decryption: Any) -> dict[str, Any]:
         return dict(deserializer.items())
     finally:
         deserializer.close()
-
-
-def tz_write(path: Path, tensors: dict[str, Any], *, encryption: Any = None) -> None:
-    serializer = TensorSerializer(str(path), encryption=encryption)
-    serializer.write_state_dict(tensors)
-    serializer.close()
-
-
-def index_of(path: Path) -> Any:
-    data = path.read_bytes()
-    return read_index(lambda offset, length: data[offset : offset + length], size=len(data))
 
 
 def assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:

@@ -15,11 +15,10 @@ from modelload.loader import LoadFailedError, attach, dtypes
 from modelload.loader.cli.main import main
 from modelload.loader.formats import read_index
 from modelload.loader.segment import SegmentReader, TensorFlags, TensorState, WriterState
-from tests.formats.tensorizer_support import raw_bytes, sample, torch
+from tests.formats.tensorizer_support import raw_bytes, sample, torch, tz_write
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 tensorizer = pytest.importorskip("tensorizer")
-from tensorizer import TensorSerializer  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 MIN_ARGON2 = (tensorizer.EncryptionParams.OpsLimit.MIN, tensorizer.EncryptionParams.MemLimit.MIN)
@@ -30,12 +29,6 @@ def cli(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str
     code = main(["stage", "--no-progress", *(str(a) for a in args)])
     out, err = capsys.readouterr()
     return code, out, err
-
-
-def tz_write(path: Path, tensors: dict[str, Any], *, encryption: Any = None) -> None:
-    serializer = TensorSerializer(str(path), encryption=encryption)
-    serializer.write_state_dict(tensors)
-    serializer.close()
 
 
 def every_dtype() -> dict[str, Any]:

@@ -28,6 +28,7 @@ from modelload.loader.segment import (
 )
 from modelload.loader.segment import consumers as consumers_module
 from modelload.loader.segment import layout as layout_module
+from modelload.loader.segment import validate as validate_module
 from modelload.loader.segment.consumers import ConsumerTable, table_path
 from modelload.loader.segment.release import Releaser
 from tests.segment.helpers import small_layout
@@ -137,7 +138,7 @@ def test_a_loader_that_knows_versions_1_and_2_refuses_a_version_3_segment_saying
     path = shm_dir / "new.seg"
     with SegmentWriter.create(path, release_layout(), heartbeat=False):
         pass
-    monkeypatch.setattr(layout_module, "LAYOUT_VERSIONS", (1, 2))  # the loader of the previous release
+    monkeypatch.setattr(validate_module, "LAYOUT_VERSIONS", (1, 2))  # the loader of the previous release
     with pytest.raises(SegmentVersionError, match=r"version 3 is not known .* reads versions 1, 2; install"):
         SegmentReader.open(path)
 
@@ -148,7 +149,7 @@ def test_a_loader_that_knows_versions_1_to_3_refuses_a_ring_segment_saying_to_up
     path = shm_dir / "ring.seg"
     with SegmentWriter.create(path, ring_layout(), heartbeat=False):
         pass
-    monkeypatch.setattr(layout_module, "LAYOUT_VERSIONS", (1, 2, 3))  # would read past the ring's end
+    monkeypatch.setattr(validate_module, "LAYOUT_VERSIONS", (1, 2, 3))  # would read past the ring's end
     with pytest.raises(
         SegmentVersionError, match=r"version 4 is not known .* reads versions 1, 2, 3; install"
     ):

@@ -6,6 +6,7 @@
   policies and enforced IAM authentication (:mod:`tests.support.moto_s3`).
 - ``fault_proxy``: a scriptable proxy that resets, truncates, stalls, throttles, ignores Range or changes
   ETags per request, and records every request (:mod:`tests.support.fault_proxy`).
+- ``processes``: stopping a child process, gracefully then by force (:mod:`tests.support.processes`).
 - ``fixtures``: the pytest fixtures over these (:mod:`tests.support.fixtures`): import them into your
   area's conftest.py.
 """

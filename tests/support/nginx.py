@@ -40,6 +40,7 @@ from pathlib import Path
 from tests.conftest import find_executable
 
 from .ports import free_port, wait_for_port
+from .processes import stop_process
 
 __all__ = ["TOKEN", "NginxServer", "find_nginx", "start_nginx"]
 
@@ -208,12 +209,7 @@ class NginxServer:
         """Stop nginx (graceful, then forced) and remove its state folder; the served folder stays."""
         process, self._process = self._process, None
         if process is not None:
-            process.send_signal(signal.SIGQUIT)
-            try:
-                process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            stop_process(process, sig=signal.SIGQUIT, timeout=5)
         shutil.rmtree(self._state, ignore_errors=True)
 
 

@@ -45,11 +45,19 @@ from modelload.loader.options import (
 )
 from modelload.loader.sizes import parse_size
 from modelload.sidecar.memory import MemorySettings
-from modelload.sidecar.sources import display_url
+from modelload.sidecar.sources import (
+    HttpSettings,
+    RetryPolicy,
+    S3Settings,
+    SourceSettings,
+    display_url,
+    proxy_from_environ,
+    read_header_file,
+)
 
 if TYPE_CHECKING:
     from modelload.sidecar.memory import Mode
-    from modelload.sidecar.sources import S3Addressing, SourceSettings
+    from modelload.sidecar.sources import S3Addressing
 
 __all__ = [
     "DEFAULT_PORT",
@@ -62,7 +70,6 @@ __all__ = [
     "SidecarSettings",
     "add_arguments",
     "default_notify_endpoint",
-    "parse_bool",
     "parse_settings",
 ]
 
@@ -113,7 +120,6 @@ class LoadSettings:
     ``verify``: check each tensor against the hash its file stores (tensorizer CRC32, or SHA-256 when it is
     the only one) before publishing it. Default on: a corrupt transfer is then an error, not wrong weights.
     Encrypted tensors are always authenticated by their MACs.
-
 
     ``key_file`` / ``password_file``: a file holding the raw 32-byte decryption key, or the password of an
     Argon2id-derived key, for encrypted tensorizer files. At most one; default none. Only the paths are
@@ -486,30 +492,35 @@ def parse_settings(
 
     Raises ConfigError naming the flag or variable of the first bad value.
     """
-    from modelload.sidecar.sources import (
-        HttpSettings,
-        RetryPolicy,
-        S3Settings,
-        SourceSettings,
-        proxy_from_environ,
-        read_header_file,
-    )
+    lookup = options.Lookup(_OPTIONS, _flags(argv), environ)
+    engine, notify = _load_settings(lookup)
+    host = lookup.get("host", parse_text, "0.0.0.0")  # noqa: S104 - probes come from the kubelet
+    api = ApiSettings(host=host, port=lookup.get("port", parse_int(0, 65535), DEFAULT_PORT))
+    sources = _source_settings(lookup, environ, source=engine.source)
+    log_level = cast("LogLevel", lookup.get("log_level", parse_choice(get_args(LogLevel)), "info"))
+    peers = _peer_settings(lookup)
+    return SidecarSettings(engine, sources, api, notify, log_level, peers)  # distinct types: mypy checks
 
+
+def _flags(argv: Sequence[str] | argparse.Namespace | Mapping[str, object]) -> Mapping[str, object]:
+    """The flags given, by dest: ``argv`` parsed when it is a list, as it is otherwise."""
     if isinstance(argv, argparse.Namespace):
-        flags: Mapping[str, object] = vars(argv)
-    elif isinstance(argv, Mapping):
-        flags = argv
-    else:
-        parser = argparse.ArgumentParser(prog="modelload sidecar", exit_on_error=False, allow_abbrev=False)
-        add_arguments(parser)
-        try:
-            namespace, unknown = parser.parse_known_args(list(argv))
-        except argparse.ArgumentError as exc:
-            raise ConfigError(str(exc)) from None
-        if unknown:
-            raise ConfigError(f"unknown arguments: {' '.join(unknown)} (see modelload sidecar --help)")
-        flags = vars(namespace)
-    lookup = options.Lookup(_OPTIONS, flags, environ)
+        return vars(argv)
+    if isinstance(argv, Mapping):
+        return argv
+    parser = argparse.ArgumentParser(prog="modelload sidecar", exit_on_error=False, allow_abbrev=False)
+    add_arguments(parser)
+    try:
+        namespace, unknown = parser.parse_known_args(list(argv))
+    except argparse.ArgumentError as exc:
+        raise ConfigError(str(exc)) from None
+    if unknown:
+        raise ConfigError(f"unknown arguments: {' '.join(unknown)} (see modelload sidecar --help)")
+    return vars(namespace)
+
+
+def _load_settings(lookup: options.Lookup) -> tuple[LoadSettings, NotifySettings]:
+    """The engine's settings, and where it notifies (its default follows the segment's path)."""
     get = lookup.get
     source = get("source", parse_text, "")
     if not source:
@@ -546,8 +557,12 @@ def parse_settings(
             consumers=get("consumers", parse_int(1, 64), 1),
         ),
     )
-    host = get("host", parse_text, "0.0.0.0")  # noqa: S104 - probes come from the kubelet
-    api = ApiSettings(host=host, port=get("port", parse_int(0, 65535), DEFAULT_PORT))
+    return engine, notify
+
+
+def _source_settings(lookup: options.Lookup, environ: Mapping[str, str], *, source: str) -> SourceSettings:
+    """How the sources reach S3 and HTTP(S) servers; a header file is checked against ``source``'s scheme."""
+    get = lookup.get
     s3 = S3Settings(
         endpoint_url=get("s3_endpoint", _url, None),
         region=get("s3_region", parse_text, None) or environ.get(AWS_REGION_ENV, "").strip() or None,
@@ -556,7 +571,6 @@ def parse_settings(
         ),
         unsigned=get("s3_unsigned", parse_bool, False),
     )
-    log_level = cast("LogLevel", get("log_level", parse_choice(get_args(LogLevel)), "info"))
     # The header file is read now: a bad one is a clear error before the load starts, naming the file and
     # line (never a value). Read once: a load takes minutes, not a token's lifetime.
     header_file = get("header_file", _path, None)
@@ -570,15 +584,17 @@ def parse_settings(
         )
     proxy = proxy_from_environ(environ, override=get("proxy", parse_text, None) or None)
     http = HttpSettings(headers=headers, proxy=proxy, range_fallback=get("range_fallback", parse_bool, False))
-    sources = SourceSettings(http=http, s3=s3, retry=RetryPolicy())
-    peers = PeerSettings(
+    return SourceSettings(http=http, s3=s3, retry=RetryPolicy())
+
+
+def _peer_settings(lookup: options.Lookup) -> PeerSettings:
+    """Peers, named by URL or by a DNS name; off when neither is given."""
+    get = lookup.get
+    return PeerSettings(
         urls=get("peers", _urls, ()),
         dns=get("peer_dns", parse_text, None) or None,
         port=get("peer_port", parse_int(0, 65535), DEFAULT_PEER_PORT),
         token=get("peer_token_file", _token_file, ""),
         max_uploads=get("peer_uploads", parse_int(1, 256), 8),
         stall_timeout=float(get("peer_stall_timeout", parse_int(1, 3600), 10)),
-    )
-    return SidecarSettings(
-        engine=engine, sources=sources, api=api, notify=notify, log_level=log_level, peers=peers
     )

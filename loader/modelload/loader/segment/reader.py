@@ -57,9 +57,8 @@ from modelload.loader.segment.layout import (
     TensorState,
     WriterState,
     entry_offset,
-    parse_header,
-    parse_manifest,
 )
+from modelload.loader.segment.validate import parse_header, parse_manifest
 
 __all__ = ["SegmentReader", "Waiter"]
 
