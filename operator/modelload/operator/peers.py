@@ -22,7 +22,6 @@ from modelload.operator.kube import Kube, KubeConflictError
 from modelload.operator.schema import GROUP, MODEL_LABEL, VERSION
 
 __all__ = [
-    "PEER_PORT",
     "ensure_peer_objects",
     "peer_env",
     "peer_names",
@@ -34,6 +33,10 @@ __all__ = [
 PEER_VOLUME = "modelload-peer-token"
 PEER_DIR = "/var/run/secrets/modelload/peer"
 TOKEN_KEY = "token"  # noqa: S105 - the Secret's key name
+PEER_DNS_ENV = "MODELLOAD_PEER_DNS"
+"""Set on peered sidecars only: :mod:`.pods` tells a pod's peering from it."""
+PEER_PORT_ENV = "MODELLOAD_PEER_PORT"
+"""Where a peered sidecar serves, and where :mod:`.fleet` asks it for its stats."""
 
 
 def peer_names(name: str) -> str:
@@ -90,8 +93,8 @@ async def ensure_peer_objects(
 def peer_env(*, name: str, namespace: str) -> list[dict[str, str]]:
     """The sidecar's peer variables: the Service's DNS name, the port and the token file."""
     return [
-        {"name": "MODELLOAD_PEER_DNS", "value": f"{peer_names(name)}.{namespace}.svc"},
-        {"name": "MODELLOAD_PEER_PORT", "value": str(PEER_PORT)},
+        {"name": PEER_DNS_ENV, "value": f"{peer_names(name)}.{namespace}.svc"},
+        {"name": PEER_PORT_ENV, "value": str(PEER_PORT)},
         {"name": "MODELLOAD_PEER_TOKEN_FILE", "value": f"{PEER_DIR}/{TOKEN_KEY}"},
     ]
 

@@ -21,7 +21,8 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
-from modelload.operator.peers import PEER_PORT
+from modelload.loader.wiring import PEER_PORT
+from modelload.operator.peers import PEER_DNS_ENV, PEER_PORT_ENV
 from modelload.operator.schema import PodsStatus
 
 __all__ = ["PodLoad", "aggregate", "classify"]
@@ -73,14 +74,14 @@ def classify(pod: Mapping[str, Any]) -> PodLoad | None:
         return None
     env = {e.get("name"): e.get("value") for e in sidecars[0].get("env") or ()}
     load = _classify(meta, status)
-    if load is None or "MODELLOAD_PEER_DNS" not in env:
+    if load is None or PEER_DNS_ENV not in env:
         return load
     return replace(load, peers=True, pod=str(meta.get("name") or ""), address=_address(status, env))
 
 
 def _address(status: Mapping[str, Any], env: Mapping[Any, Any]) -> str | None:
     ip = status.get("podIP")
-    port = str(env.get("MODELLOAD_PEER_PORT") or PEER_PORT)
+    port = str(env.get(PEER_PORT_ENV) or PEER_PORT)
     if not isinstance(ip, str) or not ip or not port.isdigit():
         return None
     return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"

@@ -54,7 +54,7 @@ from modelload.loader.segment import (
     run_in_order,
 )
 from modelload.sidecar import integrity
-from modelload.sidecar.memory import MemoryManager, check_volume, plan_memory
+from modelload.sidecar.memory import MemoryManager, plan_memory
 from modelload.sidecar.meter import ChunkMeter
 from modelload.sidecar.modeldir import write_model_dir
 from modelload.sidecar.planner import Chunk, LoadPlan, plan_load
@@ -169,9 +169,6 @@ class Engine:
             metadata=_metadata(uri, model.fingerprint, model.size, settings.notify, model_dir),
         )
         plan = plan_memory(plan, settings.memory)
-        check_volume(
-            settings.segment, plan.layout.resident_limit, settings.memory, ring_size=plan.layout.ring_size
-        )
         use_fd = settings.splice and all(source.supports_fd for source in model.sources)
         # Through the file descriptor nothing writes a meta tensor's slot: reserve it before publishing.
         unlanded = integrity.unlanded_ranges(plan) if use_fd else []

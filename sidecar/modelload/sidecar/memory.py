@@ -29,24 +29,20 @@ of a GPU fleet are the ``full``-mode sidecars.
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
-from modelload.loader.errors import ConfigError, MemoryWaitError, SegmentSpaceError
+from modelload.loader.errors import ConfigError, MemoryWaitError
 from modelload.loader.segment import ALIGNMENT, MemoryMode, SegmentWriter, TensorState
 from modelload.loader.segment.consumers import EXPIRY, ConsumerEntry, ConsumerTable
 from modelload.loader.segment.layout import align
 from modelload.loader.segment.release import Releaser, punch_hole, resident_bytes
-from modelload.loader.segment.writer import reclaimable_bytes
 from modelload.sidecar.planner import Chunk, LoadPlan
 from modelload.sidecar.ring import RingSpace
 
@@ -143,27 +139,6 @@ def plan_memory(plan: LoadPlan, settings: MemorySettings) -> LoadPlan:
         ring_size = min(align(settings.ring_size), max(align(plan.layout.data_length), ALIGNMENT))
     layout = replace(plan.layout, memory_mode=settings.layout_mode, ring_size=ring_size)
     return replace(plan, layout=layout)
-
-
-def check_volume(
-    segment: os.PathLike[str] | str, needed: int, settings: MemorySettings, *, ring_size: int = 0
-) -> None:
-    """Refuse a volume that cannot hold the ring (ring mode) before anything is created. An unfinished
-    segment already at ``segment`` (a sidecar restarted mid-load) counts as room: the writer removes it
-    when the new one does not fit beside it."""
-    directory = Path(segment).parent
-    if settings.mode != "ring" or not directory.is_dir():
-        return
-    stats = os.statvfs(directory)
-    available = stats.f_bavail * stats.f_frsize + reclaimable_bytes(segment)
-    if needed > available:
-        ring = ring_size or settings.ring_size  # the ring planned: cut to the model's data when smaller
-        raise SegmentSpaceError(
-            errno.ENOSPC,
-            f"ring mode needs {needed} bytes in {directory} (the ring of {ring} and the "
-            f"segment's header and tables) and the volume has {available} free: raise the volume's "
-            "sizeLimit or lower --ring-size",
-        )
 
 
 class MemoryManager:

@@ -34,8 +34,6 @@ from modelload.loader.wiring import STATUS_URL, STATUS_URL_ENV
 
 __all__ = ["EXIT_FAILED", "EXIT_LOADING", "EXIT_UNREACHABLE", "fetch_status", "register", "render", "watch"]
 
-DEFAULT_URL = STATUS_URL
-URL_ENV = STATUS_URL_ENV
 EXIT_FAILED = 1
 EXIT_UNREACHABLE = 3
 EXIT_LOADING = 4
@@ -57,7 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--url",
         default=None,
-        help=f"the sidecar's status API (default ${URL_ENV}, else {DEFAULT_URL})",
+        help=f"the sidecar's status API (default ${STATUS_URL_ENV}, else {STATUS_URL})",
     )
     parser.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between polls (1)")
     parser.add_argument(
@@ -73,7 +71,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _command(args: argparse.Namespace) -> int:
-    url = args.url or os.environ.get(URL_ENV) or DEFAULT_URL
+    url = args.url or os.environ.get(STATUS_URL_ENV) or STATUS_URL
     if args.interval <= 0 or args.timeout <= 0:
         print("modelload monitor: --interval and --timeout must be positive", file=sys.stderr)
         return 2
@@ -98,7 +96,8 @@ def fetch_status(url: str, *, timeout: float = 5.0) -> dict[str, Any]:
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         raise SidecarUnavailableError(
-            f"cannot reach the sidecar at {url} ({reason}): is it running, and are --url or ${URL_ENV} right?"
+            f"cannot reach the sidecar at {url} ({reason}): is it running, and are --url or ${STATUS_URL_ENV}"
+            " right?"
         ) from None
     try:
         document = json.loads(body)

@@ -5,7 +5,7 @@ every registered consumer has consumed it. Consumers must therefore write somewh
 heartbeat and set one bit per tensor they have copied. That bookkeeping lives in a small file of its own,
 ``<segment>.consumers``, not in the segment, for two reasons:
 
-- the segment stays read-only to readers (SPEC.md reader rule 6): a reader cannot corrupt tensor bytes or
+- the segment stays read-only to readers (SPEC.md reader rule 7): a reader cannot corrupt tensor bytes or
   the state table by mistake, and the loader keeps its read-only, copy-on-write mappings;
 - the writer can make the table writable by every container of the pod (mode 0666: containers often run
   under different user ids) without making the model's bytes writable too.

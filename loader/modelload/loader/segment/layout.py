@@ -79,7 +79,7 @@ _RESERVED_TAIL = (OFF_ERROR + ERROR_CAPACITY, HEADER_LENGTH)
 
 # Field offsets inside a 32-byte state entry (SPEC.md, "State table").
 ENTRY_STATE = 0
-"""u32: PENDING, READY, FAILED (and RELEASED in layout 3)."""
+"""u32: PENDING, READY, FAILED (and RELEASED in layouts 3 and 4)."""
 ENTRY_FLAGS = 4
 """u32: TensorFlags."""
 ENTRY_READY_NS = 8
@@ -240,11 +240,6 @@ class Layout:
         if self.memory_mode == MemoryMode.RELEASE:
             return 3
         return 2 if self.files else 1
-
-    @property
-    def resident_limit(self) -> int:
-        """The most bytes of the file ever resident: all of it (in ring mode, the tables and the ring)."""
-        return self.segment_length
 
     @property
     def segment_length(self) -> int:

@@ -63,7 +63,7 @@ from modelload.loader.segment.layout import (
     entry_offset,
 )
 
-__all__ = ["SegmentWriter", "reclaimable_bytes"]
+__all__ = ["SegmentWriter"]
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +133,8 @@ class SegmentWriter:
         load_id = load_id or (secrets.randbits(64) | 1)
         created_ns = created_ns or time.time_ns()
         _check_writable(target.parent)
-        _make_room(target, layout.resident_limit, load_id)
-        _check_space(target.parent, layout.resident_limit)
+        _make_room(target, layout.segment_length, load_id)
+        _check_space(target.parent, layout)
         temp = target.with_name(f".{target.name}.{load_id:016x}.tmp")
         try:
             fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, SEGMENT_MODE)
@@ -161,7 +161,7 @@ class SegmentWriter:
                 mm = mmap.mmap(fd, layout.segment_length, flags=mmap.MAP_SHARED)
             writer = cls(target, layout, fd, mm, load_id)
             writer._write_prologue(created_ns)
-            if layout.layout_version >= 3:  # the consumer table first: a version-3 reader looks for it
+            if layout.layout_version >= 3:  # the consumer table first: a version-3 or -4 reader looks for it
                 create_table(target, load_id=load_id, tensor_count=len(layout.slots))
             _supersede(target, load_id)
             temp.rename(target)
@@ -378,13 +378,21 @@ def _check_writable(directory: Path) -> None:
         )
 
 
-def _check_space(directory: Path, needed: int) -> None:
+def _check_space(directory: Path, layout: Layout) -> None:
     try:
         available = _available(directory)
     except FileNotFoundError:
         raise SegmentError(
             f"segment directory {directory} does not exist; create it or mount the volume"
         ) from None
+    needed = layout.segment_length
+    if needed > available and layout.memory_mode == MemoryMode.RING:
+        raise SegmentSpaceError(
+            errno.ENOSPC,
+            f"ring mode needs {needed} bytes in {directory} (the ring of {layout.ring_size} and the "
+            f"segment's header and tables) and the volume has {available} free: raise the volume's "
+            "sizeLimit or lower --ring-size",
+        )
     if needed > available:
         raise SegmentSpaceError(
             errno.ENOSPC,
@@ -417,34 +425,15 @@ def _make_room(target: Path, needed: int, load_id: int) -> None:
         return  # _check_space reports a missing directory
     if needed <= available:
         return
-    leftovers = _removable(target)
-    if target in leftovers:
+    leftovers = list(target.parent.glob(f".{target.name}.*.tmp"))
+    old_state = _writer_state(target)
+    if old_state is not None and old_state != WriterState.COMPLETE:
         _supersede(target, load_id)
+        leftovers.append(target)
     for path in leftovers:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
             log.warning("removed %s, an unfinished segment, to make room for a new load", path)
-
-
-def _removable(target: Path) -> list[Path]:
-    """What :func:`_make_room` removes when the volume is short: crashed writers' temporary files, and the
-    segment at ``target`` unless it is COMPLETE."""
-    leftovers = list(target.parent.glob(f".{target.name}.*.tmp"))
-    old_state = _writer_state(target)
-    if old_state is not None and old_state != WriterState.COMPLETE:
-        leftovers.append(target)
-    return leftovers
-
-
-def reclaimable_bytes(target: str | os.PathLike[str]) -> int:
-    """Bytes of the volume that creating a segment at ``target`` may free to make room (an unfinished
-    segment there, as a restarted sidecar finds it, and crashed writers' temporary files), so that a check
-    of the volume's room made before :meth:`SegmentWriter.create` counts them as free, as it does."""
-    total = 0
-    for path in _removable(Path(target)):
-        with contextlib.suppress(OSError):
-            total += path.stat().st_blocks * 512
-    return total
 
 
 def _available(directory: Path) -> int:
