@@ -51,7 +51,7 @@ Contender = Callable[[], Figures]
 def contenders(
     kind: str, model: Path, nginx: NginxServer, work: Path, args: argparse.Namespace
 ) -> dict[str, Contender]:
-    chunk = parse_size(args.chunk_size, name="--chunk-size")
+    chunk = parse_size(args.chunk_size, setting="--chunk-size")
     segment = work / "bench.seg"
     nbytes = model.stat().st_size
     if kind == "file":

@@ -49,6 +49,7 @@ sys.path.insert(0, str(HERE.parent))
 from modelload.loader import attach  # noqa: E402
 from modelload.loader.formats.safetensors import serialize  # noqa: E402
 from modelload.loader.segment.consumers import table_path  # noqa: E402
+from modelload.loader.segment.failure import read_failure  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -158,6 +159,9 @@ def one_load(source: Path, work: Path, mode: str, args: argparse.Namespace) -> R
                 raise RuntimeError(
                     process.stderr.read().decode()[-2000:] if process.stderr else "sidecar died"
                 )
+            failure = read_failure(segment)  # a refused plan (a tensor larger than the ring, say)
+            if failure is not None:
+                raise RuntimeError(f"the {mode} load failed: {failure}")
             time.sleep(0.002)
         model = attach(segment, timeout=60)  # ready notifications from the sidecar, as in a pod
         buffer = np.empty(TENSOR_BYTES, dtype=np.uint8)
@@ -215,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from modelload.loader.sizes import parse_size
 
-    ring = parse_size(args.ring_size, name="--ring-size")
+    ring = parse_size(args.ring_size, setting="--ring-size")
     disk = Path(tempfile.mkdtemp(prefix="modelload-memory-bench-"))
     shm = Path(tempfile.mkdtemp(prefix="modelload-memory-bench-", dir="/dev/shm"))
     try:
@@ -274,4 +278,7 @@ def _gpu_note() -> str | None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except RuntimeError as exc:  # a load that failed: its reason, not a traceback
+        raise SystemExit(f"memory_modes: {exc}") from None

@@ -91,3 +91,25 @@ def test_ratios_are_taken_within_rounds_and_tensorizer_shows_its_best_variant() 
     table = report.main_table(records)
     assert "| tensorizer (num_readers 4) | 1.00 | 2.00x |" in table
     assert "Run:ai Model Streamer | — (no HTTP(S) source)" in table
+
+
+def _memory_modes(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "benchmarks/memory_modes.py", "--runs", "1", *args]
+    return subprocess.run(argv, check=False, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+@pytest.mark.slow
+def test_the_memory_modes_benchmark_runs_each_mode_and_checks_its_goals() -> None:
+    # make bench runs it on 2 GiB; a quarter of that proves it still drives the sidecar and the loader as
+    # they are (a renamed keyword once broke it with nothing to notice).
+    done = _memory_modes("--size", "0.25", "--ring-size", "96MiB", timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for line in ("ring peak", "release volume after the consumer", "ring throughput / full"):
+        assert line in done.stdout, done.stdout
+
+
+def test_the_memory_modes_benchmark_names_a_refused_load_in_one_line() -> None:
+    done = _memory_modes("--size", "0.0625", "--ring-size", "8MiB", timeout=120)
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr
+    assert "set --ring-size" in done.stderr
