@@ -469,6 +469,16 @@ class _Tied(torch.nn.Module):
         self.head.weight = self.embed.weight
 
 
+def _copy_all_on_the_host(items: Any, device: Any, *, on_done: Any = None) -> Any:
+    """A device copy without a device: each tensor is copied, then marked consumed, as a GPU's is."""
+    results = []
+    for name, host in items:
+        results.append((name, host.clone()))
+        if on_done is not None:
+            on_done(name)
+    yield from results
+
+
 def test_a_module_with_tied_weights_loads_into_a_ring_smaller_than_the_span_between_the_twins(
     tmp_path: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -485,16 +495,7 @@ def test_a_module_with_tied_weights_loads_into_a_ring_smaller_than_the_span_betw
     while not segment.exists():
         time.sleep(0.005)
 
-    def copy_all(items: Any, device: Any, *, on_done: Any = None) -> Any:
-        """A device copy without a device: each tensor is copied, then marked consumed, as a GPU's is."""
-        results = []
-        for name, host in items:
-            results.append((name, host.clone()))
-            if on_done is not None:
-                on_done(name)
-        yield from results
-
-    monkeypatch.setattr(torch_api, "copy_all", copy_all)
+    monkeypatch.setattr(torch_api, "copy_all", _copy_all_on_the_host)
     with torch.device("meta"):
         module = _Tied()
     with attach(segment, timeout=30, notify=False) as model:
@@ -521,15 +522,7 @@ def test_a_module_that_takes_not_every_tensor_of_the_file_loads_through_a_ring(
     while not segment.exists():
         time.sleep(0.005)
 
-    def copy_all(items: Any, device: Any, *, on_done: Any = None) -> Any:
-        results = []
-        for name, host in items:
-            results.append((name, host.clone()))
-            if on_done is not None:
-                on_done(name)
-        yield from results
-
-    monkeypatch.setattr(torch_api, "copy_all", copy_all)
+    monkeypatch.setattr(torch_api, "copy_all", _copy_all_on_the_host)
     with torch.device("meta"):
         module = _Tied()
     with attach(segment, timeout=30, notify=False) as model:
