@@ -12,7 +12,7 @@ import argparse
 import contextlib
 import errno
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import IO, Literal
@@ -30,8 +30,10 @@ from modelload.loader.formats import (
     SAFETENSORS_INDEX,
     FormatName,
     ModelFiles,
+    ModelIndex,
     ModelReader,
     detect_format,
+    merge_indexes,
     open_reader,
     select_model_files,
 )
@@ -49,6 +51,8 @@ __all__ = [
     "local_model_files",
     "local_path",
     "modelload_version",
+    "open_model_file",
+    "open_weight_files",
     "rate",
     "read_password",
     "read_secret",
@@ -212,6 +216,27 @@ def open_model_file(
                 "--password-env"
             )
         yield reader
+
+
+@contextlib.contextmanager
+def open_weight_files(
+    directory: Path,
+    names: Sequence[str],
+    key: DecryptionKey | None,
+    *,
+    verify: bool,
+    kind_of: Callable[[Path], str] = sniff,
+) -> Iterator[tuple[list[ModelReader], ModelIndex]]:
+    """A local model directory's weight files ``names``, each open as its format's reader (``kind_of`` says
+    which), and their merged index by the sidecar's rules (one format, names unique across shards); closed
+    after the block."""
+    with contextlib.ExitStack() as stack:
+        paths = [directory / name for name in names]
+        readers = [
+            stack.enter_context(open_model_file(path, kind_of(path), key, verify=verify)) for path in paths
+        ]
+        indexes = [(name, reader.index) for name, reader in zip(names, readers, strict=True)]
+        yield readers, merge_indexes(indexes, where=f"{directory}/")
 
 
 def translate_os_error(exc: OSError, path: Path) -> SourceError | ConfigError:

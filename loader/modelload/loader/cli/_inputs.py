@@ -23,10 +23,16 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from modelload.loader import dtypes
-from modelload.loader.cli._common import local_model_files, open_model_file, sniff, translate_os_error
+from modelload.loader.cli._common import (
+    local_model_files,
+    open_model_file,
+    open_weight_files,
+    sniff,
+    translate_os_error,
+)
 from modelload.loader.dtypes import DType
 from modelload.loader.errors import ConfigError, DuplicateNameError, FormatError, UnsupportedDtypeError
-from modelload.loader.formats import ModelReader, merge_indexes
+from modelload.loader.formats import ModelReader
 from modelload.loader.formats.tensorizer import DecryptionKey
 
 __all__ = [
@@ -131,17 +137,12 @@ class DirectoryInput:
 
 @contextlib.contextmanager
 def _open_directory(src: Path, key: DecryptionKey | None, *, verify: bool) -> Iterator[DirectoryInput]:
-    where = f"{src}/"
     chosen = local_model_files(src)
-    with contextlib.ExitStack() as stack:
+    with open_weight_files(src, chosen.weights, key, verify=verify) as (readers, _):  # names unique
         parts = []
-        for name in chosen.weights:
-            path = src / name
-            reader = stack.enter_context(open_model_file(path, sniff(path), key, verify=verify))
-            index = reader.index
-            items = [Item(t.name, t.dtype, t.shape, t.path, t.kind) for t in index.tensors]
-            parts.append((name, FileInput(reader, items, dict(index.metadata) or None, [])))
-        merge_indexes([(name, part.reader.index) for name, part in parts], where=where)  # names unique
+        for name, reader in zip(chosen.weights, readers, strict=True):
+            items = [Item(t.name, t.dtype, t.shape, t.path, t.kind) for t in reader.index.tensors]
+            parts.append((name, FileInput(reader, items, dict(reader.index.metadata) or None, [])))
         starts = list(itertools.accumulate((len(part.items) for _, part in parts), initial=0))[:-1]
         notes = [f"merging {len(parts)} weight files of {src}; its config and tokenizer are not copied"]
         yield DirectoryInput(

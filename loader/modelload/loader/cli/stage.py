@@ -39,6 +39,7 @@ from modelload.loader.cli._common import (
     local_path,
     modelload_version,
     open_model_file,
+    open_weight_files,
     rate,
     sniff,
 )
@@ -55,7 +56,6 @@ from modelload.loader.formats import (
     ModelReader,
     TensorEntry,
     check_small_files,
-    merge_indexes,
 )
 from modelload.loader.formats.tensorizer import DecryptionKey
 from modelload.loader.segment import (
@@ -184,19 +184,10 @@ def _open_model(source: Path, fmt: str, key: DecryptionKey | None, *, verify: bo
         with open_model_file(source, kind, key, verify=verify) as reader:
             yield _Model([reader], reader.index, None)
         return
-    where = f"{source}/"
     chosen = local_model_files(source, format=fmt)
-    check_small_files({n: (source / n).stat().st_size for n in chosen.small}, where=where)
-    with contextlib.ExitStack() as stack:
-        readers: list[ModelReader] = []
-        for name in chosen.weights:
-            path = source / name
-            readers.append(
-                stack.enter_context(open_model_file(path, _kind(path, fmt, key), key, verify=verify))
-            )
-        index = merge_indexes(
-            [(n, r.index) for n, r in zip(chosen.weights, readers, strict=True)], where=where
-        )
+    check_small_files({n: (source / n).stat().st_size for n in chosen.small}, where=f"{source}/")
+    kind_of = lambda path: _kind(path, fmt, key)  # noqa: E731 - a refusal per file, as for one file
+    with open_weight_files(source, chosen.weights, key, verify=verify, kind_of=kind_of) as (readers, index):
         yield _Model(readers, index, list(chosen.small))
 
 
