@@ -6,7 +6,6 @@ vLLM reading the original directory itself.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import signal
@@ -22,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from modelload.loader.formats import open_reader
 from modelload.loader.segment import SegmentReader, TensorState
 from tests.support.fault_proxy import Stall
 from tests.support.ports import free_port
@@ -81,14 +81,8 @@ def _ring_below(model_dir: Path) -> int:
     """A ring of half the model's tensor bytes (4096-aligned), at least twice its largest tensor and 1 MiB."""
     sizes = []
     for shard in model_dir.glob("*.safetensors"):
-        with shard.open("rb") as handle:
-            header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
-        sizes += [
-            end - start
-            for name, entry in header.items()
-            if name != "__metadata__"
-            for start, end in [entry["data_offsets"]]
-        ]
+        with open_reader(shard, "safetensors") as reader:
+            sizes += [entry.nbytes for entry in reader.index.tensors]
     ring = max(sum(sizes) // 2, 2 * max(sizes) + 8192, 1 << 20)  # the sidecar takes 1 MiB at least
     assert ring < sum(sizes), "the model is too small for a ring below its size"
     return -(-ring // 4096) * 4096
