@@ -16,6 +16,7 @@ __all__ = [
     "NOTIFY_ENDPOINT",
     "NOTIFY_ENV",
     "PEER_PORT",
+    "PEER_STATS_PATH",
     "SEGMENT_ENV",
     "SEGMENT_PATH",
     "STATUS_PORT",
@@ -53,6 +54,8 @@ STATUS_PORT = 8479
 """The sidecar's status API (probes, ``/status``, ``/metrics``)."""
 PEER_PORT = 8480
 """Where a sidecar serves its chunks to the other sidecars of its model (docs/peers.md)."""
+PEER_STATS_PATH = "/peer/v1/stats"
+"""On the peer port: the sidecar's peer counters, which the operator sums into ``status.fleet``."""
 
 
 def status_url(port: int = STATUS_PORT) -> str:

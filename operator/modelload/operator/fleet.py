@@ -33,6 +33,7 @@ from typing import Any
 
 import aiohttp
 
+from modelload.loader.wiring import PEER_STATS_PATH
 from modelload.operator.conditions import now_rfc3339
 from modelload.operator.kube import Kube, KubeError, KubeNotFoundError
 from modelload.operator.peers import TOKEN_KEY, peer_names
@@ -42,7 +43,6 @@ __all__ = ["FleetPoller", "PodStats", "fleet_body", "sum_stats"]
 
 logger = logging.getLogger(__name__)
 
-STATS_PATH = "/peer/v1/stats"
 TIMEOUT = 2.0
 """Seconds a pod has to answer (connect and body): a slow pod must not hold up the others' figures."""
 CONCURRENCY = 16
@@ -81,7 +81,7 @@ def _figures(doc: Any) -> dict[str, int] | None:
 
 async def fetch(session: aiohttp.ClientSession, load: PodLoad, token: str, *, timeout: float) -> PodStats:
     """Ask one pod's sidecar for its stats. Never raises for the pod's faults: they become ``error``."""
-    url = f"http://{load.address}{STATS_PATH}"
+    url = f"http://{load.address}{PEER_STATS_PATH}"
     try:
         async with session.get(url, headers={"Authorization": f"Bearer {token}"}) as response:
             body = await response.content.read(MAX_BODY)

@@ -31,6 +31,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
 
 from modelload.loader.errors import ConfigError
+from modelload.loader.wiring import PEER_STATS_PATH
 
 __all__ = ["PeerServer", "Servable"]
 
@@ -118,7 +119,7 @@ class _Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         if path == "/peer/v1/manifest":
             self._reply(200, server._state.manifest())
-        elif path == "/peer/v1/stats":
+        elif path == PEER_STATS_PATH:
             self._reply(200, server._state.stats())
         elif (match := _FILE.match(path)) is not None:
             self._range(int(match.group(1)))
