@@ -63,9 +63,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from modelload.loader.errors import ModelloadError
 from modelload.loader.segment import SegmentReader, WriterState
 from modelload.loader.segment.layout import TensorState
-from modelload.sidecar.engine import Engine, LoadStopped
+from modelload.sidecar.load import LoadSettings
+from modelload.sidecar.load.engine import Engine, LoadStopped
 from modelload.sidecar.progress import LoadTracker
-from modelload.sidecar.settings import LoadSettings
 from modelload.sidecar.sources import HttpSettings, RetryPolicy, SourceSettings
 from tests.sidecar import models
 from tests.support import fault_proxy as fp

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from modelload.loader.errors import ConfigError
-from modelload.sidecar.peers_map import owner
+from modelload.sidecar.peers.ranges import owner
 from modelload.sidecar.process import Sidecar
 from modelload.sidecar.settings import parse_settings
 from tests.sidecar.models import assert_segment_matches, safetensors_bytes, tensorizer_bytes

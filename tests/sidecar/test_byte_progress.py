@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 
 from modelload.loader.formats.safetensors import save_file
-from modelload.sidecar.engine import Engine
-from modelload.sidecar.meter import ChunkMeter
+from modelload.sidecar.load import LoadSettings
+from modelload.sidecar.load.engine import Engine
+from modelload.sidecar.load.meter import ChunkMeter
 from modelload.sidecar.progress import LoadTracker
-from modelload.sidecar.settings import LoadSettings
 from modelload.sidecar.sources import HttpSettings, SourceSettings
 from tests.support.fault_proxy import FaultProxy, Stall
 from tests.support.nginx import NginxServer

@@ -262,7 +262,7 @@ def test_the_help_states_what_a_failed_load_does(capsys: pytest.CaptureFixture[s
 def test_loading_the_commands_imports_no_web_framework_or_zmq() -> None:
     code = (
         "import sys, modelload.sidecar.cli, modelload.sidecar.process, modelload.sidecar.monitor;"
-        "heavy = ('fastapi', 'uvicorn', 'zmq', 'prometheus_client', 'modelload.sidecar.engine');"
+        "heavy = ('fastapi', 'uvicorn', 'zmq', 'prometheus_client', 'modelload.sidecar.load.engine');"
         "print(sorted(m for m in heavy if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

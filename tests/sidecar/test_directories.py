@@ -23,9 +23,9 @@ from modelload.loader.errors import (
 )
 from modelload.loader.formats import _directory
 from modelload.loader.segment import SegmentReader, WriterState
-from modelload.sidecar.engine import Engine
+from modelload.sidecar.load import LoadSettings
+from modelload.sidecar.load.engine import Engine
 from modelload.sidecar.progress import LoadTracker, Observers
-from modelload.sidecar.settings import LoadSettings
 from modelload.sidecar.sources import S3Settings, SourceSettings
 from tests.sidecar import models
 from tests.sidecar.test_engine import FAST, Recorder, load

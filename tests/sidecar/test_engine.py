@@ -26,9 +26,9 @@ from modelload.loader.errors import (
 )
 from modelload.loader.segment import SegmentReader, TensorFlags, WriterState
 from modelload.loader.segment import writer as writer_module
-from modelload.sidecar.engine import Engine
+from modelload.sidecar.load import LoadSettings
+from modelload.sidecar.load.engine import Engine
 from modelload.sidecar.progress import LoadTracker, Observers
-from modelload.sidecar.settings import LoadSettings
 from modelload.sidecar.sources import HttpSettings, RetryPolicy, S3Settings, SourceSettings
 from tests.sidecar import models
 from tests.support.fault_proxy import Stall
@@ -215,7 +215,7 @@ def test_stopping_mid_load_leaves_the_segment_failed_not_torn(
         observer=LoadTracker(),
     )
     threading.Timer(0.5, engine.stop).start()
-    from modelload.sidecar.engine import LoadStopped
+    from modelload.sidecar.load.engine import LoadStopped
 
     with pytest.raises(LoadStopped):
         engine.run()

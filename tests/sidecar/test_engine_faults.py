@@ -23,9 +23,9 @@ from modelload.loader.errors import (
     TransientSourceError,
 )
 from modelload.loader.segment import SegmentReader, WriterState
-from modelload.sidecar.engine import Engine
+from modelload.sidecar.load import LoadSettings
+from modelload.sidecar.load.engine import Engine
 from modelload.sidecar.progress import LoadTracker
-from modelload.sidecar.settings import LoadSettings
 from modelload.sidecar.sources import HttpSettings, RetryPolicy, S3Settings, SourceSettings
 from tests.sidecar import models
 from tests.support.fault_proxy import (

@@ -26,10 +26,10 @@ from modelload.loader.cli.main import main
 from modelload.loader.errors import HashMismatchError, SegmentSpaceError, SourceChangedError
 from modelload.loader.formats import read_index
 from modelload.loader.segment import SegmentReader, SegmentWriter, TensorFlags, WriterState
-from modelload.sidecar.engine import Engine
+from modelload.sidecar.load import LoadSettings
+from modelload.sidecar.load.engine import Engine
 from modelload.sidecar.planner import plan_load
 from modelload.sidecar.progress import LoadTracker
-from modelload.sidecar.settings import LoadSettings
 from modelload.sidecar.sources import HttpSettings, RetryPolicy, SourceSettings
 from tests.sidecar import models
 
@@ -258,7 +258,7 @@ def test_a_staged_segment_records_a_crc32_for_every_tensor_and_inspect_verify_ch
 
 
 def test_the_end_of_load_look_up_retries_a_transient_error_instead_of_failing_a_complete_load() -> None:
-    from modelload.sidecar.integrity import check_unchanged
+    from modelload.sidecar.load.integrity import check_unchanged
     from modelload.sidecar.sources import InterruptedReadError, ObjectInfo, OpenedModel, RetryPolicy
 
     info = ObjectInfo(size=10, etag='"v1"')

@@ -27,11 +27,12 @@ from modelload.loader.errors import (
     SegmentSpaceError,
 )
 from modelload.loader.segment import SegmentReader, TensorState, WriterState
-from modelload.sidecar.engine import Engine
+from modelload.sidecar.load import LoadSettings
+from modelload.sidecar.load.engine import Engine
 from modelload.sidecar.memory import MemorySettings
 from modelload.sidecar.metrics import MetricsObserver
 from modelload.sidecar.progress import LoadTracker, Observers
-from modelload.sidecar.settings import LoadSettings, parse_settings
+from modelload.sidecar.settings import parse_settings
 from modelload.sidecar.sources import SourceSettings
 from tests.sidecar import models
 

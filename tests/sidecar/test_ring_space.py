@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from modelload.sidecar.ring import RingSpace
+from modelload.sidecar.memory.ring import RingSpace
 
 DATA = 8192  # where the data region (the ring) starts in the segment
 SIZE = 1000

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from modelload.loader.errors import ConfigError
-from modelload.sidecar.engine import Engine
+from modelload.sidecar.load import LoadSettings
+from modelload.sidecar.load.engine import Engine
 from modelload.sidecar.progress import RATE_WINDOW, LoadTracker
-from modelload.sidecar.settings import LoadSettings
 from modelload.sidecar.sources import HttpSettings, RetryPolicy, SourceSettings
 from tests.sidecar import models
 from tests.support.fault_proxy import Stall, Trickle

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from modelload.sidecar.engine import Engine
+from modelload.sidecar.load import LoadSettings
+from modelload.sidecar.load.engine import Engine
 from modelload.sidecar.progress import LoadTracker
-from modelload.sidecar.settings import LoadSettings
 from modelload.sidecar.sources import HttpSettings, RetryPolicy, S3Settings, SourceSettings
 from tests.support.fixtures import aws_env, moto_s3, nginx  # noqa: F401 - fixtures
 

@@ -60,9 +60,9 @@ EngineFactory = Callable[[SidecarSettings, "LoadObserver"], LoadEngine]
 
 
 def default_engine(settings: SidecarSettings, observer: LoadObserver, *, peers: Any = None) -> LoadEngine:
-    """The streaming engine of ``modelload.sidecar.engine``, built from the sidecar's settings (and this
-    sidecar's :class:`~modelload.sidecar.peers.Peers` when peers are on)."""
-    from modelload.sidecar.engine import Engine
+    """The streaming engine of ``modelload.sidecar.load.engine``, built from the sidecar's settings (and this
+    sidecar's :class:`~modelload.sidecar.peers.hook.Peers` when peers are on)."""
+    from modelload.sidecar.load.engine import Engine
 
     return Engine(settings.engine, sources=settings.sources, observer=observer, peers=peers)
 
@@ -131,7 +131,7 @@ class Sidecar:
                 raise
         self.peers: Any = None
         if settings.peers.enabled:
-            from modelload.sidecar.peers import Peers
+            from modelload.sidecar.peers.hook import Peers
 
             try:
                 self.peers = Peers(settings.peers, host=settings.api.host, retry=settings.sources.retry)

@@ -1,6 +1,6 @@
 """What the engine tells the rest of the sidecar while it loads: events as they happen, and a status snapshot.
 
-The engine (``modelload.sidecar.engine``) calls a :class:`LoadObserver` from its threads; the status API,
+The engine (``modelload.sidecar.load.engine``) calls a :class:`LoadObserver` from its threads; the status API,
 the Prometheus metrics and the pyzmq notifications are observers. :class:`LoadTracker` is the observer that
 keeps the running totals and answers :meth:`LoadTracker.snapshot` for ``/status``, ``/startupz`` and
 ``/readyz``. Observers must be quick and must not raise: they run on the readers' hot path.

@@ -43,8 +43,8 @@ from modelload.loader.segment import ALIGNMENT, MemoryMode, SegmentWriter, Tenso
 from modelload.loader.segment.consumers import EXPIRY, ConsumerEntry, ConsumerTable
 from modelload.loader.segment.layout import align
 from modelload.loader.segment.release import Releaser, punch_hole, resident_bytes
+from modelload.sidecar.memory.ring import RingSpace
 from modelload.sidecar.planner import Chunk, LoadPlan
-from modelload.sidecar.ring import RingSpace
 
 __all__ = ["MemoryManager", "MemorySettings", "plan_memory"]
 

@@ -16,9 +16,9 @@ One run is one load:
 5. the thread that lands a tensor's last chunk decrypts it in place, checks its hash when asked, and
    publishes it READY;
 6. every tensor in, and the weight files still the ones the load started with (a fresh look-up of their
-   validators and a re-read sample of every landed range, :mod:`modelload.sidecar.integrity`): the segment is
-   COMPLETE. Any permanent failure marks it FAILED with the reason, so
-   attached readers get an error instead of waiting. :meth:`Engine.stop` (SIGTERM) stops the readers at
+   validators and a re-read sample of every landed range, :mod:`modelload.sidecar.load.integrity`): the
+   segment is COMPLETE. Any permanent failure marks it FAILED with the reason, so attached readers get an
+   error instead of waiting. :meth:`Engine.stop` (SIGTERM) stops the readers at
    their next chunk and marks a loading segment FAILED too: the segment is always consistent.
 
 Retries, resume after a broken stream, ETag checks and stall timeouts happen in the sources layer
@@ -53,13 +53,13 @@ from modelload.loader.segment import (
     WriterState,
     run_in_order,
 )
-from modelload.sidecar import integrity
+from modelload.sidecar.load import integrity
+from modelload.sidecar.load.meter import ChunkMeter
+from modelload.sidecar.load.modeldir import write_model_dir
+from modelload.sidecar.load.settings import LoadSettings
 from modelload.sidecar.memory import MemoryManager, plan_memory
-from modelload.sidecar.meter import ChunkMeter
-from modelload.sidecar.modeldir import write_model_dir
 from modelload.sidecar.planner import Chunk, LoadPlan, plan_load
 from modelload.sidecar.progress import LoadObserver
-from modelload.sidecar.settings import LoadSettings
 from modelload.sidecar.sources import (
     OpenedModel,
     RetryEvent,
@@ -84,8 +84,9 @@ class LoadStopped(ModelloadError):
 
 
 class PeerHook(Protocol):
-    """Other sidecars as sources (``modelload.sidecar.peers.Peers``): ``begin`` may wrap ``model.sources``
-    and reorder the plan; ``finish`` checks a tensor before it is published and returns a CRC-32 to record."""
+    """Other sidecars as sources (``modelload.sidecar.peers.hook.Peers``): ``begin`` may wrap
+    ``model.sources`` and reorder the plan; ``finish`` checks a tensor before it is published and returns a
+    CRC-32 to record."""
 
     def begin(
         self, *, model: OpenedModel, plan: LoadPlan, writer: Any, segment: Path, share: bool = True

@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from modelload.loader.errors import ModelloadError, SourceChangedError
-from modelload.sidecar.peers_map import RangeMap, owner, rank
-from modelload.sidecar.peers_server import unbitmap
-from modelload.sidecar.settings import PeerSettings
+from modelload.sidecar.peers.ranges import RangeMap, owner, rank
+from modelload.sidecar.peers.server import unbitmap
+from modelload.sidecar.peers.settings import PeerSettings
 from modelload.sidecar.sources import (
     HttpSettings,
     HttpSource,

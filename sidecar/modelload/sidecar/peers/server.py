@@ -51,7 +51,7 @@ class Slice:
 
 
 class Servable(Protocol):
-    """What the server serves: the load's state, as :class:`~modelload.sidecar.peers.Peers` keeps it."""
+    """What the server serves: the load's state, as :class:`~modelload.sidecar.peers.hook.Peers` keeps it."""
 
     def manifest(self) -> dict[str, Any]: ...
 

@@ -3,10 +3,10 @@
 :class:`Peers` is one sidecar's side of it. It is
 
 - the engine's hook (:meth:`begin` wraps each weight file's origin source in a
-  :class:`~modelload.sidecar.peers_fetch.PeerSource` and orders the chunks; :meth:`finish` checks a tensor
+  :class:`~modelload.sidecar.peers.fetch.PeerSource` and orders the chunks; :meth:`finish` checks a tensor
   before it is published);
 - a load observer (it learns which tensors are READY and how far the load is, for its manifest);
-- what the :class:`~modelload.sidecar.peers_server.PeerServer` serves.
+- what the :class:`~modelload.sidecar.peers.server.PeerServer` serves.
 
 Trust. A peer is trusted no more than the origin: every tensor with bytes from a peer is checked against
 the CRC-32 of its whole record (record header and data) that the peer lists for it, which the first sidecar
@@ -32,11 +32,11 @@ from pathlib import Path
 from typing import Any
 
 from modelload.loader.formats.tensorizer.hashes import crc32
-from modelload.sidecar.peers_fetch import Fleet, Ledger, Peer, PeerSource
-from modelload.sidecar.peers_map import RangeMap
-from modelload.sidecar.peers_server import PeerServer, Slice, bitmap
+from modelload.sidecar.peers.fetch import Fleet, Ledger, Peer, PeerSource
+from modelload.sidecar.peers.ranges import RangeMap
+from modelload.sidecar.peers.server import PeerServer, Slice, bitmap
+from modelload.sidecar.peers.settings import PeerSettings
 from modelload.sidecar.planner import Chunk, LoadPlan
-from modelload.sidecar.settings import PeerSettings
 from modelload.sidecar.sources import OpenedModel, RetryPolicy, read_range
 
 __all__ = ["Peers"]

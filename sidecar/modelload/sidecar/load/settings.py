@@ -1,0 +1,122 @@
+"""The engine's settings: what to load, where to, and how hard to pull (from the flags, or from code)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, get_args
+
+from modelload.loader import wiring
+from modelload.loader.errors import ConfigError
+from modelload.sidecar.memory import MemorySettings
+from modelload.sidecar.sources import display_url
+
+__all__ = ["DEFAULT_SEGMENT", "MAX_CHUNK", "MAX_READERS", "MIN_CHUNK", "LoadSettings", "ModelFormat"]
+
+ModelFormat = Literal["auto", "tensorizer", "safetensors"]
+
+MiB = 1 << 20
+GiB = 1 << 30
+DEFAULT_SEGMENT = Path(wiring.SEGMENT_PATH)
+MAX_READERS = 256
+MIN_CHUNK, MAX_CHUNK = MiB, GiB
+MIN_CODE_CHUNK = 4096
+"""The smallest chunk settings built in code may ask for (tests and tiny models); flags start at 1 MiB."""
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    """What to load, where to, and how hard to pull: the engine's settings, from the flags or from code.
+
+    ``source``: the model's URI (``s3://bucket/key``, ``http(s)://...``, ``file:///path`` or a plain path).
+    Required. A directory loads every weight file in it into the one segment: an S3 prefix
+    (``s3://bucket/models/llama/``), an HTTP(S) base URL ending in ``/``, or a local directory. Shown in
+    reprs and logs through :func:`~modelload.sidecar.sources.display_url` (no user info,
+    no query string).
+
+    ``segment``: the segment file to create, absolute. Default ``/run/modelload/model.seg``, inside the
+    memory-backed volume the operator mounts at ``/run/modelload``.
+
+    ``format``: ``auto`` detects tensorizer or safetensors from the file's first bytes; naming it skips
+    the guess and fails clearly on a file of the other format. Default ``auto``.
+
+    ``readers``: parallel range readers, 1 to 256. Default 8: enough to fill a 10 Gbit/s link from S3,
+    whose single streams top out near 100 MB/s, without overloading a small HTTP server.
+
+    ``chunk_size``: bytes per range request, 1 MiB to 1 GiB from a flag or variable. Default 32 MiB: large
+    enough that request latency is small against transfer time, small enough that a retry re-reads little
+    and that the readers share a model of a few GB evenly. Code may go down to a page (4 KiB), for models of
+    a few kilobytes.
+
+    ``verify``: check each tensor against the hash its file stores (tensorizer CRC32, or SHA-256 when it is
+    the only one) before publishing it. Default on: a corrupt transfer is then an error, not wrong weights.
+    Encrypted tensors are always authenticated by their MACs.
+
+    ``key_file`` / ``password_file``: a file holding the raw 32-byte decryption key, or the password of an
+    Argon2id-derived key, for encrypted tensorizer files. At most one; default none. Only the paths are
+    kept here: the engine reads the bytes when it needs them.
+
+    ``priority``: tensor names or name prefixes loaded first, in this order (for example the embeddings and
+    the first layers, so an app can start computing sooner). Default empty: file order.
+
+    ``model_dir``: where a directory's small files (config, tokenizer) are copied, for the app to pass to
+    its engine as the model path. Default ``model/`` beside the segment (``/run/modelload/model``).
+
+    ``files``: a directory's file names, instead of listing it: for an HTTP(S) directory that has neither a
+    ``model.safetensors.index.json`` nor a ``model.safetensors`` (a server cannot be listed). Default empty.
+
+    ``notify``: the pyzmq endpoint recorded in the segment for loaders to subscribe to (the sidecar's
+    ``--notify``, :attr:`NotifySettings.endpoint`). Default none.
+
+    ``splice``: land bytes with ``os.splice`` where the source supports it (plain HTTP, S3 over HTTP,
+    files). Default on; off only to compare the two paths.
+    """
+
+    source: str
+    segment: Path = DEFAULT_SEGMENT
+    format: ModelFormat = "auto"
+    readers: int = 8
+    chunk_size: int = 32 * MiB
+    verify: bool = True
+    key_file: Path | None = None
+    password_file: Path | None = None
+    priority: tuple[str, ...] = ()
+    model_dir: Path | None = None
+    files: tuple[str, ...] = ()
+    notify: str | None = None
+    splice: bool = True
+    memory: MemorySettings = field(default_factory=MemorySettings)
+    """Memory modes full, release and ring (``modelload.sidecar.memory``)."""
+
+    def __post_init__(self) -> None:
+        if not self.source.strip():
+            raise ConfigError(
+                "the source is empty: pass --source or MODELLOAD_SOURCE (s3://, http(s)://, file://)"
+            )
+        if self.format not in get_args(ModelFormat):
+            raise ConfigError(f"format must be auto, tensorizer or safetensors, got {self.format!r}")
+        if not 1 <= self.readers <= MAX_READERS:
+            raise ConfigError(f"readers must be between 1 and {MAX_READERS}, got {self.readers}")
+        if not MIN_CODE_CHUNK <= self.chunk_size <= MAX_CHUNK:
+            raise ConfigError(f"chunk size must be between 4 KiB and 1 GiB, got {self.chunk_size} bytes")
+        if self.key_file is not None and self.password_file is not None:
+            raise ConfigError("give a key file or a password file, not both")
+        if not self.segment.is_absolute():
+            object.__setattr__(self, "segment", self.segment.absolute())
+        if self.model_dir is None:
+            object.__setattr__(self, "model_dir", self.segment.parent / "model")
+        elif not self.model_dir.is_absolute():
+            object.__setattr__(self, "model_dir", self.model_dir.absolute())
+
+    def __repr__(self) -> str:
+        return (
+            f"LoadSettings(source={display_url(self.source)!r}, segment={str(self.segment)!r}, "
+            f"format={self.format!r}, readers={self.readers}, chunk_size={self.chunk_size}, "
+            f"verify={self.verify}, key_file={_opt_path(self.key_file)}, "
+            f"password_file={_opt_path(self.password_file)}, priority={self.priority!r}, "
+            f"model_dir={_opt_path(self.model_dir)}, files={self.files!r}, notify={self.notify!r})"
+        )
+
+
+def _opt_path(path: Path | None) -> str:
+    return repr(str(path)) if path is not None else "None"

@@ -1,0 +1,10 @@
+"""Host memory that follows the consumer: memory modes ``full``, ``release`` and ``ring``.
+
+``manager`` (:class:`MemoryManager`) releases tensors once every consumer copied them and admits chunks into
+the ring; ``ring`` (:class:`RingSpace`) keeps the ring's taken intervals.
+"""
+
+from modelload.sidecar.memory.manager import MemoryManager, MemorySettings, Mode, plan_memory
+from modelload.sidecar.memory.ring import RingSpace
+
+__all__ = ["MemoryManager", "MemorySettings", "Mode", "RingSpace", "plan_memory"]
