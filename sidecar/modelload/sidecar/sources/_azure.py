@@ -83,6 +83,9 @@ def refuse_other_azure_uri(uri: str) -> str:
 class AzureBlobSource(HttpObject):
     """One blob, pinned to the ETag its first look-up saw."""
 
+    pins_version = True
+    """Its validator changes with every write: no sampled re-reads are needed (``load/integrity.py``)."""
+
     def __init__(
         self,
         account: str,

@@ -182,6 +182,9 @@ def resolve_access(gcs: GcsSettings, display: str) -> _Access:
 class GcsSource(HttpObject):
     """One GCS object, pinned to the generation its first look-up saw."""
 
+    pins_version = True
+    """Its validator changes with every write: no sampled re-reads are needed (``load/integrity.py``)."""
+
     def __init__(
         self, bucket: str, name: str, settings: SourceSettings, *, access: _Access | None = None
     ) -> None:

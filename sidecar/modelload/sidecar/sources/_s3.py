@@ -170,6 +170,9 @@ def _resolve_access(s3: S3Settings, display: str) -> _Access:
 class S3Source(HttpObject):
     """One S3 object, read by signed range GETs over persistent ``http.client`` connections."""
 
+    pins_version = True
+    """Its validator changes with every write: no sampled re-reads are needed (``load/integrity.py``)."""
+
     def __init__(
         self, bucket: str, key: str, settings: SourceSettings, *, access: _Access | None = None
     ) -> None:
