@@ -18,6 +18,8 @@ back, unless a *fault* applies to that request. Faults:
   one without gets the response with its ETag replaced.
 - :class:`RewriteETag` ``(etag)``: a server that ignores If-Match: drop it on the way up and replace the
   response's ETag.
+- :class:`FlipBit` ``(at=N)``: pass the answer through with one bit of its body's byte N flipped (a
+  corruption in transit that TCP's checksum missed): for the stores' checksums.
 
 Which request gets which fault (first match wins): :meth:`FaultProxy.push` queues faults consumed one per
 matching request, in order; :meth:`FaultProxy.always` adds a standing rule; :meth:`FaultProxy.randomly`
@@ -56,6 +58,7 @@ from typing import BinaryIO
 __all__ = [
     "Fault",
     "FaultProxy",
+    "FlipBit",
     "IgnoreRange",
     "Recorded",
     "ReplaceObject",
@@ -116,7 +119,12 @@ class RewriteETag:
     etag: str = '"rewritten-etag"'
 
 
-Fault = Reset | Truncate | Stall | Trickle | Respond | IgnoreRange | ReplaceObject | RewriteETag
+@dataclass(frozen=True)
+class FlipBit:
+    at: int = 0
+
+
+Fault = Reset | Truncate | Stall | Trickle | Respond | IgnoreRange | ReplaceObject | RewriteETag | FlipBit
 
 
 def s3_error(status: int, code: str, *, message: str = "", retry_after: float | None = None) -> Respond:
@@ -303,6 +311,10 @@ class FaultProxy:
                     continue
                 upstream, answer = self._forward(upstream, method, path, _outgoing(headers, fault), body)
                 status, reason, response_headers, response_body = answer
+                if isinstance(fault, FlipBit) and fault.at < len(response_body):
+                    flipped = bytearray(response_body)
+                    flipped[fault.at] ^= 0x10
+                    response_body = bytes(flipped)
                 if isinstance(fault, (ReplaceObject, RewriteETag)):
                     response_headers = [
                         (k, fault.etag if k.lower() == "etag" else v) for k, v in response_headers

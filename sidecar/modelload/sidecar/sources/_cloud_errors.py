@@ -28,7 +28,7 @@ from ._responses import RETRYABLE_STATUSES, parse_retry_after
 
 __all__ = ["azure_error", "gcs_error", "scrub"]
 
-_TOKENISH = re.compile(r"[A-Za-z0-9+/_=%.\-]{32,}")
+_TOKENISH = re.compile(r"[A-Za-z0-9+/_=%\-]{32,}")
 _SAS_FIELDS = re.compile(
     r"\b(sig|se|sp|sv|st|skoid|sktid|skt|ske|sks|skv|spr|srt|ss|sr)=[^&\s]*", re.IGNORECASE
 )

@@ -69,6 +69,7 @@ def _google() -> Any:
     """google-auth, imported on first use: only GCS sources pay for it (the ``gcs`` extra)."""
     try:
         import google.auth
+        import google.auth.credentials
         import google.auth.exceptions
         import google.auth.transport.requests
     except ImportError as exc:
@@ -160,11 +161,15 @@ def resolve_access(gcs: GcsSettings, display: str) -> _Access:
         return _Access(origin, prefix, None, "anonymous access")
     google = _google()
     try:
+        # Loaded without scopes, then scoped: with scopes, google-auth would also look the project up (a
+        # Resource Manager call a loader needs neither the answer nor the permission for).
         if gcs.credentials_json is not None:
-            info = json.loads(gcs.credentials_json)
-            credentials, _ = google.auth.load_credentials_from_dict(info, scopes=[READ_SCOPE])
+            credentials = _service_account(google, json.loads(gcs.credentials_json), display)
         else:
-            credentials, _ = google.auth.default(scopes=[READ_SCOPE])
+            credentials, _ = google.auth.default()
+        credentials = google.auth.credentials.with_scopes_if_required(credentials, [READ_SCOPE])
+    except ConfigError:
+        raise
     except ValueError:
         raise ConfigError(
             f"{display}: the Google credentials are not valid JSON: give a service-account key or a workload"
@@ -177,6 +182,21 @@ def resolve_access(gcs: GcsSettings, display: str) -> _Access:
             uri=display,
         ) from exc
     return _Access(origin, prefix, credentials, _identity(credentials))
+
+
+def _service_account(google: Any, info: Any, display: str) -> Any:
+    """A service-account key given as JSON (a Secret's). Only that type: a federation configuration names
+    files and URLs to fetch, which a Secret's author must not make another pod (the operator) read."""
+    import google.oauth2.service_account
+
+    if not isinstance(info, dict) or info.get("type") != "service_account":
+        kind = info.get("type") if isinstance(info, dict) else None
+        raise ConfigError(
+            f"{display}: the Google credentials given are of type {kind!r}; a Secret holds a service-account key"
+            " (type service_account). Workload identity federation and GKE Workload Identity need no Secret:"
+            " the pod's ServiceAccount (and GOOGLE_APPLICATION_CREDENTIALS in the pod) gives them"
+        )
+    return google.oauth2.service_account.Credentials.from_service_account_info(info)
 
 
 class GcsSource(HttpObject):
