@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import base64
 import json
+import ssl
 import threading
 import time
 import uuid
+from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -40,7 +42,9 @@ def _jwt(claims: dict[str, Any]) -> str:
 class TokenEndpoints:
     """The server; ``url`` is its base. Close with :meth:`close`."""
 
-    def __init__(self, *, federated_token: str, tenant: str = "tenant-1234") -> None:
+    def __init__(
+        self, *, federated_token: str, tenant: str = "tenant-1234", tls: tuple[Path, Path] | None = None
+    ) -> None:
         self.federated_token = federated_token
         self.tenant = tenant
         self.exchanges: list[tuple[str, dict[str, str]]] = []
@@ -59,8 +63,12 @@ class TokenEndpoints:
                 outer._post(self)
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        if tls is not None:  # Entra's authority must be https
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(str(tls[0]), str(tls[1]))
+            self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
         self.port = int(self._server.server_address[1])
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
 
     def close(self) -> None:

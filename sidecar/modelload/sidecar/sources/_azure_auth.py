@@ -208,5 +208,8 @@ def resolve_auth(azure: AzureSettings, account: str) -> AzureAuth:
         raise ConfigError(
             "az:// sources need azure-identity: install modelload[azure] (the sidecar image has it)"
         ) from exc
-    credential = DefaultAzureCredential(exclude_interactive_browser_credential=True)
+    try:
+        credential = DefaultAzureCredential(exclude_interactive_browser_credential=True)
+    except ValueError as exc:  # a malformed AZURE_* variable (an authority that is not https...)
+        raise ConfigError(f"Azure credentials cannot be set up: {scrub(str(exc))}") from None
     return AzureAuth("token", _client_identity(), None, account, _credential=credential)
