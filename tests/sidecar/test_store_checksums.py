@@ -1,4 +1,4 @@
-"""Every byte checked against the store's own checksum: GCS (fake-gcs-server), Azure Blob (Azurite), S3 (moto).
+"""Every byte checked against the store's own checksum: GCS (fake-gcs-server), Azure (Azurite), S3 (moto).
 
 Sharded directories load byte-exact with every file proven and said so in ``/status`` and the segment; a
 bit flipped in transit is read again (once) or, flipped every time, never published: the load fails naming
@@ -35,18 +35,26 @@ __all__ = ["aws_env", "azurite", "cloud_env", "fake_gcs", "moto_s3"]
 
 
 def _gcs(server: FakeGcs, endpoint: str | None = None) -> SourceSettings:
-    return SourceSettings(http=FAST.http, retry=FAST.retry, gcs=GcsSettings(endpoint or server.endpoint, anonymous=True))
+    return SourceSettings(
+        http=FAST.http, retry=FAST.retry, gcs=GcsSettings(endpoint or server.endpoint, anonymous=True)
+    )
 
 
 def _azure(server: Azurite, endpoint: str | None = None) -> SourceSettings:
     credentials = AzureCredentials(connection_string=server.connection_string)
     return SourceSettings(
-        http=FAST.http, retry=FAST.retry, azure=AzureSettings(endpoint_url=endpoint or server.endpoint, credentials=credentials)
+        http=FAST.http,
+        retry=FAST.retry,
+        azure=AzureSettings(endpoint_url=endpoint or server.endpoint, credentials=credentials),
     )
 
 
 def _s3(server: MotoS3Server, endpoint: str | None = None) -> SourceSettings:
-    return SourceSettings(http=FAST.http, retry=FAST.retry, s3=S3Settings(endpoint_url=endpoint or server.endpoint, addressing="path"))
+    return SourceSettings(
+        http=FAST.http,
+        retry=FAST.retry,
+        s3=S3Settings(endpoint_url=endpoint or server.endpoint, addressing="path"),
+    )
 
 
 class Store:
@@ -103,7 +111,9 @@ def test_a_sharded_directory_loads_byte_exact_with_every_file_proven(store: Stor
     proofs = tracker.snapshot().as_dict()["proofs"]
     shards = [n for n in content if n.startswith("model-")]
     assert sorted(proofs) == sorted(base + n for n in shards)
-    assert all(p["state"] == "proven" and p["proof"].startswith(EXPECTED[store.kind]) for p in proofs.values())
+    assert all(
+        p["state"] == "proven" and p["proof"].startswith(EXPECTED[store.kind]) for p in proofs.values()
+    )
     with SegmentReader.open(segment) as reader:
         recorded = json.loads(reader.metadata["proofs"])
     assert recorded == {file: entry["proof"] for file, entry in proofs.items()}
@@ -116,19 +126,27 @@ def test_every_checksum_s3_keeps_proves_the_bytes(
     tensors = models.state_dict(layers=2, width=64, seed=4)
     moto_s3.create_bucket("checksums")
     data = models.safetensors_bytes(tensors)
-    moto_s3.client().put_object(Bucket="checksums", Key=f"m-{algorithm}", Body=data, ChecksumAlgorithm=algorithm)
-    _, tracker = load(f"s3://checksums/m-{algorithm}", shm_dir / "m.seg", sources=_s3(moto_s3), chunk_size=8 << 10)
+    moto_s3.client().put_object(
+        Bucket="checksums", Key=f"m-{algorithm}", Body=data, ChecksumAlgorithm=algorithm
+    )
+    _, tracker = load(
+        f"s3://checksums/m-{algorithm}", shm_dir / "m.seg", sources=_s3(moto_s3), chunk_size=8 << 10
+    )
     models.assert_segment_matches(shm_dir / "m.seg", tensors)
     (entry,) = tracker.snapshot().proofs.values()
     assert entry["state"] == "proven" and entry["proof"].startswith(algorithm.lower())
 
 
-def test_a_bit_flipped_once_in_transit_is_read_again_and_the_load_completes(store: Store, shm_dir: Path) -> None:
+def test_a_bit_flipped_once_in_transit_is_read_again_and_the_load_completes(
+    store: Store, shm_dir: Path
+) -> None:
     tensors = models.state_dict(layers=3, width=256, seed=5)  # past the index read's first 512 KiB
     uri = store.put(f"flip-once-{store.kind}.safetensors", models.safetensors_bytes(tensors))
     with FaultProxy(store.port) as proxy:
         proxy.push(FlipBit(at=5000, from_offset=600_000), path="flip-once")
-        recorder, tracker = load(uri, shm_dir / "m.seg", sources=store.settings(proxy), readers=2, chunk_size=64 << 10)
+        _, tracker = load(
+            uri, shm_dir / "m.seg", sources=store.settings(proxy), readers=2, chunk_size=64 << 10
+        )
         assert proxy.pending() == 0, "the flip was applied"
     models.assert_segment_matches(shm_dir / "m.seg", tensors)
     status = tracker.snapshot()
@@ -142,7 +160,9 @@ def test_a_bit_flipped_every_time_is_never_published(store: Store, shm_dir: Path
     segment = shm_dir / "m.seg"
     with FaultProxy(store.port) as proxy:
         proxy.always(FlipBit(at=100, from_offset=600_000), path="flip-always")
-        with pytest.raises(HashMismatchError, match=f"flip-always-{store.kind}.safetensors.*{EXPECTED[store.kind]}"):
+        with pytest.raises(
+            HashMismatchError, match=f"flip-always-{store.kind}.safetensors.*{EXPECTED[store.kind]}"
+        ):
             load(uri, segment, sources=store.settings(proxy), readers=2, chunk_size=64 << 10)
     with SegmentReader.open(segment) as reader:
         assert reader.writer_state == WriterState.FAILED
@@ -151,7 +171,9 @@ def test_a_bit_flipped_every_time_is_never_published(store: Store, shm_dir: Path
         assert ready == ["empty"]
 
 
-def test_a_tensorizer_file_publishes_as_it_lands_and_is_proven_at_its_end(fake_gcs: FakeGcs, cloud_env: None, shm_dir: Path) -> None:
+def test_a_tensorizer_file_publishes_as_it_lands_and_is_proven_at_its_end(
+    fake_gcs: FakeGcs, cloud_env: None, shm_dir: Path
+) -> None:
     tensors = models.state_dict(layers=2, width=64, seed=7)
     uri = fake_gcs.put("checksums", "model.tensors", models.tensorizer_bytes(tensors))
     recorder, tracker = load(uri, shm_dir / "t.seg", sources=_gcs(fake_gcs), chunk_size=8 << 10)
@@ -161,14 +183,18 @@ def test_a_tensorizer_file_publishes_as_it_lands_and_is_proven_at_its_end(fake_g
     assert next(iter(tracker.snapshot().proofs.values()))["state"] == "proven"
 
 
-def test_a_blob_without_content_md5_falls_back_to_its_pinned_version(azurite: Azurite, cloud_env: None, shm_dir: Path) -> None:
+def test_a_blob_without_content_md5_falls_back_to_its_pinned_version(
+    azurite: Azurite, cloud_env: None, shm_dir: Path
+) -> None:
     """A blob uploaded in blocks has no Content-MD5: /status says so, and the ETag still pins every range."""
     tensors = models.state_dict(layers=2, width=256, seed=8)
     data = models.safetensors_bytes(tensors)
     client = azurite.container("checksums")
     client.upload_blob("blocks.safetensors", data, overwrite=True, max_concurrency=1, length=len(data))
     big = os.urandom(1)  # noqa: F841 - keep the upload above in blocks regardless of size (see Azurite.container)
-    _, tracker = load(f"az://{azurite.account}/checksums/blocks.safetensors", shm_dir / "b.seg", sources=_azure(azurite))
+    _, tracker = load(
+        f"az://{azurite.account}/checksums/blocks.safetensors", shm_dir / "b.seg", sources=_azure(azurite)
+    )
     models.assert_segment_matches(shm_dir / "b.seg", tensors)
     (entry,) = tracker.snapshot().proofs.values()
     if len(data) > 4 << 20:

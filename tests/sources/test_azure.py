@@ -64,7 +64,9 @@ def test_a_sas_token_reads_and_lists(azurite: Azurite, cloud_env: None) -> None:
         assert source.read_bytes(0, 64) == payload(64, seed=len("config.json"))
 
 
-def test_a_blob_replaced_during_the_load_fails_the_next_range_as_changed(azurite: Azurite, cloud_env: None) -> None:
+def test_a_blob_replaced_during_the_load_fails_the_next_range_as_changed(
+    azurite: Azurite, cloud_env: None
+) -> None:
     uri = azurite.put(CONTAINER, "replaced.bin", payload(8192, seed=2))
     given = settings(credentials=AzureCredentials(connection_string=azurite.connection_string))
     with open_source(uri, given) as source:
@@ -79,7 +81,7 @@ def test_a_missing_container_and_blob_are_named(azurite: Azurite, cloud_env: Non
     given = settings(credentials=AzureCredentials(connection_string=azurite.connection_string))
     with pytest.raises(SourceNotFoundError, match="container 'nowhere' does not exist"):
         open_source(f"az://{azurite.account}/nowhere/x.bin", given).stat()
-    with pytest.raises(SourceNotFoundError, match="no blob 'nothing.bin' in container"):
+    with pytest.raises(SourceNotFoundError, match=r"no blob 'nothing\.bin' in container"):
         open_source(f"az://{azurite.account}/{CONTAINER}/nothing.bin", given).stat()
 
 
@@ -90,7 +92,8 @@ def test_a_wrong_account_key_is_refused_and_never_shown(
     wrong = AZURITE_KEY[:-8] + "AAAAAAA="
     caplog.set_level(logging.DEBUG)
     given = settings(
-        endpoint_url=azurite.endpoint, credentials=AzureCredentials(connection_string=azurite.connection_string.replace(AZURITE_KEY, wrong))
+        endpoint_url=azurite.endpoint,
+        credentials=AzureCredentials(connection_string=azurite.connection_string.replace(AZURITE_KEY, wrong)),
     )
     with pytest.raises(SourceAccessDeniedError, match="access denied") as caught:
         open_source(uri, given).stat()
@@ -111,7 +114,10 @@ def test_a_sas_token_never_appears_in_a_message(azurite: Azurite, cloud_env: Non
 @pytest.mark.parametrize(
     ("uri", "form"),
     [
-        ("abfss://models@acct.dfs.core.windows.net/llama/model.safetensors", "az://acct/models/llama/model.safetensors"),
+        (
+            "abfss://models@acct.dfs.core.windows.net/llama/model.safetensors",
+            "az://acct/models/llama/model.safetensors",
+        ),
         ("wasbs://models@acct.blob.core.windows.net/m.bin", "az://acct/models/m.bin"),
     ],
 )
@@ -123,10 +129,12 @@ def test_other_azure_spellings_are_refused_with_the_az_form(uri: str, form: str)
 def test_the_account_of_a_connection_string_must_be_the_uris(cloud_env: None) -> None:
     string = f"DefaultEndpointsProtocol=https;AccountName=other;AccountKey={AZURITE_KEY};"
     with pytest.raises(Exception, match="az://other/CONTAINER/PATH"):
-        open_source("az://mine/models/m.bin", settings(credentials=AzureCredentials(connection_string=string)))
+        open_source(
+            "az://mine/models/m.bin", settings(credentials=AzureCredentials(connection_string=string))
+        )
 
 
-# --- Entra Workload ID -----------------------------------------------------------------------------------------
+# --- Entra Workload ID ----------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +165,9 @@ def test_entra_workload_id_exchanges_the_federated_token_and_azurite_accepts_the
         monkeypatch.setenv("AZURE_TENANT_ID", endpoints.tenant)
         monkeypatch.setenv("AZURE_AUTHORITY_HOST", endpoints.url)
         given = SourceSettings(
-            http=HttpSettings(ca_bundle=str(cert)), retry=FAST_SETTINGS.retry, azure=AzureSettings(endpoint_url=server.endpoint)
+            http=HttpSettings(ca_bundle=str(cert)),
+            retry=FAST_SETTINGS.retry,
+            azure=AzureSettings(endpoint_url=server.endpoint),
         )
         with open_source(uri, given) as source:
             assert source.read_bytes(0, 4096) == data
@@ -187,9 +197,11 @@ def test_a_refused_federation_names_the_workload_identity_settings(
         monkeypatch.setenv("AZURE_TENANT_ID", endpoints.tenant)
         monkeypatch.setenv("AZURE_AUTHORITY_HOST", endpoints.url)
         given = SourceSettings(
-            http=HttpSettings(ca_bundle=str(cert)), retry=FAST_SETTINGS.retry, azure=AzureSettings(endpoint_url=server.endpoint)
+            http=HttpSettings(ca_bundle=str(cert)),
+            retry=FAST_SETTINGS.retry,
+            azure=AzureSettings(endpoint_url=server.endpoint),
         )
-        with pytest.raises(SourceAccessDeniedError, match="azure.workload.identity/client-id") as caught:
+        with pytest.raises(SourceAccessDeniedError, match=r"azure\.workload\.identity/client-id") as caught:
             open_source(uri, given).stat()
         assert "client id client-9" in str(caught.value)
         assert endpoints.federated_token not in str(caught.value)

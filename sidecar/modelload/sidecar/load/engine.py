@@ -332,9 +332,7 @@ class _Load:
         # that can hold them, and unless the file's own hashes prove each tensor as it lands).
         own_hashes = plan.index.format == "tensorizer" and engine.settings.verify
         hold = engine.settings.memory.mode != "ring" and not own_hashes
-        self._held: dict[int, list[int]] = {
-            p.file: [] for p in proofs if hold and self.prover.proves(p.file)
-        }
+        self._held: dict[int, list[int]] = {p.file: [] for p in proofs if hold and self.prover.proves(p.file)}
         self.finisher = TensorFinisher(
             writer, key=key, encrypted=plan.index.encrypted, verify=engine.settings.verify
         )

@@ -170,7 +170,9 @@ def check_unchanged(
             )
     if not sample:
         return 0
-    chunks = [c for c in plan.chunks if c.tensor not in skip and c.file not in proven] if skip or proven else None
+    chunks = (
+        [c for c in plan.chunks if c.tensor not in skip and c.file not in proven] if skip or proven else None
+    )
     samples = _samples(plan, model, chunks)
     log.info("re-reading %d samples of the landed ranges to check the model did not change", len(samples))
 

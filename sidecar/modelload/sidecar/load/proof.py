@@ -27,6 +27,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from modelload.loader.errors import HashMismatchError
 from modelload.sidecar.planner import Chunk, LoadPlan
@@ -150,7 +151,9 @@ class Prover:
             for size, _ in proof.checksum.parts:
                 total += size
                 cuts.append(total)
-            self._files[proof.file] = _FileState(proof, sizes[proof.file], chunks, len(chunks), tuple(cuts[:-1]))
+            self._files[proof.file] = _FileState(
+                proof, sizes[proof.file], chunks, len(chunks), tuple(cuts[:-1])
+            )
 
     def proves(self, file: int) -> bool:
         return file in self._files
@@ -199,8 +202,8 @@ class Prover:
         if checksum.parts and _composite(checksum) != checksum.value:
             state.proof.state = "failed"
             raise HashMismatchError(
-                f"the store's list of parts does not add up to its {checksum.algorithm} composite checksum: the "
-                "object changed while it was being read; the load is not published",
+                f"the store's list of parts does not add up to its {checksum.algorithm} composite checksum: "
+                "the object changed while it was being read; the load is not published",
                 source=state.proof.uri,
             )
         state.proof.state = "proven"
@@ -241,33 +244,39 @@ class Prover:
     def _digests(
         checksum: StoreChecksum, pieces: list[_Piece], state: _FileState, region: Region
     ) -> list[bytes]:
-        """The digest of the whole file, or of each part of a composite, from the ordered pieces."""
+        """The digest of the whole file, or of each part of a composite, from the pieces in file order."""
         bounds = [*state.cuts, state.size]
         digests: list[bytes] = []
-        part_end = bounds[0]
-        running: object = None
-        length = 0
-        width = crc_width(checksum.algorithm) // 8 if checksum.composable else 0
+        running = _Running(checksum)
         for piece in pieces:
-            if checksum.composable:
-                running = (
-                    piece.crc
-                    if running is None
-                    else crc_combine(checksum.algorithm, int(running), piece.crc, piece.length)  # type: ignore[arg-type]
-                )
-            else:
-                if running is None:
-                    running = new_hash(checksum.algorithm)
-                data = piece.data if piece.data is not None else region(piece.dst or 0, piece.length)
-                running.update(data)  # type: ignore[attr-defined]
-            length += piece.length
-            if piece.offset + piece.length == part_end:
-                digests.append(_finish(running, width))
-                running, length = None, 0
-                part_end = bounds[len(digests)] if len(digests) < len(bounds) else -1
-        if running is not None or not digests:
-            digests.append(_finish(running, width))
+            running.add(piece, region)
+            if len(digests) < len(bounds) - 1 and piece.offset + piece.length == bounds[len(digests)]:
+                digests.append(running.digest())
+                running = _Running(checksum)
+        digests.append(running.digest())
         return digests
+
+
+class _Running:
+    """The digest of consecutive pieces: CRCs combined, or a hash fed the bytes in order."""
+
+    def __init__(self, checksum: StoreChecksum) -> None:
+        self._algorithm = checksum.algorithm
+        self._crc: int | None = None
+        self._hash: Any = None if checksum.composable else new_hash(checksum.algorithm)
+
+    def add(self, piece: _Piece, region: Region) -> None:
+        if self._hash is not None:
+            self._hash.update(piece.data if piece.data is not None else region(piece.dst or 0, piece.length))
+        elif self._crc is None:
+            self._crc = piece.crc
+        else:
+            self._crc = crc_combine(self._algorithm, self._crc, piece.crc, piece.length)
+
+    def digest(self) -> bytes:
+        if self._hash is not None:
+            return bytes(self._hash.digest())
+        return (self._crc or 0).to_bytes(crc_width(self._algorithm) // 8, "big")
 
 
 def _composite(checksum: StoreChecksum) -> bytes:
@@ -278,14 +287,6 @@ def _composite(checksum: StoreChecksum) -> bytes:
     digest = new_hash(checksum.algorithm)
     digest.update(joined)
     return bytes(digest.digest())
-
-
-def _finish(running: object, width: int) -> bytes:
-    if running is None:
-        return (0).to_bytes(width, "big") if width else b""
-    if isinstance(running, int):
-        return running.to_bytes(width, "big")
-    return running.digest()  # type: ignore[attr-defined, no-any-return]
 
 
 def _split(offset: int, length: int, cuts: Sequence[int]) -> list[tuple[int, int]]:

@@ -1,4 +1,4 @@
-"""Azure Blob Storage (``az://ACCOUNT/CONTAINER/PATH``): Azure's libraries authorise, the project's reads move bytes.
+"""Azure Blob Storage (``az://ACCOUNT/CONTAINER/PATH``): Azure's libraries authorise, our reads move bytes.
 
 The URI names the storage account, the container and the blob (or a prefix ending in ``/``, a directory).
 Other spellings the ecosystem uses (``abfs[s]://container@account.dfs.core.windows.net/path``,
@@ -18,6 +18,7 @@ import re
 import threading
 import xml.etree.ElementTree as ET
 from collections.abc import Mapping, Sequence
+from typing import Any
 from urllib.parse import quote, urlencode, urlsplit
 
 from modelload.loader.errors import ConfigError, ModelloadError, SourceError, SourceUriError
@@ -124,9 +125,9 @@ class AzureBlobSource(HttpObject):
 
     def _target(self, method: str, headers: Mapping[str, str]) -> Target:
         sent = dict(headers)
-        query = sent.pop(_QUERY, None)
+        query: Any = sent.pop(_QUERY, None)
         path = self._blob_path if query is None else f"{self._base}/{quote(self._container, safe='')}"
-        pairs = ([] if query is None else list(query)) + self._auth.query()
+        pairs: list[tuple[str, str]] = [*(query or ()), *self._auth.query()]
         if "Range" in sent:  # x-ms-range is what shared-key signing covers
             sent["x-ms-range"] = sent.pop("Range")
         full = f"{path}?{urlencode(pairs, safe='/:=')}" if pairs else path
@@ -234,7 +235,7 @@ def open_azure(uri: str, settings: SourceSettings) -> AzureBlobSource:
 
 
 class AzureStore(Store):
-    """``az://ACCOUNT/CONTAINER/BLOB``, and ``az://ACCOUNT/CONTAINER/PREFIX/`` (or a container) as a directory."""
+    """``az://ACCOUNT/CONTAINER/BLOB``; ``az://ACCOUNT/CONTAINER/PREFIX/`` (or a container) is a directory."""
 
     schemes = ("az",)
 

@@ -94,7 +94,7 @@ class AzureAuth:
         return parse_qsl(self._sas.lstrip("?"), keep_blank_values=True) if self._sas else []
 
     def sign(self, method: str, url: str, headers: dict[str, str], *, display: str) -> None:
-        """Add ``x-ms-date``/``x-ms-version`` and the Authorization header to ``headers``, for ``url`` as sent."""
+        """Add ``x-ms-date``, ``x-ms-version`` and the Authorization header to ``headers`` for ``url``."""
         headers["x-ms-version"] = API_VERSION
         headers["x-ms-date"] = formatdate(usegmt=True)
         if self.kind == "shared-key":

@@ -12,8 +12,9 @@ lands, in any order, and the whole object's CRC is combined from them without re
 the SHAs are not: they need the bytes in order, which the load's consumer of them (``load/proof.py``) does
 once a file is complete.
 
-The CRC kernels are native: CRC-32 from ISA-L (``isal``, already the tensorizer hash's), CRC-32C and CRC-64/NVME from
-AWS's common runtime (``awscrt``, 1 MB, what botocore itself uses for them); each is imported on first use, and
+The CRC kernels are native: CRC-32 from ISA-L (``isal``, already the tensorizer hash's), CRC-32C and
+CRC-64/NVME from AWS's common runtime (``awscrt``, 1 MB, what botocore itself uses for them); each is
+imported on first use, and
 :func:`crc_available` tells whether one is installed.
 """
 
@@ -112,13 +113,13 @@ def _kernel(algorithm: str) -> Callable[[Any, int], int] | None:
         if algorithm == "crc32":
             from isal import isal_zlib
 
-            return lambda data, previous: isal_zlib.crc32(data, previous)
+            return isal_zlib.crc32
         from awscrt import checksums
 
         if algorithm == "crc32c":
-            return lambda data, previous: checksums.crc32c(data, previous)
+            return checksums.crc32c
         if algorithm == "crc64nvme":
-            return lambda data, previous: checksums.crc64nvme(data, previous)
+            return checksums.crc64nvme
     except ImportError:
         return None
     raise ValueError(f"not a CRC this loader knows: {algorithm!r}")

@@ -119,8 +119,8 @@ _AZURE_NOT_FOUND = {
     "ResourceNotFound": "no blob {blob!r} in container {container!r} (or no such container): check the URI",
 }
 _AZURE_DENIED_HINTS = {
-    "AuthenticationFailed": "the signature or token was refused: check the account key, connection string or SAS"
-    " token in the Secret (an expired SAS fails so), and this machine's clock",
+    "AuthenticationFailed": "the signature or token was refused: check the account key, connection string or"
+    " SAS token in the Secret (an expired SAS fails so), and this machine's clock",
     "InvalidAuthenticationInfo": "the bearer token is not valid for this account: check the identity's tenant"
     " and that the token's audience is https://storage.azure.com",
     "AuthorizationFailure": "the credentials may not read this: check the SAS token's permissions (read, and"

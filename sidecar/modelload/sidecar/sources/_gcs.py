@@ -1,4 +1,4 @@
-"""Google Cloud Storage (``gs://BUCKET/OBJECT``): google-auth gives the token, the project's own reads move bytes.
+"""Google Cloud Storage (``gs://BUCKET/OBJECT``): google-auth gives the token, our own reads move bytes.
 
 google-auth does what it is made for, once per model (a directory's shards share it): Application Default
 Credentials (``GOOGLE_APPLICATION_CREDENTIALS`` naming a service-account key or a workload identity
@@ -177,8 +177,8 @@ def resolve_access(gcs: GcsSettings, display: str) -> _Access:
         ) from None
     except google.auth.exceptions.DefaultCredentialsError as exc:
         raise SourceAccessDeniedError(
-            f"{display}: no Google credentials found ({scrub(str(exc))}): bind a Kubernetes ServiceAccount to a"
-            " Google service account (GKE Workload Identity), or reference a key in credentialsSecretRef",
+            f"{display}: no Google credentials found ({scrub(str(exc))}): bind a Kubernetes ServiceAccount to"
+            " a Google service account (GKE Workload Identity), or reference a key in credentialsSecretRef",
             uri=display,
         ) from exc
     return _Access(origin, prefix, credentials, _identity(credentials))
@@ -192,8 +192,9 @@ def _service_account(google: Any, info: Any, display: str) -> Any:
     if not isinstance(info, dict) or info.get("type") != "service_account":
         kind = info.get("type") if isinstance(info, dict) else None
         raise ConfigError(
-            f"{display}: the Google credentials given are of type {kind!r}; a Secret holds a service-account key"
-            " (type service_account). Workload identity federation and GKE Workload Identity need no Secret:"
+            f"{display}: the Google credentials given are of type {kind!r}; a Secret holds a service-account"
+            " key (type service_account). Workload identity federation and GKE Workload Identity need"
+            " no Secret:"
             " the pod's ServiceAccount (and GOOGLE_APPLICATION_CREDENTIALS in the pod) gives them"
         )
     return google.oauth2.service_account.Credentials.from_service_account_info(info)
@@ -290,8 +291,8 @@ class GcsSource(HttpObject):
             raise SourceError(f"{uri}: the object's metadata has no size or generation", uri=uri) from None
         if str(meta.get("contentEncoding", "")).lower() == "gzip":
             raise ConfigError(
-                f"{uri} is stored with Content-Encoding gzip: GCS decompresses it as it serves it, so its bytes"
-                " cannot be read by ranges; upload the model without gzip encoding"
+                f"{uri} is stored with Content-Encoding gzip: GCS decompresses it as it serves it, so its"
+                " bytes cannot be read by ranges; upload the model without gzip encoding"
             )
         return ObjectInfo(size=size, etag=f'"{generation}"', checksums=gcs_checksums(meta))
 

@@ -280,7 +280,9 @@ class S3Source(HttpObject):
         except SourceError as exc:
             if exc.transient:
                 raise
-            _log.info("%s: the store's checksums could not be read (%s)", self.display_uri, type(exc).__name__)
+            _log.info(
+                "%s: the store's checksums could not be read (%s)", self.display_uri, type(exc).__name__
+            )
             return ()
         kind = (exchange.header("x-amz-checksum-type") or "").upper()
         multipart = bool(re.search(r'-\d+"?$', info.etag or ""))
@@ -290,13 +292,15 @@ class S3Source(HttpObject):
             if not text:
                 continue
             value = text.split("-")[0]
-            composite = kind == "COMPOSITE" or (multipart and kind != "FULL_OBJECT" and algorithm != "crc64nvme")
+            composite = kind == "COMPOSITE" or (
+                multipart and kind != "FULL_OBJECT" and algorithm != "crc64nvme"
+            )
             parts: tuple[tuple[int, bytes], ...] = ()
             if composite:
                 parts = _S3Attributes(self).parts(algorithm)
                 if not parts:
                     _log.info(
-                        "%s: a composite %s checksum without its parts' list (s3:GetObjectAttributes): not used",
+                        "%s: a composite %s checksum without the parts' list (GetObjectAttributes): unused",
                         self.display_uri,
                         algorithm,
                     )

@@ -218,8 +218,9 @@ class GcsSettings:
 
     ``credentials_json``: a service-account key or a workload identity federation (``external_account``)
     configuration, the JSON text itself, instead of Application Default Credentials: the operator's copy
-    of a ModelLoad's Secret (never in ``repr``). ``None``: google-auth's Application Default Credentials (``GOOGLE_APPLICATION_CREDENTIALS``, the
-    GKE metadata server for Workload Identity, gcloud's user credentials), refreshed by google-auth.
+    of a ModelLoad's Secret (never in ``repr``); only a service-account key is accepted there. ``None``:
+    google-auth's Application Default Credentials (``GOOGLE_APPLICATION_CREDENTIALS``, the GKE metadata
+    server for Workload Identity, gcloud's user credentials), refreshed by google-auth.
 
     ``anonymous``: send no credentials (public objects).
     """
