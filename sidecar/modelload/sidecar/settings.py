@@ -55,6 +55,8 @@ from modelload.sidecar.load import (
 from modelload.sidecar.memory import MemorySettings
 from modelload.sidecar.peers import DEFAULT_PEER_PORT, PeerSettings
 from modelload.sidecar.sources import (
+    AzureSettings,
+    GcsSettings,
     HttpSettings,
     RetryPolicy,
     S3Settings,
@@ -233,6 +235,15 @@ _OPTIONS = (
     Option(
         "s3_unsigned", "--s3-unsigned", "MODELLOAD_S3_UNSIGNED",
         "anonymous S3 requests, for public buckets (default off)", boolean=True,
+    ),
+    Option(
+        "gcs_endpoint", "--gcs-endpoint", "MODELLOAD_GCS_ENDPOINT",
+        "GCS JSON API endpoint URL (default: STORAGE_EMULATOR_HOST, else Google's)", "URL",
+    ),
+    Option(
+        "azure_endpoint", "--azure-endpoint", "MODELLOAD_AZURE_ENDPOINT",
+        "Azure blob endpoint URL (default: a connection string's, else https://ACCOUNT.blob.core.windows.net)",
+        "URL",
     ),
     Option(
         "memory_mode", "--memory-mode", "MODELLOAD_MEMORY_MODE",
@@ -446,11 +457,13 @@ def _source_settings(lookup: options.Lookup, environ: Mapping[str, str], *, sour
     if headers is not None and not source.startswith(("http://", "https://")):
         raise ConfigError(
             "a header file (--header-file/MODELLOAD_HEADER_FILE) is for http(s):// sources, and the source"
-            f" is {display_url(source)}: S3 takes AWS credentials, a file needs none"
+            f" is {display_url(source)}: S3, GCS and Azure take their own credentials"
         )
     proxy = proxy_from_environ(environ, override=get("proxy", parse_text, None) or None)
     http = HttpSettings(headers=headers, proxy=proxy, range_fallback=get("range_fallback", parse_bool, False))
-    return SourceSettings(http=http, s3=s3, retry=RetryPolicy())
+    gcs = GcsSettings(endpoint_url=get("gcs_endpoint", _url, None))
+    azure = AzureSettings(endpoint_url=get("azure_endpoint", _url, None))
+    return SourceSettings(http=http, s3=s3, retry=RetryPolicy(), gcs=gcs, azure=azure)
 
 
 def _peer_settings(lookup: options.Lookup) -> PeerSettings:

@@ -71,10 +71,9 @@ from ._splice import metered
 from ._store import ListedFile, Opener, Store, join_uri
 
 __all__ = [
-    "COMPOSABLE",
-    "STREAMED",
     "AzureCredentials",
     "AzureSettings",
+    "COMPOSABLE",
     "Directory",
     "FileSource",
     "GcsSettings",
@@ -95,6 +94,7 @@ __all__ = [
     "S3Location",
     "S3Settings",
     "S3Source",
+    "STREAMED",
     "Source",
     "SourceBase",
     "SourceFactory",

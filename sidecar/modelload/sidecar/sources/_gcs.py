@@ -22,6 +22,7 @@ import base64
 import json
 import logging
 import os
+import re
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ _log = logging.getLogger("modelload.sidecar.sources")
 READ_SCOPE = "https://www.googleapis.com/auth/devstorage.read_only"
 DEFAULT_ENDPOINT = "https://storage.googleapis.com"
 EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9._\-]{1,220}[a-z0-9]$")
 _PATH = ":path"  # an internal header: the request path of a metadata or listing request (never sent)
 _JSON_MAX = 16 << 20
 _PAGES_MAX = 64
@@ -60,8 +62,11 @@ def parse_gs_uri(uri: str) -> tuple[str, str]:
     """``gs://bucket/object`` as ``(bucket, object)``; an object may be empty for a bucket's top level."""
     rest = uri[len("gs://") :] if uri[:5].lower() == "gs://" else uri
     bucket, _, name = rest.partition("/")
-    if not bucket:
-        raise SourceUriError(f"a GCS source is gs://BUCKET/OBJECT (or gs://BUCKET/PREFIX/), got {uri!r}")
+    if not _BUCKET.match(bucket):
+        raise SourceUriError(
+            f"a GCS source is gs://BUCKET/OBJECT (or gs://BUCKET/PREFIX/; the bucket: 3-222 lower-case letters,"
+            f" digits, dots, dashes and underscores), got {uri!r}"
+        )
     return bucket, name
 
 
