@@ -272,6 +272,7 @@ class OtherAzureSchemes(Store):
     """``abfs[s]://`` and ``wasb[s]://``: refused with the ``az://`` URI they mean."""
 
     schemes = ("abfs", "abfss", "wasb", "wasbs")
+    listed = False
 
     def open(self, uri: str, settings: SourceSettings) -> AzureBlobSource:
         raise SourceUriError(refuse_other_azure_uri(uri))

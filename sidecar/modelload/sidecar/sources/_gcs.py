@@ -46,7 +46,7 @@ from ._settings import GcsSettings, SourceSettings
 from ._splice import HAVE_SPLICE
 from ._store import Directory, ListedFile, Opener, Store
 
-__all__ = ["GcsSource", "GcsStore", "list_gcs_prefix", "open_gcs", "parse_gs_uri"]
+__all__ = ["GcsSource", "GcsSpelling", "GcsStore", "list_gcs_prefix", "open_gcs", "parse_gs_uri"]
 
 _log = logging.getLogger("modelload.sidecar.sources")
 READ_SCOPE = "https://www.googleapis.com/auth/devstorage.read_only"
@@ -360,22 +360,18 @@ def open_gcs(uri: str, settings: SourceSettings) -> GcsSource:
 
 
 class GcsStore(Store):
-    """``gs://BUCKET/OBJECT``, and ``gs://BUCKET/PREFIX/`` (or a bare bucket) as a directory. ``gcs://`` is
-    refused with the ``gs://`` URI it means."""
+    """``gs://BUCKET/OBJECT``, and ``gs://BUCKET/PREFIX/`` (or a bare bucket) as a directory."""
 
-    schemes = ("gs", "gcs")
+    schemes = ("gs",)
 
     def open(self, uri: str, settings: SourceSettings) -> GcsSource:
-        _refuse_gcs_scheme(uri)
         return open_gcs(uri, settings)
 
     def is_directory(self, uri: str) -> bool:
-        _refuse_gcs_scheme(uri)
         _, name = parse_gs_uri(uri)
         return not name or name.endswith("/")
 
     def list(self, uri: str, settings: SourceSettings, *, files: Sequence[str] = ()) -> Directory:
-        _refuse_gcs_scheme(uri)
         base = uri if uri.endswith("/") else uri + "/"
         if files:  # named: no listing, so storage.objects.get is the only permission needed
             return Directory.of_sizes(base, base, dict.fromkeys(files))
@@ -396,6 +392,14 @@ class GcsStore(Store):
         return open_one
 
 
-def _refuse_gcs_scheme(uri: str) -> None:
-    if uri[:6].lower() == "gcs://":
+class GcsSpelling(Store):
+    """``gcs://``: refused with the ``gs://`` URI it means."""
+
+    schemes = ("gcs",)
+    listed = False
+
+    def open(self, uri: str, settings: SourceSettings) -> GcsSource:
+        raise SourceUriError(f"GCS objects are named gs://BUCKET/OBJECT: did you mean gs://{uri[6:]}?")
+
+    def is_directory(self, uri: str) -> bool:
         raise SourceUriError(f"GCS objects are named gs://BUCKET/OBJECT: did you mean gs://{uri[6:]}?")

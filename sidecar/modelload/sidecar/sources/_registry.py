@@ -20,7 +20,7 @@ from modelload.loader.errors import ConfigError, SourceUriError
 
 from ._azure import AzureStore, OtherAzureSchemes
 from ._base import Source
-from ._gcs import GcsStore
+from ._gcs import GcsSpelling, GcsStore
 from ._settings import SourceSettings
 from ._store import Store
 from ._stores import FactoryStore, FileStore, HttpStore, S3Store
@@ -60,14 +60,14 @@ def register_source(scheme: str, factory: SourceFactory) -> None:
     register_store(FactoryStore(scheme, factory))
 
 
-for _store in (_FILES, HttpStore(), S3Store(), GcsStore(), AzureStore(), OtherAzureSchemes()):
+for _store in (_FILES, HttpStore(), S3Store(), GcsStore(), GcsSpelling(), AzureStore(), OtherAzureSchemes()):
     register_store(_store)
 
 
 def registered_schemes() -> tuple[str, ...]:
     """The schemes :func:`open_source` accepts, sorted."""
     with _lock:
-        return tuple(sorted(_stores))
+        return tuple(sorted(scheme for scheme, store in _stores.items() if store.listed))
 
 
 def open_source(uri: str, settings: SourceSettings | None = None) -> Source:

@@ -113,6 +113,9 @@ class Store:
 
     schemes: tuple[str, ...] = ()
     """The URI schemes served, lower case, without ``://``."""
+    listed: bool = True
+    """False for a store that only refuses other spellings with the right one (``abfss://`` -> ``az://``):
+    not named among the supported schemes."""
 
     def open(self, uri: str, settings: SourceSettings) -> Source:
         """One file at ``uri``, read by ranges. No network I/O yet: the first stat or read does it."""
