@@ -52,9 +52,9 @@ def _cpu() -> float:
 
 def make_file(size: int) -> bytes:
     """A safetensors file of ``size`` bytes: 64 float16 tensors of random bytes."""
-    from modelload.loader.formats.safetensors import serialize
-
     import numpy as np
+
+    from modelload.loader.formats.safetensors import serialize
 
     tensors = {}
     count = 64
