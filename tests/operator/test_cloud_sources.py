@@ -1,5 +1,5 @@
-"""gs:// and az:// ModelLoads: the CRD and the parsers agree, each cloud's Secret keys are read and checked, the
-sidecar is wired with them (and nothing of S3's), and the operator's own index read uses them."""
+"""gs:// and az:// ModelLoads: the CRD and the parsers agree, each cloud's Secret keys are read and checked,
+the sidecar is wired with them (and nothing of S3's), and the operator's own index read uses them."""
 
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def test_the_crds_cel_rules_refuse_what_the_parser_refuses(spec: dict[str, Any])
     jsonschema.validate(spec, spec_schema())
 
 
-# --- the Secret ------------------------------------------------------------------------------------------------
+# --- the Secret ---
 
 
 def test_a_gcs_secret_gives_its_service_account_key() -> None:
@@ -140,7 +140,7 @@ def test_an_azure_secret_gives_the_first_of_its_keys_present_and_names_them_when
         read_cloud_credentials(spec, {"unrelated": b"x"}, secret="az")
 
 
-# --- the pod ---------------------------------------------------------------------------------------------------
+# --- the pod ---
 
 
 def injected(spec: dict[str, Any]) -> dict[str, Any]:
@@ -191,7 +191,7 @@ def test_workload_identity_needs_no_secret_and_injects_no_credentials() -> None:
     assert not any(e["name"].startswith(("AWS_", "AZURE_", "GOOGLE_")) for e in sidecar["env"])
 
 
-# --- the operator's own read -------------------------------------------------------------------------------------
+# --- the operator's own read ---
 
 
 def test_the_operators_index_read_uses_the_azure_secret(azurite: Azurite, cloud_env: None) -> None:

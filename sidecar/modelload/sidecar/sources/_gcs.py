@@ -64,8 +64,8 @@ def parse_gs_uri(uri: str) -> tuple[str, str]:
     bucket, _, name = rest.partition("/")
     if not _BUCKET.match(bucket):
         raise SourceUriError(
-            f"a GCS source is gs://BUCKET/OBJECT (or gs://BUCKET/PREFIX/; the bucket: 3-222 lower-case letters,"
-            f" digits, dots, dashes and underscores), got {uri!r}"
+            f"a GCS source is gs://BUCKET/OBJECT (or gs://BUCKET/PREFIX/; the bucket: 3-222 lower-case"
+            f" letters, digits, dots, dashes and underscores), got {uri!r}"
         )
     return bucket, name
 
