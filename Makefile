@@ -106,8 +106,9 @@ test: check
 	MODELLOAD_REQUIRE_SERVERS=1 $(BIN)/python -m pytest -q
 test: test-vllm
 
-bench: venv $(BENCH_STAMP) $(S3RVER)
+bench: venv $(BENCH_STAMP) $(S3RVER) $(AZURITE)
 	$(BIN)/python benchmarks/run.py --publish
+	$(BIN)/python benchmarks/cloud_origins.py
 	$(BIN)/python benchmarks/memory_modes.py
 	$(BIN)/python benchmarks/peer_fleet.py --out docs/peer-fleet.json
 bench: bench-vllm
