@@ -147,63 +147,49 @@ def azurite_oauth(tmp_path_factory: pytest.TempPathFactory) -> Any:
     server.stop()
 
 
-def test_entra_workload_id_exchanges_the_federated_token_and_azurite_accepts_the_bearer(
-    azurite_oauth: Any, cloud_env: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The variables and file the AKS webhook injects, azure-identity's DefaultAzureCredential doing the
-    exchange with a loopback Entra, and Azurite checking the token's issuer, audience and expiry."""
+@pytest.fixture
+def entra(azurite_oauth: Any, cloud_env: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """What the AKS webhook injects (the federated token file, client and tenant ids), an Entra stand-in
+    over TLS as the authority, and the settings that read Azurite over TLS:
+    ``(server, endpoints, settings)``."""
     server, cert, key = azurite_oauth
     monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(cert))
+    endpoints = TokenEndpoints(federated_token="aks-projected-token-" + "y" * 40, tls=(cert, key))
+    token_file = tmp_path / "azure-identity-token"
+    token_file.write_text(endpoints.federated_token)
+    monkeypatch.setenv("AZURE_FEDERATED_TOKEN_FILE", str(token_file))
+    monkeypatch.setenv("AZURE_CLIENT_ID", "11111111-2222-3333-4444-555555555555")
+    monkeypatch.setenv("AZURE_TENANT_ID", endpoints.tenant)
+    monkeypatch.setenv("AZURE_AUTHORITY_HOST", endpoints.url)
+    given = SourceSettings(
+        http=HttpSettings(ca_bundle=str(cert)),
+        retry=FAST_SETTINGS.retry,
+        azure=AzureSettings(endpoint_url=server.endpoint),
+    )
+    yield server, endpoints, given
+    endpoints.close()
+
+
+def test_entra_workload_id_exchanges_the_federated_token_and_azurite_accepts_the_bearer(entra: Any) -> None:
+    """azure-identity's DefaultAzureCredential does the exchange with a loopback Entra, and Azurite checks
+    the token's issuer, audience and expiry."""
+    server, endpoints, given = entra
     data = payload(4096, seed=6)
     uri = server.put(CONTAINER, "federated.bin", data)
-    endpoints = TokenEndpoints(federated_token="aks-projected-token-" + "y" * 40, tls=(cert, key))
-    try:
-        token_file = tmp_path / "azure-identity-token"
-        token_file.write_text(endpoints.federated_token)
-        monkeypatch.setenv("AZURE_FEDERATED_TOKEN_FILE", str(token_file))
-        monkeypatch.setenv("AZURE_CLIENT_ID", "11111111-2222-3333-4444-555555555555")
-        monkeypatch.setenv("AZURE_TENANT_ID", endpoints.tenant)
-        monkeypatch.setenv("AZURE_AUTHORITY_HOST", endpoints.url)
-        given = SourceSettings(
-            http=HttpSettings(ca_bundle=str(cert)),
-            retry=FAST_SETTINGS.retry,
-            azure=AzureSettings(endpoint_url=server.endpoint),
-        )
-        with open_source(uri, given) as source:
-            assert source.read_bytes(0, 4096) == data
-        kinds = [kind for kind, _ in endpoints.exchanges]
-        fields = dict(endpoints.exchanges)["entra"]
-        assert "entra" in kinds
-        assert fields["client_id"] == "11111111-2222-3333-4444-555555555555"
-        assert fields["scope"] == "https://storage.azure.com/.default"
-        assert fields["client_assertion_type"] == "urn:ietf:params:oauth:client-assertion-type:jwt-bearer"
-    finally:
-        endpoints.close()
+    with open_source(uri, given) as source:
+        assert source.read_bytes(0, 4096) == data
+    fields = dict(endpoints.exchanges)["entra"]
+    assert fields["client_id"] == "11111111-2222-3333-4444-555555555555"
+    assert fields["scope"] == "https://storage.azure.com/.default"
+    assert fields["client_assertion"] == endpoints.federated_token
+    assert fields["client_assertion_type"] == "urn:ietf:params:oauth:client-assertion-type:jwt-bearer"
 
 
-def test_a_refused_federation_names_the_workload_identity_settings(
-    azurite_oauth: Any, cloud_env: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    server, cert, key = azurite_oauth
-    monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(cert))
+def test_a_refused_federation_names_the_workload_identity_settings(entra: Any) -> None:
+    server, endpoints, given = entra
     uri = server.put(CONTAINER, "unbound.bin", payload(10, seed=7))
-    endpoints = TokenEndpoints(federated_token="aks-projected-token-" + "z" * 40, tls=(cert, key))
     endpoints.refuse = True
-    try:
-        token_file = tmp_path / "azure-identity-token"
-        token_file.write_text(endpoints.federated_token)
-        monkeypatch.setenv("AZURE_FEDERATED_TOKEN_FILE", str(token_file))
-        monkeypatch.setenv("AZURE_CLIENT_ID", "client-9")
-        monkeypatch.setenv("AZURE_TENANT_ID", endpoints.tenant)
-        monkeypatch.setenv("AZURE_AUTHORITY_HOST", endpoints.url)
-        given = SourceSettings(
-            http=HttpSettings(ca_bundle=str(cert)),
-            retry=FAST_SETTINGS.retry,
-            azure=AzureSettings(endpoint_url=server.endpoint),
-        )
-        with pytest.raises(SourceAccessDeniedError, match=r"azure\.workload\.identity/client-id") as caught:
-            open_source(uri, given).stat()
-        assert "client id client-9" in str(caught.value)
-        assert endpoints.federated_token not in str(caught.value)
-    finally:
-        endpoints.close()
+    with pytest.raises(SourceAccessDeniedError, match=r"azure\.workload\.identity/client-id") as caught:
+        open_source(uri, given).stat()
+    assert "client id 11111111-2222-3333-4444-555555555555" in str(caught.value)
+    assert endpoints.federated_token not in str(caught.value)

@@ -15,7 +15,6 @@ Other spellings the ecosystem uses (``abfs[s]://container@account.dfs.core.windo
 from __future__ import annotations
 
 import re
-import threading
 import xml.etree.ElementTree as ET
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -31,7 +30,7 @@ from ._connections import Origin
 from ._http import HttpObject, Target, _Exchange
 from ._settings import SourceSettings
 from ._splice import HAVE_SPLICE
-from ._store import Directory, ListedFile, Opener, Store
+from ._store import Directory, ListedFile, Opener, Store, shared_opener
 
 __all__ = [
     "AzureBlobSource",
@@ -255,17 +254,9 @@ class AzureStore(Store):
 
     def opener(self, settings: SourceSettings) -> Opener:
         """The blobs of one model share one credential (one token for every shard)."""
-        first: list[AzureBlobSource] = []
-        lock = threading.Lock()
-
-        def open_one(uri: str) -> AzureBlobSource:
-            with lock:
-                if first:
-                    return first[0].sibling(parse_az_uri(uri)[2])
-                first.append(open_azure(uri, settings))
-                return first[0]
-
-        return open_one
+        return shared_opener(
+            lambda uri: open_azure(uri, settings), lambda first, uri: first.sibling(parse_az_uri(uri)[2])
+        )
 
 
 class OtherAzureSchemes(Store):

@@ -44,7 +44,7 @@ from ._connections import Origin
 from ._http import HttpObject, Target, _Exchange
 from ._settings import GcsSettings, SourceSettings
 from ._splice import HAVE_SPLICE
-from ._store import Directory, ListedFile, Opener, Store
+from ._store import Directory, ListedFile, Opener, Store, shared_opener
 
 __all__ = ["GcsSource", "GcsSpelling", "GcsStore", "list_gcs_prefix", "open_gcs", "parse_gs_uri"]
 
@@ -379,17 +379,9 @@ class GcsStore(Store):
 
     def opener(self, settings: SourceSettings) -> Opener:
         """The objects of one model share one credential set-up (google-auth's ADC look-up and token)."""
-        first: list[GcsSource] = []
-        lock = threading.Lock()
-
-        def open_one(uri: str) -> GcsSource:
-            with lock:
-                if first:
-                    return first[0].sibling(parse_gs_uri(uri)[1])
-                first.append(open_gcs(uri, settings))
-                return first[0]
-
-        return open_one
+        return shared_opener(
+            lambda uri: open_gcs(uri, settings), lambda first, uri: first.sibling(parse_gs_uri(uri)[1])
+        )
 
 
 class GcsSpelling(Store):
