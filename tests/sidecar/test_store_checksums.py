@@ -200,3 +200,43 @@ def test_a_blob_without_content_md5_falls_back_to_its_pinned_version(
     if len(data) > 4 << 20:
         assert entry["proof"].startswith("no checksum kept by the store")
         assert entry["state"] == "pinned"
+
+
+def test_a_refused_sas_token_never_reaches_the_status_the_metrics_or_the_log(
+    azurite: Azurite, cloud_env: None, shm_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from prometheus_client import generate_latest
+
+    from modelload.loader.errors import SourceAccessDeniedError
+    from modelload.sidecar.load import LoadSettings
+    from modelload.sidecar.load.engine import Engine
+    from modelload.sidecar.metrics import MetricsObserver
+    from modelload.sidecar.progress import LoadTracker, Observers
+
+    uri = azurite.put(
+        "checksums", "secret.safetensors", models.safetensors_bytes(models.state_dict(layers=1))
+    )
+    sas = azurite.sas("checksums", read=False)
+    sources = SourceSettings(
+        http=FAST.http,
+        retry=FAST.retry,
+        azure=AzureSettings(endpoint_url=azurite.endpoint, credentials=AzureCredentials(sas_token=sas)),
+    )
+    tracker, metrics = LoadTracker(), MetricsObserver()
+    caplog.set_level("DEBUG")
+    engine = Engine(
+        LoadSettings(source=uri, segment=shm_dir / "s.seg"),
+        sources=sources,
+        observer=Observers(tracker, metrics),
+    )
+    with pytest.raises(SourceAccessDeniedError) as caught:
+        engine.run()
+    signature = dict(part.split("=", 1) for part in sas.split("&"))["sig"]
+    seen = [
+        str(caught.value),
+        json.dumps(tracker.snapshot().as_dict()),
+        generate_latest(metrics.registry).decode(),
+        caplog.text,
+    ]
+    assert tracker.snapshot().phase == "failed"
+    assert not any(signature in text or sas in text for text in seen)
