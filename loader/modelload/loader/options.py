@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 from modelload.loader.errors import ConfigError
-from modelload.loader.rules import OneOf, Rule, field_rule
+from modelload.loader.rules import OneOf, Rule, field_rule, plain
 
 __all__ = [
     "Given",
@@ -78,6 +78,8 @@ class Option:
     rule: Rule | None = field(default=None, compare=False)
     """A rule the flag and variable add to the field's own, for values a person should not pick though code
     may (chunks under 1 MiB); ``--help`` shows it instead of the field's."""
+    show: Callable[[Any], str] | None = field(default=None, compare=False)
+    """How ``--help`` writes the default, where the rule's own way does not suit (a quantity, ``512Mi``)."""
     unset: str | None = None
     """What ``--help`` says happens when the setting is not given, where the field's default cannot say it
     (``model/ beside the segment``; a default that other settings decide)."""
@@ -124,7 +126,8 @@ def default_shown(option: Option, settings: type) -> str | None:
     if isinstance(value, bool):
         return "on" if value else "off"
     checked = option.rule or field_rule(declared)
-    return checked.show(value) if checked is not None else str(value)
+    show = option.show or (checked.show if checked is not None else plain)
+    return show(value)
 
 
 def _declared(settings: type, dest: str) -> dataclasses.Field[Any]:

@@ -42,6 +42,7 @@ __all__ = [
     "Rule",
     "check_fields",
     "field_rule",
+    "plain",
     "rule",
 ]
 
@@ -64,7 +65,8 @@ class Rule(Protocol):
         ...
 
 
-def _plain(value: Any) -> str:
+def plain(value: Any) -> str:
+    """A value as a person writes it: ``10`` for the float ``10.0``."""
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
@@ -79,7 +81,7 @@ class Between:
     low: float
     high: float | None = None
     what: str = "a number"
-    show: Callable[[Any], str] = _plain
+    show: Callable[[Any], str] = plain
 
     def problem(self, value: Any) -> str | None:
         if self.high is None:
@@ -105,13 +107,13 @@ class Positive:
     def problem(self, value: Any) -> str | None:
         if value > 0 and math.isfinite(value):
             return None
-        return f"expected {self.what}, got {_plain(value)}"
+        return f"expected {self.what}, got {plain(value)}"
 
     def describe(self) -> None:
         return None
 
     def show(self, value: Any) -> str:
-        return _plain(value)
+        return plain(value)
 
 
 @dataclass(frozen=True)
