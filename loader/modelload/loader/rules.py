@@ -98,8 +98,18 @@ class Between:
         return f"{self.show(self.low)} to {self.show(self.high)}"
 
 
+class _Unranged:
+    """What a rule without a range shows: no range in ``--help``, and values as they are written."""
+
+    def describe(self) -> str | None:
+        return None
+
+    def show(self, value: Any) -> str:
+        return plain(value)
+
+
 @dataclass(frozen=True)
-class Positive:
+class Positive(_Unranged):
     """A finite number above zero (a timeout); ``what`` names it in the message."""
 
     what: str = "a positive number"
@@ -109,15 +119,9 @@ class Positive:
             return None
         return f"expected {self.what}, got {plain(value)}"
 
-    def describe(self) -> None:
-        return None
-
-    def show(self, value: Any) -> str:
-        return plain(value)
-
 
 @dataclass(frozen=True)
-class OneOf:
+class OneOf(_Unranged):
     """One of ``choices`` (``--help`` lists them as the flag's value, so :meth:`describe` adds nothing)."""
 
     choices: tuple[str, ...]
@@ -127,15 +131,9 @@ class OneOf:
             return None
         return f"expected one of {', '.join(self.choices)}, got {value!r}"
 
-    def describe(self) -> None:
-        return None
-
-    def show(self, value: Any) -> str:
-        return str(value)
-
 
 @dataclass(frozen=True)
-class Prefixed:
+class Prefixed(_Unranged):
     """Text that starts with one of ``prefixes`` (a URL's scheme); ``expected`` says so to a person."""
 
     prefixes: tuple[str, ...]
@@ -145,12 +143,6 @@ class Prefixed:
         if str(value).startswith(self.prefixes):
             return None
         return f"expected {self.expected}, got {value!r}"
-
-    def describe(self) -> None:
-        return None
-
-    def show(self, value: Any) -> str:
-        return str(value)
 
 
 HTTP_URL = Prefixed(("http://", "https://"), "an http:// or https:// URL")
