@@ -22,7 +22,7 @@ from modelload.operator.injection import SIDECAR_NAME, build_patch
 from modelload.operator.model_source import read_summary
 from modelload.operator.resource import ResolvedModel
 from modelload.operator.schema import SPEC_RULES, parse_spec, spec_schema
-from modelload.operator.settings import SidecarSettings
+from modelload.operator.settings import InjectedSidecar
 from modelload.sidecar.sources import AzureCredentials, open_source
 from tests.operator.conftest import NAMESPACE
 from tests.operator.test_private_http import _cel
@@ -146,7 +146,7 @@ def test_an_azure_secret_gives_the_first_of_its_keys_present_and_names_them_when
 def injected(spec: dict[str, Any]) -> dict[str, Any]:
     model = ResolvedModel(name="m", namespace=NAMESPACE, spec=parse_spec(spec), bytes=1 << 30, tensors=10)
     original = pod("m")
-    ops = build_patch(pod=original, model=model, sidecar=SidecarSettings(), native=True)
+    ops = build_patch(pod=original, model=model, sidecar=InjectedSidecar(), native=True)
     return jsonpatch.apply_patch(copy.deepcopy(original), ops)
 
 
