@@ -8,15 +8,12 @@ code with CUDA memory is in test_cuda_handoff.py (marked ``gpu``).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,7 +25,6 @@ import pytest
 import torch
 
 from modelload.loader import attach
-from modelload.loader.dtypes import from_torch
 from modelload.loader.errors import (
     ConfigError,
     DeviceError,
@@ -39,62 +35,13 @@ from modelload.loader.errors import (
 )
 from modelload.loader.handoff import client, connect, protocol, status
 from modelload.loader.handoff.keeper import Keeper
-from modelload.loader.segment import MemoryMode, SegmentWriter, TensorSpec, plan_layout
+from modelload.loader.segment import MemoryMode
 from modelload.loader.segment.consumers import ConsumerTable
+from tests.handoff.helpers import digest, model_tensors, publish, write_segment
 from tests.handoff.memfd import MemfdMapper, MemfdMemory
 
 ROOT = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
-
-
-def model_tensors() -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(3)
-    return {
-        "embed.weight": torch.randn(64, 32, generator=generator).bfloat16(),
-        "layers.0.weight": torch.randn(32, 32, generator=generator),
-        "layers.0.bias": torch.randn(32, generator=generator).half(),
-        "positions": torch.arange(64, dtype=torch.int64),
-        "empty": torch.empty(0, 4),
-        "scale": torch.tensor(0.5, dtype=torch.float64),
-    }
-
-
-def digest(tensor: torch.Tensor) -> str:
-    return hashlib.sha256(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    """A short folder for sockets (a Unix socket path must stay under 108 bytes)."""
-    path = Path(tempfile.mkdtemp(prefix="ml-keeper-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def write_segment(
-    path: Path,
-    tensors: dict[str, torch.Tensor],
-    *,
-    mode: MemoryMode = MemoryMode.FULL,
-    ready: int | None = None,
-) -> SegmentWriter:
-    """A segment of ``tensors``, the first ``ready`` of them published (all, and complete, by default)."""
-    specs = [TensorSpec(name, from_torch(t.dtype), tuple(t.shape)) for name, t in tensors.items()]
-    layout = plan_layout(
-        specs, memory_mode=mode, metadata={"source": "file:///model", "format": "safetensors"}
-    )
-    writer = SegmentWriter.create(path, layout, heartbeat=False)
-    publish(writer, tensors, range(len(tensors) if ready is None else ready))
-    if ready is None:
-        writer.mark_complete()
-    return writer
-
-
-def publish(writer: SegmentWriter, tensors: dict[str, torch.Tensor], indices: range) -> None:
-    values = list(tensors.values())
-    for i in indices:
-        writer.slot(i)[:] = values[i].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        writer.mark_ready(i)
 
 
 @contextmanager
@@ -280,7 +227,7 @@ def test_a_failed_load_reaches_the_app_with_its_reason(shm_dir: Path, sock_dir: 
 
 
 def test_an_app_waiting_when_the_keeper_stops_is_told_so(shm_dir: Path, sock_dir: Path) -> None:
-    write_segment(shm_dir / "m.seg", model_tensors(), ready=1)
+    writer = write_segment(shm_dir / "m.seg", model_tensors(), ready=1)
     outcome: list[BaseException] = []
 
     def wait() -> None:
@@ -293,6 +240,7 @@ def test_an_app_waiting_when_the_keeper_stops_is_told_so(shm_dir: Path, sock_dir
         waiter = threading.Thread(target=wait)
         waiter.start()
         wait_for(lambda: len(keeper._connections) == 1, "the app to connect")
+        writer.mark_failed("the test is over")  # ends the keeper's load thread (after the stop)
     waiter.join(timeout=30)
     assert len(outcome) == 1 and isinstance(outcome[0], KeeperUnavailableError), outcome
 

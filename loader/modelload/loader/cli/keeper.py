@@ -20,10 +20,14 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from modelload.loader.errors import ConfigError, HandoffError, LoadFailedError, ModelloadError
 from modelload.loader.sizes import parse_size
 from modelload.loader.wiring import KEEPER_ENV, KEEPER_SOCKET, SEGMENT_ENV, SEGMENT_PATH
+
+if TYPE_CHECKING:
+    from modelload.loader.handoff.keeper import Keeper
 
 __all__ = ["KeeperSettings", "register", "run"]
 
@@ -98,14 +102,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM; a configuration or device error at start ends it with the error's exit status
+    (2 for configuration), as the sidecar does."""
     if args.status:
         return _status(_socket_path(args.socket))
-    settings = KeeperSettings.from_args(args)
-    from modelload.loader._api.attach import attach
-    from modelload.loader.handoff.device import CudaMemory
-    from modelload.loader.handoff.keeper import Keeper
-
-    keeper = Keeper(CudaMemory(settings.device), socket_path=settings.socket, block_size=settings.block_size)
+    try:
+        settings = KeeperSettings.from_args(args)
+        keeper = _start(settings)
+    except ModelloadError as exc:
+        print(f"modelload keeper: {exc}", file=sys.stderr)
+        return exc.exit_status
     stop = threading.Event()
 
     def on_signal(signum: int, _: FrameType | None) -> None:
@@ -114,25 +120,36 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    keeper.start()
-
-    def load() -> None:
-        try:
-            with attach(settings.segment, timeout=settings.timeout) as model:
-                keeper.load(model)
-        except ModelloadError as exc:
-            keeper.fail(str(exc))
-            log.error("keeper: the load failed: %s", exc)
-        except Exception as exc:  # an unexpected failure is still answered to every app, with its reason
-            keeper.fail(f"{type(exc).__name__}: {exc}")
-            log.exception("keeper: the load failed")
-
-    threading.Thread(target=load, name="keeper-load", daemon=True).start()
+    threading.Thread(target=_load, args=(keeper, settings), name="keeper-load", daemon=True).start()
     try:
         stop.wait()
     finally:
         keeper.close()
     return 0
+
+
+def _start(settings: KeeperSettings) -> Keeper:
+    from modelload.loader.handoff.device import CudaMemory
+    from modelload.loader.handoff.keeper import Keeper
+
+    keeper = Keeper(CudaMemory(settings.device), socket_path=settings.socket, block_size=settings.block_size)
+    keeper.start()
+    return keeper
+
+
+def _load(keeper: Keeper, settings: KeeperSettings) -> None:
+    """Attach and copy; any failure is answered to every app from then on, with its reason."""
+    from modelload.loader._api.attach import attach
+
+    try:
+        with attach(settings.segment, timeout=settings.timeout) as model:
+            keeper.load(model)
+    except ModelloadError as exc:
+        keeper.fail(str(exc))
+        log.error("keeper: the load failed: %s", exc)
+    except Exception as exc:  # unexpected, but still answered to the apps rather than left unsaid
+        keeper.fail(f"{type(exc).__name__}: {exc}")
+        log.exception("keeper: the load failed")
 
 
 def _status(path: Path) -> int:

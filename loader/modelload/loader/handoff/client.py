@@ -73,7 +73,7 @@ def connect(
         sock.settimeout(SILENCE_TIMEOUT)
         protocol.send(sock, {"op": "open", "versions": list(protocol.VERSIONS)})
         manifest = _manifest(sock, target, deadline, timeout)
-        fds = _descriptors(sock, len(manifest.blocks))
+        fds = _descriptors(sock, target, len(manifest.blocks))
         try:
             mapped = (mapper or CudaMapper()).map(manifest.device, fds, manifest.blocks, writable=writable)
         except BaseException as exc:
@@ -138,6 +138,14 @@ def _manifest(
             )
 
 
+def _next(sock: socket.socket, path: Path, *, max_fds: int) -> protocol.Received:
+    """The next message; a keeper that hangs up between messages has stopped (or restarted)."""
+    received = protocol.receive(sock, max_fds=max_fds)
+    if received is None:
+        raise KeeperUnavailableError(f"the keeper at {path} closed the connection: it stopped or restarted")
+    return received
+
+
 def _error(message: Mapping[str, Any], path: Path) -> HandoffError | LoadFailedError:
     code, text = message.get("code"), str(message.get("message", ""))
     if code == "failed":
@@ -149,12 +157,12 @@ def _error(message: Mapping[str, Any], path: Path) -> HandoffError | LoadFailedE
     return HandoffError(f"the keeper at {path} answered {code!r}: {text}")
 
 
-def _descriptors(sock: socket.socket, count: int) -> list[int]:
+def _descriptors(sock: socket.socket, path: Path, count: int) -> list[int]:
     """The ``count`` descriptors of the ``fds`` messages that follow a manifest, in order."""
     fds: list[int] = []
     try:
         while len(fds) < count:
-            received = protocol.expect(protocol.receive(sock), "fds")
+            received = protocol.expect(_next(sock, path, max_fds=protocol.MAX_FDS_PER_MESSAGE), "fds")
             fds.extend(received.fds)
             first, announced = received.message.get("first"), received.message.get("count")
             if first != len(fds) - len(received.fds) or announced != len(received.fds) or not received.fds:

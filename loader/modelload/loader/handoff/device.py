@@ -162,6 +162,7 @@ class CudaMemory:
         self._torch_device = torch.device(device)
         if self._torch_device.type != "cuda":
             raise DeviceError(f"the keeper holds weights on a CUDA device, not {self._torch_device}")
+        _require_cuda()
         torch.empty(0, device=self._torch_device)  # torch makes its (the primary) context first
         self._ordinal = (
             self._torch_device.index if self._torch_device.index is not None else torch.cuda.current_device()
@@ -204,6 +205,7 @@ class CudaMapper:
     ) -> Mapped:
         import torch
 
+        _require_cuda()
         drv = driver()
         ordinal = drv.ordinal_of(str(device["uuid"]))
         torch_device = torch.device("cuda", ordinal)
@@ -237,6 +239,18 @@ class CudaMapper:
                 raise
             log.warning("read-only mapping refused (%s); mapping the keeper's blocks read-write", exc)
             return drv.map(handle, size, ordinal=ordinal, alignment=granularity, writable=True), True
+
+
+def _require_cuda() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        built = torch.version.cuda
+        raise DeviceError(
+            f"torch {torch.__version__} sees no CUDA device"
+            + ("" if built else " (it is a build without CUDA)")
+            + ": the hand-off needs the GPU and a CUDA build of torch in this container"
+        )
 
 
 def close_all(fds: Sequence[int]) -> None:

@@ -44,6 +44,9 @@ PROGRESS_INTERVAL = 1.0
 REQUEST_TIMEOUT = 10.0
 """Seconds a new connection has to send its request."""
 
+SOCKET_MODE = 0o666
+"""Mode of the socket file: an app container may run as another user of the pod (as for notify.sock)."""
+
 MAX_CLIENTS = 256
 """Connections served at once; more are answered ``busy``."""
 
@@ -102,10 +105,15 @@ class Keeper:
                     setting="--socket",
                 )
             self.socket_path.unlink()  # a socket left by a keeper that died
+        # Bound and opened to the pod under a temporary name, then renamed into place: an app never finds
+        # the socket before it accepts every user of the pod.
+        staging = self.socket_path.with_name(f".{self.socket_path.name}.{os.getpid()}")
+        staging.unlink(missing_ok=True)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(str(self.socket_path))
-        os.chmod(self.socket_path, 0o666)  # an app container may run as another user (as for notify.sock)
+        listener.bind(str(staging))
+        staging.chmod(SOCKET_MODE)
         listener.listen(64)
+        staging.rename(self.socket_path)
         self._listener = listener
         thread = threading.Thread(target=self._accept, name="keeper-accept", daemon=True)
         thread.start()

@@ -1,0 +1,53 @@
+"""Builders shared by the hand-off tests: a model, its segment, a short folder for sockets."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+from modelload.loader.dtypes import from_torch
+from modelload.loader.segment import MemoryMode, SegmentWriter, TensorSpec, plan_layout
+
+
+def model_tensors() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    return {
+        "embed.weight": torch.randn(64, 32, generator=generator).bfloat16(),
+        "layers.0.weight": torch.randn(32, 32, generator=generator),
+        "layers.0.bias": torch.randn(32, generator=generator).half(),
+        "positions": torch.arange(64, dtype=torch.int64),
+        "empty": torch.empty(0, 4),
+        "scale": torch.tensor(0.5, dtype=torch.float64),
+    }
+
+
+def digest(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def write_segment(
+    path: Path,
+    tensors: dict[str, torch.Tensor],
+    *,
+    mode: MemoryMode = MemoryMode.FULL,
+    ready: int | None = None,
+) -> SegmentWriter:
+    """A segment of ``tensors``, the first ``ready`` of them published (all, and complete, by default)."""
+    specs = [TensorSpec(name, from_torch(t.dtype), tuple(t.shape)) for name, t in tensors.items()]
+    layout = plan_layout(
+        specs, memory_mode=mode, metadata={"source": "file:///model", "format": "safetensors"}
+    )
+    writer = SegmentWriter.create(path, layout, heartbeat=False)
+    publish(writer, tensors, range(len(tensors) if ready is None else ready))
+    if ready is None:
+        writer.mark_complete()
+    return writer
+
+
+def publish(writer: SegmentWriter, tensors: dict[str, torch.Tensor], indices: range) -> None:
+    values = list(tensors.values())
+    for i in indices:
+        writer.slot(i)[:] = values[i].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        writer.mark_ready(i)
