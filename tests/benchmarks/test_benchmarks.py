@@ -4,6 +4,7 @@ mounted into images that lack modelload), and the report's ratios are taken with
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -113,3 +114,25 @@ def test_the_memory_modes_benchmark_names_a_refused_load_in_one_line() -> None:
     assert done.returncode != 0
     assert "Traceback" not in done.stderr
     assert "set --ring-size" in done.stderr
+
+
+@pytest.mark.slow
+def test_the_gpu_benchmark_runs_dry_on_the_cpu_and_says_what_it_skipped(tmp_path: Path) -> None:
+    # The GPU check (make gpu-check) runs it on a GPU machine that CI never sees: a dry run with a tiny
+    # model drives the same sidecars, segments, memory modes and bitwise checks here, so it cannot rot.
+    out = tmp_path / "gpu.jsonl"
+    argv = [sys.executable, "benchmarks/gpu_copy.py", "--dry", "--out", str(out)]
+    done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "CUDA: skipped (--dry)" in done.stdout
+    assert "handoff: skipped, it needs a CUDA device" in done.stdout
+    assert "all equal" in done.stdout
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    cases = {(r["section"], r.get("case")) for r in records}
+    for mode in ("full", "release", "ring"):
+        assert ("copy", f"{mode} host") in cases
+        assert ("overlap", f"{mode} streamed") in cases
+        assert ("bitwise", f"{mode} streamed") in cases
+    bitwise = [r for r in records if r["section"] == "bitwise"]
+    assert bitwise and all(r["equal"] == r["tensors"] > 0 for r in bitwise)
+    assert records[0]["section"] == "env" and records[0]["dry"] is True
