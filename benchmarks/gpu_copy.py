@@ -70,7 +70,7 @@ def make_model(path: Path, total: int) -> int:
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
     layer, used = 0, vocab * hidden * 2
     per_layer = (4 * hidden * hidden + 3 * hidden * inter + 2 * hidden) * 2
-    while used + per_layer + vocab * hidden * 2 <= total or layer == 0:
+    while used + vocab * hidden * 2 < total or layer == 0:  # at least the size asked for
         prefix = f"model.layers.{layer}."
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             shapes[f"{prefix}self_attn.{name}.weight"] = (hidden, hidden)
@@ -541,7 +541,10 @@ def main(argv: list[str] | None = None) -> int:
     args.ring_bytes = parse_size(args.ring_size, setting="--ring-size")
     args.whole_ring = -(-(total + 256 * MiB) // MiB) * MiB  # the whole model fits: the load can finish
     try:
-        source = work / "model.safetensors"
+        # The model on tmpfs when there is room for it and three segments (writing it to a disk would sync
+        # gigabytes first); the sidecar reads it from the page cache either way.
+        room = shutil.disk_usage(shm).free > 4 * total
+        source = (shm if room else work) / "model.safetensors"
         make_model(source, total)
         run = Run(args, device, work, shm, source, FileTensors.read(source), started)
         run.emit(environment(run))
