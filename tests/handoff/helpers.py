@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import torch
@@ -51,3 +52,23 @@ def publish(writer: SegmentWriter, tensors: dict[str, torch.Tensor], indices: ra
     for i in indices:
         writer.slot(i)[:] = values[i].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
         writer.mark_ready(i)
+
+
+def probe(name: str, content: bytes = b"") -> int:
+    """A memfd named ``name``: :func:`held` counts this process's descriptors of it."""
+    fd = os.memfd_create(name)
+    os.write(fd, content)
+    return fd
+
+
+def held(name: str) -> int:
+    """How many descriptors of this process point to memfds named ``name`` (robust to other threads'
+    descriptors, which a count of every open descriptor is not)."""
+    count = 0
+    for entry in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{entry}")
+        except OSError:
+            continue  # closed meanwhile (the listing's own descriptor, another thread's)
+        count += target.startswith(f"/memfd:{name} ")
+    return count

@@ -37,7 +37,7 @@ from modelload.loader.handoff import client, connect, protocol, status
 from modelload.loader.handoff.keeper import Keeper
 from modelload.loader.segment import MemoryMode
 from modelload.loader.segment.consumers import ConsumerTable
-from tests.handoff.helpers import digest, model_tensors, publish, write_segment
+from tests.handoff.helpers import digest, held, model_tensors, probe, publish, write_segment
 from tests.handoff.memfd import MemfdMapper, MemfdMemory
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -277,33 +277,46 @@ def test_a_keeper_that_goes_silent_is_reported_rather_than_waited_for(
             connect(sock_dir / "k.sock", timeout=30, mapper=MemfdMapper())
 
 
-def test_a_bad_manifest_is_refused_and_the_descriptors_that_came_with_it_closed(sock_dir: Path) -> None:
-    blocks = [os.memfd_create("x") for _ in range(2)]
+MANIFEST = {
+    "op": "manifest", "version": 1, "device": {"uuid": "memfd-stand-in"}, "blocks": [65536, 65536],
+    "tensors": [["a", "float32", [4], 0, 0, 16], ["b", "float32", [4], 1, 0, 16]], "metadata": {},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("manifest", "fds", "error", "match"),
+    [
+        (MANIFEST | {"tensors": [["a", "float32", [4], 0, 0, 16], ["b", "float32", [4], 0, 8, 16]]},
+         {"first": 0, "count": 2}, HandoffProtocolError, "overlap"),
+        (MANIFEST, {"first": 5, "count": 2}, HandoffProtocolError, "announced 2 descriptors from 5"),
+        (MANIFEST | {"device": {"uuid": "GPU-other"}}, {"first": 0, "count": 2}, DeviceError, "GPU-other"),
+    ],
+    ids=["overlapping tensors", "descriptors out of order", "another GPU"],
+)  # fmt: skip
+def test_a_refused_hand_off_leaves_no_descriptor_of_the_keepers_behind(
+    sock_dir: Path, manifest: dict, fds: dict, error: type[Exception], match: str
+) -> None:
+    blocks = [probe("keeper-block") for _ in range(2)]
     for fd in blocks:
-        os.ftruncate(fd, 4096)
-    overlapping = {
-        "op": "manifest", "version": 1, "device": {"uuid": "memfd-stand-in"}, "blocks": [4096, 4096],
-        "tensors": [["a", "float32", [4], 0, 0, 16], ["b", "float32", [4], 0, 8, 16]], "metadata": {},
-    }  # fmt: skip
+        os.ftruncate(fd, 65536)
     with socket.socket(socket.AF_UNIX) as server:
         server.bind(str(sock_dir / "k.sock"))
         server.listen()
 
         def serve() -> None:
             conn, _ = server.accept()
-            with conn, contextlib.suppress(OSError):  # the app hangs up on the bad manifest
+            with conn, contextlib.suppress(OSError):  # the app hangs up on what it refuses
                 protocol.receive(conn)
-                protocol.send(conn, overlapping)
-                protocol.send(conn, {"op": "fds", "first": 0, "count": 2}, blocks)
+                protocol.send(conn, manifest)
+                protocol.send(conn, {"op": "fds", **fds}, blocks)
                 protocol.receive(conn)
 
         thread = threading.Thread(target=serve)
         thread.start()
-        before = set(os.listdir("/proc/self/fd"))
-        with pytest.raises(HandoffProtocolError, match="overlap"):
+        with pytest.raises(error, match=match):
             connect(sock_dir / "k.sock", timeout=30, mapper=MemfdMapper())
         thread.join(timeout=30)
-        assert set(os.listdir("/proc/self/fd")) <= before
+    assert held("keeper-block") == len(blocks)  # the keeper's own two: none of those the app received
     for fd in blocks:
         os.close(fd)
 

@@ -16,6 +16,7 @@ from modelload.loader.dtypes import by_name
 from modelload.loader.errors import HandoffProtocolError
 from modelload.loader.handoff import protocol
 from modelload.loader.handoff.protocol import Manifest, TensorPlace
+from tests.handoff.helpers import held, probe
 
 
 @pytest.fixture
@@ -28,10 +29,11 @@ def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
     b.close()
 
 
+PROBE = "protocol-probe"
+
+
 def memfd(content: bytes) -> int:
-    fd = os.memfd_create("protocol-test")
-    os.write(fd, content)
-    return fd
+    return probe(PROBE, content)
 
 
 def is_open(fd: int) -> bool:
@@ -42,8 +44,9 @@ def is_open(fd: int) -> bool:
     return True
 
 
-def open_fds() -> set[int]:
-    return {int(name) for name in os.listdir("/proc/self/fd")}
+def open_fds() -> int:
+    """This process's descriptors of the test's memfds."""
+    return held(PROBE)
 
 
 def test_a_message_and_its_descriptors_arrive_together_and_the_descriptors_reach_the_same_memory(
@@ -117,7 +120,7 @@ def test_an_announced_length_over_the_limit_is_refused_before_reading_it(
     before = open_fds()
     with pytest.raises(HandoffProtocolError, match="at most"):
         protocol.receive(receiver)
-    assert open_fds() <= before  # the descriptor that came with it was closed
+    assert open_fds() == before  # the descriptor that came with it was closed
     os.close(fd)
 
 
@@ -131,7 +134,7 @@ def test_a_body_that_is_not_an_object_with_an_op_is_refused_and_its_descriptors_
     before = open_fds()
     with pytest.raises(HandoffProtocolError):
         protocol.receive(receiver)
-    assert open_fds() <= before
+    assert open_fds() == before
     os.close(fd)
 
 
@@ -144,7 +147,7 @@ def test_more_descriptors_than_the_receiver_allows_is_refused_without_leaking_an
     before = open_fds()
     with pytest.raises(HandoffProtocolError, match="more descriptors"):
         protocol.receive(receiver, max_fds=2)
-    assert open_fds() <= before
+    assert open_fds() == before
     for fd in fds:
         os.close(fd)
 
