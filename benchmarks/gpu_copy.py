@@ -420,7 +420,7 @@ def handoff(run: Run, full: Path) -> None:
         with connect(sock, timeout=60) as weights:
             run.check_bits("handoff mapped", weights.state_dict())
             run.emit({"section": "handoff", "case": "mapping", "writable": weights.writable})
-        for round_number in range(run.args.rounds):
+        for round_number in range(1 if run.over_budget() else run.args.rounds):
             for kind, target in (("handoff", sock), ("reload", full)):
                 figures = fresh_app(kind, target)
                 run.figures.setdefault(("restart", kind), []).append(figures["since_spawn_s"])

@@ -34,7 +34,7 @@ from modelload.loader.errors import (
     ModuleMismatchError,
 )
 from modelload.loader.handoff import client, connect, protocol, status
-from modelload.loader.handoff.keeper import Keeper
+from modelload.loader.handoff.keeper import Keeper, _answers
 from modelload.loader.segment import MemoryMode
 from modelload.loader.segment.consumers import ConsumerTable
 from tests.handoff.helpers import digest, held, model_tensors, probe, publish, write_segment
@@ -141,17 +141,6 @@ def test_weights_an_app_mapped_stay_valid_after_the_keeper_is_killed(shm_dir: Pa
         keeper.wait(timeout=30)
     assert not _answers(sock)
     assert {name: digest(t) for name, t in views.items()} == {name: digest(t) for name, t in tensors.items()}
-
-
-def _answers(path: Path) -> bool:
-    probe = socket.socket(socket.AF_UNIX)
-    try:
-        probe.connect(str(path))
-    except OSError:
-        return False
-    finally:
-        probe.close()
-    return True
 
 
 def test_many_blocks_travel_in_several_descriptor_messages(shm_dir: Path, sock_dir: Path) -> None:

@@ -131,7 +131,14 @@ class _CudaBlock:
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
-        return {"shape": (self.size,), "typestr": "|u1", "data": (self.address, False), "version": 3}
+        # data: (pointer, read-only flag); torch refuses the flag set, whatever the mapping's access
+        return {
+            "shape": (self.size,),
+            "typestr": "|u1",
+            "data": (self.address, False),
+            "strides": None,
+            "version": 3,
+        }
 
     def bytes(self) -> torch.Tensor:
         import torch
