@@ -17,54 +17,67 @@ import os
 import signal
 import sys
 import threading
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from modelload.loader.errors import ConfigError, HandoffError, LoadFailedError, ModelloadError
-from modelload.loader.sizes import parse_size
+from modelload.loader import options
+from modelload.loader.errors import HandoffError, LoadFailedError, ModelloadError
+from modelload.loader.options import Given, Option, parse_seconds
+from modelload.loader.rules import Between, Positive, Prefixed, check_fields, rule
+from modelload.loader.sizes import format_size, parse_size
 from modelload.loader.wiring import KEEPER_ENV, KEEPER_SOCKET, SEGMENT_ENV, SEGMENT_PATH
 
 if TYPE_CHECKING:
     from modelload.loader.handoff.keeper import Keeper
 
-__all__ = ["KeeperSettings", "register", "run"]
+__all__ = ["OPTIONS", "KeeperSettings", "parse_settings", "register", "run"]
 
 log = logging.getLogger("modelload.keeper")
 
 
 @dataclass(frozen=True)
 class KeeperSettings:
-    segment: Path
-    """The segment to copy from (``--segment``, ``MODELLOAD_SEGMENT``, default the pod's)."""
-    socket: Path
-    """Where to listen (``--socket``, ``MODELLOAD_KEEPER``, default ``/run/modelload/keeper.sock``)."""
-    device: str
-    """The CUDA device to hold the weights on (``--device``, default ``cuda``: this container's first)."""
-    block_size: int
-    """Bytes per exported allocation (``--block-size``, default 1 GiB)."""
-    timeout: float | None
-    """Seconds to wait for the segment to appear (``--timeout``, default 600; 0 waits without limit)."""
+    """What ``modelload keeper`` is told, each setting a flag and a variable (:data:`OPTIONS`)."""
 
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> KeeperSettings:
-        block_size = parse_size(args.block_size, setting="--block-size")
-        if block_size < 1 << 20:
-            raise ConfigError(f"{args.block_size!r} is under 1 MiB", setting="--block-size")
-        if args.timeout < 0:
-            raise ConfigError(f"{args.timeout:g} is negative", setting="--timeout")
-        return cls(
-            segment=Path(args.segment or os.environ.get(SEGMENT_ENV) or SEGMENT_PATH),
-            socket=_socket_path(args.socket),
-            device=args.device,
-            block_size=block_size,
-            timeout=args.timeout or None,
-        )
+    segment: str = SEGMENT_PATH
+    """The segment to copy from: the pod's, where the sidecar writes it."""
+    socket: str = KEEPER_SOCKET
+    """Where to listen; the app's ``connect()`` reads the same variable."""
+    device: str = field(default="cuda", metadata=rule(Prefixed(("cuda",), "a CUDA device: cuda or cuda:N")))
+    """The CUDA device to hold the weights on, in this container's numbering (``cuda``: its first)."""
+    block_size: int = field(
+        default=1 << 30, metadata=rule(Between(1 << 20, what="a block size", show=format_size))
+    )
+    """Bytes per exported allocation: a few per GiB keep the descriptors few and the mapping quick."""
+    timeout: float = field(default=600.0, metadata=rule(Positive("a positive number of seconds")))
+    """Seconds to wait for the segment to appear, as ``attach()`` waits."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
-def _socket_path(flag: str | None) -> Path:
-    return Path(flag or os.environ.get(KEEPER_ENV) or KEEPER_SOCKET)
+OPTIONS = (
+    Option("segment", "--segment", SEGMENT_ENV, "the segment to copy the model from", "PATH"),
+    Option("socket", "--socket", KEEPER_ENV, "where to listen for the app's processes", "PATH"),
+    Option("device", "--device", "MODELLOAD_KEEPER_DEVICE", "the CUDA device to hold the weights on"),
+    Option(
+        "block_size", "--block-size", "MODELLOAD_KEEPER_BLOCK_SIZE", "bytes per exported GPU allocation",
+        "SIZE", parse=parse_size,
+    ),
+    Option(
+        "timeout", "--timeout", "MODELLOAD_KEEPER_TIMEOUT", "seconds to wait for the segment to appear",
+        "SEC", parse=parse_seconds,
+    ),
+)  # fmt: skip
+"""The keeper's flags and variables, each landing in the :class:`KeeperSettings` field its ``dest`` names."""
+
+
+def parse_settings(flags: argparse.Namespace, environ: Mapping[str, str]) -> KeeperSettings:
+    """The settings from the flags given and ``environ``; a ConfigError names the flag or variable."""
+    return Given(OPTIONS, vars(flags), environ).build(KeeperSettings)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -78,25 +91,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "With --status, print a running keeper's state and exit 0 once its weights are on the GPU."
         ),
     )
-    parser.add_argument(
-        "--segment", metavar="PATH", help=f"the segment (default ${SEGMENT_ENV}, {SEGMENT_PATH})"
-    )
-    parser.add_argument(
-        "--socket", metavar="PATH", help=f"where to listen (default ${KEEPER_ENV}, {KEEPER_SOCKET})"
-    )
-    parser.add_argument(
-        "--device", default="cuda", help="the CUDA device to hold the weights on (default cuda)"
-    )
-    parser.add_argument(
-        "--block-size", default="1GiB", metavar="SIZE", help="bytes per exported allocation (default 1GiB)"
-    )
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=600.0,
-        metavar="SEC",
-        help="seconds to wait for the segment to appear (default 600; 0: no limit)",
-    )
+    options.add_arguments(parser, OPTIONS, settings=KeeperSettings)
     parser.add_argument("--status", action="store_true", help="print a running keeper's state and exit")
     parser.set_defaults(func=run)
 
@@ -104,10 +99,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM; a configuration or device error at start ends it with the error's exit status
     (2 for configuration), as the sidecar does."""
-    if args.status:
-        return _status(_socket_path(args.socket))
     try:
-        settings = KeeperSettings.from_args(args)
+        settings = parse_settings(args, os.environ)
+        if args.status:
+            return _status(Path(settings.socket))
         keeper = _start(settings)
     except ModelloadError as exc:
         print(f"modelload keeper: {exc}", file=sys.stderr)
