@@ -219,8 +219,12 @@ def copy_model(model: Any, strategy: str, device: Device) -> dict[str, Any]:
         results[name] = copier.copy(model.tensor(name, wait=False), on_done=done)
     copier.finish()
     if strategy == "in-place" and not copier.pins_in_place:
-        raise RuntimeError("cudaHostRegister(read-only) was refused on the segment: no in-place figure")
+        raise Refused("cudaHostRegister(read-only) was refused on the segment's mapping")
     return results
+
+
+class Refused(RuntimeError):
+    """A strategy the driver refused here: its case gets a record saying so instead of a figure."""
 
 
 def timed(fn: Callable[[], dict[str, Any]], device: Device) -> tuple[float, dict[str, Any]]:
@@ -317,7 +321,12 @@ def copies(run: Run, full: Path, round_number: int) -> None:
     strategies = ["in-place", "staging", "state_dict"] if run.device.cuda else ["host"]
     for strategy in strategies:
         with attach(full, notify=False) as model:
-            seconds, out = timed(lambda m=model, s=strategy: copy_model(m, s, run.device), run.device)
+            try:
+                seconds, out = timed(lambda m=model, s=strategy: copy_model(m, s, run.device), run.device)
+            except Refused as exc:
+                run.emit({"section": "copy", "case": f"full {strategy}", "refused": str(exc)})
+                print(f"copy full {strategy}: {exc}")
+                continue
         run.note("copy", f"full {strategy}", seconds, round=round_number)
         run.check_bits(f"full {strategy}", out)
         del out
@@ -331,7 +340,12 @@ def copies(run: Run, full: Path, round_number: int) -> None:
             ):
                 model.wait(timeout=600)
                 loaded = time.monotonic() - appeared
-                seconds, out = timed(lambda m=model, s=strategy: copy_model(m, s, run.device), run.device)
+                try:
+                    seconds, out = timed(lambda m=model, s=strategy: copy_model(m, s, run.device), run.device)
+                except Refused as exc:
+                    run.emit({"section": "copy", "case": f"{mode} {strategy}", "refused": str(exc)})
+                    print(f"copy {mode} {strategy}: {exc}")
+                    continue
             run.note("copy", f"{mode} {strategy}", seconds, round=round_number, load_seconds=loaded)
             run.check_bits(f"{mode} {strategy}", out)
             del out

@@ -71,7 +71,7 @@ def test_every_tensor_reaches_the_gpu_bit_for_bit(
     writer.close()
 
 
-def test_state_dict_to_the_gpu_in_each_mode_pins_in_place(shm_dir: Path) -> None:
+def test_state_dict_to_the_gpu_in_each_mode_comes_back_bit_for_bit(shm_dir: Path) -> None:
     for mode in (MemoryMode.FULL, MemoryMode.RELEASE):
         path = shm_dir / f"{mode.name}.seg"
         writer = _segment(path, mode)

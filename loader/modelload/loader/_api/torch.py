@@ -125,12 +125,14 @@ class DeviceCopier:
         return target
 
     def _target(self, host: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
+        torch = self._torch
         if into is None:
-            return self._torch.empty(host.shape, dtype=host.dtype, device=self.device)
+            return torch.empty(host.shape, dtype=host.dtype, device=self.device)
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         if (
             into.shape != host.shape
             or into.dtype != host.dtype
-            or into.device != self.device
+            or into.device != torch.device("cuda", index)  # "cuda" names the current device
             or not into.is_contiguous()
         ):
             raise ConfigError(

@@ -121,7 +121,7 @@ def _manifest(
     sock: socket.socket, path: Path, deadline: float | None, timeout: float | None
 ) -> protocol.Manifest:
     while True:
-        received = protocol.expect(protocol.receive(sock, max_fds=0), "loading", "manifest", "error")
+        received = protocol.expect(_next(sock, path, max_fds=0), "loading", "manifest", "error")
         message = received.message
         if received.op == "manifest":
             if message.get("version") not in protocol.VERSIONS:
