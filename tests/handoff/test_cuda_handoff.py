@@ -63,6 +63,11 @@ APP = textwrap.dedent(
 )
 
 
+def raw(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes (a 0-dim tensor too, which ``view(torch.uint8)`` alone refuses)."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
 def run_app(sock: Path, action: str = "read") -> dict:
     done = subprocess.run(
         [sys.executable, "-c", APP, str(sock), action],
@@ -122,7 +127,7 @@ def test_weights_mapped_by_an_app_stay_on_the_gpu_after_the_keeper_is_killed(
         keeper.wait(timeout=30)
     torch.cuda.synchronize()
     for name, expected in tensors.items():
-        assert torch.equal(views[name].view(torch.uint8), expected.cuda().view(torch.uint8)), name
+        assert torch.equal(raw(views[name]), raw(expected.cuda())), name
 
 
 def test_a_read_only_mapping_keeps_the_keepers_copy_intact_for_the_next_app(
@@ -158,7 +163,7 @@ def test_the_keeper_consumes_what_it_copied_in_memory_mode_release(shm_dir: Path
             table.close()
         with connect(sock_dir / "k.sock", timeout=60) as weights:
             for name, expected in tensors.items():
-                assert torch.equal(weights.tensor(name).view(torch.uint8), expected.cuda().view(torch.uint8))
+                assert torch.equal(raw(weights.tensor(name)), raw(expected.cuda())), name
     finally:
         keeper.close()
 
