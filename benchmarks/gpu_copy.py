@@ -166,12 +166,14 @@ def sidecar(
     ]  # fmt: skip
     if mode == "ring":
         argv += ["--ring-size", str(ring)]
-    process = spawn(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    log = segment.with_suffix(".log")  # a file, not a pipe: a pipe nobody reads would stall a chatty sidecar
+    with log.open("wb") as err:
+        process = spawn(argv, stdout=subprocess.DEVNULL, stderr=err)
     try:
         deadline = time.monotonic() + 120
         while not segment.exists():
             if process.poll() is not None:
-                raise RuntimeError(f"the {mode} sidecar died: {process.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
+                raise RuntimeError(f"the {mode} sidecar died: {log.read_text(errors='replace')[-2000:]}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the {mode} sidecar made no segment in 120 s")
             time.sleep(0.001)
@@ -417,7 +419,9 @@ def handoff(run: Run, full: Path) -> None:
     sock = Path(tempfile.mkdtemp(prefix="ml-bench-")) / "keeper.sock"
     argv = [sys.executable, "-m", "modelload.loader.cli.main", "keeper", "--segment", str(full), "--socket",
             str(sock), "--timeout", "60"]  # fmt: skip
-    keeper = spawn(argv, stderr=subprocess.PIPE)
+    log = sock.parent / "keeper.log"
+    with log.open("wb") as err:
+        keeper = spawn(argv, stderr=err)
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -426,7 +430,7 @@ def handoff(run: Run, full: Path) -> None:
                 if state["state"] in ("ready", "failed"):
                     break
             if keeper.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the keeper did not get ready: {keeper.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
+                raise RuntimeError(f"the keeper did not get ready: {log.read_text(errors='replace')[-2000:]}")
             time.sleep(0.05)
         if state["state"] != "ready":
             raise RuntimeError(f"the keeper's load failed: {state.get('error')}")
