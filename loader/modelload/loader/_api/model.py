@@ -20,6 +20,7 @@ import numpy.typing as npt
 from modelload.loader._api import modules
 from modelload.loader._api import torch as torch_api
 from modelload.loader._api.notify import Subscriber
+from modelload.loader.dtypes import by_name
 from modelload.loader.errors import LoadTimeoutError, ModuleLoadError
 from modelload.loader.segment import (
     MODEL_DIR_KEY,
@@ -259,12 +260,33 @@ class Model:
             result = dict(host)
         else:
             on_done = self.consumed if self._registration is not None else None
-            result = dict(torch_api.copy_all(host, device, on_done=on_done))
+            region = self._pinnable(wanted)
+            result = dict(torch_api.copy_all(host, device, on_done=on_done, region=region))
             if on_done is None and self._reader.memory_mode != MemoryMode.FULL:
                 # Not a consumer: nothing waited for these copies, so check now that none was torn by a
                 # release under it (SPEC.md, consumer table rule 5); consumed() only checks here.
                 self.consumed(wanted)
         return {name: result[name] for name in wanted}
+
+    def _pinnable(self, wanted: list[str]) -> torch_api.Region | None:
+        """What a copy of tensors ``wanted`` to a GPU may pin once rather than tensor by tensor (pinning costs
+        per page): a ring, whose pages are reused lap after lap and stay while the load runs; a complete
+        full-mode segment's data, when the copy takes at least half of it. Never in memory mode release,
+        where a page pinned for the whole copy could not go back to the volume when its tensor is released,
+        nor in a full-mode segment still loading (each tensor is pinned once it is ready)."""
+        reader = self._reader
+        data = reader.data()
+        if reader.memory_mode == MemoryMode.RING:
+            ring = reader.header.ring_size
+        elif reader.memory_mode == MemoryMode.FULL and reader.writer_state == WriterState.COMPLETE:
+            ring = 0
+            if 2 * sum(self._slot(name).nbytes for name in wanted) < len(data):
+                return None
+        else:
+            return None
+        if not len(data):
+            return None
+        return torch_api.Region(torch_api.as_tensor(data, by_name("uint8"), (len(data),)), ring)
 
     def load_into_module(
         self,

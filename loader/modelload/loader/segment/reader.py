@@ -219,6 +219,11 @@ class SegmentReader:
             start %= self._ring
         return self._data_view[start : start + slot.nbytes]
 
+    def data(self) -> memoryview:
+        """This process's whole mapping of the data region, as bytes (a ring's twice over, back to back): what
+        the GPU copy may pin in one piece rather than tensor by tensor."""
+        return self._data_view
+
     # --- waiting --------------------------------------------------------------------------------------------
 
     def check(self) -> None:
