@@ -7,8 +7,6 @@ keeps the driver's rules; the same paths run on a GPU in ``test_device_copy.py``
 
 from __future__ import annotations
 
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +17,11 @@ from modelload.loader import attach
 from modelload.loader._api.torch import DeviceCopier, Region
 from modelload.loader.dtypes import by_name
 from modelload.loader.segment import MemoryMode, SegmentReader, SegmentWriter, TensorSpec, plan_layout
-from modelload.sidecar.load import LoadSettings
-from modelload.sidecar.load.engine import Engine
 from modelload.sidecar.memory import MemorySettings
-from modelload.sidecar.progress import LoadTracker
-from modelload.sidecar.sources import SourceSettings
 from tests.segment.helpers import expected_bytes
 from tests.sidecar import models
 from tests.support import fake_gpu
+from tests.support.engine import EngineThread
 
 SIZES = [3 << 20, 5000, 0, 1 << 20, 150 << 20, 12]  # an empty tensor, one of three staging buffers' worth
 
@@ -207,34 +202,6 @@ def test_a_copy_into_a_given_tensor_lands_there_and_a_mismatched_one_is_refused(
 # --- a ring, loaded by a real engine while the copier consumes --------------------------------------------
 
 
-class _Load:
-    """The sidecar's engine in a thread."""
-
-    def __init__(self, source: Path, segment: Path, memory: MemorySettings) -> None:
-        self.engine = Engine(
-            LoadSettings(source=str(source), segment=segment, chunk_size=64 << 10, memory=memory, readers=2),
-            sources=SourceSettings(),
-            observer=LoadTracker(),
-        )
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not segment.exists():
-            assert self.thread.is_alive() and time.monotonic() < deadline, f"no segment: {self.error}"
-            time.sleep(0.002)
-
-    def _run(self) -> None:
-        try:
-            self.engine.run()
-        except BaseException as exc:
-            self.error = exc
-
-    def finish(self) -> None:
-        self.thread.join(30)
-        assert not self.thread.is_alive()
-
-
 def test_a_ring_smaller_than_the_model_streams_to_the_gpu_pinned_once_while_the_engine_loads(
     tmp_path: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -245,7 +212,7 @@ def test_a_ring_smaller_than_the_model_streams_to_the_gpu_pinned_once_while_the_
     source = tmp_path / "model.safetensors"
     source.write_bytes(models.safetensors_bytes(tensors))
     segment = shm_dir / "ring.seg"
-    load = _Load(source, segment, MemorySettings(mode="ring", ring_size=1 << 20, wait_timeout=20))
+    load = EngineThread(source, segment, MemorySettings(mode="ring", ring_size=1 << 20, wait_timeout=20))
     with attach(segment, timeout=60, notify=False) as model:
         on_gpu = model.state_dict(device="cuda")
         ring = model._reader.header.ring_size
