@@ -92,9 +92,9 @@ class Refused(RuntimeError):
 
 def copy_model(model: Any, strategy: str, device: Device) -> tuple[dict[str, Any], dict[str, float]]:
     """Every tensor of an attached ``model`` on ``device`` with ``strategy``, consumed as it is copied; the
-    results, and for the in-place strategies the seconds spent pinning and unpinning (``pin_s``,
-    ``unpin_s``: the pinning of the whole mapping is done before the first copy, its unpinning after the
-    last)."""
+    results, and for ``in-place`` what its pinning cost: ``pin_s`` and ``unpin_s`` where the mapping (or the
+    ring) was pinned once, before the first copy and unpinned after the last, so that the copy's own time
+    is the rest; ``pinning_s`` in all (each tensor's pins, which overlap the copies, included)."""
     consume = model.consumed if model.memory_mode != "full" else None
     if strategy == "state_dict":
         return dict(model.state_dict(device="cuda" if device.cuda else None)), {}
@@ -108,14 +108,10 @@ def copy_model(model: Any, strategy: str, device: Device) -> tuple[dict[str, Any
     from modelload.loader._api.torch import DeviceCopier
 
     copier = DeviceCopier("cuda", pin_in_place=strategy != "staging")
-    phases: dict[str, float] = {}
-    if strategy == "in-place":
-        region = model._pinnable(
-            list(model.names)
-        )  # what state_dict pins once: the ring or the whole segment
-        if region is not None and not copier.pin(region):
-            copier.finish()
-            raise Refused("pinning the segment's mapping (read-only registration) was refused")
+    region = model._pinnable(list(model.names)) if strategy == "in-place" else None  # as state_dict's
+    if region is not None and not copier.pin(region):
+        copier.finish()
+        raise Refused("pinning the segment's mapping (read-only registration) was refused")
     pinned = copier.register_seconds
     for name in model.iter_ready():
         done = None if consume is None else (lambda n=name: consume(n))
@@ -123,11 +119,13 @@ def copy_model(model: Any, strategy: str, device: Device) -> tuple[dict[str, Any
     device.sync()
     unpinning = time.perf_counter()
     copier.finish()
-    if strategy != "staging":
+    phases: dict[str, float] = {}
+    if region is not None:
         phases = {"pin_s": pinned, "unpin_s": time.perf_counter() - unpinning}
-        phases["pinning_s"] = copier.register_seconds + copier.unregister_seconds  # each tensor's too
-    if strategy != "staging" and not copier.pins_in_place:
-        raise Refused("pinning a tensor in place (read-only registration) was refused")
+    if strategy != "staging":
+        phases["pinning_s"] = copier.register_seconds + copier.unregister_seconds
+        if not copier.pins_in_place:
+            raise Refused("pinning a tensor in place (read-only registration) was refused")
     return results, phases
 
 
@@ -228,8 +226,8 @@ def measure(run: Run, model: Any, case: str, strategy: str, round_number: int, *
         run.emit({"section": "copy", "case": case, "refused": str(exc)})
         print(f"copy {case}: {exc}", flush=True)
         return
-    pinning = phases.get("pin_s", 0.0) + phases.get("unpin_s", 0.0)
-    if strategy == "in-place" and pinning:  # the mapping pinned once: the copy apart, and with the pinning
+    if "pin_s" in phases:  # the mapping pinned once: the copy apart, and with the pinning
+        pinning = phases["pin_s"] + phases["unpin_s"]
         run.note(
             "copy", case, seconds - pinning, round=round_number, with_pinning_s=seconds, **phases, **extra
         )
