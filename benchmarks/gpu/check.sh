@@ -13,27 +13,11 @@
 # status 0 when every step passed.
 set -u
 
-OUT=${1:-}
-if [ -z "$OUT" ]; then
-    echo "usage: $0 OUT [WHEELS]  (OUT: a folder for the figures and logs)" >&2
-    exit 2
-fi
-ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-cd "$ROOT" || exit 2
-mkdir -p "$OUT" || exit 2
-OUT=$(cd "$OUT" && pwd)
-WHEELS=${2:-${GPU_WHEELS:-$ROOT/.gpu-wheels}}
-PY=${GPU_CHECK_PYTHON:-python3}
+# shellcheck source=benchmarks/gpu/steps.sh
+. "$(dirname "$0")/steps.sh"  # OUT, WHEELS, PY, ROOT (the working directory), START, record, run_step
 BUDGET=${GPU_CHECK_BUDGET:-470}
 SIZE=${GPU_BENCH_SIZE:-4}
-START=$(date +%s)
-SUMMARY=$OUT/summary.jsonl
-: >"$SUMMARY"
-export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 INSTALLED=0
-FAILED=0
-# shellcheck source=benchmarks/gpu/steps.sh
-. "$ROOT/benchmarks/gpu/steps.sh"
 
 wheels_field() { # the value of one field of WHEELS/wheels.json, or nothing
     "$PY" -c 'import json, sys; print(json.load(open(sys.argv[1])).get(sys.argv[2], ""))' \
@@ -91,11 +75,7 @@ if run_step install 150 bash -c install; then INSTALLED=1; fi
 if [ "$INSTALLED" = 1 ]; then
     run_step tests 200 bash -c gpu_tests
     bench_limit=$((BUDGET - ($(date +%s) - START) - 10))
-    dry=()
-    if ! "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
-        echo "no CUDA device here: the benchmark runs dry (a tiny model, the CUDA parts skipped)"
-        dry=(--dry)
-    fi
+    mapfile -t dry < <(bench_dry)
     # shellcheck disable=SC2086  # GPU_BENCH_ARGS is a list of flags
     # The benchmark keeps to its budget itself (each case under its own limit, cases the budget has no room
     # for skipped with a line saying so): the step's limit is only the backstop.
@@ -106,11 +86,4 @@ else
     record bench skipped 0 0 "the install failed: see install.log"
 fi
 
-echo
-echo "== tests (tail of tests.log) =="
-tail -n 12 "$OUT/tests.log" 2>/dev/null
-echo "== benchmark (tail of bench.log) =="
-tail -n 30 "$OUT/bench.log" 2>/dev/null
-echo "== summary ($(($(date +%s) - START)) s) =="
-cat "$SUMMARY"
-exit $FAILED
+finish 12 30

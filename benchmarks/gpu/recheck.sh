@@ -11,8 +11,8 @@
 #            already imports what modelload needs (a development virtualenv).
 #   tests    the GPU tests of the copy (tests/loader/test_device_copy.py: the refused registration that
 #            left an error for the next kernel, the ring tensor across the ring's end pinned each way, a
-#            ring smaller than the model streamed while an engine loads) and the keeper consuming as it
-#            copies; each test under 20 s (pytest-timeout).
+#            ring smaller than the model streamed while an engine loads), state_dict to the GPU marking
+#            each tensor consumed, and the keeper consuming as it copies; each test under 20 s.
 #   bench    benchmarks/gpu_copy.py on a RECHECK_SIZE GiB model (default 1): the ceilings, full in-place
 #            (the mapping pinned once: pinning and copy apart) and staging, the ring in-place, staging and
 #            streamed, and in-place pinning each tensor, each case under 12 s, one round.
@@ -20,29 +20,14 @@
 # device the tests skip and the benchmark runs dry, so this runs anywhere (the test suite runs it so).
 set -u
 
-OUT=${1:-}
-if [ -z "$OUT" ]; then
-    echo "usage: $0 OUT [WHEELS]  (OUT: a folder for the figures and logs)" >&2
-    exit 2
-fi
-ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-cd "$ROOT" || exit 2
-mkdir -p "$OUT" || exit 2
-OUT=$(cd "$OUT" && pwd)
-WHEELS=${2:-${GPU_WHEELS:-$ROOT/.gpu-wheels}}
-PY=${GPU_CHECK_PYTHON:-python3}
+# shellcheck source=benchmarks/gpu/steps.sh
+. "$(dirname "$0")/steps.sh"  # OUT, WHEELS, PY, ROOT (the working directory), START, record, run_step
 BUDGET=${RECHECK_BUDGET:-60}
 SIZE=${RECHECK_SIZE:-1}
-START=$(date +%s)
-SUMMARY=$OUT/summary.jsonl
-: >"$SUMMARY"
-FAILED=0
 STEP_MIN_LEFT=8 STEP_RESERVE=3
 LIB=$(mktemp -d "${TMPDIR:-/tmp}/modelload-recheck-XXXXXX")
 trap 'rm -rf "$LIB"' EXIT
-export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 PY WHEELS LIB ROOT
-# shellcheck source=benchmarks/gpu/steps.sh
-. "$ROOT/benchmarks/gpu/steps.sh"
+export PY WHEELS LIB ROOT
 
 unpack() { # the wheels into LIB, and a dist-info for the tree's modelload; nothing when already importable
     if [ "${RECHECK_UNPACK:-auto}" = auto ] &&
@@ -90,13 +75,10 @@ echo "GPU recheck of modelload into $OUT, ${BUDGET} s in all"
 
 if run_step install 15 bash -c unpack; then
     run_step tests 25 "$PY" -m pytest -m gpu -p no:cacheprovider -q -rs --timeout 20 \
-        --junitxml="$OUT/tests.xml" tests/loader/test_device_copy.py \
+        --junitxml="$OUT/tests.xml" tests/loader/test_device_copy.py tests/loader/test_consuming.py \
+        tests/loader/test_attach.py \
         "tests/handoff/test_cuda_handoff.py::test_the_keeper_consumes_what_it_copied_in_memory_mode_release"
-    dry=()
-    if ! "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
-        echo "no CUDA device here: the benchmark runs dry (a tiny model, the CUDA parts skipped)"
-        dry=(--dry)
-    fi
+    mapfile -t dry < <(bench_dry)
     left=$((BUDGET - ($(date +%s) - START) - STEP_RESERVE))
     run_step bench "$left" "$PY" benchmarks/gpu_copy.py --size "$SIZE" --rounds 1 \
         --cases ceiling,full,ring,pinning --budget $((left - 4)) --case-limit 12 \
@@ -106,11 +88,4 @@ else
     record bench skipped 0 0 "the install failed: see install.log"
 fi
 
-echo
-echo "== tests (tail of tests.log) =="
-tail -n 8 "$OUT/tests.log" 2>/dev/null
-echo "== benchmark (tail of bench.log) =="
-tail -n 24 "$OUT/bench.log" 2>/dev/null
-echo "== summary ($(($(date +%s) - START)) s) =="
-cat "$SUMMARY"
-exit $FAILED
+finish 8 24

@@ -18,7 +18,7 @@ from modelload.loader._api.torch import DeviceCopier, Region
 from modelload.loader.dtypes import by_name
 from modelload.loader.segment import MemoryMode, SegmentReader, SegmentWriter, TensorSpec, plan_layout
 from modelload.sidecar.memory import MemorySettings
-from tests.segment.helpers import expected_bytes
+from tests.segment.helpers import expected_bytes, uint8_segment
 from tests.sidecar import models
 from tests.support import fake_gpu
 from tests.support.engine import EngineThread
@@ -26,14 +26,8 @@ from tests.support.engine import EngineThread
 SIZES = [3 << 20, 5000, 0, 1 << 20, 150 << 20, 12]  # an empty tensor, one of three staging buffers' worth
 
 
-def _segment(path: Path, mode: MemoryMode, sizes: list[int] = SIZES) -> SegmentWriter:
-    specs = [TensorSpec(f"t{i}", by_name("uint8"), (n,)) for i, n in enumerate(sizes)]
-    writer = SegmentWriter.create(path, plan_layout(specs, memory_mode=mode), heartbeat=False)
-    for slot in writer.layout.slots:
-        writer.slot(slot.index)[:] = expected_bytes(5, slot.index, slot.nbytes)
-        writer.mark_ready(slot.index)
-    writer.mark_complete()
-    return writer
+def _segment(path: Path, mode: MemoryMode) -> SegmentWriter:
+    return uint8_segment(path, SIZES, mode)
 
 
 def _expected(index: int, sizes: list[int] = SIZES) -> torch.Tensor:

@@ -24,7 +24,7 @@ from modelload.loader.errors import ConfigError
 from modelload.loader.segment import MemoryMode, SegmentWriter, TensorSpec, plan_layout
 from modelload.loader.segment.release import Releaser
 from modelload.sidecar.memory import MemorySettings
-from tests.segment.helpers import expected_bytes
+from tests.segment.helpers import expected_bytes, uint8_segment
 from tests.sidecar import models
 from tests.support.engine import EngineThread
 
@@ -37,13 +37,7 @@ SIZES = [3 << 20, 5000, 1 << 20, 70 << 20, 12]  # one tensor larger than a stagi
 
 
 def _segment(path: Path, mode: MemoryMode) -> SegmentWriter:
-    specs = [TensorSpec(f"t{i}", by_name("uint8"), (n,)) for i, n in enumerate(SIZES)]
-    writer = SegmentWriter.create(path, plan_layout(specs, memory_mode=mode), heartbeat=False)
-    for slot in writer.layout.slots:
-        writer.slot(slot.index)[:] = expected_bytes(5, slot.index, slot.nbytes)
-        writer.mark_ready(slot.index)
-    writer.mark_complete()
-    return writer
+    return uint8_segment(path, SIZES, mode)
 
 
 def _expected(index: int) -> torch.Tensor:
