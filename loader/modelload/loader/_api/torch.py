@@ -158,7 +158,13 @@ class DeviceCopier:
             if on_done is not None:
                 self._completions.put(self._gpu.record(), host, None, on_done)
         elif self._pin_in_place and host.is_contiguous() and self._pin_tensor(host):
-            self._gpu.copy(target, host)
+            try:
+                self._gpu.copy(target, host)
+            except BaseException:
+                with suppress(Exception):  # nothing may still read the pages once they are unpinned
+                    self._gpu.finish()
+                self._unregister(host.data_ptr())
+                raise
             self._completions.put(self._gpu.record(), host, host.data_ptr(), on_done)
         else:
             self._copy_staged(host, target)
