@@ -86,27 +86,30 @@ def test_on_done_comes_only_once_the_copy_has_read_the_host_bytes(
     shm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # on_done hands the bytes back (a ring lands newer tensors there): scribbling over them from on_done
-    # must not reach a copy, which the stand-in runs as late as it may.
-    fake_gpu.install(monkeypatch)
+    # must not reach a copy, which the stand-in runs as late as it may; and they come back unpinned.
+    gpus = fake_gpu.install(monkeypatch)
     path = shm_dir / "m.seg"
     writer = _segment(path, MemoryMode.RELEASE)
     for pin_in_place in (True, False):
         with attach(path, notify=False, register=False) as model:  # a fresh mapping each time
             copier = DeviceCopier("cuda", pin_in_place=pin_in_place)
-            results, handed_back = {}, []
+            results: dict[str, torch.Tensor] = {}
+            handed_back: list[tuple[str, bool]] = []
             for name in model.iter_ready():
                 host = model.tensor(name)  # copy-on-write: the scribbles stay in this process
 
                 def scribble(
-                    name: str = name, host: torch.Tensor = host, seen: list[str] = handed_back
+                    name: str = name, host: torch.Tensor = host, out: list[Any] = handed_back
                 ) -> None:
+                    out.append((name, host.data_ptr() in gpus[-1].pins))
                     host.fill_(0xAA)
-                    seen.append(name)
 
                 results[name] = copier.copy(host, on_done=scribble)
             copier.finish()
-            assert sorted(handed_back) == sorted(model.names)
+            assert sorted(name for name, _ in handed_back) == sorted(model.names)
+            assert not any(pinned for _, pinned in handed_back), "handed back while still pinned"
             _all_equal(results)
+    assert gpus[0].registered and not gpus[1].registered
     writer.close()
 
 

@@ -288,12 +288,14 @@ class _Pinned:
 
 
 class _Completions:
-    """What follows each copy, once its event completed: its ``on_done``, then giving back its own pin.
+    """What follows each copy, once its event completed: giving back its own pin, then its ``on_done``.
 
-    A thread of its own waits on the events in the order of the copies, so nothing waits for a copy on the
-    caller's thread, and a caller blocked on the next tensor still gets earlier copies consumed. The first
-    error an ``on_done`` raises is kept for the caller; the later ``on_done``s are still called, so that a
-    ring is not left waiting for tensors that were copied.
+    Unpinned first: the bytes are handed back unpinned, so the pages a released tensor leaves really go
+    back to the volume (memory mode release), and the pages a ring reuses are never pinned by two
+    registrations at once. A thread of its own waits on the events in the order of the copies, so nothing
+    waits for a copy on the caller's thread, and a caller blocked on the next tensor still gets earlier
+    copies consumed. The first error an ``on_done`` raises is kept for the caller; the later ``on_done``s
+    are still called, so that a ring is not left waiting for tensors that were copied.
     """
 
     def __init__(self, unpin: Callable[[int], None]) -> None:
@@ -309,7 +311,7 @@ class _Completions:
         pinned: int | None,
         on_done: Callable[[], None] | None,
     ) -> None:
-        """After ``event`` (None: at once, after those before it): ``on_done``, then unpin ``pinned``.
+        """After ``event`` (None: at once, after those before it): unpin ``pinned``, then ``on_done``.
         ``keep`` (the host tensor) stays referenced until then: its mapping must outlive the copy."""
         if on_done is None and pinned is None:
             return
@@ -335,14 +337,13 @@ class _Completions:
             try:
                 if done.event is not None:
                     done.event.synchronize()
+                if done.pinned is not None:
+                    self._unpin(done.pinned)
                 if done.on_done is not None:
                     done.on_done()
             except BaseException as exc:  # for the caller: raised by its next copy() or finish()
                 if self._error is None:
                     self._error = exc
-            finally:
-                if done.pinned is not None:
-                    self._unpin(done.pinned)
 
 
 @dataclass
