@@ -1,6 +1,7 @@
 """Open a source from its URI: a registry of stores keyed by URI scheme.
 
-Built in: ``file://`` and plain paths, ``http://``, ``https://``, ``s3://``. A new origin registers a
+Built in: ``file://`` and plain paths, ``http://``, ``https://``, ``s3://``, ``hf://`` (the Hugging Face
+Hub, :mod:`.hub`), ``oci://`` (OCI registries, :mod:`.oci`). A new origin registers a
 :class:`~._store.Store`, which opens its files and lists its directories::
 
     register_store(GcsStore())          # serves every scheme in GcsStore.schemes
@@ -21,6 +22,8 @@ from ._base import Source
 from ._settings import SourceSettings
 from ._store import Store
 from ._stores import FactoryStore, FileStore, HttpStore, S3Store
+from .hub import HubStore
+from .oci import OciStore
 
 __all__ = [
     "SourceFactory",
@@ -57,7 +60,7 @@ def register_source(scheme: str, factory: SourceFactory) -> None:
     register_store(FactoryStore(scheme, factory))
 
 
-for _store in (_FILES, HttpStore(), S3Store()):
+for _store in (_FILES, HttpStore(), S3Store(), HubStore(), OciStore()):
     register_store(_store)
 
 
