@@ -46,21 +46,34 @@ from ._registry import (
 from ._responses import display_url
 from ._retry import RetryCancelled, RetryEvent, read_range, read_range_into_fd, stat_source
 from ._s3 import S3Location, S3Source, plan_s3_location
-from ._settings import HttpSettings, RetryPolicy, S3Addressing, S3Credentials, S3Settings, SourceSettings
+from ._checksum import Checksum, checksum_of
+from ._settings import (
+    HttpSettings,
+    HubSettings,
+    RegistrySettings,
+    RetryPolicy,
+    S3Addressing,
+    S3Credentials,
+    S3Settings,
+    SourceSettings,
+)
 from ._splice import metered
 from ._store import ListedFile, Opener, Store, join_uri
 
 __all__ = [
+    "Checksum",
     "Directory",
     "FileSource",
     "HttpSettings",
     "HttpSource",
+    "HubSettings",
     "InterruptedReadError",
     "ListedFile",
     "ObjectInfo",
     "OpenedModel",
     "Opener",
     "ProxySettings",
+    "RegistrySettings",
     "RequestHeaders",
     "RetryCancelled",
     "RetryEvent",
@@ -77,6 +90,7 @@ __all__ = [
     "Store",
     "check_range",
     "check_scheme",
+    "checksum_of",
     "display_url",
     "fetch_small_file",
     "is_directory",

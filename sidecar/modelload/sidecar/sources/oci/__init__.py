@@ -2,7 +2,18 @@
 :mod:`._store`), and the registry's push side for ``modelload push`` (:mod:`._push`)."""
 
 from ._auth import auths_from_docker_config, load_docker_config
+from ._push import PushedLayer, PushResult, layer_media_type, push_directory
 from ._reference import OciRef, parse_oci_uri
 from ._store import OciStore
 
-__all__ = ["OciRef", "OciStore", "auths_from_docker_config", "load_docker_config", "parse_oci_uri"]
+__all__ = [
+    "OciRef",
+    "OciStore",
+    "PushResult",
+    "PushedLayer",
+    "auths_from_docker_config",
+    "layer_media_type",
+    "load_docker_config",
+    "parse_oci_uri",
+    "push_directory",
+]

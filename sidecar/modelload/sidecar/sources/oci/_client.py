@@ -133,12 +133,8 @@ class RegistryClient:
             service.close()
         digest = "sha256:" + hashlib.sha256(body).hexdigest()
         stated = headers.get("Docker-Content-Digest")
-        if (
-            DIGEST.match(reference)
-            and digest != reference
-            or stated
-            and stated.startswith("sha256:")
-            and (stated != digest)
+        if (DIGEST.match(reference) and digest != reference) or (
+            stated and stated.startswith("sha256:") and (stated != digest)
         ):
             raise HashMismatchError(
                 f"the manifest received has digest {digest}, not the {reference if DIGEST.match(reference) else stated}"

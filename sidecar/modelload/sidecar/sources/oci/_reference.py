@@ -79,9 +79,7 @@ def parse_oci_uri(uri: str) -> OciRef:
     if (
         not slash
         or not _HOST.match(registry)
-        or "." not in registry
-        and ":" not in registry
-        and (registry != "localhost")
+        or ("." not in registry and ":" not in registry and (registry != "localhost"))
     ):
         raise SourceUriError(
             f"an oci:// source is oci://REGISTRY/REPOSITORY:TAG or @sha256:DIGEST, with the registry's host "
