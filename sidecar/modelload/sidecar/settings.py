@@ -55,14 +55,19 @@ from modelload.sidecar.load import (
 from modelload.sidecar.memory import MemorySettings
 from modelload.sidecar.peers import DEFAULT_PEER_PORT, PeerSettings
 from modelload.sidecar.sources import (
+    DEFAULT_HUB_ENDPOINT,
     HttpSettings,
+    HubSettings,
+    RegistrySettings,
     RetryPolicy,
     S3Settings,
     SourceSettings,
     display_url,
     proxy_from_environ,
     read_header_file,
+    read_token_file,
 )
+from modelload.sidecar.sources.oci import auths_from_docker_config
 
 if TYPE_CHECKING:
     from modelload.sidecar.memory import Mode
@@ -89,6 +94,8 @@ DEFAULT_PORT = wiring.STATUS_PORT
 NOTIFY_OFF = ("none", "off", "false", "")
 _NOTIFY_SCHEMES = ("ipc://", "tcp://", "inproc://")
 AWS_REGION_ENV = "AWS_REGION"  # botocore reads AWS_DEFAULT_REGION only
+HF_TOKEN_ENV = "HF_TOKEN"  # the Hub's own variables, as its client reads them
+HF_ENDPOINT_ENV = "HF_ENDPOINT"
 
 
 # --- the settings ------------------------------------------------------------------------------------------
@@ -203,6 +210,24 @@ _OPTIONS = (
         "file holding a bearer token, or 'Name: value' header lines, for a private HTTP(S) source", "FILE",
     ),
     Option(
+        "hf_token_file", "--hf-token-file", "MODELLOAD_HF_TOKEN_FILE",
+        "file holding a Hugging Face token, for private and gated hf:// repositories (default: HF_TOKEN)",
+        "FILE",
+    ),
+    Option(
+        "hf_endpoint", "--hf-endpoint", "MODELLOAD_HF_ENDPOINT",
+        "the Hugging Face Hub or a mirror of it, for hf:// sources (default: HF_ENDPOINT, else"
+        " https://huggingface.co)", "URL",
+    ),
+    Option(
+        "registry_auth_file", "--registry-auth-file", "MODELLOAD_REGISTRY_AUTH_FILE",
+        "a Docker config (a dockerconfigjson Secret's file) with credentials for oci:// registries", "FILE",
+    ),
+    Option(
+        "registry_plain_http", "--registry-plain-http", "MODELLOAD_REGISTRY_PLAIN_HTTP",
+        "oci:// registries (host:port, comma-separated, or *) reached over plain HTTP", "HOSTS",
+    ),
+    Option(
         "priority", "--priority", "MODELLOAD_PRIORITY",
         "comma-separated tensor names or prefixes to load first (default: file order)", "NAMES",
     ),
@@ -285,7 +310,7 @@ _OPTIONS = (
         choices=get_args(LogLevel),
     ),
 )  # fmt: skip
-ENVIRONMENT = (*(option.env for option in _OPTIONS), AWS_REGION_ENV)
+ENVIRONMENT = (*(option.env for option in _OPTIONS), AWS_REGION_ENV, HF_TOKEN_ENV, HF_ENDPOINT_ENV)
 """Every variable the sidecar reads, for documentation and for the operator's tests."""
 
 
@@ -450,7 +475,39 @@ def _source_settings(lookup: options.Lookup, environ: Mapping[str, str], *, sour
         )
     proxy = proxy_from_environ(environ, override=get("proxy", parse_text, None) or None)
     http = HttpSettings(headers=headers, proxy=proxy, range_fallback=get("range_fallback", parse_bool, False))
-    return SourceSettings(http=http, s3=s3, retry=RetryPolicy())
+    return SourceSettings(
+        http=http, s3=s3, retry=RetryPolicy(), hub=_hub_settings(lookup, environ), registry=_registry(lookup)
+    )
+
+
+def _hub_settings(lookup: options.Lookup, environ: Mapping[str, str]) -> HubSettings:
+    """The Hub's endpoint and token: the flags, else the Hub client's own HF_ENDPOINT and HF_TOKEN."""
+    endpoint = lookup.get("hf_endpoint", _url, None) or environ.get(HF_ENDPOINT_ENV, "").strip()
+    token_file = lookup.get("hf_token_file", _path, None)
+    token: str | None
+    if token_file is not None:
+        token = read_token_file(token_file, what="Hugging Face token", origin=lookup.origin("hf_token_file"))
+    else:
+        token = environ.get(HF_TOKEN_ENV, "").strip() or None
+    return HubSettings(endpoint=_url(endpoint) if endpoint else DEFAULT_HUB_ENDPOINT, token=token)
+
+
+def _registry(lookup: options.Lookup) -> RegistrySettings:
+    """Credentials for registries (a dockerconfigjson file, read now so a bad one fails at start)."""
+    path = lookup.get("registry_auth_file", _path, None)
+    auths = {}
+    if path is not None:
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise ConfigError(
+                f"the registry credentials file {path} ({lookup.origin('registry_auth_file')}) cannot be read:"
+                f" {exc.strerror or type(exc).__name__}: mount the dockerconfigjson Secret there"
+            ) from None
+        auths = auths_from_docker_config(data, where=f"the registry credentials file {path}")
+    none: tuple[str, ...] = ()
+    plain = lookup.get("registry_plain_http", parse_list, none)
+    return RegistrySettings(auths=auths, plain_http=plain)
 
 
 def _peer_settings(lookup: options.Lookup) -> PeerSettings:

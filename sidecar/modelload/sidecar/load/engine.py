@@ -54,6 +54,7 @@ from modelload.loader.segment import (
     run_in_order,
 )
 from modelload.sidecar.load import integrity
+from modelload.sidecar.load.digests import FileDigests
 from modelload.sidecar.load.meter import ChunkMeter
 from modelload.sidecar.load.modeldir import write_model_dir
 from modelload.sidecar.load.settings import LoadSettings
@@ -178,10 +179,14 @@ class Engine:
         self._writer = writer = SegmentWriter.create(
             settings.segment, plan.layout, reserve=ring, reserve_ranges=unlanded
         )
+        digests = self._digests(model, plan, writer)
         memory = None
         if settings.memory.mode != "full":
             report = getattr(observer, "memory_changed", None)
-            memory = MemoryManager(settings.memory, writer=writer, plan=plan, stop=self._stop, report=report)
+            hold = digests.releasable if digests is not None else None
+            memory = MemoryManager(
+                settings.memory, writer=writer, plan=plan, stop=self._stop, report=report, hold=hold
+            )
         observer.manifest_published(
             model_format=index.format, tensors=len(index), nbytes=index.nbytes, notify=settings.notify
         )
@@ -195,7 +200,9 @@ class Engine:
             # file descriptor a full volume is an ordinary ENOSPC, and reserving would cost a pass of zeroing
             # (0.15 s per 2 GiB here) for pages the data overwrites anyway.
             writer.reserve()
-        _Load(self, model, plan, writer, key, use_fd=use_fd, memory=memory).run()
+        _Load(self, model, plan, writer, key, use_fd=use_fd, memory=memory, digests=digests).run()
+        if digests is not None and (digests.failure is not None or not self._stop.is_set()):
+            digests.finish()  # every weight file against its origin's digest (raises a mismatch)
         if self._stop.is_set():
             raise LoadStopped("stopped before the load finished")
         integrity.check_unchanged(
@@ -210,6 +217,23 @@ class Engine:
         )
         writer.mark_complete()
         observer.load_finished(seconds=time.monotonic() - started, nbytes=index.nbytes)
+
+    def _digests(self, model: OpenedModel, plan: LoadPlan, writer: SegmentWriter) -> FileDigests | None:
+        """The hashing of each weight file against its origin's digest (``hf://``, ``oci://``), started."""
+        settings = self.settings
+        if settings.memory.mode == "ring" and settings.priority:
+            log.warning(
+                "ring mode with a priority order: the origin's file digests are not checked (a whole-file hash "
+                "follows file order, which the ring would have to hold back); drop --priority to check them"
+            )
+            return None
+        digests = FileDigests(
+            model, plan, writer, policy=self._sources.retry, stop=self._stop, on_retry=self._retried
+        )
+        if not digests.active:
+            return None
+        digests.start(threads=max(1, settings.readers // 4))
+        return digests
 
     def _fail(self, exc: BaseException) -> None:
         kind = error_kind(exc)
@@ -298,9 +322,11 @@ class _Load:
         *,
         use_fd: bool,
         memory: MemoryManager | None = None,
+        digests: FileDigests | None = None,
     ) -> None:
         self.engine = engine
         self.memory = memory
+        self.digests = digests
         self.sources: list[Source] = model.sources
         self.model = model
         self.plan = plan
@@ -335,6 +361,8 @@ class _Load:
         with metered(meter):  # progress moves as bytes land, not only per chunk
             self._land(chunk)
         meter.finish()
+        if self.digests is not None:
+            self.digests.landed(seq)
         with self._lock:
             self._remaining[chunk.tensor] -= 1
             complete = self._remaining[chunk.tensor] == 0

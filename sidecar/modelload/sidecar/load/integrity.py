@@ -38,6 +38,7 @@ from modelload.sidecar.sources import (
     RetryPolicy,
     S3Source,
     Source,
+    checksum_of,
     read_range,
     stat_source,
 )
@@ -85,9 +86,13 @@ def _origin(source: Source) -> Source:
 
 
 def needs_samples(model: OpenedModel, file: int) -> bool:
-    """Whether sampled bytes of ``file`` are worth re-reading: S3's ETag follows the content, and a server
-    without Range support would send the whole object per sample."""
-    return not isinstance(_origin(model.sources[file]), S3Source) and model.infos[file].accepts_ranges
+    """Whether sampled bytes of ``file`` are worth re-reading: S3's ETag follows the content, a file read by
+    a content address (a Hub commit, a registry digest) is proved by its digest instead, and a server without
+    Range support would send the whole object per sample."""
+    origin = _origin(model.sources[file])
+    if isinstance(origin, S3Source) or checksum_of(origin) is not None:
+        return False
+    return model.infos[file].accepts_ranges
 
 
 def _samples(plan: LoadPlan, model: OpenedModel, chunks: Sequence[Chunk] | None = None) -> list[_Sample]:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from ._base import InterruptedReadError, ObjectInfo, Source, SourceBase, check_range
 from ._file import FileSource
-from ._headers import RequestHeaders, parse_headers, read_header_file
+from ._headers import RequestHeaders, parse_headers, read_header_file, read_token_file
 from ._http import HttpSource
 from ._listing import Directory, is_directory, list_directory
 from ._model import OpenedModel, fetch_small_file, open_model
@@ -46,8 +46,9 @@ from ._registry import (
 from ._responses import display_url
 from ._retry import RetryCancelled, RetryEvent, read_range, read_range_into_fd, stat_source
 from ._s3 import S3Location, S3Source, plan_s3_location
-from ._checksum import Checksum, checksum_of
+from ._checksum import Checksum, checksum_of, new_hasher, verify_bytes
 from ._settings import (
+    DEFAULT_HUB_ENDPOINT,
     HttpSettings,
     HubSettings,
     RegistrySettings,
@@ -61,6 +62,7 @@ from ._splice import metered
 from ._store import ListedFile, Opener, Store, join_uri
 
 __all__ = [
+    "DEFAULT_HUB_ENDPOINT",
     "Checksum",
     "Directory",
     "FileSource",
@@ -97,12 +99,14 @@ __all__ = [
     "join_uri",
     "list_directory",
     "metered",
+    "new_hasher",
     "open_model",
     "open_source",
     "parse_headers",
     "plan_s3_location",
     "proxy_from_environ",
     "read_header_file",
+    "read_token_file",
     "read_range",
     "read_range_into_fd",
     "register_source",
@@ -110,4 +114,5 @@ __all__ = [
     "registered_schemes",
     "stat_source",
     "store_for",
+    "verify_bytes",
 ]

@@ -20,6 +20,7 @@ from ._headers import RequestHeaders
 from ._proxy import ProxySettings
 
 __all__ = [
+    "DEFAULT_HUB_ENDPOINT",
     "HttpSettings",
     "HubSettings",
     "RegistrySettings",

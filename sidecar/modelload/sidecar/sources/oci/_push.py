@@ -254,14 +254,14 @@ def push_directory(
     }
     if annotations:
         manifest["annotations"] = dict(annotations)
-    body = json.dumps(manifest, indent=2).encode()
-    digest = "sha256:" + hashlib.sha256(body).hexdigest()
+    document = json.dumps(manifest, indent=2).encode()
+    digest = "sha256:" + hashlib.sha256(document).hexdigest()
     registry.call(
         "PUT",
         f"v2/{ref.repository}/manifests/{ref.tag}",
         accept=frozenset({201}),
         headers={"Content-Type": OCI_MANIFEST},
-        body=body,
+        body=document,
     )
     say(f"pushed {ref.display} ({len(layers)} layers): {ref.pinned(digest).uri}")
     return PushResult(ref.display, digest, tuple(layers))

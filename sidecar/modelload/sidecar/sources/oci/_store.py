@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+_Members = list[tuple[str, int, int]]
+
 from modelload.loader.errors import ConfigError, SourceError, SourceNotFoundError
 
 from .._base import ObjectInfo, Source, SourceBase, check_range
@@ -225,7 +227,7 @@ class OciStore(Store):
 
     def _tar(
         self, client: RegistryClient, ref: OciRef, digest: str, size: int, *, sniff: bool, where: str
-    ) -> list[tuple[str, int, int]] | None:
+    ) -> _Members | None:
         """The files of a tar layer; None for a "tar" that is a plain file (``sniff``)."""
         blob = client.blob(digest, size, display=where)
         policy = client.settings.retry
