@@ -28,11 +28,26 @@ import pytest
 from tests.conftest import require
 
 from .fault_proxy import FaultProxy
+from .hub import HubServer
 from .moto_s3 import TEST_CREDENTIALS, Credentials, MotoS3Server
 from .nginx import NginxServer, find_nginx, start_nginx
+from .registry import RegistryServer, find_registry
 from .tls import find_openssl, self_signed_certificate
 
-__all__ = ["aws_env", "moto_proxy", "moto_s3", "nginx", "nginx_proxy"]
+__all__ = [
+    "REGISTRY_USERS",
+    "aws_env",
+    "hub",
+    "moto_proxy",
+    "moto_s3",
+    "nginx",
+    "nginx_proxy",
+    "registry",
+    "token_registry",
+]
+
+REGISTRY_USERS = {"alice": "registry-password-EXAMPLE-7d1f"}
+"""The token registry's user: tests check the password never shows in messages, logs or statuses."""
 
 # Variables that would let botocore find credentials, regions or endpoints other than the test's.
 _AWS_VARIABLES = (
@@ -96,3 +111,36 @@ def nginx_proxy(nginx: NginxServer) -> Iterator[FaultProxy]:
 def moto_proxy(moto_s3: MotoS3Server) -> Iterator[FaultProxy]:
     with FaultProxy(moto_s3.port) as proxy:
         yield proxy
+
+
+@pytest.fixture(scope="session")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryServer]:
+    """A distribution registry that lets anyone pull and push."""
+    require(find_registry() is not None, "docker-registry is not installed (apt-get install docker-registry)")
+    server = RegistryServer(tmp_path_factory.mktemp("registry"))
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="session")
+def token_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryServer]:
+    """A distribution registry behind the Bearer token flow: :data:`REGISTRY_USERS` pull and push, anyone
+    pulls ``public/...``."""
+    require(find_registry() is not None, "docker-registry is not installed (apt-get install docker-registry)")
+    server = RegistryServer(tmp_path_factory.mktemp("token-registry"), users=REGISTRY_USERS)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def hub() -> Iterator[HubServer]:
+    """A Hugging Face Hub stand-in (and its CDN) of its own for each test."""
+    server = HubServer()
+    try:
+        yield server
+    finally:
+        server.close()
