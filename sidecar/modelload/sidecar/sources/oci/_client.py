@@ -82,8 +82,8 @@ def explain(auth: RegistryAuth, ref: OciRef, *, uri: str) -> Explain:
             )
         if "MANIFEST_UNKNOWN" in codes or (status == 404 and "BLOB_UNKNOWN" not in codes and not ref.path):
             return SourceNotFoundError(
-                f"{uri}: {ref.repository} has no {ref.reference!r} ({what}): check the tag or digest "
-                "(oras repo tags lists the tags)",
+                f"{uri}: {ref.repository} has no {ref.reference!r}, or there is no such repository ({what}): "
+                "check the repository and the tag or digest (oras repo tags lists the tags)",
                 uri=uri,
             )
         if "BLOB_UNKNOWN" in codes or status == 404:
