@@ -141,7 +141,8 @@ def _serve_bytes(
 
 class Cdn(_Server):
     """The download host the Hub redirects LFS files to: content by SHA-256, with Range; a signed query
-    string, as a real CDN's, that this one ignores. ``corrupt`` serves flipped bytes for those digests."""
+    string, as a real CDN's, that this one ignores. ``corrupt`` serves those digests with their last byte
+    flipped."""
 
     def __init__(self) -> None:
         self.blobs: dict[str, bytes] = {}
@@ -155,7 +156,7 @@ class Cdn(_Server):
             _send(request, 404, b"no such object", head=head)
             return
         if digest in self.corrupt:
-            data = bytes([data[0] ^ 0xFF]) + data[1:]
+            data = data[:-1] + bytes([data[-1] ^ 0xFF])  # the last tensor's last byte: the header still parses
         _serve_bytes(
             request, data, {"ETag": f'"{digest[:32]}"', "Content-Type": "binary/octet-stream"}, head=head
         )
