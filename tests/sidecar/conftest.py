@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
-from tests.support.fixtures import aws_env, hub, moto_proxy, moto_s3, nginx, nginx_proxy, registry, token_registry
+from tests.support.fixtures import (
+    aws_env,
+    hub,
+    moto_proxy,
+    moto_s3,
+    nginx,
+    nginx_proxy,
+    registry,
+    token_registry,
+)
 
 __all__ = ["aws_env", "hub", "moto_proxy", "moto_s3", "nginx", "nginx_proxy", "registry", "token_registry"]

@@ -7,7 +7,16 @@ import random
 import pytest
 
 from modelload.sidecar.sources import HttpSettings, RetryPolicy, SourceSettings
-from tests.support.fixtures import aws_env, hub, moto_proxy, moto_s3, nginx, nginx_proxy, registry, token_registry
+from tests.support.fixtures import (
+    aws_env,
+    hub,
+    moto_proxy,
+    moto_s3,
+    nginx,
+    nginx_proxy,
+    registry,
+    token_registry,
+)
 
 __all__ = ["aws_env", "hub", "moto_proxy", "moto_s3", "nginx", "nginx_proxy", "registry", "token_registry"]
 

@@ -156,7 +156,9 @@ class Cdn(_Server):
             _send(request, 404, b"no such object", head=head)
             return
         if digest in self.corrupt:
-            data = data[:-1] + bytes([data[-1] ^ 0xFF])  # the last tensor's last byte: the header still parses
+            data = data[:-1] + bytes(
+                [data[-1] ^ 0xFF]
+            )  # the last tensor's last byte: the header still parses
         _serve_bytes(
             request, data, {"ETag": f'"{digest[:32]}"', "Content-Type": "binary/octet-stream"}, head=head
         )

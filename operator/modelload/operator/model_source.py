@@ -21,6 +21,8 @@ from typing import Any, Literal
 from modelload.loader.errors import ConfigError
 from modelload.loader.formats import ModelIndex
 from modelload.loader.segment import ALIGNMENT, TensorSpec, plan_layout
+from modelload.operator import hubs
+from modelload.operator.hubs import HubAccess
 from modelload.operator.schema import ModelLoadSpec
 from modelload.sidecar.sources import RequestHeaders, S3Credentials, parse_headers
 
@@ -55,17 +57,22 @@ class ModelSummary:
 
 
 def read_summary(
-    spec: ModelLoadSpec, *, credentials: S3Credentials | None, headers: RequestHeaders | None = None
+    spec: ModelLoadSpec,
+    *,
+    credentials: S3Credentials | None,
+    headers: RequestHeaders | None = None,
+    access: HubAccess | None = None,
 ) -> ModelSummary:
     """Read the model's index at ``spec.source`` and summarise it, with the S3 ``credentials`` or the HTTP
-    ``headers`` (a private server's token) from the ModelLoad's Secret.
+    ``headers`` (a private server's token) from the ModelLoad's Secret, or the Hub's token and the registry's
+    credentials (``access``, see :mod:`.hubs`).
 
     Raises the loader's error tree: ConfigError (a bad URI or setting), the SourceError branches (not found,
     access denied, transient), FormatError (not a model file, or a corrupt one).
     """
     from modelload.sidecar.sources import open_model
 
-    settings = _source_settings(spec, credentials, headers)
+    settings = _source_settings(spec, credentials, headers, access)
     model = open_model(spec.source, settings, format=_format_name(spec.format), files=spec.files)
     try:
         index = model.index
@@ -123,7 +130,10 @@ def _format_name(name: str) -> Literal["auto", "tensorizer", "safetensors"]:
 
 
 def _source_settings(
-    spec: ModelLoadSpec, credentials: S3Credentials | None, headers: RequestHeaders | None
+    spec: ModelLoadSpec,
+    credentials: S3Credentials | None,
+    headers: RequestHeaders | None,
+    access: HubAccess | None = None,
 ) -> Any:
     from modelload.sidecar.sources import HttpSettings, RetryPolicy, S3Settings, SourceSettings
 
@@ -138,4 +148,6 @@ def _source_settings(
     # A short retry of the first look-up (a throttled store): the handler's own retry, with kopf's backoff,
     # covers longer outages, and a handler must not sit in a thread for a minute of in-source backoff.
     retry = RetryPolicy(attempts=2, initial_backoff=0.2, max_backoff=1.0, deadline=30.0)
-    return SourceSettings(http=HttpSettings(headers=headers), s3=s3_settings, retry=retry)
+    return SourceSettings(
+        http=HttpSettings(headers=headers), s3=s3_settings, retry=retry, **hubs.source_settings(spec, access)
+    )

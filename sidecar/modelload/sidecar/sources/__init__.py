@@ -60,6 +60,8 @@ from ._settings import (
 )
 from ._splice import metered
 from ._store import ListedFile, Opener, Store, join_uri
+from .hub import parse_hub_uri
+from .oci import auths_from_docker_config, parse_oci_uri
 
 __all__ = [
     "DEFAULT_HUB_ENDPOINT",
@@ -90,6 +92,7 @@ __all__ = [
     "SourceFactory",
     "SourceSettings",
     "Store",
+    "auths_from_docker_config",
     "check_range",
     "check_scheme",
     "checksum_of",
@@ -103,6 +106,8 @@ __all__ = [
     "open_model",
     "open_source",
     "parse_headers",
+    "parse_hub_uri",
+    "parse_oci_uri",
     "plan_s3_location",
     "proxy_from_environ",
     "read_header_file",
