@@ -26,7 +26,7 @@ from tests.operator.conftest import NAMESPACE, create_modelload, model_bytes, po
 from tests.operator.test_private_http import _cel
 from tests.operator.test_resolving import failed, ready_condition
 from tests.operator.test_webhook import pod
-from tests.support.fixtures import REGISTRY_USERS, hub, token_registry  # noqa: F401 - fixtures
+from tests.support.fixtures import REGISTRY_USERS
 from tests.support.hub import HubServer
 from tests.support.registry import RegistryServer
 
@@ -147,7 +147,7 @@ async def test_a_private_hub_repository_resolves_with_the_secrets_token(
     operator,
     api,
     hub: HubServer,
-    caplog,  # noqa: F811 - the fixture
+    caplog,
 ) -> None:
     hub.commit("org/tiny", {"model.safetensors": model_bytes(tensors=3, rows=32), "config.json": b"{}"},
                private=True, readers={TOKEN})  # fmt: skip
@@ -164,7 +164,7 @@ async def test_a_gated_repository_is_an_accessdenied_condition_saying_how_to_get
     operator,
     api,
     hub: HubServer,
-    caplog,  # noqa: F811 - the fixture
+    caplog,
 ) -> None:
     hub.commit("org/gated", {"model.safetensors": model_bytes()}, gated=True, readers={"hf_someone"})
     await create_modelload(api, "gated", {"source": "hf://org/gated", "hub": {"endpoint": hub.url}})
@@ -179,7 +179,7 @@ async def test_an_oci_artifact_resolves_with_the_dockerconfigjson_secret(
     api,
     token_registry: RegistryServer,
     tmp_path: Path,
-    caplog,  # noqa: F811 - the fixture
+    caplog,
 ) -> None:
     from modelload.sidecar.sources import RegistrySettings, SourceSettings, auths_from_docker_config
 

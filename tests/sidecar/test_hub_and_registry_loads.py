@@ -129,7 +129,7 @@ def test_a_branch_moved_during_the_load_does_not_mix_commits(hub: HubServer, shm
     models.assert_segment_matches(shm_dir / "model.seg", first)
 
 
-# --- an OCI registry ------------------------------------------------------------------------------------------
+# --- an OCI registry ---------------------------------------------------------------------------------------
 
 
 def test_an_artifact_pushed_by_modelload_loads_byte_exact_from_the_token_registry(

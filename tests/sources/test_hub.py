@@ -1,4 +1,5 @@
-"""``hf://`` sources against the Hub stand-in (tests/support/hub.py), and the stand-in against the real client.
+"""``hf://`` sources against the Hub stand-in (tests/support/hub.py), and the stand-in against the real
+client.
 
 The stand-in is only worth what the real ``huggingface_hub`` client says of it: the first tests point
 ``hf_hub_download`` and ``snapshot_download`` at it (``HF_ENDPOINT``) and require the same bytes and the same
@@ -80,12 +81,13 @@ def real_client(hub: HubServer, tmp_path: Path, script: str, **env: str) -> Any:
         capture_output=True,
         text=True,
         timeout=120,
+        check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-# --- the stand-in, checked by the real client ----------------------------------------------------------------
+# --- the stand-in, checked by the real client -------------------------------------------------------------
 
 
 def test_the_real_client_downloads_a_file_and_a_snapshot_through_the_standin(
@@ -153,7 +155,8 @@ def test_the_real_client_pages_through_a_long_listing_as_the_sidecar_does(
     folder = real_client(
         hub,
         tmp_path,
-        "import json\nfrom huggingface_hub import snapshot_download\nprint(json.dumps(snapshot_download('org/many')))",
+        "import json\nfrom huggingface_hub import snapshot_download\n"
+        "print(json.dumps(snapshot_download('org/many')))",
     )
     assert sorted(p.name for p in Path(folder).iterdir()) == sorted(many)
     assert any("cursor=" in r["path"] for r in hub.requests), "the listing was paged"
@@ -238,7 +241,7 @@ def test_missing_repositories_revisions_and_files_say_which(hub: HubServer) -> N
     hub.commit("org/toy", FILES)
     with pytest.raises(SourceNotFoundError, match="no revision 'v9'"):
         list_directory("hf://org/toy@v9", settings(hub))
-    with pytest.raises(SourceAccessDeniedError, match="does not exist .* or it is private"):
+    with pytest.raises(SourceAccessDeniedError, match=r"does not exist .* or it is private"):
         list_directory("hf://org/absent", settings(hub))
     with pytest.raises(SourceAccessDeniedError, match="refused the Hugging Face token"):
         list_directory("hf://org/toy", settings(hub, "hf_revoked-token-EXAMPLE"))

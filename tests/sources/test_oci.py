@@ -197,7 +197,7 @@ def test_a_compressed_weight_layer_is_refused_with_how_to_push_a_rangeable_one(
         target=f"{registry.host}/kit/gz:v1",
         files=["model.tar.gz:application/vnd.cncf.model.weight.v1.tar+gzip"],
     )
-    with pytest.raises(ConfigError, match="compressed.*modelload push"):
+    with pytest.raises(ConfigError, match=r"compressed.*modelload push"):
         list_directory(registry.uri("kit/gz", "v1"), settings(registry))
 
 
@@ -226,7 +226,7 @@ def test_an_artifact_named_by_its_digest_lists_the_same_files(
     assert sorted(directory.files) == sorted(FILES)
 
 
-# --- credentials ---------------------------------------------------------------------------------------------
+# --- credentials ------------------------------------------------------------------------------------------
 
 
 def test_the_token_flow_pulls_with_credentials_and_anonymously_from_public_repositories(
@@ -249,7 +249,7 @@ def test_a_refused_pull_says_which_credentials_to_give(
 ) -> None:
     owner = settings(token_registry, user=USER, password=PASSWORD)
     push_directory(model_dir(tmp_path), token_registry.uri("private/refused", "v1"), owner)
-    with pytest.raises(SourceAccessDeniedError, match="no credentials were given .* dockerconfigjson"):
+    with pytest.raises(SourceAccessDeniedError, match=r"no credentials were given .* dockerconfigjson"):
         list_directory(token_registry.uri("private/refused", "v1"), settings(token_registry))
     wrong = settings(token_registry, user=USER, password="not-the-password")
     with pytest.raises(SourceAccessDeniedError, match="refused the credentials") as caught:

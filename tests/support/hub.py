@@ -69,7 +69,7 @@ class _Server:
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
-            def log_message(self, format: str, *args: object) -> None:
+            def log_message(self, fmt: str, *args: object) -> None:
                 pass
 
             def do_GET(self) -> None:
@@ -313,7 +313,10 @@ class HubServer(_Server):
                 "path": path,
             }
             if _is_lfs(path, data):
-                pointer = f"version https://git-lfs.github.com/spec/v1\noid sha256:{hashlib.sha256(data).hexdigest()}\nsize {len(data)}\n"
+                digest = hashlib.sha256(data).hexdigest()
+                pointer = (
+                    f"version https://git-lfs.github.com/spec/v1\noid sha256:{digest}\nsize {len(data)}\n"
+                )
                 entry["oid"] = git_blob_id(pointer.encode())
                 entry["size"] = len(data)
                 entry["lfs"] = {

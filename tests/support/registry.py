@@ -113,7 +113,7 @@ class TokenService:
         service = self
 
         class Handler(BaseHTTPRequestHandler):
-            def log_message(self, format: str, *args: object) -> None:
+            def log_message(self, fmt: str, *args: object) -> None:
                 pass
 
             def do_GET(self) -> None:

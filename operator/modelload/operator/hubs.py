@@ -5,7 +5,8 @@
   only (``MODELLOAD_HF_TOKEN_FILE``), as it does every other credential.
 - ``oci://`` sources: ``spec.registry.credentialsSecretRef``, a ``kubernetes.io/dockerconfigjson`` Secret
   (the one a pod's ``imagePullSecrets`` names), and ``spec.registry.plainHttp``. The operator reads the Docker
-  config to resolve the artifact; the webhook mounts it in the sidecar only (``MODELLOAD_REGISTRY_AUTH_FILE``).
+  config to resolve the artifact; the webhook mounts it in the sidecar only
+  (``MODELLOAD_REGISTRY_AUTH_FILE``).
 
 Values are parsed here as the sidecar parses them, so a malformed Secret is reported on the ModelLoad
 (naming the Secret and the key, never the value) before any pod mounts it.
@@ -32,8 +33,8 @@ __all__ = [
     "volumes",
 ]
 
-HUB_TOKEN_VOLUME = "modelload-hub-token"
-HUB_TOKEN_DIR = "/var/run/secrets/modelload/hub"
+HUB_TOKEN_VOLUME = "modelload-hub-token"  # noqa: S105 - a volume name
+HUB_TOKEN_DIR = "/var/run/secrets/modelload/hub"  # noqa: S105 - a path
 REGISTRY_AUTH_VOLUME = "modelload-registry-auth"
 REGISTRY_AUTH_DIR = "/var/run/secrets/modelload/registry"
 
@@ -66,7 +67,8 @@ def registry_auths(value: bytes, *, where: str, source: str) -> dict[str, dict[s
         known = ", ".join(sorted(auths)) or "none"
         raise ConfigError(
             f"{where} has no credentials for {registry} (it has: {known}): create it with kubectl create "
-            f"secret docker-registry NAME --docker-server={registry} --docker-username=... --docker-password=..."
+            f"secret docker-registry NAME --docker-server={registry} --docker-username=... "
+            "--docker-password=..."
         )
     return auths
 

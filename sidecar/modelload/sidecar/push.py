@@ -1,12 +1,14 @@
 """``modelload push DIR oci://REGISTRY/REPOSITORY:TAG``: publish a model directory to an OCI registry.
 
-The directory (a Hugging Face-style model: safetensors shards, their index, config and tokenizer files) becomes
+The directory (a Hugging Face-style model: safetensors shards, their index, config and tokenizer files)
+becomes
 a CNCF ModelPack artifact with one uncompressed layer per file (see
 :mod:`modelload.sidecar.sources.oci._push`), so the sidecar loads it by range from any registry
 (``--source oci://...``) and ``oras pull`` gets the files back with their names.
 
 Credentials: the Docker config's ``auths`` (``--docker-config``, default ``$DOCKER_CONFIG/config.json`` or
-``~/.docker/config.json``, what ``docker login`` and ``oras login`` write). ``--plain-http`` reaches a registry
+``~/.docker/config.json``, what ``docker login`` and ``oras login`` write). ``--plain-http`` reaches a
+registry
 without TLS (a local or in-cluster one). Prints the pushed artifact's digest reference on the last line.
 """
 
@@ -23,7 +25,8 @@ __all__ = ["docker_config_path", "register"]
 
 
 def docker_config_path(environ: dict[str, str] | None = None) -> Path:
-    """Where the Docker tools keep credentials: ``$DOCKER_CONFIG/config.json``, else ``~/.docker/config.json``."""
+    """Where the Docker tools keep credentials: ``$DOCKER_CONFIG/config.json``, else
+    ``~/.docker/config.json``."""
     env = os.environ if environ is None else environ
     folder = env.get("DOCKER_CONFIG")
     return Path(folder) / "config.json" if folder else Path.home() / ".docker" / "config.json"

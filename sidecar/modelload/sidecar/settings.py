@@ -94,7 +94,7 @@ DEFAULT_PORT = wiring.STATUS_PORT
 NOTIFY_OFF = ("none", "off", "false", "")
 _NOTIFY_SCHEMES = ("ipc://", "tcp://", "inproc://")
 AWS_REGION_ENV = "AWS_REGION"  # botocore reads AWS_DEFAULT_REGION only
-HF_TOKEN_ENV = "HF_TOKEN"  # the Hub's own variables, as its client reads them
+HF_TOKEN_ENV = "HF_TOKEN"  # noqa: S105 - the Hub's own variables, as its client reads them
 HF_ENDPOINT_ENV = "HF_ENDPOINT"
 
 
@@ -501,7 +501,8 @@ def _registry(lookup: options.Lookup) -> RegistrySettings:
             data = path.read_bytes()
         except OSError as exc:
             raise ConfigError(
-                f"the registry credentials file {path} ({lookup.origin('registry_auth_file')}) cannot be read:"
+                f"the registry credentials file {path} ({lookup.origin('registry_auth_file')}) cannot be "
+                "read:"
                 f" {exc.strerror or type(exc).__name__}: mount the dockerconfigjson Secret there"
             ) from None
         auths = auths_from_docker_config(data, where=f"the registry credentials file {path}")

@@ -223,7 +223,8 @@ class Engine:
         settings = self.settings
         if settings.memory.mode == "ring" and settings.priority:
             log.warning(
-                "ring mode with a priority order: the origin's file digests are not checked (a whole-file hash "
+                "ring mode with a priority order: the origin's file digests are not checked (a whole-file "
+                "hash "
                 "follows file order, which the ring would have to hold back); drop --priority to check them"
             )
             return None

@@ -28,6 +28,7 @@ into :class:`RequestHeaders` for ``HttpSettings(headers=...)``, sent to the sour
 from __future__ import annotations
 
 from ._base import InterruptedReadError, ObjectInfo, Source, SourceBase, check_range
+from ._checksum import Checksum, checksum_of, new_hasher, verify_bytes
 from ._file import FileSource
 from ._headers import RequestHeaders, parse_headers, read_header_file, read_token_file
 from ._http import HttpSource
@@ -46,7 +47,6 @@ from ._registry import (
 from ._responses import display_url
 from ._retry import RetryCancelled, RetryEvent, read_range, read_range_into_fd, stat_source
 from ._s3 import S3Location, S3Source, plan_s3_location
-from ._checksum import Checksum, checksum_of, new_hasher, verify_bytes
 from ._settings import (
     DEFAULT_HUB_ENDPOINT,
     HttpSettings,

@@ -1,7 +1,8 @@
 """The checksum an origin publishes for a whole object, and where a file's bytes sit inside that object.
 
 The Hugging Face Hub publishes each large file's SHA-256 (and each small file's git blob id), an OCI registry
-names every blob by its SHA-256 digest. A file of a model is either that object itself or, for a file inside an
+names every blob by its SHA-256 digest. A file of a model is either that object itself or, for a file inside
+an
 uncompressed tar layer, a window of it: :class:`Checksum` says which object, which digest, and where the
 file's bytes start in it, so the bytes that land can be proved against the origin's own word.
 
@@ -23,7 +24,8 @@ from ._base import Source
 __all__ = ["ALGORITHMS", "Checksum", "checksum_of", "new_hasher", "verify_bytes"]
 
 ALGORITHMS = ("sha256", "git-sha1")
-"""``sha256``: the object's SHA-256. ``git-sha1``: git's blob id, SHA-1 over ``blob <size>\\0`` and the bytes."""
+"""``sha256``: the object's SHA-256. ``git-sha1``: git's blob id, SHA-1 over ``blob <size>\\0`` and the
+bytes."""
 
 
 def new_hasher(algorithm: str, size: int) -> Any:
@@ -50,7 +52,8 @@ class Checksum:
     object_size: int
     """Bytes of the whole object."""
     offset: int = 0
-    """Where the file's first byte sits in the object (a tar member's data offset; 0 for the object itself)."""
+    """Where the file's first byte sits in the object (a tar member's data offset; 0 for the object
+    itself)."""
     where: str = ""
     """The object, for messages (``oci://registry/repo@sha256:...``, ``hf://org/name@commit/file``)."""
     object_source: Source | None = field(default=None, compare=False, repr=False)
@@ -64,7 +67,8 @@ class Checksum:
     def mismatch(self, actual: str, *, what: str = "the bytes loaded") -> HashMismatchError:
         return HashMismatchError(
             f"{what} do not match the {self.algorithm} digest the origin publishes ({self.expected}, got "
-            f"{actual}): the object is corrupt at the origin or was corrupted on the way; nothing is published "
+            f"{actual}): the object is corrupt at the origin or was corrupted on the way; nothing is "
+            "published "
             "complete. Retry the load; if it fails again, re-upload the model",
             source=self.where,
         )

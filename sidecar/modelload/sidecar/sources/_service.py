@@ -152,10 +152,10 @@ class ServiceFile(HttpObject):
             location = exchange.header("Location")
             body = self._small_body(exchange)
             at_service = exchange.origin == self._service
-            if status in _REDIRECTS and location and hops < self._settings.max_redirects:
-                if self._follow(location, exchange.origin):
-                    hops += 1
-                    continue
+            redirect = status in _REDIRECTS and location and hops < self._settings.max_redirects
+            if redirect and self._follow(location or "", exchange.origin):
+                hops += 1
+                continue
             if status == 401 and at_service and not renewed and self._auth is not None:
                 renewed = True
                 if self._auth.renew(exchange.header("WWW-Authenticate")):

@@ -243,7 +243,8 @@ class RegistrySettings:
     ``{"auth": base64("user:password")}`` or ``{"username", "password"}`` or ``{"identitytoken"}``. A
     registry without an entry is pulled anonymously. Never shown by ``repr``.
 
-    ``plain_http``: registry hosts (``host`` or ``host:port``) reached over plain HTTP instead of HTTPS, for an
+    ``plain_http``: registry hosts (``host`` or ``host:port``) reached over plain HTTP instead of HTTPS, for
+    an
     in-cluster registry without TLS; ``*`` means every registry. Credentials are still sent to them.
     """
 

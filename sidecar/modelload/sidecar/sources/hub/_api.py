@@ -73,7 +73,8 @@ def parse_hub_uri(uri: str) -> HubRef:
     parts = rest.split("/")
     if len(parts) < 2 or not parts[0] or not parts[1]:
         raise SourceUriError(
-            f"an hf:// source is hf://ORG/NAME[@REVISION][/PATH] (for example hf://openai-community/gpt2), got "
+            "an hf:// source is hf://ORG/NAME[@REVISION][/PATH] (for example hf://openai-community/gpt2), "
+            f"got "
             f"{uri!r}"
         )
     if parts[0] in ("datasets", "spaces"):
@@ -81,7 +82,8 @@ def parse_hub_uri(uri: str) -> HubRef:
     name, at, revision = parts[1].partition("@")
     if not _PART.match(parts[0]) or not _PART.match(name) or name.endswith((".git", ".")):
         raise SourceUriError(
-            f"{uri!r}: a repository is ORG/NAME, each of letters, digits, '-', '_' and '.' (not starting with "
+            f"{uri!r}: a repository is ORG/NAME, each of letters, digits, '-', '_' and '.' (not starting "
+            "with "
             "one of the last three)"
         )
     revision = unquote(revision) if at else "main"
@@ -175,7 +177,8 @@ def explain(access: HubAccess, ref: HubRef, *, uri: str) -> Explain:
                     uri=uri,
                 )
             return SourceAccessDeniedError(
-                f"{ref.repo} needs a Hugging Face token (HTTP 401): give one with read access (HF_TOKEN, or the "
+                f"{ref.repo} needs a Hugging Face token (HTTP 401): give one with read access (HF_TOKEN, or "
+                "the "
                 "ModelLoad's hub tokenSecretRef)",
                 uri=uri,
             )

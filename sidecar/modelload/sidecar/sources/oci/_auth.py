@@ -185,7 +185,8 @@ class RegistryAuth:
         realm_origin = origin_of(realm)
         if self.has_credentials and not realm_origin.is_tls and self._origin.is_tls:
             raise SourceAccessDeniedError(
-                f"{self._ref.display}: the registry names a token service over plain HTTP ({realm_origin.netloc})"
+                f"{self._ref.display}: the registry names a token service over plain HTTP "
+                f"({realm_origin.netloc})"
                 " while it is itself reached over HTTPS: credentials are not sent there",
                 uri=self._ref.display,
             )
@@ -271,7 +272,8 @@ class RegistryAuth:
                 )
             return SourceAccessDeniedError(
                 f"{shown}: the registry's token service refused an anonymous pull (HTTP {status}): give "
-                "credentials with a dockerconfigjson Secret (the ModelLoad's registry credentialsSecretRef, the "
+                "credentials with a dockerconfigjson Secret (the ModelLoad's registry credentialsSecretRef, "
+                "the "
                 "same Secret as a pod's imagePullSecrets)",
                 uri=shown,
             )

@@ -137,7 +137,8 @@ class RegistryClient:
             stated and stated.startswith("sha256:") and (stated != digest)
         ):
             raise HashMismatchError(
-                f"the manifest received has digest {digest}, not the {reference if DIGEST.match(reference) else stated}"
+                f"the manifest received has digest {digest}, not the "
+                f"{reference if DIGEST.match(reference) else stated}"
                 " asked for or announced: the registry or a proxy on the way serves something else",
                 source=shown,
             )
@@ -159,7 +160,8 @@ class RegistryClient:
         if len(manifests) != 1 or not DIGEST.match(str(manifests[0].get("digest", ""))):
             digests = ", ".join(str(m.get("digest")) for m in manifests[:4])
             raise SourceError(
-                f"{shown} is an index of {len(manifests)} manifests ({digests}): name the model's manifest by "
+                f"{shown} is an index of {len(manifests)} manifests ({digests}): name the model's manifest "
+                "by "
                 "its digest (oci://REGISTRY/REPOSITORY@sha256:...)",
                 uri=shown,
             )

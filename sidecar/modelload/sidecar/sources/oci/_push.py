@@ -36,8 +36,8 @@ from urllib.parse import urljoin, urlsplit
 from modelload.loader.errors import ConfigError, SourceError
 
 from .._connections import Origin
-from .._settings import SourceSettings
 from .._service import origin_of
+from .._settings import SourceSettings
 from ._auth import RegistryAuth
 from ._client import explain
 from ._media import (

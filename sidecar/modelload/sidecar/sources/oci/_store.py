@@ -24,8 +24,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-_Members = list[tuple[str, int, int]]
-
 from modelload.loader.errors import ConfigError, SourceError, SourceNotFoundError
 
 from .._base import ObjectInfo, Source, SourceBase, check_range
@@ -40,6 +38,8 @@ from ._reference import DIGEST, OciRef, parse_oci_uri
 from ._tar import BLOCK, looks_like_tar, tar_members
 
 __all__ = ["OciStore"]
+
+_Members = list[tuple[str, int, int]]
 
 _REMEMBERED = 32
 
@@ -130,8 +130,7 @@ class OciStore(Store):
                 size=f.size,
                 uri=pinned.file(name).uri,
                 version=artifact.digest,
-                checksums={"sha256": f.blob.removeprefix("sha256:")} if f.offset == 0 and f.size == f.blob_size
-                else {},
+                checksums=_whole(f),
             )
             for name, f in artifact.files.items()
         }  # fmt: skip
@@ -243,6 +242,13 @@ class OciStore(Store):
             return [(m.name, m.offset, m.size) for m in tar_members(read, size, where=where) if m.name]
         finally:
             blob.close()
+
+
+def _whole(found: _File) -> dict[str, str]:
+    """The checksums of a file that is a whole blob: its digest; none for a window of a tar."""
+    if found.offset == 0 and found.size == found.blob_size:
+        return {"sha256": found.blob.removeprefix("sha256:")}
+    return {}
 
 
 def _descriptor(layer: object, number: int, ref: OciRef) -> tuple[str, int, str]:
