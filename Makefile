@@ -105,6 +105,7 @@ bench: venv $(BENCH_STAMP) $(S3RVER)
 	$(BIN)/python benchmarks/run.py --publish
 	$(BIN)/python benchmarks/memory_modes.py
 	$(BIN)/python benchmarks/peer_fleet.py --out docs/peer-fleet.json
+	$(BIN)/python benchmarks/registry.py
 bench: bench-vllm
 
 # vLLM's first token through modelload against vLLM's own safetensors and tensorizer loaders.
