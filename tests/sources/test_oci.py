@@ -303,3 +303,49 @@ def test_oci_uris_parse_into_registry_repository_tag_and_digest(uri: str, expect
 def test_malformed_oci_uris_are_refused_with_the_expected_shape(uri: str) -> None:
     with pytest.raises(SourceUriError):
         parse_oci_uri(uri)
+
+
+# --- the tar index, on tars the standard library writes -----------------------------------------------------
+
+
+def _tar_bytes(members: dict[str, bytes], *, format: int) -> bytes:  # noqa: A002 - tarfile's word
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=format) as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_a_tars_files_are_found_at_their_offsets_in_every_format(fmt: int) -> None:
+    from modelload.sidecar.sources.oci._tar import tar_members
+
+    long_name = (
+        "weights/" + "n" * 120 + ".safetensors" if fmt != tarfile.USTAR_FORMAT else "weights/m.safetensors"
+    )
+    members = {"./config.json": b"{}", long_name: payload(3000, seed=3), "empty.txt": b""}
+    data = _tar_bytes(members, format=fmt)
+    found = tar_members(lambda offset, length: data[offset : offset + length], len(data), where="a test tar")
+    assert [m.name for m in found] == ["config.json", long_name, "empty.txt"]
+    for member, content in zip(found, members.values(), strict=True):
+        assert data[member.offset : member.offset + member.size] == content
+
+
+def test_a_tar_holding_a_link_or_a_bad_header_is_refused() -> None:
+    from modelload.loader.errors import FormatError
+    from modelload.sidecar.sources.oci._tar import tar_members
+
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as tar:
+        link = tarfile.TarInfo("model.safetensors")
+        link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        tar.addfile(link)
+    data = out.getvalue()
+    with pytest.raises(FormatError, match="regular files only"):
+        tar_members(lambda o, n: data[o : o + n], len(data), where="a test tar")
+    broken = bytearray(_tar_bytes({"a": b"x"}, format=tarfile.PAX_FORMAT))
+    broken[10] ^= 0xFF
+    with pytest.raises(FormatError, match="wrong checksum"):
+        tar_members(lambda o, n: bytes(broken[o : o + n]), len(broken), where="a test tar")
