@@ -10,7 +10,18 @@ from tests.support.fixtures import (
     nginx,
     nginx_proxy,
     registry,
+    s3_registry,
     token_registry,
 )
 
-__all__ = ["aws_env", "hub", "moto_proxy", "moto_s3", "nginx", "nginx_proxy", "registry", "token_registry"]
+__all__ = [
+    "aws_env",
+    "hub",
+    "moto_proxy",
+    "moto_s3",
+    "nginx",
+    "nginx_proxy",
+    "registry",
+    "s3_registry",
+    "token_registry",
+]

@@ -15,10 +15,21 @@ from tests.support.fixtures import (
     nginx,
     nginx_proxy,
     registry,
+    s3_registry,
     token_registry,
 )
 
-__all__ = ["aws_env", "hub", "moto_proxy", "moto_s3", "nginx", "nginx_proxy", "registry", "token_registry"]
+__all__ = [
+    "aws_env",
+    "hub",
+    "moto_proxy",
+    "moto_s3",
+    "nginx",
+    "nginx_proxy",
+    "registry",
+    "s3_registry",
+    "token_registry",
+]
 
 
 def payload(size: int, seed: int = 0) -> bytes:

@@ -349,3 +349,27 @@ def test_a_tar_holding_a_link_or_a_bad_header_is_refused() -> None:
     broken[10] ^= 0xFF
     with pytest.raises(FormatError, match="wrong checksum"):
         tar_members(lambda o, n: bytes(broken[o : o + n]), len(broken), where="a test tar")
+
+
+# --- a registry on object storage: blobs redirected to presigned URLs -------------------------------------
+
+
+def test_blobs_redirected_to_object_storage_are_read_there_without_the_registrys_token(
+    s3_registry: RegistryServer, moto_s3: Any, tmp_path: Path
+) -> None:
+    owner = settings(s3_registry, user=USER, password=PASSWORD)
+    push_directory(model_dir(tmp_path), s3_registry.uri("s3/toy", "v1"), owner)
+    directory = list_directory(s3_registry.uri("s3/toy", "v1"), owner)
+    with open_source(directory.file_uri("model.safetensors"), owner) as source:
+        buf = bytearray(source.stat().size)
+        read_range(source, 0, memoryview(buf), policy=owner.retry)
+        assert bytes(buf) == WEIGHTS
+        origin, _ = source._location  # where the reads went: the bucket's presigned URL, not the registry
+        assert origin.port == int(moto_s3.endpoint.rsplit(":", 1)[1])
+        assert "Authorization" not in source._target("GET", {}).headers  # the registry's token stays home
+    assert token_registry_token_seen(s3_registry)
+
+
+def token_registry_token_seen(registry: RegistryServer) -> bool:
+    """The registry's token service issued tokens (so the reads above were authenticated at the registry)."""
+    return registry.tokens is not None and bool(registry.tokens.issued)

@@ -43,6 +43,7 @@ __all__ = [
     "nginx",
     "nginx_proxy",
     "registry",
+    "s3_registry",
     "token_registry",
 ]
 
@@ -130,6 +131,25 @@ def token_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registr
     pulls ``public/...``."""
     require(find_registry() is not None, "docker-registry is not installed (apt-get install docker-registry)")
     server = RegistryServer(tmp_path_factory.mktemp("token-registry"), users=REGISTRY_USERS)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="session")
+def s3_registry(tmp_path_factory: pytest.TempPathFactory, moto_s3: MotoS3Server) -> Iterator[RegistryServer]:
+    """A registry behind the token flow whose blobs live in moto's S3: blob GETs redirect to presigned URLs
+    (another origin, which must never see the registry's token)."""
+    require(find_registry() is not None, "docker-registry is not installed (apt-get install docker-registry)")
+    moto_s3.create_bucket("registry-blobs")
+    s3 = {
+        "endpoint": moto_s3.endpoint,
+        "bucket": "registry-blobs",
+        "key": TEST_CREDENTIALS.access_key,
+        "secret": TEST_CREDENTIALS.secret_key,
+    }
+    server = RegistryServer(tmp_path_factory.mktemp("s3-registry"), users=REGISTRY_USERS, s3=s3)
     try:
         yield server
     finally:

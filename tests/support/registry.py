@@ -176,8 +176,7 @@ log:
   accesslog:
     disabled: true
 storage:
-  filesystem:
-    rootdirectory: {root}
+{storage}
   delete:
     enabled: true
   maintenance:
@@ -187,6 +186,20 @@ http:
   addr: 127.0.0.1:{port}
   secret: modelload-test-secret
 {auth}"""
+_FILESYSTEM = """\
+  filesystem:
+    rootdirectory: {root}"""
+_S3 = """\
+  s3:
+    accesskey: {key}
+    secretkey: {secret}
+    region: us-east-1
+    regionendpoint: {endpoint}
+    bucket: {bucket}
+    secure: false
+    v4auth: true
+  redirect:
+    disable: false"""
 _TOKEN_AUTH = """\
 auth:
   token:
@@ -200,7 +213,17 @@ auth:
 class RegistryServer:
     """A running distribution registry (see the module docstring)."""
 
-    def __init__(self, root: Path, *, users: Mapping[str, str] | None = None, token_lifetime: float = 300.0):
+    def __init__(
+        self,
+        root: Path,
+        *,
+        users: Mapping[str, str] | None = None,
+        token_lifetime: float = 300.0,
+        s3: Mapping[str, str] | None = None,
+    ):
+        """``s3``: keep the blobs in an S3 bucket (``endpoint``, ``bucket``, ``key``, ``secret``) instead of
+        ``root``: the registry then answers a blob GET with a redirect to a presigned URL of the bucket, as
+        registries on object storage do."""
         binary = find_registry()
         if binary is None:
             raise FileNotFoundError("docker-registry is not installed (apt-get install docker-registry)")
@@ -217,8 +240,9 @@ class RegistryServer:
         for _ in range(5):
             self.port = free_port()
             config = self._state / "config.yml"
-            config.write_text(_CONFIG.format(root=self.root, port=self.port, auth=auth))
-            env = {k: v for k, v in os.environ.items() if not k.startswith("REGISTRY_")}
+            storage = _S3.format(**s3) if s3 is not None else _FILESYSTEM.format(root=self.root)
+            config.write_text(_CONFIG.format(storage=storage, port=self.port, auth=auth))
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("REGISTRY_", "AWS_"))}
             with self._log.open("ab") as log:
                 process = subprocess.Popen(
                     [binary, "serve", str(config)], stdout=log, stderr=subprocess.STDOUT, env=env
@@ -227,8 +251,9 @@ class RegistryServer:
                 self._process = process
                 return
             stop_process(process)
+        log = self.log_text
         self.close()
-        raise RuntimeError(f"docker-registry did not start: {self._log.read_text(errors='replace')[-2000:]}")
+        raise RuntimeError(f"docker-registry did not start: {log[-2000:]}")
 
     @property
     def host(self) -> str:
