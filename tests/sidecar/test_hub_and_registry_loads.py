@@ -182,3 +182,33 @@ def test_a_blob_corrupted_in_the_registrys_storage_is_never_published(
     with pytest.raises(HashMismatchError):
         run(registry.uri("engine/corrupt", "v1"), shm_dir / "model.seg", registry_settings(registry))
     assert state(shm_dir / "model.seg") == WriterState.FAILED
+
+
+@pytest.mark.parametrize("mode", ["release", "ring"])
+def test_memory_modes_give_back_pages_only_after_their_bytes_are_hashed(
+    mode: str, hub: HubServer, shm_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import threading
+
+    from modelload.sidecar.memory import MemorySettings
+    from tests.sidecar.test_memory import _consume
+
+    weights = models.state_dict(seed=69)
+    hub.commit("org/modes", {"model.safetensors": models.safetensors_bytes(weights)})
+    memory = MemorySettings(mode=mode, ring_size=(1 << 20) if mode == "ring" else 0)  # type: ignore[arg-type]
+    failure: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            run("hf://org/modes", shm_dir / "model.seg", hub_settings(hub), memory=memory)
+        except BaseException as exc:
+            failure.append(exc)
+
+    caplog.set_level(logging.INFO)
+    loader = threading.Thread(target=load, daemon=True)
+    loader.start()
+    copies = _consume(shm_dir / "model.seg")
+    loader.join(60)
+    assert not loader.is_alive() and not failure, failure
+    assert copies == {name: models.as_bytes(tensor) for name, tensor in weights.items()}
+    assert any("matches its sha256 digest" in r.getMessage() for r in caplog.records)

@@ -179,13 +179,17 @@ class Engine:
         self._writer = writer = SegmentWriter.create(
             settings.segment, plan.layout, reserve=ring, reserve_ranges=unlanded
         )
-        digests = self._digests(model, plan, writer)
+        checking: list[FileDigests] = []  # set below, before any tensor is ready to release
         memory = None
         if settings.memory.mode != "full":
             report = getattr(observer, "memory_changed", None)
-            hold = digests.releasable if digests is not None else None
             memory = MemoryManager(
-                settings.memory, writer=writer, plan=plan, stop=self._stop, report=report, hold=hold
+                settings.memory,
+                writer=writer,
+                plan=plan,
+                stop=self._stop,
+                report=report,
+                hold=lambda: checking[0].releasable() if checking else None,
             )
         observer.manifest_published(
             model_format=index.format, tensors=len(index), nbytes=index.nbytes, notify=settings.notify
@@ -200,6 +204,8 @@ class Engine:
             # file descriptor a full volume is an ordinary ENOSPC, and reserving would cost a pass of zeroing
             # (0.15 s per 2 GiB here) for pages the data overwrites anyway.
             writer.reserve()
+        digests = self._digests(model, plan, writer)  # on the plan the readers follow (peers reorder it)
+        checking.extend([digests] if digests is not None else [])
         _Load(self, model, plan, writer, key, use_fd=use_fd, memory=memory, digests=digests).run()
         if digests is not None and (digests.failure is not None or not self._stop.is_set()):
             digests.finish()  # every weight file against its origin's digest (raises a mismatch)

@@ -157,7 +157,7 @@ class MemoryManager:
         plan: LoadPlan,
         stop: threading.Event,
         report: Callable[[dict[str, Any]], None] | None = None,
-        hold: Callable[[], np.ndarray] | None = None,
+        hold: Callable[[], np.ndarray | None] | None = None,
     ) -> None:
         self.settings = settings
         self._hold = hold
@@ -291,8 +291,9 @@ class MemoryManager:
             bits = np.unpackbits(self._table.consumed_bits(entry.slot), bitorder="little", count=count)
             consumed &= bits.astype(bool)
         releasable = consumed & ready & ~self._released
-        if self._hold is not None:
-            releasable &= self._hold()
+        held = self._hold() if self._hold is not None else None
+        if held is not None:
+            releasable &= held
         todo = np.flatnonzero(releasable)
         for index in todo:
             punched = self._releaser.release(int(index))
