@@ -32,10 +32,11 @@ from ._checksum import Checksum
 from ._connections import Origin
 from ._http import _REDIRECTS, HttpObject, Target, _Exchange
 from ._responses import display_url, error_for_status
-from ._settings import HttpSettings
+from ._retry import retrying
+from ._settings import HttpSettings, RetryPolicy
 from ._splice import HAVE_SPLICE
 
-__all__ = ["Explain", "ServiceAuth", "ServiceFile", "origin_of"]
+__all__ = ["Explain", "ServiceAuth", "ServiceFile", "fetch_document", "origin_of"]
 
 _log = logging.getLogger("modelload.sidecar.sources")
 
@@ -200,3 +201,28 @@ class ServiceFile(HttpObject):
                 uri=self.display_uri,
             )
         return body, exchange.response.headers
+
+
+def fetch_document(
+    url: str,
+    *,
+    display: str,
+    what: str,
+    http: HttpSettings,
+    retry: RetryPolicy,
+    auth: ServiceAuth | None,
+    explain: Explain,
+    limit: int,
+    headers: Mapping[str, str] | None = None,
+) -> tuple[bytes, Message]:
+    """One small document from a service (an API answer, a manifest, a token), with the service's
+    credentials and error reading, transient failures retried under ``retry``."""
+    service = ServiceFile(url, display=display, settings=http, auth=auth, explain=explain)
+    try:
+        return retrying(
+            lambda: service.get_document(limit=limit, headers=headers),
+            policy=retry,
+            what=f"{what} of {display}",
+        )
+    finally:
+        service.close()

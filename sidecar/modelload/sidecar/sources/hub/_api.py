@@ -33,8 +33,7 @@ from modelload.loader.errors import (
 from .._checksum import Checksum
 from .._connections import Origin
 from .._responses import error_for_status
-from .._retry import retrying
-from .._service import Explain, ServiceFile, origin_of
+from .._service import Explain, fetch_document, origin_of
 from .._settings import HubSettings, SourceSettings
 from .._store import ListedFile
 
@@ -205,21 +204,17 @@ class HubClient:
 
     def _document(self, url: str, ref: HubRef, *, what: str) -> tuple[object, Message]:
         display = f"hf://{ref.repo}@{ref.revision}" + (f"/{ref.path}" if ref.path else "")
-        api = ServiceFile(
+        body, headers = fetch_document(
             url,
             display=display,
-            settings=self._settings.http,
+            what=what,
+            http=self._settings.http,
+            retry=self._settings.retry,
             auth=self.access,
             explain=explain(self.access, ref, uri=display),
+            limit=_DOCUMENT_LIMIT,
+            headers={"Accept": "application/json"},
         )
-        try:
-            body, headers = retrying(
-                lambda: api.get_document(limit=_DOCUMENT_LIMIT, headers={"Accept": "application/json"}),
-                policy=self._settings.retry,
-                what=f"{what} of {display}",
-            )
-        finally:
-            api.close()
         try:
             return json.loads(body), headers
         except ValueError as exc:

@@ -30,8 +30,7 @@ from modelload.loader.errors import ConfigError, ModelloadError, SourceAccessDen
 
 from .._connections import Origin
 from .._responses import error_for_status
-from .._retry import retrying
-from .._service import ServiceFile, origin_of
+from .._service import fetch_document, origin_of
 from .._settings import HttpSettings, RetryPolicy
 from ._reference import OciRef
 
@@ -198,22 +197,20 @@ class RegistryAuth:
         url = (
             realm + ("&" if urlsplit(realm).query else "?") + urlencode({k: v for k, v in query.items() if v})
         )
-        service = ServiceFile(
-            url,
-            display=where,
-            settings=self._http,
-            auth=_Fixed(realm_origin, headers),
-            explain=self._token_error,
-        )
-        try:
-            if self._identity is not None:
-                body = self._refresh_grant(service, query)
-            else:
-                body, _ = retrying(
-                    lambda: service.get_document(limit=_TOKEN_LIMIT), policy=self._retry, what=where
-                )
-        finally:
-            service.close()
+        realm_auth = _Fixed(realm_origin, headers)
+        if self._identity is not None:
+            body = self._refresh_grant(url, query)
+        else:
+            body, _ = fetch_document(
+                url,
+                display=where,
+                what="token",
+                http=self._http,
+                retry=self._retry,
+                auth=realm_auth,
+                explain=self._token_error,
+                limit=_TOKEN_LIMIT,
+            )
         try:
             answer = json.loads(body)
             token = answer.get("token") or answer.get("access_token")
@@ -223,7 +220,7 @@ class RegistryAuth:
             raise SourceError(f"{where} answered no usable token", uri=self._ref.display)
         return token
 
-    def _refresh_grant(self, service: ServiceFile, query: Mapping[str, str]) -> bytes:
+    def _refresh_grant(self, url: str, query: Mapping[str, str]) -> bytes:
         """An identity token (``docker login`` to some registries stores one) is exchanged by POST."""
         import http.client
 
@@ -236,7 +233,7 @@ class RegistryAuth:
                 "client_id": "modelload",
             }
         ).encode()
-        origin, path = service._start
+        origin, path = origin_of(url), urlsplit(url).path
         conn: http.client.HTTPConnection
         if origin.is_tls:
             conn = http.client.HTTPSConnection(origin.host, origin.port, timeout=self._http.connect_timeout)
@@ -244,7 +241,7 @@ class RegistryAuth:
             conn = http.client.HTTPConnection(origin.host, origin.port, timeout=self._http.connect_timeout)
         try:
             conn.request(
-                "POST", path.partition("?")[0], body=form,
+                "POST", path or "/", body=form,
                 headers={"Content-Type": "application/x-www-form-urlencoded"},
             )  # fmt: skip
             response = conn.getresponse()

@@ -25,8 +25,7 @@ from modelload.loader.errors import (
 
 from .._checksum import Checksum
 from .._responses import error_for_status
-from .._retry import retrying
-from .._service import Explain, ServiceFile
+from .._service import Explain, ServiceFile, fetch_document
 from .._settings import SourceSettings
 from ._auth import RegistryAuth
 from ._media import INDEX_TYPES, MANIFEST_TYPES
@@ -115,22 +114,17 @@ class RegistryClient:
         """The image manifest ``reference`` (default: the ref's) names, and its digest."""
         reference = reference or self.ref.reference
         shown = self.ref.display
-        service = ServiceFile(
+        body, headers = fetch_document(
             self.url("manifests", reference),
             display=shown,
-            settings=self.settings.http,
+            what="manifest",
+            http=self.settings.http,
+            retry=self.settings.retry,
             auth=self.auth,
             explain=explain(self.auth, self.ref, uri=shown),
+            limit=MANIFEST_LIMIT,
+            headers={"Accept": ", ".join((*MANIFEST_TYPES, *INDEX_TYPES))},
         )
-        accept = ", ".join((*MANIFEST_TYPES, *INDEX_TYPES))
-        try:
-            body, headers = retrying(
-                lambda: service.get_document(limit=MANIFEST_LIMIT, headers={"Accept": accept}),
-                policy=self.settings.retry,
-                what=f"manifest of {shown}",
-            )
-        finally:
-            service.close()
         digest = "sha256:" + hashlib.sha256(body).hexdigest()
         stated = headers.get("Docker-Content-Digest")
         if (DIGEST.match(reference) and digest != reference) or (
