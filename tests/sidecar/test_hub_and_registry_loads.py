@@ -97,6 +97,8 @@ def test_a_sharded_repository_loads_byte_exact_with_every_shard_proved_by_its_sh
         assert (shm_dir / "model" / name).read_bytes() == data, name
     proved = [r.getMessage() for r in caplog.records if "matches its sha256 digest" in r.getMessage()]
     assert len(proved) == 3, proved
+    with SegmentReader.open(shm_dir / "model.seg") as reader:
+        assert reader.metadata["source_version"] == hub.repos["org/llama"].refs["main"]  # the commit loaded
     assert TOKEN not in caplog.text
     assert TOKEN not in json.dumps(tracker.snapshot().as_dict())
     assert all(r["authorization"] == "" for r in hub.cdn_requests)
@@ -138,7 +140,7 @@ def test_an_artifact_pushed_by_modelload_loads_byte_exact_from_the_token_registr
     weights = models.state_dict(seed=65, layers=4)
     folder = hfdir.write(tmp_path / "model", hfdir.files(weights, shards=3))
     config = registry_settings(token_registry, login=True)
-    push_directory(folder, token_registry.uri("engine/llama", "v1"), config)
+    pushed = push_directory(folder, token_registry.uri("engine/llama", "v1"), config)
     caplog.set_level(logging.DEBUG)
     tracker = run(token_registry.uri("engine/llama", "v1"), shm_dir / "model.seg", config)
     assert tracker.snapshot().phase == "complete"
@@ -146,6 +148,8 @@ def test_an_artifact_pushed_by_modelload_loads_byte_exact_from_the_token_registr
     for name, data in hfdir.SMALL_FILES.items():
         assert (shm_dir / "model" / name).read_bytes() == data, name
     assert len([r for r in caplog.records if "matches its sha256 digest" in r.getMessage()]) == 3
+    with SegmentReader.open(shm_dir / "model.seg") as reader:
+        assert reader.metadata["source_version"] == pushed.digest  # the manifest loaded, whatever v1 says now
     assert token_registry.tokens is not None
     for secret in (PASSWORD, *token_registry.tokens.issued):
         assert secret not in caplog.text

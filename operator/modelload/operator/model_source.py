@@ -116,7 +116,14 @@ def segment_bound(index: ModelIndex, *, source: str) -> int:
     several = bool(index.files)
     specs = [TensorSpec(t.name, t.dtype, t.shape, file=t.file if several else None) for t in index.tensors]
     # The manifest's metadata as the sidecar writes it, with room for the values known only then.
-    room_for = {"source_etag": 80, "source_size": 20, "notify": 200, "writer": 64, "model_dir": 4096}
+    room_for = {
+        "source_etag": 80,
+        "source_size": 20,
+        "source_version": 80,
+        "notify": 200,
+        "writer": 64,
+        "model_dir": 4096,
+    }
     metadata = {"format": index.format, "source": source, **{k: "x" * n for k, n in room_for.items()}}
     planned = plan_layout(specs, metadata=metadata, files=index.files).segment_length
     room = sum(-(-(t.data_offset - t.record_offset) // ALIGNMENT) * ALIGNMENT for t in index.tensors)

@@ -168,7 +168,10 @@ class Engine:
             index,
             chunk_size=settings.chunk_size,
             priority=settings.priority,
-            metadata=_metadata(uri, model.fingerprint, model.size, settings.notify, model_dir),
+            metadata={
+                **_metadata(uri, model.fingerprint, model.size, settings.notify, model_dir),
+                **_pinned_version(model),
+            },
         )
         plan = plan_memory(plan, settings.memory)
         use_fd = settings.splice and all(source.supports_fd for source in model.sources)
@@ -458,6 +461,19 @@ def _metadata(
     if model_dir is not None:
         meta[MODEL_DIR_KEY] = str(model_dir)
     return meta
+
+
+def _pinned_version(model: OpenedModel) -> dict[str, str]:
+    """``source_version``: the one version every weight file was listed at (a Hub commit, an OCI manifest
+    digest), when the origin pins one: what the segment was loaded from, whatever the branch or tag says
+    now."""
+    if model.directory is None:
+        return {}
+    versions = {
+        model.directory.files[name].version for name in model.weights if name in model.directory.files
+    }
+    version = versions.pop() if len(versions) == 1 else None
+    return {"source_version": version} if version else {}
 
 
 def error_kind(exc: BaseException) -> str:
