@@ -216,3 +216,14 @@ def test_memory_modes_give_back_pages_only_after_their_bytes_are_hashed(
     assert not loader.is_alive() and not failure, failure
     assert copies == {name: models.as_bytes(tensor) for name, tensor in weights.items()}
     assert any("matches its sha256 digest" in r.getMessage() for r in caplog.records)
+
+
+def test_an_artifact_of_one_weight_file_loads_byte_exact(
+    registry: RegistryServer, shm_dir: Path, tmp_path: Path
+) -> None:
+    weights = models.state_dict(seed=70)
+    folder = hfdir.write(tmp_path / "one", {"model.safetensors": models.safetensors_bytes(weights)})
+    push_directory(folder, registry.uri("engine/one", "v1"), registry_settings(registry))
+    tracker = run(registry.uri("engine/one", "v1"), shm_dir / "model.seg", registry_settings(registry))
+    assert tracker.snapshot().phase == "complete"
+    models.assert_segment_matches(shm_dir / "model.seg", weights)
