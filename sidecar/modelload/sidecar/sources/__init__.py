@@ -27,6 +27,7 @@ into :class:`RequestHeaders` for ``HttpSettings(headers=...)``, sent to the sour
 
 from __future__ import annotations
 
+from . import hub, oci
 from ._base import InterruptedReadError, ObjectInfo, Source, SourceBase, check_range
 from ._checksum import Checksum, checksum_of, new_hasher, verify_bytes
 from ._file import FileSource
@@ -64,8 +65,8 @@ from .hub import parse_hub_uri
 from .oci import auths_from_docker_config, parse_oci_uri
 
 __all__ = [
-    "DEFAULT_HUB_ENDPOINT",
     "Checksum",
+    "DEFAULT_HUB_ENDPOINT",
     "Directory",
     "FileSource",
     "HttpSettings",
@@ -98,11 +99,13 @@ __all__ = [
     "checksum_of",
     "display_url",
     "fetch_small_file",
+    "hub",
     "is_directory",
     "join_uri",
     "list_directory",
     "metered",
     "new_hasher",
+    "oci",
     "open_model",
     "open_source",
     "parse_headers",
@@ -111,9 +114,9 @@ __all__ = [
     "plan_s3_location",
     "proxy_from_environ",
     "read_header_file",
-    "read_token_file",
     "read_range",
     "read_range_into_fd",
+    "read_token_file",
     "register_source",
     "register_store",
     "registered_schemes",
