@@ -373,3 +373,27 @@ def test_blobs_redirected_to_object_storage_are_read_there_without_the_registrys
 def token_registry_token_seen(registry: RegistryServer) -> bool:
     """The registry's token service issued tokens (so the reads above were authenticated at the registry)."""
     return registry.tokens is not None and bool(registry.tokens.issued)
+
+
+def test_a_token_the_registry_stops_accepting_mid_load_is_renewed(tmp_path: Path) -> None:
+    from tests.conftest import require
+    from tests.support.registry import find_registry
+
+    require(find_registry() is not None, "docker-registry is not installed (apt-get install docker-registry)")
+    server = RegistryServer(tmp_path / "storage", users=REGISTRY_USERS)  # its own: it is restarted
+    try:
+        owner = settings(server, user=USER, password=PASSWORD)
+        push_directory(model_dir(tmp_path), server.uri("renew/toy", "v1"), owner)
+        directory = list_directory(server.uri("renew/toy", "v1"), owner)
+        with open_source(directory.file_uri("model.safetensors"), owner) as source:
+            first = bytearray(1000)
+            read_range(source, 0, memoryview(first), policy=owner.retry)
+            assert server.tokens is not None
+            issued = len(server.tokens.issued)
+            server.rotate_signing_key()  # the token in hand is now refused
+            rest = bytearray(len(WEIGHTS) - 1000)
+            read_range(source, 1000, memoryview(rest), policy=owner.retry)
+        assert bytes(first + rest) == WEIGHTS
+        assert len(server.tokens.issued) > issued, "a new token was asked for"
+    finally:
+        server.close()

@@ -237,23 +237,38 @@ class RegistryServer:
                 realm=self.tokens.realm, service=SERVICE, issuer=ISSUER, bundle=self.tokens.signer.cert_path
             )
         self._log = self._state / "registry.log"
+        self._binary = binary
+        self._config = self._state / "config.yml"
         for _ in range(5):
             self.port = free_port()
-            config = self._state / "config.yml"
             storage = _S3.format(**s3) if s3 is not None else _FILESYSTEM.format(root=self.root)
-            config.write_text(_CONFIG.format(storage=storage, port=self.port, auth=auth))
-            env = {k: v for k, v in os.environ.items() if not k.startswith(("REGISTRY_", "AWS_"))}
-            with self._log.open("ab") as log:
-                process = subprocess.Popen(
-                    [binary, "serve", str(config)], stdout=log, stderr=subprocess.STDOUT, env=env
-                )
-            if wait_for_port(self.port, alive=process, timeout=20):
-                self._process = process
+            self._config.write_text(_CONFIG.format(storage=storage, port=self.port, auth=auth))
+            if self._start():
                 return
-            stop_process(process)
         log = self.log_text
         self.close()
         raise RuntimeError(f"docker-registry did not start: {log[-2000:]}")
+
+    def _start(self) -> bool:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("REGISTRY_", "AWS_"))}
+        with self._log.open("ab") as log:
+            process = subprocess.Popen(
+                [self._binary, "serve", str(self._config)], stdout=log, stderr=subprocess.STDOUT, env=env
+            )
+        if wait_for_port(self.port, alive=process, timeout=20):
+            self._process = process
+            return True
+        stop_process(process)
+        return False
+
+    def rotate_signing_key(self) -> None:
+        """Sign tokens with a new key and restart the registry trusting only it: every token issued so far
+        is refused from now on (401), as an expired one would be mid-load."""
+        assert self.tokens is not None, "a registry without token auth has no signing key"
+        stop_process(self._process)
+        self.tokens.signer = _Signer(self._state)
+        if not self._start():
+            raise RuntimeError(f"docker-registry did not restart: {self.log_text[-2000:]}")
 
     @property
     def host(self) -> str:
