@@ -12,9 +12,10 @@ import math
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 from modelload.loader.errors import ConfigError
+from modelload.loader.rules import OneOf, Prefixed, check_fields, rule
 
 from ._headers import RequestHeaders
 from ._proxy import ProxySettings
@@ -192,21 +193,18 @@ class S3Settings:
     (IRSA), container credentials (EKS Pod Identity), instance metadata), and are refreshed when they expire.
     """
 
-    endpoint_url: str | None = None
+    endpoint_url: str | None = field(
+        default=None, metadata=rule(Prefixed(("http://", "https://"), "an http:// or https:// URL"))
+    )
     region: str | None = None
-    addressing: S3Addressing = "auto"
+    addressing: S3Addressing = field(default="auto", metadata=rule(OneOf(get_args(S3Addressing))))
     unsigned: bool = False
     credentials: S3Credentials | None = None
 
     def __post_init__(self) -> None:
         if self.unsigned and self.credentials is not None:
             raise ConfigError("S3 access is either unsigned or with credentials, not both")
-        if self.addressing not in ("auto", "path", "virtual"):
-            raise ConfigError(f"S3 addressing must be auto, path or virtual, got {self.addressing!r}")
-        if self.endpoint_url is not None and not self.endpoint_url.startswith(("http://", "https://")):
-            raise ConfigError(
-                f"the S3 endpoint must start with http:// or https://, got {self.endpoint_url!r}"
-            )
+        check_fields(self)
 
 
 DEFAULT_HUB_ENDPOINT = "https://huggingface.co"
@@ -224,14 +222,18 @@ class HubSettings:
     its CDN or storage bridge is followed without it. Never shown by ``repr``.
     """
 
-    endpoint: str = DEFAULT_HUB_ENDPOINT
+    endpoint: str = field(
+        default=DEFAULT_HUB_ENDPOINT,
+        metadata=rule(Prefixed(("http://", "https://"), "an http:// or https:// URL for the Hub")),
+    )
     token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if not self.endpoint.startswith(("http://", "https://")):
-            raise ConfigError(f"the Hub endpoint must start with http:// or https://, got {self.endpoint!r}")
         if self.token is not None and (not self.token or any(c.isspace() for c in self.token)):
-            raise ConfigError("the Hugging Face token is empty or holds a space: give one token")
+            raise ConfigError(
+                "the Hugging Face token is empty or holds a space: give one token", setting="token"
+            )
+        check_fields(self)
 
 
 @dataclass(frozen=True)
@@ -244,8 +246,7 @@ class RegistrySettings:
     registry without an entry is pulled anonymously. Never shown by ``repr``.
 
     ``plain_http``: registry hosts (``host`` or ``host:port``) reached over plain HTTP instead of HTTPS, for
-    an
-    in-cluster registry without TLS; ``*`` means every registry. Credentials are still sent to them.
+    an in-cluster registry without TLS; ``*`` means every registry. Credentials are still sent to them.
     """
 
     auths: Mapping[str, Mapping[str, str]] = field(default_factory=dict, repr=False)
