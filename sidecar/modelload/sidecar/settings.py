@@ -57,6 +57,8 @@ from modelload.sidecar.load import DEFAULT_SEGMENT, MAX_CHUNK, MIN_CHUNK, LoadSe
 from modelload.sidecar.memory import MemorySettings
 from modelload.sidecar.peers import PeerSettings
 from modelload.sidecar.sources import (
+    AzureSettings,
+    GcsSettings,
     HttpSettings,
     HubSettings,
     RegistrySettings,
@@ -324,6 +326,14 @@ OPTIONS: tuple[Option, ...] = (
         "anonymous S3 requests, for public buckets", boolean=True, parse=parse_bool,
     ),
     Option(
+        "sources.gcs.endpoint_url", "--gcs-endpoint", "MODELLOAD_GCS_ENDPOINT", "GCS JSON API endpoint URL",
+        "URL", parse=parse_text, unset="STORAGE_EMULATOR_HOST, else Google's",
+    ),
+    Option(
+        "sources.azure.endpoint_url", "--azure-endpoint", "MODELLOAD_AZURE_ENDPOINT", "Azure blob endpoint",
+        "URL", parse=parse_text, unset="a connection string's, else https://ACCOUNT.blob.core.windows.net",
+    ),
+    Option(
         "engine.memory.mode", "--memory-mode", "MODELLOAD_MEMORY_MODE",
         "full keeps the model; release frees each tensor once every consumer copied it; ring holds at most"
         " --ring-size", parse=parse_word,
@@ -447,10 +457,12 @@ def _source_settings(given: Given, environ: Mapping[str, str], *, source: str) -
     if headers is not None and not source.startswith(("http://", "https://")):
         raise ConfigError(
             "a header file (--header-file/MODELLOAD_HEADER_FILE) is for http(s):// sources, and the source"
-            f" is {display_url(source)}: S3 takes AWS credentials, a file needs none"
+            f" is {display_url(source)}: S3, GCS and Azure take their own credentials"
         )
     proxy = proxy_from_environ(environ, override=given.get("sources.http.proxy"))
     http = given.build(HttpSettings, "sources.http", headers=headers, proxy=proxy)
+    gcs = given.build(GcsSettings, "sources.gcs")
+    azure = given.build(AzureSettings, "sources.azure")
     # The Hub's own variables come after the flags, as its client reads them.
     hub_fallback = {
         "endpoint": environ.get(HF_ENDPOINT_ENV, "").strip() or None,
@@ -458,4 +470,6 @@ def _source_settings(given: Given, environ: Mapping[str, str], *, source: str) -
     }
     hub = given.build(HubSettings, "sources.hub", defaults={k: v for k, v in hub_fallback.items() if v})
     registry = given.build(RegistrySettings, "sources.registry")
-    return given.build(SourceSettings, "sources", http=http, s3=s3, hub=hub, registry=registry)
+    return given.build(
+        SourceSettings, "sources", http=http, s3=s3, gcs=gcs, azure=azure, hub=hub, registry=registry
+    )

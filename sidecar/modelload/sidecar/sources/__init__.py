@@ -1,4 +1,4 @@
-"""Model sources: read byte ranges of a file, an HTTP(S) URL or an S3 object into a caller's buffer.
+"""Model sources: read byte ranges of a file, an HTTP(S) URL, an S3, GCS or Azure Blob object into a buffer.
 
 This layer stands alone: it imports the error tree of ``modelload.loader`` and the standard library, and
 botocore lazily inside the S3 source. The operator imports it to read a model's index; the engine to stream.
@@ -30,6 +30,16 @@ from __future__ import annotations
 from . import hub, oci
 from ._base import InterruptedReadError, ObjectInfo, Source, SourceBase, check_range
 from ._checksum import Checksum, checksum_of, new_hasher, verify_bytes
+from ._checksums import (
+    COMPOSABLE,
+    STREAMED,
+    StoreChecksum,
+    crc,
+    crc_available,
+    crc_combine,
+    crc_width,
+    new_hash,
+)
 from ._file import FileSource
 from ._headers import RequestHeaders, parse_headers, read_header_file, read_token_file
 from ._http import HttpSource
@@ -50,6 +60,9 @@ from ._retry import RetryCancelled, RetryEvent, read_range, read_range_into_fd, 
 from ._s3 import S3Location, S3Source, plan_s3_location
 from ._settings import (
     DEFAULT_HUB_ENDPOINT,
+    AzureCredentials,
+    AzureSettings,
+    GcsSettings,
     HttpSettings,
     HubSettings,
     RegistrySettings,
@@ -65,10 +78,14 @@ from .hub import parse_hub_uri
 from .oci import auths_from_docker_config, parse_oci_uri
 
 __all__ = [
+    "AzureCredentials",
+    "AzureSettings",
+    "COMPOSABLE",
     "Checksum",
     "DEFAULT_HUB_ENDPOINT",
     "Directory",
     "FileSource",
+    "GcsSettings",
     "HttpSettings",
     "HttpSource",
     "HubSettings",
@@ -88,15 +105,21 @@ __all__ = [
     "S3Location",
     "S3Settings",
     "S3Source",
+    "STREAMED",
     "Source",
     "SourceBase",
     "SourceFactory",
     "SourceSettings",
     "Store",
+    "StoreChecksum",
     "auths_from_docker_config",
     "check_range",
     "check_scheme",
     "checksum_of",
+    "crc",
+    "crc_available",
+    "crc_combine",
+    "crc_width",
     "display_url",
     "fetch_small_file",
     "hub",
@@ -104,6 +127,7 @@ __all__ = [
     "join_uri",
     "list_directory",
     "metered",
+    "new_hash",
     "new_hasher",
     "oci",
     "open_model",

@@ -79,9 +79,13 @@ def _path(url: str) -> str:
 class ServiceFile(HttpObject):
     """One file at a service URL (a resolve URL, a blob URL), read by ranges; see the module docstring.
 
+    The URL names one version of the file (a Hub commit's resolve URL, a blob digest): ``pins_version``.
+
     ``size``: the size the service listed, checked against what the download reports. ``checksum``: the
     digest the service publishes for the object (:meth:`checksum`).
     """
+
+    pins_version = True
 
     def __init__(
         self,

@@ -63,6 +63,8 @@ class _Artifact:
 class _Member(SourceBase):
     """A file inside a tar layer: a window of its blob, read by range at the file's offset."""
 
+    pins_version = True  # a blob is named by its digest
+
     def __init__(self, blob: ServiceFile, offset: int, size: int, *, display: str) -> None:
         super().__init__(display)
         self._blob = blob
