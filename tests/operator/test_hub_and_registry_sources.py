@@ -20,7 +20,7 @@ from modelload.operator.hubs import HUB_TOKEN_DIR, REGISTRY_AUTH_DIR
 from modelload.operator.injection import build_patch
 from modelload.operator.resource import ResolvedModel
 from modelload.operator.schema import SPEC_RULES, parse_spec
-from modelload.operator.settings import SidecarSettings
+from modelload.operator.settings import InjectedSidecar
 from modelload.sidecar.sources.oci import push_directory
 from tests.operator.conftest import NAMESPACE, create_modelload, model_bytes, posted_events, resolved, secret
 from tests.operator.test_private_http import _cel
@@ -91,7 +91,7 @@ def test_a_uri_the_pattern_lets_through_is_refused_by_the_sidecars_own_parser(
 def injected(spec: dict[str, Any]) -> dict[str, Any]:
     model = ResolvedModel(name="m", namespace=NAMESPACE, spec=parse_spec(spec), bytes=1 << 30, tensors=10)
     original = pod("m")
-    ops = build_patch(pod=original, model=model, sidecar=SidecarSettings(), native=True)
+    ops = build_patch(pod=original, model=model, sidecar=InjectedSidecar(), native=True)
     return jsonpatch.apply_patch(copy.deepcopy(original), ops)
 
 

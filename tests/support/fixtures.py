@@ -169,6 +169,7 @@ def cloud_env(monkeypatch: pytest.MonkeyPatch, tmp_path: os.PathLike[str]) -> No
     monkeypatch.setenv("NO_GCE_CHECK", "True")
 
 
+@pytest.fixture(scope="session")
 def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryServer]:
     """A distribution registry that lets anyone pull and push."""
     require(find_registry() is not None, "docker-registry is not installed (apt-get install docker-registry)")
