@@ -13,13 +13,13 @@ does not land (a safetensors header, a tar header) are read from ``object_source
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
 from modelload.loader.errors import HashMismatchError
 
 from ._base import Source
+from ._checksums import new_hash
 
 __all__ = ["ALGORITHMS", "Checksum", "checksum_of", "new_hasher", "verify_bytes"]
 
@@ -29,11 +29,12 @@ bytes."""
 
 
 def new_hasher(algorithm: str, size: int) -> Any:
-    """A fresh hash object for ``algorithm`` over an object of ``size`` bytes, fed its prefix if any."""
+    """A fresh hash object for ``algorithm`` over an object of ``size`` bytes, fed its prefix if any (git's
+    blob header); the hashes themselves are the stores' (:func:`~._checksums.new_hash`)."""
     if algorithm == "sha256":
-        return hashlib.sha256()
+        return new_hash("sha256")
     if algorithm == "git-sha1":
-        hasher = hashlib.sha1(usedforsecurity=False)
+        hasher = new_hash("sha1")
         hasher.update(f"blob {size}\0".encode())
         return hasher
     raise ValueError(f"unknown checksum algorithm {algorithm!r}")
