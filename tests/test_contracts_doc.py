@@ -116,6 +116,14 @@ def _everything_the_webhook_sets() -> tuple[dict[str, dict[str, Any]], dict[str,
         {"source": "s3://models/m.tensors", "passwordSecretRef": {"name": "pw"}, "s3": {"unsigned": True}},
         {"source": "https://models.example.com/m.tensors", "headersSecretRef": {"name": "token"}},
         {
+            "source": "hf://org/model",
+            "hub": {"endpoint": "https://mirror.internal", "tokenSecretRef": {"name": "hf"}},
+        },
+        {
+            "source": "oci://registry.internal:5000/models/m:v1",
+            "registry": {"credentialsSecretRef": {"name": "pull"}, "plainHttp": True},
+        },
+        {
             "source": "s3://models/m.tensors",
             "memory": {"mode": "ring", "ringSize": "256Mi", "waitTimeoutSeconds": 60},
         },

@@ -52,6 +52,7 @@ from modelload.loader.wiring import (
     STATUS_URL_ENV,
     status_url,
 )
+from modelload.operator import hubs
 from modelload.operator.cloud_sources import cloud_env, cloud_mounts, cloud_volumes, scheme_of
 from modelload.operator.peers import PEER_DIR, PEER_VOLUME, peer_env, peer_volume
 from modelload.operator.quantity import parse_bytes
@@ -244,6 +245,7 @@ def _volumes(model: ResolvedModel, size_limit: str) -> list[dict[str, Any]]:
     headers_ref = model.spec.headers_secret_ref
     if headers_ref is not None:
         volumes.append(_secret_volume(HEADERS_VOLUME, headers_ref.name, headers_ref.key))
+    volumes += hubs.volumes(model.spec, mode=SECRET_FILE_MODE)
     if model.spec.peers:
         volumes.append(peer_volume(name=model.name, mode=SECRET_FILE_MODE))
     volumes += cloud_volumes(model.spec, mode=SECRET_FILE_MODE)
@@ -277,6 +279,7 @@ def _sidecar_container(
         mounts.append({"name": PASSWORD_VOLUME, "mountPath": PASSWORD_DIR, "readOnly": True})
     if model.spec.headers_secret_ref is not None:
         mounts.append({"name": HEADERS_VOLUME, "mountPath": HEADERS_DIR, "readOnly": True})
+    mounts += hubs.sidecar_mounts(model.spec)
     if model.spec.peers:
         mounts.append({"name": PEER_VOLUME, "mountPath": PEER_DIR, "readOnly": True})
     mounts += cloud_mounts(model.spec)
@@ -395,6 +398,7 @@ def sidecar_env(model: ResolvedModel, *, port: int) -> list[dict[str, Any]]:
     if spec.headers_secret_ref is not None:
         path = f"{HEADERS_DIR}/{spec.headers_secret_ref.key}"
         env.append({"name": "MODELLOAD_HEADER_FILE", "value": path})
+    env += hubs.sidecar_env(spec)
     if spec.peers:
         env += peer_env(name=model.name, namespace=model.namespace)
     return env

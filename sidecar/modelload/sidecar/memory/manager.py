@@ -109,8 +109,11 @@ class MemoryManager:
         plan: LoadPlan,
         stop: threading.Event,
         report: Callable[[dict[str, Any]], None] | None = None,
+        hold: Callable[[], np.ndarray | None] | None = None,
     ) -> None:
         self.settings = settings
+        self._hold = hold
+        """Per tensor, whether it may be released yet (the load's digest check has hashed its bytes)."""
         self.plan = plan
         self._stop = stop
         self._report = report
@@ -239,7 +242,11 @@ class MemoryManager:
         for entry in live:
             bits = np.unpackbits(self._table.consumed_bits(entry.slot), bitorder="little", count=count)
             consumed &= bits.astype(bool)
-        todo = np.flatnonzero(consumed & ready & ~self._released)
+        releasable = consumed & ready & ~self._released
+        held = self._hold() if self._hold is not None else None
+        if held is not None:
+            releasable &= held
+        todo = np.flatnonzero(releasable)
         for index in todo:
             punched = self._releaser.release(int(index))
             self._released_bytes += punched if not self._ring else self.plan.layout.slots[index].nbytes
