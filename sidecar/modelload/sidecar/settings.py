@@ -46,6 +46,7 @@ from modelload.loader.options import (
 from modelload.loader.sizes import parse_size
 from modelload.sidecar.load import (
     DEFAULT_SEGMENT,
+    LANDINGS,
     MAX_CHUNK,
     MAX_READERS,
     MIN_CHUNK,
@@ -65,6 +66,7 @@ from modelload.sidecar.sources import (
 )
 
 if TYPE_CHECKING:
+    from modelload.sidecar.load import Landing
     from modelload.sidecar.memory import Mode
     from modelload.sidecar.sources import S3Addressing
 
@@ -233,6 +235,11 @@ _OPTIONS = (
     Option(
         "s3_unsigned", "--s3-unsigned", "MODELLOAD_S3_UNSIGNED",
         "anonymous S3 requests, for public buckets (default off)", boolean=True,
+    ),
+    Option(
+        "landing", "--landing", "MODELLOAD_LANDING",
+        "how bytes reach the segment: auto (splice on 4 KiB pages, the mapping on huge pages), splice or"
+        " mapping (default auto)", choices=LANDINGS,
     ),
     Option(
         "memory_mode", "--memory-mode", "MODELLOAD_MEMORY_MODE",
@@ -416,6 +423,7 @@ def _load_settings(lookup: options.Lookup) -> tuple[LoadSettings, NotifySettings
         model_dir=get("model_dir", _path, None),
         files=get("files", parse_list, ()),
         notify=notify.endpoint,
+        landing=cast("Landing", get("landing", parse_choice(LANDINGS), "auto")),
         memory=MemorySettings(
             mode=cast("Mode", get("memory_mode", parse_choice(("full", "release", "ring")), "full")),
             ring_size=get("ring_size", _ring_size, 0),

@@ -8,6 +8,7 @@ from typing import Literal, get_args
 
 from modelload.loader import wiring
 from modelload.loader.errors import ConfigError
+from modelload.sidecar.load.landing import LANDINGS, Landing
 from modelload.sidecar.memory import MemorySettings
 from modelload.sidecar.sources import display_url
 
@@ -68,8 +69,10 @@ class LoadSettings:
     ``notify``: the pyzmq endpoint recorded in the segment for loaders to subscribe to (the sidecar's
     ``--notify``, :attr:`NotifySettings.endpoint`). Default none.
 
-    ``splice``: land bytes with ``os.splice`` where the source supports it (plain HTTP, S3 over HTTP,
-    files). Default on; off only to compare the two paths.
+    ``landing``: how bytes reach the segment (:mod:`modelload.sidecar.load.landing`): ``auto`` picks by the
+    segment's volume (``os.splice`` through the file descriptor on 4 KiB pages, where the source supports it;
+    the segment's mapping on huge pages), ``splice`` and ``mapping`` force a path, to compare them. Default
+    ``auto``.
     """
 
     source: str
@@ -84,7 +87,7 @@ class LoadSettings:
     model_dir: Path | None = None
     files: tuple[str, ...] = ()
     notify: str | None = None
-    splice: bool = True
+    landing: Landing = "auto"
     memory: MemorySettings = field(default_factory=MemorySettings)
     """Memory modes full, release and ring (``modelload.sidecar.memory``)."""
 
@@ -99,6 +102,8 @@ class LoadSettings:
             raise ConfigError(f"readers must be between 1 and {MAX_READERS}, got {self.readers}")
         if not MIN_CODE_CHUNK <= self.chunk_size <= MAX_CHUNK:
             raise ConfigError(f"chunk size must be between 4 KiB and 1 GiB, got {self.chunk_size} bytes")
+        if self.landing not in LANDINGS:
+            raise ConfigError(f"landing must be one of {', '.join(LANDINGS)}, got {self.landing!r}")
         if self.key_file is not None and self.password_file is not None:
             raise ConfigError("give a key file or a password file, not both")
         if not self.segment.is_absolute():

@@ -66,9 +66,10 @@ class MemorySettings:
     ``mode``: ``full`` (default: every page stays, for CPU consumers that keep zero-copy views), ``release``
     (pages go once every consumer copied the tensor) or ``ring`` (at most ``ring_size`` bytes at once).
 
-    ``ring_size``: ring mode's bound on tensor data in memory, bytes, rounded up to 4096 (and down to the
-    model's data, when that is smaller). It must hold the largest tensor with its record header; a few times
-    the chunk size keeps the readers busy while the app copies.
+    ``ring_size``: ring mode's bound on tensor data in memory, bytes, rounded up to a page of the volume
+    (4096, or 2 MiB on huge pages; and down to the model's data, when that is smaller). It must hold the
+    largest tensor with its record header; a few times the chunk size keeps the readers busy while the app
+    copies.
 
     ``wait_timeout``: seconds ring mode may wait for room before failing the load; None waits as long as
     it takes (the status shows the wait).
@@ -135,8 +136,10 @@ def plan_memory(plan: LoadPlan, settings: MemorySettings) -> LoadPlan:
                 f"ring size of {settings.ring_size} bytes: set --ring-size (ModelLoad spec.memory.ringSize) "
                 f"to at least {-(-need // 2**20)}MiB"
             )
-        # A ring larger than the model's data would only hold pages nothing uses.
-        ring_size = min(align(settings.ring_size), max(align(plan.layout.data_length), ALIGNMENT))
+        # A ring larger than the model's data would only hold pages nothing uses. Whole pages of the volume:
+        # on huge pages the ring is mapped twice at page boundaries (segment/_ring.py).
+        page = plan.layout.page_size
+        ring_size = min(align(settings.ring_size, page), max(align(plan.layout.data_length, page), page))
     layout = replace(plan.layout, memory_mode=settings.layout_mode, ring_size=ring_size)
     return replace(plan, layout=layout)
 
