@@ -203,6 +203,30 @@ def test_a_consumer_table_beside_a_hugetlbfs_segment_is_whole_pages_and_works(hu
             table.close()
 
 
+def test_every_mapping_of_a_hugetlbfs_segment_goes_so_a_deleted_one_gives_the_pool_its_pages_back(
+    hugetlbfs: Path,
+) -> None:
+    """Python's mmap.close() leaves a hugetlbfs mapping in place when its length is not whole pages (the
+    kernel refuses the partial unmap and Python ignores it): every mapping must be whole pages."""
+    free = free_pages()
+    path = hugetlbfs / "model.seg"
+    layout = _layout([MiB + 5, 3 * MiB], memory_mode=MemoryMode.RELEASE)
+    writer = SegmentWriter.create(path, layout, heartbeat=False)
+    releaser = Releaser(writer.fileno(), layout)
+    with attach(path, timeout=5, notify=False) as model:
+        _write(writer, seed=6)
+        writer.mark_complete()
+        assert model.numpy("t0").tobytes() == expected_bytes(6, 0, MiB + 5)
+    SegmentWriter.create(path, layout, heartbeat=False).close()  # supersedes the first: maps its header
+    releaser.close()
+    writer.close()
+    for leftover in hugetlbfs.iterdir():
+        leftover.unlink()
+    maps = [line for line in Path("/proc/self/maps").read_text().splitlines() if str(hugetlbfs) in line]
+    assert maps == [], "every mapping of the segment and its table is gone"
+    assert free_pages() == free, "the deleted segment's pages went back to the pool"
+
+
 def test_a_ring_on_hugetlbfs_is_mapped_twice_at_page_boundaries_and_wraps_whole(hugetlbfs: Path) -> None:
     path = hugetlbfs / "ring.seg"
     ring = 2 * HUGE_PAGE

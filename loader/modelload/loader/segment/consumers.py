@@ -32,7 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 from modelload.loader.errors import SegmentError, SegmentLayoutError
-from modelload.loader.segment.pages import round_up, volume_of
+from modelload.loader.segment.pages import mapped_length, round_up, volume_of
 
 __all__ = [
     "CAPACITY",
@@ -95,11 +95,11 @@ def create_table(segment: Path, *, load_id: int, tensor_count: int, capacity: in
         os.fchmod(fd, 0o666)  # the umask would take write access from the app's containers
         volume = volume_of(fd)
         length = table_length(tensor_count, capacity)
-        os.ftruncate(fd, round_up(length, volume.page_size) if volume.mapping_only else length)
+        os.ftruncate(fd, mapped_length(length, volume))
         header = _HEADER.pack(
             MAGIC, TABLE_VERSION, capacity, load_id, tensor_count, entry_length(tensor_count), 0
         )
-        with mmap.mmap(fd, HEADER_LENGTH, flags=mmap.MAP_SHARED) as mm:
+        with mmap.mmap(fd, mapped_length(HEADER_LENGTH, volume), flags=mmap.MAP_SHARED) as mm:
             mm[: len(header)] = header
         temp.rename(final)
     except BaseException:

@@ -40,6 +40,7 @@ __all__ = [
     "Volume",
     "VolumeKind",
     "available_bytes",
+    "mapped_length",
     "prefers_mapping",
     "round_up",
     "volume_of",
@@ -87,6 +88,17 @@ SMALL = Volume("small")
 def round_up(value: int, page_size: int) -> int:
     """The smallest multiple of ``page_size`` at or above ``value``."""
     return -(-value // page_size) * page_size
+
+
+def mapped_length(length: int, volume: Volume) -> int:
+    """How many bytes to map for ``length`` bytes of a file on ``volume``: whole pages on hugetlbfs.
+
+    The kernel maps a hugetlbfs file in whole pages whatever length is asked, but unmapping part of a huge
+    page fails (EINVAL), and Python's ``mmap.close()`` ignores that failure: the mapping would stay, and keep
+    the pages of a deleted segment from going back to the pool. The file is whole pages, so the rounded
+    length never runs past its end.
+    """
+    return round_up(length, volume.page_size) if volume.mapping_only else length
 
 
 def prefers_mapping(volume: Volume) -> bool:

@@ -63,7 +63,7 @@ from modelload.loader.segment.layout import (
     WriterState,
     entry_offset,
 )
-from modelload.loader.segment.pages import SMALL_PAGE, Volume, volume_of
+from modelload.loader.segment.pages import SMALL_PAGE, Volume, mapped_length, volume_of
 from modelload.loader.segment.validate import parse_header, parse_manifest
 
 __all__ = ["SegmentReader", "Waiter"]
@@ -140,9 +140,10 @@ class SegmentReader:
             if len(manifest) != header.manifest_length:
                 raise SegmentLayoutError(f"segment {target} is truncated inside its manifest")
             slots, metadata, files = parse_manifest(manifest, header)
-            control = mmap.mmap(fd, header.data_offset, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
             volume = volume_of(fd)
-            data, base = _map_data(fd, header, volume)
+            control_length = min(mapped_length(header.data_offset, volume), size)
+            control = mmap.mmap(fd, control_length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            data, base = _map_data(fd, header, volume, size)
         finally:
             os.close(fd)
         return cls(target, header, slots, metadata, control, data, base, files, volume)
@@ -352,7 +353,9 @@ class SegmentReader:
         return f"<SegmentReader {self.path} tensors={len(self.slots)} state={self.writer_state.name}>"
 
 
-def _map_data(fd: int, header: Header, volume: Volume) -> tuple[mmap.mmap | memoryview | None, int]:
+def _map_data(
+    fd: int, header: Header, volume: Volume, size: int
+) -> tuple[mmap.mmap | memoryview | None, int]:
     """Map the data region copy-on-write, from the page boundary at or below data_offset; a ring twice over,
     and any segment on hugetlbfs, shared and read-only."""
     page = _mapping_page(header, volume)
@@ -365,7 +368,7 @@ def _map_data(fd: int, header: Header, volume: Volume) -> tuple[mmap.mmap | memo
     if header.data_length == 0:
         return None, header.data_offset
     base = header.data_offset - header.data_offset % max(page, mmap.ALLOCATIONGRANULARITY)
-    length = header.data_offset + header.data_length - base
+    length = min(mapped_length(header.data_offset + header.data_length - base, volume), size - base)
     if volume.mapping_only:
         data = mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=base)
     else:

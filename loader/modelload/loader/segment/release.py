@@ -33,7 +33,7 @@ import numpy as np
 
 from modelload.loader.errors import SegmentError
 from modelload.loader.segment import _memory
-from modelload.loader.segment.layout import ALIGNMENT, STATE_ENTRY_LENGTH, Layout, TensorState
+from modelload.loader.segment.layout import ALIGNMENT, STATE_ENTRY_LENGTH, Layout, TensorState, align
 
 __all__ = ["Releaser", "page_span", "punch_hole"]
 
@@ -76,7 +76,8 @@ class Releaser:
         self._fd = os.dup(fd)
         self.layout = layout
         self._page = layout.page_size
-        self._mm = mmap.mmap(self._fd, layout.data_offset, flags=mmap.MAP_SHARED)
+        # Whole pages: a partial huge page of hugetlbfs would never be unmapped (segment.pages.mapped_length).
+        self._mm = mmap.mmap(self._fd, align(layout.data_offset, self._page), flags=mmap.MAP_SHARED)
         self._u32 = np.frombuffer(self._mm, dtype="<u4")
         first = layout.state_offset // 4
         self.states = self._u32[

@@ -68,7 +68,7 @@ from modelload.loader.segment.layout import (
     WriterState,
     entry_offset,
 )
-from modelload.loader.segment.pages import Volume, available_bytes, volume_of
+from modelload.loader.segment.pages import Volume, available_bytes, mapped_length, volume_of
 
 __all__ = ["SegmentWriter"]
 
@@ -521,7 +521,8 @@ def _supersede(target: Path, load_id: int) -> None:
         size = os.fstat(fd).st_size
         if size < HEADER_LENGTH:
             return
-        with mmap.mmap(fd, HEADER_LENGTH, flags=mmap.MAP_SHARED) as old:
+        length = min(mapped_length(HEADER_LENGTH, volume_of(fd)), size)
+        with mmap.mmap(fd, length, flags=mmap.MAP_SHARED) as old:
             loading = struct.unpack_from("<I", old, OFF_WRITER_STATE)[0] == WriterState.LOADING
             if old[: len(MAGIC)] != MAGIC or not loading:
                 return
