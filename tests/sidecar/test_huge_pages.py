@@ -18,6 +18,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 
@@ -41,6 +42,7 @@ from modelload.sidecar.sources import (
     open_source,
 )
 from tests.sidecar import models
+from tests.sidecar.test_cli import start_command, stop_command, wait_for
 from tests.support.fault_proxy import Reset, Stall
 from tests.support.hugepages import (
     HUGE_PAGE,
@@ -50,6 +52,7 @@ from tests.support.hugepages import (
     hugetlbfs_volume,
     mounted,
 )
+from tests.support.ports import free_port
 
 __all__ = ["huge_tmpfs", "huge_tmpfs_volume", "hugetlbfs", "hugetlbfs_volume"]  # fixtures, used by name
 
@@ -296,3 +299,38 @@ def test_torch_tensors_over_a_hugetlbfs_segment_come_without_a_writable_buffer_w
         with attach(hugetlbfs / "model.seg", timeout=5, notify=False) as model:
             state = model.state_dict()
             assert torch.equal(state["layers.0.attn.weight"], tensors["layers.0.attn.weight"])
+
+
+def test_the_sidecar_command_killed_mid_load_on_hugetlbfs_loads_again_when_restarted(
+    nginx: Any, nginx_proxy: Any, hugetlbfs: Path
+) -> None:
+    tensors = models.state_dict(seed=30, width=512, layers=4)
+    nginx.put("huge-killed.safetensors", models.safetensors_bytes(tensors))
+    nginx_proxy.always(Stall(after=0, seconds=0.3))  # every request waits: the load takes seconds
+    segment = hugetlbfs / "model.seg"
+    args = ["--segment", str(segment), "--host", "127.0.0.1", "--chunk-size", "1MiB", "--readers", "1"]
+    port = free_port()
+    source = ["--source", nginx_proxy.url("huge-killed.safetensors")]
+    process = start_command([*source, *args, "--port", str(port)], port=port)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: httpx.get(url + "/status", timeout=5).json()["tensors_ready"] >= 1, timeout=30)
+    finally:
+        process.kill()  # a crash: no SIGTERM, the segment stays LOADING with a dead writer
+        process.communicate(timeout=20)
+    with SegmentReader.open(segment) as reader:
+        assert reader.writer_state == WriterState.LOADING
+        crashed = reader.load_id
+    port = free_port()
+    source = ["--source", nginx.url("huge-killed.safetensors")]
+    process = start_command([*source, *args, "--port", str(port)], port=port)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: httpx.get(url + "/readyz", timeout=5).status_code == 200, timeout=60)
+        with SegmentReader.open(segment) as reader:
+            assert reader.load_id != crashed and reader.writer_state == WriterState.COMPLETE
+        models.assert_segment_matches(segment, tensors)
+    finally:
+        code, stderr = stop_command(process)
+    assert code == 0, stderr
+    assert "hugetlbfs" in stderr, "the log says which landing the volume got"
