@@ -470,7 +470,7 @@ class _Tied(torch.nn.Module):
         self.head.weight = self.embed.weight
 
 
-def _copy_all_on_the_host(items: Any, device: Any, *, on_done: Any = None) -> Any:
+def _copy_all_on_the_host(items: Any, device: Any, *, on_done: Any = None, mapping: Any = None) -> Any:
     """A device copy without a device: each tensor is copied, then marked consumed, as a GPU's is."""
     results = []
     for name, host in items:
