@@ -25,12 +25,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import kopf
 
-from modelload.operator.conditions import now_rfc3339
+from modelload.operator.conditions import now_rfc3339, set_condition
 from modelload.operator.fleet import FleetPoller
 from modelload.operator.kube import Kube, KubeNotFoundError
 from modelload.operator.metrics import METRICS
@@ -38,6 +38,7 @@ from modelload.operator.peers import ensure_peer_objects
 from modelload.operator.pods import PodLoad, aggregate, classify
 from modelload.operator.resolve import classify_failure, failure_status, resolve, success_status
 from modelload.operator.resource import label_value
+from modelload.operator.scheduling import CONDITION, SchedulingVerdict, verdict
 from modelload.operator.schema import GROUP, MODEL_LABEL, PLURAL, VERSION, PodsStatus, parse_spec
 from modelload.operator.settings import OperatorSettings
 
@@ -85,6 +86,7 @@ def pods_body(status: PodsStatus) -> dict[str, Any]:
         "loading": status.loading,
         "ready": status.ready,
         "failed": status.failed,
+        "unschedulable": status.unschedulable,
         "lastLoadSeconds": status.last_load_seconds,
         "medianLoadSeconds": status.median_load_seconds,
         "lastThroughputBytesPerSecond": status.last_throughput_bytes_per_second,
@@ -112,29 +114,52 @@ class PodAggregator:
         loads: Callable[[], Iterable[PodLoad]],
         *,
         model_bytes: int | None,
+        conditions: Sequence[Mapping[str, Any]] | None = None,
         force: bool = False,
     ) -> None:
         key = (namespace, name)
         async with self._locks[key]:
-            body = pods_body(aggregate(loads(), model_bytes=model_bytes))
+            items = list(loads())
+            patch: dict[str, Any] = {"pods": pods_body(aggregate(items, model_bytes=model_bytes))}
+            scheduling = verdict(((p.unschedulable, p.huge_pages) for p in items), existing=conditions)
+            if scheduling is not None and not _says(conditions, scheduling):
+                # Merged into the conditions the ModelLoad has (the index's view), the others kept.
+                patch["conditions"] = set_condition(
+                    conditions, type=CONDITION, status=scheduling.status, reason=scheduling.reason,
+                    message=scheduling.message, generation=None, now=now_rfc3339(),
+                )  # fmt: skip
+            body = patch
             if not force and self._written.get(key) == body:
                 return
             try:
-                await self._kube.patch_modelload_status(namespace, name, {"pods": body})
+                await self._kube.patch_modelload_status(namespace, name, patch)
             except KubeNotFoundError:
                 self._written.pop(key, None)  # deleted meanwhile: nothing to report to
                 return
             self._written[key] = body
 
 
+def _says(conditions: Sequence[Mapping[str, Any]] | None, scheduling: SchedulingVerdict) -> bool:
+    """Whether the ModelLoad's PodsScheduled condition already says this."""
+    return any(
+        c.get("type") == CONDITION
+        and (c.get("status"), c.get("reason"), c.get("message"))
+        == (scheduling.status, scheduling.reason, scheduling.message)
+        for c in conditions or ()
+    )
+
+
 def modelloads_by_label(
     *, namespace: str | None, name: str, body: kopf.Body, status: kopf.Status, **_: Any
 ) -> Any:
-    """Index: the ModelLoad (its model's bytes, whether it has peers) that each pod label value in a
-    namespace selects."""
+    """Index: the ModelLoad (its model's bytes, whether it has peers, its conditions) that each pod label
+    value in a namespace selects."""
     nbytes = status.get("bytes")
     peers = (body.get("spec") or {}).get("peers") is True
-    return {(namespace, label_value(body)): (name, nbytes if isinstance(nbytes, int) else None, peers)}
+    conditions = [dict(c) for c in status.get("conditions") or ()]
+    return {
+        (namespace, label_value(body)): (name, nbytes if isinstance(nbytes, int) else None, peers, conditions)
+    }
 
 
 def pod_loads(*, namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> Any:
@@ -209,7 +234,12 @@ class Handlers:
         kopf.info(body, reason="Resolved", message=new_status["conditions"][-1]["message"])
         selector, index = (namespace, label_value(body)), kwargs["pod_loads"]
         await self._aggregator.refresh(
-            namespace, name, lambda: index.get(selector, []), model_bytes=resolution.summary.bytes, force=True
+            namespace,
+            name,
+            lambda: index.get(selector, []),
+            model_bytes=resolution.summary.bytes,
+            conditions=new_status["conditions"],
+            force=True,
         )
 
     async def pod_changed(self, *, namespace: str | None, labels: Mapping[str, str], **kwargs: Any) -> None:
@@ -219,10 +249,10 @@ class Handlers:
         owners = list(kwargs["modelloads_by_label"].get(selector, []))
         if len(owners) != 1:
             return  # no ModelLoad (the webhook refused such pods), or an ambiguous label: nothing to report
-        name, model_bytes, _ = owners[0]
+        name, model_bytes, _, conditions = owners[0]
         index = kwargs["pod_loads"]
         await self._aggregator.refresh(
-            namespace, name, lambda: index.get(selector, []), model_bytes=model_bytes
+            namespace, name, lambda: index.get(selector, []), model_bytes=model_bytes, conditions=conditions
         )
 
 

@@ -13,8 +13,10 @@ mapping both possible and cheaper:
 A copy must read from inside a single registration (the driver refuses a copy whose source crosses from
 one registered span into another, seen on an H100), so the spans are not cut per page: the whole mapping is
 one span, registered at the first copy and given back when the copier finishes. Where the driver refuses it,
-tensors are pinned one by one as on 4 KiB pages. Pure bookkeeping over two callables, so it is tested
-without a GPU.
+tensors are pinned one by one as on 4 KiB pages. The price: in memory mode release, the pages of tensors
+released during the copy go back to the pool when the copier finishes (``state_dict`` returns), not one by
+one; the volume is sized for the whole model there anyway. Pure bookkeeping over two callables, so it is
+tested without a GPU.
 """
 
 from __future__ import annotations

@@ -1,0 +1,74 @@
+"""Pods that no node can take: the scheduler's word on them, turned into a ModelLoad condition.
+
+A pod whose sidecar asks for huge pages (``spec.memory.hugePages``) fits only nodes with that many free
+pre-allocated huge pages in their allocatable resources. Where none has them the pod stays Pending, and the
+only trace is on the pod: its ``PodScheduled`` condition turns ``False`` with reason ``Unschedulable`` and the
+scheduler's message (``0/3 nodes are available: 3 Insufficient hugepages-2Mi.``), which is also the
+``FailedScheduling`` event's. The operator already watches the injected pods (:mod:`.pods`), so it reads that
+condition and says it on the ModelLoad: ``status.pods.unschedulable`` counts the pods, and the
+``PodsScheduled`` condition gives the scheduler's message, the huge pages each pod asks for, and what to do.
+The condition is written only once a pod could not be scheduled (then until none is left), so models whose
+pods schedule normally carry no extra condition.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["CONDITION", "SchedulingVerdict", "huge_page_request", "unschedulable", "verdict"]
+
+CONDITION = "PodsScheduled"
+INSUFFICIENT_HUGE_PAGES = "Insufficient hugepages-"
+
+
+@dataclass(frozen=True)
+class SchedulingVerdict:
+    """What the ``PodsScheduled`` condition says."""
+
+    status: str
+    reason: str
+    message: str
+
+
+def unschedulable(status: Mapping[str, Any]) -> str | None:
+    """The scheduler's message for a pod it could not place (``PodScheduled`` False, ``Unschedulable``)."""
+    for condition in status.get("conditions") or ():
+        refused = condition.get("type") == "PodScheduled" and condition.get("status") == "False"
+        if refused and condition.get("reason") == "Unschedulable":
+            return str(condition.get("message") or "no node can take the pod")
+    return None
+
+
+def huge_page_request(container: Mapping[str, Any]) -> str | None:
+    """``hugepages-2Mi: 1030Mi`` when the container asks for huge pages, else None."""
+    limits = (container.get("resources") or {}).get("limits") or {}
+    asked = [
+        f"{name}: {value}" for name, value in sorted(limits.items()) if str(name).startswith("hugepages-")
+    ]
+    return ", ".join(asked) or None
+
+
+def verdict(
+    pods: Iterable[tuple[str | None, str | None]], *, existing: Sequence[Mapping[str, Any]] | None
+) -> SchedulingVerdict | None:
+    """The condition for pods given as ``(scheduler message or None, huge pages asked or None)``; None when
+    there is nothing to say (every pod placed, and no earlier condition to clear)."""
+    stuck = [(message, huge) for message, huge in pods if message is not None]
+    if not stuck:
+        had = any(c.get("type") == CONDITION for c in existing or ())
+        return SchedulingVerdict("True", "Scheduled", "every injected pod is on a node") if had else None
+    message, huge = next(((m, h) for m, h in stuck if INSUFFICIENT_HUGE_PAGES in (m or "")), stuck[0])
+    count = f"{len(stuck)} injected pod{'s' if len(stuck) > 1 else ''} cannot be scheduled"
+    assert message is not None
+    if INSUFFICIENT_HUGE_PAGES in message:
+        return SchedulingVerdict(
+            "False",
+            "InsufficientHugePages",
+            f"{count}: {message.strip()} Each pod's sidecar asks for {huge or 'huge pages'} "
+            "(spec.memory.hugePages): give nodes that many free pre-allocated huge pages (vm.nr_hugepages, "
+            "or hugepages= on the kernel command line; restart the kubelet after a change at runtime so "
+            "that the node's allocatable shows them), or remove spec.memory.hugePages to use ordinary memory",
+        )
+    return SchedulingVerdict("False", "Unschedulable", f"{count}: {message.strip()}")
