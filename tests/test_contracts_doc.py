@@ -101,7 +101,7 @@ def _everything_the_webhook_sets() -> tuple[dict[str, dict[str, Any]], dict[str,
         {"source": "https://models.example.com/m.tensors", "headersSecretRef": {"name": "token"}},
         {
             "source": "s3://models/m.tensors",
-            "memory": {"mode": "ring", "ringSize": "256Mi", "waitTimeoutSeconds": 60},
+            "memory": {"mode": "ring", "ringSize": "256Mi", "waitTimeoutSeconds": 60, "hugePages": "2Mi"},
         },
     ):
         sidecar.update(_env_of(spec))
@@ -168,6 +168,7 @@ def test_the_paths_and_names_of_the_pod_are_those_of_the_webhook() -> None:
         "KEY_VOLUME",
         "PASSWORD_VOLUME",
         "HEADERS_VOLUME",
+        "HUGE_PAGES_VOLUME",
         "SIDECAR_NAME",
         "CONTAINERS_ANNOTATION",
         "INJECTED_ANNOTATION",
