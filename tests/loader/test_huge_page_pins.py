@@ -17,7 +17,7 @@ from modelload.loader import attach
 from modelload.loader._api.pins import Mapping, Pinner
 from modelload.loader.dtypes import by_name
 from modelload.loader.segment import SegmentWriter, TensorSpec, plan_layout
-from tests.segment.helpers import expected_bytes
+from tests.segment.helpers import expected_bytes, write_complete
 from tests.support.hugepages import HUGE_PAGE, hugetlbfs, hugetlbfs_volume
 
 __all__ = ["hugetlbfs", "hugetlbfs_volume"]  # fixtures, used by name
@@ -107,11 +107,7 @@ def test_a_hugetlbfs_segment_offers_its_whole_mapping_in_huge_pages(hugetlbfs: P
         page_size=P,
     )
     path = hugetlbfs / "model.seg"
-    with SegmentWriter.create(path, layout, heartbeat=False) as writer:
-        for slot in layout.slots:
-            writer.slot(slot.index)[:] = expected_bytes(1, slot.index, slot.nbytes)
-            writer.mark_ready(slot.index)
-        writer.mark_complete()
+    write_complete(path, layout, seed=1)
     with attach(path, timeout=5, notify=False) as model:
         mapping = model._pinnable()
         assert mapping is not None and mapping.page == P
@@ -139,11 +135,7 @@ def test_a_hugetlbfs_segment_copies_to_the_gpu_byte_exact_through_whole_page_pin
         [TensorSpec(f"t{i}", by_name("uint8"), (n,)) for i, n in enumerate(sizes)], page_size=P
     )
     path = hugetlbfs / "model.seg"
-    with SegmentWriter.create(path, layout, heartbeat=False) as writer:
-        for slot in layout.slots:
-            writer.slot(slot.index)[:] = expected_bytes(2, slot.index, slot.nbytes)
-            writer.mark_ready(slot.index)
-        writer.mark_complete()
+    write_complete(path, layout, seed=2)
     with attach(path, timeout=5, notify=False) as model:
         on_gpu = model.state_dict(device="cuda")
         for slot in layout.slots:
