@@ -18,7 +18,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from tests.support.hugepages import Unavailable, huge_volume  # noqa: E402
+from tests.support.hugepages import HUGE_PAGE, Unavailable, huge_volume, warm  # noqa: E402
 
 VOLUMES = {
     "tmpfs": "4 KiB pages (tmpfs, medium: Memory)",
@@ -31,15 +31,19 @@ OTHER = {"tmpfs": "mapping", "tmpfs-huge": "splice"}
 
 @contextlib.contextmanager
 def huge_page_volumes(work: Path, size: int) -> Iterator[tuple[dict[str, Path], dict[str, str]]]:
-    """Each volume mounted with room for a ``size``-byte model's segment: (folders, skipped with reasons)."""
+    """Each volume mounted with room for a ``size``-byte model's segment, its pages used once before the first
+    round (``warm``: a node's pool has served loads before): (folders, skipped with reasons)."""
+    room = -(-(size + (64 << 20)) // HUGE_PAGE) * HUGE_PAGE
     with contextlib.ExitStack() as stack:
         folders: dict[str, Path] = {}
         skipped: dict[str, str] = {}
         for kind in VOLUMES:
             try:
-                folders[kind] = stack.enter_context(huge_volume(kind, work / kind, size + (64 << 20)))
+                folders[kind] = stack.enter_context(huge_volume(kind, work / kind, room))
             except Unavailable as exc:
                 skipped[kind] = str(exc)
+                continue
+            warm(folders[kind], room - (32 << 20))
         yield folders, skipped
 
 

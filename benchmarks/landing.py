@@ -48,7 +48,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from scratch import scratch  # noqa: E402
 
-from tests.support.hugepages import Unavailable, huge_volume  # noqa: E402
+from tests.support.hugepages import HUGE_PAGE, Unavailable, huge_volume, warm  # noqa: E402
 
 METHODS = ("reused", "mapping", "mapping+reserve", "splice", "copy_file_range", "pwrite")
 VOLUMES = ("tmpfs", "tmpfs-huge", "hugetlbfs")
@@ -165,7 +165,9 @@ def volume(kind: str, work: Path, size: int) -> Iterator[Path]:
         folder.mkdir()
         yield folder
         return
-    with huge_volume(kind, work / kind, size + (64 << 20)) as folder:
+    room = -(-(size + (64 << 20)) // HUGE_PAGE) * HUGE_PAGE
+    with huge_volume(kind, work / kind, room) as folder:
+        warm(folder, size)  # pages used once, as a node's pool is after its first load
         yield folder
 
 

@@ -18,9 +18,9 @@ and block size) and, for tmpfs, the mount's own options in ``/proc/self/mountinf
 
 Which landing path is cheaper follows from the pages (:func:`prefers_mapping`), as ``benchmarks/landing.py``
 measured on this project's 2-core machine (1 GiB from /dev/shm, 8 threads, 32 MiB pieces, CPU-seconds per
-GiB): on 4 KiB tmpfs ``splice`` through the file descriptor costs 0.72 against 1.03 through a reserved
-mapping; on huge tmpfs the mapping costs 0.34-0.37 against splice's 0.69-1.08; hugetlbfs takes only the
-mapping (0.41-0.44).
+GiB, median of 5): on 4 KiB tmpfs ``splice`` through the file descriptor costs 0.84 against 1.24 through a
+reserved mapping; on huge tmpfs the mapping costs 0.53 against splice's 1.44; hugetlbfs takes only the
+mapping (0.52). The sidecar from nginx: 0.76 on hugetlbfs against 1.13 by splice on 4 KiB pages.
 """
 
 from __future__ import annotations
