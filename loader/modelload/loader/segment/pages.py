@@ -25,6 +25,7 @@ mapping (0.52). The sidecar from nginx: 0.76 on hugetlbfs against 1.13 by splice
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import mmap
@@ -33,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from modelload.loader.errors import SegmentError
+
 __all__ = [
     "HUGETLBFS_MAGIC",
     "SMALL_PAGE",
@@ -40,6 +43,8 @@ __all__ = [
     "Volume",
     "VolumeKind",
     "available_bytes",
+    "check_page_size",
+    "full_volume_advice",
     "mapped_length",
     "prefers_mapping",
     "round_up",
@@ -182,7 +187,35 @@ def volume_of(target: str | os.PathLike[str] | int) -> Volume:
     return Volume("tmpfs-huge", _pmd_size()) if huge else SMALL
 
 
+def check_page_size(directory: str | os.PathLike[str], page_size: int) -> Volume | None:
+    """The volume of ``directory``; a segment planned for pages of ``page_size`` bytes, smaller than a
+    hugetlbfs volume's own, is refused (hugetlbfs takes whole pages only). None when ``directory`` is missing
+    (the writer's space check says so)."""
+    try:
+        volume = volume_of(directory)
+    except OSError:
+        return None
+    if volume.mapping_only and page_size % volume.page_size:
+        raise SegmentError(
+            f"{os.fspath(directory)} is {volume.describe()}: a segment there must be planned for its pages "
+            f"(plan_layout(page_size={volume.page_size})), not for {page_size}-byte pages"
+        )
+    return volume
+
+
 # --- room --------------------------------------------------------------------------------------------------
+
+
+def full_volume_advice(directory: str | os.PathLike[str]) -> str:
+    """What to raise when ``directory``'s volume is too small: huge pages come from the node's pool and the
+    pod's limit, ordinary memory from the volume's sizeLimit."""
+    with contextlib.suppress(OSError):
+        if volume_of(directory).mapping_only:
+            return (
+                "it is hugetlbfs, backed by the node's free huge pages and the pod's hugepages limit: raise "
+                "nr_hugepages on the node or the limit (the operator sizes it from spec.memory.hugePages)"
+            )
+    return "raise the volume's sizeLimit (emptyDir medium: Memory) or free space"
 
 
 def available_bytes(directory: str | os.PathLike[str], volume: Volume | None = None) -> int:

@@ -68,7 +68,14 @@ from modelload.loader.segment.layout import (
     WriterState,
     entry_offset,
 )
-from modelload.loader.segment.pages import Volume, available_bytes, mapped_length, volume_of
+from modelload.loader.segment.pages import (
+    Volume,
+    available_bytes,
+    check_page_size,
+    full_volume_advice,
+    mapped_length,
+    volume_of,
+)
 
 __all__ = ["SegmentWriter"]
 
@@ -150,7 +157,7 @@ class SegmentWriter:
         load_id = load_id or (secrets.randbits(64) | 1)
         created_ns = created_ns or time.time_ns()
         _check_writable(target.parent)
-        volume = _check_pages(target.parent, layout)
+        volume = check_page_size(target.parent, layout.page_size)
         _make_room(target, layout.segment_length, load_id)
         _check_space(target.parent, layout)
         temp = target.with_name(f".{target.name}.{load_id:016x}.tmp")
@@ -391,20 +398,6 @@ def _check_writable(directory: Path) -> None:
         )
 
 
-def _check_pages(directory: Path, layout: Layout) -> Volume | None:
-    """The volume's kind; a layout planned for smaller pages than a hugetlbfs volume's is refused."""
-    try:
-        volume = volume_of(directory)
-    except OSError:
-        return None  # _check_space reports a missing directory
-    if volume.mapping_only and layout.page_size % volume.page_size:
-        raise SegmentError(
-            f"{directory} is {volume.describe()}: a segment there must be planned for its pages "
-            f"(plan_layout(page_size={volume.page_size})), not for {layout.page_size}-byte pages"
-        )
-    return volume
-
-
 def _map(fd: int, layout: Layout, target: Path) -> mmap.mmap | memoryview:
     """Map the new segment shared and writable (a ring twice over). On hugetlbfs the kernel reserves the
     mapping's pages from its pool now, and refuses with ENOMEM when too few are free."""
@@ -444,19 +437,8 @@ def _check_space(directory: Path, layout: Layout) -> None:
         raise SegmentSpaceError(
             errno.ENOSPC,
             f"the segment needs {needed} bytes and {directory} has {available} free; "
-            + _room_hint(directory),
+            + full_volume_advice(directory),
         )
-
-
-def _room_hint(directory: Path) -> str:
-    """What to raise when a volume is too small: huge pages come from the node's pool and the pod's limit."""
-    with contextlib.suppress(OSError):
-        if volume_of(directory).mapping_only:
-            return (
-                "it is hugetlbfs, backed by the node's free huge pages and the pod's hugepages limit: raise "
-                "nr_hugepages on the node or the limit (the operator sizes it from spec.memory.hugePages)"
-            )
-    return "raise the volume's sizeLimit (emptyDir medium: Memory) or free space"
 
 
 def _reserve(fd: int, length: int, target: Path, *, offset: int = 0) -> None:
