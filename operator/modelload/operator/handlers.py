@@ -30,7 +30,7 @@ from typing import Any
 
 import kopf
 
-from modelload.operator.conditions import now_rfc3339, set_condition
+from modelload.operator.conditions import now_rfc3339
 from modelload.operator.fleet import FleetPoller
 from modelload.operator.kube import Kube, KubeNotFoundError
 from modelload.operator.metrics import METRICS
@@ -38,7 +38,7 @@ from modelload.operator.peers import ensure_peer_objects
 from modelload.operator.pods import PodLoad, aggregate, classify
 from modelload.operator.resolve import classify_failure, failure_status, resolve, success_status
 from modelload.operator.resource import label_value
-from modelload.operator.scheduling import CONDITION, SchedulingVerdict, verdict
+from modelload.operator.scheduling import write_condition
 from modelload.operator.schema import GROUP, MODEL_LABEL, PLURAL, VERSION, PodsStatus, parse_spec
 from modelload.operator.settings import OperatorSettings
 
@@ -106,6 +106,8 @@ class PodAggregator:
             asyncio.Lock
         )
         self._written: dict[tuple[str, str], dict[str, Any]] = {}
+        self._flagged: set[tuple[str, str]] = set()
+        """ModelLoads whose PodsScheduled condition may say False (:func:`scheduling.write_condition`)."""
 
     async def refresh(
         self,
@@ -120,33 +122,23 @@ class PodAggregator:
         key = (namespace, name)
         async with self._locks[key]:
             items = list(loads())
-            patch: dict[str, Any] = {"pods": pods_body(aggregate(items, model_bytes=model_bytes))}
-            scheduling = verdict(((p.unschedulable, p.huge_pages) for p in items), existing=conditions)
-            if scheduling is not None and not _says(conditions, scheduling):
-                # Merged into the conditions the ModelLoad has (the index's view), the others kept.
-                patch["conditions"] = set_condition(
-                    conditions, type=CONDITION, status=scheduling.status, reason=scheduling.reason,
-                    message=scheduling.message, generation=None, now=now_rfc3339(),
-                )  # fmt: skip
-            body = patch
-            if not force and self._written.get(key) == body:
-                return
+            body = pods_body(aggregate(items, model_bytes=model_bytes))
             try:
-                await self._kube.patch_modelload_status(namespace, name, patch)
+                flagged = await write_condition(
+                    self._kube, namespace, name, [(p.unschedulable, p.huge_pages) for p in items],
+                    shown=conditions, flagged=key in self._flagged,
+                )  # fmt: skip
+                if flagged:
+                    self._flagged.add(key)
+                else:
+                    self._flagged.discard(key)
+                if not force and self._written.get(key) == body:
+                    return
+                await self._kube.patch_modelload_status(namespace, name, {"pods": body})
             except KubeNotFoundError:
                 self._written.pop(key, None)  # deleted meanwhile: nothing to report to
                 return
             self._written[key] = body
-
-
-def _says(conditions: Sequence[Mapping[str, Any]] | None, scheduling: SchedulingVerdict) -> bool:
-    """Whether the ModelLoad's PodsScheduled condition already says this."""
-    return any(
-        c.get("type") == CONDITION
-        and (c.get("status"), c.get("reason"), c.get("message"))
-        == (scheduling.status, scheduling.reason, scheduling.message)
-        for c in conditions or ()
-    )
 
 
 def modelloads_by_label(

@@ -17,7 +17,17 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CONDITION", "SchedulingVerdict", "huge_page_request", "unschedulable", "verdict"]
+from modelload.operator.conditions import now_rfc3339, set_condition
+from modelload.operator.kube import Kube, KubeConflictError
+
+__all__ = [
+    "CONDITION",
+    "SchedulingVerdict",
+    "huge_page_request",
+    "unschedulable",
+    "verdict",
+    "write_condition",
+]
 
 CONDITION = "PodsScheduled"
 INSUFFICIENT_HUGE_PAGES = "Insufficient hugepages-"
@@ -72,3 +82,58 @@ def verdict(
             "that the node's allocatable shows them), or remove spec.memory.hugePages to use ordinary memory",
         )
     return SchedulingVerdict("False", "Unschedulable", f"{count}: {message.strip()}")
+
+
+ATTEMPTS = 3
+"""Reads and conditional writes of the condition before giving up until the next pod event."""
+
+
+async def write_condition(
+    kube: Kube,
+    namespace: str,
+    name: str,
+    pods: Sequence[tuple[str | None, str | None]],
+    *,
+    shown: Sequence[Mapping[str, Any]] | None,
+    flagged: bool = False,
+) -> bool:
+    """Bring the ModelLoad's ``PodsScheduled`` condition in line with ``pods`` (see :func:`verdict`); True
+    while the condition may say False (a pod is stuck, or clearing it did not get through): the caller
+    passes that back as ``flagged`` next time.
+
+    ``shown`` is the status as last seen (the operator's index, possibly behind): nothing is read while no
+    pod is stuck and neither it nor ``flagged`` says the condition is False. Otherwise the ModelLoad is read
+    afresh and the conditions are written with its resourceVersion as a precondition, so a Ready condition
+    written meanwhile is never dropped: a conflict reads again.
+    """
+    stuck = any(message is not None for message, _ in pods)
+    flagged = flagged or any(c.get("type") == CONDITION and c.get("status") == "False" for c in shown or ())
+    if not stuck and not flagged:
+        return False
+    for _ in range(ATTEMPTS):
+        current = await kube.read_modelload(namespace, name)
+        conditions = (current.get("status") or {}).get("conditions") or []
+        said = verdict(pods, existing=conditions)
+        if said is None or _says(conditions, said):
+            return said is not None and said.status == "False"
+        updated = set_condition(
+            conditions, type=CONDITION, status=said.status, reason=said.reason, message=said.message,
+            generation=None, now=now_rfc3339(),
+        )  # fmt: skip
+        version = (current.get("metadata") or {}).get("resourceVersion")
+        try:
+            await kube.patch_modelload_status(
+                namespace, name, {"conditions": updated}, resource_version=version
+            )
+        except KubeConflictError:
+            continue  # written meanwhile: read it again
+        return said.status == "False"
+    return True
+
+
+def _says(conditions: Sequence[Mapping[str, Any]], said: SchedulingVerdict) -> bool:
+    return any(
+        c.get("type") == CONDITION
+        and (c.get("status"), c.get("reason"), c.get("message")) == (said.status, said.reason, said.message)
+        for c in conditions
+    )
