@@ -12,6 +12,8 @@ from __future__ import annotations
 __all__ = [
     "HUGE_PAGES_MOUNT_PATH",
     "HUGE_PAGES_SEGMENT_PATH",
+    "KEEPER_ENV",
+    "KEEPER_SOCKET",
     "MODEL_DIR_ENV",
     "MODEL_DIR_PATH",
     "MOUNT_PATH",
@@ -37,6 +39,9 @@ MODEL_DIR_ENV = "MODELLOAD_MODEL_DIR"
 """Where a directory model's small files go (``--model-dir``), for the app to pass to its engine."""
 STATUS_URL_ENV = "MODELLOAD_STATUS_URL"
 """The sidecar's status API as an app container reaches it (``attach()``, ``modelload monitor``)."""
+KEEPER_ENV = "MODELLOAD_KEEPER"
+"""The keeper's Unix socket (the opt-in CUDA hand-off, docs/handoff.md): ``modelload keeper --socket`` and
+``modelload.loader.handoff.connect()`` read it. The webhook does not set it."""
 
 # --- paths -------------------------------------------------------------------------------------------------
 
@@ -54,6 +59,8 @@ HUGE_PAGES_MOUNT_PATH = "/run/modelload-hugepages"
 holds only mapped files, so the model directory and the notify socket stay at :data:`MOUNT_PATH`."""
 HUGE_PAGES_SEGMENT_PATH = f"{HUGE_PAGES_MOUNT_PATH}/model.seg"
 """The segment in a pod with huge pages."""
+KEEPER_SOCKET = f"{MOUNT_PATH}/keeper.sock"
+"""Where the keeper listens and the app connects when ``MODELLOAD_KEEPER`` is not set."""
 
 # --- ports -------------------------------------------------------------------------------------------------
 
