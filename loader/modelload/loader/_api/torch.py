@@ -180,7 +180,16 @@ class DeviceCopier:
         status = cudart.cudaHostRegister(pointer, nbytes, flags)
         if int(status) != 0:
             log.debug("cudaHostRegister(%#x, %d, read-only) failed: %s", pointer, nbytes, status)
+            self._drop_last_error()
         return int(status) == 0
+
+    def _drop_last_error(self) -> None:
+        """A refused ``cudaHostRegister`` stays the CUDA runtime's last error, and torch's check after the
+        next kernel launch raises it there, in whatever code runs next (seen on an H100: a refusal the
+        copier had already handled failed a later ``torch.equal``). One tiny kernel now takes that error
+        and drops it."""
+        with suppress(RuntimeError):  # torch.AcceleratorError: the stale refusal, now consumed
+            self._torch.zeros(1, device=self.device)
 
     def _release_finished(self) -> None:
         keep = []
