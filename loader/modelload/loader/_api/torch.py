@@ -189,7 +189,7 @@ class DeviceCopier:
         copier had already handled failed a later ``torch.equal``). One tiny kernel now takes that error
         and drops it."""
         with suppress(RuntimeError):  # torch.AcceleratorError: the stale refusal, now consumed
-            self._torch.zeros(1, device=self.device)
+            self._torch.ones(1, device=self.device)  # a fill kernel (a zeroing may be a memset)
 
     def _release_finished(self) -> None:
         keep = []
