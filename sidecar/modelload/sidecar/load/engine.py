@@ -11,8 +11,9 @@ One run is one load:
 3. read each weight file's index with one small range, plan the segment (a slot per tensor, across files)
    and the range chunks, publish the segment's header and manifest at once (an app can attach now);
 4. N reader threads take chunks in load order and land them straight in the segment: ``os.splice`` from the
-   socket or file into the segment's file where the source supports it (no user-space copy, no page faults
-   in this process), ``readinto`` a slice of the mapping otherwise;
+   socket or file into the segment's file on 4 KiB pages where the source supports it (no user-space copy,
+   no page faults in this process), ``readinto`` a slice of the mapping on huge pages and otherwise
+   (:mod:`modelload.sidecar.load.landing` chooses);
 5. the thread that lands a tensor's last chunk decrypts it in place, checks its hash when asked, and
    publishes it READY;
 6. every tensor in, and the weight files still the ones the load started with (a fresh look-up of their
@@ -57,6 +58,7 @@ from modelload.loader.segment import (
 )
 from modelload.sidecar.load import integrity, proof
 from modelload.sidecar.load.digests import FileDigests
+from modelload.sidecar.load.landing import choose_landing
 from modelload.sidecar.load.meter import ChunkMeter
 from modelload.sidecar.load.modeldir import write_model_dir
 from modelload.sidecar.load.settings import LoadSettings
@@ -166,6 +168,7 @@ class Engine:
             return
         index = model.index
         key = self._key(index, uri)
+        landing = choose_landing(settings.landing, settings.segment, model.sources)
         proofs = _decide_proofs(model, settings, encrypted=index.encrypted)
         metadata = _metadata(uri, model.fingerprint, model.size, settings.notify, model_dir)
         plan = plan_load(
@@ -177,9 +180,10 @@ class Engine:
                 **_pinned_version(model),
                 PROOFS_KEY: json.dumps({p.uri: p.label for p in proofs}, sort_keys=True),
             },
+            page_size=landing.page_size,
         )
         plan = plan_memory(plan, settings.memory)
-        use_fd = settings.splice and all(source.supports_fd for source in model.sources)
+        use_fd = landing.through_fd
         # Through the file descriptor nothing writes a meta tensor's slot: reserve it before publishing.
         unlanded = integrity.unlanded_ranges(plan) if use_fd else []
         # A ring's pages are taken once, now, and reused lap after lap (a full volume fails here).

@@ -87,8 +87,10 @@ def plan_memory(plan: LoadPlan, settings: MemorySettings) -> LoadPlan:
                 f"ring size of {settings.ring_size} bytes: set --ring-size (ModelLoad spec.memory.ringSize) "
                 f"to at least {-(-need // 2**20)}MiB"
             )
-        # A ring larger than the model's data would only hold pages nothing uses.
-        ring_size = min(align(settings.ring_size), max(align(plan.layout.data_length), ALIGNMENT))
+        # A ring larger than the model's data would only hold pages nothing uses. Whole pages of the volume:
+        # on huge pages the ring is mapped twice at page boundaries (segment/_ring.py).
+        page = plan.layout.page_size
+        ring_size = min(align(settings.ring_size, page), max(align(plan.layout.data_length, page), page))
     layout = replace(plan.layout, memory_mode=settings.layout_mode, ring_size=ring_size)
     return replace(plan, layout=layout)
 
