@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.fixtures import moto_s3  # noqa: F401 - a fixture
+from tests.support.fixtures import hub, moto_s3, token_registry  # noqa: F401 - fixtures
 
 NAMESPACE = "serving"
 OPERATOR_NAMESPACE = "modelload-system"

@@ -2,6 +2,26 @@
 
 from __future__ import annotations
 
-from tests.support.fixtures import aws_env, moto_proxy, moto_s3, nginx, nginx_proxy
+from tests.support.fixtures import (
+    aws_env,
+    hub,
+    moto_proxy,
+    moto_s3,
+    nginx,
+    nginx_proxy,
+    registry,
+    s3_registry,
+    token_registry,
+)
 
-__all__ = ["aws_env", "moto_proxy", "moto_s3", "nginx", "nginx_proxy"]
+__all__ = [
+    "aws_env",
+    "hub",
+    "moto_proxy",
+    "moto_s3",
+    "nginx",
+    "nginx_proxy",
+    "registry",
+    "s3_registry",
+    "token_registry",
+]

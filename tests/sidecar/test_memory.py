@@ -94,8 +94,8 @@ def _resident(segment: Path) -> int:
     [
         ("tensorizer", {}),  # spliced through the descriptor, split where the ring wraps
         ("safetensors", {}),
-        ("tensorizer", {"splice": False}),  # read into the writer's double mapping
-        ("safetensors", {"splice": False, "priority": ("layers.5.", "layers.2.mlp.")}),  # not file order
+        ("tensorizer", {"landing": "mapping"}),  # read into the writer's double mapping
+        ("safetensors", {"landing": "mapping", "priority": ("layers.5.", "layers.2.mlp.")}),  # not file order
     ],
     ids=["tensorizer", "safetensors", "tensorizer-mapping", "safetensors-mapping-priority"],
 )

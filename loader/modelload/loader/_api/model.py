@@ -270,22 +270,32 @@ class Model:
 
     def _pinnable(self, wanted: list[str]) -> torch_api.Region | None:
         """What a copy of tensors ``wanted`` to a GPU may pin once rather than tensor by tensor (pinning costs
-        per page): a ring, whose pages are reused lap after lap and stay while the load runs; a complete
-        full-mode segment's data, when the copy takes at least half of it. Never in memory mode release,
-        where a page pinned for the whole copy could not go back to the volume when its tensor is released,
-        nor in a full-mode segment still loading (each tensor is pinned once it is ready)."""
+        per page, and a copy must read from inside one registration):
+
+        - a segment on hugetlbfs, whole, in every memory mode: its pages are allocated before the first
+          tensor lands and mapped shared, so pinning pages whose tensors still land is harmless, and whole
+          huge pages are 512 times fewer to pin. In memory mode release the pages of tensors released during
+          the copy go back to the pool when the copy ends rather than one by one (the volume holds the whole
+          model there anyway);
+        - elsewhere a ring (its pages are reused lap after lap and stay while the load runs), or a complete
+          full-mode segment's data when the copy takes at least half of it. Not in memory mode release,
+          where a pinned page could not go back to the volume when its tensor is released, nor while a
+          full-mode load still lands: each tensor is pinned once it is ready.
+        """
         reader = self._reader
         data = reader.data()
-        if reader.memory_mode == MemoryMode.RING:
-            ring = reader.header.ring_size
-        elif reader.memory_mode == MemoryMode.FULL and reader.writer_state == WriterState.COMPLETE:
-            ring = 0
-            if 2 * sum(self._slot(name).nbytes for name in wanted) < len(data):
-                return None
-        else:
-            return None
+        mode = reader.memory_mode
         if not len(data):
             return None
+        if not reader.volume.mapping_only:
+            if mode == MemoryMode.RELEASE:
+                return None
+            if mode == MemoryMode.FULL and (
+                reader.writer_state != WriterState.COMPLETE
+                or 2 * sum(self._slot(name).nbytes for name in wanted) < len(data)
+            ):
+                return None
+        ring = reader.header.ring_size if mode == MemoryMode.RING else 0
         return torch_api.Region(torch_api.as_tensor(data, by_name("uint8"), (len(data),)), ring)
 
     def load_into_module(
