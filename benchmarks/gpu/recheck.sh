@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/gpu/recheck.sh OUT [WHEELS]
 #
-# Three steps, each under a time limit, within RECHECK_BUDGET seconds (default 60):
+# Three steps, each under a time limit, within RECHECK_BUDGET seconds (default 65):
 #   install  nothing is installed: the wheels are unpacked into a folder on PYTHONPATH (no pip, no
 #            resolver, no project wheel to build), the tree's own sources before them, with a generated
 #            dist-info for modelload's entry points (the CLI's subcommands). Skipped when this Python
@@ -12,7 +12,8 @@
 #   tests    the GPU tests of the copy (tests/loader/test_device_copy.py: the refused registration that
 #            left an error for the next kernel, the ring tensor across the ring's end pinned each way, a
 #            ring smaller than the model streamed while an engine loads), state_dict to the GPU marking
-#            each tensor consumed, and the keeper consuming as it copies; each test under 20 s.
+#            each tensor consumed, a hugetlbfs segment pinned whole (where this machine lets the tests
+#            mount one), and the keeper consuming as it copies; each test under 20 s.
 #   bench    benchmarks/gpu_copy.py on a RECHECK_SIZE GiB model (default 1): the ceilings, full in-place
 #            (the mapping pinned once: pinning and copy apart) and staging, the ring in-place, staging and
 #            streamed, and in-place pinning each tensor, each case under 12 s, one round.
@@ -22,7 +23,7 @@ set -u
 
 # shellcheck source=benchmarks/gpu/steps.sh
 . "$(dirname "$0")/steps.sh"  # OUT, WHEELS, PY, ROOT (the working directory), START, record, run_step
-BUDGET=${RECHECK_BUDGET:-60}
+BUDGET=${RECHECK_BUDGET:-65}
 SIZE=${RECHECK_SIZE:-1}
 STEP_MIN_LEFT=8 STEP_RESERVE=3
 LIB=$(mktemp -d "${TMPDIR:-/tmp}/modelload-recheck-XXXXXX")
@@ -74,9 +75,9 @@ export -f unpack
 echo "GPU recheck of modelload into $OUT, ${BUDGET} s in all"
 
 if run_step install 15 bash -c unpack; then
-    run_step tests 25 "$PY" -m pytest -m gpu -p no:cacheprovider -q -rs --timeout 20 \
+    run_step tests 30 "$PY" -m pytest -m gpu -p no:cacheprovider -q -rs --timeout 20 \
         --junitxml="$OUT/tests.xml" tests/loader/test_device_copy.py tests/loader/test_consuming.py \
-        tests/loader/test_attach.py \
+        tests/loader/test_attach.py tests/loader/test_huge_page_pins.py \
         "tests/handoff/test_cuda_handoff.py::test_the_keeper_consumes_what_it_copied_in_memory_mode_release"
     mapfile -t dry < <(bench_dry)
     left=$((BUDGET - ($(date +%s) - START) - STEP_RESERVE))
