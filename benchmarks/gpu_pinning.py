@@ -1,8 +1,8 @@
 """The loader's copy to a GPU from a segment on 4 KiB pages against one on hugetlbfs (2 MiB pages).
 
-``Model.state_dict(device="cuda")`` pins the host bytes it reads (``cudaHostRegister``, read-only) and copies
-them on a side stream. On 4 KiB pages it registers each tensor; on hugetlbfs it registers whole huge pages,
-each once (``loader/modelload/loader/_api/pins.py``). This measures both on the same tensors in the same run:
+``Model.state_dict(device="cuda")`` pins the host bytes it reads (a read-only registration) and copies them
+on a side stream. Pinned tensor by tensor, 4 KiB pages cost one registration per page; on hugetlbfs it pins
+the whole mapping once, in whole huge pages (``DeviceCopier``, ``loader/modelload/loader/_api/torch.py``). This measures both on the same tensors in the same run:
 seconds from the call to the last byte on the device, GiB/s, and CPU-seconds per GiB of this process.
 
 Needs a CUDA device and root (it mounts hugetlbfs and reserves the pages, ``tests/support/hugepages.py``).
@@ -59,7 +59,7 @@ def write_segment(path: Path, sizes: list[int]) -> None:
 def copy_once(path: Path, *, whole_pages: bool = True) -> tuple[float, float, int]:
     with attach(path, timeout=10, notify=False) as model:
         if not whole_pages:  # the per-tensor registration of 4 KiB pages, on the huge pages
-            model._pinnable = lambda: None  # type: ignore[method-assign]
+            model._pinnable = lambda wanted: None  # type: ignore[method-assign]
         torch.cuda.synchronize()
         cpu0, t0 = _cpu(), time.perf_counter()
         on_gpu = model.state_dict(device="cuda")

@@ -35,6 +35,7 @@ from modelload.sidecar.progress import LoadTracker, Observers
 from modelload.sidecar.settings import parse_settings
 from modelload.sidecar.sources import SourceSettings
 from tests.sidecar import models
+from tests.support import fake_gpu
 
 CHUNK = 64 << 10
 RING = 1 << 20
@@ -470,21 +471,9 @@ class _Tied(torch.nn.Module):
         self.head.weight = self.embed.weight
 
 
-def _copy_all_on_the_host(items: Any, device: Any, *, on_done: Any = None, mapping: Any = None) -> Any:
-    """A device copy without a device: each tensor is copied, then marked consumed, as a GPU's is."""
-    results = []
-    for name, host in items:
-        results.append((name, host.clone()))
-        if on_done is not None:
-            on_done(name)
-    yield from results
-
-
 def test_a_module_with_tied_weights_loads_into_a_ring_smaller_than_the_span_between_the_twins(
     tmp_path: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from modelload.loader._api import torch as torch_api
-
     torch.manual_seed(11)
     tensors = {name: t.detach().clone() for name, t in _Tied().state_dict().items()}
     assert "embed.weight" in tensors and "head.weight" in tensors, "the file stores both names of the tie"
@@ -496,7 +485,7 @@ def test_a_module_with_tied_weights_loads_into_a_ring_smaller_than_the_span_betw
     while not segment.exists():
         time.sleep(0.005)
 
-    monkeypatch.setattr(torch_api, "copy_all", _copy_all_on_the_host)
+    fake_gpu.install(monkeypatch)  # the copier's own logic, on a stand-in of the device
     with torch.device("meta"):
         module = _Tied()
     with attach(segment, timeout=30, notify=False) as model:
@@ -511,8 +500,6 @@ def test_a_module_with_tied_weights_loads_into_a_ring_smaller_than_the_span_betw
 def test_a_module_that_takes_not_every_tensor_of_the_file_loads_through_a_ring(
     tmp_path: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from modelload.loader._api import torch as torch_api
-
     torch.manual_seed(12)
     tensors = {name: t.detach().clone() for name, t in _Tied().state_dict().items()}
     tensors = {"attn.rotary.inv_freq": torch.rand(128), **tensors}  # older checkpoints hold such leftovers
@@ -523,7 +510,7 @@ def test_a_module_that_takes_not_every_tensor_of_the_file_loads_through_a_ring(
     while not segment.exists():
         time.sleep(0.005)
 
-    monkeypatch.setattr(torch_api, "copy_all", _copy_all_on_the_host)
+    fake_gpu.install(monkeypatch)  # the copier's own logic, on a stand-in of the device
     with torch.device("meta"):
         module = _Tied()
     with attach(segment, timeout=30, notify=False) as model:

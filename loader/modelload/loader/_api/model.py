@@ -20,6 +20,7 @@ import numpy.typing as npt
 from modelload.loader._api import modules
 from modelload.loader._api import torch as torch_api
 from modelload.loader._api.notify import Subscriber
+from modelload.loader.dtypes import by_name
 from modelload.loader.errors import LoadTimeoutError, ModuleLoadError
 from modelload.loader.segment import (
     MODEL_DIR_KEY,
@@ -259,22 +260,43 @@ class Model:
             result = dict(host)
         else:
             on_done = self.consumed if self._registration is not None else None
-            result = dict(torch_api.copy_all(host, device, on_done=on_done, mapping=self._pinnable()))
+            region = self._pinnable(wanted)
+            result = dict(torch_api.copy_all(host, device, on_done=on_done, region=region))
             if on_done is None and self._reader.memory_mode != MemoryMode.FULL:
                 # Not a consumer: nothing waited for these copies, so check now that none was torn by a
                 # release under it (SPEC.md, consumer table rule 5); consumed() only checks here.
                 self.consumed(wanted)
         return {name: result[name] for name in wanted}
 
-    def _pinnable(self) -> torch_api.Mapping | None:
-        """A hugetlbfs segment's data mapping, which the GPU copy pins whole (``_api/pins.py``); None
-        elsewhere (4 KiB pages, or a huge tmpfs, whose private mapping may yet copy a page: each tensor is
-        pinned on its own there)."""
-        volume = self._reader.volume
-        address, length = self._reader.data_extent()
-        if not volume.mapping_only or not length:
+    def _pinnable(self, wanted: list[str]) -> torch_api.Region | None:
+        """What a copy of tensors ``wanted`` to a GPU may pin once rather than tensor by tensor (pinning costs
+        per page, and a copy must read from inside one registration):
+
+        - a segment on hugetlbfs, whole, in every memory mode: its pages are allocated before the first
+          tensor lands and mapped shared, so pinning pages whose tensors still land is harmless, and whole
+          huge pages are 512 times fewer to pin. In memory mode release the pages of tensors released during
+          the copy go back to the pool when the copy ends rather than one by one (the volume holds the whole
+          model there anyway);
+        - elsewhere a ring (its pages are reused lap after lap and stay while the load runs), or a complete
+          full-mode segment's data when the copy takes at least half of it. Not in memory mode release,
+          where a pinned page could not go back to the volume when its tensor is released, nor while a
+          full-mode load still lands: each tensor is pinned once it is ready.
+        """
+        reader = self._reader
+        data = reader.data()
+        mode = reader.memory_mode
+        if not len(data):
             return None
-        return torch_api.Mapping(address, address + length, volume.page_size)
+        if not reader.volume.mapping_only:
+            if mode == MemoryMode.RELEASE:
+                return None
+            if mode == MemoryMode.FULL and (
+                reader.writer_state != WriterState.COMPLETE
+                or 2 * sum(self._slot(name).nbytes for name in wanted) < len(data)
+            ):
+                return None
+        ring = reader.header.ring_size if mode == MemoryMode.RING else 0
+        return torch_api.Region(torch_api.as_tensor(data, by_name("uint8"), (len(data),)), ring)
 
     def load_into_module(
         self,

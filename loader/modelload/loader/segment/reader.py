@@ -230,13 +230,10 @@ class SegmentReader:
             start %= self._ring
         return self._data_view[start : start + slot.nbytes]
 
-    def data_extent(self) -> tuple[int, int]:
-        """``(address, length)`` of this process's mapping of the data region (both copies of a ring): what
-        the GPU copy may pin in whole pages. ``(0, 0)`` when nothing is mapped."""
-        if not len(self._data_view):
-            return 0, 0
-        address = int(np.frombuffer(self._data_view, dtype=np.uint8).ctypes.data)
-        return address, len(self._data_view)
+    def data(self) -> memoryview:
+        """This process's whole mapping of the data region, as bytes (a ring's twice over, back to back): what
+        the GPU copy may pin in one piece rather than tensor by tensor."""
+        return self._data_view
 
     # --- waiting --------------------------------------------------------------------------------------------
 
