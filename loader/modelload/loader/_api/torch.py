@@ -367,14 +367,16 @@ def copy_all(
     *,
     on_done: Callable[[str], None] | None = None,
     region: Region | None = None,
+    pin_in_place: bool = True,
 ) -> Iterator[tuple[str, Any]]:
     """Copy each ``(name, host tensor)`` to ``device`` as it comes; yield the device tensors at the end.
 
     ``on_done(name)`` is called for each tensor once its host bytes have been read (see
     :meth:`DeviceCopier.copy`), in the course of the copies rather than at the end. ``region``: the segment's
-    mapping, pinned once for all the copies (:meth:`DeviceCopier.pin`).
+    mapping, pinned once for all the copies (:meth:`DeviceCopier.pin`). ``pin_in_place=False`` copies
+    through the staging buffers only (``region`` is then not pinned).
     """
-    copier = DeviceCopier(device)
+    copier = DeviceCopier(device, pin_in_place=pin_in_place)
 
     def done(name: str) -> Callable[[], None] | None:
         return None if on_done is None else (lambda: on_done(name))
