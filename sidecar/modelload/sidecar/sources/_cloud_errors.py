@@ -10,7 +10,6 @@ named by their display URI, and the store's text is scrubbed.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from email.message import Message
@@ -24,7 +23,7 @@ from modelload.loader.errors import (
 )
 
 from ._base import InterruptedReadError
-from ._responses import RETRYABLE_STATUSES, parse_retry_after
+from ._responses import RETRYABLE_STATUSES, json_body, parse_retry_after
 
 __all__ = ["azure_error", "gcs_error", "scrub"]
 
@@ -58,7 +57,7 @@ def _retry(status: int, headers: Mapping[str, str] | Message, uri: str, tail: st
 def _gcs_message(body: bytes) -> tuple[str, str]:
     """``(reason, message)`` of a GCS JSON error body; empty strings when it is not one."""
     try:
-        error = json.loads(body.decode("utf-8", "replace")).get("error", {})
+        error = json_body(body.decode("utf-8", "replace")).get("error", {})  # type: ignore[attr-defined]
     except (ValueError, AttributeError):
         return "", body.decode("utf-8", "replace") if body and len(body) < 512 else ""
     if not isinstance(error, dict):

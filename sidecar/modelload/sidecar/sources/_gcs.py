@@ -42,6 +42,7 @@ from ._checksums import StoreChecksum
 from ._cloud_errors import gcs_error, scrub
 from ._connections import Origin
 from ._http import HttpObject, Target, _Exchange
+from ._responses import json_body
 from ._settings import GcsSettings, SourceSettings
 from ._splice import HAVE_SPLICE
 from ._store import Directory, ListedFile, Opener, Store, shared_opener
@@ -281,7 +282,7 @@ class GcsSource(HttpObject):
         if len(body) > _JSON_MAX:
             raise SourceError(f"{self.display_uri}: an answer over {_JSON_MAX} bytes", uri=self.display_uri)
         try:
-            return json.loads(body)
+            return json_body(body)
         except ValueError:
             raise SourceError(
                 f"{self.display_uri}: the store's answer is not JSON", uri=self.display_uri

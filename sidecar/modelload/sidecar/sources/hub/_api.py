@@ -15,7 +15,6 @@ repository alike. :func:`explain` turns each into an error that says what to do.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from modelload.loader.errors import (
 
 from .._checksum import Checksum
 from .._connections import Origin
-from .._responses import error_for_status
+from .._responses import error_for_status, json_body
 from .._service import Explain, fetch_document, origin_of
 from .._settings import HubSettings, SourceSettings
 from .._store import ListedFile
@@ -216,7 +215,7 @@ class HubClient:
             headers={"Accept": "application/json"},
         )
         try:
-            return json.loads(body), headers
+            return json_body(body), headers
         except ValueError as exc:
             raise SourceError(f"{display}: the Hub's {what} is not JSON ({exc})", uri=display) from None
 

@@ -18,7 +18,6 @@ redirected to; never over plain HTTP to a realm unless the registry itself is re
 from __future__ import annotations
 
 import base64
-import json
 import re
 import threading
 from collections.abc import Mapping
@@ -29,7 +28,7 @@ from urllib.parse import urlencode, urlsplit
 from modelload.loader.errors import ConfigError, ModelloadError, SourceAccessDeniedError, SourceError
 
 from .._connections import Origin
-from .._responses import error_for_status
+from .._responses import error_for_status, json_body
 from .._service import fetch_document, origin_of
 from .._settings import HttpSettings, RetryPolicy
 from ._reference import OciRef
@@ -46,7 +45,7 @@ def auths_from_docker_config(data: bytes | str, *, where: str) -> dict[str, dict
     Raises ConfigError naming ``where`` (never a value) when it is not such a document.
     """
     try:
-        document = json.loads(data)
+        document = json_body(data)
     except ValueError:
         raise ConfigError(f'{where} is not JSON: it must hold a Docker config ({{"auths": ...}})') from None
     if not isinstance(document, dict):
@@ -212,10 +211,10 @@ class RegistryAuth:
                 limit=_TOKEN_LIMIT,
             )
         try:
-            answer = json.loads(body)
-            token = answer.get("token") or answer.get("access_token")
-        except (ValueError, AttributeError):
-            token = None
+            answer = json_body(body)
+        except ValueError:
+            answer = None
+        token = (answer.get("token") or answer.get("access_token")) if isinstance(answer, dict) else None
         if not isinstance(token, str) or not token or any(c.isspace() for c in token):
             raise SourceError(f"{where} answered no usable token", uri=self._ref.display)
         return token
