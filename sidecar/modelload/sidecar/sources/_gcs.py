@@ -42,7 +42,7 @@ from ._checksums import StoreChecksum
 from ._cloud_errors import gcs_error, scrub
 from ._connections import Origin
 from ._http import HttpObject, Target, _Exchange
-from ._responses import json_body
+from ._responses import display_url, json_body
 from ._settings import GcsSettings, SourceSettings
 from ._splice import HAVE_SPLICE
 from ._store import Directory, ListedFile, Opener, Store, shared_opener
@@ -51,6 +51,7 @@ __all__ = ["GcsSource", "GcsSpelling", "GcsStore", "list_gcs_prefix", "open_gcs"
 
 _log = logging.getLogger("modelload.sidecar.sources")
 READ_SCOPE = "https://www.googleapis.com/auth/devstorage.read_only"
+GOOGLE_TOKEN_URI = "https://oauth2.googleapis.com/token"  # noqa: S105 - a URL
 DEFAULT_ENDPOINT = "https://storage.googleapis.com"
 EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9._\-]{1,220}[a-z0-9]$")
@@ -192,7 +193,8 @@ def resolve_access(gcs: GcsSettings, display: str) -> _Access:
 
 def _service_account(google: Any, info: Any, display: str) -> Any:
     """A service-account key given as JSON (a Secret's). Only that type: a federation configuration names
-    files and URLs to fetch, which a Secret's author must not make another pod (the operator) read."""
+    files and URLs to fetch, which a Secret's author must not make another pod (the operator) read; and only
+    with Google's own token service as its ``token_uri``, for the same reason."""
     import google.oauth2.service_account
 
     if not isinstance(info, dict) or info.get("type") != "service_account":
@@ -203,7 +205,23 @@ def _service_account(google: Any, info: Any, display: str) -> Any:
             " no Secret:"
             " the pod's ServiceAccount (and GOOGLE_APPLICATION_CREDENTIALS in the pod) gives them"
         )
+    token_uri = info.get("token_uri")
+    if token_uri is not None and not _google_token_service(token_uri):
+        raise ConfigError(
+            f"{display}: the service-account key's token_uri is {display_url(str(token_uri))}; a key given"
+            f" in a Secret must name Google's token service ({GOOGLE_TOKEN_URI}, as keys Google issues"
+            " do): the signed assertion would be posted, and its answer shown, wherever the key points"
+        )
     return google.oauth2.service_account.Credentials.from_service_account_info(info)
+
+
+def _google_token_service(uri: object) -> bool:
+    """Whether ``uri`` is Google's OAuth token service (or one of its regional or private endpoints)."""
+    if not isinstance(uri, str):
+        return False
+    parts = urlsplit(uri)
+    host = (parts.hostname or "").lower()
+    return parts.scheme == "https" and (host.endswith(".googleapis.com") or host == "accounts.google.com")
 
 
 class GcsSource(HttpObject):
