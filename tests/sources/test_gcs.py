@@ -178,6 +178,8 @@ def test_the_gke_metadata_server_gives_the_token(
     host = endpoints.url.removeprefix("http://")
     monkeypatch.setenv("GCE_METADATA_HOST", host)
     monkeypatch.setenv("GCE_METADATA_IP", host)
+    # google-auth reads GCE_METADATA_HOST once, when it is first imported: an earlier test's value would stay.
+    monkeypatch.setattr("google.auth.compute_engine._metadata._GCE_METADATA_HOST", host)
     monkeypatch.delenv("NO_GCE_CHECK")
     with FaultProxy(fake_gcs.port) as proxy, open_source(uri, settings(proxy.endpoint)) as source:
         assert source.read_bytes(0, 4096) == data
