@@ -206,7 +206,10 @@ class _Recorder:
                 pass
 
             def do_GET(self) -> None:
-                outer.requests.append({"path": self.path, **{k.lower(): v for k, v in self.headers.items()}})
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length).decode() if length else ""
+                seen = {"method": self.command, "path": self.path, "body": body}
+                outer.requests.append({**seen, **{k.lower(): v for k, v in self.headers.items()}})
                 status, headers, body = answer(self)
                 self.send_response(status)
                 for name, value in headers:
@@ -346,3 +349,32 @@ def test_a_token_answer_nested_past_the_parsers_depth_is_no_usable_token() -> No
     finally:
         registry.close()
         realm.close()
+
+
+def test_an_identity_token_is_exchanged_over_the_same_connections_as_every_request(
+    tls: tuple[Path, Path],
+) -> None:
+    """A Docker config's ``identitytoken`` is posted to the realm (an OAuth2 refresh grant). That POST went
+    through a connection of its own making: the configured CA bundle was not trusted (a private registry's
+    token service failed its certificate check), and no proxy or address rule applied to it."""
+    token_service = _Recorder(
+        lambda request: (200, [("Content-Type", "application/json")], b'{"access_token": "issued"}'), tls=tls
+    )
+    registry = _challenging_registry(f"https://localhost:{token_service.port}/token", tls)
+    try:
+        host = f"localhost:{registry.port}"
+        config = SourceSettings(
+            http=HttpSettings(connect_timeout=2.0, stall_timeout=2.0, ca_bundle=str(tls[0])),
+            retry=FAST_SETTINGS.retry,
+            registry=RegistrySettings(auths={host: {"identitytoken": "refresh-me-EXAMPLE"}}),
+        )
+        with pytest.raises(SourceAccessDeniedError, match=r"do not grant pull") as caught:
+            list_directory(f"oci://{host}/m:v1", config)
+    finally:
+        registry.close()
+        token_service.close()
+    posted = [r for r in token_service.requests if r["method"] == "POST"]
+    assert posted and "grant_type=refresh_token" in posted[0]["body"]
+    assert "refresh_token=refresh-me-EXAMPLE" in posted[0]["body"]
+    assert [r.get("authorization") for r in registry.requests][1:] == ["Bearer issued"]
+    assert "refresh-me-EXAMPLE" not in str(caught.value)

@@ -18,6 +18,7 @@ redirected to; never over plain HTTP to a realm unless the registry itself is re
 from __future__ import annotations
 
 import base64
+import http.client
 import re
 import threading
 from collections.abc import Mapping
@@ -27,7 +28,7 @@ from urllib.parse import urlencode, urlsplit
 
 from modelload.loader.errors import ConfigError, ModelloadError, SourceAccessDeniedError, SourceError
 
-from .._connections import Origin
+from .._connections import ConnectionPool, Origin
 from .._responses import error_for_status, json_body
 from .._service import fetch_document, origin_of
 from .._settings import HttpSettings, RetryPolicy
@@ -220,9 +221,8 @@ class RegistryAuth:
         return token
 
     def _refresh_grant(self, url: str, query: Mapping[str, str]) -> bytes:
-        """An identity token (``docker login`` to some registries stores one) is exchanged by POST."""
-        import http.client
-
+        """An identity token (``docker login`` to some registries stores one) is exchanged by POST, on a
+        connection of the same pool as every other request (its CA bundle, proxy and address rules)."""
         assert self._identity is not None
         form = urlencode(
             {
@@ -232,25 +232,23 @@ class RegistryAuth:
                 "client_id": "modelload",
             }
         ).encode()
-        origin, path = origin_of(url), urlsplit(url).path
-        conn: http.client.HTTPConnection
-        if origin.is_tls:
-            conn = http.client.HTTPSConnection(origin.host, origin.port, timeout=self._http.connect_timeout)
-        else:
-            conn = http.client.HTTPConnection(origin.host, origin.port, timeout=self._http.connect_timeout)
+        origin, path = origin_of(url), urlsplit(url).path or "/"
+        pool = ConnectionPool(self._http)
         try:
+            conn, _ = pool.acquire(origin)
             conn.request(
-                "POST", path or "/", body=form,
+                "POST", pool.request_path(origin, path), body=form,
                 headers={"Content-Type": "application/x-www-form-urlencoded"},
             )  # fmt: skip
             response = conn.getresponse()
             body = response.read(_TOKEN_LIMIT)
-        except OSError as exc:
+        except (OSError, http.client.HTTPException) as exc:
             raise SourceError(
-                f"the token service of {self._ref.registry} cannot be reached: {exc}", uri=self._ref.display
+                f"the token service of {self._ref.registry} cannot be reached: {type(exc).__name__}: {exc}",
+                uri=self._ref.display,
             ) from None
         finally:
-            conn.close()
+            pool.close()
         if response.status != 200:
             raise self._token_error(response.status, response.reason, response.headers, body, True)
         return body
