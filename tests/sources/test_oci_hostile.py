@@ -378,3 +378,78 @@ def test_an_identity_token_is_exchanged_over_the_same_connections_as_every_reque
     assert "refresh_token=refresh-me-EXAMPLE" in posted[0]["body"]
     assert [r.get("authorization") for r in registry.requests][1:] == ["Bearer issued"]
     assert "refresh-me-EXAMPLE" not in str(caught.value)
+
+
+# --- redirects ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "location",
+    [
+        "http://127.0.0.1:{other}/blob",
+        "//127.0.0.1:{other}/blob",
+        "http://127.0.0.1:{registry}@127.0.0.1:{other}/blob",
+        "http://alice:password@127.0.0.1:{other}/blob",
+        "http://localhost:{registry}/blob",
+    ],
+)
+def test_a_blob_redirected_to_another_origin_gets_no_token_whatever_the_location_looks_like(
+    token_registry: RegistryServer, tmp_path: Path, location: str
+) -> None:
+    """Held: the token goes to the registry's origin (scheme, host, port) only. The other port of the same
+    host, a scheme-relative location, user info that spells the registry, and the registry's own port under
+    another name are all another origin."""
+    from tests.support.fixtures import REGISTRY_USERS
+
+    user, password = next(iter(REGISTRY_USERS.items()))
+    auth = base64.b64encode(f"{user}:{password}".encode()).decode()
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(payload(5000, seed=3))
+    owner = _settings(token_registry.host, auths={token_registry.host: {"auth": auth}})
+    push_directory(folder, token_registry.uri("redirected/model", "v1"), owner)
+    elsewhere = _Recorder(lambda request: (404, [], b"no"))
+    try:
+        with FaultProxy(token_registry.port) as proxy:
+            host = f"127.0.0.1:{proxy.port}"
+            target = location.format(other=elsewhere.port, registry=proxy.port)
+            proxy.always(Respond(307, b"", (("Location", target),)), path="/blobs/")
+            config = _settings(host, auths={host: {"auth": auth}})
+            directory = list_directory(f"oci://{host}/redirected/model:v1", config)
+            with pytest.raises(ModelloadError):
+                read_one(directory.file_uri("model.safetensors"), config)
+            assert any(r.headers.get("authorization", "").startswith("Bearer ") for r in proxy.requests)
+            at_target = [r.headers for r in proxy.requests if r.path == "/blob"] + elsewhere.requests
+    finally:
+        elsewhere.close()
+    assert at_target, "the redirect was followed"
+    assert all("authorization" not in headers for headers in at_target)
+
+
+def test_a_blob_redirected_to_itself_ends_after_the_allowed_hops(
+    registry: RegistryServer, tmp_path: Path
+) -> None:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(payload(5000, seed=3))
+    push_directory(folder, registry.uri("loop/model", "v1"), _settings(registry.host))
+    with FaultProxy(registry.port) as proxy:
+        host = f"127.0.0.1:{proxy.port}"
+        config = _settings(host)
+        directory = list_directory(f"oci://{host}/loop/model:v1", config)
+        blob = directory.file_uri("model.safetensors").rsplit("@", 1)[1].split("/", 1)[0]
+        here = f"{proxy.endpoint}/v2/loop/model/blobs/{blob}"
+        proxy.always(Respond(307, b"", (("Location", here),)), path="/blobs/")
+        with pytest.raises(SourceError, match=r"too many redirects"):
+            read_one(directory.file_uri("model.safetensors"), config)
+        hops = [r for r in proxy.requests if "/blobs/" in r.path]
+    assert len(hops) <= (config.http.max_redirects + 1) * (config.retry.attempts + 1)
+
+
+def read_one(uri: str, config: SourceSettings) -> bytes:
+    from modelload.sidecar.sources import open_source, read_range
+
+    with open_source(uri, config) as source:
+        buf = bytearray(source.stat().size)
+        read_range(source, 0, memoryview(buf), policy=config.retry)
+        return bytes(buf)
