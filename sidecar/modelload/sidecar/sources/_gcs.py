@@ -312,6 +312,8 @@ class GcsSource(HttpObject):
         try:
             size, generation = int(meta["size"]), str(int(meta["generation"]))
         except (KeyError, TypeError, ValueError):
+            size = -1
+        if size < 0:
             raise SourceError(f"{uri}: the object's metadata has no size or generation", uri=uri) from None
         if str(meta.get("contentEncoding", "")).lower() == "gzip":
             raise ConfigError(
@@ -344,32 +346,47 @@ def list_gcs_prefix(uri: str, settings: SourceSettings) -> dict[str, ListedFile]
     base = f"{lister._access.prefix}/storage/v1/b/{quote(bucket, safe='')}/o"
     found: dict[str, ListedFile] = {}
     token: str | None = None
+    seen: set[str] = set()
     try:
         for _ in range(_PAGES_MAX):
             query = f"prefix={quote(prefix, safe='')}&delimiter=%2F"
             if token:
                 query += f"&pageToken={quote(token, safe='')}"
             page = lister._json(f"{base}?{query}")
-            for item in page.get("items", []):
-                name = str(item.get("name", ""))
-                if not name.startswith(prefix) or name == prefix:
-                    continue
-                checksums = {
-                    c.algorithm: base64.b64encode(c.value).decode("ascii") for c in gcs_checksums(item)
-                }
-                found[name[len(prefix) :]] = ListedFile(
-                    size=int(item.get("size", 0)),
-                    version=str(item.get("generation", "")) or None,
-                    checksums=checksums,
-                )
+            items = page.get("items", []) if isinstance(page, dict) else None
+            if not isinstance(items, list):
+                raise SourceError(f"{uri}: the listing is not a page of objects", uri=uri)
+            for item in items:
+                listed = _listed(item, prefix, uri=uri)
+                if listed is not None:
+                    found[listed[0]] = listed[1]
             token = page.get("nextPageToken")
             if not token:
                 break
+            if not isinstance(token, str) or token in seen:
+                raise SourceError(f"{uri}: the listing's next page token is not new (a loop)", uri=uri)
+            seen.add(token)
         else:
             raise ConfigError(f"{uri} lists more than {_PAGES_MAX} pages of objects: is it a model?")
     finally:
         lister.close()
     return found
+
+
+def _listed(item: Any, prefix: str, *, uri: str) -> tuple[str, ListedFile] | None:
+    """One object of a listing page, by its name under ``prefix``; None for the prefix itself or another
+    one's object. An entry of another shape, or a size that is not a count of bytes, is a SourceError (a
+    negative size would count against the small files' limit)."""
+    name, size = (item.get("name"), item.get("size", "0")) if isinstance(item, dict) else (None, None)
+    if not isinstance(name, str) or not isinstance(size, str | int) or not str(size).isdigit():
+        raise SourceError(
+            f"{uri}: the listing holds an entry without a name and a size: {item!r:.80}", uri=uri
+        )
+    if not name.startswith(prefix) or name == prefix:
+        return None
+    checksums = {c.algorithm: base64.b64encode(c.value).decode("ascii") for c in gcs_checksums(item)}
+    version = str(item.get("generation", "")) or None
+    return name[len(prefix) :], ListedFile(size=int(size), version=version, checksums=checksums)
 
 
 def open_gcs(uri: str, settings: SourceSettings) -> GcsSource:
