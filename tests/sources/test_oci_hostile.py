@@ -453,3 +453,23 @@ def read_one(uri: str, config: SourceSettings) -> bytes:
         buf = bytearray(source.stat().size)
         read_range(source, 0, memoryview(buf), policy=config.retry)
         return bytes(buf)
+
+
+def test_a_docker_config_entry_for_another_registry_is_never_sent_to_the_source_registry(
+    token_registry: RegistryServer,
+) -> None:
+    """Held: credentials are chosen by the registry's exact host and port; an entry for the same host on
+    another port (or any other registry) stays unsent, and the pull is anonymous (and refused)."""
+    from tests.support.fixtures import REGISTRY_USERS
+
+    user, password = next(iter(REGISTRY_USERS.items()))
+    auth = base64.b64encode(f"{user}:{password}".encode()).decode()
+    other = f"127.0.0.1:{token_registry.port + 1}"
+    config = _settings(token_registry.host, auths={other: {"auth": auth}, "localhost": {"auth": auth}})
+    assert token_registry.tokens is not None
+    seen = len(token_registry.tokens.requests)
+    with pytest.raises(SourceAccessDeniedError, match=r"no credentials were given") as caught:
+        list_directory(token_registry.uri("private/never", "v1"), config)
+    sent = [r["authorization"] for r in token_registry.tokens.requests[seen:]]
+    assert sent and sent == [""] * len(sent)
+    assert password not in str(caught.value)
