@@ -473,3 +473,48 @@ def test_a_docker_config_entry_for_another_registry_is_never_sent_to_the_source_
     sent = [r["authorization"] for r in token_registry.tokens.requests[seen:]]
     assert sent and sent == [""] * len(sent)
     assert password not in str(caught.value)
+
+
+def test_a_manifest_over_the_specs_limit_is_refused_without_reading_it_all(registry: RegistryServer) -> None:
+    """Held: a manifest is read up to 4 MiB (registries may refuse larger ones), one byte more is an error."""
+    huge = b'{"layers": [' + b'{"a": 1},' * (600 << 10) + b"{}]}"
+    with FaultProxy(registry.port) as proxy:
+        host = f"127.0.0.1:{proxy.port}"
+        proxy.always(Respond(200, huge, (("Content-Type", MANIFEST),)), path="/manifests/")
+        with pytest.raises(SourceError, match=r"more than 4194304 bytes"):
+            list_directory(f"oci://{host}/huge/model:v1", _settings(host))
+
+
+def test_a_manifest_that_is_not_the_digest_it_was_asked_by_is_refused(registry: RegistryServer) -> None:
+    """Held: a manifest asked for by digest is checked against it, and one whose Docker-Content-Digest
+    disagrees with its bytes too (a registry or proxy serving something else)."""
+    from modelload.loader.errors import HashMismatchError
+
+    body = _document({"schemaVersion": 2, "mediaType": MANIFEST, "layers": []})
+    asked = "sha256:" + "ab" * 32
+    with FaultProxy(registry.port) as proxy:
+        host = f"127.0.0.1:{proxy.port}"
+        proxy.always(Respond(200, body, (("Content-Type", MANIFEST),)), path=f"/manifests/{asked}")
+        stated = (("Content-Type", MANIFEST), ("Docker-Content-Digest", asked))
+        proxy.always(Respond(200, body, stated), path="/manifests/v1")
+        with pytest.raises(HashMismatchError, match=r"asked for or announced"):
+            list_directory(f"oci://{host}/m@{asked}", _settings(host))
+        with pytest.raises(HashMismatchError, match=r"asked for or announced"):
+            list_directory(f"oci://{host}/m:v1", _settings(host))
+
+
+@pytest.mark.parametrize(
+    "challenge",
+    [
+        'Bearer realm="https://good.example/token",service="x\\",realm=\\"http://evil.example/"',
+        'Bearer service="x realm=\\"http://evil.example/\\"",realm="https://good.example/token"',
+        'Bearer realm="https://good.example/token", scope="repository:m:pull,push", REALM="junk',
+    ],
+)
+def test_hostile_quoting_in_a_challenge_does_not_move_the_realm(challenge: str) -> None:
+    """Held: parameters are ``key="value"`` pairs; an escaped quote inside a value cannot start another
+    parameter, and an unterminated one is dropped (only the registry writes the header anyway)."""
+    from modelload.sidecar.sources.oci._auth import parse_challenge
+
+    scheme, params = parse_challenge(challenge)
+    assert scheme == "bearer" and params["realm"] == "https://good.example/token"
