@@ -24,7 +24,7 @@ import pytest
 
 from modelload.loader.errors import FormatError, ModelloadError, SourceAccessDeniedError, SourceError
 from modelload.sidecar.sources import HttpSettings, RegistrySettings, SourceSettings, list_directory
-from modelload.sidecar.sources.oci import push_directory
+from modelload.sidecar.sources.oci import PushResult, push_directory
 from modelload.sidecar.sources.oci._tar import tar_members
 from tests.sources.conftest import FAST_SETTINGS, payload
 from tests.support.fault_proxy import FaultProxy, Respond
@@ -91,10 +91,7 @@ def test_a_manifest_that_lies_about_a_layers_size_fails_the_read_naming_both_siz
     registry: RegistryServer, tmp_path: Path
 ) -> None:
     """Held: the listed size is checked against the blob the registry serves."""
-    folder = tmp_path / "model"
-    folder.mkdir()
-    (folder / "model.safetensors").write_bytes(payload(5000, seed=1))
-    pushed = push_directory(folder, registry.uri("liar/model", "v1"), _settings(registry.host))
+    pushed = _push_one_file(tmp_path, registry.uri("liar/model", "v1"), _settings(registry.host))
     layer = next(layer for layer in pushed.layers if layer.name == "model.safetensors")
     manifest = _document(
         {
@@ -251,6 +248,15 @@ def realm() -> Iterator[_Recorder]:
     server.close()
 
 
+def _over_tls(tls: tuple[Path, Path], auths: dict[str, dict[str, str]]) -> SourceSettings:
+    """Settings for the HTTPS stand-ins: their certificate trusted, ``auths`` as the Docker config's."""
+    return SourceSettings(
+        http=HttpSettings(connect_timeout=2.0, stall_timeout=2.0, ca_bundle=str(tls[0])),
+        retry=FAST_SETTINGS.retry,
+        registry=RegistrySettings(auths=auths),
+    )
+
+
 def _challenging_registry(realm_url: str, tls: tuple[Path, Path]) -> _Recorder:
     challenge = f'Bearer realm="{realm_url}",service="registry",scope="repository:m:pull"'
     body = _document({"errors": [{"code": "UNAUTHORIZED", "message": "authentication required"}]})
@@ -266,11 +272,7 @@ def test_an_https_registry_naming_a_plain_http_token_service_gets_no_password_se
     try:
         host = f"localhost:{registry.port}"
         auths = {host: {"auth": base64.b64encode(b"alice:s3cret-password").decode()}}
-        config = SourceSettings(
-            http=HttpSettings(connect_timeout=2.0, stall_timeout=2.0, ca_bundle=str(tls[0])),
-            retry=FAST_SETTINGS.retry,
-            registry=RegistrySettings(auths=auths),
-        )
+        config = _over_tls(tls, auths)
         with pytest.raises(SourceAccessDeniedError, match=r"token service over plain HTTP") as caught:
             list_directory(f"oci://{host}/m:v1", config)
     finally:
@@ -292,11 +294,7 @@ def test_a_token_service_on_another_host_gets_the_password_only_over_https_and_n
     try:
         host = f"localhost:{registry.port}"
         auths = {host: {"auth": base64.b64encode(b"alice:s3cret-password").decode()}}
-        config = SourceSettings(
-            http=HttpSettings(connect_timeout=2.0, stall_timeout=2.0, ca_bundle=str(tls[0])),
-            retry=FAST_SETTINGS.retry,
-            registry=RegistrySettings(auths=auths),
-        )
+        config = _over_tls(tls, auths)
         with pytest.raises(SourceAccessDeniedError):
             list_directory(f"oci://{host}/m:v1", config)
     finally:
@@ -363,11 +361,7 @@ def test_an_identity_token_is_exchanged_over_the_same_connections_as_every_reque
     registry = _challenging_registry(f"https://localhost:{token_service.port}/token", tls)
     try:
         host = f"localhost:{registry.port}"
-        config = SourceSettings(
-            http=HttpSettings(connect_timeout=2.0, stall_timeout=2.0, ca_bundle=str(tls[0])),
-            retry=FAST_SETTINGS.retry,
-            registry=RegistrySettings(auths={host: {"identitytoken": "refresh-me-EXAMPLE"}}),
-        )
+        config = _over_tls(tls, {host: {"identitytoken": "refresh-me-EXAMPLE"}})
         with pytest.raises(SourceAccessDeniedError, match=r"do not grant pull") as caught:
             list_directory(f"oci://{host}/m:v1", config)
     finally:
@@ -403,11 +397,8 @@ def test_a_blob_redirected_to_another_origin_gets_no_token_whatever_the_location
 
     user, password = next(iter(REGISTRY_USERS.items()))
     auth = base64.b64encode(f"{user}:{password}".encode()).decode()
-    folder = tmp_path / "model"
-    folder.mkdir()
-    (folder / "model.safetensors").write_bytes(payload(5000, seed=3))
     owner = _settings(token_registry.host, auths={token_registry.host: {"auth": auth}})
-    push_directory(folder, token_registry.uri("redirected/model", "v1"), owner)
+    _push_one_file(tmp_path, token_registry.uri("redirected/model", "v1"), owner)
     elsewhere = _Recorder(lambda request: (404, [], b"no"))
     try:
         with FaultProxy(token_registry.port) as proxy:
@@ -429,10 +420,7 @@ def test_a_blob_redirected_to_another_origin_gets_no_token_whatever_the_location
 def test_a_blob_redirected_to_itself_ends_after_the_allowed_hops(
     registry: RegistryServer, tmp_path: Path
 ) -> None:
-    folder = tmp_path / "model"
-    folder.mkdir()
-    (folder / "model.safetensors").write_bytes(payload(5000, seed=3))
-    push_directory(folder, registry.uri("loop/model", "v1"), _settings(registry.host))
+    _push_one_file(tmp_path, registry.uri("loop/model", "v1"), _settings(registry.host))
     with FaultProxy(registry.port) as proxy:
         host = f"127.0.0.1:{proxy.port}"
         config = _settings(host)
@@ -444,6 +432,13 @@ def test_a_blob_redirected_to_itself_ends_after_the_allowed_hops(
             read_one(directory.file_uri("model.safetensors"), config)
         hops = [r for r in proxy.requests if "/blobs/" in r.path]
     assert len(hops) <= (config.http.max_redirects + 1) * (config.retry.attempts + 1)
+
+
+def _push_one_file(tmp_path: Path, uri: str, config: SourceSettings) -> PushResult:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(payload(5000, seed=3))
+    return push_directory(folder, uri, config)
 
 
 def read_one(uri: str, config: SourceSettings) -> bytes:
