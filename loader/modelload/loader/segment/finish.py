@@ -30,6 +30,7 @@ from modelload.loader.formats._index import TensorEntry
 from modelload.loader.formats.tensorizer.hashes import crc32
 from modelload.loader.formats.tensorizer.keys import DecryptionKey
 from modelload.loader.formats.tensorizer.record import KeyState, open_record
+from modelload.loader.segment.geometry import place
 from modelload.loader.segment.layout import MemoryMode
 from modelload.loader.segment.writer import SegmentWriter
 
@@ -72,9 +73,10 @@ class TensorFinisher:
         """
         writer = self.writer
         verified = decrypted = False
-        if self._ring and writer.layout.slots[tensor].nbytes > entry.data_length:
-            zeros = np.frombuffer(writer.slot(tensor), dtype=np.uint8)
-            zeros[entry.data_length :] = 0
+        unlanded = place(writer.layout.slots[tensor], entry).unlanded
+        if self._ring and unlanded[1] > 0:
+            zeros = np.frombuffer(writer.region(*unlanded), dtype=np.uint8)
+            zeros[:] = 0
             del zeros  # no export of the mapping left behind
         if header is not None:
             data = writer.slot(tensor)[: entry.data_length]

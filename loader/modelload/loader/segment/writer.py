@@ -93,6 +93,7 @@ class SegmentWriter:
         self.load_id = load_id
         self._fd = fd
         self._mm = mm
+        self._ring = layout.ring
         self._view = memoryview(mm)
         self._u32 = np.frombuffer(mm, dtype="<u4")
         self._u64 = np.frombuffer(mm, dtype="<u8")
@@ -214,26 +215,12 @@ class SegmentWriter:
     def file_ranges(self, offset: int, length: int) -> list[tuple[int, int]]:
         """``(file offset, length)`` of the pieces of the file that hold segment bytes ``[offset, offset +
         length)``, in order: the range itself, except where a ring wraps (two pieces)."""
-        layout = self.layout
-        start = layout.file_offset(offset)
-        if layout.memory_mode != MemoryMode.RING:
-            return [(start, length)]
-        self._check_ring_span(offset, length)
-        first = min(length, layout.segment_length - start)
-        return [(start, first)] if first == length else [(start, first), (layout.data_offset, length - first)]
+        return [(offset, length)] if self._ring is None else self._ring.file_ranges(offset, length)
 
     def _at(self, offset: int, length: int) -> memoryview:
-        if self.layout.memory_mode == MemoryMode.RING:
-            self._check_ring_span(offset, length)
-            offset = self.layout.file_offset(offset)  # and on through the ring's second mapping
+        if self._ring is not None:  # one piece of the file, or on through the ring's second mapping
+            offset = self._ring.file_ranges(offset, length)[0][0]
         return self._view[offset : offset + length]
-
-    def _check_ring_span(self, offset: int, length: int) -> None:
-        layout = self.layout
-        if offset + length - max(offset, layout.data_offset) > layout.ring_size:
-            raise IndexError(
-                f"bytes [{offset}, {offset + length}) are more than the ring of {layout.ring_size} holds"
-            )
 
     def state(self, index: int) -> TensorState:
         return TensorState(int(self._u32[self._state_word(index)]))

@@ -374,7 +374,7 @@ class _Load:
             peers.finish(tensor)  # bytes from a peer checked (and re-read from the origin if bad)
         header = None
         if self.plan.index.format == "tensorizer":  # the record's header landed in the slot's lead
-            header = self.writer.region(*self.plan.header_span(tensor))
+            header = self.writer.region(*self.plan.record(tensor).header_span)
         from_peers = peers is not None and tensor in getattr(peers, "verified_by_peers", ())
 
         def check(verified: bool) -> None:

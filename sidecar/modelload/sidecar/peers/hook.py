@@ -152,7 +152,7 @@ class Peers:
         ranges = self._ranges
         if ranges is None:
             return None
-        offset, length = ranges.record(tensor)
+        offset, length = ranges.plan.record(tensor).landed
         region = self._writer.region(offset, length)
         crc = crc32(region)
         claims = self.ledger.claim(tensor)
