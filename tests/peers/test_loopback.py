@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from modelload.loader.errors import ConfigError
+from modelload.loader.segment import SegmentReader
 from modelload.sidecar.peers.ranges import owner
 from modelload.sidecar.process import Sidecar
 from modelload.sidecar.settings import parse_settings
@@ -107,6 +109,30 @@ def test_a_tensorizer_model_comes_whole_from_a_peer_with_its_hashes_checked(
     )
     assert float(samples["modelload_peer_received_bytes_total"]) == stats["peer_bytes"]
     assert float(samples["modelload_peer_origin_bytes_total"]) == 0
+
+
+def test_a_safetensors_tensor_from_a_peer_records_the_checksum_its_check_computed(
+    nginx: NginxServer,  # noqa: F811 - the fixture
+    running: _Running,
+    tmp_path: Path,
+    token_file: Path,
+) -> None:
+    tensors = _tensors(2)
+    (nginx.root / "peers-crc.safetensors").write_bytes(safetensors_bytes(tensors))
+    url = nginx.url("peers-crc.safetensors")
+    first_port, second_port = free_port(), free_port()
+    first = running.start(url, tmp_path / "a.seg", peer_port=first_port, peers=[], token_file=token_file)
+    _complete(first)
+    second = running.start(
+        url, tmp_path / "b.seg", peer_port=second_port, peers=[first_port], token_file=token_file
+    )
+    _complete(second)
+    assert second.peers is not None and second.peers.stats()["origin_bytes"] == 0
+    listed = second.peers.manifest()["crc32"]
+    with SegmentReader.open(tmp_path / "b.seg") as segment:
+        for i in range(len(segment.slots)):
+            # The peers' check computed the slot's CRC-32 (the record is the slot): the one recorded.
+            assert segment.crc32(i) == zlib.crc32(segment.view(i)) == listed[i]
 
 
 def _get(port: int, path: str, headers: dict[str, str]) -> tuple[int, bytes]:

@@ -222,6 +222,8 @@ def test_a_meta_tensor_in_a_ring_reads_as_zeros_not_as_an_older_tensor_s_bytes(
 class _Peers:
     """A peer hook that records what the engine offers it."""
 
+    verified_by_peers: frozenset[int] = frozenset()
+
     def __init__(self) -> None:
         self.share: bool | None = None
 
