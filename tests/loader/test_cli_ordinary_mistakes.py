@@ -16,20 +16,14 @@ import pytest
 from modelload.loader.cli.main import main
 from modelload.loader.formats.safetensors import save_file
 from tests.support.ports import free_port
+from tests.support.tmpfs import tmpfs
 
 
 @pytest.fixture
 def read_only_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A small tmpfs mounted read-only (skipped where mounting is not allowed)."""
-    mount = tmp_path / "ro"
-    mount.mkdir()
-    command = ["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(mount)]
-    if os.geteuid() != 0 or subprocess.run(command, capture_output=True, check=False).returncode != 0:
-        pytest.skip("mounting a tmpfs needs privileges this machine does not give")
-    try:
+    """A small tmpfs mounted read-only (needs root: :mod:`tests.support.tmpfs`)."""
+    with tmpfs(tmp_path / "ro", size="1m", read_only=True) as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], check=False)
 
 
 @pytest.fixture
