@@ -39,7 +39,7 @@ from typing import Any, Literal
 import numpy as np
 
 from modelload.loader.errors import ConfigError, MemoryWaitError
-from modelload.loader.segment import ALIGNMENT, MemoryMode, SegmentWriter, TensorState
+from modelload.loader.segment import ALIGNMENT, MemoryMode, SegmentWriter, TensorState, consumers
 from modelload.loader.segment.consumers import EXPIRY, ConsumerEntry, ConsumerTable
 from modelload.loader.segment.geometry import Ring
 from modelload.loader.segment.layout import align
@@ -56,6 +56,8 @@ POLL_INTERVAL = 0.01
 """Seconds between reads of the consumer table."""
 POLL_WAITING = 0.001
 """... while a reader waits for room in the ring: the load is stalled until the next release is seen."""
+EXPIRY_HEARTBEATS = 2.5
+"""The shortest consumer expiry, in the consumers' heartbeat intervals (``consumers.HEARTBEAT_INTERVAL``)."""
 STATUS_INTERVAL = 1.0
 """Seconds between status reports while nothing changes (so a wait's duration shows as it grows)."""
 
@@ -79,7 +81,9 @@ class MemorySettings:
     when every *live* consumer has consumed it: one that left (``Model.close()``) or whose heartbeat expired
     (it died) needs nothing more.
 
-    ``expiry``: seconds without a heartbeat after which a consumer counts as gone. Default 30.
+    ``expiry``: seconds without a heartbeat after which a consumer counts as gone. Default 30; at least
+    :data:`EXPIRY_HEARTBEATS` heartbeat intervals (5 s), so a live consumer never counts as gone between two
+    of its beats. Code whose consumers beat faster (a test) may set it that much lower.
     """
 
     mode: Mode = "full"
@@ -100,8 +104,12 @@ class MemorySettings:
             raise ConfigError(f"the memory wait timeout must be positive seconds, got {self.wait_timeout}")
         if not 1 <= self.consumers <= 64:
             raise ConfigError(f"consumers must be between 1 and 64, got {self.consumers}")
-        if self.expiry < 5:
-            raise ConfigError(f"the consumer expiry must be at least 5 seconds, got {self.expiry}")
+        floor = EXPIRY_HEARTBEATS * consumers.HEARTBEAT_INTERVAL
+        if self.expiry < floor:
+            raise ConfigError(
+                f"the consumer expiry must be at least {floor:g} seconds ({EXPIRY_HEARTBEATS:g} of the "
+                f"consumers' heartbeats), got {self.expiry}"
+            )
 
     @property
     def layout_mode(self) -> MemoryMode:
