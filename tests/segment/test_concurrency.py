@@ -24,6 +24,7 @@ from modelload.loader.segment import (
     plan_layout,
 )
 from tests.segment.helpers import expected_bytes
+from tests.support.waiting import wait_for
 
 ROUNDS = 12
 READERS = 3
@@ -58,12 +59,11 @@ def _reader(directory: str, results: multiprocessing.Queue) -> None:
     checked = mismatched = 0
     for round_ in range(ROUNDS):
         path = Path(directory) / f"r{round_}.seg"
-        deadline = time.monotonic() + 30
-        while not path.exists():
-            if time.monotonic() > deadline:
-                results.put(("timeout", round_))
-                return
-            time.sleep(0.0005)
+        try:  # polled tightly: the reader must be looking while the writer fills the first slots
+            wait_for(path.exists, timeout=30, what=f"round {round_}'s segment", interval=0.0005)
+        except AssertionError:
+            results.put(("timeout", round_))
+            return
         with SegmentReader.open(path) as reader:
             seen: set[int] = set()
             while True:
