@@ -12,9 +12,10 @@ the loop between looks instead of blocking it.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
-from collections.abc import Callable
-from typing import Generic, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar, cast
 
 __all__ = ["wait_for", "wait_for_async"]
 
@@ -24,35 +25,42 @@ INTERVAL = 0.01
 """Seconds between looks: short, since a look is cheap and every test waits on one."""
 
 
-class _Waiting(Generic[T]):
-    """One wait: looks at ``predicate`` until it holds, or fails once the deadline passes."""
+class _Waiting:
+    """One wait's deadline and what it saw last."""
 
-    def __init__(
-        self, predicate: Callable[[], T], timeout: float, what: str, ignoring: tuple[type[BaseException], ...]
-    ) -> None:
-        self.predicate, self.timeout, self.what, self.ignoring = predicate, timeout, what, ignoring
-        self.value: T | None = None
+    def __init__(self, timeout: float, what: str) -> None:
+        self.timeout, self.what = timeout, what
+        self.value: Any = None
         self._deadline = time.monotonic() + timeout
 
-    def done(self) -> bool:
-        """Look once: True when the predicate held (its result is :attr:`value`); AssertionError when
-        it still does not and the deadline has passed."""
-        try:
-            value = self.predicate()
-        except self.ignoring as exc:  # not there yet (a server still starting, a file still being written)
-            last: object = exc
-        else:
-            if value:
-                self.value = value
-                return True
-            last = value
+    def over(self, seen: object) -> bool:
+        """True when ``seen`` (the predicate's result, or the ignored error it raised) ends the wait: the
+        result is then :attr:`value`. AssertionError when it does not and the deadline has passed."""
+        if seen and not isinstance(seen, BaseException):
+            self.value = seen
+            return True
         if time.monotonic() >= self._deadline:
-            seen = repr(last)
-            seen = seen if len(seen) <= 500 else seen[:500] + "..."
+            shown = repr(seen)
+            shown = shown if len(shown) <= 500 else shown[:500] + "..."
             raise AssertionError(
-                f"timed out after {self.timeout:g} s waiting for {self.what} (last seen: {seen})"
+                f"timed out after {self.timeout:g} s waiting for {self.what} (last seen: {shown})"
             )
         return False
+
+
+def _look(predicate: Callable[[], object], ignoring: tuple[type[BaseException], ...]) -> object:
+    try:
+        return predicate()
+    except ignoring as exc:  # not there yet (a server still starting, a file still being written)
+        return exc
+
+
+async def _look_async(predicate: Callable[[], object], ignoring: tuple[type[BaseException], ...]) -> object:
+    try:
+        seen = predicate()
+        return await seen if inspect.isawaitable(seen) else seen
+    except ignoring as exc:
+        return exc
 
 
 def wait_for(
@@ -68,22 +76,23 @@ def wait_for(
     ``what`` says what is awaited ("the sidecar ready"), for the AssertionError raised once ``timeout``
     seconds pass. An exception of a type in ``ignoring`` counts as "not yet"; any other propagates at once.
     """
-    waiting = _Waiting(predicate, timeout, what, ignoring)
-    while not waiting.done():
+    waiting = _Waiting(timeout, what)
+    while not waiting.over(_look(predicate, ignoring)):
         time.sleep(interval)
-    return waiting.value  # type: ignore[return-value]  # done() stored a true result
+    return cast(T, waiting.value)
 
 
 async def wait_for_async(
-    predicate: Callable[[], T],
+    predicate: Callable[[], T | Awaitable[T]],
     *,
     timeout: float,
     what: str,
     interval: float = INTERVAL,
     ignoring: tuple[type[BaseException], ...] = (),
 ) -> T:
-    """:func:`wait_for` for a coroutine: the event loop runs between looks."""
-    waiting = _Waiting(predicate, timeout, what, ignoring)
-    while not waiting.done():
+    """:func:`wait_for` in a coroutine: the event loop runs between looks, and ``predicate`` may be a
+    coroutine function."""
+    waiting = _Waiting(timeout, what)
+    while not waiting.over(await _look_async(predicate, ignoring)):
         await asyncio.sleep(interval)
-    return waiting.value  # type: ignore[return-value]  # done() stored a true result
+    return cast(T, waiting.value)
