@@ -34,12 +34,21 @@ from ._http import HttpSource
 from ._listing import Directory, is_directory, list_directory
 from ._model import OpenedModel, fetch_small_file, open_model
 from ._proxy import ProxySettings, proxy_from_environ
-from ._registry import SourceFactory, check_scheme, open_source, register_source, registered_schemes
+from ._registry import (
+    SourceFactory,
+    check_scheme,
+    open_source,
+    register_source,
+    register_store,
+    registered_schemes,
+    store_for,
+)
 from ._responses import display_url
 from ._retry import RetryCancelled, RetryEvent, read_range, read_range_into_fd, stat_source
 from ._s3 import S3Location, S3Source, plan_s3_location
 from ._settings import HttpSettings, RetryPolicy, S3Addressing, S3Credentials, S3Settings, SourceSettings
 from ._splice import metered
+from ._store import ListedFile, Opener, Store, join_uri
 
 __all__ = [
     "Directory",
@@ -47,8 +56,10 @@ __all__ = [
     "HttpSettings",
     "HttpSource",
     "InterruptedReadError",
+    "ListedFile",
     "ObjectInfo",
     "OpenedModel",
+    "Opener",
     "ProxySettings",
     "RequestHeaders",
     "RetryCancelled",
@@ -63,11 +74,13 @@ __all__ = [
     "SourceBase",
     "SourceFactory",
     "SourceSettings",
+    "Store",
     "check_range",
     "check_scheme",
     "display_url",
     "fetch_small_file",
     "is_directory",
+    "join_uri",
     "list_directory",
     "metered",
     "open_model",
@@ -79,6 +92,8 @@ __all__ = [
     "read_range",
     "read_range_into_fd",
     "register_source",
+    "register_store",
     "registered_schemes",
     "stat_source",
+    "store_for",
 ]

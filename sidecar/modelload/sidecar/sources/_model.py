@@ -11,7 +11,6 @@ fetched with :func:`fetch_small_file`.
 from __future__ import annotations
 
 import hashlib
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -31,35 +30,14 @@ from modelload.loader.formats import (
 
 from ._base import ObjectInfo, Source
 from ._listing import Directory, is_directory, list_directory
-from ._registry import open_source
+from ._registry import open_source, store_for
 from ._retry import RetryEvent, read_range, stat_source
-from ._s3 import S3Source, parse_s3_uri
 from ._settings import SourceSettings
+from ._store import Opener
 
 __all__ = ["OpenedModel", "fetch_small_file", "open_model"]
 
 _WORKERS = 8
-
-
-class _Opener:
-    """Opens the files of one directory; S3 files share one endpoint resolution and credential chain
-    (botocore's session set-up costs about 0.1 s a file, which a directory of shards would pay per shard)."""
-
-    def __init__(self, settings: SourceSettings) -> None:
-        self._settings = settings
-        self._s3: S3Source | None = None
-        self._lock = threading.Lock()
-
-    def __call__(self, uri: str) -> Source:
-        if uri.startswith("s3://"):
-            with self._lock:
-                if self._s3 is not None:
-                    return self._s3.sibling(parse_s3_uri(uri)[1])
-                source = open_source(uri, self._settings)
-                if isinstance(source, S3Source):
-                    self._s3 = source
-                return source
-        return open_source(uri, self._settings)
 
 
 @dataclass
@@ -77,8 +55,8 @@ class OpenedModel:
     directory: Directory | None = None
     small: dict[str, int] = field(default_factory=dict)
     """The small files to copy into the model directory, with their sizes."""
-    opener: Callable[[str], Source] | None = None
-    """How this model's files are opened (sharing S3 set-up); None: :func:`open_source`."""
+    opener: Opener | None = None
+    """How this model's files are opened (sharing their store's set-up); None: :func:`open_source`."""
     _index: ModelIndex | None = None
 
     @property
@@ -170,7 +148,7 @@ def _open_directory(
 ) -> OpenedModel:
     directory = list_directory(uri, settings, files=files)
     where = directory.display
-    opener = _Opener(settings)
+    opener = store_for(directory.uri).opener(settings)
     index_json = None
     if SAFETENSORS_INDEX in directory.sizes and format != "tensorizer":
         index_json = fetch_small_file(
@@ -214,7 +192,7 @@ def fetch_small_file(
     settings: SourceSettings,
     *,
     on_retry: Callable[[RetryEvent], None] | None = None,
-    opener: Callable[[str], Source] | None = None,
+    opener: Opener | None = None,
 ) -> bytes:
     """The whole content of a small file of ``directory``, at most :data:`SMALL_FILE_LIMIT` bytes."""
     uri = directory.file_uri(name)
