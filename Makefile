@@ -73,7 +73,7 @@ $(S3RVER):
 	@if command -v npm >/dev/null 2>&1; then npm install --silent --no-audit --no-fund --prefix .bench-tools s3rver@3.7.1; \
 	else echo "npm not found: s3rver not installed (apt-get install nodejs npm)"; fi
 
-# The benchmark's peers (the bench extra), with torch pinned in the same command so pip cannot replace it.
+# The benchmark's contenders (the bench extra), with torch pinned in the same command so pip cannot replace it.
 $(BENCH_STAMP): $(STAMP) pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev,torch,bench]' $(TORCH)
 	@touch $(BENCH_STAMP)

@@ -36,10 +36,10 @@ def test_every_object_validates_against_kubernetes(version: str) -> None:
         kubernetes_validate.validate(doc, version, strict=True)
 
 
-def test_the_jobs_mount_the_current_peers_script_and_the_settings_they_read() -> None:
+def test_the_jobs_mount_the_current_contenders_script_and_the_settings_they_read() -> None:
     by_name = {(d["kind"], d["metadata"]["name"]): d for d in docs()}
-    peers = by_name[("ConfigMap", "modelload-benchmark-peers")]
-    assert peers["data"]["peers.py"] == (ROOT / "benchmarks" / "peers.py").read_text()
+    contenders = by_name[("ConfigMap", "modelload-benchmark-contenders")]
+    assert contenders["data"]["contenders.py"] == (ROOT / "benchmarks" / "contenders.py").read_text()
     settings = by_name[("ConfigMap", "modelload-benchmark-settings")]["data"]
     jobs = {name: d for (kind, name), d in by_name.items() if kind == "Job"}
     assert set(jobs) == {f"modelload-benchmark-{c}" for c in ("sidecar", "tensorizer", "runai")}
@@ -48,18 +48,18 @@ def test_the_jobs_mount_the_current_peers_script_and_the_settings_they_read() ->
         pod = job["spec"]["template"]["spec"]
         (container,) = pod["containers"]
         command = container["command"][-1]
-        assert f"python /bench/peers.py {contender} " in command
+        assert f"python /bench/contenders.py {contender} " in command
         for variable in ("READERS", "CHUNK_BYTES", "S3_ENDPOINT", cluster.SOURCE[contender]):
             assert f"${variable}" in command or f"${{{variable}" in command
             assert variable in settings
-        assert {v["name"] for v in pod["volumes"]} >= {"peers"}
+        assert {v["name"] for v in pod["volumes"]} >= {"contenders"}
         assert job["metadata"]["namespace"] == cluster.NAMESPACE
 
 
 def test_the_measuring_script_needs_only_the_standard_library() -> None:
     # -I -S: no site-packages, no PYTHONPATH: what a bare python image has.
     done = subprocess.run(
-        [sys.executable, "-I", "-S", str(ROOT / "benchmarks" / "peers.py"), "curl", "--source", "x",
+        [sys.executable, "-I", "-S", str(ROOT / "benchmarks" / "contenders.py"), "curl", "--source", "x",
          "--readers", "0"],
         capture_output=True, text=True, check=False,
     )  # fmt: skip

@@ -125,7 +125,7 @@ class ConfigError(ModelloadError, ValueError):
     """A setting, flag, environment variable or URI is invalid. Fix it: retrying will not help.
 
     ``setting`` names what is wrong (``--readers``, ``MODELLOAD_READERS``, ``spec.chunkSize``) when one
-    setting is; the message then starts with it.
+    setting is; the message then starts with it, and ``detail`` is the message without it.
     """
 
     kind = "config"
@@ -134,6 +134,7 @@ class ConfigError(ModelloadError, ValueError):
 
     def __init__(self, message: str, *, setting: str | None = None) -> None:
         self.setting = setting
+        self.detail = message
         super().__init__(f"{setting}: {message}" if setting else message)
 
 

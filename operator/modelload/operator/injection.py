@@ -19,7 +19,7 @@ What a pod gets (docs/contracts.md, "Pod wiring"):
   names) get the volume at /run/modelload and ``MODELLOAD_SEGMENT``/``_NOTIFY``/``_STATUS_URL``;
 * who may read the segment: the sidecar writes it ``0640`` (it holds decrypted weights). A pod with an
   ``fsGroup`` needs nothing more (the volume's files belong to that group, which every container has). A
-  pod without one gets the sidecar's ``runAsGroup`` set to the segment group (:class:`SidecarSettings`
+  pod without one gets the sidecar's ``runAsGroup`` set to the segment group (:class:`InjectedSidecar`
   ``segment_group``) and that group added to ``spec.securityContext.supplementalGroups``, so the app reads the
   segment whatever user it runs as, and processes outside the pod's containers do not.
 
@@ -55,7 +55,7 @@ from modelload.operator.peers import PEER_DIR, PEER_VOLUME, peer_env, peer_volum
 from modelload.operator.quantity import parse_bytes
 from modelload.operator.resource import ResolvedModel
 from modelload.operator.schema import MODEL_LABEL, ModelLoadSpec
-from modelload.operator.settings import SidecarSettings
+from modelload.operator.settings import InjectedSidecar
 from modelload.operator.sizing import plan_sizing
 
 __all__ = [
@@ -121,7 +121,7 @@ def _check_own_name(pod: Mapping[str, Any]) -> None:
 
 
 def build_patch(
-    *, pod: Mapping[str, Any], model: ResolvedModel, sidecar: SidecarSettings, native: bool
+    *, pod: Mapping[str, Any], model: ResolvedModel, sidecar: InjectedSidecar, native: bool
 ) -> list[Op]:
     """The JSON patch that gives ``pod`` the model; ``[]`` when it already has everything.
 
@@ -162,7 +162,7 @@ def _mode(native: bool) -> str:
     return "native" if native else "regular"
 
 
-def _segment_group(spec: Mapping[str, Any], sidecar: SidecarSettings) -> int | None:
+def _segment_group(spec: Mapping[str, Any], sidecar: InjectedSidecar) -> int | None:
     """The group the sidecar writes the segment as; None when the pod's fsGroup already owns the volume."""
     if (spec.get("securityContext") or {}).get("fsGroup") is not None or not sidecar.segment_group:
         return None
@@ -260,7 +260,7 @@ def _secret_volume(name: str, secret: str, key: str) -> dict[str, Any]:
 
 def _sidecar_container(
     model: ResolvedModel,
-    sidecar: SidecarSettings,
+    sidecar: InjectedSidecar,
     resources: Mapping[str, Any],
     *,
     native: bool,

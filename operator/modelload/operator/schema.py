@@ -74,7 +74,9 @@ DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 SECRET_KEY = r"^[-._a-zA-Z0-9]+$"  # noqa: S105 - the pattern of a Secret key name
 LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
-CHUNK_SIZE = r"^[1-9][0-9]*(B|KiB|MiB|GiB)?$"
+CHUNK_SIZE = r"^[1-9][0-9]*(B|[KMG]i|[KMG]iB)?$"
+"""Bytes, or binary units as ``ringSize`` and every Kubernetes quantity write them (``32Mi``); the older
+``32MiB`` is still read."""
 MIN_CHUNK = 1 << 20  # the sidecar's own bounds: 1MiB to 1GiB
 MAX_CHUNK = 1 << 30
 
@@ -250,10 +252,11 @@ class ModelLoadSpec:
     s3: S3Options | None = prop(doc="S3 endpoint, region and addressing.", default=None)
     readers: int = prop(doc="Parallel range readers in the sidecar.", default=8, minimum=1, maximum=256)
     chunk_size: str = prop(
-        doc="Bytes per range request: a number with an optional B, KiB, MiB or GiB suffix (1MiB to 1GiB).",
-        default="32MiB",
+        doc="Bytes per range request, 1Mi to 1Gi: a number with an optional Ki, Mi or Gi suffix, as ringSize "
+        "(KiB, MiB and GiB are read too).",
+        default="32Mi",
         pattern=CHUNK_SIZE,
-        hint="a number of bytes with an optional B, KiB, MiB or GiB suffix, e.g. 32MiB",
+        hint="a number of bytes with an optional Ki, Mi or Gi suffix, e.g. 32Mi",
     )
     verify_hashes: bool = prop(doc="Check the file's own hashes while loading.", default=True)
     priority: list[str] = prop(

@@ -11,9 +11,10 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 from modelload.loader.errors import ConfigError
+from modelload.loader.rules import OneOf, Prefixed, check_fields, rule
 
 from ._headers import RequestHeaders
 from ._proxy import ProxySettings
@@ -181,21 +182,18 @@ class S3Settings:
     (IRSA), container credentials (EKS Pod Identity), instance metadata), and are refreshed when they expire.
     """
 
-    endpoint_url: str | None = None
+    endpoint_url: str | None = field(
+        default=None, metadata=rule(Prefixed(("http://", "https://"), "an http:// or https:// URL"))
+    )
     region: str | None = None
-    addressing: S3Addressing = "auto"
+    addressing: S3Addressing = field(default="auto", metadata=rule(OneOf(get_args(S3Addressing))))
     unsigned: bool = False
     credentials: S3Credentials | None = None
 
     def __post_init__(self) -> None:
         if self.unsigned and self.credentials is not None:
             raise ConfigError("S3 access is either unsigned or with credentials, not both")
-        if self.addressing not in ("auto", "path", "virtual"):
-            raise ConfigError(f"S3 addressing must be auto, path or virtual, got {self.addressing!r}")
-        if self.endpoint_url is not None and not self.endpoint_url.startswith(("http://", "https://")):
-            raise ConfigError(
-                f"the S3 endpoint must start with http:// or https://, got {self.endpoint_url!r}"
-            )
+        check_fields(self)
 
 
 @dataclass(frozen=True)
