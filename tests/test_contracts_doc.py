@@ -119,6 +119,16 @@ def _everything_the_webhook_sets() -> tuple[dict[str, dict[str, Any]], dict[str,
             "source": "s3://models/m.tensors",
             "memory": {"mode": "ring", "ringSize": "256Mi", "waitTimeoutSeconds": 60},
         },
+        {
+            "source": "gs://models/m.tensors",
+            "credentialsSecretRef": {"name": "gcs"},
+            "gcs": {"endpoint": "http://gcs:4443"},
+        },
+        {
+            "source": "az://acct01/models/m.tensors",
+            "credentialsSecretRef": {"name": "az"},
+            "azure": {"endpoint": "http://azurite:10000/acct01"},
+        },
     ):
         sidecar.update(_env_of(spec))
     targets = {item["name"]: item["value"] for item in target_env()}

@@ -57,6 +57,8 @@ from modelload.sidecar.load import DEFAULT_SEGMENT, MAX_CHUNK, MIN_CHUNK, LoadSe
 from modelload.sidecar.memory import MemorySettings
 from modelload.sidecar.peers import PeerSettings
 from modelload.sidecar.sources import (
+    AzureSettings,
+    GcsSettings,
     HttpSettings,
     S3Settings,
     SourceSettings,
@@ -279,6 +281,14 @@ OPTIONS: tuple[Option, ...] = (
         "anonymous S3 requests, for public buckets", boolean=True, parse=parse_bool,
     ),
     Option(
+        "sources.gcs.endpoint_url", "--gcs-endpoint", "MODELLOAD_GCS_ENDPOINT", "GCS JSON API endpoint URL",
+        "URL", parse=parse_text, unset="STORAGE_EMULATOR_HOST, else Google's",
+    ),
+    Option(
+        "sources.azure.endpoint_url", "--azure-endpoint", "MODELLOAD_AZURE_ENDPOINT", "Azure blob endpoint",
+        "URL", parse=parse_text, unset="a connection string's, else https://ACCOUNT.blob.core.windows.net",
+    ),
+    Option(
         "engine.memory.mode", "--memory-mode", "MODELLOAD_MEMORY_MODE",
         "full keeps the model; release frees each tensor once every consumer copied it; ring holds at most"
         " --ring-size", parse=parse_word,
@@ -402,8 +412,10 @@ def _source_settings(given: Given, environ: Mapping[str, str], *, source: str) -
     if headers is not None and not source.startswith(("http://", "https://")):
         raise ConfigError(
             "a header file (--header-file/MODELLOAD_HEADER_FILE) is for http(s):// sources, and the source"
-            f" is {display_url(source)}: S3 takes AWS credentials, a file needs none"
+            f" is {display_url(source)}: S3, GCS and Azure take their own credentials"
         )
     proxy = proxy_from_environ(environ, override=given.get("sources.http.proxy"))
     http = given.build(HttpSettings, "sources.http", headers=headers, proxy=proxy)
-    return given.build(SourceSettings, "sources", http=http, s3=s3)
+    gcs = given.build(GcsSettings, "sources.gcs")
+    azure = given.build(AzureSettings, "sources.azure")
+    return given.build(SourceSettings, "sources", http=http, s3=s3, gcs=gcs, azure=azure)

@@ -28,6 +28,7 @@ Retries, resume after a broken stream, ETag checks and stall timeouts happen in 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
 import time
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Protocol
 
 from modelload.loader.errors import (
+    HashMismatchError,
     MissingKeyError,
     ModelloadError,
     NotEncryptedError,
@@ -53,7 +55,7 @@ from modelload.loader.segment import (
     WriterState,
     run_in_order,
 )
-from modelload.sidecar.load import integrity
+from modelload.sidecar.load import integrity, proof
 from modelload.sidecar.load.meter import ChunkMeter
 from modelload.sidecar.load.modeldir import write_model_dir
 from modelload.sidecar.load.settings import LoadSettings
@@ -186,11 +188,13 @@ class Engine:
             return
         index = model.index
         key = self._key(index, uri)
+        proofs = _decide_proofs(model, settings, encrypted=index.encrypted)
+        metadata = _metadata(uri, model.fingerprint, model.size, settings.notify, model_dir)
         plan = plan_load(
             index,
             chunk_size=settings.chunk_size,
             priority=settings.priority,
-            metadata=_metadata(uri, model.fingerprint, model.size, settings.notify, model_dir),
+            metadata={**metadata, PROOFS_KEY: json.dumps({p.uri: p.label for p in proofs}, sort_keys=True)},
         )
         plan = plan_memory(plan, settings.memory)
         use_fd = settings.splice and all(source.supports_fd for source in model.sources)
@@ -208,6 +212,8 @@ class Engine:
         observer.manifest_published(
             model_format=index.format, tensors=len(index), nbytes=index.nbytes, notify=settings.notify
         )
+        for each in proofs:
+            observer.file_proof(file=each.uri, proof=each.label, state=each.state)
         if self._peers is not None:  # shared only in full mode: released pages cannot be served
             share = settings.memory.mode == "full"
             plan = self._peers.begin(
@@ -218,7 +224,7 @@ class Engine:
             # file descriptor a full volume is an ordinary ENOSPC, and reserving would cost a pass of zeroing
             # (0.15 s per 2 GiB here) for pages the data overwrites anyway.
             writer.reserve()
-        _Load(self._context(), model, plan, writer, key, use_fd=use_fd, memory=memory).run()
+        _Load(self._context(), model, plan, writer, key, use_fd=use_fd, memory=memory, proofs=proofs).run()
         if self._stop.is_set():
             raise LoadStopped("stopped before the load finished")
         integrity.check_unchanged(
@@ -230,7 +236,11 @@ class Engine:
             on_retry=self._retried,
             sample=settings.memory.mode == "full",
             skip=self._peers.verified_by_peers if self._peers is not None else (),
+            proven=[p.file for p in proofs if p.method != "samples"],
         )
+        for each in proofs:
+            if each.method != "checksum":
+                observer.file_proof(file=each.uri, proof=each.label, state=_UNPROVEN_STATE[each.method])
         writer.mark_complete()
         observer.load_finished(seconds=time.monotonic() - started, nbytes=index.nbytes)
 
@@ -331,6 +341,7 @@ class _Load:
         *,
         use_fd: bool,
         memory: MemoryManager | None = None,
+        proofs: list[proof.FileProof] | None = None,
     ) -> None:
         self.context = context
         self.memory = memory
@@ -343,9 +354,18 @@ class _Load:
         self.stop = context.stop
         self._lock = threading.Lock()
         self._remaining = list(plan.chunk_counts)
-        # Tensors without a stored hash are re-sampled before they are published (integrity.check_tensor).
-        sampled_files = [integrity.needs_samples(model, f) for f in range(len(model.sources))]
-        self._sampled = [sampled_files[t.file] for t in plan.index.tensors]
+        proofs = proofs or []
+        self.prover = proof.Prover(proofs, plan, model.sources, [info.size for info in model.infos])
+        self._proofs = proofs
+        # Tensors without a stored hash are re-sampled before they are published (integrity.check_tensor),
+        # unless the store's checksum proves their file.
+        sampled_files = {p.file for p in proofs if p.method == "samples"}
+        self._sampled = [t.file in sampled_files for t in plan.index.tensors]
+        # A file proven by the store's checksum keeps its tensors back until it is proven (in memory modes
+        # that can hold them, and unless the file's own hashes prove each tensor as it lands).
+        own_hashes = plan.index.format == "tensorizer" and context.settings.verify
+        hold = context.settings.memory.mode != "ring" and not own_hashes
+        self._held: dict[int, list[int]] = {p.file: [] for p in proofs if hold and self.prover.proves(p.file)}
         self.finisher = TensorFinisher(
             writer, key=key, encrypted=plan.index.encrypted, verify=context.settings.verify
         )
@@ -355,6 +375,9 @@ class _Load:
         for tensor in self.plan.order:
             if self._remaining[tensor] == 0:  # nothing to fetch: an empty tensor
                 self._publish(tensor)
+        for each in self._proofs:
+            if self.prover.no_chunks(each.file):
+                self._prove(each.file)
         chunks = len(self.plan.chunks)
         run_in_order(chunks, self._read, threads=self.settings.readers, stop=self.stop, name="reader")
         self.finisher.settle()  # the only encrypted tensor, and it failed: nothing proves the key
@@ -368,11 +391,44 @@ class _Load:
         with metered(meter):  # progress moves as bytes land, not only per chunk
             self._land(chunk)
         meter.finish()
+        file_done = self.prover.landed(chunk, self.writer.region)
         with self._lock:
             self._remaining[chunk.tensor] -= 1
             complete = self._remaining[chunk.tensor] == 0
-        if complete:
+            held = self._held.get(chunk.file)
+            if complete and held is not None:
+                held.append(chunk.tensor)
+        if complete and held is None:
             self._publish(chunk.tensor)
+        if file_done:
+            self._prove(chunk.file)
+
+    def _prove(self, file: int) -> None:
+        """Check a complete file against the store's checksum (once more, from the origin, when none of its
+        tensors is out yet), then publish the tensors it held back."""
+        policy = self.context.retry
+        each = self._proofs[file]
+        try:
+            self.prover.prove(file, self.writer.region, policy=policy)
+        except HashMismatchError as exc:
+            if file not in self._held:
+                self.observer.file_proof(file=each.uri, proof=each.label, state="failed")
+                raise
+            log.warning("%s; reading the file again", exc)
+            self.observer.retried(kind="checksum", message=str(exc))
+            for chunk in self.prover.reset(file):
+                self._land(chunk)
+                self.prover.landed(chunk, self.writer.region)
+            try:
+                self.prover.prove(file, self.writer.region, policy=policy)
+            except HashMismatchError:
+                self.observer.file_proof(file=each.uri, proof=each.label, state="failed")
+                raise
+        self.observer.file_proof(file=each.uri, proof=each.label, state="proven")
+        with self._lock:
+            held = self._held.pop(file, [])
+        for tensor in held:
+            self._publish(tensor)
 
     def _land_fd(self, chunk: Chunk) -> None:
         src_offset = chunk.src_offset
@@ -439,6 +495,21 @@ def _warn_without_validator(model: OpenedModel) -> None:
                 source.display_uri,
                 "a weak" if strength == "weak" else "no",
             )
+
+
+PROOFS_KEY = "proofs"
+"""The segment metadata key recording, per weight file, what its bytes were proven against (JSON)."""
+_UNPROVEN_STATE = {"samples": "sampled", "validator": "pinned"}
+
+
+def _decide_proofs(model: OpenedModel, settings: LoadSettings, *, encrypted: bool) -> list[proof.FileProof]:
+    """The one place a load decides each file's proof (:func:`proof.decide`), given what sampling needs."""
+    return proof.decide(
+        model,
+        memory_mode=settings.memory.mode,
+        encrypted=encrypted,
+        needs_samples=lambda file: integrity.needs_samples(model, file),
+    )
 
 
 def _metadata(
