@@ -16,7 +16,7 @@ AZURITE := .bench-tools/node_modules/.bin/azurite-blob
 BENCH_STAMP := $(VENV)/.bench-installed
 
 .PHONY: all venv system demo test check fmt crds bench clean
-.PHONY: venv-vllm test-vllm bench-vllm
+.PHONY: venv-vllm test-vllm bench-vllm gpu-wheels gpu-check
 
 all: test
 
@@ -116,6 +116,20 @@ bench: bench-vllm
 # vLLM's first token through modelload against vLLM's own safetensors and tensorizer loaders.
 bench-vllm: venv venv-vllm
 	$(VLLM_VENV)/bin/python benchmarks/vllm_first_token.py
+
+# The GPU check (docs/gpu.md). `make gpu-wheels` runs where the package index is reachable: it downloads what
+# modelload needs beyond a GPU machine's image (torch with CUDA, transformers, safetensors, pytest) as wheels
+# for that machine's Python (GPU_PYTHON, X.Y; default this machine's) and builds modelload's own wheel, into
+# GPU_WHEELS. `make gpu-check OUT=dir` runs on the GPU machine, offline: it needs no virtualenv, only python3.
+GPU_PYTHON ?= $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+GPU_WHEELS ?= .gpu-wheels
+OUT ?= gpu-check-out
+
+gpu-wheels: venv
+	$(BIN)/python benchmarks/gpu/wheels.py --python $(GPU_PYTHON) --dest $(GPU_WHEELS)
+
+gpu-check:
+	GPU_WHEELS=$(GPU_WHEELS) bash benchmarks/gpu/check.sh $(OUT)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .bench-tools build *.egg-info .mypy_cache .ruff_cache .pytest_cache
