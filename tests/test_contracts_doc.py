@@ -116,8 +116,16 @@ def _everything_the_webhook_sets() -> tuple[dict[str, dict[str, Any]], dict[str,
         {"source": "s3://models/m.tensors", "passwordSecretRef": {"name": "pw"}, "s3": {"unsigned": True}},
         {"source": "https://models.example.com/m.tensors", "headersSecretRef": {"name": "token"}},
         {
+            "source": "hf://org/model",
+            "hub": {"endpoint": "https://mirror.internal", "tokenSecretRef": {"name": "hf"}},
+        },
+        {
+            "source": "oci://registry.internal:5000/models/m:v1",
+            "registry": {"credentialsSecretRef": {"name": "pull"}, "plainHttp": True},
+        },
+        {
             "source": "s3://models/m.tensors",
-            "memory": {"mode": "ring", "ringSize": "256Mi", "waitTimeoutSeconds": 60},
+            "memory": {"mode": "ring", "ringSize": "256Mi", "waitTimeoutSeconds": 60, "hugePages": "2Mi"},
         },
         {
             "source": "gs://models/m.tensors",
@@ -194,6 +202,7 @@ def test_the_paths_and_names_of_the_pod_are_those_of_the_webhook() -> None:
         "KEY_VOLUME",
         "PASSWORD_VOLUME",
         "HEADERS_VOLUME",
+        "HUGE_PAGES_VOLUME",
         "SIDECAR_NAME",
         "CONTAINERS_ANNOTATION",
         "INJECTED_ANNOTATION",

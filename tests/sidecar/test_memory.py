@@ -85,8 +85,8 @@ def _resident(segment: Path) -> int:
     [
         ("tensorizer", {}),  # spliced through the descriptor, split where the ring wraps
         ("safetensors", {}),
-        ("tensorizer", {"splice": False}),  # read into the writer's double mapping
-        ("safetensors", {"splice": False, "priority": ("layers.5.", "layers.2.mlp.")}),  # not file order
+        ("tensorizer", {"landing": "mapping"}),  # read into the writer's double mapping
+        ("safetensors", {"landing": "mapping", "priority": ("layers.5.", "layers.2.mlp.")}),  # not file order
     ],
     ids=["tensorizer", "safetensors", "tensorizer-mapping", "safetensors-mapping-priority"],
 )
@@ -440,7 +440,7 @@ class _Tied(torch.nn.Module):
         self.head.weight = self.embed.weight
 
 
-def _copy_all_on_the_host(items: Any, device: Any, *, on_done: Any = None) -> Any:
+def _copy_all_on_the_host(items: Any, device: Any, *, on_done: Any = None, mapping: Any = None) -> Any:
     """A device copy without a device: each tensor is copied, then marked consumed, as a GPU's is."""
     results = []
     for name, host in items:

@@ -259,12 +259,22 @@ class Model:
             result = dict(host)
         else:
             on_done = self.consumed if self._registration is not None else None
-            result = dict(torch_api.copy_all(host, device, on_done=on_done))
+            result = dict(torch_api.copy_all(host, device, on_done=on_done, mapping=self._pinnable()))
             if on_done is None and self._reader.memory_mode != MemoryMode.FULL:
                 # Not a consumer: nothing waited for these copies, so check now that none was torn by a
                 # release under it (SPEC.md, consumer table rule 5); consumed() only checks here.
                 self.consumed(wanted)
         return {name: result[name] for name in wanted}
+
+    def _pinnable(self) -> torch_api.Mapping | None:
+        """A hugetlbfs segment's data mapping, which the GPU copy pins whole (``_api/pins.py``); None
+        elsewhere (4 KiB pages, or a huge tmpfs, whose private mapping may yet copy a page: each tensor is
+        pinned on its own there)."""
+        volume = self._reader.volume
+        address, length = self._reader.data_extent()
+        if not volume.mapping_only or not length:
+            return None
+        return torch_api.Mapping(address, address + length, volume.page_size)
 
     def load_into_module(
         self,

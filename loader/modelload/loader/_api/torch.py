@@ -9,6 +9,9 @@ copy-on-write, and pinning it writable would make the kernel copy every page (do
 the view off from the segment), so only read-only registration is used. Where the driver refuses it (old
 drivers, some platforms), the copy goes through two pinned staging buffers instead: one CPU memcpy more, the
 same overlap of copying with loading.
+
+A segment on hugetlbfs is pinned whole instead (:mod:`.pins`): one registration of its mapping, 2 MiB
+pages from end to end, rather than one per tensor.
 """
 
 from __future__ import annotations
@@ -19,13 +22,14 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
+from modelload.loader._api.pins import Mapping, Pinner
 from modelload.loader.dtypes import DType
 from modelload.loader.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DeviceCopier", "as_tensor"]
+__all__ = ["DeviceCopier", "Mapping", "as_tensor"]
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +66,13 @@ class DeviceCopier:
     """Copies host tensors to one CUDA device as they are handed in, overlapping copies with loading.
 
     ``pin_in_place=False`` skips registration and copies through the staging buffers from the start (the
-    GPU benchmark measures both ways; registration is otherwise always tried first).
+    GPU benchmark measures both ways; registration is otherwise always tried first). ``mapping``: a hugetlbfs
+    segment's data mapping, pinned whole (:mod:`.pins`); None pins each tensor's own bytes.
     """
 
-    def __init__(self, device: str | torch.device, *, pin_in_place: bool = True) -> None:
+    def __init__(
+        self, device: str | torch.device, *, pin_in_place: bool = True, mapping: Mapping | None = None
+    ) -> None:
         import torch
 
         self.device = torch.device(device)
@@ -73,8 +80,9 @@ class DeviceCopier:
             raise ConfigError(f"DeviceCopier copies to CUDA devices, not {self.device}")
         self._torch = torch
         self._stream = torch.cuda.Stream(self.device)
-        self._registered: list[tuple[Any, int, torch.Tensor, Callable[[], None] | None]] = []
-        """(event, pointer, keep-alive, what to call once the copy has left the host bytes)"""
+        self._registered: list[tuple[Any, Callable[[], None], torch.Tensor, Callable[[], None] | None]] = []
+        """(event, what unpins the host bytes, keep-alive, what to call once the copy has left them)"""
+        self._pinner = Pinner(register=self._register, unregister=_unregister, mapping=mapping)
         self._staging: list[tuple[torch.Tensor, Any]] | None = None
         self._next_stage = 0
         self._pin_in_place = pin_in_place
@@ -104,7 +112,8 @@ class DeviceCopier:
             if on_done is not None:
                 on_done()
             return target
-        if self._pin_in_place and self._register(host):
+        unpin = self._pin(host)
+        if unpin is not None:
             with torch.cuda.stream(self._stream):
                 target.copy_(host, non_blocking=True)
                 event = torch.cuda.Event()
@@ -113,10 +122,10 @@ class DeviceCopier:
                 # Someone waits for these host bytes to be released (memory modes release and ring): the
                 # next tensor may only land once they are, so finish this copy now rather than at the next.
                 event.synchronize()
-                _unregister(host.data_ptr())
+                unpin()
                 on_done()
             else:
-                self._registered.append((event, host.data_ptr(), host, on_done))
+                self._registered.append((event, unpin, host, on_done))
             self._release_finished()
         else:
             self._copy_staged(host, target)
@@ -147,28 +156,46 @@ class DeviceCopier:
         torch = self._torch
         self._stream.synchronize()
         torch.cuda.current_stream(self.device).wait_stream(self._stream)
-        for _, pointer, _, on_done in self._registered:
-            _unregister(pointer)
+        for _, unpin, _, on_done in self._registered:
+            unpin()
             if on_done is not None:
                 on_done()
         self._registered.clear()
+        self._pinner.close()
 
-    def _register(self, host: torch.Tensor) -> bool:
+    def _pin(self, host: torch.Tensor) -> Callable[[], None] | None:
+        """Pin ``host``'s bytes where they are; what unpins them, or None when the driver refused (from then
+        on, copies go through the staging buffers)."""
+        if not self._pin_in_place:
+            return None
+        unpin = self._pinner.pin(host.data_ptr(), host.nbytes)
+        if unpin is None:
+            self._pin_in_place = False
+            log.info("cudaHostRegister(read-only) failed; copying through pinned staging buffers")
+        return unpin
+
+    def _register(self, pointer: int, nbytes: int) -> bool:
         cudart = self._torch.cuda.cudart()
-        nbytes = host.nbytes
         flags = _HOST_REGISTER_PORTABLE | _HOST_REGISTER_READ_ONLY
-        status = cudart.cudaHostRegister(host.data_ptr(), nbytes, flags)
-        if int(status) == 0:
-            return True
-        self._pin_in_place = False
-        log.info("cudaHostRegister(read-only) failed (%s); copying through pinned staging buffers", status)
-        return False
+        status = cudart.cudaHostRegister(pointer, nbytes, flags)
+        if int(status) != 0:
+            log.debug("cudaHostRegister(%#x, %d, read-only) failed: %s", pointer, nbytes, status)
+            self._drop_last_error()
+        return int(status) == 0
+
+    def _drop_last_error(self) -> None:
+        """A refused ``cudaHostRegister`` stays the CUDA runtime's last error, and torch's check after the
+        next kernel launch raises it there, in whatever code runs next (seen on an H100: a refusal the
+        copier had already handled failed a later ``torch.equal``). One tiny kernel now takes that error
+        and drops it."""
+        with suppress(RuntimeError):  # torch.AcceleratorError: the stale refusal, now consumed
+            self._torch.ones(1, device=self.device)  # a fill kernel (a zeroing may be a memset)
 
     def _release_finished(self) -> None:
         keep = []
         for entry in self._registered:
             if entry[0].query():
-                _unregister(entry[1])
+                entry[1]()
                 if entry[3] is not None:
                     entry[3]()
             else:
@@ -200,13 +227,15 @@ def copy_all(
     device: str | torch.device,
     *,
     on_done: Callable[[str], None] | None = None,
+    mapping: Mapping | None = None,
 ) -> Iterator[tuple[str, Any]]:
     """Copy each ``(name, host tensor)`` to ``device`` as it comes; yield the device tensors at the end.
 
     ``on_done(name)`` is called for each tensor once its host bytes have been read (see
-    :meth:`DeviceCopier.copy`), in the course of the copies rather than at the end.
+    :meth:`DeviceCopier.copy`), in the course of the copies rather than at the end. ``mapping``: a hugetlbfs
+    segment's data mapping, pinned whole (:class:`DeviceCopier`).
     """
-    copier = DeviceCopier(device)
+    copier = DeviceCopier(device, mapping=mapping)
 
     def done(name: str) -> Callable[[], None] | None:
         return None if on_done is None else (lambda: on_done(name))

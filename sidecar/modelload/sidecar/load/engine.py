@@ -11,8 +11,9 @@ One run is one load:
 3. read each weight file's index with one small range, plan the segment (a slot per tensor, across files)
    and the range chunks, publish the segment's header and manifest at once (an app can attach now);
 4. N reader threads take chunks in load order and land them straight in the segment: ``os.splice`` from the
-   socket or file into the segment's file where the source supports it (no user-space copy, no page faults
-   in this process), ``readinto`` a slice of the mapping otherwise;
+   socket or file into the segment's file on 4 KiB pages where the source supports it (no user-space copy,
+   no page faults in this process), ``readinto`` a slice of the mapping on huge pages and otherwise
+   (:mod:`modelload.sidecar.load.landing` chooses);
 5. the thread that lands a tensor's last chunk decrypts it in place, checks its hash when asked, and
    publishes it READY;
 6. every tensor in, and the weight files still the ones the load started with (a fresh look-up of their
@@ -56,6 +57,8 @@ from modelload.loader.segment import (
     run_in_order,
 )
 from modelload.sidecar.load import integrity, proof
+from modelload.sidecar.load.digests import FileDigests
+from modelload.sidecar.load.landing import choose_landing
 from modelload.sidecar.load.meter import ChunkMeter
 from modelload.sidecar.load.modeldir import write_model_dir
 from modelload.sidecar.load.settings import LoadSettings
@@ -188,16 +191,22 @@ class Engine:
             return
         index = model.index
         key = self._key(index, uri)
+        landing = choose_landing(settings.landing, settings.segment, model.sources)
         proofs = _decide_proofs(model, settings, encrypted=index.encrypted)
         metadata = _metadata(uri, model.fingerprint, model.size, settings.notify, model_dir)
         plan = plan_load(
             index,
             chunk_size=settings.chunk_size,
             priority=settings.priority,
-            metadata={**metadata, PROOFS_KEY: json.dumps({p.uri: p.label for p in proofs}, sort_keys=True)},
+            metadata={
+                **metadata,
+                **_pinned_version(model),
+                PROOFS_KEY: json.dumps({p.uri: p.label for p in proofs}, sort_keys=True),
+            },
+            page_size=landing.page_size,
         )
         plan = plan_memory(plan, settings.memory)
-        use_fd = settings.splice and all(source.supports_fd for source in model.sources)
+        use_fd = landing.through_fd
         # Through the file descriptor nothing writes a meta tensor's slot: reserve it before publishing.
         unlanded = integrity.unlanded_ranges(plan) if use_fd else []
         # A ring's pages are taken once, now, and reused lap after lap (a full volume fails here).
@@ -205,10 +214,17 @@ class Engine:
         self._writer = writer = SegmentWriter.create(
             settings.segment, plan.layout, reserve=ring, reserve_ranges=unlanded
         )
+        checking: list[FileDigests] = []  # set below, before any tensor is ready to release
         memory = None
         if settings.memory.mode != "full":
-            report = observer.memory_changed
-            memory = MemoryManager(settings.memory, writer=writer, plan=plan, stop=self._stop, report=report)
+            memory = MemoryManager(
+                settings.memory,
+                writer=writer,
+                plan=plan,
+                stop=self._stop,
+                report=observer.memory_changed,
+                hold=lambda: checking[0].releasable() if checking else None,
+            )
         observer.manifest_published(
             model_format=index.format, tensors=len(index), nbytes=index.nbytes, notify=settings.notify
         )
@@ -224,7 +240,14 @@ class Engine:
             # file descriptor a full volume is an ordinary ENOSPC, and reserving would cost a pass of zeroing
             # (0.15 s per 2 GiB here) for pages the data overwrites anyway.
             writer.reserve()
-        _Load(self._context(), model, plan, writer, key, use_fd=use_fd, memory=memory, proofs=proofs).run()
+        digests = self._digests(model, plan, writer)  # on the plan the readers follow (peers reorder it)
+        checking.extend([digests] if digests is not None else [])
+        _Load(
+            self._context(), model, plan, writer, key, use_fd=use_fd, memory=memory, proofs=proofs,
+            digests=digests,
+        ).run()  # fmt: skip
+        if digests is not None and (digests.failure is not None or not self._stop.is_set()):
+            self._finish_digests(digests, proofs)
         if self._stop.is_set():
             raise LoadStopped("stopped before the load finished")
         integrity.check_unchanged(
@@ -239,7 +262,7 @@ class Engine:
             proven=[p.file for p in proofs if p.method != "samples"],
         )
         for each in proofs:
-            if each.method != "checksum":
+            if each.method in _UNPROVEN_STATE:
                 observer.file_proof(file=each.uri, proof=each.label, state=_UNPROVEN_STATE[each.method])
         writer.mark_complete()
         observer.load_finished(seconds=time.monotonic() - started, nbytes=index.nbytes)
@@ -253,6 +276,38 @@ class Engine:
             on_retry=self._retried,
             peers=self._peers,
         )
+
+    def _finish_digests(self, digests: FileDigests, proofs: list[proof.FileProof]) -> None:
+        """Wait for every ``digest`` proof (raises the first mismatch) and say each file is proven."""
+        try:
+            digests.finish()
+        except BaseException:
+            for each in proofs:
+                if each.method == "digest":
+                    self._observer.file_proof(file=each.uri, proof=each.label, state="failed")
+            raise
+        for each in proofs:
+            if each.method == "digest":
+                each.state = "proven"
+                self._observer.file_proof(file=each.uri, proof=each.label, state="proven")
+
+    def _digests(self, model: OpenedModel, plan: LoadPlan, writer: SegmentWriter) -> FileDigests | None:
+        """The hashing of each weight file against its origin's digest (``hf://``, ``oci://``), started."""
+        settings = self.settings
+        if settings.memory.mode == "ring" and settings.priority:
+            log.warning(
+                "ring mode with a priority order: the origin's file digests are not checked (a whole-file "
+                "hash "
+                "follows file order, which the ring would have to hold back); drop --priority to check them"
+            )
+            return None
+        digests = FileDigests(
+            model, plan, writer, policy=self._sources.retry, stop=self._stop, on_retry=self._retried
+        )
+        if not digests.active:
+            return None
+        digests.start(threads=max(1, settings.readers // 4))
+        return digests
 
     def _fail(self, exc: BaseException) -> None:
         kind = error_kind(exc)
@@ -342,9 +397,11 @@ class _Load:
         use_fd: bool,
         memory: MemoryManager | None = None,
         proofs: list[proof.FileProof] | None = None,
+        digests: FileDigests | None = None,
     ) -> None:
         self.context = context
         self.memory = memory
+        self.digests = digests
         self.sources: list[Source] = model.sources
         self.model = model
         self.plan = plan
@@ -391,6 +448,8 @@ class _Load:
         with metered(meter):  # progress moves as bytes land, not only per chunk
             self._land(chunk)
         meter.finish()
+        if self.digests is not None:
+            self.digests.landed(seq)
         file_done = self.prover.landed(chunk, self.writer.region)
         with self._lock:
             self._remaining[chunk.tensor] -= 1
@@ -527,6 +586,19 @@ def _metadata(
     if model_dir is not None:
         meta[MODEL_DIR_KEY] = str(model_dir)
     return meta
+
+
+def _pinned_version(model: OpenedModel) -> dict[str, str]:
+    """``source_version``: the one version every weight file was listed at (a Hub commit, an OCI manifest
+    digest), when the origin pins one: what the segment was loaded from, whatever the branch or tag says
+    now."""
+    if model.directory is None:
+        return {}
+    versions = {
+        model.directory.files[name].version for name in model.weights if name in model.directory.files
+    }
+    version = versions.pop() if len(versions) == 1 else None
+    return {"source_version": version} if version else {}
 
 
 def error_kind(exc: BaseException) -> str:

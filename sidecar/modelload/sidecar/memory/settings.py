@@ -52,9 +52,10 @@ class MemorySettings:
     go once every consumer copied the tensor) or ``ring`` (at most ``ring_size`` bytes at once)."""
 
     ring_size: int = 0
-    """Ring mode's bound on tensor data in memory, bytes, rounded up to 4096 (and down to the model's data,
-    when that is smaller); set exactly in ring mode. It must hold the largest tensor with its record header;
-    a few times the chunk size keeps the readers busy while the app copies."""
+    """Ring mode's bound on tensor data in memory, bytes, rounded up to a page of the volume (4096, or 2 MiB
+    on huge pages; and down to the model's data, when that is smaller); set exactly in ring mode. It must
+    hold the largest tensor with its record header; a few times the chunk size keeps the readers busy while
+    the app copies."""
 
     wait_timeout: float | None = field(default=None, metadata=rule(Positive("a positive number of seconds")))
     """Seconds ring mode may wait for room before failing the load; None waits as long as it takes (the
