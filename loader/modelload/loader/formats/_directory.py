@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal
 
 from modelload.loader.errors import ConfigError, DuplicateNameError, FormatError, SourceNotFoundError
@@ -221,7 +221,7 @@ def merge_indexes(indexes: Sequence[tuple[str, ModelIndex]], *, where: str) -> M
                     source=f"{where}{name}",
                 )
             seen[entry.name] = name
-            tensors.append(replace(entry, file=number))
+            tensors.append(entry.in_file(number))
     return ModelIndex(
         format=first.format,
         version=max(i.version for _, i in indexes),

@@ -35,7 +35,7 @@ RangeRead = Callable[[int, int], bytes]
 the end of the file). Format readers take one of these to read an index without knowing the source."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorEntry:
     """One tensor of a model file.
 
@@ -81,6 +81,14 @@ class TensorEntry:
     def is_meta(self) -> bool:
         """A tensor with a shape and no data in the file (tensorizer v4); it loads as zeros."""
         return self.data_length == 0 and self.nbytes > 0
+
+    def in_file(self, file: int) -> TensorEntry:
+        """This entry as tensor of weight file ``file`` of a model of several (``dataclasses.replace`` does
+        the same at five times the cost, which 100,000 tensors notice)."""
+        return TensorEntry(
+            self.name, self.dtype, self.shape, self.record_offset, self.data_offset, self.data_length,
+            self.path, self.kind, self.encrypted, file,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)

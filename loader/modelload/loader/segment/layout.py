@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum, IntFlag
 from typing import Any
 
+import numpy as np
+
 from modelload.loader.dtypes import DType
 from modelload.loader.errors import SegmentLayoutError
 
@@ -137,7 +139,7 @@ def align(value: int, to: int = ALIGNMENT) -> int:
     return -(-value // to) * to
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorSpec:
     """A tensor to place in a segment: what the writer knows before any byte arrives."""
 
@@ -156,7 +158,7 @@ class TensorSpec:
         return self.dtype.nbytes(self.shape)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Slot:
     """A tensor's place in a segment: its spec and the absolute offset of its bytes."""
 
@@ -323,27 +325,33 @@ def plan_layout(
         by_name[spec.name] = i
 
     # The manifest holds the slot offsets, which depend on where the data starts, which depends on the
-    # manifest's length: plan with the offsets of a first guess, and re-plan until the length is stable.
-    data_offset = align(HEADER_LENGTH + 1) + align(STATE_ENTRY_LENGTH * max(len(specs), 1))
-    if specs:
-        data_offset += align(specs[0].lead)
+    # manifest's length. The slots keep their distances whatever the start (every start is aligned), so the
+    # length is arithmetic over the offsets' digit counts: find the stable start, then encode once.
+    lead = align(specs[0].lead) if specs else 0
+    relative = _relative_offsets(specs)
+    manifest = _Manifest(specs, meta, files)
+    data_offset = align(HEADER_LENGTH + 1) + align(STATE_ENTRY_LENGTH * max(len(specs), 1)) + lead
     while True:
-        slots = _place(specs, data_offset)
-        manifest = _encode_manifest(slots, meta, files)
-        if len(manifest) > MAX_MANIFEST_LENGTH:
-            raise SegmentLayoutError(f"manifest of {len(manifest)} bytes exceeds {MAX_MANIFEST_LENGTH}")
-        state_offset = align(HEADER_LENGTH + len(manifest))
-        needed = align(state_offset + STATE_ENTRY_LENGTH * len(specs)) + (
-            align(specs[0].lead) if specs else 0
-        )
+        length = manifest.length(relative + (data_offset - lead))
+        if length > MAX_MANIFEST_LENGTH:
+            raise SegmentLayoutError(f"manifest of {length} bytes exceeds {MAX_MANIFEST_LENGTH}")
+        state_offset = align(HEADER_LENGTH + length)
+        needed = align(state_offset + STATE_ENTRY_LENGTH * len(specs)) + lead
         if needed == data_offset:
             break
         data_offset = needed
+    offsets = (relative + (data_offset - lead)).tolist()
+    slots = tuple(
+        Slot(i, spec.name, spec.dtype, tuple(spec.shape), offset, spec.nbytes, spec.sha256, spec.file)
+        for i, (spec, offset) in enumerate(zip(specs, offsets, strict=True))
+    )
+    encoded = manifest.encode(offsets)
+    assert len(encoded) == length, "the manifest's length was computed wrong"
     data_end = max((align(s.offset + s.nbytes) for s in slots), default=data_offset)
     return Layout(
-        slots=tuple(slots),
+        slots=slots,
         metadata=meta,
-        manifest=manifest,
+        manifest=encoded,
         state_offset=state_offset,
         data_offset=data_offset,
         data_length=max(data_end - data_offset, 0),
@@ -364,34 +372,80 @@ def _check_files(files: tuple[str, ...], specs: list[TensorSpec]) -> None:
             raise SegmentLayoutError(f"tensor {spec.name!r} names a file, but the layout has no files")
 
 
-def _place(specs: list[TensorSpec], data_offset: int) -> list[Slot]:
-    slots = []
-    end = data_offset - (align(specs[0].lead) if specs else 0)  # where the first slot's lead may begin
-    for i, spec in enumerate(specs):
-        offset = align(end + spec.lead)
-        slots.append(
-            Slot(i, spec.name, spec.dtype, tuple(spec.shape), offset, spec.nbytes, spec.sha256, spec.file)
+def _relative_offsets(specs: list[TensorSpec]) -> np.ndarray[Any, np.dtype[np.int64]]:
+    """Each slot's offset from the (aligned) start of the first slot's lead: each slot on the first 4096-byte
+    boundary that leaves room for its lead after the slot before it."""
+    if not specs:
+        return np.zeros(0, dtype=np.int64)
+    nbytes = np.fromiter((spec.nbytes for spec in specs), dtype=np.int64, count=len(specs))
+    leads = np.fromiter((spec.lead for spec in specs), dtype=np.int64, count=len(specs))
+    steps = -(-(nbytes[:-1] + leads[1:]) // ALIGNMENT) * ALIGNMENT
+    relative = np.empty(len(specs), dtype=np.int64)
+    relative[0] = align(int(leads[0]))
+    np.cumsum(steps, out=relative[1:])
+    relative[1:] += relative[0]
+    return relative
+
+
+_POWERS = np.array([10**k for k in range(1, 19)], dtype=np.int64)
+
+
+class _Manifest:
+    """The manifest's bytes but for the slot offsets: its length for any offsets, and its encoding, once.
+
+    The bytes are exactly ``json.dumps(document, separators=(",", ":"), ensure_ascii=False)`` of
+    ``{"tensors": [...], "metadata": ..., "files": ...}`` (each tensor's members in the order name, dtype,
+    shape, offset, nbytes, sha256, file), as every earlier writer wrote them.
+    """
+
+    def __init__(self, specs: list[TensorSpec], metadata: Mapping[str, str], files: tuple[str, ...]) -> None:
+        shape_text: dict[tuple[int, ...], bytes] = {}
+        heads: list[bytes] = []
+        tails: list[bytes] = []
+        for spec in specs:
+            shape = tuple(spec.shape)
+            text = shape_text.get(shape)
+            if text is None:
+                text = shape_text[shape] = ("[" + ",".join(str(int(d)) for d in shape) + "]").encode()
+            name = _encode_text(spec.name).encode()
+            heads.append(
+                b'{"name":%s,"dtype":"%s","shape":%s,"offset":' % (name, spec.dtype.name.encode(), text)
+            )
+            tail = b',"nbytes":%d' % spec.nbytes
+            if spec.sha256 is not None:
+                tail += b',"sha256":' + _encode_text(spec.sha256).encode()
+            if spec.file is not None:
+                tail += b',"file":%d' % spec.file
+            tails.append(tail + b"}")
+        self._heads, self._tails = heads, tails
+        document = json.dumps(dict(metadata), separators=(",", ":"), ensure_ascii=False)
+        self._end = (
+            b'],"metadata":'
+            + document.encode()
+            + (b',"files":' + json.dumps(list(files), separators=(",", ":"), ensure_ascii=False).encode()
+               if files else b"")
+            + b"}"
+        )  # fmt: skip
+        self._fixed = (
+            len(b'{"tensors":[')
+            + sum(map(len, heads))
+            + sum(map(len, tails))
+            + max(len(specs) - 1, 0)
+            + len(self._end)
         )
-        end = offset + spec.nbytes
-    return slots
+
+    def length(self, offsets: np.ndarray[Any, np.dtype[np.int64]]) -> int:
+        """The manifest's length in bytes with the slots at ``offsets`` (non-negative)."""
+        digits = np.searchsorted(_POWERS, offsets, side="right") + 1
+        return self._fixed + int(digits.sum())
+
+    def encode(self, offsets: list[int]) -> bytes:
+        body = b",".join(
+            b"%s%d%s" % (head, offset, tail)
+            for head, offset, tail in zip(self._heads, offsets, self._tails, strict=True)
+        )
+        return b'{"tensors":[' + body + self._end
 
 
-def _encode_manifest(slots: Iterable[Slot], metadata: Mapping[str, str], files: tuple[str, ...]) -> bytes:
-    tensors = []
-    for s in slots:
-        entry: dict[str, Any] = {
-            "name": s.name,
-            "dtype": s.dtype.name,
-            "shape": list(s.shape),
-            "offset": s.offset,
-            "nbytes": s.nbytes,
-        }
-        if s.sha256 is not None:
-            entry["sha256"] = s.sha256
-        if s.file is not None:
-            entry["file"] = s.file
-        tensors.append(entry)
-    document: dict[str, Any] = {"tensors": tensors, "metadata": dict(metadata)}
-    if files:
-        document["files"] = list(files)
-    return json.dumps(document, separators=(",", ":"), ensure_ascii=False).encode()
+_encode_text = json.encoder.encode_basestring
+"""A JSON string as ``json.dumps(..., ensure_ascii=False)`` writes it, quotes included."""
