@@ -10,8 +10,12 @@ from peers), a tensor is finished by :meth:`TensorFinisher.finish`:
 3. an encrypted tensor is decrypted in place in its slot, and proves the key right (one
    :class:`~modelload.loader.formats.tensorizer.record.KeyState` per load, shared by its threads);
 4. its fastest stored hash is checked when the load verifies (CRC32 with ISA-L where installed);
-5. the caller's own last check runs (the sidecar re-reads samples of a tensor nothing else verified);
+5. the caller's own last check runs (the sidecar re-reads samples of a range nothing else verified);
 6. the slot's CRC-32 is recorded and the tensor published READY, with its verified and decrypted flags.
+
+Tensors landed together (the tensors of one range) are finished together by
+:meth:`TensorFinisher.finish_many`: steps 1-4 per tensor, the caller's check once, and one write of their
+state entries.
 
 A tensor that fails authentication before any other proved the key is held, neither READY nor failed,
 until a second encrypted tensor decides between a wrong key and corrupt bytes; :meth:`TensorFinisher.settle`
@@ -21,7 +25,7 @@ raises instead.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -70,35 +74,62 @@ class TensorFinisher:
         decrypt or verify); ``check(verified)`` runs last before publishing and may raise to refuse. True
         when the tensor is READY, False when held (its verdict waits for another encrypted tensor).
         """
+        headers = None if header is None else [header]
+        return bool(self.finish_many([tensor], entries=[entry], headers=headers, source=source, check=check))
+
+    def finish_many(
+        self,
+        tensors: Sequence[int],
+        *,
+        entries: Sequence[TensorEntry],
+        headers: Sequence[bytes | bytearray | memoryview] | None,
+        source: str,
+        check: Callable[[bool], None] | None = None,
+    ) -> list[int]:
+        """:meth:`finish` for tensors landed together (the tensors of one range, of one weight file
+        ``source``), published together: steps 1-5 per tensor, then one :meth:`SegmentWriter.mark_ready_many`.
+
+        ``headers`` pairs with ``tensors`` (None: a format without record headers). ``check(verified)`` runs
+        once, before anything is published, with whether every one of them was verified by its stored
+        hash. Returns the tensors published (in order): all of them, less any held for a key verdict.
+        """
         writer = self.writer
-        verified = decrypted = False
-        if self._ring and writer.layout.slots[tensor].nbytes > entry.data_length:
-            zeros = np.frombuffer(writer.slot(tensor), dtype=np.uint8)
-            zeros[entry.data_length :] = 0
-            del zeros  # no export of the mapping left behind
-        if header is not None:
-            data = writer.slot(tensor)[: entry.data_length]
-            try:
-                parsed = open_record(
-                    header,
-                    data,
-                    entry=entry,
-                    encrypted_file=self._encrypted,
-                    keys=self.keys,
-                    hashes="fastest" if self._verify else "none",
-                    source=source,
-                )
-            except WrongKeyError as exc:
-                if self.keys.doubt(entry.name, source, exc):
-                    return False
-                raise
-            decrypted = parsed.encrypted
-            verified = self._verify and bool(parsed.hashes)
-        if check is not None:
-            check(verified)
+        published: list[int] = []
+        verified: list[bool] = []
+        decrypted: list[bool] = []
+        for number, (tensor, entry) in enumerate(zip(tensors, entries, strict=True)):
+            if self._ring and writer.layout.slots[tensor].nbytes > entry.data_length:
+                zeros = np.frombuffer(writer.slot(tensor), dtype=np.uint8)
+                zeros[entry.data_length :] = 0
+                del zeros  # no export of the mapping left behind
+            checked = opened = False
+            if headers is not None:
+                data = writer.slot(tensor)[: entry.data_length]
+                try:
+                    parsed = open_record(
+                        headers[number],
+                        data,
+                        entry=entry,
+                        encrypted_file=self._encrypted,
+                        keys=self.keys,
+                        hashes="fastest" if self._verify else "none",
+                        source=source,
+                    )
+                except WrongKeyError as exc:
+                    if self.keys.doubt(entry.name, source, exc):
+                        continue
+                    raise
+                opened = parsed.encrypted
+                checked = self._verify and bool(parsed.hashes)
+            published.append(tensor)
+            verified.append(checked)
+            decrypted.append(opened)
+        if check is not None and published:
+            check(all(verified))
         # The CRC-32 of the bytes as they lie in the segment: what `inspect --verify` checks later.
-        writer.mark_ready(tensor, verified=verified, decrypted=decrypted, crc32=crc32(writer.slot(tensor)))
-        return True
+        crcs = [crc32(writer.slot(tensor)) for tensor in published]
+        writer.mark_ready_many(published, crc32=crcs, verified=verified, decrypted=decrypted)
+        return published
 
     def settle(self) -> None:
         """After the last tensor: a tensor still held was the only encrypted one, so its wrong key stands."""

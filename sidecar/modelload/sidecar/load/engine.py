@@ -37,6 +37,9 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
+import numpy.typing as npt
+
 from modelload.loader.errors import (
     MissingKeyError,
     ModelloadError,
@@ -70,6 +73,8 @@ from modelload.sidecar.sources import (
     open_model,
     read_range,
     read_range_into_fd,
+    read_range_pieces,
+    read_range_pieces_into_fd,
 )
 
 __all__ = ["Engine", "LoadStopped", "error_kind"]
@@ -168,6 +173,7 @@ class Engine:
             chunk_size=settings.chunk_size,
             priority=settings.priority,
             metadata=_metadata(uri, model.fingerprint, model.size, settings.notify, model_dir),
+            span_limit=settings.memory.ring_size or None,  # ring mode: a chunk always fits in the ring
         )
         plan = plan_memory(plan, settings.memory)
         use_fd = settings.splice and all(source.supports_fd for source in model.sources)
@@ -309,25 +315,24 @@ class _Load:
         self.observer = engine._observer
         self.stop = engine._stop
         self._lock = threading.Lock()
-        self._remaining = list(plan.chunk_counts)
-        # Tensors without a stored hash are re-sampled before they are published (integrity.check_tensor).
-        sampled_files = [integrity.needs_samples(model, f) for f in range(len(model.sources))]
-        self._sampled = [sampled_files[t.file] for t in plan.index.tensors]
+        self._remaining = plan.chunk_counts.copy()
+        self._spread = _chunks_of_cut_tensors(plan)
         self.finisher = TensorFinisher(
             writer, key=key, encrypted=plan.index.encrypted, verify=engine.settings.verify
         )
         self._land: Callable[[Chunk], None] = self._land_fd if use_fd else self._land_view
 
     def run(self) -> None:
-        for tensor in self.plan.order:
-            if self._remaining[tensor] == 0:  # nothing to fetch: an empty tensor
-                self._publish(tensor)
+        order = self.plan.order
+        empty = order[self._remaining[order] == 0]  # nothing to fetch: an empty tensor
+        if len(empty):
+            self._publish(empty, None)
         chunks = len(self.plan.chunks)
         run_in_order(chunks, self._read, threads=self.settings.readers, stop=self.stop, name="reader")
         self.finisher.settle()  # the only encrypted tensor, and it failed: nothing proves the key
 
     def _read(self, seq: int) -> None:
-        """Land chunk ``seq`` (a reader thread of the shared pool); finish its tensor if it is the last."""
+        """Land chunk ``seq`` (a reader thread of the shared pool); publish the tensors it completes."""
         chunk = self.plan.chunks[seq]
         if self.memory is not None and not self.memory.admit(seq, chunk):
             return  # stopped while waiting for room in the ring
@@ -335,63 +340,82 @@ class _Load:
         with metered(meter):  # progress moves as bytes land, not only per chunk
             self._land(chunk)
         meter.finish()
+        tensors = self.plan.tensors_of(chunk)
         with self._lock:
-            self._remaining[chunk.tensor] -= 1
-            complete = self._remaining[chunk.tensor] == 0
-        if complete:
-            self._publish(chunk.tensor)
+            self._remaining[tensors] -= 1
+            complete = tensors[self._remaining[tensors] == 0]
+        if len(complete):
+            self._publish(complete, seq)
 
     def _land_fd(self, chunk: Chunk) -> None:
-        src_offset = chunk.src_offset
-        # One piece of the file, or two where a ring segment's ring wraps (one more request per lap).
-        for file_offset, length in self.writer.file_ranges(chunk.dst_offset, chunk.length):
-            read_range_into_fd(
-                self.sources[chunk.file],
-                src_offset,
-                length,
-                self.writer.fileno(),
-                file_offset,
-                policy=self.engine._sources.retry,
-                on_retry=self.engine._retried,
-            )
-            src_offset += length
+        pieces = self.plan.pieces
+        # Each piece is one piece of the file, or two where a ring segment's ring wraps.
+        targets = [
+            target
+            for at in chunk.pieces
+            for target in self.writer.file_ranges(int(pieces.dst[at]), int(pieces.length[at]))
+        ]
+        source, retry = self.sources[chunk.file], self.engine._sources.retry
+        if len(targets) == 1:
+            file_offset, length = targets[0]
+            read_range_into_fd(source, chunk.src_offset, length, self.writer.fileno(), file_offset,
+                               policy=retry, on_retry=self.engine._retried)  # fmt: skip
+            return
+        read_range_pieces_into_fd(source, chunk.src_offset, self.writer.fileno(), targets, policy=retry,
+                                  on_retry=self.engine._retried)  # fmt: skip
 
     def _land_view(self, chunk: Chunk) -> None:
-        view = self.writer.region(chunk.dst_offset, chunk.length)
-        read_range(
-            self.sources[chunk.file],
-            chunk.src_offset,
-            view,
-            policy=self.engine._sources.retry,
-            on_retry=self.engine._retried,
-        )
+        source, retry = self.sources[chunk.file], self.engine._sources.retry
+        if chunk.count == 1:
+            view = self.writer.region(chunk.dst_offset, chunk.length)
+            read_range(source, chunk.src_offset, view, policy=retry, on_retry=self.engine._retried)
+            return
+        pieces = self.plan.pieces
+        views = [self.writer.region(int(pieces.dst[at]), int(pieces.length[at])) for at in chunk.pieces]
+        read_range_pieces(source, chunk.src_offset, views, policy=retry, on_retry=self.engine._retried)
 
-    def _publish(self, tensor: int) -> None:
-        """Finish a tensor whose bytes are all in (the shared :class:`TensorFinisher`), then tell."""
-        entry = self.plan.index.tensors[tensor]
-        peers = self.engine._peers
+    def _publish(self, tensors: npt.NDArray[np.int32], seq: int | None) -> None:
+        """Finish tensors whose bytes are all in (the ones chunk ``seq`` completed, or the empty ones), with
+        the shared :class:`TensorFinisher`, then tell."""
+        plan, peers = self.plan, self.engine._peers
+        chosen = tensors.tolist()
         if peers is not None:
-            peers.finish(tensor)  # bytes from a peer checked (and re-read from the origin if bad)
-        header = None
-        if self.plan.index.format == "tensorizer":  # the record's header landed in the slot's lead
-            header = self.writer.region(*self.plan.header_span(tensor))
-        from_peers = peers is not None and tensor in getattr(peers, "verified_by_peers", ())
+            for tensor in chosen:
+                peers.finish(tensor)  # bytes from a peer checked (and re-read from the origin if bad)
+        entries = [plan.index.tensors[t] for t in chosen]
+        headers = None
+        if plan.index.format == "tensorizer":  # the record's header landed in the slot's lead
+            headers = [self.writer.region(*plan.header_span(t)) for t in chosen]
+        from_peers = getattr(peers, "verified_by_peers", ())
 
         def check(verified: bool) -> None:
-            if not verified and not from_peers and self._sampled[tensor]:
-                integrity.check_tensor(
-                    self.model,
-                    self.plan,
-                    self.writer,
-                    self.plan.chunks_by_tensor[tensor],
-                    policy=self.engine._sources.retry,
-                    on_retry=self.engine._retried,
-                )
+            if verified or seq is None or (from_peers and all(t in from_peers for t in chosen)):
+                return
+            spread = [c for t in chosen for c in self._spread.get(t, ())]
+            chunks = [plan.chunks[c] for c in sorted({seq, *spread})]
+            retry = self.engine._sources.retry
+            integrity.check_chunks(
+                self.model, plan, self.writer, chunks, policy=retry, on_retry=self.engine._retried
+            )
 
-        uri = self.model.display(entry.file)
-        if self.finisher.finish(tensor, entry=entry, header=header, source=uri, check=check):
-            slot = self.plan.layout.slots[tensor]
-            self.observer.tensor_ready(index=tensor, name=slot.name, nbytes=slot.nbytes)
+        uri = self.model.display(entries[0].file)
+        done = self.finisher.finish_many(chosen, entries=entries, headers=headers, source=uri, check=check)
+        if done:
+            slots = plan.layout.slots
+            self.observer.tensors_published(
+                indices=done, names=[slots[t].name for t in done], nbytes=[slots[t].nbytes for t in done]
+            )
+
+
+def _chunks_of_cut_tensors(plan: LoadPlan) -> dict[int, list[int]]:
+    """The chunks of each tensor that is cut across several (a tensor larger than a chunk), by load order:
+    publishing it re-checks them all."""
+    pieces = plan.pieces
+    cut = np.flatnonzero(plan.chunk_counts[pieces.tensor] > 1)
+    spread: dict[int, list[int]] = {}
+    for tensor, chunk in zip(pieces.tensor[cut].tolist(), pieces.chunk[cut].tolist(), strict=True):
+        spread.setdefault(tensor, []).append(chunk)
+    return spread
 
 
 def _warn_without_validator(model: OpenedModel) -> None:

@@ -44,7 +44,15 @@ from ._registry import (
     store_for,
 )
 from ._responses import display_url
-from ._retry import RetryCancelled, RetryEvent, read_range, read_range_into_fd, stat_source
+from ._retry import (
+    RetryCancelled,
+    RetryEvent,
+    read_range,
+    read_range_into_fd,
+    read_range_pieces,
+    read_range_pieces_into_fd,
+    stat_source,
+)
 from ._s3 import S3Location, S3Source, plan_s3_location
 from ._settings import HttpSettings, RetryPolicy, S3Addressing, S3Credentials, S3Settings, SourceSettings
 from ._splice import metered
@@ -91,6 +99,8 @@ __all__ = [
     "read_header_file",
     "read_range",
     "read_range_into_fd",
+    "read_range_pieces",
+    "read_range_pieces_into_fd",
     "register_source",
     "register_store",
     "registered_schemes",

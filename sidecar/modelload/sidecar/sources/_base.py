@@ -8,14 +8,24 @@ above this protocol, so a new backend is one small class.
 
 from __future__ import annotations
 
+import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Protocol, runtime_checkable
 
 from modelload.loader.errors import TransientSourceError, TruncatedError
 
-__all__ = ["InterruptedReadError", "ObjectInfo", "Source", "SourceBase", "byte_view", "check_range"]
+__all__ = [
+    "InterruptedReadError",
+    "ObjectInfo",
+    "Source",
+    "SourceBase",
+    "byte_view",
+    "check_range",
+    "views_after",
+]
 
 
 @dataclass(frozen=True)
@@ -140,6 +150,31 @@ class SourceBase:
     def read_into_fd(self, offset: int, length: int, fd: int, fd_offset: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} cannot write into a file descriptor")
 
+    def read_into_pieces(self, offset: int, bufs: Sequence[memoryview]) -> None:
+        """Fill ``bufs`` in turn with the bytes from ``offset`` on: one range, landed in several places (a
+        chunk of neighbouring tensors, each in its own slot). ``landed`` on an interruption counts bytes of
+        the whole range. This default reads the range once into a buffer of its own and copies from there;
+        sources that can scatter a response themselves (HTTP, files) override it."""
+        total = sum(len(buf) for buf in bufs)
+        bounce = memoryview(bytearray(total))
+        try:
+            self.read_into(offset, bounce)
+        except InterruptedReadError as exc:
+            _scatter(bounce[: exc.landed], bufs)
+            raise
+        _scatter(bounce, bufs)
+
+    def read_into_fd_pieces(self, offset: int, fd: int, pieces: Sequence[tuple[int, int]]) -> None:
+        """Like :meth:`read_into_pieces`, writing each ``(fd_offset, length)`` piece into file ``fd``. This
+        default reads the range once into a buffer and writes the pieces from there."""
+        bounce = memoryview(bytearray(sum(length for _, length in pieces)))
+        try:
+            self.read_into(offset, bounce)
+        except InterruptedReadError as exc:
+            _write_pieces(bounce[: exc.landed], fd, pieces)
+            raise
+        _write_pieces(bounce, fd, pieces)
+
     def close(self) -> None:
         """Nothing to release by default."""
 
@@ -156,6 +191,40 @@ class SourceBase:
         info = self.stat()
         check_range(offset, length, info.size, uri=self._display_uri)
         return info
+
+
+def views_after(views: Sequence[memoryview], done: int) -> list[memoryview]:
+    """The parts of ``views`` (taken in turn, as one range) after the range's first ``done`` bytes."""
+    rest = []
+    for view in views:
+        if done < len(view):
+            rest.append(view[done:] if done else view)
+        done = max(done - len(view), 0)
+    return rest
+
+
+def _scatter(data: memoryview, bufs: Sequence[memoryview]) -> None:
+    """Copy ``data`` into ``bufs`` in turn, as far as it goes."""
+    at = 0
+    for buf in bufs:
+        n = min(len(buf), len(data) - at)
+        if n <= 0:
+            return
+        buf[:n] = data[at : at + n]
+        at += n
+
+
+def _write_pieces(data: memoryview, fd: int, pieces: Sequence[tuple[int, int]]) -> None:
+    """Write ``data`` into file ``fd`` as the ``(fd_offset, length)`` pieces in turn, as far as it goes."""
+    at = 0
+    for fd_offset, length in pieces:
+        piece = data[at : at + length]
+        if not piece:
+            return
+        written = 0
+        while written < len(piece):
+            written += os.pwrite(fd, piece[written:], fd_offset + written)
+        at += length
 
 
 def check_range(offset: int, length: int, size: int, *, uri: str) -> None:

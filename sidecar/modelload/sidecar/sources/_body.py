@@ -16,6 +16,7 @@ import http.client
 import io
 import os
 import socket
+from collections.abc import Sequence
 
 from ._splice import HAVE_SPLICE, Progress, RateFloor, splice_socket
 
@@ -70,6 +71,29 @@ class Body:
             progress.done += self.readinto(view[progress.done :])
             if self._floor is not None:
                 self._floor.check(progress.done)
+
+    def fill_pieces(self, views: Sequence[memoryview], progress: Progress) -> None:
+        """Fill ``views`` in turn (one range landed in several places); ``progress.done`` counts the bytes
+        of the whole range already in."""
+        before = 0
+        for view in views:
+            end = before + len(view)
+            while progress.done < end:
+                progress.done += self.readinto(view[progress.done - before :])
+                if self._floor is not None:
+                    self._floor.check(progress.done)
+            before = end
+
+    def splice_pieces(self, fd: int, pieces: Sequence[tuple[int, int]], progress: Progress) -> None:
+        """Write the body into file ``fd`` as the ``(fd_offset, length)`` pieces in turn; ``progress.done``
+        counts the bytes of the whole range already in."""
+        before = 0
+        for fd_offset, length in pieces:
+            if progress.done < before + length:
+                # splice_into counts from the start of its own range: shift the piece back by what the
+                # pieces before it took, so one Progress counts the whole response.
+                self.splice_into(fd, fd_offset - before, before + length, progress)
+            before += length
 
     def skip(self, count: int) -> None:
         """Read and drop ``count`` bytes (single-stream fallback for servers that ignore Range)."""

@@ -19,7 +19,7 @@ import logging
 import socket
 import ssl
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import unquote, urljoin, urlsplit
 
@@ -208,6 +208,25 @@ class HttpObject(SourceBase):
         self._transfer(
             info, offset, length, progress, lambda body: body.splice_into(fd, fd_offset, length, progress)
         )
+
+    def read_into_pieces(self, offset: int, bufs: Sequence[memoryview]) -> None:
+        """One ranged GET whose body fills ``bufs`` in turn (see :meth:`SourceBase.read_into_pieces`)."""
+        views = [byte_view(buf) for buf in bufs]
+        total = sum(len(view) for view in views)
+        info = self._checked_range(offset, total)
+        if not total:
+            return
+        progress = Progress()
+        self._transfer(info, offset, total, progress, lambda body: body.fill_pieces(views, progress))
+
+    def read_into_fd_pieces(self, offset: int, fd: int, pieces: Sequence[tuple[int, int]]) -> None:
+        """One ranged GET whose body is spliced into file ``fd`` as the ``(fd_offset, length)`` pieces."""
+        total = sum(length for _, length in pieces)
+        info = self._checked_range(offset, total)
+        if not total:
+            return
+        progress = Progress()
+        self._transfer(info, offset, total, progress, lambda body: body.splice_pieces(fd, pieces, progress))
 
     def close(self) -> None:
         self._pool.close()

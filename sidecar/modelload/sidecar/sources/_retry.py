@@ -14,15 +14,23 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from modelload.loader.errors import ModelloadError, TransientSourceError
 
-from ._base import InterruptedReadError, ObjectInfo, Source, byte_view
+from ._base import InterruptedReadError, ObjectInfo, Source, SourceBase, byte_view, views_after
 from ._settings import RetryPolicy
 
-__all__ = ["RetryCancelled", "RetryEvent", "read_range", "read_range_into_fd", "stat_source"]
+__all__ = [
+    "RetryCancelled",
+    "RetryEvent",
+    "read_range",
+    "read_range_into_fd",
+    "read_range_pieces",
+    "read_range_pieces_into_fd",
+    "stat_source",
+]
 
 _log = logging.getLogger("modelload.sidecar.sources")
 
@@ -103,6 +111,63 @@ def read_range_into_fd(
         source.read_into_fd(offset + done, length - done, fd, fd_offset + done)
 
     _retrying(source.display_uri, offset, length, step, policy, on_retry)
+
+
+def read_range_pieces(
+    source: Source,
+    offset: int,
+    bufs: Sequence[memoryview],
+    *,
+    policy: RetryPolicy,
+    on_retry: RetryCallback | None = None,
+) -> None:
+    """Like :func:`read_range` for one range landed in several buffers in turn (a chunk of neighbouring
+    tensors, each in its own slot): one request, and a retry resumes at the byte where the stream broke,
+    in whichever buffer that is."""
+    views = [byte_view(buf) for buf in bufs]
+    scatter = getattr(source, "read_into_pieces", None)
+
+    def step(done: int) -> None:
+        rest = views_after(views, done)
+        if scatter is not None:
+            scatter(offset + done, rest)
+        else:  # a source of another shape: one read into a buffer of its own, then copied
+            SourceBase.read_into_pieces(source, offset + done, rest)  # type: ignore[arg-type]
+
+    _retrying(source.display_uri, offset, sum(len(v) for v in views), step, policy, on_retry)
+
+
+def read_range_pieces_into_fd(
+    source: Source,
+    offset: int,
+    fd: int,
+    pieces: Sequence[tuple[int, int]],
+    *,
+    policy: RetryPolicy,
+    on_retry: RetryCallback | None = None,
+) -> None:
+    """Like :func:`read_range_into_fd` for one range written as the ``(fd_offset, length)`` pieces in turn."""
+    scatter = getattr(source, "read_into_fd_pieces", None)
+
+    def step(done: int) -> None:
+        rest = _after_pieces(pieces, done)
+        if scatter is not None:
+            scatter(offset + done, fd, rest)
+        else:
+            SourceBase.read_into_fd_pieces(source, offset + done, fd, rest)  # type: ignore[arg-type]
+
+    _retrying(source.display_uri, offset, sum(n for _, n in pieces), step, policy, on_retry)
+
+
+def _after_pieces(pieces: Sequence[tuple[int, int]], done: int) -> list[tuple[int, int]]:
+    rest: list[tuple[int, int]] = []
+    for at, length in pieces:
+        if done >= length:
+            done -= length
+            continue
+        rest.append((at + done, length - done))
+        done = 0
+    return rest
 
 
 class _Budget:
