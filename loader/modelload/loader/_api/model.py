@@ -29,7 +29,7 @@ from modelload.loader.segment import (
     TensorState,
     WriterState,
 )
-from modelload.loader.segment._collector import paused_collector
+from modelload.loader.segment.collector import paused_collector
 from modelload.loader.segment.consumers import Registration
 
 if TYPE_CHECKING:

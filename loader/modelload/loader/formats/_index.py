@@ -111,7 +111,7 @@ class ModelIndex:
     indexed by :attr:`TensorEntry.file`. Empty for a single file. ``index_length`` and ``data_end`` then
     describe the first file only; each file's own index checks its own size."""
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         """Bytes of all tensors in memory."""
         return sum(t.nbytes for t in self.tensors)

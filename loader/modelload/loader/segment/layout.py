@@ -7,10 +7,12 @@ itself is in ``reader`` and ``writer``.
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import struct
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum, IntFlag
 from typing import Any
@@ -41,6 +43,7 @@ __all__ = [
     "Slot",
     "TensorFlags",
     "TensorSpec",
+    "TensorSpecs",
     "TensorState",
     "WriterState",
     "align",
@@ -279,8 +282,36 @@ class Layout:
         )
 
 
+@dataclass(frozen=True)
+class TensorSpecs:
+    """Tensors to place, as columns (one sequence per :class:`TensorSpec` field, all of one length): what
+    :func:`plan_layout` takes for 100,000 tensors without an object for each."""
+
+    names: Sequence[str]
+    dtypes: Sequence[DType]
+    shapes: Sequence[tuple[int, ...]]
+    leads: Sequence[int]
+    files: Sequence[int | None]
+    sha256: Sequence[str | None]
+
+    @classmethod
+    def of(cls, specs: Iterable[TensorSpec]) -> TensorSpecs:
+        listed = list(specs)
+        return cls(
+            names=[s.name for s in listed],
+            dtypes=[s.dtype for s in listed],
+            shapes=[tuple(s.shape) for s in listed],
+            leads=[s.lead for s in listed],
+            files=[s.file for s in listed],
+            sha256=[s.sha256 for s in listed],
+        )
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
 def plan_layout(
-    tensors: Iterable[TensorSpec],
+    tensors: Iterable[TensorSpec] | TensorSpecs,
     *,
     metadata: Mapping[str, str] | None = None,
     files: Sequence[str] = (),
@@ -296,58 +327,54 @@ def plan_layout(
 
     ``files`` names the weight files of a model of several (a directory's shards); every spec then says its
     ``file``, and the segment is written as layout version 2. Memory mode RELEASE makes it version 3, RING
-    version 4; ``ring_size`` (ring mode only) is rounded up to a multiple of 4096.
+    version 4; ``ring_size`` (ring mode only) is rounded up to a multiple of 4096. Many tensors are best
+    given as :class:`TensorSpecs` (columns); the rules are checked a column at a time either way.
     """
     if (memory_mode == MemoryMode.RING) != (ring_size > 0):
         raise SegmentLayoutError("a ring size is given exactly when the memory mode is ring")
     ring_size = align(ring_size)
-    specs = list(tensors)
+    specs = tensors if isinstance(tensors, TensorSpecs) else TensorSpecs.of(tensors)
+    count = len(specs)
     meta = dict(metadata or {})
     files = tuple(files)
     _check_files(files, specs)
-    if len(specs) > MAX_TENSORS:
-        raise SegmentLayoutError(f"{len(specs)} tensors is more than a segment holds ({MAX_TENSORS})")
+    if count > MAX_TENSORS:
+        raise SegmentLayoutError(f"{count} tensors is more than a segment holds ({MAX_TENSORS})")
     for key, value in meta.items():
         if not isinstance(key, str) or not isinstance(value, str):
             raise SegmentLayoutError(f"segment metadata must map strings to strings, got {key!r}: {value!r}")
-    by_name: dict[str, int] = {}
-    for i, spec in enumerate(specs):
-        if spec.name in by_name:
-            raise SegmentLayoutError(f"tensor name {spec.name!r} appears twice")
-        if len(spec.shape) > MAX_NDIM or any(d < 0 for d in spec.shape):
-            raise SegmentLayoutError(f"tensor {spec.name!r} has an invalid shape {spec.shape}")
-        if spec.lead < 0:
-            raise SegmentLayoutError(f"tensor {spec.name!r} asks for a negative lead {spec.lead}")
-        if memory_mode == MemoryMode.RING and spec.nbytes > ring_size:
-            raise SegmentLayoutError(
-                f"tensor {spec.name!r}: {spec.nbytes} bytes do not fit in the ring of {ring_size}"
-            )
-        by_name[spec.name] = i
+    by_name = dict(zip(specs.names, range(count), strict=True))
+    if len(by_name) != count:
+        first = {name: i for i, name in reversed(list(enumerate(specs.names)))}
+        twice = next(name for i, name in enumerate(specs.names) if first[name] != i)
+        raise SegmentLayoutError(f"tensor name {twice!r} appears twice")
+    nbytes = [d.itemsize * math.prod(shape) for d, shape in zip(specs.dtypes, specs.shapes, strict=True)]
+    _check_specs(specs, nbytes, ring_size if memory_mode == MemoryMode.RING else None)
 
     # The manifest holds the slot offsets, which depend on where the data starts, which depends on the
     # manifest's length. The slots keep their distances whatever the start (every start is aligned), so the
     # length is arithmetic over the offsets' digit counts: find the stable start, then encode once.
-    lead = align(specs[0].lead) if specs else 0
-    relative = _relative_offsets(specs)
-    manifest = _Manifest(specs, meta, files)
-    data_offset = align(HEADER_LENGTH + 1) + align(STATE_ENTRY_LENGTH * max(len(specs), 1)) + lead
+    lead = align(specs.leads[0]) if count else 0
+    relative = _relative_offsets(nbytes, specs.leads)
+    manifest = _Manifest(specs, nbytes, meta, files)
+    data_offset = align(HEADER_LENGTH + 1) + align(STATE_ENTRY_LENGTH * max(count, 1)) + lead
     while True:
         length = manifest.length(relative + (data_offset - lead))
         if length > MAX_MANIFEST_LENGTH:
             raise SegmentLayoutError(f"manifest of {length} bytes exceeds {MAX_MANIFEST_LENGTH}")
         state_offset = align(HEADER_LENGTH + length)
-        needed = align(state_offset + STATE_ENTRY_LENGTH * len(specs)) + lead
+        needed = align(state_offset + STATE_ENTRY_LENGTH * count) + lead
         if needed == data_offset:
             break
         data_offset = needed
-    offsets = (relative + (data_offset - lead)).tolist()
-    slots = tuple(
-        Slot(i, spec.name, spec.dtype, tuple(spec.shape), offset, spec.nbytes, spec.sha256, spec.file)
-        for i, (spec, offset) in enumerate(zip(specs, offsets, strict=True))
-    )
+    placed = relative + (data_offset - lead)
+    offsets = placed.tolist()
+    names, dtypes, shapes, shas, numbers = specs.names, specs.dtypes, specs.shapes, specs.sha256, specs.files
+    slots = tuple(map(Slot, range(count), names, dtypes, shapes, offsets, nbytes, shas, numbers))
     encoded = manifest.encode(offsets)
     assert len(encoded) == length, "the manifest's length was computed wrong"
-    data_end = max((align(s.offset + s.nbytes) for s in slots), default=data_offset)
+    ends = placed + np.asarray(nbytes, dtype=np.int64)
+    data_end = align(int(ends.max())) if count else data_offset
     return Layout(
         slots=slots,
         metadata=meta,
@@ -362,26 +389,47 @@ def plan_layout(
     )
 
 
-def _check_files(files: tuple[str, ...], specs: list[TensorSpec]) -> None:
+def _check_files(files: tuple[str, ...], specs: TensorSpecs) -> None:
     if len(files) > MAX_FILES or len(set(files)) != len(files) or not all(files):
         raise SegmentLayoutError(f"a segment's files must be at most {MAX_FILES} distinct non-empty names")
-    for spec in specs:
-        if files and (spec.file is None or not 0 <= spec.file < len(files)):
-            raise SegmentLayoutError(f"tensor {spec.name!r} names no file of the {len(files)} given")
-        if not files and spec.file is not None:
-            raise SegmentLayoutError(f"tensor {spec.name!r} names a file, but the layout has no files")
+    numbers = specs.files
+    if files:
+        named = [f for f in numbers if type(f) is int and 0 <= f < len(files)]
+        if len(named) != len(numbers):
+            bad = next(i for i, f in enumerate(numbers) if type(f) is not int or not 0 <= f < len(files))
+            raise SegmentLayoutError(f"tensor {specs.names[bad]!r} names no file of the {len(files)} given")
+    elif any(f is not None for f in numbers):
+        bad = next(i for i, f in enumerate(numbers) if f is not None)
+        raise SegmentLayoutError(f"tensor {specs.names[bad]!r} names a file, but the layout has no files")
 
 
-def _relative_offsets(specs: list[TensorSpec]) -> np.ndarray[Any, np.dtype[np.int64]]:
+def _check_specs(specs: TensorSpecs, nbytes: list[int], ring_size: int | None) -> None:
+    """Shapes, leads and (in ring mode) sizes, a column at a time, naming the first tensor that breaks one."""
+    shapes = specs.shapes
+    dims = [d for shape in shapes for d in shape]
+    if (shapes and max(map(len, shapes)) > MAX_NDIM) or (dims and min(dims) < 0):
+        bad = next(i for i, shape in enumerate(shapes) if len(shape) > MAX_NDIM or any(d < 0 for d in shape))
+        raise SegmentLayoutError(f"tensor {specs.names[bad]!r} has an invalid shape {shapes[bad]}")
+    if specs.leads and min(specs.leads) < 0:
+        bad = next(i for i, lead in enumerate(specs.leads) if lead < 0)
+        raise SegmentLayoutError(f"tensor {specs.names[bad]!r} asks for a negative lead {specs.leads[bad]}")
+    if ring_size is not None and nbytes and max(nbytes) > ring_size:
+        bad = next(i for i, size in enumerate(nbytes) if size > ring_size)
+        raise SegmentLayoutError(
+            f"tensor {specs.names[bad]!r}: {nbytes[bad]} bytes do not fit in the ring of {ring_size}"
+        )
+
+
+def _relative_offsets(nbytes: list[int], leads: Sequence[int]) -> np.ndarray[Any, np.dtype[np.int64]]:
     """Each slot's offset from the (aligned) start of the first slot's lead: each slot on the first 4096-byte
     boundary that leaves room for its lead after the slot before it."""
-    if not specs:
+    if not nbytes:
         return np.zeros(0, dtype=np.int64)
-    nbytes = np.fromiter((spec.nbytes for spec in specs), dtype=np.int64, count=len(specs))
-    leads = np.fromiter((spec.lead for spec in specs), dtype=np.int64, count=len(specs))
-    steps = -(-(nbytes[:-1] + leads[1:]) // ALIGNMENT) * ALIGNMENT
-    relative = np.empty(len(specs), dtype=np.int64)
-    relative[0] = align(int(leads[0]))
+    sizes = np.asarray(nbytes, dtype=np.int64)
+    room = np.asarray(leads, dtype=np.int64)
+    steps = -(-(sizes[:-1] + room[1:]) // ALIGNMENT) * ALIGNMENT
+    relative = np.empty(len(sizes), dtype=np.int64)
+    relative[0] = align(int(room[0]))
     np.cumsum(steps, out=relative[1:])
     relative[1:] += relative[0]
     return relative
@@ -398,26 +446,14 @@ class _Manifest:
     shape, offset, nbytes, sha256, file), as every earlier writer wrote them.
     """
 
-    def __init__(self, specs: list[TensorSpec], metadata: Mapping[str, str], files: tuple[str, ...]) -> None:
-        shape_text: dict[tuple[int, ...], bytes] = {}
-        heads: list[bytes] = []
-        tails: list[bytes] = []
-        for spec in specs:
-            shape = tuple(spec.shape)
-            text = shape_text.get(shape)
-            if text is None:
-                text = shape_text[shape] = ("[" + ",".join(str(int(d)) for d in shape) + "]").encode()
-            name = _encode_text(spec.name).encode()
-            heads.append(
-                b'{"name":%s,"dtype":"%s","shape":%s,"offset":' % (name, spec.dtype.name.encode(), text)
-            )
-            tail = b',"nbytes":%d' % spec.nbytes
-            if spec.sha256 is not None:
-                tail += b',"sha256":' + _encode_text(spec.sha256).encode()
-            if spec.file is not None:
-                tail += b',"file":%d' % spec.file
-            tails.append(tail + b"}")
-        self._heads, self._tails = heads, tails
+    def __init__(
+        self, specs: TensorSpecs, nbytes: list[int], metadata: Mapping[str, str], files: tuple[str, ...]
+    ) -> None:
+        self._specs, self._nbytes = specs, nbytes
+        self._shapes = {
+            shape: ("[" + ",".join(str(int(d)) for d in shape) + "]").encode() for shape in set(specs.shapes)
+        }
+        self._extras = any(sha is not None for sha in specs.sha256) or any(f is not None for f in specs.files)
         document = json.dumps(dict(metadata), separators=(",", ":"), ensure_ascii=False)
         self._end = (
             b'],"metadata":'
@@ -426,25 +462,68 @@ class _Manifest:
                if files else b"")
             + b"}"
         )  # fmt: skip
+        count = len(specs)
         self._fixed = (
-            len(b'{"tensors":[')
-            + sum(map(len, heads))
-            + sum(map(len, tails))
-            + max(len(specs) - 1, 0)
-            + len(self._end)
-        )
+            len(b'{"tensors":[') + max(count - 1, 0) + len(self._end)
+            + count * len(_ENTRY % (b"", b"", b"", 0, 0, b"")) - count * 2  # the two zeros' digits
+            + _text_bytes(specs.names)
+            + sum(len(dtype.name) for dtype in specs.dtypes)
+            + sum(map(len, map(self._shapes.__getitem__, specs.shapes)))
+            + _digits(np.asarray(nbytes, dtype=np.int64))
+            + sum(map(len, self._extra_parts()))
+        )  # fmt: skip
+
+    def _extra_parts(self) -> Iterator[bytes]:
+        """Each tensor's optional members (``sha256``, ``file``), empty for most models."""
+        if not self._extras:
+            yield from itertools.repeat(b"", len(self._specs))
+            return
+        for sha, file in zip(self._specs.sha256, self._specs.files, strict=True):
+            yield (b',"sha256":' + _encode_text(sha).encode() if sha is not None else b"") + (
+                b',"file":%d' % file if file is not None else b""
+            )
 
     def length(self, offsets: np.ndarray[Any, np.dtype[np.int64]]) -> int:
         """The manifest's length in bytes with the slots at ``offsets`` (non-negative)."""
-        digits = np.searchsorted(_POWERS, offsets, side="right") + 1
-        return self._fixed + int(digits.sum())
+        return self._fixed + _digits(offsets)
 
     def encode(self, offsets: list[int]) -> bytes:
-        body = b",".join(
-            b"%s%d%s" % (head, offset, tail)
-            for head, offset, tail in zip(self._heads, offsets, self._tails, strict=True)
+        """The manifest with the slots at ``offsets``: one pass into one buffer (no list of 100,000
+        pieces alive at once)."""
+        specs, shapes = self._specs, self._shapes
+        out = bytearray(b'{"tensors":[')
+        entries = zip(
+            specs.names, specs.dtypes, specs.shapes, offsets, self._nbytes, self._extra_parts(), strict=True
         )
-        return b'{"tensors":[' + body + self._end
+        for number, (name, dtype, shape, offset, size, extra) in enumerate(entries):
+            if number:
+                out += b","
+            out += _ENTRY % (
+                _encode_text(name).encode(),
+                dtype.name.encode(),
+                shapes[shape],
+                offset,
+                size,
+                extra,
+            )
+        out += self._end
+        return bytes(out)
+
+
+_ENTRY = b'{"name":%s,"dtype":"%s","shape":%s,"offset":%d,"nbytes":%d%s}'
+
+
+def _digits(values: np.ndarray[Any, np.dtype[np.int64]]) -> int:
+    """The decimal digits of all ``values`` (non-negative) together."""
+    return int((np.searchsorted(_POWERS, values, side="right") + 1).sum())
+
+
+def _text_bytes(texts: Sequence[str]) -> int:
+    """The UTF-8 bytes of all ``texts`` as JSON strings, quotes included."""
+    joined = "".join(texts)
+    if joined.isascii() and joined.isprintable() and '"' not in joined and "\\" not in joined:
+        return len(joined) + 2 * len(texts)  # nothing to escape: each is itself in quotes
+    return sum(len(_encode_text(text).encode()) for text in texts)
 
 
 _encode_text = json.encoder.encode_basestring

@@ -36,7 +36,7 @@ from modelload.loader.errors import (
     TensorReleasedError,
 )
 from modelload.loader.segment import _memory, _ring
-from modelload.loader.segment._collector import paused_collector
+from modelload.loader.segment.collector import paused_collector
 from modelload.loader.segment.layout import (
     ENTRY_CRC32,
     ENTRY_FLAGS,

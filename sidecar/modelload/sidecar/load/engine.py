@@ -31,7 +31,6 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -56,6 +55,7 @@ from modelload.loader.segment import (
     WriterState,
     run_in_order,
 )
+from modelload.loader.segment.collector import paused_collector
 from modelload.sidecar.load import integrity
 from modelload.sidecar.load.meter import ChunkMeter
 from modelload.sidecar.load.modeldir import write_model_dir
@@ -166,16 +166,9 @@ class Engine:
             model_dir = write_model_dir(model, self.model_dir, self._sources, on_retry=self._retried)
         if self._reuse(uri, model.fingerprint, model.size):
             return
-        index = model.index
+        plan = self._plan(model, model_dir)
+        index = plan.index
         key = self._key(index, uri)
-        plan = plan_load(
-            index,
-            chunk_size=settings.chunk_size,
-            priority=settings.priority,
-            metadata=_metadata(uri, model.fingerprint, model.size, settings.notify, model_dir),
-            span_limit=settings.memory.ring_size or None,  # ring mode: a chunk always fits in the ring
-        )
-        plan = plan_memory(plan, settings.memory)
         use_fd = settings.splice and all(source.supports_fd for source in model.sources)
         # Through the file descriptor nothing writes a meta tensor's slot: reserve it before publishing.
         unlanded = integrity.unlanded_ranges(plan) if use_fd else []
@@ -216,6 +209,20 @@ class Engine:
         )
         writer.mark_complete()
         observer.load_finished(seconds=time.monotonic() - started, nbytes=index.nbytes)
+
+    def _plan(self, model: OpenedModel, model_dir: Path | None) -> LoadPlan:
+        """The model's index, read, and its plan: a few objects per tensor that live as long as the load, so
+        the collector is held off while they are made (it would look at each of them again and again)."""
+        settings = self.settings
+        with paused_collector():
+            plan = plan_load(
+                model.index,
+                chunk_size=settings.chunk_size,
+                priority=settings.priority,
+                metadata=_metadata(model.uri, model.fingerprint, model.size, settings.notify, model_dir),
+                span_limit=settings.memory.ring_size or None,  # ring mode: a chunk always fits in the ring
+            )
+            return plan_memory(plan, settings.memory)
 
     def _fail(self, exc: BaseException) -> None:
         kind = error_kind(exc)
@@ -263,9 +270,11 @@ class Engine:
                     nbytes=nbytes,
                     notify=meta.get("notify"),
                 )
-                for slot in old.slots:
-                    self._observer.bytes_loaded(slot.nbytes)
-                    self._observer.tensor_ready(index=slot.index, name=slot.name, nbytes=slot.nbytes)
+                sizes = [slot.nbytes for slot in old.slots]
+                self._observer.bytes_loaded(sum(sizes))
+                self._observer.tensors_published(
+                    indices=list(range(len(sizes))), names=[slot.name for slot in old.slots], nbytes=sizes
+                )
         except ModelloadError as exc:
             log.info("not reusing the segment at %s: %s", path, exc)
             return False
@@ -289,6 +298,11 @@ class Engine:
                 "(a ModelLoad's decryptionKeySecretRef)"
             )
         return key
+
+
+SPLICE_PIECE = 1 << 20
+"""The smallest mean piece a chunk lands through the file descriptor: below it, the two system calls a
+piece costs to splice outweigh the page faults a read into the mapping takes."""
 
 
 class _Load:
@@ -320,7 +334,7 @@ class _Load:
         self.finisher = TensorFinisher(
             writer, key=key, encrypted=plan.index.encrypted, verify=engine.settings.verify
         )
-        self._land: Callable[[Chunk], None] = self._land_fd if use_fd else self._land_view
+        self._use_fd = use_fd
 
     def run(self) -> None:
         order = self.plan.order
@@ -347,6 +361,20 @@ class _Load:
         if len(complete):
             self._publish(complete, seq)
 
+    def _land(self, chunk: Chunk) -> None:
+        """Through the file descriptor (``os.splice``: no copy through this process, no page faults in it)
+        where the source supports it and the chunk's pieces are big; through the mapping otherwise: a range
+        of a thousand small tensors lands with a few scattering reads (``preadv``, ``recvmsg_into``) rather
+        than two splices per tensor, its pages taken first (a full volume is then an error, not a SIGBUS)."""
+        if self._use_fd and chunk.length >= SPLICE_PIECE * chunk.count:
+            self._land_fd(chunk)
+            return
+        if self._use_fd:  # the segment's pages are taken as the descriptor writes them: take these now
+            last = chunk.first + chunk.count - 1
+            end = int(self.plan.pieces.dst[last] + self.plan.pieces.length[last])
+            self.writer.reserve_range(chunk.dst_offset, end - chunk.dst_offset)
+        self._land_view(chunk)
+
     def _land_fd(self, chunk: Chunk) -> None:
         pieces = self.plan.pieces
         # Each piece is one piece of the file, or two where a ring segment's ring wraps.
@@ -370,8 +398,8 @@ class _Load:
             view = self.writer.region(chunk.dst_offset, chunk.length)
             read_range(source, chunk.src_offset, view, policy=retry, on_retry=self.engine._retried)
             return
-        pieces = self.plan.pieces
-        views = [self.writer.region(int(pieces.dst[at]), int(pieces.length[at])) for at in chunk.pieces]
+        pieces, span = self.plan.pieces, slice(chunk.first, chunk.first + chunk.count)
+        views = self.writer.regions(pieces.dst[span].tolist(), pieces.length[span].tolist())
         read_range_pieces(source, chunk.src_offset, views, policy=retry, on_retry=self.engine._retried)
 
     def _publish(self, tensors: npt.NDArray[np.int32], seq: int | None) -> None:
@@ -382,7 +410,7 @@ class _Load:
         if peers is not None:
             for tensor in chosen:
                 peers.finish(tensor)  # bytes from a peer checked (and re-read from the origin if bad)
-        entries = [plan.index.tensors[t] for t in chosen]
+        entries = list(map(plan.index.tensors.__getitem__, chosen))
         headers = None
         if plan.index.format == "tensorizer":  # the record's header landed in the slot's lead
             headers = [self.writer.region(*plan.header_span(t)) for t in chosen]

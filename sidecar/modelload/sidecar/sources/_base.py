@@ -195,6 +195,8 @@ class SourceBase:
 
 def views_after(views: Sequence[memoryview], done: int) -> list[memoryview]:
     """The parts of ``views`` (taken in turn, as one range) after the range's first ``done`` bytes."""
+    if not done:
+        return list(views)
     rest = []
     for view in views:
         if done < len(view):
@@ -245,6 +247,8 @@ def byte_view(buf: memoryview | bytearray) -> memoryview:
 
     Raises TypeError for a read-only or non-contiguous buffer: bytes can only land in writable memory.
     """
+    if type(buf) is memoryview and buf.format == "B" and buf.ndim == 1 and not buf.readonly:
+        return buf  # the usual case, a slice of the segment: nothing to make (a range of 1,000 tensors)
     view = memoryview(buf)
     if view.readonly:
         raise TypeError("the destination buffer is read-only")

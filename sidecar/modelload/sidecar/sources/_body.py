@@ -18,6 +18,7 @@ import os
 import socket
 from collections.abc import Sequence
 
+from ._base import views_after
 from ._splice import HAVE_SPLICE, Progress, RateFloor, splice_socket
 
 __all__ = ["Body"]
@@ -25,6 +26,8 @@ __all__ = ["Body"]
 # The buffer of the reader http.client parses headers with (socket.makefile("rb") uses this size).
 _READER_BUFFER = io.DEFAULT_BUFFER_SIZE
 _BOUNCE_SIZE = 1 << 20
+_IOV_MAX = 1024
+"""The most buffers one ``recvmsg_into`` takes (Linux's IOV_MAX)."""
 
 
 class Body:
@@ -74,15 +77,21 @@ class Body:
 
     def fill_pieces(self, views: Sequence[memoryview], progress: Progress) -> None:
         """Fill ``views`` in turn (one range landed in several places); ``progress.done`` counts the bytes
-        of the whole range already in."""
-        before = 0
-        for view in views:
-            end = before + len(view)
-            while progress.done < end:
-                progress.done += self.readinto(view[progress.done - before :])
-                if self._floor is not None:
-                    self._floor.check(progress.done)
-            before = end
+        of the whole range already in. From a plain socket one ``recvmsg_into`` fills as many pieces as the
+        socket holds bytes for (a range of a thousand small tensors is not a thousand system calls)."""
+        total = sum(len(view) for view in views)
+        scatter = not self._chunked and not hasattr(self._sock, "cipher")
+        while progress.done < total:
+            rest = views_after(views, progress.done)
+            if scatter and self._buffer_drained:
+                got = self._sock.recvmsg_into(rest[:_IOV_MAX])[0]
+                if got == 0:
+                    raise EOFError("the server closed the connection before the body was complete")
+            else:
+                got = self.readinto(rest[0])
+            progress.done += got
+            if self._floor is not None:
+                self._floor.check(progress.done)
 
     def splice_pieces(self, fd: int, pieces: Sequence[tuple[int, int]], progress: Progress) -> None:
         """Write the body into file ``fd`` as the ``(fd_offset, length)`` pieces in turn; ``progress.done``

@@ -30,6 +30,9 @@ from ._splice import HAVE_SPLICE, Progress, splice_file
 
 __all__ = ["FileSource", "open_file"]
 
+_IOV_MAX = 1024
+"""The most buffers one ``preadv`` takes (Linux's IOV_MAX)."""
+
 
 class FileSource(SourceBase):
     """A regular file, opened read-only at construction (so a missing file fails at once)."""
@@ -80,7 +83,7 @@ class FileSource(SourceBase):
         progress = Progress()
         while (done := progress.done) < length:
             try:
-                got = os.preadv(self._fd, views_after(views, done), offset + done)
+                got = os.preadv(self._fd, views_after(views, done)[:_IOV_MAX], offset + done)
             except OSError as exc:
                 raise _translate(exc, self._path, "read", landed=done) from exc
             if got == 0:

@@ -87,7 +87,7 @@ class OpenedModel:
         if self._index is None:
             workers = min(_WORKERS, len(self.sources))
             with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="index") as pool:
-                indexes = list(pool.map(self._read_index, self.sources, self.infos))
+                indexes = list(pool.map(self._read_index, self.sources, self.infos, range(len(self.sources))))
             if self.directory is None:
                 self._index = indexes[0]
             else:
@@ -95,9 +95,9 @@ class OpenedModel:
                 self._index = merge_indexes(named, where=self.directory.display)
         return self._index
 
-    def _read_index(self, source: Source, info: ObjectInfo) -> ModelIndex:
+    def _read_index(self, source: Source, info: ObjectInfo, file: int) -> ModelIndex:
         uri = source.display_uri
-        index = read_index(source.read_bytes, format=self.format, source=uri, size=info.size)
+        index = read_index(source.read_bytes, format=self.format, source=uri, size=info.size, file=file)
         if index.data_end > info.size:
             raise TruncatedError(
                 f"the index needs {index.data_end} bytes and the object has {info.size}: it is truncated",
