@@ -27,6 +27,8 @@ def write_model_dir(
     assert directory is not None
 
     def fetch(name: str) -> bytes:
+        if name in model.fetched:  # read already while opening the model (the safetensors index)
+            return model.fetched[name]
         return fetch_small_file(directory, name, settings, on_retry=on_retry, opener=model.opener)
 
     written = _write(target, list(model.small), fetch)

@@ -52,6 +52,7 @@ from ._retry import (
     read_range_pieces,
     read_range_pieces_into_fd,
     stat_source,
+    stat_with_prefix,
 )
 from ._s3 import S3Location, S3Source, plan_s3_location
 from ._settings import HttpSettings, RetryPolicy, S3Addressing, S3Credentials, S3Settings, SourceSettings
@@ -105,5 +106,6 @@ __all__ = [
     "register_store",
     "registered_schemes",
     "stat_source",
+    "stat_with_prefix",
     "store_for",
 ]

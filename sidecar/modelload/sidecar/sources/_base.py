@@ -131,6 +131,28 @@ class SourceBase:
                 info = self._info
         return info
 
+    def stat_with_prefix(self, length: int) -> tuple[ObjectInfo, bytes]:
+        """The object's size and validators, and its first ``length`` bytes (all of it when shorter): one
+        request where the source can answer both at once (a ranged GET does), which a model's index and a
+        small file need. The first call caches the stat, as :meth:`stat` does."""
+        with self._stat_lock:
+            if self._info is None:
+                info, head = self._stat_prefix(length)
+                self._info = info
+                if head is not None:
+                    return info, head
+        info = self.stat()
+        return info, self.read_bytes(0, min(length, info.size))
+
+    def _stat_prefix(self, length: int) -> tuple[ObjectInfo, bytes | None]:
+        """One uncached look-up that may bring the first ``length`` bytes too (None: it does not)."""
+        return self._stat(), None
+
+    every_read_validated: bool = False
+    """Whether every read so far was checked against the validators of the first look-up (a file's size
+    and mtime around it, an HTTP response's ETag): then a fresh look-up at the end of a load proves
+    nothing more (:func:`modelload.sidecar.load.integrity.check_unchanged`)."""
+
     def restat(self) -> ObjectInfo:
         """A fresh look-up of the size and validators, bypassing the cache: the end-of-load check that the
         object is still the one the load started with. The cached :meth:`stat` is left as it was."""

@@ -38,6 +38,7 @@ class FileSource(SourceBase):
     """A regular file, opened read-only at construction (so a missing file fails at once)."""
 
     supports_fd = HAVE_SPLICE
+    every_read_validated = True  # size and mtime are compared before and after every read
 
     def __init__(self, path: str) -> None:
         super().__init__(path)

@@ -84,6 +84,7 @@ class HttpObject(SourceBase):
         self._settings = settings
         self._pool = ConnectionPool(settings, ca_bundle=ca_bundle)
         self._fallback_warned = False
+        self.every_read_validated = True
 
     @property
     def connections_opened(self) -> int:
@@ -162,9 +163,13 @@ class HttpObject(SourceBase):
     # --- the Source protocol -----------------------------------------------------------------------------
 
     def _stat(self) -> ObjectInfo:
-        # A one-byte range GET rather than HEAD: presigned URLs are signed for GET only, it tells whether
-        # ranges work, and S3 answers it with an XML error body that names the problem.
-        exchange = self._open("GET", {"Range": "bytes=0-0"}, accept=frozenset({200, 206, 416}))
+        return self._stat_prefix(1)[0]
+
+    def _stat_prefix(self, length: int) -> tuple[ObjectInfo, bytes | None]:
+        # A range GET rather than HEAD: presigned URLs are signed for GET only, it tells whether ranges
+        # work, S3 answers it with an XML error body that names the problem, and its body is the object's
+        # first bytes, which a model's index or a small file needs next.
+        exchange = self._open("GET", {"Range": f"bytes=0-{length - 1}"}, accept=frozenset({200, 206, 416}))
         status = exchange.status
         etag, last_modified = exchange.header("ETag"), exchange.header("Last-Modified")
         if status == 200:
@@ -175,22 +180,41 @@ class HttpObject(SourceBase):
                     f"{self.display_uri}: the server ignores Range requests and does not give the size",
                     uri=self.display_uri,
                 )
-            return ObjectInfo(size=size, etag=etag, last_modified=last_modified, accepts_ranges=size == 0)
-        self._small_body(exchange)
-        _, _, total = parse_content_range(exchange.header("Content-Range"))
+            return ObjectInfo(
+                size=size, etag=etag, last_modified=last_modified, accepts_ranges=size == 0
+            ), None
+        first, last, total = parse_content_range(exchange.header("Content-Range"))
+        head = (
+            self._prefix_body(exchange, first, last, length) if status == 206 else self._small_body(exchange)
+        )
         if total is None and status == 416:
             # An empty object cannot serve byte 0; not every server says its size in Content-Range then.
-            head = self._open("HEAD", {}, accept=frozenset({200}))
-            declared = head.header("Content-Length")
+            answer = self._open("HEAD", {}, accept=frozenset({200}))
+            declared = answer.header("Content-Length")
             total = int(declared) if declared and declared.isdigit() else None
-            etag, last_modified = head.header("ETag"), head.header("Last-Modified")
-            head.response.close()
+            etag, last_modified = answer.header("ETag"), answer.header("Last-Modified")
+            answer.response.close()
         if total is None:
             raise SourceError(
                 f"{self.display_uri}: HTTP {status} without a usable Content-Range: the size is unknown",
                 uri=self.display_uri,
             )
-        return ObjectInfo(size=total, etag=etag, last_modified=last_modified, accepts_ranges=True)
+        info = ObjectInfo(size=total, etag=etag, last_modified=last_modified, accepts_ranges=True)
+        return info, (head if status == 206 and len(head) == min(length, total) else None)
+
+    def _prefix_body(self, exchange: _Exchange, first: int | None, last: int | None, length: int) -> bytes:
+        """The body of a 206 answering ``bytes=0-(length - 1)``: the object's first bytes; empty (and the
+        connection dropped) when it is not exactly what was asked."""
+        if first != 0 or last is None or last >= length or exchange.response.length not in (None, last + 1):
+            self._small_body(exchange)
+            return b""
+        try:
+            body = exchange.response.read(last + 1)
+            exchange.response.close()
+        except (OSError, http.client.HTTPException) as exc:
+            self._pool.discard(exchange.origin, exchange.conn)
+            raise self._translate(exc) from exc
+        return body
 
     def read_into(self, offset: int, buf: memoryview) -> None:
         buf = byte_view(buf)
@@ -265,11 +289,13 @@ class HttpObject(SourceBase):
         """
         uri = self.display_uri
         etag = exchange.header("ETag")
+        modified = exchange.header("Last-Modified")
+        if (info.etag and not etag) or (not info.etag and info.last_modified and not modified):
+            self.every_read_validated = False  # a response without the validator: nothing proved it
         if not same_etag(info.etag, etag):
             raise SourceChangedError(
                 f"{uri} changed while it was being read (ETag {info.etag} -> {etag})", uri=uri
             )
-        modified = exchange.header("Last-Modified")
         if info.etag is None and info.last_modified and modified and modified != info.last_modified:
             raise SourceChangedError(
                 f"{uri} changed while it was being read (Last-Modified {info.last_modified} -> {modified})",

@@ -18,6 +18,7 @@ from typing import Literal
 
 from modelload.loader.errors import TruncatedError
 from modelload.loader.formats import (
+    PREFIX_LENGTH,
     SAFETENSORS_INDEX,
     SMALL_FILE_LIMIT,
     ModelIndex,
@@ -31,7 +32,7 @@ from modelload.loader.formats import (
 from ._base import ObjectInfo, Source
 from ._listing import Directory, is_directory, list_directory
 from ._registry import open_source, store_for
-from ._retry import RetryEvent, read_range, stat_source
+from ._retry import RetryEvent, stat_with_prefix
 from ._settings import SourceSettings
 from ._store import Opener
 
@@ -57,6 +58,9 @@ class OpenedModel:
     """The small files to copy into the model directory, with their sizes."""
     opener: Opener | None = None
     """How this model's files are opened (sharing their store's set-up); None: :func:`open_source`."""
+    fetched: dict[str, bytes] = field(default_factory=dict)
+    """Small files already read while opening (the safetensors index), so they are not read again."""
+    _indexes: list[ModelIndex] = field(default_factory=list)
     _index: ModelIndex | None = None
 
     @property
@@ -82,28 +86,16 @@ class OpenedModel:
 
     @property
     def index(self) -> ModelIndex:
-        """The model's index (every weight file's, merged): read on first use, with one or two small reads
-        per weight file, in parallel."""
+        """The model's index (every weight file's, merged): read when the model is opened, from the bytes
+        its look-up brought (one request a file, a second one only for an index longer than that)."""
         if self._index is None:
-            workers = min(_WORKERS, len(self.sources))
-            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="index") as pool:
-                indexes = list(pool.map(self._read_index, self.sources, self.infos, range(len(self.sources))))
             if self.directory is None:
-                self._index = indexes[0]
+                self._index = self._indexes[0]
             else:
-                named = list(zip(self.weights, indexes, strict=True))
+                named = list(zip(self.weights, self._indexes, strict=True))
                 self._index = merge_indexes(named, where=self.directory.display)
+            self._indexes = []
         return self._index
-
-    def _read_index(self, source: Source, info: ObjectInfo, file: int) -> ModelIndex:
-        uri = source.display_uri
-        index = read_index(source.read_bytes, format=self.format, source=uri, size=info.size, file=file)
-        if index.data_end > info.size:
-            raise TruncatedError(
-                f"the index needs {index.data_end} bytes and the object has {info.size}: it is truncated",
-                source=uri,
-            )
-        return index
 
     def display(self, file: int) -> str:
         """The URI of weight file ``file``, for messages."""
@@ -131,11 +123,39 @@ def open_model(
         return _open_directory(uri, settings, format=format, files=files, on_retry=on_retry)
     source = open_source(uri, settings)
     try:
-        info = stat_source(source, policy=settings.retry, on_retry=on_retry)
+        info, index = _stat_and_index(source, 0, format, settings, on_retry)
     except BaseException:
         source.close()
         raise
-    return OpenedModel(uri=source.display_uri, sources=[source], infos=[info], format=format)
+    return OpenedModel(
+        uri=source.display_uri, sources=[source], infos=[info], format=format, _indexes=[index]
+    )
+
+
+def _stat_and_index(
+    source: Source,
+    file: int,
+    format: Literal["auto", "tensorizer", "safetensors"],  # noqa: A002 - the CLI's word for it
+    settings: SourceSettings,
+    on_retry: Callable[[RetryEvent], None] | None,
+) -> tuple[ObjectInfo, ModelIndex]:
+    """Weight file ``file``'s size and validators, and its index, read from the bytes the same request
+    brought (a second read only for an index longer than :data:`PREFIX_LENGTH`)."""
+    info, head = stat_with_prefix(source, PREFIX_LENGTH, policy=settings.retry, on_retry=on_retry)
+
+    def read(offset: int, length: int) -> bytes:
+        if offset + length <= len(head) or len(head) >= info.size:
+            return head[offset : offset + length]
+        return source.read_bytes(offset, min(length, info.size - offset))
+
+    uri = source.display_uri
+    index = read_index(read, format=format, source=uri, size=info.size, file=file)
+    if index.data_end > info.size:
+        raise TruncatedError(
+            f"the index needs {index.data_end} bytes and the object has {info.size}: it is truncated",
+            source=uri,
+        )
+    return info, index
 
 
 def _open_directory(
@@ -162,14 +182,14 @@ def _open_directory(
     check_small_files(small_sizes, where=where)
     sources: list[Source] = []
 
-    def stat(source: Source) -> ObjectInfo:
-        return stat_source(source, policy=settings.retry, on_retry=on_retry)
+    def stat(source: Source, file: int) -> tuple[ObjectInfo, ModelIndex]:
+        return _stat_and_index(source, file, chosen.format, settings, on_retry)
 
     try:
         for name in chosen.weights:
             sources.append(opener(directory.file_uri(name)))
         with ThreadPoolExecutor(max_workers=min(_WORKERS, len(sources)), thread_name_prefix="stat") as pool:
-            infos = list(pool.map(stat, sources))
+            found = list(pool.map(stat, sources, range(len(sources))))
     except BaseException:
         for source in sources:
             source.close()
@@ -177,12 +197,14 @@ def _open_directory(
     return OpenedModel(
         uri=directory.display,
         sources=sources,
-        infos=infos,
+        infos=[info for info, _ in found],
         format=chosen.format,
         weights=chosen.weights,
         directory=directory,
         small=small_sizes,
         opener=opener,
+        fetched={SAFETENSORS_INDEX: index_json} if index_json is not None else {},
+        _indexes=[index for _, index in found],
     )
 
 
@@ -198,10 +220,10 @@ def fetch_small_file(
     uri = directory.file_uri(name)
     source = opener(uri) if opener is not None else open_source(uri, settings)
     try:
-        info = stat_source(source, policy=settings.retry, on_retry=on_retry)
+        # One request: the look-up brings the whole file (a small file is at most SMALL_FILE_LIMIT bytes;
+        # a larger one is refused before the rest of it is read).
+        info, head = stat_with_prefix(source, SMALL_FILE_LIMIT, policy=settings.retry, on_retry=on_retry)
         check_small_files({name: info.size}, where=directory.display)
-        buf = bytearray(min(info.size, SMALL_FILE_LIMIT))
-        read_range(source, 0, memoryview(buf), policy=settings.retry, on_retry=on_retry)
-        return bytes(buf)
+        return head
     finally:
         source.close()

@@ -30,6 +30,7 @@ __all__ = [
     "read_range_pieces",
     "read_range_pieces_into_fd",
     "stat_source",
+    "stat_with_prefix",
 ]
 
 _log = logging.getLogger("modelload.sidecar.sources")
@@ -241,6 +242,37 @@ def _retrying(
             if on_retry is not None:
                 on_retry(event)
             _pause(policy, delay, uri)
+
+
+def stat_with_prefix(
+    source: Source, length: int, *, policy: RetryPolicy, on_retry: RetryCallback | None = None
+) -> tuple[ObjectInfo, bytes]:
+    """The source's size and validators and its first ``length`` bytes, retrying transient errors under
+    ``policy``: one request where the source answers both at once (``SourceBase.stat_with_prefix``)."""
+    combined = getattr(source, "stat_with_prefix", None)
+    if combined is None:  # a source of another shape: look it up, then read
+        info = stat_source(source, policy=policy, on_retry=on_retry)
+        head = bytearray(min(length, info.size))
+        read_range(source, 0, memoryview(head), policy=policy, on_retry=on_retry)
+        return info, bytes(head)
+    budget = _Budget(policy)
+    while True:
+        try:
+            info, head = combined(length)
+            return info, head
+        except TransientSourceError as exc:
+            delay = budget.delay_after(exc, progressed=False)
+            if delay is None:
+                raise InterruptedReadError(
+                    f"gave up looking up {source.display_uri} after {budget.why()}"
+                    f" ({budget.retries} retries): {exc}",
+                    uri=source.display_uri,
+                ) from exc
+            _log.warning("retrying the look-up of %s in %.2f s (retry %d): %s", source.display_uri, delay,
+                         budget.retries, exc)  # fmt: skip
+            if on_retry is not None:
+                on_retry(RetryEvent(source.display_uri, budget.retries, delay, exc, 0, 0, 0))
+            _pause(policy, delay, source.display_uri)
 
 
 def stat_source(
