@@ -57,8 +57,8 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
+from contenders import ProcSampler, wait_complete  # noqa: E402
 from origins import S3RVER_KEY, S3RVER_SECRET, Unavailable, s3_like, s3rver, upload  # noqa: E402
-from peers import ProcSampler, wait_complete  # noqa: E402
 from scratch import scratch  # noqa: E402
 
 from tests.support.nginx import NginxServer  # noqa: E402

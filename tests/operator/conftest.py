@@ -162,13 +162,13 @@ def api(client_configuration: Any) -> Iterator[Any]:
 
 
 def operator_settings(tmp_path: Path, **sidecar: Any) -> Any:
-    from modelload.operator.settings import OperatorSettings, RetrySettings, SidecarSettings, WebhookSettings
+    from modelload.operator.settings import InjectedSidecar, OperatorSettings, RetrySettings, WebhookSettings
 
     return OperatorSettings(
         namespace=OPERATOR_NAMESPACE,
         retry=RetrySettings(first_delay=0.2, max_delay=1.0),  # a fixed spec is noticed within a second
         webhook=WebhookSettings(host="127.0.0.1", port=0, cert_dir=tmp_path / "certs"),
-        sidecar=SidecarSettings(image="registry.test/modelload-sidecar:1", **sidecar),
+        sidecar=InjectedSidecar(image="registry.test/modelload-sidecar:1", **sidecar),
     )
 
 

@@ -7,7 +7,8 @@ sidecar reads it (its listing, every shard's header, the sizes of its small file
 Everything that ties the operator to those two layers' APIs is in this module, so aligning with a change there
 is a change here only.
 
-Credentials (S3 keys, or an HTTP server's token or header lines) come from the ModelLoad's Secrets, read
+Credentials (S3 keys, a GCS service-account key, an Azure connection string, SAS token or account key, or
+an HTTP server's token or header lines) come from the ModelLoad's Secrets, read
 through the Kubernetes API, and are handed to the source as explicit settings: the operator's own
 environment is never changed (it serves many namespaces at once, each with its own Secret). The call is
 blocking; the handlers run it in a thread.
@@ -21,8 +22,9 @@ from typing import Any, Literal
 from modelload.loader.errors import ConfigError
 from modelload.loader.formats import ModelIndex
 from modelload.loader.segment import ALIGNMENT, TensorSpec, plan_layout
+from modelload.operator.cloud_sources import GcsKey
 from modelload.operator.schema import ModelLoadSpec
-from modelload.sidecar.sources import RequestHeaders, S3Credentials, parse_headers
+from modelload.sidecar.sources import AzureCredentials, RequestHeaders, S3Credentials, parse_headers
 
 __all__ = [
     "ModelSummary",
@@ -55,7 +57,11 @@ class ModelSummary:
 
 
 def read_summary(
-    spec: ModelLoadSpec, *, credentials: S3Credentials | None, headers: RequestHeaders | None = None
+    spec: ModelLoadSpec,
+    *,
+    credentials: S3Credentials | None,
+    headers: RequestHeaders | None = None,
+    cloud: GcsKey | AzureCredentials | None = None,
 ) -> ModelSummary:
     """Read the model's index at ``spec.source`` and summarise it, with the S3 ``credentials`` or the HTTP
     ``headers`` (a private server's token) from the ModelLoad's Secret.
@@ -65,7 +71,7 @@ def read_summary(
     """
     from modelload.sidecar.sources import open_model
 
-    settings = _source_settings(spec, credentials, headers)
+    settings = _source_settings(spec, credentials, headers, cloud)
     model = open_model(spec.source, settings, format=_format_name(spec.format), files=spec.files)
     try:
         index = model.index
@@ -123,9 +129,19 @@ def _format_name(name: str) -> Literal["auto", "tensorizer", "safetensors"]:
 
 
 def _source_settings(
-    spec: ModelLoadSpec, credentials: S3Credentials | None, headers: RequestHeaders | None
+    spec: ModelLoadSpec,
+    credentials: S3Credentials | None,
+    headers: RequestHeaders | None,
+    cloud: GcsKey | AzureCredentials | None = None,
 ) -> Any:
-    from modelload.sidecar.sources import HttpSettings, RetryPolicy, S3Settings, SourceSettings
+    from modelload.sidecar.sources import (
+        AzureSettings,
+        GcsSettings,
+        HttpSettings,
+        RetryPolicy,
+        S3Settings,
+        SourceSettings,
+    )
 
     s3 = spec.s3
     s3_settings = S3Settings(
@@ -138,4 +154,15 @@ def _source_settings(
     # A short retry of the first look-up (a throttled store): the handler's own retry, with kopf's backoff,
     # covers longer outages, and a handler must not sit in a thread for a minute of in-source backoff.
     retry = RetryPolicy(attempts=2, initial_backoff=0.2, max_backoff=1.0, deadline=30.0)
-    return SourceSettings(http=HttpSettings(headers=headers), s3=s3_settings, retry=retry)
+    # gs:// and az://: the Secret's key when there is one, else the operator's own workload identity.
+    gcs = GcsSettings(
+        endpoint_url=spec.gcs.endpoint if spec.gcs else None,
+        credentials_json=str(cloud) if isinstance(cloud, GcsKey) else None,
+    )
+    azure = AzureSettings(
+        endpoint_url=spec.azure.endpoint if spec.azure else None,
+        credentials=cloud if isinstance(cloud, AzureCredentials) else None,
+    )
+    return SourceSettings(
+        http=HttpSettings(headers=headers), s3=s3_settings, retry=retry, gcs=gcs, azure=azure
+    )

@@ -39,6 +39,12 @@ from typing import Any, Literal
 
 from modelload.loader.errors import ConfigError, ModelloadError, SourceUriError, TransientSourceError
 from modelload.loader.sizes import format_bytes
+from modelload.operator.cloud_sources import (
+    CloudCredentials,
+    CloudSecretError,
+    read_cloud_credentials,
+    scheme_of,
+)
 from modelload.operator.conditions import set_condition
 from modelload.operator.injection import source_query_problem
 from modelload.operator.kube import Kube, KubeNotFoundError
@@ -96,9 +102,12 @@ async def resolve(*, kube: Kube, namespace: str, spec: ModelLoadSpec, sizing: Si
     if problem is not None:
         raise SourceUriError(problem, setting="spec.source")
     credentials = await read_credentials(kube, namespace, spec)
+    cloud = await read_cloud_secret(kube, namespace, spec)
     headers = await read_headers(kube, namespace, spec)
     await check_decryption_secret(kube, namespace, spec)
-    summary = await asyncio.to_thread(read_summary, spec, credentials=credentials, headers=headers)
+    summary = await asyncio.to_thread(
+        read_summary, spec, credentials=credentials, headers=headers, cloud=cloud
+    )
     has_key = spec.decryption_key_secret_ref is not None or spec.password_secret_ref is not None
     if summary.encrypted and not has_key:
         raise SecretProblemError(
@@ -142,10 +151,22 @@ def _key(data: Mapping[str, bytes], secret: str, key: str, purpose: str) -> byte
     return data[key]
 
 
+async def read_cloud_secret(kube: Kube, namespace: str, spec: ModelLoadSpec) -> CloudCredentials | None:
+    """A gs:// or az:// source's credentials from ``spec.credentialsSecretRef`` (:mod:`.cloud_sources`)."""
+    ref = spec.credentials_secret_ref
+    if ref is None or scheme_of(spec.source) not in ("gs", "az"):
+        return None
+    data = await _secret(kube, namespace, ref.name, f"{scheme_of(spec.source)}:// credentials")
+    try:
+        return read_cloud_credentials(spec, data, secret=ref.name)
+    except CloudSecretError as exc:
+        raise SecretProblemError(exc.reason, str(exc)) from None
+
+
 async def read_credentials(kube: Kube, namespace: str, spec: ModelLoadSpec) -> S3Credentials | None:
     """The S3 keys of ``spec.credentialsSecretRef``, or None (unsigned, or the sidecar's own identity)."""
     ref = spec.credentials_secret_ref
-    if ref is None or (spec.s3 is not None and spec.s3.unsigned):
+    if ref is None or (spec.s3 is not None and spec.s3.unsigned) or scheme_of(spec.source) != "s3":
         return None
     data = await _secret(kube, namespace, ref.name, "S3 credentials")
     access = _key(data, ref.name, ref.access_key_id_key, "the access key id")

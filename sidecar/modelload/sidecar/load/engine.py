@@ -28,6 +28,7 @@ Retries, resume after a broken stream, ETag checks and stall timeouts happen in 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
 import time
@@ -40,6 +41,7 @@ import numpy as np
 import numpy.typing as npt
 
 from modelload.loader.errors import (
+    HashMismatchError,
     MissingKeyError,
     ModelloadError,
     NotEncryptedError,
@@ -56,7 +58,7 @@ from modelload.loader.segment import (
     run_in_order,
 )
 from modelload.loader.segment.collector import paused_collector
-from modelload.sidecar.load import integrity
+from modelload.sidecar.load import integrity, proof
 from modelload.sidecar.load.meter import ChunkMeter
 from modelload.sidecar.load.modeldir import write_model_dir
 from modelload.sidecar.load.settings import LoadSettings
@@ -166,9 +168,12 @@ class Engine:
             model_dir = write_model_dir(model, self.model_dir, self._sources, on_retry=self._retried)
         if self._reuse(uri, model.fingerprint, model.size):
             return
-        plan = self._plan(model, model_dir)
-        index = plan.index
+        index = model.index
         key = self._key(index, uri)
+        proofs = _decide_proofs(model, settings, encrypted=index.encrypted)
+        metadata = _metadata(uri, model.fingerprint, model.size, settings.notify, model_dir)
+        proofs_text = json.dumps({p.uri: p.label for p in proofs}, sort_keys=True)
+        plan = self._plan(index, {**metadata, PROOFS_KEY: proofs_text})
         use_fd = settings.splice and all(source.supports_fd for source in model.sources)
         # Through the file descriptor nothing writes a meta tensor's slot: reserve it before publishing.
         unlanded = integrity.unlanded_ranges(plan) if use_fd else []
@@ -184,6 +189,8 @@ class Engine:
         observer.manifest_published(
             model_format=index.format, tensors=len(index), nbytes=index.nbytes, notify=settings.notify
         )
+        for each in proofs:
+            observer.file_proof(file=each.uri, proof=each.label, state=each.state)
         if self._peers is not None:  # shared only in full mode: released pages cannot be served
             share = settings.memory.mode == "full"
             plan = self._peers.begin(
@@ -194,7 +201,7 @@ class Engine:
             # file descriptor a full volume is an ordinary ENOSPC, and reserving would cost a pass of zeroing
             # (0.15 s per 2 GiB here) for pages the data overwrites anyway.
             writer.reserve()
-        _Load(self, model, plan, writer, key, use_fd=use_fd, memory=memory).run()
+        _Load(self, model, plan, writer, key, use_fd=use_fd, memory=memory, proofs=proofs).run()
         if self._stop.is_set():
             raise LoadStopped("stopped before the load finished")
         integrity.check_unchanged(
@@ -206,20 +213,24 @@ class Engine:
             on_retry=self._retried,
             sample=settings.memory.mode == "full",
             skip=getattr(self._peers, "verified_by_peers", ()),
+            proven=[p.file for p in proofs if p.method != "samples"],
         )
+        for each in proofs:
+            if each.method != "checksum":
+                observer.file_proof(file=each.uri, proof=each.label, state=_UNPROVEN_STATE[each.method])
         writer.mark_complete()
         observer.load_finished(seconds=time.monotonic() - started, nbytes=index.nbytes)
 
-    def _plan(self, model: OpenedModel, model_dir: Path | None) -> LoadPlan:
-        """The model's index, read, and its plan: a few objects per tensor that live as long as the load, so
+    def _plan(self, index: ModelIndex, metadata: dict[str, str]) -> LoadPlan:
+        """The segment's layout and the chunks: a few objects per tensor that live as long as the load, so
         the collector is held off while they are made (it would look at each of them again and again)."""
         settings = self.settings
         with paused_collector():
             plan = plan_load(
-                model.index,
+                index,
                 chunk_size=settings.chunk_size,
                 priority=settings.priority,
-                metadata=_metadata(model.uri, model.fingerprint, model.size, settings.notify, model_dir),
+                metadata=metadata,
                 span_limit=settings.memory.ring_size or None,  # ring mode: a chunk always fits in the ring
             )
             return plan_memory(plan, settings.memory)
@@ -318,6 +329,7 @@ class _Load:
         *,
         use_fd: bool,
         memory: MemoryManager | None = None,
+        proofs: list[proof.FileProof] | None = None,
     ) -> None:
         self.engine = engine
         self.memory = memory
@@ -331,6 +343,19 @@ class _Load:
         self._lock = threading.Lock()
         self._remaining = plan.chunk_counts.copy()
         self._spread = _chunks_of_cut_tensors(plan)
+        proofs = proofs or []
+        self.prover = proof.Prover(proofs, plan, model.sources, [info.size for info in model.infos])
+        self._proofs = proofs
+        # Ranges of files without a checksum are re-sampled before their tensors are published
+        # (integrity.check_chunks), unless the store's checksum or validator proves their file.
+        self._sampled = {p.file for p in proofs if p.method == "samples"}
+        # A file proven by the store's checksum keeps its tensors back until it is proven (in memory modes
+        # that can hold them, and unless the file's own hashes prove each tensor as it lands).
+        own_hashes = plan.index.format == "tensorizer" and engine.settings.verify
+        hold = engine.settings.memory.mode != "ring" and not own_hashes
+        self._held: dict[int, list[npt.NDArray[np.int32]]] = {
+            p.file: [] for p in proofs if hold and self.prover.proves(p.file)
+        }
         self.finisher = TensorFinisher(
             writer, key=key, encrypted=plan.index.encrypted, verify=engine.settings.verify
         )
@@ -341,6 +366,9 @@ class _Load:
         empty = order[self._remaining[order] == 0]  # nothing to fetch: an empty tensor
         if len(empty):
             self._publish(empty, None)
+        for each in self._proofs:
+            if self.prover.no_chunks(each.file):
+                self._prove(each.file)
         chunks = len(self.plan.chunks)
         run_in_order(chunks, self._read, threads=self.settings.readers, stop=self.stop, name="reader")
         self.finisher.settle()  # the only encrypted tensor, and it failed: nothing proves the key
@@ -354,12 +382,18 @@ class _Load:
         with metered(meter):  # progress moves as bytes land, not only per chunk
             self._land(chunk)
         meter.finish()
+        file_done = self.prover.landed(chunk, self.writer.region)
         tensors = self.plan.tensors_of(chunk)
         with self._lock:
             self._remaining[tensors] -= 1
             complete = tensors[self._remaining[tensors] == 0]
-        if len(complete):
+            held = self._held.get(chunk.file)
+            if len(complete) and held is not None:
+                held.append(complete)
+        if len(complete) and held is None:
             self._publish(complete, seq)
+        if file_done:
+            self._prove(chunk.file)
 
     def _land(self, chunk: Chunk) -> None:
         """Through the file descriptor (``os.splice``: no copy through this process, no page faults in it)
@@ -374,6 +408,33 @@ class _Load:
             end = int(self.plan.pieces.dst[last] + self.plan.pieces.length[last])
             self.writer.reserve_range(chunk.dst_offset, end - chunk.dst_offset)
         self._land_view(chunk)
+
+    def _prove(self, file: int) -> None:
+        """Check a complete file against the store's checksum (once more, from the origin, when none of its
+        tensors is out yet), then publish the tensors it held back."""
+        policy = self.engine._sources.retry
+        each = self._proofs[file]
+        try:
+            self.prover.prove(file, self.writer.region, policy=policy)
+        except HashMismatchError as exc:
+            if file not in self._held:
+                self.observer.file_proof(file=each.uri, proof=each.label, state="failed")
+                raise
+            log.warning("%s; reading the file again", exc)
+            self.observer.retried(kind="checksum", message=str(exc))
+            for chunk in self.prover.reset(file):
+                self._land(chunk)
+                self.prover.landed(chunk, self.writer.region)
+            try:
+                self.prover.prove(file, self.writer.region, policy=policy)
+            except HashMismatchError:
+                self.observer.file_proof(file=each.uri, proof=each.label, state="failed")
+                raise
+        self.observer.file_proof(file=each.uri, proof=each.label, state="proven")
+        with self._lock:
+            held = self._held.pop(file, [])
+        if held:
+            self._publish(np.concatenate(held), None)
 
     def _land_fd(self, chunk: Chunk) -> None:
         pieces = self.plan.pieces
@@ -420,7 +481,7 @@ class _Load:
             if verified or seq is None or (from_peers and all(t in from_peers for t in chosen)):
                 return
             spread = [c for t in chosen for c in self._spread.get(t, ())]
-            chunks = [plan.chunks[c] for c in sorted({seq, *spread})]
+            chunks = [plan.chunks[c] for c in sorted({seq, *spread}) if plan.chunks[c].file in self._sampled]
             retry = self.engine._sources.retry
             integrity.check_chunks(
                 self.model, plan, self.writer, chunks, policy=retry, on_retry=self.engine._retried
@@ -458,6 +519,21 @@ def _warn_without_validator(model: OpenedModel) -> None:
                 source.display_uri,
                 "a weak" if strength == "weak" else "no",
             )
+
+
+PROOFS_KEY = "proofs"
+"""The segment metadata key recording, per weight file, what its bytes were proven against (JSON)."""
+_UNPROVEN_STATE = {"samples": "sampled", "validator": "pinned"}
+
+
+def _decide_proofs(model: OpenedModel, settings: LoadSettings, *, encrypted: bool) -> list[proof.FileProof]:
+    """The one place a load decides each file's proof (:func:`proof.decide`), given what sampling needs."""
+    return proof.decide(
+        model,
+        memory_mode=settings.memory.mode,
+        encrypted=encrypted,
+        needs_samples=lambda file: integrity.needs_samples(model, file),
+    )
 
 
 def _metadata(

@@ -43,7 +43,6 @@ from modelload.sidecar.sources import (
     OpenedModel,
     RetryEvent,
     RetryPolicy,
-    S3Source,
     Source,
     read_range,
     stat_source,
@@ -101,11 +100,13 @@ def _origin(source: Source) -> Source:
 
 
 def needs_samples(model: OpenedModel, file: int) -> bool:
-    """Whether sampled bytes of ``file`` are worth re-reading: not on S3, whose ETag follows the content,
-    nor for a local file, whose size and mtime are checked around every read; nor from a server without
-    Range support, which would send the whole object per sample."""
+    """Whether sampled bytes of ``file`` are worth re-reading: not where the store's validator changes with
+    every write (S3's ETag follows the content, a GCS generation or an Azure ETag every upload), nor for a
+    local file (its size and mtime are checked around every read), and not from a server without Range
+    support (it would send the whole object per sample)."""
     origin = _origin(model.sources[file])
-    return not isinstance(origin, S3Source | FileSource) and model.infos[file].accepts_ranges
+    pinned = getattr(origin, "pins_version", False) or isinstance(origin, FileSource)
+    return not pinned and model.infos[file].accepts_ranges
 
 
 def chunk_sample(plan: LoadPlan, chunk: Chunk) -> _Sample | None:
@@ -143,9 +144,10 @@ def check_chunks(
     on_retry: Callable[[RetryEvent], None] | None = None,
 ) -> None:
     """Before the tensors landed in ``chunks`` are published: re-read each chunk's sample and compare it
-    with the segment (for files that need samples). Raises :class:`SourceChangedError`."""
+    with the segment (the caller passes the chunks of files proven by samples). Raises
+    :class:`SourceChangedError`."""
     for chunk in chunks:
-        sample = chunk_sample(plan, chunk) if needs_samples(model, chunk.file) else None
+        sample = chunk_sample(plan, chunk)
         if sample is not None:
             _compare(model, writer, sample, policy, on_retry)
 
@@ -170,6 +172,7 @@ def check_unchanged(
     on_retry: Callable[[RetryEvent], None] | None = None,
     sample: bool = True,
     skip: Collection[int] = (),
+    proven: Collection[int] = (),
 ) -> int:
     """Raise :class:`SourceChangedError` when a weight file is no longer the one the segment was loaded
     from (see the module's docstring); return how many samples were compared.
@@ -177,7 +180,8 @@ def check_unchanged(
     ``sample=False`` re-checks the validators only: in the release and ring memory modes the pages of
     consumed tensors are gone by the end of the load, so there is nothing left to compare them with.
     ``skip`` names tensors checked otherwise (bytes from peers, matched against the checksums they listed
-    for the same ETag): a chunk holding only such tensors is not sampled again.
+    for the same ETag): a chunk holding only such tensors is not sampled again; ``proven`` names files whose
+    bytes the store's checksum proved (:mod:`.proof`), which need no samples at all.
     """
     for source, info in zip(model.sources, model.infos, strict=True):
         if getattr(source, "every_read_validated", False):
@@ -193,9 +197,10 @@ def check_unchanged(
     if not sample:
         return 0
     by_file: dict[int, list[_Sample]] = {}
-    sampled = [needs_samples(model, f) for f in range(len(model.sources))]
+    sampled = [needs_samples(model, f) and f not in proven for f in range(len(model.sources))]
+    skipped = set(skip)
     for chunk in plan.chunks:
-        if not sampled[chunk.file] or (skip and set(plan.tensors_of(chunk).tolist()) <= set(skip)):
+        if not sampled[chunk.file] or (skipped and set(plan.tensors_of(chunk).tolist()) <= skipped):
             continue
         found = chunk_sample(plan, chunk)
         if found is not None:

@@ -1,4 +1,4 @@
-"""Model sources: read byte ranges of a file, an HTTP(S) URL or an S3 object into a caller's buffer.
+"""Model sources: read byte ranges of a file, an HTTP(S) URL, an S3, GCS or Azure Blob object into a buffer.
 
 This layer stands alone: it imports the error tree of ``modelload.loader`` and the standard library, and
 botocore lazily inside the S3 source. The operator imports it to read a model's index; the engine to stream.
@@ -28,6 +28,16 @@ into :class:`RequestHeaders` for ``HttpSettings(headers=...)``, sent to the sour
 from __future__ import annotations
 
 from ._base import InterruptedReadError, ObjectInfo, Source, SourceBase, check_range
+from ._checksums import (
+    COMPOSABLE,
+    STREAMED,
+    StoreChecksum,
+    crc,
+    crc_available,
+    crc_combine,
+    crc_width,
+    new_hash,
+)
 from ._file import FileSource
 from ._headers import RequestHeaders, parse_headers, read_header_file
 from ._http import HttpSource
@@ -55,13 +65,27 @@ from ._retry import (
     stat_with_prefix,
 )
 from ._s3 import S3Location, S3Source, plan_s3_location
-from ._settings import HttpSettings, RetryPolicy, S3Addressing, S3Credentials, S3Settings, SourceSettings
+from ._settings import (
+    AzureCredentials,
+    AzureSettings,
+    GcsSettings,
+    HttpSettings,
+    RetryPolicy,
+    S3Addressing,
+    S3Credentials,
+    S3Settings,
+    SourceSettings,
+)
 from ._splice import metered
 from ._store import ListedFile, Opener, Store, join_uri
 
 __all__ = [
+    "AzureCredentials",
+    "AzureSettings",
+    "COMPOSABLE",
     "Directory",
     "FileSource",
+    "GcsSettings",
     "HttpSettings",
     "HttpSource",
     "InterruptedReadError",
@@ -79,19 +103,26 @@ __all__ = [
     "S3Location",
     "S3Settings",
     "S3Source",
+    "STREAMED",
     "Source",
     "SourceBase",
     "SourceFactory",
     "SourceSettings",
     "Store",
+    "StoreChecksum",
     "check_range",
     "check_scheme",
+    "crc",
+    "crc_available",
+    "crc_combine",
+    "crc_width",
     "display_url",
     "fetch_small_file",
     "is_directory",
     "join_uri",
     "list_directory",
     "metered",
+    "new_hash",
     "open_model",
     "open_source",
     "parse_headers",

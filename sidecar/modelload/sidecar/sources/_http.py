@@ -105,6 +105,22 @@ class HttpObject(SourceBase):
         """Point later requests at ``location`` and return True, or return False to treat it as an error."""
         return False
 
+    def _pin(self, info: ObjectInfo) -> dict[str, str]:
+        """Headers that make the server refuse a read of another version than ``info`` (``If-Match``)."""
+        if info.etag and not info.etag.startswith("W/"):
+            return {"If-Match": info.etag}
+        return {}
+
+    def _change(self, exchange: _Exchange, info: ObjectInfo) -> str | None:
+        """How an answer's validators differ from ``info``'s (the object was replaced), or None."""
+        etag = exchange.header("ETag")
+        if not same_etag(info.etag, etag):
+            return f"ETag {info.etag} -> {etag}"
+        modified = exchange.header("Last-Modified")
+        if info.etag is None and info.last_modified and modified and modified != info.last_modified:
+            return f"Last-Modified {info.last_modified} -> {modified}"
+        return None
+
     # --- requests ----------------------------------------------------------------------------------------
 
     def _open(self, method: str, headers: Mapping[str, str], *, accept: frozenset[int]) -> _Exchange:
@@ -163,9 +179,16 @@ class HttpObject(SourceBase):
     # --- the Source protocol -----------------------------------------------------------------------------
 
     def _stat(self) -> ObjectInfo:
-        return self._stat_prefix(1)[0]
+        return self._range_stat(1)[0]
 
     def _stat_prefix(self, length: int) -> tuple[ObjectInfo, bytes | None]:
+        if type(self)._stat is not HttpObject._stat:  # a store's own look-up (a metadata API): keep it
+            return self._stat(), None
+        return self._range_stat(length)
+
+    def _range_stat(self, length: int) -> tuple[ObjectInfo, bytes | None]:
+        """The look-up as a ranged GET of the first ``length`` bytes: the size, the validators, and the
+        bytes (None when the answer is not exactly them)."""
         # A range GET rather than HEAD: presigned URLs are signed for GET only, it tells whether ranges
         # work, S3 answers it with an XML error body that names the problem, and its body is the object's
         # first bytes, which a model's index or a small file needs next.
@@ -260,9 +283,7 @@ class HttpObject(SourceBase):
     def _transfer(
         self, info: ObjectInfo, offset: int, length: int, progress: Progress, land: Callable[[Body], None]
     ) -> None:
-        headers = {"Range": f"bytes={offset}-{offset + length - 1}"}
-        if info.etag and not info.etag.startswith("W/"):
-            headers["If-Match"] = info.etag
+        headers = {"Range": f"bytes={offset}-{offset + length - 1}", **self._pin(info)}
         exchange = self._open("GET", headers, accept=frozenset({200, 206}))
         reusable = False
         try:
@@ -288,19 +309,13 @@ class HttpObject(SourceBase):
         range, False for a 200 whose first ``offset`` bytes must be skipped (the single-stream fallback).
         """
         uri = self.display_uri
-        etag = exchange.header("ETag")
-        modified = exchange.header("Last-Modified")
-        if (info.etag and not etag) or (not info.etag and info.last_modified and not modified):
-            self.every_read_validated = False  # a response without the validator: nothing proved it
-        if not same_etag(info.etag, etag):
-            raise SourceChangedError(
-                f"{uri} changed while it was being read (ETag {info.etag} -> {etag})", uri=uri
-            )
-        if info.etag is None and info.last_modified and modified and modified != info.last_modified:
-            raise SourceChangedError(
-                f"{uri} changed while it was being read (Last-Modified {info.last_modified} -> {modified})",
-                uri=uri,
-            )
+        if (info.etag and not exchange.header("ETag")) or (
+            not info.etag and info.last_modified and not exchange.header("Last-Modified")
+        ):
+            self.every_read_validated = False  # an answer without the validator: nothing proved it
+        change = self._change(exchange, info)
+        if change is not None:
+            raise SourceChangedError(f"{uri} changed while it was being read ({change})", uri=uri)
         declared = exchange.response.length
         if exchange.status == 206:
             first, last, total = parse_content_range(exchange.header("Content-Range"))
