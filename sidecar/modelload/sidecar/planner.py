@@ -179,8 +179,8 @@ def plan_load(
     """Plan the segment and the range requests for loading ``index``'s model.
 
     A chunk holds whole tensors that are neighbours in their file and in load order, as long as it stays
-    within ``chunk_size`` bytes of the file and ``span_limit`` bytes of the segment (default ``chunk_size``;
-    ring mode passes its ring size, so a chunk always fits in the ring).
+    within ``chunk_size`` bytes of the file and, when given, ``span_limit`` bytes of the segment (its slots
+    with their padding: ring mode passes its ring size, so a chunk always fits in the ring).
     """
     if chunk_size < 4096:
         raise ConfigError(f"chunk size must be at least 4096 bytes, got {chunk_size}")
@@ -188,8 +188,11 @@ def plan_load(
         _specs(index), metadata={"format": index.format, **(metadata or {})}, files=index.files
     )
     order = np.asarray(load_order(index, priority), dtype=np.int32)
-    span = chunk_size if span_limit is None else min(chunk_size, span_limit)
+    span = _UNLIMITED if span_limit is None else span_limit
     return _Cutter(index, layout, chunk_size, span).plan(order)
+
+
+_UNLIMITED = 1 << 62
 
 
 def _specs(index: ModelIndex) -> TensorSpecs:

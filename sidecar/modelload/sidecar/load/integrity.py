@@ -33,7 +33,7 @@ from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from modelload.loader.errors import SourceChangedError
+from modelload.loader.errors import SourceChangedError, TransientSourceError
 from modelload.loader.formats.tensorizer.hashes import crc32
 from modelload.loader.segment import SegmentWriter
 from modelload.sidecar.planner import Chunk, LoadPlan
@@ -209,6 +209,20 @@ def check_unchanged(
     log.info("re-reading %d samples of the landed ranges to check the model did not change", count)
 
     def one_file(samples: list[_Sample]) -> None:
+        """One multi-range request for all of a file's samples where its server answers them so; one
+        request a sample otherwise."""
+        source = _origin(model.sources[samples[0].file])
+        several = getattr(source, "read_ranges", None)
+        if several is not None and len(samples) > 1:
+            try:
+                got = several([(s.src_offset, s.length) for s in samples])
+            except TransientSourceError:
+                got = None  # the samples one by one, each with its retries
+            if got is not None:
+                for found, data in zip(samples, got, strict=True):
+                    if writer.region(found.dst_offset, found.length) != data:
+                        raise _changed(model.display(found.file), found)
+                return
         for found in samples:
             _compare(model, writer, found, policy, on_retry)
 

@@ -33,10 +33,10 @@ from modelload.loader.errors import (
     SourceError,
 )
 
-from ._base import InterruptedReadError, ObjectInfo, SourceBase, byte_view
+from ._base import InterruptedReadError, ObjectInfo, SourceBase, byte_view, check_range
 from ._body import Body
 from ._connections import ConnectionPool, Origin, socket_of
-from ._responses import display_url, error_for_status, parse_content_range, same_etag
+from ._responses import display_url, error_for_status, parse_byteranges, parse_content_range, same_etag
 from ._settings import HttpSettings, SourceSettings
 from ._splice import HAVE_SPLICE, Progress, RateFloor, SlowTransferError
 
@@ -274,6 +274,39 @@ class HttpObject(SourceBase):
             return
         progress = Progress()
         self._transfer(info, offset, total, progress, lambda body: body.splice_pieces(fd, pieces, progress))
+
+    def read_ranges(self, ranges: Sequence[tuple[int, int]]) -> list[bytes] | None:
+        """The bytes of several small ``(offset, length)`` ranges in one request (a multi-range GET: the
+        end-of-load samples of a file); None when the server does not answer with exactly those ranges
+        (it ignores multiple ranges, or merges them): the caller then reads them one by one."""
+        info = self.stat()
+        for offset, length in ranges:
+            check_range(offset, length, info.size, uri=self.display_uri)
+        spec = ",".join(f"{offset}-{offset + length - 1}" for offset, length in ranges)
+        exchange = self._open(
+            "GET", {"Range": f"bytes={spec}", **self._pin(info)}, accept=frozenset({200, 206})
+        )
+        change = self._change(exchange, info)
+        expected = sum(length for _, length in ranges)
+        declared = exchange.response.length
+        if exchange.status != 206 or (declared is not None and declared > 2 * expected + 256 * len(ranges)):
+            self._pool.discard(exchange.origin, exchange.conn)  # the whole object, or far more than asked
+            return None
+        try:
+            body = exchange.response.read(2 * expected + 256 * len(ranges))
+            exchange.response.close()
+        except (OSError, http.client.HTTPException) as exc:
+            self._pool.discard(exchange.origin, exchange.conn)
+            raise self._translate(exc) from exc
+        if change is not None:
+            raise SourceChangedError(
+                f"{self.display_uri} changed while it was being read ({change})", uri=self.display_uri
+            )
+        parts = parse_byteranges(exchange.header("Content-Type"), body)
+        wanted = [(offset, offset + length - 1) for offset, length in ranges]
+        if parts is None or any(key not in parts for key in wanted):
+            return None
+        return [parts[key] for key in wanted]
 
     def close(self) -> None:
         self._pool.close()
