@@ -91,13 +91,14 @@ def shards_for(count: int) -> int:
     return SHARDS.get(count, max(1, round(count / 625)))
 
 
-def make_moe(folder: Path, count: int, *, seed: int = 0) -> Model:
-    """``count`` float16 tensors of 4-16 KiB (two of them 32 MiB) in ``shards_for(count)`` safetensors shards,
-    with ``model.safetensors.index.json`` and ``config.json``, written by the real ``safetensors``."""
+def make_moe(folder: Path, count: int, *, seed: int = 0, large: int = BIG_TENSOR) -> Model:
+    """``count`` float16 tensors of 4-16 KiB (two of them ``large`` bytes, 32 MiB by default) in
+    ``shards_for(count)`` safetensors shards, with ``model.safetensors.index.json`` and ``config.json``,
+    written by the real ``safetensors``."""
     rng = np.random.default_rng(seed)
     pool = rng.integers(0, 256, 64 * MIB, dtype=np.uint8).view(np.float16)
     elements = rng.integers(2048, 8193, count)
-    elements[0] = elements[-1] = BIG_TENSOR // 2  # the embeddings and the output layer
+    elements[0] = elements[-1] = large // 2  # the embeddings and the output layer
     names = [_moe_name(i, count) for i in range(count)]
     return _write(folder, names, elements, pool, rng, shards=shards_for(count))
 
@@ -316,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--readers", type=int, default=8, help="readers on loopback origins")
     parser.add_argument("--remote-readers", type=int, default=16, help="readers on the S3-like origin")
     parser.add_argument("--chunk-mib", type=int, default=32, help="--chunk-size of the sidecar, MiB")
+    parser.add_argument("--large-mib", type=int, default=32, help="the two large tensors of each model, MiB")
     parser.add_argument("--out", type=Path, default=None, help="the JSON lines file")
     parser.add_argument("--publish", action="store_true", help="copy the results to docs/ and report")
     args = parser.parse_args(argv)
@@ -331,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         results.write(json.dumps(metadata(args)) + "\n")
         root = work / "models"
         for count in counts:
-            small = make_moe(root / f"moe-{count}", count)
+            small = make_moe(root / f"moe-{count}", count, large=args.large_mib * MIB)
             big = make_big(root / f"big-{count}", small.nbytes)
             print(f"{count} tensors in {small.weight_files} shards, {small.nbytes / GIB:.2f} GiB "
                   f"(big twin: {big.tensors} tensors)", flush=True)  # fmt: skip
