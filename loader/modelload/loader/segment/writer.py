@@ -189,12 +189,15 @@ class SegmentWriter:
             _reserve(self._fd, count, self.path, offset=file_offset)
 
     def _write_prologue(self, created_ns: int) -> None:
-        header = self.layout.header(load_id=self.load_id, created_ns=created_ns).pack()
-        self._view[: len(header)] = header
+        # The manifest straight into the file (never whole in memory), then the header with its CRC; the
+        # file is published by its rename, so the order inside it does not matter to readers.
+        length = self.layout.manifest_length
+        checksum = self.layout.write_manifest(self._view[HEADER_LENGTH : HEADER_LENGTH + length])
+        header = self.layout.header(load_id=self.load_id, created_ns=created_ns, manifest_crc32=checksum)
+        packed = header.pack()
+        self._view[: len(packed)] = packed
         struct.pack_into("<I", self._view, OFF_WRITER_PID, os.getpid() & 0xFFFFFFFF)
         struct.pack_into("<Q", self._view, OFF_HEARTBEAT_NS, time.time_ns())
-        manifest = self.layout.manifest
-        self._view[HEADER_LENGTH : HEADER_LENGTH + len(manifest)] = manifest
         # The state table is zero (PENDING) from ftruncate. LOADING last: the file is then complete.
         self._u32[OFF_WRITER_STATE // 4] = WriterState.LOADING
 
