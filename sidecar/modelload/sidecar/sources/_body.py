@@ -79,17 +79,24 @@ class Body:
         """Fill ``views`` in turn (one range landed in several places); ``progress.done`` counts the bytes
         of the whole range already in. From a plain socket one ``recvmsg_into`` fills as many pieces as the
         socket holds bytes for (a range of a thousand small tensors is not a thousand system calls)."""
-        total = sum(len(view) for view in views)
         scatter = not self._chunked and not hasattr(self._sock, "cipher")
-        while progress.done < total:
-            rest = views_after(views, progress.done)
+        rest = views_after(views, progress.done)
+        at = 0  # rest[at] is the first view not yet full
+        while at < len(rest):
             if scatter and self._buffer_drained:
-                got = self._sock.recvmsg_into(rest[:_IOV_MAX])[0]
+                got = self._sock.recvmsg_into(rest[at : at + _IOV_MAX])[0]
                 if got == 0:
                     raise EOFError("the server closed the connection before the body was complete")
             else:
-                got = self.readinto(rest[0])
+                got = self.readinto(rest[at])
             progress.done += got
+            while got:  # step past what landed: whole views, then into the one it stopped in
+                size = len(rest[at])
+                if got < size:
+                    rest[at] = rest[at][got:]
+                    break
+                got -= size
+                at += 1
             if self._floor is not None:
                 self._floor.check(progress.done)
 
