@@ -16,6 +16,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from modelload.loader.errors import ModelloadError, TransientSourceError
 
@@ -255,24 +256,8 @@ def stat_with_prefix(
         head = bytearray(min(length, info.size))
         read_range(source, 0, memoryview(head), policy=policy, on_retry=on_retry)
         return info, bytes(head)
-    budget = _Budget(policy)
-    while True:
-        try:
-            info, head = combined(length)
-            return info, head
-        except TransientSourceError as exc:
-            delay = budget.delay_after(exc, progressed=False)
-            if delay is None:
-                raise InterruptedReadError(
-                    f"gave up looking up {source.display_uri} after {budget.why()}"
-                    f" ({budget.retries} retries): {exc}",
-                    uri=source.display_uri,
-                ) from exc
-            _log.warning("retrying the look-up of %s in %.2f s (retry %d): %s", source.display_uri, delay,
-                         budget.retries, exc)  # fmt: skip
-            if on_retry is not None:
-                on_retry(RetryEvent(source.display_uri, budget.retries, delay, exc, 0, 0, 0))
-            _pause(policy, delay, source.display_uri)
+    found: tuple[ObjectInfo, bytes] = _looking_up(source, lambda: combined(length), policy, on_retry)
+    return found
 
 
 def stat_source(
@@ -284,11 +269,20 @@ def stat_source(
     (not found, denied) propagate at once. ``fresh`` bypasses the cached answer (``restat``): the end-of-load
     look-up that checks the object did not change, which a single 500 must not fail either.
     """
+    restat = getattr(source, "restat", None)
+    look = restat if fresh and restat is not None else source.stat
+    info: ObjectInfo = _looking_up(source, look, policy, on_retry)
+    return info
+
+
+def _looking_up(
+    source: Source, look: Callable[[], Any], policy: RetryPolicy, on_retry: RetryCallback | None
+) -> Any:
+    """``look()``, a look-up of ``source``, retried under ``policy`` while it fails transiently."""
     budget = _Budget(policy)
     while True:
         try:
-            restat = getattr(source, "restat", None)
-            return restat() if fresh and restat is not None else source.stat()
+            return look()
         except TransientSourceError as exc:
             delay = budget.delay_after(exc, progressed=False)
             if delay is None:
