@@ -26,7 +26,7 @@ from modelload.loader.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DeviceCopier", "Views"]
+__all__ = ["DeviceCopier", "Views", "as_tensor"]
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,14 @@ _HOST_REGISTER_PORTABLE = 1
 _HOST_REGISTER_READ_ONLY = 8
 _STAGING_BYTES = 64 << 20
 _NOT_WRITABLE = "The given buffer is not writable"
+
+
+def as_tensor(view: memoryview, dtype: DType, shape: tuple[int, ...]) -> torch.Tensor:
+    """A torch tensor over all of ``view``'s bytes, without a copy, with ``dtype`` and ``shape`` (one
+    :class:`Views` tensor; a read-only ``view`` gives a tensor that must not be written)."""
+    views = Views(view)
+    with views.quiet():
+        return views(0, dtype, shape, len(view))
 
 
 class Views:
