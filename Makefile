@@ -21,7 +21,8 @@ BENCH_STAMP := $(VENV)/.bench-installed
 all: test
 
 # Debian packages the tests and benchmarks use: nginx serves ranges over loopback, libsodium lets the real
-# tensorizer package (an interop peer) encrypt and decrypt. Debian's own python3 makes virtualenvs only with
+# tensorizer package (an interop peer) encrypt and decrypt, docker-registry is the CNCF distribution server
+# the oci:// tests and benchmarks push to and load from. Debian's own python3 makes virtualenvs only with
 # python3-venv (without it `python3 -m venv` leaves a .venv with no pip, which the next run would reuse).
 system:
 	@missing=""; \
@@ -30,6 +31,7 @@ system:
 	fi; \
 	command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || missing="$$missing nginx-light"; \
 	ldconfig -p 2>/dev/null | grep -q libsodium.so.23 || missing="$$missing libsodium23"; \
+	command -v docker-registry >/dev/null 2>&1 || missing="$$missing docker-registry"; \
 	if [ -n "$$missing" ]; then \
 		if [ "$$(id -u)" = 0 ]; then \
 			echo "installing$$missing"; \
@@ -112,6 +114,7 @@ bench: venv $(BENCH_STAMP) $(S3RVER) $(AZURITE)
 	$(BIN)/python benchmarks/cloud_origins.py
 	$(BIN)/python benchmarks/memory_modes.py
 	$(BIN)/python benchmarks/peer_fleet.py --out docs/peer-fleet.json
+	$(BIN)/python benchmarks/registry.py
 bench: bench-vllm
 
 # vLLM's first token through modelload against vLLM's own safetensors and tensorizer loaders.

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import os
 import threading
-import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from tests.conftest import require
 from tests.sidecar import models
 from tests.support import hfdir
 from tests.support.nginx import NginxServer, find_nginx
+from tests.support.waiting import wait_for
 
 CHUNK = 256 << 10
 SHARDS = 24
@@ -126,11 +128,13 @@ def logged_nginx(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Ngi
         server.stop()
 
 
-def requests_answered(log: Path, since: int) -> tuple[list[str], int]:
-    """The log's lines after its first ``since`` bytes, and how many of them answered 404."""
+def requests_answered(log: Path, since: int, marker: str) -> tuple[list[str], int]:
+    """The log's lines after its first ``since`` bytes and before the line of ``marker``, and how many of
+    them answered 404."""
     with log.open("rb") as text:
         text.seek(since)
         lines = text.read().decode(errors="replace").splitlines()
+    lines = lines[: next(i for i, line in enumerate(lines) if marker in line)]
     return lines, sum(1 for line in lines if '" 404 ' in line)
 
 
@@ -143,8 +147,12 @@ def test_an_http_directory_of_thousands_of_tensors_loads_byte_exact_with_a_bound
     before = log.stat().st_size if log.exists() else 0
     load(server.url("moe/"), shm_dir / "moe.seg", readers=4)
     models.assert_segment_matches(shm_dir / "moe.seg", weights)
-    time.sleep(0.2)  # nginx writes its log line as each response ends; the last one may trail the load
-    lines, probes = requests_answered(log, before)
+    # nginx writes a request's log line as its response ends, which may trail the load: one more request,
+    # after the load, marks where the load's lines end.
+    with pytest.raises(urllib.error.HTTPError):
+        urllib.request.urlopen(server.url("moe/end-of-load"), timeout=10)
+    wait_for(lambda: b"end-of-load" in log.read_bytes(), timeout=30, what="nginx's log line of the marker")
+    lines, probes = requests_answered(log, before, "end-of-load")
     # An HTTP directory has no listing: each well-known small-file name it may hold is probed once, and
     # the absent ones answer 404 (a fixed cost, whatever the model); every other request counts.
     assert probes <= len(hfdir.SMALL_FILES) + 13
@@ -200,9 +208,7 @@ def test_ring_mode_loads_thousands_of_tensors_byte_exact_within_the_ring(
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 60
-    while not segment.exists() and time.monotonic() < deadline:
-        time.sleep(0.005)
+    wait_for(segment.exists, timeout=60, what="the ring segment created")
     held: list[int] = []
     copies: dict[str, bytes] = {}
     with attach(segment, timeout=30, notify=False) as model:

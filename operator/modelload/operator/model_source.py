@@ -22,7 +22,10 @@ from typing import Any, Literal
 from modelload.loader.errors import ConfigError
 from modelload.loader.formats import ModelIndex
 from modelload.loader.segment import ALIGNMENT, TensorSpec, plan_layout
+from modelload.loader.segment.layout import align
+from modelload.operator import hubs
 from modelload.operator.cloud_sources import GcsKey
+from modelload.operator.hubs import HubAccess
 from modelload.operator.schema import ModelLoadSpec
 from modelload.sidecar.sources import AzureCredentials, RequestHeaders, S3Credentials, parse_headers
 
@@ -62,16 +65,18 @@ def read_summary(
     credentials: S3Credentials | None,
     headers: RequestHeaders | None = None,
     cloud: GcsKey | AzureCredentials | None = None,
+    access: HubAccess | None = None,
 ) -> ModelSummary:
     """Read the model's index at ``spec.source`` and summarise it, with the S3 ``credentials`` or the HTTP
-    ``headers`` (a private server's token) from the ModelLoad's Secret.
+    ``headers`` (a private server's token) from the ModelLoad's Secret, or the Hub's token and the registry's
+    credentials (``access``, see :mod:`.hubs`).
 
     Raises the loader's error tree: ConfigError (a bad URI or setting), the SourceError branches (not found,
     access denied, transient), FormatError (not a model file, or a corrupt one).
     """
     from modelload.sidecar.sources import open_model
 
-    settings = _source_settings(spec, credentials, headers, cloud)
+    settings = _source_settings(spec, credentials, headers, cloud, access)
     model = open_model(spec.source, settings, format=_format_name(spec.format), files=spec.files)
     try:
         index = model.index
@@ -92,7 +97,7 @@ def read_summary(
 
 def _small_files_bound(small: dict[str, int]) -> int:
     """The volume's pages the model directory takes: each file rounded up to a page, and the directory."""
-    return sum(-(-size // ALIGNMENT) * ALIGNMENT for size in small.values()) + ALIGNMENT * (1 + bool(small))
+    return sum(align(size) for size in small.values()) + ALIGNMENT * (1 + bool(small))
 
 
 def check_priority(index: ModelIndex, priority: list[str]) -> None:
@@ -115,10 +120,17 @@ def segment_bound(index: ModelIndex, *, source: str) -> int:
     several = bool(index.files)
     specs = [TensorSpec(t.name, t.dtype, t.shape, file=t.file if several else None) for t in index.tensors]
     # The manifest's metadata as the sidecar writes it, with room for the values known only then.
-    room_for = {"source_etag": 80, "source_size": 20, "notify": 200, "writer": 64, "model_dir": 4096}
+    room_for = {
+        "source_etag": 80,
+        "source_size": 20,
+        "source_version": 80,
+        "notify": 200,
+        "writer": 64,
+        "model_dir": 4096,
+    }
     metadata = {"format": index.format, "source": source, **{k: "x" * n for k, n in room_for.items()}}
     planned = plan_layout(specs, metadata=metadata, files=index.files).segment_length
-    room = sum(-(-(t.data_offset - t.record_offset) // ALIGNMENT) * ALIGNMENT for t in index.tensors)
+    room = sum(align(t.header_length) for t in index.tensors)
     return planned + room + ALIGNMENT * len(index.tensors)
 
 
@@ -133,6 +145,7 @@ def _source_settings(
     credentials: S3Credentials | None,
     headers: RequestHeaders | None,
     cloud: GcsKey | AzureCredentials | None = None,
+    access: HubAccess | None = None,
 ) -> Any:
     from modelload.sidecar.sources import (
         AzureSettings,
@@ -164,5 +177,10 @@ def _source_settings(
         credentials=cloud if isinstance(cloud, AzureCredentials) else None,
     )
     return SourceSettings(
-        http=HttpSettings(headers=headers), s3=s3_settings, retry=retry, gcs=gcs, azure=azure
+        http=HttpSettings(headers=headers),
+        s3=s3_settings,
+        retry=retry,
+        gcs=gcs,
+        azure=azure,
+        **hubs.source_settings(spec, access),
     )

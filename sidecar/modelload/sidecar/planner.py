@@ -4,7 +4,8 @@ A plan is pure arithmetic over the index; nothing is read or allocated here. Its
 
 - the segment :class:`~modelload.loader.segment.Layout`, in file order, each slot with a *lead*: room in the
   padding before the slot for the tensor's record header (tensorizer), so one range request lands the
-  header and the start of the data contiguously, with no copy;
+  header and the start of the data contiguously, with no copy (:meth:`LoadPlan.record` says where each
+  record lies: :mod:`modelload.loader.segment.geometry`);
 - the :class:`Chunk` list in load order: the range requests. A chunk covers neighbouring tensors of one
   weight file, up to ``chunk_size`` bytes, so a checkpoint of 100,000 small tensors (a mixture of experts)
   costs about as many requests as its bytes in big tensors would; a tensor larger than a chunk is cut into
@@ -28,7 +29,8 @@ import numpy.typing as npt
 
 from modelload.loader.errors import ConfigError
 from modelload.loader.formats import ModelIndex
-from modelload.loader.segment import Layout, TensorSpecs, plan_layout
+from modelload.loader.segment import ALIGNMENT, Layout, TensorSpecs, plan_layout
+from modelload.loader.segment.geometry import Record, place
 
 __all__ = ["Chunk", "LoadPlan", "Pieces", "load_order", "plan_load"]
 
@@ -54,6 +56,12 @@ class Chunk:
     count: int
     dst_offset: int
     tensor: int
+
+    @property
+    def header_bytes(self) -> int:
+        """Bytes of record header among this chunk's bytes (tensorizer: one header before each tensor's data
+        it starts), else 0."""
+        return self.length - self.data_bytes
 
     @property
     def pieces(self) -> range:
@@ -102,11 +110,9 @@ class LoadPlan:
             grouped[tensor].append(self.chunks[chunk])
         return tuple(tuple(group) for group in grouped)
 
-    def header_span(self, tensor: int) -> tuple[int, int]:
-        """``(segment offset, length)`` of the tensor's record header once fetched; length 0: none."""
-        entry = self.index.tensors[tensor]
-        length = entry.data_offset - entry.record_offset
-        return self.layout.slots[tensor].offset - length, length
+    def record(self, tensor: int) -> Record:
+        """Where tensor ``tensor``'s record lies in the segment: its header in the lead, then the slot."""
+        return place(self.layout.slots[tensor], self.index.tensors[tensor])
 
     def tensors_of(self, chunk: Chunk) -> npt.NDArray[np.int32]:
         """The tensors ``chunk`` lands bytes of, in source order."""
@@ -175,8 +181,10 @@ def plan_load(
     priority: Sequence[str] = (),
     metadata: Mapping[str, str] | None = None,
     span_limit: int | None = None,
+    page_size: int = ALIGNMENT,
 ) -> LoadPlan:
-    """Plan the segment and the range requests for loading ``index``'s model.
+    """Plan the segment and the range requests for loading ``index``'s model, for a volume of
+    ``page_size``-byte pages (``modelload.loader.segment.pages``).
 
     A chunk holds whole tensors that are neighbours in their file and in load order, as long as it stays
     within ``chunk_size`` bytes of the file and, when given, ``span_limit`` bytes of the segment (its slots
@@ -185,7 +193,10 @@ def plan_load(
     if chunk_size < 4096:
         raise ConfigError(f"chunk size must be at least 4096 bytes, got {chunk_size}")
     layout = plan_layout(
-        _specs(index), metadata={"format": index.format, **(metadata or {})}, files=index.files
+        _specs(index),
+        metadata={"format": index.format, **(metadata or {})},
+        files=index.files,
+        page_size=page_size,
     )
     order = np.asarray(load_order(index, priority), dtype=np.int32)
     span = _UNLIMITED if span_limit is None else span_limit
@@ -202,7 +213,7 @@ def _specs(index: ModelIndex) -> TensorSpecs:
         names=[t.name for t in tensors],
         dtypes=[t.dtype for t in tensors],
         shapes=[t.shape for t in tensors],
-        leads=[t.data_offset - t.record_offset for t in tensors],
+        leads=[t.header_length for t in tensors],
         files=[t.file for t in tensors] if index.files else [None] * len(tensors),
         sha256=[None] * len(tensors),
     )

@@ -31,9 +31,10 @@ import numpy as np
 
 from modelload.loader.errors import WrongKeyError
 from modelload.loader.formats._index import TensorEntry
-from modelload.loader.formats.tensorizer.hashes import crc32
+from modelload.loader.formats.tensorizer.hashes import crc32 as crc32_of
 from modelload.loader.formats.tensorizer.keys import DecryptionKey
 from modelload.loader.formats.tensorizer.record import KeyState, open_record
+from modelload.loader.segment.geometry import place
 from modelload.loader.segment.layout import MemoryMode
 from modelload.loader.segment.writer import SegmentWriter
 
@@ -67,15 +68,24 @@ class TensorFinisher:
         header: bytes | bytearray | memoryview | None,
         source: str,
         check: Callable[[bool], None] | None = None,
+        crc32: int | None = None,
     ) -> bool:
         """Finish slot ``tensor``, whose ``entry.data_length`` bytes are landed at its start.
 
         ``header`` is a tensorizer record's header bytes (None for a format without one: nothing to
         decrypt or verify); ``check(verified)`` runs last before publishing and may raise to refuse. True
         when the tensor is READY, False when held (its verdict waits for another encrypted tensor).
+
+        ``crc32`` is the CRC-32 of the slot's bytes when the caller computed it already (the peers' check
+        does): recorded as is, instead of a second pass over the bytes. Only for a tensor this method leaves
+        as landed: one without a record header (nothing to decrypt) and no zeros to write.
         """
         headers = None if header is None else [header]
-        return bool(self.finish_many([tensor], entries=[entry], headers=headers, source=source, check=check))
+        crcs = None if crc32 is None else [crc32]
+        done = self.finish_many(
+            [tensor], entries=[entry], headers=headers, source=source, check=check, crcs=crcs
+        )
+        return bool(done)
 
     def finish_many(
         self,
@@ -85,22 +95,32 @@ class TensorFinisher:
         headers: Sequence[bytes | bytearray | memoryview] | None,
         source: str,
         check: Callable[[bool], None] | None = None,
+        crcs: Sequence[int | None] | None = None,
     ) -> list[int]:
         """:meth:`finish` for tensors landed together (the tensors of one range, of one weight file
         ``source``), published together: steps 1-5 per tensor, then one :meth:`SegmentWriter.mark_ready_many`.
 
-        ``headers`` pairs with ``tensors`` (None: a format without record headers). ``check(verified)`` runs
-        once, before anything is published, with whether every one of them was verified by its stored
-        hash. Returns the tensors published (in order): all of them, less any held for a key verdict.
+        ``headers`` and ``crcs`` pair with ``tensors`` (None: a format without record headers; CRCs to take
+        here, all of them or those given as None). ``check(verified)`` runs once, before anything is
+        published, with whether every one of them was verified by its stored hash. Returns the tensors
+        published (in order): all of them, less any held for a key verdict.
         """
         writer = self.writer
+        slots = writer.layout.slots
+        if crcs is not None and any(
+            crc is not None and (headers is not None or e.data_length != slots[t].nbytes)
+            for t, e, crc in zip(tensors, entries, crcs, strict=True)
+        ):
+            raise ValueError("CRC-32s given for tensors whose bytes this finish changes")
         published: list[int] = []
         verified: list[bool] = []
         decrypted: list[bool] = []
+        given: list[int | None] = []
         for number, (tensor, entry) in enumerate(zip(tensors, entries, strict=True)):
-            if self._ring and writer.layout.slots[tensor].nbytes > entry.data_length:
-                zeros = np.frombuffer(writer.slot(tensor), dtype=np.uint8)
-                zeros[entry.data_length :] = 0
+            unlanded = place(slots[tensor], entry).unlanded
+            if self._ring and unlanded[1] > 0:
+                zeros = np.frombuffer(writer.region(*unlanded), dtype=np.uint8)
+                zeros[:] = 0
                 del zeros  # no export of the mapping left behind
             checked = opened = False
             if headers is not None:
@@ -124,11 +144,17 @@ class TensorFinisher:
             published.append(tensor)
             verified.append(checked)
             decrypted.append(opened)
+            if crcs is not None:
+                given.append(crcs[number])
         if check is not None and published:
             check(all(verified))
         # The CRC-32 of the bytes as they lie in the segment: what `inspect --verify` checks later.
-        crcs = list(map(crc32, writer.slots(published)))
-        writer.mark_ready_many(published, crc32=crcs, verified=verified, decrypted=decrypted)
+        if crcs is None:
+            recorded = list(map(crc32_of, writer.slots(published)))
+        else:
+            pairs = zip(published, given, strict=True)
+            recorded = [crc32_of(writer.slot(tensor)) if crc is None else crc for tensor, crc in pairs]
+        writer.mark_ready_many(published, crc32=recorded, verified=verified, decrypted=decrypted)
         return published
 
     def settle(self) -> None:

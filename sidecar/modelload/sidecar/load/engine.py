@@ -11,8 +11,9 @@ One run is one load:
 3. read each weight file's index with one small range, plan the segment (a slot per tensor, across files)
    and the range chunks, publish the segment's header and manifest at once (an app can attach now);
 4. N reader threads take chunks in load order and land them straight in the segment: ``os.splice`` from the
-   socket or file into the segment's file where the source supports it (no user-space copy, no page faults
-   in this process), ``readinto`` a slice of the mapping otherwise;
+   socket or file into the segment's file on 4 KiB pages where the source supports it (no user-space copy,
+   no page faults in this process), ``readinto`` a slice of the mapping on huge pages and otherwise
+   (:mod:`modelload.sidecar.load.landing` chooses);
 5. the thread that lands a tensor's last chunk decrypts it in place, checks its hash when asked, and
    publishes it READY;
 6. every tensor in, and the weight files still the ones the load started with (a fresh look-up of their
@@ -32,10 +33,11 @@ import json
 import logging
 import threading
 import time
-from dataclasses import replace
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -59,6 +61,8 @@ from modelload.loader.segment import (
 )
 from modelload.loader.segment.collector import paused_collector
 from modelload.sidecar.load import integrity, proof
+from modelload.sidecar.load.digests import FileDigests
+from modelload.sidecar.load.landing import choose_landing
 from modelload.sidecar.load.meter import ChunkMeter
 from modelload.sidecar.load.modeldir import write_model_dir
 from modelload.sidecar.load.settings import LoadSettings
@@ -68,6 +72,7 @@ from modelload.sidecar.progress import LoadObserver
 from modelload.sidecar.sources import (
     OpenedModel,
     RetryEvent,
+    RetryPolicy,
     Source,
     SourceSettings,
     display_url,
@@ -91,15 +96,37 @@ class LoadStopped(ModelloadError):
 
 
 class PeerHook(Protocol):
-    """Other sidecars as sources (``modelload.sidecar.peers.hook.Peers``): ``begin`` may wrap
-    ``model.sources`` and reorder the plan; ``finish`` checks a tensor before it is published and returns a
-    CRC-32 to record."""
+    """Other sidecars as sources (``modelload.sidecar.peers.hook.Peers``): everything the engine asks of
+    them."""
+
+    @property
+    def verified_by_peers(self) -> Collection[int]:
+        """Tensors whose bytes came from peers and matched the CRC-32 the peers listed for them: checked
+        already, so neither re-sampled from the origin before publishing nor at the end of the load."""
 
     def begin(
-        self, *, model: OpenedModel, plan: LoadPlan, writer: Any, segment: Path, share: bool = True
-    ) -> LoadPlan: ...
+        self, *, model: OpenedModel, plan: LoadPlan, writer: SegmentWriter, segment: Path, share: bool = True
+    ) -> LoadPlan:
+        """Once the segment exists: may wrap ``model.sources`` to ask peers first, and returns the plan to
+        load (the same chunks, perhaps reordered). ``share`` false: this load will not keep its tensors."""
 
-    def finish(self, tensor: int) -> int | None: ...
+    def finish(self, tensor: int) -> int | None:
+        """Check tensor ``tensor``, whose bytes are all in, before it is published (bytes from a peer that
+        fail are read again from the origin). Returns the CRC-32 of the tensor's slot when the check
+        computed exactly that (the engine records it instead of computing it again), else None."""
+
+
+@dataclass(frozen=True)
+class _LoadContext:
+    """What one load's readers share with the engine that runs them, handed over explicitly."""
+
+    settings: LoadSettings
+    observer: LoadObserver
+    stop: threading.Event
+    """Set by :meth:`Engine.stop`: the readers stop at their next chunk."""
+    retry: RetryPolicy
+    on_retry: Callable[[RetryEvent], None]
+    peers: PeerHook | None
 
 
 class Engine:
@@ -170,11 +197,13 @@ class Engine:
             return
         index = model.index
         key = self._key(index, uri)
+        landing = choose_landing(settings.landing, settings.segment, model.sources)
         proofs = _decide_proofs(model, settings, encrypted=index.encrypted)
         metadata = _metadata(uri, model.fingerprint, model.size, settings.notify, model_dir)
         proofs_text = json.dumps({p.uri: p.label for p in proofs}, sort_keys=True)
-        plan = self._plan(index, {**metadata, PROOFS_KEY: proofs_text})
-        use_fd = settings.splice and all(source.supports_fd for source in model.sources)
+        metadata = {**metadata, **_pinned_version(model), PROOFS_KEY: proofs_text}
+        plan = self._plan(index, metadata, page_size=landing.page_size)
+        use_fd = landing.through_fd
         # Through the file descriptor nothing writes a meta tensor's slot: reserve it before publishing.
         unlanded = integrity.unlanded_ranges(plan) if use_fd else []
         # A ring's pages are taken once, now, and reused lap after lap (a full volume fails here).
@@ -182,10 +211,17 @@ class Engine:
         self._writer = writer = SegmentWriter.create(
             settings.segment, plan.layout, reserve=ring, reserve_ranges=unlanded
         )
+        checking: list[FileDigests] = []  # set below, before any tensor is ready to release
         memory = None
         if settings.memory.mode != "full":
-            report = getattr(observer, "memory_changed", None)
-            memory = MemoryManager(settings.memory, writer=writer, plan=plan, stop=self._stop, report=report)
+            memory = MemoryManager(
+                settings.memory,
+                writer=writer,
+                plan=plan,
+                stop=self._stop,
+                report=observer.memory_changed,
+                hold=lambda: checking[0].releasable() if checking else None,
+            )
         observer.manifest_published(
             model_format=index.format, tensors=len(index), nbytes=index.nbytes, notify=settings.notify
         )
@@ -201,7 +237,14 @@ class Engine:
             # file descriptor a full volume is an ordinary ENOSPC, and reserving would cost a pass of zeroing
             # (0.15 s per 2 GiB here) for pages the data overwrites anyway.
             writer.reserve()
-        _Load(self, model, plan, writer, key, use_fd=use_fd, memory=memory, proofs=proofs).run()
+        digests = self._digests(model, plan, writer)  # on the plan the readers follow (peers reorder it)
+        checking.extend([digests] if digests is not None else [])
+        _Load(
+            self._context(), model, plan, writer, key, use_fd=use_fd, memory=memory, proofs=proofs,
+            digests=digests,
+        ).run()  # fmt: skip
+        if digests is not None and (digests.failure is not None or not self._stop.is_set()):
+            self._finish_digests(digests, proofs)
         if self._stop.is_set():
             raise LoadStopped("stopped before the load finished")
         integrity.check_unchanged(
@@ -212,16 +255,16 @@ class Engine:
             readers=settings.readers,
             on_retry=self._retried,
             sample=settings.memory.mode == "full",
-            skip=getattr(self._peers, "verified_by_peers", ()),
+            skip=self._peers.verified_by_peers if self._peers is not None else (),
             proven=[p.file for p in proofs if p.method != "samples"],
         )
         for each in proofs:
-            if each.method != "checksum":
+            if each.method in _UNPROVEN_STATE:
                 observer.file_proof(file=each.uri, proof=each.label, state=_UNPROVEN_STATE[each.method])
         writer.mark_complete()
         observer.load_finished(seconds=time.monotonic() - started, nbytes=index.nbytes)
 
-    def _plan(self, index: ModelIndex, metadata: dict[str, str]) -> LoadPlan:
+    def _plan(self, index: ModelIndex, metadata: dict[str, str], *, page_size: int) -> LoadPlan:
         """The segment's layout and the chunks: a few objects per tensor that live as long as the load, so
         the collector is held off while they are made (it would look at each of them again and again)."""
         settings = self.settings
@@ -232,8 +275,51 @@ class Engine:
                 priority=settings.priority,
                 metadata=metadata,
                 span_limit=settings.memory.ring_size or None,  # ring mode: a chunk always fits in the ring
+                page_size=page_size,
             )
             return plan_memory(plan, settings.memory)
+
+    def _context(self) -> _LoadContext:
+        return _LoadContext(
+            settings=self.settings,
+            observer=self._observer,
+            stop=self._stop,
+            retry=self._sources.retry,
+            on_retry=self._retried,
+            peers=self._peers,
+        )
+
+    def _finish_digests(self, digests: FileDigests, proofs: list[proof.FileProof]) -> None:
+        """Wait for every ``digest`` proof (raises the first mismatch) and say each file is proven."""
+        try:
+            digests.finish()
+        except BaseException:
+            for each in proofs:
+                if each.method == "digest":
+                    self._observer.file_proof(file=each.uri, proof=each.label, state="failed")
+            raise
+        for each in proofs:
+            if each.method == "digest":
+                each.state = "proven"
+                self._observer.file_proof(file=each.uri, proof=each.label, state="proven")
+
+    def _digests(self, model: OpenedModel, plan: LoadPlan, writer: SegmentWriter) -> FileDigests | None:
+        """The hashing of each weight file against its origin's digest (``hf://``, ``oci://``), started."""
+        settings = self.settings
+        if settings.memory.mode == "ring" and settings.priority:
+            log.warning(
+                "ring mode with a priority order: the origin's file digests are not checked (a whole-file "
+                "hash "
+                "follows file order, which the ring would have to hold back); drop --priority to check them"
+            )
+            return None
+        digests = FileDigests(
+            model, plan, writer, policy=self._sources.retry, stop=self._stop, on_retry=self._retried
+        )
+        if not digests.active:
+            return None
+        digests.start(threads=max(1, settings.readers // 4))
+        return digests
 
     def _fail(self, exc: BaseException) -> None:
         kind = error_kind(exc)
@@ -321,7 +407,7 @@ class _Load:
 
     def __init__(
         self,
-        engine: Engine,
+        context: _LoadContext,
         model: OpenedModel,
         plan: LoadPlan,
         writer: SegmentWriter,
@@ -330,16 +416,18 @@ class _Load:
         use_fd: bool,
         memory: MemoryManager | None = None,
         proofs: list[proof.FileProof] | None = None,
+        digests: FileDigests | None = None,
     ) -> None:
-        self.engine = engine
+        self.context = context
         self.memory = memory
+        self.digests = digests
         self.sources: list[Source] = model.sources
         self.model = model
         self.plan = plan
         self.writer = writer
-        self.settings = engine.settings
-        self.observer = engine._observer
-        self.stop = engine._stop
+        self.settings = context.settings
+        self.observer = context.observer
+        self.stop = context.stop
         self._lock = threading.Lock()
         self._remaining = plan.chunk_counts.copy()
         self._spread = _chunks_of_cut_tensors(plan)
@@ -351,13 +439,13 @@ class _Load:
         self._sampled = {p.file for p in proofs if p.method == "samples"}
         # A file proven by the store's checksum keeps its tensors back until it is proven (in memory modes
         # that can hold them, and unless the file's own hashes prove each tensor as it lands).
-        own_hashes = plan.index.format == "tensorizer" and engine.settings.verify
-        hold = engine.settings.memory.mode != "ring" and not own_hashes
+        own_hashes = plan.index.format == "tensorizer" and context.settings.verify
+        hold = context.settings.memory.mode != "ring" and not own_hashes
         self._held: dict[int, list[npt.NDArray[np.int32]]] = {
             p.file: [] for p in proofs if hold and self.prover.proves(p.file)
         }
         self.finisher = TensorFinisher(
-            writer, key=key, encrypted=plan.index.encrypted, verify=engine.settings.verify
+            writer, key=key, encrypted=plan.index.encrypted, verify=context.settings.verify
         )
         self._use_fd = use_fd
 
@@ -382,6 +470,8 @@ class _Load:
         with metered(meter):  # progress moves as bytes land, not only per chunk
             self._land(chunk)
         meter.finish()
+        if self.digests is not None:
+            self.digests.landed(seq)
         file_done = self.prover.landed(chunk, self.writer.region)
         tensors = self.plan.tensors_of(chunk)
         with self._lock:
@@ -397,9 +487,10 @@ class _Load:
 
     def _land(self, chunk: Chunk) -> None:
         """Through the file descriptor (``os.splice``: no copy through this process, no page faults in it)
-        where the source supports it and the chunk's pieces are big; through the mapping otherwise: a range
-        of a thousand small tensors lands with a few scattering reads (``preadv``, ``recvmsg_into``) rather
-        than two splices per tensor, its pages taken first (a full volume is then an error, not a SIGBUS)."""
+        where the landing goes that way and the chunk's pieces are big; through the mapping otherwise: a
+        range of a thousand small tensors lands with a few scattering reads (``preadv``, ``recvmsg_into``)
+        rather than two splices per tensor, its pages taken first (a full volume is then an error, not a
+        SIGBUS)."""
         if self._use_fd and chunk.length >= SPLICE_PIECE * chunk.count:
             self._land_fd(chunk)
             return
@@ -412,7 +503,7 @@ class _Load:
     def _prove(self, file: int) -> None:
         """Check a complete file against the store's checksum (once more, from the origin, when none of its
         tensors is out yet), then publish the tensors it held back."""
-        policy = self.engine._sources.retry
+        policy = self.context.retry
         each = self._proofs[file]
         try:
             self.prover.prove(file, self.writer.region, policy=policy)
@@ -444,51 +535,53 @@ class _Load:
             for at in chunk.pieces
             for target in self.writer.file_ranges(int(pieces.dst[at]), int(pieces.length[at]))
         ]
-        source, retry = self.sources[chunk.file], self.engine._sources.retry
+        source, context = self.sources[chunk.file], self.context
         if len(targets) == 1:
             file_offset, length = targets[0]
             read_range_into_fd(source, chunk.src_offset, length, self.writer.fileno(), file_offset,
-                               policy=retry, on_retry=self.engine._retried)  # fmt: skip
+                               policy=context.retry, on_retry=context.on_retry)  # fmt: skip
             return
-        read_range_pieces_into_fd(source, chunk.src_offset, self.writer.fileno(), targets, policy=retry,
-                                  on_retry=self.engine._retried)  # fmt: skip
+        read_range_pieces_into_fd(source, chunk.src_offset, self.writer.fileno(), targets,
+                                  policy=context.retry, on_retry=context.on_retry)  # fmt: skip
 
     def _land_view(self, chunk: Chunk) -> None:
-        source, retry = self.sources[chunk.file], self.engine._sources.retry
+        source, context = self.sources[chunk.file], self.context
         if chunk.count == 1:
             view = self.writer.region(chunk.dst_offset, chunk.length)
-            read_range(source, chunk.src_offset, view, policy=retry, on_retry=self.engine._retried)
+            read_range(source, chunk.src_offset, view, policy=context.retry, on_retry=context.on_retry)
             return
         pieces, span = self.plan.pieces, slice(chunk.first, chunk.first + chunk.count)
         views = self.writer.regions(pieces.dst[span].tolist(), pieces.length[span].tolist())
-        read_range_pieces(source, chunk.src_offset, views, policy=retry, on_retry=self.engine._retried)
+        read_range_pieces(source, chunk.src_offset, views, policy=context.retry, on_retry=context.on_retry)
 
     def _publish(self, tensors: npt.NDArray[np.int32], seq: int | None) -> None:
-        """Finish tensors whose bytes are all in (the ones chunk ``seq`` completed, or the empty ones), with
-        the shared :class:`TensorFinisher`, then tell."""
-        plan, peers = self.plan, self.engine._peers
+        """Finish tensors whose bytes are all in (the ones chunk ``seq`` completed, or the empty ones, or a
+        proven file's held ones), with the shared :class:`TensorFinisher`, then tell."""
+        plan, peers = self.plan, self.context.peers
         chosen = tensors.tolist()
-        if peers is not None:
-            for tensor in chosen:
-                peers.finish(tensor)  # bytes from a peer checked (and re-read from the origin if bad)
+        # Bytes from a peer are checked (and re-read from the origin if bad), which may give the CRC-32.
+        crcs = [peers.finish(tensor) for tensor in chosen] if peers is not None else None
         entries = list(map(plan.index.tensors.__getitem__, chosen))
         headers = None
         if plan.index.format == "tensorizer":  # the record's header landed in the slot's lead
-            headers = [self.writer.region(*plan.header_span(t)) for t in chosen]
-        from_peers = getattr(peers, "verified_by_peers", ())
+            headers = [self.writer.region(*plan.record(t).header_span) for t in chosen]
+            crcs = None  # finishing a record may change its slot's bytes (decryption)
+        from_peers = peers.verified_by_peers if peers is not None else ()
 
         def check(verified: bool) -> None:
             if verified or seq is None or (from_peers and all(t in from_peers for t in chosen)):
                 return
             spread = [c for t in chosen for c in self._spread.get(t, ())]
             chunks = [plan.chunks[c] for c in sorted({seq, *spread}) if plan.chunks[c].file in self._sampled]
-            retry = self.engine._sources.retry
+            context = self.context
             integrity.check_chunks(
-                self.model, plan, self.writer, chunks, policy=retry, on_retry=self.engine._retried
+                self.model, plan, self.writer, chunks, policy=context.retry, on_retry=context.on_retry
             )
 
         uri = self.model.display(entries[0].file)
-        done = self.finisher.finish_many(chosen, entries=entries, headers=headers, source=uri, check=check)
+        done = self.finisher.finish_many(
+            chosen, entries=entries, headers=headers, source=uri, check=check, crcs=crcs
+        )
         if done:
             slots = plan.layout.slots
             self.observer.tensors_published(
@@ -551,6 +644,19 @@ def _metadata(
     if model_dir is not None:
         meta[MODEL_DIR_KEY] = str(model_dir)
     return meta
+
+
+def _pinned_version(model: OpenedModel) -> dict[str, str]:
+    """``source_version``: the one version every weight file was listed at (a Hub commit, an OCI manifest
+    digest), when the origin pins one: what the segment was loaded from, whatever the branch or tag says
+    now."""
+    if model.directory is None:
+        return {}
+    versions = {
+        model.directory.files[name].version for name in model.weights if name in model.directory.files
+    }
+    version = versions.pop() if len(versions) == 1 else None
+    return {"source_version": version} if version else {}
 
 
 def error_kind(exc: BaseException) -> str:

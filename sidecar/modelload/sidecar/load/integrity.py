@@ -77,12 +77,12 @@ def validator_strength(info: ObjectInfo) -> str:
 def unlanded_ranges(plan: LoadPlan) -> list[tuple[int, int]]:
     """``(offset, length)`` of the slot bytes no chunk writes (a meta tensor's zeros): reserved up front,
     since a reader faulting them in on a full volume would die of SIGBUS."""
-    ranges = []
-    for entry, slot in zip(plan.index.tensors, plan.layout.slots, strict=True):
-        missing = slot.nbytes - entry.data_length
-        if missing > 0:
-            ranges.append((slot.offset + entry.data_length, missing))
-    return ranges
+    short = (
+        tensor
+        for tensor, (entry, slot) in enumerate(zip(plan.index.tensors, plan.layout.slots, strict=True))
+        if slot.nbytes > entry.data_length
+    )
+    return [plan.record(tensor).unlanded for tensor in short]
 
 
 @dataclass(frozen=True)

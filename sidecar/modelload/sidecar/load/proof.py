@@ -14,6 +14,10 @@
     that kept the validator; what a load without a checksum has always had.
 ``validator``
     no checksum, and no samples needed: the origin's ETag follows the content (S3).
+``digest``
+    the origin names the file by a digest it publishes (the Hugging Face Hub's SHA-256 of an LFS file, an
+    OCI blob's digest; :func:`~modelload.sidecar.sources.checksum_of`): :mod:`.digests` hashes the landed
+    bytes in file order as they arrive, in every memory mode, and the load is not COMPLETE before they match.
 
 Bytes a file's checksum does not cover as chunks (a tensorizer file's metadata and padding, a safetensors
 header) are read from the origin, pinned to the same version, when the file is proven. A file whose bytes
@@ -38,6 +42,7 @@ from modelload.sidecar.sources import (
     RetryPolicy,
     Source,
     StoreChecksum,
+    checksum_of,
     crc,
     crc_available,
     crc_combine,
@@ -61,7 +66,7 @@ class FileProof:
     file: int
     uri: str
     method: str
-    """``checksum``, ``samples`` or ``validator`` (see the module's docstring)."""
+    """``checksum``, ``samples``, ``validator`` or ``digest`` (see the module's docstring)."""
     checksum: StoreChecksum | None = None
     state: str = "pending"
     """``pending``, ``proven`` (checksum matched), ``sampled`` (samples compared), ``failed``."""
@@ -71,6 +76,10 @@ class FileProof:
         """What the segment's metadata and ``/status`` record for the file."""
         if self.checksum is not None:
             return f"{self.checksum.describe()} (the store's)"
+        if self.method == "digest":
+            return (
+                "the digest the origin publishes (a Hub file's SHA-256, an OCI blob's), over the landed bytes"
+            )
         if self.method == "samples":
             return "no checksum kept by the store: sampled bytes re-read at the end of the load"
         return "no checksum kept by the store: its version (ETag or generation) pinned on every range"
@@ -84,7 +93,9 @@ def decide(
     proofs = []
     for file, info in enumerate(model.infos):
         checksum = _best(info.checksums, streamed_ok=memory_mode == "full" and not encrypted)
-        if checksum is not None:
+        if checksum_of(model.sources[file]) is not None and not encrypted:
+            method, checksum = "digest", None
+        elif checksum is not None:
             method = "checksum"
         else:
             method = "samples" if needs_samples(file) else "validator"

@@ -41,6 +41,7 @@ import numpy as np
 from modelload.loader.errors import ConfigError, MemoryWaitError
 from modelload.loader.segment import ALIGNMENT, MemoryMode, SegmentWriter, TensorState
 from modelload.loader.segment.consumers import ConsumerEntry, ConsumerTable
+from modelload.loader.segment.geometry import Ring
 from modelload.loader.segment.layout import align
 from modelload.loader.segment.release import Releaser, punch_hole, resident_bytes
 from modelload.sidecar.memory.ring import RingSpace
@@ -59,25 +60,14 @@ STATUS_INTERVAL = 1.0
 """Seconds between status reports while nothing changes (so a wait's duration shows as it grows)."""
 
 
-def ring_span(plan: LoadPlan, tensor: int) -> tuple[int, int]:
-    """``(segment offset, length)`` of what tensor ``tensor`` takes in a ring: its record header (in the
-    padding before the slot) and its whole slot, zeros a meta tensor's file lacks included."""
-    slot = plan.layout.slots[tensor]
-    start = min(plan.header_span(tensor)[0], slot.offset)
-    return start, slot.offset + slot.nbytes - start
-
-
 def plan_memory(plan: LoadPlan, settings: MemorySettings) -> LoadPlan:
     """Mark ``plan``'s segment with the memory mode, and refuse a ring too small for a tensor."""
     if settings.mode == "full":
         return plan
     ring_size = 0
     if settings.mode == "ring":
-        data_offset = plan.layout.data_offset
-        needs = [
-            offset + length - max(offset, data_offset)  # the first header sits before the ring
-            for offset, length in (ring_span(plan, i) for i in range(len(plan.layout.slots)))
-        ]
+        ring = Ring(plan.layout.data_offset, settings.ring_size)
+        needs = [ring.taken(*plan.record(i).footprint) for i in range(len(plan.layout.slots))]
         largest = max(range(len(needs)), key=needs.__getitem__, default=None)
         if largest is not None and needs[largest] > settings.ring_size:
             need = needs[largest]
@@ -87,8 +77,10 @@ def plan_memory(plan: LoadPlan, settings: MemorySettings) -> LoadPlan:
                 f"ring size of {settings.ring_size} bytes: set --ring-size (ModelLoad spec.memory.ringSize) "
                 f"to at least {-(-need // 2**20)}MiB"
             )
-        # A ring larger than the model's data would only hold pages nothing uses.
-        ring_size = min(align(settings.ring_size), max(align(plan.layout.data_length), ALIGNMENT))
+        # A ring larger than the model's data would only hold pages nothing uses. Whole pages of the volume:
+        # on huge pages the ring is mapped twice at page boundaries (segment/_ring.py).
+        page = plan.layout.page_size
+        ring_size = min(align(settings.ring_size, page), max(align(plan.layout.data_length, page), page))
     layout = replace(plan.layout, memory_mode=settings.layout_mode, ring_size=ring_size)
     return replace(plan, layout=layout)
 
@@ -109,8 +101,11 @@ class MemoryManager:
         plan: LoadPlan,
         stop: threading.Event,
         report: Callable[[dict[str, Any]], None] | None = None,
+        hold: Callable[[], np.ndarray | None] | None = None,
     ) -> None:
         self.settings = settings
+        self._hold = hold
+        """Per tensor, whether it may be released yet (the load's digest check has hashed its bytes)."""
         self.plan = plan
         self._stop = stop
         self._report = report
@@ -118,10 +113,10 @@ class MemoryManager:
         self._table = ConsumerTable.open(
             writer.path, load_id=writer.load_id, tensor_count=len(layout.slots), write=False
         )
-        leads = [plan.header_span(i)[1] for i in range(len(layout.slots))]
+        leads = [plan.record(i).header for i in range(len(layout.slots))]
         self._ring = layout.ring_size if layout.memory_mode == MemoryMode.RING else 0
         self._releaser = Releaser(writer.fileno(), layout, leads=leads, punch=not self._ring)
-        self._space = RingSpace(data_offset=layout.data_offset, size=self._ring or ALIGNMENT)
+        self._space = RingSpace(layout.ring or Ring(layout.data_offset, ALIGNMENT))
         self._cond = threading.Condition()
         self._next_grant = 0
         self._released = np.zeros(len(layout.slots), dtype=bool)
@@ -186,14 +181,14 @@ class MemoryManager:
         """``(tensor, segment offset, length)`` of the bytes each piece of ``chunk`` takes in the ring: its
         own, and for the piece that lands a tensor's last data byte, the rest of the slot too (a meta
         tensor's zeros, which the engine writes)."""
-        pieces, slots, tensors = self.plan.pieces, self.plan.layout.slots, self.plan.index.tensors
+        pieces = self.plan.pieces
         claims = []
         for at in chunk.pieces:
             tensor, offset = int(pieces.tensor[at]), int(pieces.dst[at])
             stop = offset + int(pieces.length[at])
-            slot = slots[tensor]
-            if stop >= slot.offset + tensors[tensor].data_length:
-                stop = max(stop, slot.offset + slot.nbytes)
+            record = self.plan.record(tensor)
+            if stop >= record.data_end:
+                stop = max(stop, record.end)
             claims.append((tensor, offset, stop - offset))
         return claims
 
@@ -253,7 +248,11 @@ class MemoryManager:
         for entry in live:
             bits = np.unpackbits(self._table.consumed_bits(entry.slot), bitorder="little", count=count)
             consumed &= bits.astype(bool)
-        todo = np.flatnonzero(consumed & ready & ~self._released)
+        releasable = consumed & ready & ~self._released
+        held = self._hold() if self._hold is not None else None
+        if held is not None:
+            releasable &= held
+        todo = np.flatnonzero(releasable)
         for index in todo:
             punched = self._releaser.release(int(index))
             self._released_bytes += punched if not self._ring else self.plan.layout.slots[index].nbytes

@@ -27,7 +27,9 @@ into :class:`RequestHeaders` for ``HttpSettings(headers=...)``, sent to the sour
 
 from __future__ import annotations
 
+from . import hub, oci
 from ._base import InterruptedReadError, ObjectInfo, Source, SourceBase, check_range
+from ._checksum import Checksum, checksum_of, new_hasher, verify_bytes
 from ._checksums import (
     COMPOSABLE,
     STREAMED,
@@ -39,7 +41,7 @@ from ._checksums import (
     new_hash,
 )
 from ._file import FileSource
-from ._headers import RequestHeaders, parse_headers, read_header_file
+from ._headers import RequestHeaders, parse_headers, read_header_file, read_token_file
 from ._http import HttpSource
 from ._listing import Directory, is_directory, list_directory
 from ._model import OpenedModel, fetch_small_file, open_model
@@ -66,10 +68,13 @@ from ._retry import (
 )
 from ._s3 import S3Location, S3Source, plan_s3_location
 from ._settings import (
+    DEFAULT_HUB_ENDPOINT,
     AzureCredentials,
     AzureSettings,
     GcsSettings,
     HttpSettings,
+    HubSettings,
+    RegistrySettings,
     RetryPolicy,
     S3Addressing,
     S3Credentials,
@@ -78,22 +83,28 @@ from ._settings import (
 )
 from ._splice import metered
 from ._store import ListedFile, Opener, Store, join_uri
+from .hub import parse_hub_uri
+from .oci import auths_from_docker_config, parse_oci_uri
 
 __all__ = [
     "AzureCredentials",
     "AzureSettings",
     "COMPOSABLE",
+    "Checksum",
+    "DEFAULT_HUB_ENDPOINT",
     "Directory",
     "FileSource",
     "GcsSettings",
     "HttpSettings",
     "HttpSource",
+    "HubSettings",
     "InterruptedReadError",
     "ListedFile",
     "ObjectInfo",
     "OpenedModel",
     "Opener",
     "ProxySettings",
+    "RegistrySettings",
     "RequestHeaders",
     "RetryCancelled",
     "RetryEvent",
@@ -110,22 +121,29 @@ __all__ = [
     "SourceSettings",
     "Store",
     "StoreChecksum",
+    "auths_from_docker_config",
     "check_range",
     "check_scheme",
+    "checksum_of",
     "crc",
     "crc_available",
     "crc_combine",
     "crc_width",
     "display_url",
     "fetch_small_file",
+    "hub",
     "is_directory",
     "join_uri",
     "list_directory",
     "metered",
     "new_hash",
+    "new_hasher",
+    "oci",
     "open_model",
     "open_source",
     "parse_headers",
+    "parse_hub_uri",
+    "parse_oci_uri",
     "plan_s3_location",
     "proxy_from_environ",
     "read_header_file",
@@ -133,10 +151,12 @@ __all__ = [
     "read_range_into_fd",
     "read_range_pieces",
     "read_range_pieces_into_fd",
+    "read_token_file",
     "register_source",
     "register_store",
     "registered_schemes",
     "stat_source",
     "stat_with_prefix",
     "store_for",
+    "verify_bytes",
 ]

@@ -30,6 +30,7 @@ from modelload.loader.formats import (
 )
 
 from ._base import ObjectInfo, Source
+from ._checksum import checksum_of, verify_bytes
 from ._listing import Directory, is_directory, list_directory
 from ._registry import open_source, store_for
 from ._retry import RetryEvent, stat_with_prefix
@@ -62,6 +63,8 @@ class OpenedModel:
     """Small files already read while opening (the safetensors index), so they are not read again."""
     _indexes: list[ModelIndex] = field(default_factory=list)
     _index: ModelIndex | None = None
+    _kept: dict[int, list[tuple[int, bytes]]] = field(default_factory=dict)
+    """The bytes each weight file's index was read from, by file: what a digest check hashes for them."""
 
     @property
     def size(self) -> int:
@@ -97,6 +100,18 @@ class OpenedModel:
             self._indexes = []
         return self._index
 
+    def kept_bytes(self, file: int, offset: int, length: int) -> bytes | None:
+        """Bytes ``[offset, offset + length)`` of weight file ``file`` as its index read them, when it did."""
+        out = bytearray(length)
+        covered = 0  # bytes of [offset, offset + covered) assembled so far
+        for start, data in sorted(self._kept.get(file, ()), key=lambda read: read[0]):
+            at = offset + covered
+            if start <= at < start + len(data):
+                take = min(start + len(data), offset + length) - at
+                out[covered : covered + take] = data[at - start : at - start + take]
+                covered += take
+        return bytes(out) if covered == length else None
+
     def display(self, file: int) -> str:
         """The URI of weight file ``file``, for messages."""
         return self.sources[file].display_uri
@@ -123,12 +138,17 @@ def open_model(
         return _open_directory(uri, settings, format=format, files=files, on_retry=on_retry)
     source = open_source(uri, settings)
     try:
-        info, index = _stat_and_index(source, 0, format, settings, on_retry)
+        info, index, kept = _stat_and_index(source, 0, format, settings, on_retry)
     except BaseException:
         source.close()
         raise
     return OpenedModel(
-        uri=source.display_uri, sources=[source], infos=[info], format=format, _indexes=[index]
+        uri=source.display_uri,
+        sources=[source],
+        infos=[info],
+        format=format,
+        _indexes=[index],
+        _kept={0: kept},
     )
 
 
@@ -138,15 +158,19 @@ def _stat_and_index(
     format: Literal["auto", "tensorizer", "safetensors"],  # noqa: A002 - the CLI's word for it
     settings: SourceSettings,
     on_retry: Callable[[RetryEvent], None] | None,
-) -> tuple[ObjectInfo, ModelIndex]:
-    """Weight file ``file``'s size and validators, and its index, read from the bytes the same request
-    brought (a second read only for an index longer than :data:`PREFIX_LENGTH`)."""
+) -> tuple[ObjectInfo, ModelIndex, list[tuple[int, bytes]]]:
+    """Weight file ``file``'s size and validators, its index, read from the bytes the same request brought
+    (a second read only for an index longer than :data:`PREFIX_LENGTH`), and the index's bytes, kept: a
+    digest of the whole file hashes them, as they are not landed (:meth:`OpenedModel.kept_bytes`)."""
     info, head = stat_with_prefix(source, PREFIX_LENGTH, policy=settings.retry, on_retry=on_retry)
+    more: list[tuple[int, bytes]] = []
 
     def read(offset: int, length: int) -> bytes:
         if offset + length <= len(head) or len(head) >= info.size:
             return head[offset : offset + length]
-        return source.read_bytes(offset, min(length, info.size - offset))
+        data = source.read_bytes(offset, min(length, info.size - offset))
+        more.append((offset, data))
+        return data
 
     uri = source.display_uri
     index = read_index(read, format=format, source=uri, size=info.size, file=file)
@@ -155,7 +179,10 @@ def _stat_and_index(
             f"the index needs {index.data_end} bytes and the object has {info.size}: it is truncated",
             source=uri,
         )
-    return info, index
+    # Only the index's own bytes: the rest of the first read is landed as tensors (160 shards x 512 KiB
+    # kept whole would be 80 MiB held for the whole load).
+    kept = [(0, head[: index.index_length])] + [(o, d[: max(index.index_length - o, 0)]) for o, d in more]
+    return info, index, [(o, d) for o, d in kept if d]
 
 
 def _open_directory(
@@ -182,7 +209,7 @@ def _open_directory(
     check_small_files(small_sizes, where=where)
     sources: list[Source] = []
 
-    def stat(source: Source, file: int) -> tuple[ObjectInfo, ModelIndex]:
+    def stat(source: Source, file: int) -> tuple[ObjectInfo, ModelIndex, list[tuple[int, bytes]]]:
         return _stat_and_index(source, file, chosen.format, settings, on_retry)
 
     try:
@@ -197,14 +224,15 @@ def _open_directory(
     return OpenedModel(
         uri=directory.display,
         sources=sources,
-        infos=[info for info, _ in found],
+        infos=[info for info, _, _ in found],
         format=chosen.format,
         weights=chosen.weights,
         directory=directory,
         small=small_sizes,
         opener=opener,
         fetched={SAFETENSORS_INDEX: index_json} if index_json is not None else {},
-        _indexes=[index for _, index in found],
+        _indexes=[index for _, index, _ in found],
+        _kept={file: kept for file, (_, _, kept) in enumerate(found)},
     )
 
 
@@ -224,6 +252,9 @@ def fetch_small_file(
         # a larger one is refused before the rest of it is read).
         info, head = stat_with_prefix(source, SMALL_FILE_LIMIT, policy=settings.retry, on_retry=on_retry)
         check_small_files({name: info.size}, where=directory.display)
+        checksum = checksum_of(source)
+        if checksum is not None and checksum.covers_file(len(head)):
+            verify_bytes(head, checksum)  # the Hub's git blob id or SHA-256, a registry blob's digest
         return head
     finally:
         source.close()

@@ -1,7 +1,8 @@
 """Open a source from its URI: a registry of stores keyed by URI scheme.
 
 Built in: ``file://`` and plain paths, ``http://``, ``https://``, ``s3://``, ``gs://``, ``az://`` (and
-``gcs://``, ``abfs[s]://``, ``wasb[s]://``, refused with the URI they mean). A new origin registers a
+``gcs://``, ``abfs[s]://``, ``wasb[s]://``, refused with the URI they mean), ``hf://`` (the Hugging Face
+Hub, :mod:`.hub`), ``oci://`` (OCI registries, :mod:`.oci`). A new origin registers a
 :class:`~._store.Store`, which opens its files and lists its directories::
 
     register_store(GcsStore())          # serves every scheme in GcsStore.schemes
@@ -24,6 +25,8 @@ from ._gcs import GcsSpelling, GcsStore
 from ._settings import SourceSettings
 from ._store import Store
 from ._stores import FactoryStore, FileStore, HttpStore, S3Store
+from .hub import HubStore
+from .oci import OciStore
 
 __all__ = [
     "SourceFactory",
@@ -60,7 +63,17 @@ def register_source(scheme: str, factory: SourceFactory) -> None:
     register_store(FactoryStore(scheme, factory))
 
 
-for _store in (_FILES, HttpStore(), S3Store(), GcsStore(), GcsSpelling(), AzureStore(), OtherAzureSchemes()):
+for _store in (
+    _FILES,
+    HttpStore(),
+    S3Store(),
+    GcsStore(),
+    GcsSpelling(),
+    AzureStore(),
+    OtherAzureSchemes(),
+    HubStore(),
+    OciStore(),
+):
     register_store(_store)
 
 

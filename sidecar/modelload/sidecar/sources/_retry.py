@@ -16,7 +16,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from modelload.loader.errors import ModelloadError, TransientSourceError
 
@@ -30,6 +30,7 @@ __all__ = [
     "read_range_into_fd",
     "read_range_pieces",
     "read_range_pieces_into_fd",
+    "retrying",
     "stat_source",
     "stat_with_prefix",
 ]
@@ -68,6 +69,7 @@ class RetryEvent:
 
 
 RetryCallback = Callable[[RetryEvent], None]
+_T = TypeVar("_T")
 
 
 def read_range(
@@ -308,3 +310,21 @@ def _delay(policy: RetryPolicy, failures: int, retry_after: float | None) -> flo
     base = policy.backoff(failures)
     jittered = base * (1.0 - policy.jitter * random.random())
     return max(jittered, retry_after or 0.0)
+
+
+def retrying(call: Callable[[], _T], *, policy: RetryPolicy, what: str) -> _T:
+    """``call()``, retrying transient source errors under ``policy``: a listing, a manifest, a token. ``what``
+    names the request in the log line and in the error that gives up."""
+    budget = _Budget(policy)
+    while True:
+        try:
+            return call()
+        except TransientSourceError as exc:
+            delay = budget.delay_after(exc, progressed=False)
+            if delay is None:
+                raise InterruptedReadError(
+                    f"gave up on the {what} after {budget.why()} ({budget.retries} retries): {exc}",
+                    uri=exc.uri,
+                ) from exc
+            _log.warning("retrying the %s in %.2f s (retry %d): %s", what, delay, budget.retries, exc)
+            _pause(policy, delay, what)

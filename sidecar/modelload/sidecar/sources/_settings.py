@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -22,8 +23,11 @@ from ._proxy import ProxySettings
 __all__ = [
     "AzureCredentials",
     "AzureSettings",
+    "DEFAULT_HUB_ENDPOINT",
     "GcsSettings",
     "HttpSettings",
+    "HubSettings",
+    "RegistrySettings",
     "RetryPolicy",
     "S3Addressing",
     "S3Credentials",
@@ -206,6 +210,56 @@ class S3Settings:
         check_fields(self)
 
 
+DEFAULT_HUB_ENDPOINT = "https://huggingface.co"
+
+
+@dataclass(frozen=True)
+class HubSettings:
+    """How ``hf://`` sources reach the Hugging Face Hub (or a mirror of its API).
+
+    ``endpoint``: the Hub's base URL, ``https://huggingface.co`` by default; a mirror or a private Hub sets it
+    (the sidecar reads ``HF_ENDPOINT``, as the Hub's own client does).
+
+    ``token``: a user access token for private and gated repositories (``HF_TOKEN``, or the file a ModelLoad's
+    token Secret is mounted at). It is sent to ``endpoint``'s origin only: a download the Hub redirects to
+    its CDN or storage bridge is followed without it. Never shown by ``repr``.
+    """
+
+    endpoint: str = field(
+        default=DEFAULT_HUB_ENDPOINT,
+        metadata=rule(Prefixed(("http://", "https://"), "an http:// or https:// URL for the Hub")),
+    )
+    token: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.token is not None and (not self.token or any(c.isspace() for c in self.token)):
+            raise ConfigError(
+                "the Hugging Face token is empty or holds a space: give one token", setting="token"
+            )
+        check_fields(self)
+
+
+@dataclass(frozen=True)
+class RegistrySettings:
+    """How ``oci://`` sources reach OCI registries.
+
+    ``auths``: the ``auths`` section of a Docker config (``~/.docker/config.json``, or a
+    ``kubernetes.io/dockerconfigjson`` Secret, the one a pod's ``imagePullSecrets`` names): per registry host,
+    ``{"auth": base64("user:password")}`` or ``{"username", "password"}`` or ``{"identitytoken"}``. A
+    registry without an entry is pulled anonymously. Never shown by ``repr``.
+
+    ``plain_http``: registry hosts (``host`` or ``host:port``) reached over plain HTTP instead of HTTPS, for
+    an in-cluster registry without TLS; ``*`` means every registry. Credentials are still sent to them.
+    """
+
+    auths: Mapping[str, Mapping[str, str]] = field(default_factory=dict, repr=False)
+    plain_http: tuple[str, ...] = ()
+
+    def uses_plain_http(self, host: str) -> bool:
+        """Whether ``host`` (as written in the reference, with its port) is reached over plain HTTP."""
+        return "*" in self.plain_http or host.lower() in (h.lower() for h in self.plain_http)
+
+
 @dataclass(frozen=True)
 class GcsSettings:
     """Where and how to reach Google Cloud Storage (``gs://``).
@@ -292,3 +346,5 @@ class SourceSettings:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     gcs: GcsSettings = field(default_factory=GcsSettings)
     azure: AzureSettings = field(default_factory=AzureSettings)
+    hub: HubSettings = field(default_factory=HubSettings)
+    registry: RegistrySettings = field(default_factory=RegistrySettings)
