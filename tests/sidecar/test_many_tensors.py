@@ -221,3 +221,32 @@ def test_ring_mode_loads_thousands_of_tensors_byte_exact_within_the_ring(
     assert copies == {name: models.as_bytes(t) for name, t in weights.items()}
     control = 3 * 4096 + 4096 * -(-len(weights) * 32 // 4096) + 4096 * -(-(len(weights) * 150) // 4096)
     assert max(held) <= ring + control + 4096, "the volume never holds more than the ring and the tables"
+
+
+def test_a_hub_repository_of_thousands_of_tensors_is_proved_by_each_shards_digest(
+    weights: dict[str, torch.Tensor],
+    content: dict[str, bytes],
+    hub: Any,
+    shm_dir: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The digest of a shard is taken over the pieces of each chunk in file order: thousands of tensors in
+    a few hundred ranges prove every shard, and one flipped byte in one shard fails the load."""
+    import hashlib
+    import logging
+
+    from modelload.loader.errors import HashMismatchError
+    from modelload.sidecar.sources import HubSettings
+
+    sources = SourceSettings(http=FAST.http, retry=FAST.retry, hub=HubSettings(endpoint=hub.url))
+    hub.commit("org/moe", content)
+    caplog.set_level(logging.INFO)
+    load("hf://org/moe", shm_dir / "moe.seg", sources=sources, readers=4)
+    models.assert_segment_matches(shm_dir / "moe.seg", weights)
+    proved = [r.getMessage() for r in caplog.records if "matches its sha256 digest" in r.getMessage()]
+    assert len(proved) == sum(name.endswith(".safetensors") for name in content), proved
+
+    shard = next(name for name in content if name.endswith(".safetensors"))
+    hub.cdn.corrupt.add(hashlib.sha256(content[shard]).hexdigest())
+    with pytest.raises(HashMismatchError):
+        load("hf://org/moe", shm_dir / "bad.seg", sources=sources, readers=4)
