@@ -12,7 +12,9 @@ import hashlib
 import json
 from typing import Any
 
+import numpy as np
 import pytest
+from safetensors.numpy import save
 
 from modelload.loader.errors import SourceError
 from modelload.sidecar.sources import HubSettings, SourceSettings, list_directory, open_model
@@ -75,7 +77,7 @@ def test_listed_paths_outside_the_folder_or_the_model_directory_are_never_loaded
     """A mirror's listing of ``sub/`` that names files of other folders, ``..``, or names a model directory
     cannot hold: only ``sub``'s own plain files are taken (a path outside the folder was once listed under
     its last part, and read from the other folder)."""
-    weights = payload(2000, seed=4)
+    weights = save({"w": np.arange(500, dtype=np.float32)})  # real: opening a model reads its header
     sha = hub.commit(
         "org/model",
         {"sub/model.safetensors": weights, "sub/config.json": b"{}", "other/tokenizer.json": b'{"x": 1}'},
