@@ -171,6 +171,42 @@ def test_a_bit_flipped_every_time_is_never_published(store: Store, shm_dir: Path
         assert ready == ["empty"]
 
 
+@pytest.mark.parametrize("first_extra", [1000, -1000])
+def test_a_composite_checksum_whose_parts_do_not_add_up_to_the_object_is_refused_by_name(
+    moto_s3: MotoS3Server, aws_env: Any, shm_dir: Path, first_extra: int
+) -> None:
+    """An S3 endpoint (or a proxy before it) answering GetObjectAttributes with parts that do not add up to
+    the object: a first part longer than the object, with the whole object's CRC, ended the proof in a
+    ValueError (two lists of digests of different lengths); any such list now fails by name."""
+    import base64
+    import zlib
+
+    from modelload.loader.errors import SourceChangedError
+    from tests.support.fault_proxy import Respond
+
+    tensors = models.state_dict(layers=2, width=64, seed=8)
+    data = models.safetensors_bytes(tensors)
+    moto_s3.create_bucket("checksums")
+    moto_s3.client().put_object(Bucket="checksums", Key="parts.safetensors", Body=data)
+    whole = base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
+    parts = ((len(data) + first_extra, whole), (10, "AAAAAA=="))
+    listed = "".join(
+        f"<Part><PartNumber>{n}</PartNumber><Size>{size}</Size><ChecksumCRC32>{crc}</ChecksumCRC32></Part>"
+        for n, (size, crc) in enumerate(parts, 1)
+    )
+    attributes = (
+        '<GetObjectAttributesOutput xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><ObjectParts>'
+        f"<IsTruncated>false</IsTruncated><PartsCount>2</PartsCount>{listed}</ObjectParts>"
+        "</GetObjectAttributesOutput>"
+    ).encode()
+    head = (("x-amz-checksum-crc32", "AAAAAA==-2"), ("x-amz-checksum-type", "COMPOSITE"))
+    with FaultProxy(moto_s3.port) as proxy:
+        proxy.always(Respond(200, b"", head), method="HEAD")
+        proxy.always(Respond(200, attributes, (("Content-Type", "application/xml"),)), path="attributes")
+        with pytest.raises(SourceChangedError, match=r"parts .* add up to"):
+            load("s3://checksums/parts.safetensors", shm_dir / "m.seg", sources=_s3(moto_s3, proxy.endpoint))
+
+
 def test_a_tensorizer_file_publishes_as_it_lands_and_is_proven_at_its_end(
     fake_gcs: FakeGcs, cloud_env: None, shm_dir: Path
 ) -> None:

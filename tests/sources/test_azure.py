@@ -111,6 +111,33 @@ def test_a_sas_token_never_appears_in_a_message(azurite: Azurite, cloud_env: Non
     assert signature not in str(caught.value) and sas not in repr(given)
 
 
+def test_an_error_code_that_echoes_the_sas_never_carries_it_into_a_message(
+    azurite: Azurite, cloud_env: None
+) -> None:
+    """A proxy or gateway in front of the account may echo the request into its error: the code (header or
+    XML) is taken only when it is an error code's shape, and nothing else of the answer is shown."""
+    from urllib.parse import unquote
+
+    from tests.support.fault_proxy import FaultProxy, Respond
+
+    sas = azurite.sas(CONTAINER)
+    signature = unquote(dict(part.split("=", 1) for part in sas.split("&"))["sig"])
+    azurite.put(CONTAINER, "echoed.bin", payload(10, seed=6))
+    echo = f"AuthenticationFailed: sig={signature}"
+    body = f"<?xml version='1.0'?><Error><Code>{echo}</Code><Message>{sas}</Message></Error>".encode()
+    with FaultProxy(azurite.port) as proxy:
+        for headers in (
+            (("x-ms-error-code", echo),),
+            (("Content-Type", "application/xml"), ("x-ms-request-id", f"sig={signature}")),
+        ):
+            proxy.push(Respond(403, body, headers), method=None)
+            endpoint = f"{proxy.endpoint}/{azurite.account}"
+            given = settings(endpoint_url=endpoint, credentials=AzureCredentials(sas_token=sas))
+            with pytest.raises(SourceAccessDeniedError) as caught:
+                open_source(f"az://{azurite.account}/{CONTAINER}/echoed.bin", given).stat()
+            assert signature not in str(caught.value) and "sig=" not in str(caught.value)
+
+
 @pytest.mark.parametrize(
     ("uri", "form"),
     [

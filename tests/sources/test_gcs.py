@@ -110,6 +110,46 @@ def test_a_missing_bucket_and_a_missing_object_are_named(fake_gcs: Any, cloud_en
         open_source(f"gs://{BUCKET}/nothing.bin", settings(fake_gcs.endpoint, anonymous=True)).stat()
 
 
+@pytest.mark.parametrize(
+    "page",
+    [
+        [],
+        {"items": {"name": "x"}},
+        {"items": ["model.safetensors"]},
+        {"items": [{"name": "hostile/m.safetensors", "size": "12 bytes"}]},
+        {"items": [{"name": "hostile/m.safetensors", "size": -5}]},
+        {"items": [{"name": "hostile/m.safetensors", "size": "1"}], "nextPageToken": {"a": 1}},
+        [[[[[[[]]]]]]],
+    ],
+)
+def test_a_listing_page_that_is_not_what_gcs_answers_is_an_error_naming_the_listing(
+    fake_gcs: Any, cloud_env: None, page: Any
+) -> None:
+    """A store (or an endpoint posing as one) answering a listing of another shape, or a negative or
+    non-numeric size (which would count against the small files' limit), gets a SourceError, not an
+    AttributeError or ValueError out of the listing."""
+    from modelload.loader.errors import SourceError
+
+    fake_gcs.put(BUCKET, "hostile/m.safetensors", b"x")
+    with FaultProxy(fake_gcs.port) as proxy:
+        proxy.always(Respond(200, json.dumps(page).encode(), (("Content-Type", "application/json"),)))
+        with pytest.raises(SourceError, match=r"gs://gcs-sources/hostile/: the listing"):
+            list_directory(f"gs://{BUCKET}/hostile/", settings(proxy.endpoint, anonymous=True))
+
+
+@pytest.mark.parametrize("meta", [{"size": "-5", "generation": "1"}, {"size": "5"}, ["size"]])
+def test_object_metadata_without_a_size_and_generation_is_an_error(
+    fake_gcs: Any, cloud_env: None, meta: Any
+) -> None:
+    from modelload.loader.errors import SourceError
+
+    uri = fake_gcs.put(BUCKET, "hostile/meta.bin", b"x")
+    with FaultProxy(fake_gcs.port) as proxy:
+        proxy.always(Respond(200, json.dumps(meta).encode(), (("Content-Type", "application/json"),)))
+        with pytest.raises(SourceError, match=r"metadata has no size or generation"):
+            open_source(uri, settings(proxy.endpoint, anonymous=True)).stat()
+
+
 def test_throttling_is_retried(fake_gcs: Any, cloud_env: None) -> None:
     data = payload(4096, seed=4)
     uri = fake_gcs.put(BUCKET, "throttled.bin", data)

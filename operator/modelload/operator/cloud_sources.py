@@ -16,6 +16,12 @@ Without a Secret, each cloud's workload identity applies, in the sidecar as in t
 Identity (the pod's ServiceAccount annotated ``iam.gke.io/gcp-service-account``), Entra Workload ID (the
 ServiceAccount annotated ``azure.workload.identity/client-id`` and the pod labelled
 ``azure.workload.identity/use: "true"``). docs/operator.md shows both.
+
+The operator's own identity (its workload identity, or credentials in its environment) serves every
+namespace, so it goes only to the cloud's own endpoints (:func:`own_identity_reaches`): with a ModelLoad's
+``gcs.endpoint`` or ``azure.endpoint`` elsewhere, and no Secret, the operator reads anonymously, and a
+refusal says to give the read a Secret. Otherwise any ModelLoad's author could take the operator's token,
+account-key signature or SAS token to a server of their own.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 from modelload.operator.schema import CredentialsSecretRef, ModelLoadSpec
 from modelload.sidecar.sources import AzureCredentials
@@ -35,6 +42,7 @@ __all__ = [
     "cloud_env",
     "cloud_mounts",
     "cloud_volumes",
+    "own_identity_reaches",
     "read_cloud_credentials",
     "scheme_of",
 ]
@@ -65,6 +73,41 @@ class CloudSecretError(Exception):
 
 def scheme_of(source: str) -> str:
     return source.split("://", 1)[0].lower() if "://" in source else "file"
+
+
+GOOGLE_DOMAINS = (".googleapis.com",)
+"""Google's API hosts: storage.googleapis.com, regional and Private Service Connect endpoints
+(``storage-NAME.p.googleapis.com``)."""
+AZURE_BLOB_DOMAINS = (
+    ".blob.core.windows.net",
+    ".blob.core.usgovcloudapi.net",
+    ".blob.core.chinacloudapi.cn",
+    ".blob.storage.azure.net",
+)
+"""Azure's blob endpoints: the public, government and China clouds, and DNS-zone endpoints (a private
+endpoint keeps the account's public name)."""
+
+
+def endpoint_of(spec: ModelLoadSpec) -> str | None:
+    """The gs:// or az:// endpoint a ModelLoad names, or None (the cloud's own)."""
+    scheme = scheme_of(spec.source)
+    if scheme == "gs" and spec.gcs is not None:
+        return spec.gcs.endpoint or None
+    if scheme == "az" and spec.azure is not None:
+        return spec.azure.endpoint or None
+    return None
+
+
+def own_identity_reaches(spec: ModelLoadSpec) -> bool:
+    """Whether the operator may send its own identity where ``spec`` points: the cloud's own endpoint, or
+    one of its HTTPS hosts (see the module docstring)."""
+    endpoint = endpoint_of(spec)
+    if endpoint is None:
+        return True
+    parts = urlsplit(endpoint)
+    host = (parts.hostname or "").lower().rstrip(".")
+    domains = GOOGLE_DOMAINS if scheme_of(spec.source) == "gs" else AZURE_BLOB_DOMAINS
+    return parts.scheme == "https" and host.endswith(domains)
 
 
 def read_cloud_credentials(

@@ -19,12 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from modelload.loader.errors import ConfigError
+from modelload.loader.errors import ConfigError, SourceAccessDeniedError
 from modelload.loader.formats import ModelIndex
 from modelload.loader.segment import ALIGNMENT, TensorSpec, plan_layout
 from modelload.loader.segment.layout import align
 from modelload.operator import hubs
-from modelload.operator.cloud_sources import GcsKey
+from modelload.operator.cloud_sources import GcsKey, endpoint_of, own_identity_reaches
 from modelload.operator.hubs import HubAccess
 from modelload.operator.schema import ModelLoadSpec
 from modelload.sidecar.sources import AzureCredentials, RequestHeaders, S3Credentials, parse_headers
@@ -76,12 +76,23 @@ def read_summary(
     """
     from modelload.sidecar.sources import open_model
 
-    settings = _source_settings(spec, credentials, headers, cloud, access)
-    model = open_model(spec.source, settings, format=_format_name(spec.format), files=spec.files)
+    anonymous = cloud is None and not own_identity_reaches(spec)
+    settings = _source_settings(spec, credentials, headers, cloud, access, anonymous=anonymous)
     try:
-        index = model.index
-    finally:
-        model.close()
+        model = open_model(spec.source, settings, format=_format_name(spec.format), files=spec.files)
+        try:
+            index = model.index
+        finally:
+            model.close()
+    except SourceAccessDeniedError as exc:
+        if not anonymous:
+            raise
+        raise SourceAccessDeniedError(
+            f"{exc}. The operator read {endpoint_of(spec)} anonymously: it sends its own identity only to "
+            "the cloud's own endpoints, never to a ModelLoad's; give this read credentials in a Secret "
+            "(credentialsSecretRef)",
+            uri=exc.uri,
+        ) from exc
     check_priority(index, spec.priority)
     return ModelSummary(
         format=index.format,
@@ -146,6 +157,8 @@ def _source_settings(
     headers: RequestHeaders | None,
     cloud: GcsKey | AzureCredentials | None = None,
     access: HubAccess | None = None,
+    *,
+    anonymous: bool = False,
 ) -> Any:
     from modelload.sidecar.sources import (
         AzureSettings,
@@ -167,14 +180,17 @@ def _source_settings(
     # A short retry of the first look-up (a throttled store): the handler's own retry, with kopf's backoff,
     # covers longer outages, and a handler must not sit in a thread for a minute of in-source backoff.
     retry = RetryPolicy(attempts=2, initial_backoff=0.2, max_backoff=1.0, deadline=30.0)
-    # gs:// and az://: the Secret's key when there is one, else the operator's own workload identity.
+    # gs:// and az://: the Secret's key when there is one, else the operator's own workload identity, which
+    # goes to the cloud's own endpoints only (``anonymous`` otherwise: see cloud_sources).
     gcs = GcsSettings(
         endpoint_url=spec.gcs.endpoint if spec.gcs else None,
         credentials_json=str(cloud) if isinstance(cloud, GcsKey) else None,
+        anonymous=anonymous and not isinstance(cloud, GcsKey),
     )
     azure = AzureSettings(
         endpoint_url=spec.azure.endpoint if spec.azure else None,
         credentials=cloud if isinstance(cloud, AzureCredentials) else None,
+        anonymous=anonymous and not isinstance(cloud, AzureCredentials),
     )
     return SourceSettings(
         http=HttpSettings(headers=headers),

@@ -42,7 +42,11 @@ PROGRESS_INTERVAL = 1.0
 """Seconds between ``loading`` messages to an app waiting for the load."""
 
 REQUEST_TIMEOUT = 10.0
-"""Seconds a new connection has to send its request."""
+"""Seconds a new connection has to send its whole request (not each byte of it)."""
+
+REQUEST_LIMIT = 64 << 10
+"""The largest request (and lease message) an app may send: a request is a few hundred bytes, and the keeper
+allocates what a message announces (the protocol's own limit, for manifests, is 256 MiB)."""
 
 SOCKET_MODE = 0o666
 """Mode of the socket file: an app container may run as another user of the pod (as for notify.sock)."""
@@ -144,8 +148,13 @@ class Keeper:
     def _serve(self, conn: socket.socket) -> None:
         peer = _peer(conn)
         try:
-            conn.settimeout(REQUEST_TIMEOUT)
-            request = protocol.receive(conn, max_fds=0)
+            deadline = time.monotonic() + REQUEST_TIMEOUT
+            try:
+                request = protocol.receive(conn, max_fds=0, limit=REQUEST_LIMIT, deadline=deadline)
+            except HandoffProtocolError as exc:
+                with contextlib.suppress(OSError):
+                    protocol.send(conn, protocol.error("bad-request", str(exc)))
+                raise
             if request is None:
                 return
             conn.settimeout(None)
@@ -198,7 +207,7 @@ class Keeper:
         for first in range(0, len(fds), protocol.MAX_FDS_PER_MESSAGE):
             batch = fds[first : first + protocol.MAX_FDS_PER_MESSAGE]
             protocol.send(conn, {"op": "fds", "first": first, "count": len(batch)}, batch)
-        answer = protocol.expect(protocol.receive(conn, max_fds=0), "mapped", "error")
+        answer = protocol.expect(protocol.receive(conn, max_fds=0, limit=REQUEST_LIMIT), "mapped", "error")
         if answer.op == "error":
             log.warning("app %s could not map the weights: %s", peer, answer.message.get("message"))
             return
@@ -206,7 +215,8 @@ class Keeper:
             self._mapped += 1
         log.info("app %s mapped the weights (%d apps hold them)", peer, self._mapped)
         try:
-            while protocol.receive(conn, max_fds=0) is not None:  # the app's lease: open while it lives
+            # the app's lease: open while it lives
+            while protocol.receive(conn, max_fds=0, limit=REQUEST_LIMIT) is not None:
                 pass
         finally:
             with self._changed:

@@ -24,6 +24,7 @@ import math
 import os
 import socket
 import struct
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,12 +93,21 @@ def send(sock: socket.socket, message: Mapping[str, Any], fds: Sequence[int] = (
         sock.sendall(memoryview(frame)[sent:])
 
 
-def receive(sock: socket.socket, *, max_fds: int = MAX_FDS_PER_MESSAGE) -> Received | None:
+def receive(
+    sock: socket.socket,
+    *,
+    max_fds: int = MAX_FDS_PER_MESSAGE,
+    limit: int = MAX_MESSAGE,
+    deadline: float | None = None,
+) -> Received | None:
     """The next message, or None when the other end closed the connection between messages.
 
-    A connection closed inside a message, an oversized or unparseable message, or more descriptors than
-    ``max_fds`` raise :class:`HandoffProtocolError` (descriptors that came with it are closed first).
+    A connection closed inside a message, an oversized (over ``limit`` bytes) or unparseable message, or
+    more descriptors than ``max_fds`` raise :class:`HandoffProtocolError` (descriptors that came with it are
+    closed first). ``deadline`` (a ``time.monotonic()`` instant) bounds the whole message, not each read: a
+    peer sending a byte now and then does not hold the receiver past it (TimeoutError).
     """
+    _until(sock, deadline)
     data, fds, flags, _ = socket.recv_fds(sock, _HEADER.size, max_fds)
     received = Received({}, list(fds))
     try:
@@ -107,11 +117,13 @@ def receive(sock: socket.socket, *, max_fds: int = MAX_FDS_PER_MESSAGE) -> Recei
             return None
         if flags & socket.MSG_CTRUNC:
             raise HandoffProtocolError(f"more descriptors than the {max_fds} this message may carry")
-        header = data + _read_exact(sock, _HEADER.size - len(data))
+        header = data + _read_exact(sock, _HEADER.size - len(data), deadline)
         (length,) = _HEADER.unpack(header)
-        if length > MAX_MESSAGE:
-            raise HandoffProtocolError(f"a message of {length} bytes announced; at most {MAX_MESSAGE}")
-        body = _read_exact(sock, length)
+        if length > min(limit, MAX_MESSAGE):
+            raise HandoffProtocolError(
+                f"a message of {length} bytes announced; at most {min(limit, MAX_MESSAGE)}"
+            )
+        body = _read_exact(sock, length, deadline)
         try:
             message = json.loads(body)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -124,11 +136,22 @@ def receive(sock: socket.socket, *, max_fds: int = MAX_FDS_PER_MESSAGE) -> Recei
     return Received(message, received.fds)
 
 
-def _read_exact(sock: socket.socket, count: int) -> bytes:
+def _until(sock: socket.socket, deadline: float | None) -> None:
+    """Make the next read end by ``deadline`` (TimeoutError once it has passed)."""
+    if deadline is None:
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the message did not arrive in time")
+    sock.settimeout(left)
+
+
+def _read_exact(sock: socket.socket, count: int, deadline: float | None = None) -> bytes:
     buffer = bytearray(count)
     view = memoryview(buffer)
     done = 0
     while done < count:
+        _until(sock, deadline)
         got = sock.recv_into(view[done:])
         if not got:
             raise HandoffProtocolError(f"the connection closed inside a message ({done} of {count} bytes)")

@@ -207,7 +207,8 @@ class Prover:
         expected = [value for _, value in checksum.parts] if checksum.parts else [checksum.value]
         if digests != expected:
             state.proof.state = "failed"
-            bad = next(i for i, (got, want) in enumerate(zip(digests, expected, strict=True)) if got != want)
+            pairs = enumerate(zip(digests, expected, strict=False))
+            bad = next((i for i, (got, want) in pairs if got != want), min(len(digests), len(expected)))
             where = f" (part {bad + 1} of {len(expected)})" if checksum.parts else ""
             raise HashMismatchError(
                 f"the bytes read do not match the {checksum.algorithm} checksum the store keeps{where}: the "

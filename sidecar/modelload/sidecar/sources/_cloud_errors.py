@@ -10,7 +10,6 @@ named by their display URI, and the store's text is scrubbed.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from email.message import Message
@@ -24,7 +23,7 @@ from modelload.loader.errors import (
 )
 
 from ._base import InterruptedReadError
-from ._responses import RETRYABLE_STATUSES, parse_retry_after
+from ._responses import RETRYABLE_STATUSES, json_body, parse_retry_after
 
 __all__ = ["azure_error", "gcs_error", "scrub"]
 
@@ -58,7 +57,7 @@ def _retry(status: int, headers: Mapping[str, str] | Message, uri: str, tail: st
 def _gcs_message(body: bytes) -> tuple[str, str]:
     """``(reason, message)`` of a GCS JSON error body; empty strings when it is not one."""
     try:
-        error = json.loads(body.decode("utf-8", "replace")).get("error", {})
+        error = json_body(body.decode("utf-8", "replace")).get("error", {})  # type: ignore[attr-defined]
     except (ValueError, AttributeError):
         return "", body.decode("utf-8", "replace") if body and len(body) < 512 else ""
     if not isinstance(error, dict):
@@ -137,9 +136,22 @@ _AZURE_CHANGED = frozenset({"ConditionNotMet", "InvalidRange", "TargetConditionN
 _AZURE_RETRY = frozenset({"ServerBusy", "InternalError", "OperationTimedOut"})
 
 
+_AZURE_CODE = re.compile(r"^[A-Za-z][A-Za-z0-9]{0,63}$")
+_REQUEST_ID = re.compile(r"^[0-9A-Fa-f]{8}(-[0-9A-Fa-f]{4}){3}-[0-9A-Fa-f]{12}$")
+
+
 def _xml_code(body: bytes) -> str | None:
     match = re.search(rb"<Code>([^<]{1,128})</Code>", body)
     return match.group(1).decode("utf-8", "replace").strip() if match else None
+
+
+def _azure_code(headers: Mapping[str, str] | Message, body: bytes) -> str | None:
+    """The answer's error code (``x-ms-error-code``, else the XML's ``<Code>``), only when it has an error
+    code's shape: a gateway that echoes the request (a SAS's ``sig=``) into it gets nothing shown."""
+    for code in (headers.get("x-ms-error-code"), _xml_code(body)):
+        if code is not None:
+            return code.strip() if _AZURE_CODE.match(code.strip()) else None
+    return None
 
 
 def azure_error(
@@ -154,8 +166,10 @@ def azure_error(
 ) -> ModelloadError:
     """The error for an Azure Blob answer that is not a successful read of ``az://account/container/blob``."""
     uri = f"az://{account}/{container}/{blob}"
-    code = headers.get("x-ms-error-code") or _xml_code(body)
+    code = _azure_code(headers, body)
     request_id = headers.get("x-ms-request-id")
+    if request_id is not None and not _REQUEST_ID.match(request_id.strip()):
+        request_id = None  # Azure's are GUIDs; anything else is not shown
     tail = (
         f" (HTTP {status}{', ' + code if code else ''}{', request id ' + request_id if request_id else ''})"
     )

@@ -42,6 +42,7 @@ from ._checksums import StoreChecksum
 from ._cloud_errors import gcs_error, scrub
 from ._connections import Origin
 from ._http import HttpObject, Target, _Exchange
+from ._responses import display_url, json_body
 from ._settings import GcsSettings, SourceSettings
 from ._splice import HAVE_SPLICE
 from ._store import Directory, ListedFile, Opener, Store, shared_opener
@@ -50,6 +51,7 @@ __all__ = ["GcsSource", "GcsSpelling", "GcsStore", "list_gcs_prefix", "open_gcs"
 
 _log = logging.getLogger("modelload.sidecar.sources")
 READ_SCOPE = "https://www.googleapis.com/auth/devstorage.read_only"
+GOOGLE_TOKEN_URI = "https://oauth2.googleapis.com/token"  # noqa: S105 - a URL
 DEFAULT_ENDPOINT = "https://storage.googleapis.com"
 EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9._\-]{1,220}[a-z0-9]$")
@@ -191,7 +193,8 @@ def resolve_access(gcs: GcsSettings, display: str) -> _Access:
 
 def _service_account(google: Any, info: Any, display: str) -> Any:
     """A service-account key given as JSON (a Secret's). Only that type: a federation configuration names
-    files and URLs to fetch, which a Secret's author must not make another pod (the operator) read."""
+    files and URLs to fetch, which a Secret's author must not make another pod (the operator) read; and only
+    with Google's own token service as its ``token_uri``, for the same reason."""
     import google.oauth2.service_account
 
     if not isinstance(info, dict) or info.get("type") != "service_account":
@@ -202,7 +205,23 @@ def _service_account(google: Any, info: Any, display: str) -> Any:
             " no Secret:"
             " the pod's ServiceAccount (and GOOGLE_APPLICATION_CREDENTIALS in the pod) gives them"
         )
+    token_uri = info.get("token_uri")
+    if token_uri is not None and not _google_token_service(token_uri):
+        raise ConfigError(
+            f"{display}: the service-account key's token_uri is {display_url(str(token_uri))}; a key given"
+            f" in a Secret must name Google's token service ({GOOGLE_TOKEN_URI}, as keys Google issues"
+            " do): the signed assertion would be posted, and its answer shown, wherever the key points"
+        )
     return google.oauth2.service_account.Credentials.from_service_account_info(info)
+
+
+def _google_token_service(uri: object) -> bool:
+    """Whether ``uri`` is Google's OAuth token service (or one of its regional or private endpoints)."""
+    if not isinstance(uri, str):
+        return False
+    parts = urlsplit(uri)
+    host = (parts.hostname or "").lower()
+    return parts.scheme == "https" and (host.endswith(".googleapis.com") or host == "accounts.google.com")
 
 
 class GcsSource(HttpObject):
@@ -281,7 +300,7 @@ class GcsSource(HttpObject):
         if len(body) > _JSON_MAX:
             raise SourceError(f"{self.display_uri}: an answer over {_JSON_MAX} bytes", uri=self.display_uri)
         try:
-            return json.loads(body)
+            return json_body(body)
         except ValueError:
             raise SourceError(
                 f"{self.display_uri}: the store's answer is not JSON", uri=self.display_uri
@@ -293,6 +312,8 @@ class GcsSource(HttpObject):
         try:
             size, generation = int(meta["size"]), str(int(meta["generation"]))
         except (KeyError, TypeError, ValueError):
+            size = -1
+        if size < 0:
             raise SourceError(f"{uri}: the object's metadata has no size or generation", uri=uri) from None
         if str(meta.get("contentEncoding", "")).lower() == "gzip":
             raise ConfigError(
@@ -325,32 +346,47 @@ def list_gcs_prefix(uri: str, settings: SourceSettings) -> dict[str, ListedFile]
     base = f"{lister._access.prefix}/storage/v1/b/{quote(bucket, safe='')}/o"
     found: dict[str, ListedFile] = {}
     token: str | None = None
+    seen: set[str] = set()
     try:
         for _ in range(_PAGES_MAX):
             query = f"prefix={quote(prefix, safe='')}&delimiter=%2F"
             if token:
                 query += f"&pageToken={quote(token, safe='')}"
             page = lister._json(f"{base}?{query}")
-            for item in page.get("items", []):
-                name = str(item.get("name", ""))
-                if not name.startswith(prefix) or name == prefix:
-                    continue
-                checksums = {
-                    c.algorithm: base64.b64encode(c.value).decode("ascii") for c in gcs_checksums(item)
-                }
-                found[name[len(prefix) :]] = ListedFile(
-                    size=int(item.get("size", 0)),
-                    version=str(item.get("generation", "")) or None,
-                    checksums=checksums,
-                )
+            items = page.get("items", []) if isinstance(page, dict) else None
+            if not isinstance(items, list):
+                raise SourceError(f"{uri}: the listing is not a page of objects", uri=uri)
+            for item in items:
+                listed = _listed(item, prefix, uri=uri)
+                if listed is not None:
+                    found[listed[0]] = listed[1]
             token = page.get("nextPageToken")
             if not token:
                 break
+            if not isinstance(token, str) or token in seen:
+                raise SourceError(f"{uri}: the listing's next page token is not new (a loop)", uri=uri)
+            seen.add(token)
         else:
             raise ConfigError(f"{uri} lists more than {_PAGES_MAX} pages of objects: is it a model?")
     finally:
         lister.close()
     return found
+
+
+def _listed(item: Any, prefix: str, *, uri: str) -> tuple[str, ListedFile] | None:
+    """One object of a listing page, by its name under ``prefix``; None for the prefix itself or another
+    one's object. An entry of another shape, or a size that is not a count of bytes, is a SourceError (a
+    negative size would count against the small files' limit)."""
+    name, size = (item.get("name"), item.get("size", "0")) if isinstance(item, dict) else (None, None)
+    if not isinstance(name, str) or not isinstance(size, str | int) or not str(size).isdigit():
+        raise SourceError(
+            f"{uri}: the listing holds an entry without a name and a size: {item!r:.80}", uri=uri
+        )
+    if not name.startswith(prefix) or name == prefix:
+        return None
+    checksums = {c.algorithm: base64.b64encode(c.value).decode("ascii") for c in gcs_checksums(item)}
+    version = str(item.get("generation", "")) or None
+    return name[len(prefix) :], ListedFile(size=int(size), version=version, checksums=checksums)
 
 
 def open_gcs(uri: str, settings: SourceSettings) -> GcsSource:

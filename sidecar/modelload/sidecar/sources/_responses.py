@@ -7,6 +7,7 @@ means is in one place and testable without a server.
 from __future__ import annotations
 
 import email.utils
+import json
 import math
 import re
 import time
@@ -27,6 +28,7 @@ __all__ = [
     "RETRYABLE_STATUSES",
     "display_url",
     "error_for_status",
+    "json_body",
     "parse_content_range",
     "parse_retry_after",
     "same_etag",
@@ -50,6 +52,15 @@ def display_url(url: str) -> str:
     netloc = f"{host}:{parts.port}" if parts.port else host
     shown = urlunsplit((parts.scheme, netloc, parts.path, "", ""))
     return f"{shown}?…" if parts.query else shown
+
+
+def json_body(body: bytes | str) -> object:
+    """A service's JSON answer, parsed; ValueError for anything that is not JSON, nesting too deep to parse
+    included (a hostile server's ``[[[[...`` would otherwise end in a RecursionError)."""
+    try:
+        return json.loads(body)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
 
 
 def parse_content_range(value: str | None) -> tuple[int | None, int | None, int | None]:

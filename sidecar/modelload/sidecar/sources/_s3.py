@@ -30,6 +30,7 @@ from modelload.loader.errors import (
     ConfigError,
     ModelloadError,
     SourceAccessDeniedError,
+    SourceChangedError,
     SourceError,
     SourceUriError,
 )
@@ -309,6 +310,14 @@ class S3Source(HttpObject):
                         algorithm,
                     )
                     continue
+                total = sum(size for size, _ in parts)
+                if total != info.size:
+                    raise SourceChangedError(
+                        f"{self.display_uri}: the parts GetObjectAttributes lists add up to {total} bytes,"
+                        f" and the object is {info.size}: it changed while it was being read, or the"
+                        " endpoint answers for another object; restart the load",
+                        uri=self.display_uri,
+                    )
             checksum = StoreChecksum.from_base64(algorithm, value, parts=parts)
             if checksum is not None:
                 found.append(checksum)

@@ -15,7 +15,6 @@ repository alike. :func:`explain` turns each into an error that says what to do.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from modelload.loader.errors import (
 
 from .._checksum import Checksum
 from .._connections import Origin
-from .._responses import error_for_status
+from .._responses import error_for_status, json_body
 from .._service import Explain, fetch_document, origin_of
 from .._settings import HubSettings, SourceSettings
 from .._store import ListedFile
@@ -216,7 +215,7 @@ class HubClient:
             headers={"Accept": "application/json"},
         )
         try:
-            return json.loads(body), headers
+            return json_body(body), headers
         except ValueError as exc:
             raise SourceError(f"{display}: the Hub's {what} is not JSON ({exc})", uri=display) from None
 
@@ -240,6 +239,7 @@ class HubClient:
         if folder:
             url += "/" + quote(folder, safe="/")
         found: dict[str, ListedFile] = {}
+        seen = {url}
         for _ in range(_PAGES_MAX):
             page, headers = self._document(url, ref, what="file listing")
             if not isinstance(page, list):
@@ -254,6 +254,13 @@ class HubClient:
             url = following.group(1)
             if origin_of(url) != self.access.origin:
                 raise SourceError(f"hf://{ref.repo}: the listing's next page is on another host", uri=ref.uri)
+            if url in seen:
+                raise SourceError(
+                    f"hf://{ref.repo}: the listing's next page is one already read (a loop in its Link "
+                    "headers): the Hub or mirror at the endpoint pages wrongly",
+                    uri=ref.uri,
+                )
+            seen.add(url)
         raise SourceError(f"hf://{ref.repo}: the listing runs over {_PAGES_MAX} pages", uri=ref.uri)
 
     def _entry(
@@ -264,6 +271,8 @@ class HubClient:
         path, size, oid = entry.get("path"), entry.get("size"), entry.get("oid")
         if not isinstance(path, str) or not isinstance(size, int):
             raise SourceError(f"hf://{ref.repo}: a listing entry without a path or size", uri=ref.uri)
+        if folder and not path.startswith(f"{folder}/"):
+            return None, None  # not in this folder: a mirror's listing cannot name files elsewhere
         name = path[len(folder) + 1 :] if folder else path
         if "/" in name or not name:
             return None, None

@@ -18,7 +18,7 @@ redirected to; never over plain HTTP to a realm unless the registry itself is re
 from __future__ import annotations
 
 import base64
-import json
+import http.client
 import re
 import threading
 from collections.abc import Mapping
@@ -28,8 +28,8 @@ from urllib.parse import urlencode, urlsplit
 
 from modelload.loader.errors import ConfigError, ModelloadError, SourceAccessDeniedError, SourceError
 
-from .._connections import Origin
-from .._responses import error_for_status
+from .._connections import ConnectionPool, Origin
+from .._responses import error_for_status, json_body
 from .._service import fetch_document, origin_of
 from .._settings import HttpSettings, RetryPolicy
 from ._reference import OciRef
@@ -46,7 +46,7 @@ def auths_from_docker_config(data: bytes | str, *, where: str) -> dict[str, dict
     Raises ConfigError naming ``where`` (never a value) when it is not such a document.
     """
     try:
-        document = json.loads(data)
+        document = json_body(data)
     except ValueError:
         raise ConfigError(f'{where} is not JSON: it must hold a Docker config ({{"auths": ...}})') from None
     if not isinstance(document, dict):
@@ -212,18 +212,17 @@ class RegistryAuth:
                 limit=_TOKEN_LIMIT,
             )
         try:
-            answer = json.loads(body)
-            token = answer.get("token") or answer.get("access_token")
-        except (ValueError, AttributeError):
-            token = None
+            answer = json_body(body)
+        except ValueError:
+            answer = None
+        token = (answer.get("token") or answer.get("access_token")) if isinstance(answer, dict) else None
         if not isinstance(token, str) or not token or any(c.isspace() for c in token):
             raise SourceError(f"{where} answered no usable token", uri=self._ref.display)
         return token
 
     def _refresh_grant(self, url: str, query: Mapping[str, str]) -> bytes:
-        """An identity token (``docker login`` to some registries stores one) is exchanged by POST."""
-        import http.client
-
+        """An identity token (``docker login`` to some registries stores one) is exchanged by POST, on a
+        connection of the same pool as every other request (its CA bundle, proxy and address rules)."""
         assert self._identity is not None
         form = urlencode(
             {
@@ -233,25 +232,23 @@ class RegistryAuth:
                 "client_id": "modelload",
             }
         ).encode()
-        origin, path = origin_of(url), urlsplit(url).path
-        conn: http.client.HTTPConnection
-        if origin.is_tls:
-            conn = http.client.HTTPSConnection(origin.host, origin.port, timeout=self._http.connect_timeout)
-        else:
-            conn = http.client.HTTPConnection(origin.host, origin.port, timeout=self._http.connect_timeout)
+        origin, path = origin_of(url), urlsplit(url).path or "/"
+        pool = ConnectionPool(self._http)
         try:
+            conn, _ = pool.acquire(origin)
             conn.request(
-                "POST", path or "/", body=form,
+                "POST", pool.request_path(origin, path), body=form,
                 headers={"Content-Type": "application/x-www-form-urlencoded"},
             )  # fmt: skip
             response = conn.getresponse()
             body = response.read(_TOKEN_LIMIT)
-        except OSError as exc:
+        except (OSError, http.client.HTTPException) as exc:
             raise SourceError(
-                f"the token service of {self._ref.registry} cannot be reached: {exc}", uri=self._ref.display
+                f"the token service of {self._ref.registry} cannot be reached: {type(exc).__name__}: {exc}",
+                uri=self._ref.display,
             ) from None
         finally:
-            conn.close()
+            pool.close()
         if response.status != 200:
             raise self._token_error(response.status, response.reason, response.headers, body, True)
         return body

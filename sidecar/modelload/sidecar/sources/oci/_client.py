@@ -11,7 +11,6 @@ through a redirect to the registry's object storage.
 from __future__ import annotations
 
 import hashlib
-import json
 from email.message import Message
 from typing import Any
 
@@ -24,7 +23,7 @@ from modelload.loader.errors import (
 )
 
 from .._checksum import Checksum
-from .._responses import error_for_status
+from .._responses import error_for_status, json_body
 from .._service import Explain, ServiceFile, fetch_document
 from .._settings import SourceSettings
 from ._auth import RegistryAuth
@@ -37,9 +36,13 @@ MANIFEST_LIMIT = 4 << 20
 """The distribution spec lets registries refuse manifests over 4 MiB; no client needs more."""
 
 
+def _is_index(document: dict[str, Any]) -> bool:
+    return document.get("mediaType") in INDEX_TYPES or "manifests" in document
+
+
 def _codes(body: bytes) -> list[str]:
     try:
-        errors = json.loads(body).get("errors") or []
+        errors = json_body(body).get("errors") or []  # type: ignore[attr-defined]
         return [str(e.get("code", "")) for e in errors if isinstance(e, dict)]
     except (ValueError, AttributeError):
         return []
@@ -111,8 +114,29 @@ class RegistryClient:
         return f"{self.base}/v2/{self.ref.repository}/{kind}/{reference}"
 
     def manifest(self, reference: str | None = None) -> tuple[str, dict[str, Any]]:
-        """The image manifest ``reference`` (default: the ref's) names, and its digest."""
-        reference = reference or self.ref.reference
+        """The image manifest ``reference`` (default: the ref's) names, and its digest.
+
+        An index of one manifest is followed once; an index that names another index is refused, not
+        followed: each level costs a request and a registry could chain them without end.
+        """
+        shown = self.ref.display
+        digest, document = self._document(reference or self.ref.reference)
+        if _is_index(document):
+            chosen = self._only_manifest(document, shown)
+            index, (digest, document) = digest, self._document(chosen)
+            if _is_index(document):
+                raise SourceError(
+                    f"{shown}: the index {index} names another index ({chosen}), which is not followed: name "
+                    "the model's own manifest by its digest (oci://REGISTRY/REPOSITORY@sha256:...)",
+                    uri=shown,
+                )
+        if not isinstance(document.get("layers"), list):
+            raise SourceError(f"{shown}: the manifest has no layers ({document.get('mediaType')})", uri=shown)
+        return digest, document
+
+    def _document(self, reference: str) -> tuple[str, dict[str, Any]]:
+        """The manifest or index at ``reference`` and its digest, checked against the one asked for or
+        announced; ``mediaType`` filled from Content-Type when the document leaves it out."""
         shown = self.ref.display
         body, headers = fetch_document(
             self.url("manifests", reference),
@@ -137,16 +161,12 @@ class RegistryClient:
                 source=shown,
             )
         try:
-            document = json.loads(body)
+            document = json_body(body)
         except ValueError:
             raise SourceError(f"{shown}: the manifest is not JSON", uri=shown) from None
         if not isinstance(document, dict):
             raise SourceError(f"{shown}: the manifest is not a JSON object", uri=shown)
-        media = document.get("mediaType") or headers.get_content_type()
-        if media in INDEX_TYPES or "manifests" in document:
-            return self.manifest(self._only_manifest(document, shown))
-        if not isinstance(document.get("layers"), list):
-            raise SourceError(f"{shown}: the manifest has no layers ({media})", uri=shown)
+        document.setdefault("mediaType", headers.get_content_type())
         return digest, document
 
     def _only_manifest(self, index: dict[str, Any], shown: str) -> str:

@@ -7,6 +7,9 @@ by range at their offset in the blob, like any other file.
 
 Regular files are listed (ustar, GNU and PAX, with PAX ``path`` and ``size`` overrides and GNU long names);
 directories are skipped; links, devices and anything else are refused (a model directory holds files).
+
+A layer comes from the registry, which may be hostile: a PAX ``size`` gets the checks a header's size gets
+(decimal digits, inside the blob), and a path holding a control character (a NUL, a newline) is refused.
 """
 
 from __future__ import annotations
@@ -83,6 +86,8 @@ def _pax(data: bytes, *, where: str) -> dict[str, str]:
 
 
 def _clean(name: str, *, where: str) -> str:
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        raise FormatError(f"the tar holds a path with a control character: {name!r}", source=where)
     name = name.lstrip("/")
     while name.startswith("./"):
         name = name[2:]
@@ -118,7 +123,13 @@ def tar_members(read: Callable[[int, int], bytes], size: int, *, where: str) -> 
                 pending["path"] = data.split(b"\0", 1)[0].decode("utf-8", "replace")
         elif kind in (b"0", b"\0", b"7"):
             name = pending.get("path") or _ustar_name(header)
-            length = int(pending.get("size", length))
+            if "size" in pending:
+                length = _pax_size(pending["size"], where=where)
+                if data_at + length > size:
+                    raise FormatError(
+                        f"the tar entry at offset {pos} runs past the layer's end (its PAX size is {length})",
+                        source=where,
+                    )
             members.append(TarMember(_clean(name, where=where), data_at, length))
             pending = {}
             if len(members) > MAX_MEMBERS:
@@ -133,6 +144,13 @@ def tar_members(read: Callable[[int, int], bytes], size: int, *, where: str) -> 
             )
         pos = data_at + (length + BLOCK - 1) // BLOCK * BLOCK
     return members
+
+
+def _pax_size(text: str, *, where: str) -> int:
+    """A PAX ``size`` record: decimal digits only (what ``int()`` also takes, a sign or ``_``, is refused)."""
+    if not text.isascii() or not text.isdigit() or len(text) > 20:
+        raise FormatError(f"the tar's PAX size {text[:24]!r} is not a decimal number", source=where)
+    return int(text)
 
 
 def _ustar_name(header: bytes) -> str:
