@@ -1,0 +1,91 @@
+"""Traps a new user walks into with the newer sources (gs://, az://, hf://, oci://): a URI of a known scheme
+in the wrong shape, a Hub web page given as the source, a registry reached in the wrong protocol. Each ends
+with one line that says what is wrong and what to write instead, exit status 2 for a bad setting, instead of
+a load that fails and is served as failed (or retried for ten minutes)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from modelload.loader.cli.main import main
+from modelload.loader.errors import ConfigError
+from modelload.operator.schema import parse_spec
+
+# (source, what the message must say): URIs whose scheme is known but whose shape cannot name a model
+MALFORMED = [
+    ("gs://b", "a GCS source is gs://BUCKET/OBJECT"),
+    ("gs://", "a GCS source is gs://BUCKET/OBJECT"),
+    ("az://acct01", "an Azure Blob source is az://ACCOUNT/CONTAINER/PATH"),
+    ("az://Account/models/m.bin", "the account: 3-24 lower-case letters and digits"),
+    ("hf://org", "an hf:// source is hf://ORG/NAME[@REVISION][/PATH]"),
+    ("hf://org/name@", "the revision after '@' is empty"),
+    ("oci://registry/repo", "with the registry's host first"),
+    ("oci://127.0.0.1:5000/Models/m:v1", "a repository is lower-case letters and digits"),
+    ("s3://", "an S3 source is s3://BUCKET/KEY"),
+    ("gcs://models/m.bin", "did you mean gs://models/m.bin?"),
+    ("wasbs://models@acct01.blob.core.windows.net/m.bin", "az://acct01/models/m.bin"),
+]
+
+# Hugging Face web pages: what the browser's address bar shows is not a file, and not a listable directory
+HUB_PAGES = [
+    ("https://huggingface.co/org/name", "hf://org/name"),
+    ("https://huggingface.co/org/name/", "hf://org/name"),
+    ("https://huggingface.co/org/name/tree/main", "hf://org/name@main"),
+    ("https://huggingface.co/org/name/tree/v1.0/onnx", "hf://org/name@v1.0/onnx/"),
+    ("https://huggingface.co/org/name/blob/main/model.safetensors", "hf://org/name@main/model.safetensors"),
+    ("https://hf.co/org/name", "hf://org/name"),
+]
+
+
+def sidecar(capsys: pytest.CaptureFixture[str], source: str, segment: Path) -> tuple[int, str]:
+    status = main(["sidecar", "--source", source, "--segment", str(segment), "--port", "0"])
+    return status, capsys.readouterr().err
+
+
+@pytest.mark.timeout(20)  # before the fix the sidecar served the failed load until stopped
+@pytest.mark.parametrize(("source", "says"), MALFORMED, ids=[s for s, _ in MALFORMED])
+def test_a_malformed_uri_of_a_known_scheme_exits_at_start_with_the_shape_to_write(
+    source: str, says: str, shm_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    started = time.monotonic()
+    status, err = sidecar(capsys, source, shm_dir / "m.seg")
+    assert status == 2 and time.monotonic() - started < 10
+    assert says in err, err
+    assert "Traceback" not in err
+    assert not (shm_dir / "m.seg").exists() and not (shm_dir / "m.seg.failed").exists()
+
+
+@pytest.mark.timeout(20)  # before the fix: retried against huggingface.co (or a 404 on its HTML page)
+@pytest.mark.parametrize(("page", "means"), HUB_PAGES, ids=[p for p, _ in HUB_PAGES])
+def test_a_hugging_face_web_page_as_the_source_names_the_hf_uri_it_means(
+    page: str, means: str, shm_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, err = sidecar(capsys, page, shm_dir / "m.seg")
+    assert status == 2
+    assert f"--source {means} " in err or err.rstrip().endswith(f"--source {means}"), err
+    assert "web page" in err
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://huggingface.co/org/name/resolve/main/model.safetensors",  # a file: loads over HTTPS
+        "https://huggingface.co/api/models/org/name",
+        "https://models.example.com/org/name",
+    ],
+)
+def test_a_file_url_on_the_hub_and_other_servers_pass_the_check(url: str) -> None:
+    from modelload.sidecar.sources import check_source_uri
+
+    check_source_uri(url)
+
+
+@pytest.mark.parametrize(("source", "says"), [*MALFORMED[:8], *[(p, m) for p, m in HUB_PAGES[:3]]])
+def test_a_modelload_with_such_a_source_gets_the_same_message(source: str, says: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_spec({"source": source})
+    assert str(caught.value).startswith("spec.source: ")
+    assert says in str(caught.value)
