@@ -50,7 +50,7 @@ def test_serialize_onto_a_full_disk_says_so_and_leaves_nothing(
     model: Path, tiny_tmpfs: Path, to: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     status, err = run(capsys, "serialize", "--no-progress", model, tiny_tmpfs / to)
-    assert status == 1
+    assert status == 2
     assert f"no room for {tiny_tmpfs / to} in {tiny_tmpfs}" in err and "free space" in err
     assert "Traceback" not in err
     assert list(tiny_tmpfs.iterdir()) == []  # no partial file left behind
