@@ -8,11 +8,20 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from modelload.loader.cli.main import main
 from modelload.loader.errors import ConfigError
+from modelload.loader.formats.safetensors import save_file
 from modelload.operator.schema import parse_spec
+from modelload.sidecar.process import Sidecar
+from modelload.sidecar.progress import LoadStatus
+from modelload.sidecar.settings import parse_settings
+from modelload.sidecar.sources import RegistrySettings, SourceSettings
+from modelload.sidecar.sources.oci import push_directory
+from tests.support.nginx import NginxServer
+from tests.support.registry import RegistryServer
 
 # (source, what the message must say): URIs whose scheme is known but whose shape cannot name a model
 MALFORMED = [
@@ -89,3 +98,62 @@ def test_a_modelload_with_such_a_source_gets_the_same_message(source: str, says:
         parse_spec({"source": source})
     assert str(caught.value).startswith("spec.source: ")
     assert says in str(caught.value)
+
+
+# --- a registry or server reached in the wrong protocol -----------------------------------------------------
+
+
+def failed_load(argv: list[str], *, within: float = 20.0) -> LoadStatus:
+    """Run the sidecar until its load fails (the sidecar keeps serving a failed load: stop it then)."""
+    sidecar = Sidecar(parse_settings([*argv, "--host", "127.0.0.1", "--port", "0", "--notify", "none"], {}))
+    sidecar.start()
+    try:
+        deadline = time.monotonic() + within
+        while sidecar.tracker.snapshot().phase != "failed":
+            assert time.monotonic() < deadline, f"no failure in {within} s: {sidecar.tracker.snapshot()}"
+            time.sleep(0.02)
+    finally:
+        sidecar.stop()
+    return sidecar.tracker.snapshot()
+
+
+@pytest.mark.timeout(60)  # before the fix: retried, every other try on a dead socket (EBADF)
+def test_a_plain_http_registry_reached_over_https_fails_at_once_naming_the_flag(
+    registry: RegistryServer, shm_dir: Path, tmp_path: Path
+) -> None:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    save_file({"w": np.ones((4, 4), dtype=np.float32)}, folder / "model.safetensors")
+    plain = SourceSettings(registry=RegistrySettings(plain_http=(registry.host,)))
+    push_directory(folder, registry.uri("traps/plain", "v1"), plain)
+    source = registry.uri("traps/plain", "v1")
+    snapshot = failed_load(["--source", source, "--segment", str(shm_dir / "m.seg")])
+    assert snapshot.retries == 0, "a protocol mismatch is not worth retrying"
+    assert snapshot.error is not None and "answered in plain HTTP" in snapshot.error
+    assert f"--registry-plain-http {registry.host}" in snapshot.error
+    assert "Bad file descriptor" not in snapshot.error and "WRONG_VERSION_NUMBER" not in snapshot.error
+
+
+@pytest.mark.timeout(60)
+def test_an_https_url_to_a_plain_http_server_fails_at_once_saying_to_use_http(
+    nginx: NginxServer, shm_dir: Path
+) -> None:
+    url = nginx.put("traps-plain.bin", b"\0" * 4096)
+    https = url.replace("http://", "https://", 1)
+    snapshot = failed_load(["--source", https, "--segment", str(shm_dir / "m.seg")])
+    assert snapshot.retries == 0
+    assert snapshot.error is not None and "answered in plain HTTP" in snapshot.error
+    assert url in snapshot.error  # the http:// URL to use instead
+
+
+def test_push_to_a_plain_http_registry_without_the_flag_says_to_add_it(
+    registry: RegistryServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    save_file({"w": np.ones((4, 4), dtype=np.float32)}, folder / "model.safetensors")
+    status = main(["push", str(folder), registry.uri("traps/push", "v1")])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert "answered in plain HTTP" in err and "--plain-http" in err
+    assert "SSLError" not in err and "Traceback" not in err

@@ -45,6 +45,14 @@ def _codes(body: bytes) -> list[str]:
         return []
 
 
+def plain_http_advice(registry: str) -> str:
+    """How to reach ``registry`` over plain HTTP, on the command line and in a ModelLoad."""
+    return (
+        f"if the registry serves plain HTTP, say so: --registry-plain-http {registry} (a ModelLoad: "
+        "spec.registry.plainHttp: true; modelload push: --plain-http)"
+    )
+
+
 def explain(auth: RegistryAuth, ref: OciRef, *, uri: str) -> Explain:
     """How a registry's error answers read for ``ref``: the spec's error codes, with what to do."""
 
@@ -110,6 +118,11 @@ class RegistryClient:
     def url(self, kind: str, reference: str) -> str:
         return f"{self.base}/v2/{self.ref.repository}/{kind}/{reference}"
 
+    @property
+    def plain_http_advice(self) -> str:
+        """What a registry that answers TLS in plain HTTP needs: to be named as one."""
+        return plain_http_advice(self.ref.registry)
+
     def manifest(self, reference: str | None = None) -> tuple[str, dict[str, Any]]:
         """The image manifest ``reference`` (default: the ref's) names, and its digest."""
         reference = reference or self.ref.reference
@@ -124,6 +137,7 @@ class RegistryClient:
             explain=explain(self.auth, self.ref, uri=shown),
             limit=MANIFEST_LIMIT,
             headers={"Accept": ", ".join((*MANIFEST_TYPES, *INDEX_TYPES))},
+            plain_http_advice=self.plain_http_advice,
         )
         digest = "sha256:" + hashlib.sha256(body).hexdigest()
         stated = headers.get("Docker-Content-Digest")
@@ -170,6 +184,7 @@ class RegistryClient:
             auth=self.auth,
             explain=explain(self.auth, self.ref.file(digest), uri=display),
             size=size,
+            plain_http_advice=self.plain_http_advice,
         )
         blob._checksum = Checksum(
             "sha256", digest.removeprefix("sha256:"), digest, size, where=display, object_source=blob

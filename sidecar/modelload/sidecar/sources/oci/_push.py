@@ -36,6 +36,7 @@ from urllib.parse import urljoin, urlsplit
 from modelload.loader.errors import ConfigError, SourceError
 
 from .._connections import Origin
+from .._http import PLAIN_HTTP_REPLIES
 from .._service import origin_of
 from .._settings import SourceSettings
 from ._auth import RegistryAuth
@@ -163,6 +164,16 @@ class _Registry:
                 conn.request(method, parts.path + (f"?{parts.query}" if parts.query else ""), body, sent)
                 response = conn.getresponse()
                 data = response.read()
+            except ssl.SSLError as exc:
+                if exc.reason not in PLAIN_HTTP_REPLIES:
+                    raise SourceError(
+                        f"{self.ref.display}: {method} to the registry failed: {type(exc).__name__}: {exc}",
+                        uri=self.ref.display,
+                    ) from None
+                raise ConfigError(
+                    f"{self.ref.display}: {origin.netloc} answered in plain HTTP, not TLS: if the registry "
+                    "serves plain HTTP, push with --plain-http"
+                ) from None
             except OSError as exc:
                 raise SourceError(
                     f"{self.ref.display}: {method} to the registry failed: {type(exc).__name__}: {exc}",
