@@ -27,7 +27,7 @@ from .._checksum import Checksum
 from .._responses import error_for_status
 from .._service import Explain, ServiceFile, fetch_document
 from .._settings import SourceSettings
-from ._auth import RegistryAuth
+from ._auth import RegistryAuth, login_advice
 from ._media import INDEX_TYPES, MANIFEST_TYPES
 from ._reference import DIGEST, OciRef
 
@@ -68,12 +68,14 @@ def explain(auth: RegistryAuth, ref: OciRef, *, uri: str) -> Explain:
                 )
             return error_for_status(status, reason, headers, uri=uri)
         if status in (401, 403) or "DENIED" in codes or "UNAUTHORIZED" in codes:
+            action = "push" if auth.pushing else "pull"
             if auth.has_credentials:
                 advice = (
-                    f"the credentials for {ref.registry} in the dockerconfigjson Secret (or Docker config) "
-                    "do not grant pull on this repository: check the user, its token's scopes and the "
-                    "repository's permissions"
+                    f"the credentials for {ref.registry} in {auth.credentials_from} do not grant {action} on "
+                    "this repository: check the user, its token's scopes and the repository's permissions"
                 )
+            elif auth.pushing:
+                advice = f"no credentials were given for {ref.registry}: {login_advice(ref.registry)}"
             else:
                 advice = (
                     f"no credentials were given for {ref.registry}: give a dockerconfigjson Secret (the "
@@ -81,7 +83,7 @@ def explain(auth: RegistryAuth, ref: OciRef, *, uri: str) -> Explain:
                     "or, on the command line, log in (docker login / oras login writes ~/.docker/config.json)"
                 )
             return SourceAccessDeniedError(
-                f"{uri}: the registry refused the pull ({what}): {advice}", uri=uri
+                f"{uri}: the registry refused the {action} ({what}): {advice}", uri=uri
             )
         if "NAME_UNKNOWN" in codes:
             return SourceNotFoundError(
