@@ -313,6 +313,10 @@ class SegmentSpaceError(SegmentError, OSError):
 
     kind = "no_space"
 
+    def __str__(self) -> str:
+        # The message alone: OSError's "[Errno 28] " prefix is noise in a line meant for a person.
+        return self.strerror if self.errno is not None and self.strerror else super().__str__()
+
 
 class TensorReleasedError(SegmentError):
     """The tensor was consumed by every registered consumer and the sidecar (memory mode release or ring)

@@ -448,8 +448,8 @@ def _reserve(fd: int, length: int, target: Path, *, offset: int = 0) -> None:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
             raise SegmentSpaceError(
                 exc.errno,
-                f"no room for a {length}-byte segment at {target}: {os.strerror(exc.errno)}; raise the "
-                "volume's sizeLimit and the writer's memory limit (tmpfs pages count against it)",
+                f"no room for a {length}-byte segment at {target}: {os.strerror(exc.errno)}; "
+                + full_volume_advice(target.parent),
             ) from exc
         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise
