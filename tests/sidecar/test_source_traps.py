@@ -5,6 +5,7 @@ a load that fails and is served as failed (or retried for ten minutes)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -20,8 +21,12 @@ from modelload.sidecar.progress import LoadStatus
 from modelload.sidecar.settings import parse_settings
 from modelload.sidecar.sources import RegistrySettings, SourceSettings
 from modelload.sidecar.sources.oci import push_directory
+from tests.support.cloud_emulators import Azurite, FakeGcs
+from tests.support.fixtures import azurite, cloud_env, fake_gcs
 from tests.support.nginx import NginxServer
 from tests.support.registry import RegistryServer
+
+__all__ = ["azurite", "cloud_env", "fake_gcs"]  # fixtures
 
 # (source, what the message must say): URIs whose scheme is known but whose shape cannot name a model
 MALFORMED = [
@@ -157,3 +162,34 @@ def test_push_to_a_plain_http_registry_without_the_flag_says_to_add_it(
     assert status == 2
     assert "answered in plain HTTP" in err and "--plain-http" in err
     assert "SSLError" not in err and "Traceback" not in err
+
+
+# --- no credentials, outside Kubernetes -------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_a_gcs_load_without_credentials_says_how_to_give_them_on_the_command_line_too(
+    fake_gcs: FakeGcs, cloud_env: None, shm_dir: Path
+) -> None:
+    source = fake_gcs.put("traps", "m.safetensors", b"\0" * 64)
+    argv = ["--source", source, "--gcs-endpoint", fake_gcs.endpoint, "--segment", str(shm_dir / "m.seg")]
+    snapshot = failed_load(argv)
+    assert snapshot.errors == {"access_denied": 1}
+    assert snapshot.error is not None and "no Google credentials found" in snapshot.error
+    assert "GOOGLE_APPLICATION_CREDENTIALS" in snapshot.error  # outside a pod
+    assert "gcloud auth application-default login" in snapshot.error
+    assert "credentialsSecretRef" in snapshot.error  # in a pod
+
+
+@pytest.mark.timeout(60)
+def test_an_azure_load_without_credentials_says_how_to_give_them_in_one_line(
+    azurite: Azurite, cloud_env: None, shm_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    source = azurite.put("traps", "m.safetensors", b"\0" * 64)
+    argv = ["--source", source, "--azure-endpoint", azurite.endpoint, "--segment", str(shm_dir / "m.seg")]
+    snapshot = failed_load(argv)
+    assert snapshot.errors == {"access_denied": 1}
+    assert snapshot.error is not None and "no Entra ID token could be obtained" in snapshot.error
+    assert "AZURE_STORAGE_CONNECTION_STRING" in snapshot.error and "az login" in snapshot.error
+    chatter = [r for r in caplog.records if r.name.startswith("azure") and r.levelno >= logging.WARNING]
+    assert chatter == [], "azure-identity's own multi-line warnings before the sidecar's one line"

@@ -16,6 +16,7 @@ never shown (display URIs carry no query). ``repr`` of anything here holds no se
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -132,7 +133,8 @@ class AzureAuth:
                     f" ({type(exc).__name__}: {scrub(exc.message or str(exc))}): on AKS, check the"
                     " ServiceAccount's azure.workload.identity/client-id annotation, the pod label"
                     ' azure.workload.identity/use: "true" and the identity\'s federated credential; or give a'
-                    " connection string or SAS token in credentialsSecretRef",
+                    " connection string or SAS token in credentialsSecretRef; elsewhere, set"
+                    f" {CONNECTION_STRING_ENV}, {SAS_TOKEN_ENV} or {ACCOUNT_KEY_ENV}, or run az login",
                     uri=display,
                 ) from exc
             return str(token.token)
@@ -208,6 +210,9 @@ def resolve_auth(azure: AzureSettings, account: str) -> AzureAuth:
         raise ConfigError(
             "az:// sources need azure-identity: install modelload[azure] (the sidecar image has it)"
         ) from exc
+    # Its chained credential logs each failed attempt as a multi-line WARNING; the failure reaches the log
+    # once, as the load's error, which says what to do (AzureAuth._bearer).
+    logging.getLogger("azure.identity").setLevel(logging.ERROR)
     try:
         credential = DefaultAzureCredential(exclude_interactive_browser_credential=True)
     except ValueError as exc:  # a malformed AZURE_* variable (an authority that is not https...)
