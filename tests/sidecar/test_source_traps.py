@@ -21,6 +21,7 @@ from modelload.sidecar.progress import LoadStatus
 from modelload.sidecar.settings import parse_settings
 from modelload.sidecar.sources import RegistrySettings, SourceSettings
 from modelload.sidecar.sources.oci import push_directory
+from tests.sidecar import models
 from tests.support.cloud_emulators import Azurite, FakeGcs
 from tests.support.fixtures import azurite, cloud_env, fake_gcs
 from tests.support.nginx import NginxServer
@@ -193,3 +194,25 @@ def test_an_azure_load_without_credentials_says_how_to_give_them_in_one_line(
     assert "AZURE_STORAGE_CONNECTION_STRING" in snapshot.error and "az login" in snapshot.error
     chatter = [r for r in caplog.records if r.name.startswith("azure") and r.levelno >= logging.WARNING]
     assert chatter == [], "azure-identity's own multi-line warnings before the sidecar's one line"
+
+
+@pytest.mark.timeout(60)
+def test_the_emulators_standard_connection_string_reads_azurite(
+    azurite: Azurite, cloud_env: None, shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # UseDevelopmentStorage=true is what Microsoft documents for every storage emulator; before the fix it
+    # failed as "has neither AccountKey nor SharedAccessSignature"
+    data = models.safetensors_bytes(models.state_dict(seed=5, layers=1))
+    source = azurite.put("traps", "dev.safetensors", data)
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", "UseDevelopmentStorage=true")
+    argv = ["--source", source, "--azure-endpoint", azurite.endpoint, "--segment", str(shm_dir / "m.seg")]
+    sidecar = Sidecar(parse_settings([*argv, "--host", "127.0.0.1", "--port", "0", "--notify", "none"], {}))
+    sidecar.start()
+    try:
+        deadline = time.monotonic() + 30
+        while sidecar.tracker.snapshot().phase not in ("complete", "failed"):
+            assert time.monotonic() < deadline, "the load did not end"
+            time.sleep(0.02)
+    finally:
+        sidecar.stop()
+    assert sidecar.tracker.snapshot().phase == "complete", sidecar.tracker.snapshot().error

@@ -41,9 +41,11 @@ CONNECTION_STRING_ENV = "AZURE_STORAGE_CONNECTION_STRING"
 SAS_TOKEN_ENV = "AZURE_STORAGE_SAS_TOKEN"  # noqa: S105 - the variable's name
 ACCOUNT_KEY_ENV = "AZURE_STORAGE_KEY"
 _REFRESH_MARGIN = 300.0
-# The development storage account every Azure emulator serves (Azurite's documented, public key).
+# The development storage account every Azure emulator serves, and its key: public, documented by Microsoft
+# for every storage emulator, and what ``UseDevelopmentStorage=true`` stands for.
 _DEV_ACCOUNT = "devstoreaccount1"
 _DEV_ENDPOINT = "http://127.0.0.1:10000/devstoreaccount1"
+_DEV_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 
 
 def parse_connection_string(text: str) -> dict[str, str]:
@@ -59,6 +61,7 @@ def parse_connection_string(text: str) -> dict[str, str]:
     if fields.get("UseDevelopmentStorage", "").lower() == "true":
         fields.setdefault("AccountName", _DEV_ACCOUNT)
         fields.setdefault("BlobEndpoint", _DEV_ENDPOINT)
+        fields.setdefault("AccountKey", _DEV_KEY)
     return fields
 
 
