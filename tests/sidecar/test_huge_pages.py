@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -42,7 +40,7 @@ from modelload.sidecar.sources import (
     open_source,
 )
 from tests.sidecar import models
-from tests.sidecar.test_cli import start_command, stop_command, wait_for
+from tests.sidecar.test_cli import start_command, stop_command
 from tests.support.fault_proxy import Reset, Stall
 from tests.support.hugepages import (
     HUGE_PAGE,
@@ -53,6 +51,8 @@ from tests.support.hugepages import (
     mounted,
 )
 from tests.support.ports import free_port
+from tests.support.sidecars import BackgroundLoad
+from tests.support.waiting import wait_for
 
 __all__ = ["huge_tmpfs", "huge_tmpfs_volume", "hugetlbfs", "hugetlbfs_volume"]  # fixtures, used by name
 
@@ -181,21 +181,13 @@ def test_ring_mode_reuses_its_huge_pages_lap_after_lap_byte_exact(
     assert nbytes > 3 * ring, "the model must lap the ring for this test to mean anything"
     segment = folder / "ring.seg"
     memory = MemorySettings(mode="ring", ring_size=ring + 4096, wait_timeout=20)  # rounded up to 3 pages
-    tracker = LoadTracker()
-    engine = Engine(
+    load = BackgroundLoad(
         LoadSettings(source=str(source), segment=segment, readers=3, chunk_size=256 << 10, memory=memory),
         sources=FAST,
-        observer=tracker,
     )
-    errors: list[BaseException] = []
-    thread = threading.Thread(target=lambda: _run(engine, errors), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not segment.exists() and time.monotonic() < deadline:
-        time.sleep(0.005)
-    copies, resident = _consume(segment)
-    thread.join(30)
-    assert not thread.is_alive() and not errors, errors
+    copies, resident = _consume(segment)  # attach() waits for the segment to be published
+    load.finish()
+    assert load.error is None, load.error
     assert copies == {name: models.as_bytes(t) for name, t in tensors.items()}
     with SegmentReader.open(segment) as reader:
         assert reader.header.ring_size == 3 * HUGE_PAGE and reader.header.data_offset % HUGE_PAGE == 0
@@ -203,37 +195,22 @@ def test_ring_mode_reuses_its_huge_pages_lap_after_lap_byte_exact(
     assert max(resident) <= tables + 3 * HUGE_PAGE, "the volume never holds more than the tables and the ring"
 
 
-def _run(engine: Engine, errors: list[BaseException]) -> None:
-    try:
-        engine.run()
-    except BaseException as exc:
-        errors.append(exc)
-
-
 def test_release_mode_on_hugetlbfs_gives_the_pool_its_pages_back(tmp_path: Path, hugetlbfs: Path) -> None:
     tensors = models.state_dict(seed=26, width=512, layers=4)
     source = tmp_path / "model.safetensors"
     source.write_bytes(models.safetensors_bytes(tensors))
     segment = hugetlbfs / "release.seg"
-    tracker = LoadTracker()
-    engine = Engine(
+    load = BackgroundLoad(
         LoadSettings(source=str(source), segment=segment, readers=2, memory=MemorySettings(mode="release")),
         sources=FAST,
-        observer=tracker,
     )
-    errors: list[BaseException] = []
-    thread = threading.Thread(target=lambda: _run(engine, errors), daemon=True)
-    thread.start()
-    while not segment.exists():
-        time.sleep(0.005)
-    copies, _ = _consume(segment)
-    thread.join(30)
-    assert not errors, errors
+    copies, _ = _consume(segment)  # attach() waits for the segment to be published
+    load.finish()
+    assert load.error is None, load.error
     assert copies == {name: models.as_bytes(t) for name, t in tensors.items()}
-    deadline = time.monotonic() + 10
-    while resident_bytes_of(segment) > 2 * HUGE_PAGE and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert resident_bytes_of(segment) <= 2 * HUGE_PAGE, "only the tables' page (and a shared one) stay"
+    wait_for(  # only the tables' page (and a shared one) stay
+        lambda: resident_bytes_of(segment) <= 2 * HUGE_PAGE, timeout=10, what="the pool's pages given back"
+    )
 
 
 def resident_bytes_of(path: Path) -> int:
@@ -314,7 +291,11 @@ def test_the_sidecar_command_killed_mid_load_on_hugetlbfs_loads_again_when_resta
     process = start_command([*source, *args, "--port", str(port)], port=port)
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: httpx.get(url + "/status", timeout=5).json()["tensors_ready"] >= 1, timeout=30)
+        wait_for(
+            lambda: httpx.get(url + "/status", timeout=5).json()["tensors_ready"] >= 1,
+            timeout=30,
+            what="a first tensor ready",
+        )
     finally:
         process.kill()  # a crash: no SIGTERM, the segment stays LOADING with a dead writer
         process.communicate(timeout=20)
@@ -326,7 +307,7 @@ def test_the_sidecar_command_killed_mid_load_on_hugetlbfs_loads_again_when_resta
     process = start_command([*source, *args, "--port", str(port)], port=port)
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: httpx.get(url + "/readyz", timeout=5).status_code == 200, timeout=60)
+        wait_for(lambda: httpx.get(url + "/readyz", timeout=5).status_code == 200, timeout=60, what="ready")
         with SegmentReader.open(segment) as reader:
             assert reader.load_id != crashed and reader.writer_state == WriterState.COMPLETE
         models.assert_segment_matches(segment, tensors)

@@ -11,11 +11,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,7 @@ from modelload.sidecar.planner import plan_load
 from modelload.sidecar.progress import LoadTracker
 from modelload.sidecar.sources import HttpSettings, RetryPolicy, SourceSettings
 from tests.sidecar import models
+from tests.support.tmpfs import tmpfs
 
 FAST = SourceSettings(
     http=HttpSettings(connect_timeout=2.0, stall_timeout=2.0),
@@ -46,10 +49,12 @@ class _OnFirstData(LoadTracker):
         super().__init__()
         self._action: Callable[[], None] | None = action
 
-    def tensor_ready(self, *, index: int, name: str, nbytes: int) -> None:
-        super().tensor_ready(index=index, name=name, nbytes=nbytes)
+    def tensors_published(
+        self, *, indices: Sequence[int], names: Sequence[str], nbytes: Sequence[int]
+    ) -> None:
+        super().tensors_published(indices=indices, names=names, nbytes=nbytes)
         action = self._action
-        if action is not None and nbytes:
+        if action is not None and any(nbytes):
             self._action = None
             action()
 
@@ -132,30 +137,14 @@ def test_a_corrupt_encrypted_tensor_is_corruption_not_a_wrong_key_when_others_de
 
 @pytest.fixture
 def sized_tmpfs(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
-    """Mount tmpfs volumes of a given size (skipped where mounting is not allowed)."""
-    mounts: list[Path] = []
+    """Mount tmpfs volumes of a given size (needs root: :mod:`tests.support.tmpfs`)."""
+    names = itertools.count()
+    with contextlib.ExitStack() as mounts:
 
-    def mount(size: int) -> Path:
-        path = tmp_path / f"volume{len(mounts)}"
-        path.mkdir()
-        done = os.geteuid() == 0 and (
-            subprocess.run(
-                ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                capture_output=True,
-                check=False,
-            ).returncode
-            == 0
-        )
-        if not done:
-            pytest.skip("mounting a tmpfs needs privileges this machine does not give")
-        mounts.append(path)
-        return path
+        def mount(size: int) -> Path:
+            return mounts.enter_context(tmpfs(tmp_path / f"volume{next(names)}", size=size))
 
-    try:
         yield mount
-    finally:
-        for path in mounts:
-            subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def segment_length(data: bytes, **kwargs: Any) -> int:

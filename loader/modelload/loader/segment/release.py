@@ -33,6 +33,7 @@ import numpy as np
 
 from modelload.loader.errors import SegmentError
 from modelload.loader.segment import _memory
+from modelload.loader.segment.geometry import Record
 from modelload.loader.segment.layout import ALIGNMENT, STATE_ENTRY_LENGTH, Layout, TensorState, align
 
 __all__ = ["Releaser", "page_span", "punch_hole"]
@@ -85,9 +86,7 @@ class Releaser:
         ]
         self.spans = [
             page_span(
-                s.offset - (leads[s.index] if s.index < len(leads) else 0),
-                s.nbytes + (leads[s.index] if s.index < len(leads) else 0),
-                self._page,
+                *Record.in_slot(s, header=leads[s.index] if s.index < len(leads) else 0).footprint, self._page
             )
             for s in layout.slots
         ]

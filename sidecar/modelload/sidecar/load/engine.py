@@ -33,11 +33,14 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
 
 from modelload.loader.errors import (
     HashMismatchError,
@@ -56,6 +59,7 @@ from modelload.loader.segment import (
     WriterState,
     run_in_order,
 )
+from modelload.loader.segment.collector import paused_collector
 from modelload.sidecar.load import integrity, proof
 from modelload.sidecar.load.digests import FileDigests
 from modelload.sidecar.load.landing import choose_landing
@@ -68,6 +72,7 @@ from modelload.sidecar.progress import LoadObserver
 from modelload.sidecar.sources import (
     OpenedModel,
     RetryEvent,
+    RetryPolicy,
     Source,
     SourceSettings,
     display_url,
@@ -75,6 +80,8 @@ from modelload.sidecar.sources import (
     open_model,
     read_range,
     read_range_into_fd,
+    read_range_pieces,
+    read_range_pieces_into_fd,
 )
 
 __all__ = ["Engine", "LoadStopped", "error_kind"]
@@ -89,15 +96,37 @@ class LoadStopped(ModelloadError):
 
 
 class PeerHook(Protocol):
-    """Other sidecars as sources (``modelload.sidecar.peers.hook.Peers``): ``begin`` may wrap
-    ``model.sources`` and reorder the plan; ``finish`` checks a tensor before it is published and returns a
-    CRC-32 to record."""
+    """Other sidecars as sources (``modelload.sidecar.peers.hook.Peers``): everything the engine asks of
+    them."""
+
+    @property
+    def verified_by_peers(self) -> Collection[int]:
+        """Tensors whose bytes came from peers and matched the CRC-32 the peers listed for them: checked
+        already, so neither re-sampled from the origin before publishing nor at the end of the load."""
 
     def begin(
-        self, *, model: OpenedModel, plan: LoadPlan, writer: Any, segment: Path, share: bool = True
-    ) -> LoadPlan: ...
+        self, *, model: OpenedModel, plan: LoadPlan, writer: SegmentWriter, segment: Path, share: bool = True
+    ) -> LoadPlan:
+        """Once the segment exists: may wrap ``model.sources`` to ask peers first, and returns the plan to
+        load (the same chunks, perhaps reordered). ``share`` false: this load will not keep its tensors."""
 
-    def finish(self, tensor: int) -> int | None: ...
+    def finish(self, tensor: int) -> int | None:
+        """Check tensor ``tensor``, whose bytes are all in, before it is published (bytes from a peer that
+        fail are read again from the origin). Returns the CRC-32 of the tensor's slot when the check
+        computed exactly that (the engine records it instead of computing it again), else None."""
+
+
+@dataclass(frozen=True)
+class _LoadContext:
+    """What one load's readers share with the engine that runs them, handed over explicitly."""
+
+    settings: LoadSettings
+    observer: LoadObserver
+    stop: threading.Event
+    """Set by :meth:`Engine.stop`: the readers stop at their next chunk."""
+    retry: RetryPolicy
+    on_retry: Callable[[RetryEvent], None]
+    peers: PeerHook | None
 
 
 class Engine:
@@ -171,18 +200,9 @@ class Engine:
         landing = choose_landing(settings.landing, settings.segment, model.sources)
         proofs = _decide_proofs(model, settings, encrypted=index.encrypted)
         metadata = _metadata(uri, model.fingerprint, model.size, settings.notify, model_dir)
-        plan = plan_load(
-            index,
-            chunk_size=settings.chunk_size,
-            priority=settings.priority,
-            metadata={
-                **metadata,
-                **_pinned_version(model),
-                PROOFS_KEY: json.dumps({p.uri: p.label for p in proofs}, sort_keys=True),
-            },
-            page_size=landing.page_size,
-        )
-        plan = plan_memory(plan, settings.memory)
+        proofs_text = json.dumps({p.uri: p.label for p in proofs}, sort_keys=True)
+        metadata = {**metadata, **_pinned_version(model), PROOFS_KEY: proofs_text}
+        plan = self._plan(index, metadata, page_size=landing.page_size)
         use_fd = landing.through_fd
         # Through the file descriptor nothing writes a meta tensor's slot: reserve it before publishing.
         unlanded = integrity.unlanded_ranges(plan) if use_fd else []
@@ -194,13 +214,12 @@ class Engine:
         checking: list[FileDigests] = []  # set below, before any tensor is ready to release
         memory = None
         if settings.memory.mode != "full":
-            report = getattr(observer, "memory_changed", None)
             memory = MemoryManager(
                 settings.memory,
                 writer=writer,
                 plan=plan,
                 stop=self._stop,
-                report=report,
+                report=observer.memory_changed,
                 hold=lambda: checking[0].releasable() if checking else None,
             )
         observer.manifest_published(
@@ -221,8 +240,9 @@ class Engine:
         digests = self._digests(model, plan, writer)  # on the plan the readers follow (peers reorder it)
         checking.extend([digests] if digests is not None else [])
         _Load(
-            self, model, plan, writer, key, use_fd=use_fd, memory=memory, proofs=proofs, digests=digests
-        ).run()
+            self._context(), model, plan, writer, key, use_fd=use_fd, memory=memory, proofs=proofs,
+            digests=digests,
+        ).run()  # fmt: skip
         if digests is not None and (digests.failure is not None or not self._stop.is_set()):
             self._finish_digests(digests, proofs)
         if self._stop.is_set():
@@ -235,7 +255,7 @@ class Engine:
             readers=settings.readers,
             on_retry=self._retried,
             sample=settings.memory.mode == "full",
-            skip=getattr(self._peers, "verified_by_peers", ()),
+            skip=self._peers.verified_by_peers if self._peers is not None else (),
             proven=[p.file for p in proofs if p.method != "samples"],
         )
         for each in proofs:
@@ -243,6 +263,31 @@ class Engine:
                 observer.file_proof(file=each.uri, proof=each.label, state=_UNPROVEN_STATE[each.method])
         writer.mark_complete()
         observer.load_finished(seconds=time.monotonic() - started, nbytes=index.nbytes)
+
+    def _plan(self, index: ModelIndex, metadata: dict[str, str], *, page_size: int) -> LoadPlan:
+        """The segment's layout and the chunks: a few objects per tensor that live as long as the load, so
+        the collector is held off while they are made (it would look at each of them again and again)."""
+        settings = self.settings
+        with paused_collector():
+            plan = plan_load(
+                index,
+                chunk_size=settings.chunk_size,
+                priority=settings.priority,
+                metadata=metadata,
+                span_limit=settings.memory.ring_size or None,  # ring mode: a chunk always fits in the ring
+                page_size=page_size,
+            )
+            return plan_memory(plan, settings.memory)
+
+    def _context(self) -> _LoadContext:
+        return _LoadContext(
+            settings=self.settings,
+            observer=self._observer,
+            stop=self._stop,
+            retry=self._sources.retry,
+            on_retry=self._retried,
+            peers=self._peers,
+        )
 
     def _finish_digests(self, digests: FileDigests, proofs: list[proof.FileProof]) -> None:
         """Wait for every ``digest`` proof (raises the first mismatch) and say each file is proven."""
@@ -322,9 +367,11 @@ class Engine:
                     nbytes=nbytes,
                     notify=meta.get("notify"),
                 )
-                for slot in old.slots:
-                    self._observer.bytes_loaded(slot.nbytes)
-                    self._observer.tensor_ready(index=slot.index, name=slot.name, nbytes=slot.nbytes)
+                sizes = [slot.nbytes for slot in old.slots]
+                self._observer.bytes_loaded(sum(sizes))
+                self._observer.tensors_published(
+                    indices=list(range(len(sizes))), names=[slot.name for slot in old.slots], nbytes=sizes
+                )
         except ModelloadError as exc:
             log.info("not reusing the segment at %s: %s", path, exc)
             return False
@@ -350,12 +397,17 @@ class Engine:
         return key
 
 
+SPLICE_PIECE = 1 << 20
+"""The smallest mean piece a chunk lands through the file descriptor: below it, the two system calls a
+piece costs to splice outweigh the page faults a read into the mapping takes."""
+
+
 class _Load:
     """One load's readers and their shared state: the next chunk, and the chunks each tensor waits for."""
 
     def __init__(
         self,
-        engine: Engine,
+        context: _LoadContext,
         model: OpenedModel,
         plan: LoadPlan,
         writer: SegmentWriter,
@@ -366,39 +418,42 @@ class _Load:
         proofs: list[proof.FileProof] | None = None,
         digests: FileDigests | None = None,
     ) -> None:
-        self.engine = engine
+        self.context = context
         self.memory = memory
         self.digests = digests
         self.sources: list[Source] = model.sources
         self.model = model
         self.plan = plan
         self.writer = writer
-        self.settings = engine.settings
-        self.observer = engine._observer
-        self.stop = engine._stop
+        self.settings = context.settings
+        self.observer = context.observer
+        self.stop = context.stop
         self._lock = threading.Lock()
-        self._remaining = list(plan.chunk_counts)
+        self._remaining = plan.chunk_counts.copy()
+        self._spread = _chunks_of_cut_tensors(plan)
         proofs = proofs or []
         self.prover = proof.Prover(proofs, plan, model.sources, [info.size for info in model.infos])
         self._proofs = proofs
-        # Tensors without a stored hash are re-sampled before they are published (integrity.check_tensor),
-        # unless the store's checksum proves their file.
-        sampled_files = {p.file for p in proofs if p.method == "samples"}
-        self._sampled = [t.file in sampled_files for t in plan.index.tensors]
+        # Ranges of files without a checksum are re-sampled before their tensors are published
+        # (integrity.check_chunks), unless the store's checksum or validator proves their file.
+        self._sampled = {p.file for p in proofs if p.method == "samples"}
         # A file proven by the store's checksum keeps its tensors back until it is proven (in memory modes
         # that can hold them, and unless the file's own hashes prove each tensor as it lands).
-        own_hashes = plan.index.format == "tensorizer" and engine.settings.verify
-        hold = engine.settings.memory.mode != "ring" and not own_hashes
-        self._held: dict[int, list[int]] = {p.file: [] for p in proofs if hold and self.prover.proves(p.file)}
+        own_hashes = plan.index.format == "tensorizer" and context.settings.verify
+        hold = context.settings.memory.mode != "ring" and not own_hashes
+        self._held: dict[int, list[npt.NDArray[np.int32]]] = {
+            p.file: [] for p in proofs if hold and self.prover.proves(p.file)
+        }
         self.finisher = TensorFinisher(
-            writer, key=key, encrypted=plan.index.encrypted, verify=engine.settings.verify
+            writer, key=key, encrypted=plan.index.encrypted, verify=context.settings.verify
         )
-        self._land: Callable[[Chunk], None] = self._land_fd if use_fd else self._land_view
+        self._use_fd = use_fd
 
     def run(self) -> None:
-        for tensor in self.plan.order:
-            if self._remaining[tensor] == 0:  # nothing to fetch: an empty tensor
-                self._publish(tensor)
+        order = self.plan.order
+        empty = order[self._remaining[order] == 0]  # nothing to fetch: an empty tensor
+        if len(empty):
+            self._publish(empty, None)
         for each in self._proofs:
             if self.prover.no_chunks(each.file):
                 self._prove(each.file)
@@ -407,7 +462,7 @@ class _Load:
         self.finisher.settle()  # the only encrypted tensor, and it failed: nothing proves the key
 
     def _read(self, seq: int) -> None:
-        """Land chunk ``seq`` (a reader thread of the shared pool); finish its tensor if it is the last."""
+        """Land chunk ``seq`` (a reader thread of the shared pool); publish the tensors it completes."""
         chunk = self.plan.chunks[seq]
         if self.memory is not None and not self.memory.admit(seq, chunk):
             return  # stopped while waiting for room in the ring
@@ -418,21 +473,37 @@ class _Load:
         if self.digests is not None:
             self.digests.landed(seq)
         file_done = self.prover.landed(chunk, self.writer.region)
+        tensors = self.plan.tensors_of(chunk)
         with self._lock:
-            self._remaining[chunk.tensor] -= 1
-            complete = self._remaining[chunk.tensor] == 0
+            self._remaining[tensors] -= 1
+            complete = tensors[self._remaining[tensors] == 0]
             held = self._held.get(chunk.file)
-            if complete and held is not None:
-                held.append(chunk.tensor)
-        if complete and held is None:
-            self._publish(chunk.tensor)
+            if len(complete) and held is not None:
+                held.append(complete)
+        if len(complete) and held is None:
+            self._publish(complete, seq)
         if file_done:
             self._prove(chunk.file)
+
+    def _land(self, chunk: Chunk) -> None:
+        """Through the file descriptor (``os.splice``: no copy through this process, no page faults in it)
+        where the landing goes that way and the chunk's pieces are big; through the mapping otherwise: a
+        range of a thousand small tensors lands with a few scattering reads (``preadv``, ``recvmsg_into``)
+        rather than two splices per tensor, its pages taken first (a full volume is then an error, not a
+        SIGBUS)."""
+        if self._use_fd and chunk.length >= SPLICE_PIECE * chunk.count:
+            self._land_fd(chunk)
+            return
+        if self._use_fd:  # the segment's pages are taken as the descriptor writes them: take these now
+            last = chunk.first + chunk.count - 1
+            end = int(self.plan.pieces.dst[last] + self.plan.pieces.length[last])
+            self.writer.reserve_range(chunk.dst_offset, end - chunk.dst_offset)
+        self._land_view(chunk)
 
     def _prove(self, file: int) -> None:
         """Check a complete file against the store's checksum (once more, from the origin, when none of its
         tensors is out yet), then publish the tensors it held back."""
-        policy = self.engine._sources.retry
+        policy = self.context.retry
         each = self._proofs[file]
         try:
             self.prover.prove(file, self.writer.region, policy=policy)
@@ -453,60 +524,80 @@ class _Load:
         self.observer.file_proof(file=each.uri, proof=each.label, state="proven")
         with self._lock:
             held = self._held.pop(file, [])
-        for tensor in held:
-            self._publish(tensor)
+        if held:
+            self._publish(np.concatenate(held), None)
 
     def _land_fd(self, chunk: Chunk) -> None:
-        src_offset = chunk.src_offset
-        # One piece of the file, or two where a ring segment's ring wraps (one more request per lap).
-        for file_offset, length in self.writer.file_ranges(chunk.dst_offset, chunk.length):
-            read_range_into_fd(
-                self.sources[chunk.file],
-                src_offset,
-                length,
-                self.writer.fileno(),
-                file_offset,
-                policy=self.engine._sources.retry,
-                on_retry=self.engine._retried,
-            )
-            src_offset += length
+        pieces = self.plan.pieces
+        # Each piece is one piece of the file, or two where a ring segment's ring wraps.
+        targets = [
+            target
+            for at in chunk.pieces
+            for target in self.writer.file_ranges(int(pieces.dst[at]), int(pieces.length[at]))
+        ]
+        source, context = self.sources[chunk.file], self.context
+        if len(targets) == 1:
+            file_offset, length = targets[0]
+            read_range_into_fd(source, chunk.src_offset, length, self.writer.fileno(), file_offset,
+                               policy=context.retry, on_retry=context.on_retry)  # fmt: skip
+            return
+        read_range_pieces_into_fd(source, chunk.src_offset, self.writer.fileno(), targets,
+                                  policy=context.retry, on_retry=context.on_retry)  # fmt: skip
 
     def _land_view(self, chunk: Chunk) -> None:
-        view = self.writer.region(chunk.dst_offset, chunk.length)
-        read_range(
-            self.sources[chunk.file],
-            chunk.src_offset,
-            view,
-            policy=self.engine._sources.retry,
-            on_retry=self.engine._retried,
-        )
+        source, context = self.sources[chunk.file], self.context
+        if chunk.count == 1:
+            view = self.writer.region(chunk.dst_offset, chunk.length)
+            read_range(source, chunk.src_offset, view, policy=context.retry, on_retry=context.on_retry)
+            return
+        pieces, span = self.plan.pieces, slice(chunk.first, chunk.first + chunk.count)
+        views = self.writer.regions(pieces.dst[span].tolist(), pieces.length[span].tolist())
+        read_range_pieces(source, chunk.src_offset, views, policy=context.retry, on_retry=context.on_retry)
 
-    def _publish(self, tensor: int) -> None:
-        """Finish a tensor whose bytes are all in (the shared :class:`TensorFinisher`), then tell."""
-        entry = self.plan.index.tensors[tensor]
-        peers = self.engine._peers
-        if peers is not None:
-            peers.finish(tensor)  # bytes from a peer checked (and re-read from the origin if bad)
-        header = None
-        if self.plan.index.format == "tensorizer":  # the record's header landed in the slot's lead
-            header = self.writer.region(*self.plan.header_span(tensor))
-        from_peers = peers is not None and tensor in getattr(peers, "verified_by_peers", ())
+    def _publish(self, tensors: npt.NDArray[np.int32], seq: int | None) -> None:
+        """Finish tensors whose bytes are all in (the ones chunk ``seq`` completed, or the empty ones, or a
+        proven file's held ones), with the shared :class:`TensorFinisher`, then tell."""
+        plan, peers = self.plan, self.context.peers
+        chosen = tensors.tolist()
+        # Bytes from a peer are checked (and re-read from the origin if bad), which may give the CRC-32.
+        crcs = [peers.finish(tensor) for tensor in chosen] if peers is not None else None
+        entries = list(map(plan.index.tensors.__getitem__, chosen))
+        headers = None
+        if plan.index.format == "tensorizer":  # the record's header landed in the slot's lead
+            headers = [self.writer.region(*plan.record(t).header_span) for t in chosen]
+            crcs = None  # finishing a record may change its slot's bytes (decryption)
+        from_peers = peers.verified_by_peers if peers is not None else ()
 
         def check(verified: bool) -> None:
-            if not verified and not from_peers and self._sampled[tensor]:
-                integrity.check_tensor(
-                    self.model,
-                    self.plan,
-                    self.writer,
-                    self.plan.chunks_by_tensor[tensor],
-                    policy=self.engine._sources.retry,
-                    on_retry=self.engine._retried,
-                )
+            if verified or seq is None or (from_peers and all(t in from_peers for t in chosen)):
+                return
+            spread = [c for t in chosen for c in self._spread.get(t, ())]
+            chunks = [plan.chunks[c] for c in sorted({seq, *spread}) if plan.chunks[c].file in self._sampled]
+            context = self.context
+            integrity.check_chunks(
+                self.model, plan, self.writer, chunks, policy=context.retry, on_retry=context.on_retry
+            )
 
-        uri = self.model.display(entry.file)
-        if self.finisher.finish(tensor, entry=entry, header=header, source=uri, check=check):
-            slot = self.plan.layout.slots[tensor]
-            self.observer.tensor_ready(index=tensor, name=slot.name, nbytes=slot.nbytes)
+        uri = self.model.display(entries[0].file)
+        done = self.finisher.finish_many(
+            chosen, entries=entries, headers=headers, source=uri, check=check, crcs=crcs
+        )
+        if done:
+            slots = plan.layout.slots
+            self.observer.tensors_published(
+                indices=done, names=[slots[t].name for t in done], nbytes=[slots[t].nbytes for t in done]
+            )
+
+
+def _chunks_of_cut_tensors(plan: LoadPlan) -> dict[int, list[int]]:
+    """The chunks of each tensor that is cut across several (a tensor larger than a chunk), by load order:
+    publishing it re-checks them all."""
+    pieces = plan.pieces
+    cut = np.flatnonzero(plan.chunk_counts[pieces.tensor] > 1)
+    spread: dict[int, list[int]] = {}
+    for tensor, chunk in zip(pieces.tensor[cut].tolist(), pieces.chunk[cut].tolist(), strict=True):
+        spread.setdefault(tensor, []).append(chunk)
+    return spread
 
 
 def _warn_without_validator(model: OpenedModel) -> None:

@@ -41,6 +41,7 @@ import numpy as np
 from modelload.loader.errors import ConfigError, MemoryWaitError
 from modelload.loader.segment import ALIGNMENT, MemoryMode, SegmentWriter, TensorState
 from modelload.loader.segment.consumers import ConsumerEntry, ConsumerTable
+from modelload.loader.segment.geometry import Ring
 from modelload.loader.segment.layout import align
 from modelload.loader.segment.release import Releaser, punch_hole, resident_bytes
 from modelload.sidecar.memory.ring import RingSpace
@@ -59,25 +60,14 @@ STATUS_INTERVAL = 1.0
 """Seconds between status reports while nothing changes (so a wait's duration shows as it grows)."""
 
 
-def ring_span(plan: LoadPlan, tensor: int) -> tuple[int, int]:
-    """``(segment offset, length)`` of what tensor ``tensor`` takes in a ring: its record header (in the
-    padding before the slot) and its whole slot, zeros a meta tensor's file lacks included."""
-    slot = plan.layout.slots[tensor]
-    start = min(plan.header_span(tensor)[0], slot.offset)
-    return start, slot.offset + slot.nbytes - start
-
-
 def plan_memory(plan: LoadPlan, settings: MemorySettings) -> LoadPlan:
     """Mark ``plan``'s segment with the memory mode, and refuse a ring too small for a tensor."""
     if settings.mode == "full":
         return plan
     ring_size = 0
     if settings.mode == "ring":
-        data_offset = plan.layout.data_offset
-        needs = [
-            offset + length - max(offset, data_offset)  # the first header sits before the ring
-            for offset, length in (ring_span(plan, i) for i in range(len(plan.layout.slots)))
-        ]
+        ring = Ring(plan.layout.data_offset, settings.ring_size)
+        needs = [ring.taken(*plan.record(i).footprint) for i in range(len(plan.layout.slots))]
         largest = max(range(len(needs)), key=needs.__getitem__, default=None)
         if largest is not None and needs[largest] > settings.ring_size:
             need = needs[largest]
@@ -123,10 +113,10 @@ class MemoryManager:
         self._table = ConsumerTable.open(
             writer.path, load_id=writer.load_id, tensor_count=len(layout.slots), write=False
         )
-        leads = [plan.header_span(i)[1] for i in range(len(layout.slots))]
+        leads = [plan.record(i).header for i in range(len(layout.slots))]
         self._ring = layout.ring_size if layout.memory_mode == MemoryMode.RING else 0
         self._releaser = Releaser(writer.fileno(), layout, leads=leads, punch=not self._ring)
-        self._space = RingSpace(data_offset=layout.data_offset, size=self._ring or ALIGNMENT)
+        self._space = RingSpace(layout.ring or Ring(layout.data_offset, ALIGNMENT))
         self._cond = threading.Condition()
         self._next_grant = 0
         self._released = np.zeros(len(layout.slots), dtype=bool)
@@ -154,15 +144,15 @@ class MemoryManager:
         """
         if not self._ring:
             return not self._stop.is_set()
-        offset, length = self._claim(chunk)
+        claims = self._claims(chunk)
         with self._cond:
-            while seq != self._next_grant or self._space.holder(offset, length) is not None:
+            while seq != self._next_grant or self._holder(claims) is not None:
                 if self._stop.is_set():
                     if seq == self._next_grant:
                         self._end_wait()  # nothing waits any more: /status and the metrics say so
                     return False
                 if seq == self._next_grant:
-                    self._blocker = self._space.holder(offset, length)
+                    self._blocker = self._holder(claims)
                     waited = self._start_wait()
                     limit = self.settings.wait_timeout
                     if limit is not None and waited > limit:
@@ -174,19 +164,33 @@ class MemoryManager:
                         raise error
                 self._cond.wait(0.05)
             self._end_wait()
-            self._space.take(chunk.tensor, offset, length)
+            for tensor, offset, length in claims:
+                self._space.take(tensor, offset, length)
             self._next_grant += 1
             self._cond.notify_all()
         return True
 
-    def _claim(self, chunk: Chunk) -> tuple[int, int]:
-        """The segment bytes ``chunk`` takes in the ring: its own, and for the chunk that lands a tensor's
-        last data byte, the rest of the slot too (a meta tensor's zeros, which the engine writes)."""
-        slot = self.plan.layout.slots[chunk.tensor]
-        stop = chunk.dst_offset + chunk.length
-        if stop >= slot.offset + self.plan.index.tensors[chunk.tensor].data_length:
-            stop = max(stop, slot.offset + slot.nbytes)
-        return chunk.dst_offset, stop - chunk.dst_offset
+    def _holder(self, claims: list[tuple[int, int, int]]) -> int | None:
+        for _, offset, length in claims:
+            holder = self._space.holder(offset, length)
+            if holder is not None:
+                return holder
+        return None
+
+    def _claims(self, chunk: Chunk) -> list[tuple[int, int, int]]:
+        """``(tensor, segment offset, length)`` of the bytes each piece of ``chunk`` takes in the ring: its
+        own, and for the piece that lands a tensor's last data byte, the rest of the slot too (a meta
+        tensor's zeros, which the engine writes)."""
+        pieces = self.plan.pieces
+        claims = []
+        for at in chunk.pieces:
+            tensor, offset = int(pieces.tensor[at]), int(pieces.dst[at])
+            stop = offset + int(pieces.length[at])
+            record = self.plan.record(tensor)
+            if stop >= record.data_end:
+                stop = max(stop, record.end)
+            claims.append((tensor, offset, stop - offset))
+        return claims
 
     def _start_wait(self) -> float:
         now = time.monotonic()
