@@ -271,17 +271,18 @@ def push_directory(
         raise ConfigError(
             f"{uri}: push to a tag (oci://REGISTRY/REPOSITORY:TAG): the digest is the push's result"
         )
+    tag = ref.tag or "latest"  # a reference without a digest has a tag (parse_oci_uri defaults it)
     say = progress or log.info
     files = _files(directory)
     planned = [(path, _sha256(path), layer_media_type(path.name)) for path in files]
     registry = _Registry(ref, settings, credentials_from=credentials_from)
-    current = registry.tagged(ref.tag)
+    current = registry.tagged(tag)
     if current is not None:
         same = _same_files(current[1], [(p.name, digest) for p, digest, _ in planned], annotations or {})
         if same:
             say(f"unchanged: {ref.display} already names these files ({current[0][:19]})")
-            layers = tuple(PushedLayer(p.name, d, p.stat().st_size, m, False) for p, d, m in planned)
-            return PushResult(ref.display, current[0], layers)
+            kept = tuple(PushedLayer(p.name, d, p.stat().st_size, m, False) for p, d, m in planned)
+            return PushResult(ref.display, current[0], kept)
         if not force:
             raise ConfigError(
                 f"{ref.display} already names another model ({current[0][:19]}...): pods that load this tag "
@@ -296,7 +297,7 @@ def push_directory(
     digest = "sha256:" + hashlib.sha256(document).hexdigest()
     registry.call(
         "PUT",
-        f"v2/{ref.repository}/manifests/{ref.tag}",
+        f"v2/{ref.repository}/manifests/{tag}",
         accept=frozenset({201}),
         headers={"Content-Type": OCI_MANIFEST},
         body=document,
