@@ -38,8 +38,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
+from contenders import wait_complete  # noqa: E402
 from harness import _free_port, make_safetensors  # noqa: E402
-from peers import wait_complete  # noqa: E402
 from scratch import scratch  # noqa: E402
 
 from tests.support.registry import RegistryServer  # noqa: E402

@@ -341,7 +341,7 @@ def test_a_torch_checkpoint_or_a_stranger_is_refused_with_a_reason(
 ) -> None:
     torch.save({"w": torch.ones(2)}, tmp_path / "w.pt")
     code, _, err = cli(capsys, tmp_path / "w.pt")
-    assert code == 1 and "torch checkpoint" in err and "modelload serialize" in err
+    assert code == 2 and "torch checkpoint" in err and "modelload serialize" in err
     (tmp_path / "x").write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(40))
     code, _, err = cli(capsys, tmp_path / "x")
     assert code == 1 and "GGUF" in err

@@ -44,7 +44,7 @@ def test_serialize_onto_a_full_disk_says_so_and_leaves_nothing(
     model: Path, tiny_tmpfs: Path, to: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     status, err = run(capsys, "serialize", "--no-progress", model, tiny_tmpfs / to)
-    assert status == 1
+    assert status == 2
     assert f"no room for {tiny_tmpfs / to} in {tiny_tmpfs}" in err and "free space" in err
     assert "Traceback" not in err
     assert list(tiny_tmpfs.iterdir()) == []  # no partial file left behind
@@ -99,3 +99,34 @@ def test_the_operator_with_an_unreachable_api_server_says_so(tmp_path: Path) -> 
     assert done.returncode == 1
     assert "cannot reach the Kubernetes API server" in done.stderr
     assert "Traceback" not in done.stderr and "not-a-real-token" not in done.stderr
+
+
+@pytest.fixture
+def hugetlbfs_without_pages(tmp_path: Path) -> Iterator[Path]:
+    """A hugetlbfs of 1 GiB pages mounted with room for two, on a node whose pool of such pages is empty:
+    what a pod asking for huge pages the node never set aside meets (skipped where the machine cannot mount
+    it, or has 1 GiB pages free)."""
+    pool = Path("/sys/kernel/mm/hugepages/hugepages-1048576kB/free_hugepages")
+    if os.geteuid() != 0 or not pool.exists() or int(pool.read_text()) != 0:
+        pytest.skip("needs root and an empty pool of 1 GiB huge pages")
+    mount = tmp_path / "huge"
+    mount.mkdir()
+    command = ["mount", "-t", "hugetlbfs", "-o", "pagesize=1G,size=2G", "none", str(mount)]
+    if subprocess.run(command, capture_output=True, check=False).returncode != 0:
+        pytest.skip("mounting a hugetlbfs of 1 GiB pages is not allowed here")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_stage_onto_huge_pages_the_node_lacks_says_to_set_them_aside_not_to_raise_a_tmpfs_limit(
+    model: Path, hugetlbfs_without_pages: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    segment = hugetlbfs_without_pages / "m.seg"
+    status, err = run(capsys, "stage", "--no-progress", model, segment, "--model-dir", tmp_path / "dir")
+    assert status == 1
+    assert "hugetlbfs" in err and "nr_hugepages" in err and "0 free" in err
+    assert "tmpfs pages count" not in err and "sizeLimit" not in err  # the advice of a tmpfs volume
+    assert "[Errno" not in err and "Traceback" not in err
+    assert list(hugetlbfs_without_pages.iterdir()) == []

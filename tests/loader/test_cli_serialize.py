@@ -143,7 +143,7 @@ def test_state_dict_key_names_a_nested_state_dict(tmp_path: Path, capsys: pytest
     assert_same(tz_read(tmp_path / "c.tensors"), weights)
 
     code, _, err = cli(capsys, tmp_path / "c.pt", tmp_path / "d.tensors", "--state-dict-key", "ema.nope")
-    assert code == 1
+    assert code == 2
     assert "no key 'nope'" in err and "'inner'" in err
 
 
@@ -167,7 +167,7 @@ def test_reading_a_torch_checkpoint_without_torch_says_what_to_install(tmp_path:
     done = subprocess.run(
         [sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=60
     )
-    assert done.returncode == 1, done.stderr
+    assert done.returncode == 2, done.stderr
     assert "needs torch" in done.stderr and "modelload[torch]" in done.stderr
 
 
@@ -307,7 +307,7 @@ def test_encrypting_a_safetensors_file_is_refused(tmp_path: Path, capsys: pytest
     code, _, err = cli(
         capsys, tmp_path / "m.safetensors", tmp_path / "o.safetensors", "--generate-key", key_file
     )
-    assert code == 1
+    assert code == 2
     assert "safetensors files cannot be encrypted" in err
     assert not key_file.exists() and not (tmp_path / "o.safetensors").exists()
 
@@ -319,14 +319,14 @@ def test_generate_key_never_overwrites_and_is_removed_when_serialize_fails(
     existing = tmp_path / "existing.key"
     existing.write_bytes(b"the only copy of a key, 32 bytes")
     code, _, err = cli(capsys, tmp_path / "m.safetensors", tmp_path / "o.tensors", "--generate-key", existing)
-    assert code == 1
+    assert code == 2
     assert "never overwrites" in err
     assert existing.read_bytes() == b"the only copy of a key, 32 bytes"
 
     (tmp_path / "o.tensors").write_bytes(b"in the way")
     fresh = tmp_path / "fresh.key"
     code, _, err = cli(capsys, tmp_path / "m.safetensors", tmp_path / "o.tensors", "--generate-key", fresh)
-    assert code == 1 and "exists" in err
+    assert code == 2 and "exists" in err
     assert not fresh.exists(), "a key for a file that was never written is not left behind"
 
 
@@ -347,7 +347,7 @@ def test_an_existing_dst_is_refused_unless_forced(tmp_path: Path, capsys: pytest
     dst.write_bytes(b"precious")
 
     code, _, err = cli(capsys, tmp_path / "m.safetensors", dst)
-    assert code == 1
+    assert code == 2
     assert "exists; pass --force" in err
     assert dst.read_bytes() == b"precious"
 
@@ -382,7 +382,7 @@ def test_dst_format_comes_from_the_extension_or_to(
 ) -> None:
     safetensors_torch.save_file({"w": sample("uint8", (3,))}, str(tmp_path / "m.safetensors"))
     code, _, err = cli(capsys, tmp_path / "m.safetensors", tmp_path / "model.bin")
-    assert code == 1 and "--to" in err
+    assert code == 2 and "--to" in err
     code, _, _ = cli(capsys, tmp_path / "m.safetensors", tmp_path / "model.bin", "--to", "tensorizer")
     assert code == 0
     assert index_of(tmp_path / "model.bin").format == "tensorizer"

@@ -151,10 +151,10 @@ def test_a_file_that_is_not_a_segment_is_not_replaced_unless_forced(
     other.write_text("keep me")
 
     code, _, err = cli(capsys, source, other)
-    assert code == 1 and "not a modelload segment" in err and "--force" in err
+    assert code == 2 and "not a modelload segment" in err and "--force" in err
     assert other.read_text() == "keep me"
     code, _, err = cli(capsys, source, source, "--force")
-    assert code == 1 and "is the model file itself" in err
+    assert code == 2 and "is the model file itself" in err
     assert source.stat().st_size > 0
 
     code, _, _ = cli(capsys, source, other, "--force")

@@ -77,7 +77,7 @@ def test_a_model_directory_on_hugetlbfs_needs_its_small_files_elsewhere(
     weights = models.state_dict(seed=61, layers=2)
     source = hfdir.write(tmp_path / "llama", hfdir.files(weights, shards=2))
     segment = hugetlbfs / "model.seg"
-    assert main(["stage", "--no-progress", str(source), str(segment)]) == 1
+    assert main(["stage", "--no-progress", str(source), str(segment)]) == 2
     err = capsys.readouterr().err
     assert "hugetlbfs" in err and "--model-dir" in err and "Traceback" not in err
     code, _, err = cli(capsys, source, segment, "--model-dir", tmp_path / "cfg")

@@ -173,6 +173,23 @@ async def test_a_gated_repository_is_an_accessdenied_condition_saying_how_to_get
     assert "gated" in message and "accept the repository's terms" in message
 
 
+async def test_a_token_secret_fixed_after_a_badtoken_condition_is_noticed_without_touching_the_modelload(
+    kube, operator, api, hub: HubServer, caplog
+) -> None:
+    hub.commit(
+        "org/fixed", {"model.safetensors": model_bytes(tensors=2, rows=8)}, private=True, readers={TOKEN}
+    )
+    kube.objects["v1/secrets", NAMESPACE, "hf-bad"] = secret("hf-bad", {"token": b"two words"})
+    spec = {"source": "hf://org/fixed", "hub": {"endpoint": hub.url, "tokenSecretRef": {"name": "hf-bad"}}}
+    await create_modelload(api, "tokenfix", spec)
+    await failed(kube, "tokenfix", "BadToken")
+    # before the fix BadToken stopped for good: only a change to the ModelLoad re-ran it, as for a bad spec
+    kube.objects["v1/secrets", NAMESPACE, "hf-bad"] = secret("hf-bad", {"token": TOKEN.encode()})
+    obj = await resolved(kube, "tokenfix")
+    assert obj["status"]["tensors"] == 2
+    assert TOKEN not in shown(kube, obj, caplog) and "two words" not in shown(kube, obj, caplog)
+
+
 async def test_an_oci_artifact_resolves_with_the_dockerconfigjson_secret(
     kube,
     operator,

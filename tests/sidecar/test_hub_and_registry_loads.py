@@ -165,7 +165,7 @@ def test_a_tag_moved_during_the_load_does_not_mix_versions(
         hfdir.write(tmp_path / "a", hfdir.files(first, shards=2)), registry.uri("engine/moving", "v1"), config
     )
     folder_b = hfdir.write(tmp_path / "b", hfdir.files(second, shards=2))
-    move = lambda: push_directory(folder_b, registry.uri("engine/moving", "v1"), config)  # noqa: E731
+    move = lambda: push_directory(folder_b, registry.uri("engine/moving", "v1"), config, force=True)  # noqa: E731
     run(registry.uri("engine/moving", "v1"), shm_dir / "model.seg", config, observer=_Hook(move))
     models.assert_segment_matches(shm_dir / "model.seg", first)
 

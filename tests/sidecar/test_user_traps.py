@@ -140,3 +140,35 @@ def test_the_docs_name_the_metrics_and_labels_the_sidecar_exports() -> None:
         assert ({label} if label else set()) == exported[family], f"{name}: docs say {{{label}}}"
     families = {name.removesuffix("_bucket").removesuffix("_count").removesuffix("_sum") for name in exported}
     assert families <= {name for name, _ in documented}, "a family the docs do not list"
+
+
+def test_the_sidecar_docs_flag_table_names_every_flag_with_its_variable() -> None:
+    from modelload.sidecar.logs import add_log_format  # noqa: F401 - --log-format is added beside OPTIONS
+    from modelload.sidecar.settings import OPTIONS
+
+    doc = (REPO / "docs/sidecar.md").read_text()
+    table = doc[doc.index("## Flags") : doc.index("\n## ", doc.index("## Flags") + 1)]
+    rows = [line for line in table.splitlines() if line.startswith("| `--")]
+    documented = {flag: row for row in rows for flag in re.findall(r"`(--[a-z0-9-]+)", row.split("|")[1])}
+    for option in OPTIONS:
+        assert option.flag in documented, f"docs/sidecar.md's flag table lacks {option.flag}"
+        variables = documented[option.flag].split("|")[2]
+        family = "*`" in variables and option.env.startswith(variables.strip(" `*"))  # MODELLOAD_PEER*
+        named = option.env in variables or family
+        assert named, f"{option.flag}: the table names another variable"
+    source = next(row for row in rows if row.startswith("| `--source"))
+    for scheme in ("s3://", "gs://", "az://", "hf://", "oci://", "http(s)://", "file://"):
+        assert scheme in source, f"the --source row does not name {scheme}"
+
+
+def test_the_sidecar_help_names_every_source_scheme(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["sidecar", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    options = text[text.index("options:") :]
+    source_help = options[options.index("--source URI") : options.index("--segment PATH")]
+    for scheme in ("s3://", "gs://", "az://", "hf://", "oci://", "http(s)://", "file://"):
+        assert scheme in source_help, f"--source's help does not name {scheme}"
+    description = text[: text.index("HTTP endpoints")]
+    for store in ("S3", "Google Cloud Storage", "Azure Blob", "Hugging Face Hub", "OCI registr"):
+        assert store in description, f"the sidecar's description does not name {store}"

@@ -211,7 +211,7 @@ def test_a_tag_moved_after_the_listing_does_not_change_what_is_read(
     push_directory(model_dir(tmp_path), registry.uri("pin/toy", "v1"), config)
     directory = list_directory(registry.uri("pin/toy", "v1"), config)
     moved = {**FILES, "model.safetensors": payload(400_000, seed=12)}
-    push_directory(model_dir(tmp_path / "b", moved), registry.uri("pin/toy", "v1"), config)
+    push_directory(model_dir(tmp_path / "b", moved), registry.uri("pin/toy", "v1"), config, force=True)
     assert read_all(directory.file_uri("model.safetensors"), config) == WEIGHTS
     again = list_directory(registry.uri("pin/toy", "v1"), config)
     assert read_all(again.file_uri("model.safetensors"), config) == moved["model.safetensors"]

@@ -56,9 +56,8 @@ classes or parsing messages:
 ``transient``
     the same call may well succeed later, unchanged: the operator retries it as ``Retrying``.
 ``exit_status``
-    the status a service command (``modelload sidecar``) exits with when this error stops it at start: 2
-    for a configuration error, 1 otherwise. The one-shot commands (inspect, stage, serialize) exit 1 on any
-    error.
+    the status a command exits with when this error ends it: 2 for a configuration error (as argparse's
+    usage errors), 1 otherwise; for a service command (``modelload sidecar``), when it stops it at start.
 
 A :class:`ConfigError` also names the ``setting`` it concerns (a flag, a variable, a spec field), which its
 message starts with.
@@ -126,7 +125,7 @@ class ModelloadError(Exception):
     transient: ClassVar[bool] = False
     """Worth retrying unchanged."""
     exit_status: ClassVar[int] = 1
-    """The exit status of a service command this error stops."""
+    """The exit status of a command this error ends."""
 
 
 class ConfigError(ModelloadError, ValueError):
@@ -313,6 +312,10 @@ class SegmentSpaceError(SegmentError, OSError):
     """The volume has no room for the segment. Raise the emptyDir sizeLimit or the memory limit."""
 
     kind = "no_space"
+
+    def __str__(self) -> str:
+        # The message alone: OSError's "[Errno 28] " prefix is noise in a line meant for a person.
+        return self.strerror if self.errno is not None and self.strerror else super().__str__()
 
 
 class TensorReleasedError(SegmentError):

@@ -264,6 +264,7 @@ _FIX_ELSEWHERE = frozenset(
         "SecretKeyMissing",
         "BadCredentials",
         "BadHeaders",
+        "BadToken",
         "BadKey",
         "Forbidden",
         "SourceNotFound",

@@ -481,6 +481,7 @@ def parse_spec(data: Any) -> ModelLoadSpec:
 
     Raises :class:`~modelload.loader.errors.ConfigError` naming the field and what is wrong.
     """
+    _check_source_shape(data)
     spec = parse(ModelLoadSpec, data, path="spec")
     chunk = parse_size(spec.chunk_size)
     if not MIN_CHUNK <= chunk <= MAX_CHUNK:
@@ -506,6 +507,25 @@ def parse_spec(data: Any) -> ModelLoadSpec:
                 f"spec.memory.ringSize: {memory.ring_size} is below 1Mi; it must hold the largest tensor"
             )
     return spec
+
+
+def _check_source_shape(data: Any) -> None:
+    """A source of a scheme the sidecar reads, in a shape its store cannot read (``hf://org``, ``gs://b``, a
+    Hugging Face web page), is refused with that store's own message, which says what to write, rather than
+    the pattern's list of every form."""
+    source = data.get("source") if isinstance(data, dict) else None
+    if not isinstance(source, str) or source.startswith("file://"):
+        return
+    from modelload.sidecar.sources import store_for
+
+    try:
+        store = store_for(source)
+    except SourceUriError:
+        return  # a scheme no store serves: the pattern's message lists them
+    try:
+        store.check(source)
+    except SourceUriError as exc:
+        raise SourceUriError(exc.detail, setting="spec.source") from None
 
 
 def _check_hub_or_registry(spec: ModelLoadSpec) -> None:

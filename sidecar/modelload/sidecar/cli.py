@@ -22,13 +22,13 @@ from modelload.loader.errors import ConfigError
 from modelload.sidecar.logs import add_log_format, apply_log_format
 from modelload.sidecar.process import run_sidecar
 from modelload.sidecar.settings import add_arguments, parse_settings
-from modelload.sidecar.sources import check_scheme
+from modelload.sidecar.sources import check_source_uri
 
 __all__ = ["register"]
 
 DESCRIPTION = """\
-Stream a model's weights from S3, HTTP(S) or a file into a shared-memory segment, and serve the load's
-status until the pod stops.
+Stream a model's weights from S3, Google Cloud Storage, Azure Blob, the Hugging Face Hub, an OCI registry,
+HTTP(S) or a file into a shared-memory segment, and serve the load's status until the pod stops.
 
 HTTP endpoints (--host/--port): /healthz (200 while the process runs), /startupz (200 once the manifest is
 published: apps can attach), /readyz (200 once every tensor is in, 503 while loading, 500 when the load
@@ -44,7 +44,8 @@ signals: SIGTERM or SIGINT stop the engine (a segment still loading is marked FA
 wait before a retry is cut short), then the API; a second signal exits at once.
 failures before the manifest: <segment>.failed holds the reason, for apps waiting in attach().
 exit status: 0 after a stop if the load had completed, 1 if it had not (failed or still loading), 2 for a
-bad flag or variable (a source scheme no backend serves, a segment folder that does not exist), or when the
+bad flag or variable (a source no backend serves or in a shape its store cannot read, a segment folder that
+does not exist), or when the
 API port or the notify endpoint cannot be bound (or another sidecar publishes on it)."""
 
 
@@ -65,8 +66,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _command(args: argparse.Namespace) -> int:
     try:
         settings = parse_settings(args, os.environ)
-        # An ftp:// source is a bad flag (exit 2), not a load that fails and is served as failed forever.
-        check_scheme(settings.engine.source)
+        # An ftp:// or gs://b source is a bad flag (exit 2), not a load that fails and is served as failed.
+        check_source_uri(settings.engine.source)
         _configure_logging(settings.log_level, verbose=getattr(args, "verbose", 0))
         apply_log_format(args, os.environ)
         return run_sidecar(settings)

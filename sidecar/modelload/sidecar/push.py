@@ -40,7 +40,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Push DIR's files as uncompressed layers (one per file, weights as "
             "application/vnd.cncf.model.weight.v1.raw), so any registry serves them by range to the sidecar "
-            "(--source oci://...) and oras pull gets them back by name."
+            "(--source oci://...) and oras pull gets them back by name. DIR must hold safetensors (or "
+            "tensorizer) weights. A tag that already names another model is left as it is unless --force; "
+            "the same files pushed again change nothing. Prints the artifact's digest reference "
+            "(oci://...@sha256:...) on standard output."
+        ),
+        epilog=(
+            "exit status: 0 when pushed (or unchanged), 2 for a bad argument (a directory without loadable "
+            "weights, a tag naming another model, a registry over plain HTTP without --plain-http, a missing "
+            "--docker-config), 1 when the registry refused or failed."
         ),
     )
     parser.add_argument("directory", type=Path, metavar="DIR", help="the model directory")
@@ -50,6 +58,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--docker-config", type=Path, default=None, metavar="FILE",
         help="a Docker config with the registry's credentials (default ~/.docker/config.json)",
     )  # fmt: skip
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="move the tag when it already names another model (pods loading the tag then get this one)",
+    )
     parser.add_argument(
         "--annotation",
         action="append",
@@ -71,14 +84,23 @@ def _command(args: argparse.Namespace) -> int:
             raise ConfigError(f"--annotation {item!r}: expected KEY=VALUE")
         annotations[key] = value
     ref = parse_oci_uri(args.reference)
-    auths = load_docker_config(args.docker_config or docker_config_path())
-    registry = RegistrySettings(auths=auths, plain_http=(ref.registry,) if args.plain_http else ())
+    config = args.docker_config or docker_config_path()
+    if args.docker_config is not None and not config.is_file():
+        raise ConfigError(
+            f"--docker-config {config} does not exist: name the Docker config holding the registry's "
+            "credentials (docker login and oras login write ~/.docker/config.json)"
+        )
+    registry = RegistrySettings(
+        auths=load_docker_config(config), plain_http=(ref.registry,) if args.plain_http else ()
+    )
     result = push_directory(
         args.directory,
         args.reference,
         SourceSettings(registry=registry),
         annotations=annotations,
         progress=lambda line: print(line, file=sys.stderr),
+        force=args.force,
+        credentials_from=f"the Docker config {config}",
     )
     print(f"{ref.pinned(result.digest).uri}")
     return 0

@@ -225,8 +225,9 @@ def _endpoint(text: str) -> str | None:
 OPTIONS: tuple[Option, ...] = (
     Option(
         "engine.source", "--source", "MODELLOAD_SOURCE",
-        "model URI: s3://bucket/key, http(s)://..., hf://ORG/NAME[@REV], oci://REGISTRY/REPO:TAG, file:///path"
-        " or a path", "URI", parse=parse_text,
+        "model URI: s3://bucket/key, gs://bucket/object, az://account/container/blob, http(s)://...,"
+        " hf://ORG/NAME[@REV], oci://REGISTRY/REPO:TAG, file:///path or a path (a prefix ending in / is a"
+        " directory)", "URI", parse=parse_text,
     ),
     Option("engine.segment", "--segment", wiring.SEGMENT_ENV, "segment file", "PATH", parse=_path),
     Option(

@@ -67,9 +67,10 @@ def _register_missing(subparsers: argparse._SubParsersAction, name: str, exc: Im
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status: 2 for a usage error (argparse), 1 when a command fails
-    with a ModelloadError. The service commands (sidecar, operator) end on their own errors with the error's
-    ``exit_status`` (2 for configuration) before it comes to that."""
+    """Run the command line; returns the exit status: 2 for a usage error (argparse) or a bad setting (a
+    ConfigError: a malformed URI, a missing key file, a flag the registry needs), 1 when a command fails
+    otherwise (the error's ``exit_status``). The service commands (sidecar, operator) end on their own
+    errors the same way before it comes to that."""
     arguments = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in arguments if not a.startswith("-")), None)
     parser = build_parser(command)
@@ -87,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 141
     except ModelloadError as exc:
         print(f"modelload {args.command}: {exc}", file=sys.stderr)
-        return 1
+        return exc.exit_status
     return int(status or 0)
 
 

@@ -210,12 +210,34 @@ def full_volume_advice(directory: str | os.PathLike[str]) -> str:
     """What to raise when ``directory``'s volume is too small: huge pages come from the node's pool and the
     pod's limit, ordinary memory from the volume's sizeLimit."""
     with contextlib.suppress(OSError):
-        if volume_of(directory).mapping_only:
+        volume = volume_of(directory)
+        if volume.mapping_only:
             return (
-                "it is hugetlbfs, backed by the node's free huge pages and the pod's hugepages limit: raise "
-                "nr_hugepages on the node or the limit (the operator sizes it from spec.memory.hugePages)"
+                f"it is hugetlbfs of {_page_name(volume.page_size)} pages, backed by the node's pool "
+                f"of them ({_pool_state(volume.page_size)}) and the pod's hugepages limit: set more "
+                f"aside on the node (vm.nr_hugepages, or /sys/kernel/mm/hugepages/hugepages-"
+                f"{volume.page_size >> 10}kB/"
+                "nr_hugepages) or raise the limit (the operator sizes it from spec.memory.hugePages)"
             )
-    return "raise the volume's sizeLimit (emptyDir medium: Memory) or free space"
+    return (
+        "raise the volume's sizeLimit (emptyDir medium: Memory) and the writer's memory limit (tmpfs pages "
+        "count against it), or free space"
+    )
+
+
+def _page_name(page: int) -> str:
+    return f"{page >> 30} GiB" if page >= 1 << 30 else f"{page >> 20} MiB"
+
+
+def _pool_state(page: int) -> str:
+    """``N free of M`` for the node's pool of ``page``-byte huge pages, as the kernel counts them now."""
+    pool = _POOLS / f"hugepages-{page >> 10}kB"
+    try:
+        total = int((pool / "nr_hugepages").read_text())
+        free = int((pool / "free_hugepages").read_text()) - int((pool / "resv_hugepages").read_text())
+    except (OSError, ValueError):
+        return "its size unknown"
+    return f"{max(free, 0)} free of {total}"
 
 
 def available_bytes(directory: str | os.PathLike[str], volume: Volume | None = None) -> int:

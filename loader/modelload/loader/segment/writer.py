@@ -517,9 +517,13 @@ def _reserve(fd: int, length: int, target: Path, *, offset: int = 0) -> None:
     try:
         os.posix_fallocate(fd, offset, length)
     except OSError as exc:
-        # Reserving tmpfs pages past the writer's memory limit fails with ENOMEM: the volume is full too.
+        # Reserving tmpfs pages past the writer's memory limit fails with ENOMEM: the volume is full too. The
+        # advice is the volume's own: a hugetlbfs needs huge pages set aside, not a larger sizeLimit.
         full = full_volume(
-            exc, f"no room for a {length}-byte segment at {target}", codes=FULL | {errno.ENOMEM}
+            exc,
+            f"no room for a {length}-byte segment at {target}",
+            advice=full_volume_advice(target.parent),
+            codes=FULL | {errno.ENOMEM},
         )
         if full is not None:
             raise full from exc

@@ -48,7 +48,7 @@ from ._model import OpenedModel, fetch_small_file, open_model
 from ._proxy import ProxySettings, proxy_from_environ
 from ._registry import (
     SourceFactory,
-    check_scheme,
+    check_source_uri,
     open_source,
     register_source,
     register_store,
@@ -123,7 +123,7 @@ __all__ = [
     "StoreChecksum",
     "auths_from_docker_config",
     "check_range",
-    "check_scheme",
+    "check_source_uri",
     "checksum_of",
     "crc",
     "crc_available",

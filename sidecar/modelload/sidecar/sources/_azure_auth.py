@@ -16,6 +16,7 @@ never shown (display URIs carry no query). ``repr`` of anything here holds no se
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -40,9 +41,11 @@ CONNECTION_STRING_ENV = "AZURE_STORAGE_CONNECTION_STRING"
 SAS_TOKEN_ENV = "AZURE_STORAGE_SAS_TOKEN"  # noqa: S105 - the variable's name
 ACCOUNT_KEY_ENV = "AZURE_STORAGE_KEY"
 _REFRESH_MARGIN = 300.0
-# The development storage account every Azure emulator serves (Azurite's documented, public key).
+# The development storage account every Azure emulator serves, and its key: public, documented by Microsoft
+# for every storage emulator, and what ``UseDevelopmentStorage=true`` stands for.
 _DEV_ACCOUNT = "devstoreaccount1"
 _DEV_ENDPOINT = "http://127.0.0.1:10000/devstoreaccount1"
+_DEV_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 
 
 def parse_connection_string(text: str) -> dict[str, str]:
@@ -58,6 +61,7 @@ def parse_connection_string(text: str) -> dict[str, str]:
     if fields.get("UseDevelopmentStorage", "").lower() == "true":
         fields.setdefault("AccountName", _DEV_ACCOUNT)
         fields.setdefault("BlobEndpoint", _DEV_ENDPOINT)
+        fields.setdefault("AccountKey", _DEV_KEY)
     return fields
 
 
@@ -132,7 +136,8 @@ class AzureAuth:
                     f" ({type(exc).__name__}: {scrub(exc.message or str(exc))}): on AKS, check the"
                     " ServiceAccount's azure.workload.identity/client-id annotation, the pod label"
                     ' azure.workload.identity/use: "true" and the identity\'s federated credential; or give a'
-                    " connection string or SAS token in credentialsSecretRef",
+                    " connection string or SAS token in credentialsSecretRef; elsewhere, set"
+                    f" {CONNECTION_STRING_ENV}, {SAS_TOKEN_ENV} or {ACCOUNT_KEY_ENV}, or run az login",
                     uri=display,
                 ) from exc
             return str(token.token)
@@ -208,6 +213,9 @@ def resolve_auth(azure: AzureSettings, account: str) -> AzureAuth:
         raise ConfigError(
             "az:// sources need azure-identity: install modelload[azure] (the sidecar image has it)"
         ) from exc
+    # Its chained credential logs each failed attempt as a multi-line WARNING; the failure reaches the log
+    # once, as the load's error, which says what to do (AzureAuth._bearer).
+    logging.getLogger("azure.identity").setLevel(logging.ERROR)
     try:
         credential = DefaultAzureCredential(exclude_interactive_browser_credential=True)
     except ValueError as exc:  # a malformed AZURE_* variable (an authority that is not https...)

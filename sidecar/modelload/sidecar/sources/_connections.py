@@ -99,7 +99,13 @@ class ConnectionPool:
         if conn is None:
             conn = self._new(origin)
             conns[origin] = conn
-        conn.connect()  # raises OSError / ssl.SSLError; the caller translates
+        try:
+            conn.connect()  # raises OSError / ssl.SSLError; the caller translates
+        except BaseException:
+            # A failed TLS handshake leaves conn.sock set to the socket it detached: kept, the next request
+            # would take it for an open connection and fail with EBADF.
+            self.discard(origin, conn)
+            raise
         assert conn.sock is not None
         conn.sock.settimeout(self._settings.stall_timeout)
         with self._lock:

@@ -184,8 +184,10 @@ def resolve_access(gcs: GcsSettings, display: str) -> _Access:
         ) from None
     except google.auth.exceptions.DefaultCredentialsError as exc:
         raise SourceAccessDeniedError(
-            f"{display}: no Google credentials found ({scrub(str(exc))}): bind a Kubernetes ServiceAccount to"
-            " a Google service account (GKE Workload Identity), or reference a key in credentialsSecretRef",
+            f"{display}: no Google credentials found ({scrub(str(exc))}): in a pod, bind its Kubernetes"
+            " ServiceAccount to a Google service account (GKE Workload Identity), or reference a key in"
+            " credentialsSecretRef; elsewhere, point GOOGLE_APPLICATION_CREDENTIALS at a service-account key"
+            " or run gcloud auth application-default login",
             uri=display,
         ) from exc
     return _Access(origin, prefix, credentials, _identity(credentials))

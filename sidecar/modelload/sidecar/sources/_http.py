@@ -40,13 +40,16 @@ from ._responses import display_url, error_for_status, parse_byteranges, parse_c
 from ._settings import HttpSettings, SourceSettings
 from ._splice import HAVE_SPLICE, Progress, RateFloor, SlowTransferError
 
-__all__ = ["HttpObject", "HttpSource", "Target", "open_http"]
+__all__ = ["PLAIN_HTTP_REPLIES", "HttpObject", "HttpSource", "Target", "open_http"]
 
 _log = logging.getLogger("modelload.sidecar.sources")
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _ERROR_BODY_MAX = 65536
 # A failure of these kinds before any response byte, on a connection that served earlier requests, most
 # likely means the server closed it while idle: retried once, at once, on a fresh connection.
+PLAIN_HTTP_REPLIES = frozenset({"WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG"})
+"""OpenSSL's reasons for a TLS handshake answered in plain HTTP (a server without TLS at an https:// URL):
+a wrong setting, not worth a retry."""
 _STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
 
 
@@ -104,6 +107,10 @@ class HttpObject(SourceBase):
     def _redirect(self, location: str) -> bool:
         """Point later requests at ``location`` and return True, or return False to treat it as an error."""
         return False
+
+    def _plain_http_advice(self, origin: Origin) -> str:
+        """What to do when ``origin``, reached over TLS, answered in plain HTTP."""
+        return f"if it serves plain HTTP, use http://{origin.netloc}/..."
 
     def _pin(self, info: ObjectInfo) -> dict[str, str]:
         """Headers that make the server refuse a read of another version than ``info`` (``If-Match``)."""
@@ -405,6 +412,11 @@ class HttpObject(SourceBase):
         if full is not None:
             return full
         if connecting is not None:
+            if isinstance(exc, ssl.SSLError) and exc.reason in PLAIN_HTTP_REPLIES:
+                return ConfigError(
+                    f"{uri}: {connecting.netloc} answered in plain HTTP, not TLS: "
+                    + self._plain_http_advice(connecting)
+                )
             if isinstance(exc, socket.gaierror):
                 reason = f"cannot resolve {connecting.host}"
             elif isinstance(exc, TimeoutError):
@@ -465,6 +477,11 @@ class HttpSource(HttpObject):
                 )
             user_pass = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
             self._private["Authorization"] = "Basic " + base64.b64encode(user_pass).decode("ascii")
+
+    def _plain_http_advice(self, origin: Origin) -> str:
+        if origin == self._origin and self.display_uri.startswith("https://"):
+            return f"if it serves plain HTTP, use http://{self.display_uri.removeprefix('https://')}"
+        return super()._plain_http_advice(origin)
 
     def __repr__(self) -> str:
         return f"HttpSource({self.display_uri!r})"

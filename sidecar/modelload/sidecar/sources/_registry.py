@@ -30,7 +30,7 @@ from .oci import OciStore
 
 __all__ = [
     "SourceFactory",
-    "check_scheme",
+    "check_source_uri",
     "open_source",
     "register_source",
     "register_store",
@@ -93,10 +93,11 @@ def open_source(uri: str, settings: SourceSettings | None = None) -> Source:
     return store_for(uri).open(uri, settings or SourceSettings())
 
 
-def check_scheme(uri: str) -> None:
-    """Raise ConfigError now if no source serves ``uri``'s scheme: settings call it, so a sidecar given an
-    ``ftp://`` source exits with a configuration error instead of serving a failed load forever."""
-    store_for(uri)
+def check_source_uri(uri: str) -> None:
+    """Raise ConfigError now if no store serves ``uri``'s scheme, or its store cannot read ``uri``'s shape
+    (``gs://b``, ``hf://org``, a Hub web page): settings call it, so a sidecar given such a source exits with
+    a configuration error instead of serving a failed load forever. No I/O."""
+    store_for(uri).check(uri)
 
 
 def store_for(uri: str) -> Store:

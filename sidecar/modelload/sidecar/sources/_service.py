@@ -97,8 +97,10 @@ class ServiceFile(HttpObject):
         explain: Explain | None = None,
         size: int | None = None,
         checksum: Checksum | None = None,
+        plain_http_advice: str | None = None,
     ) -> None:
         super().__init__(display, settings)
+        self._plain_advice = plain_http_advice
         origin = origin_of(url)
         self._service = auth.origin if auth is not None else origin
         self._start = (origin, _path(url))
@@ -116,6 +118,9 @@ class ServiceFile(HttpObject):
     def checksum(self) -> Checksum | None:
         """The digest the service publishes for this file's object, when known."""
         return self._checksum
+
+    def _plain_http_advice(self, origin: Origin) -> str:
+        return self._plain_advice or super()._plain_http_advice(origin)
 
     # --- where requests go ------------------------------------------------------------------------------
 
@@ -218,10 +223,13 @@ def fetch_document(
     explain: Explain,
     limit: int,
     headers: Mapping[str, str] | None = None,
+    plain_http_advice: str | None = None,
 ) -> tuple[bytes, Message]:
     """One small document from a service (an API answer, a manifest, a token), with the service's
     credentials and error reading, transient failures retried under ``retry``."""
-    service = ServiceFile(url, display=display, settings=http, auth=auth, explain=explain)
+    service = ServiceFile(
+        url, display=display, settings=http, auth=auth, explain=explain, plain_http_advice=plain_http_advice
+    )
     try:
         return retrying(
             lambda: service.get_document(limit=limit, headers=headers),

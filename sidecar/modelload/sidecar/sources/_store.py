@@ -145,6 +145,13 @@ class Store:
         """Whether ``uri`` names a model directory rather than one file: by default, a trailing ``/``."""
         return uri.endswith("/")
 
+    def check(self, uri: str) -> None:
+        """Raise :class:`~modelload.loader.errors.SourceUriError` when ``uri`` cannot name a file or a
+        directory of this store, without any I/O. The sidecar checks its source so at start: a malformed URI
+        is a bad setting (exit status 2) rather than a load that fails and is then served as failed. By
+        default the store's own parsing, which :meth:`is_directory` does."""
+        self.is_directory(uri)
+
     def list(self, uri: str, settings: SourceSettings, *, files: Sequence[str] = ()) -> Directory:
         """The files of the directory at ``uri``; ``files`` names them instead of listing, where the store
         allows that (less permission needed, or no listing at all)."""

@@ -14,13 +14,14 @@ How each finds a directory's files:
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from modelload.loader.errors import ConfigError, SourceNotFoundError
+from modelload.loader.errors import ConfigError, SourceNotFoundError, SourceUriError
 from modelload.loader.formats import SAFETENSORS_INDEX, WELL_KNOWN_SMALL_FILES
 
 from ._base import Source
@@ -46,6 +47,28 @@ def local_path(uri: str) -> Path | None:
     return Path(uri)
 
 
+_HUB_HOSTS = frozenset({"huggingface.co", "www.huggingface.co", "hf.co"})
+_HUB_PAGES = re.compile(r"^/(?P<repo>[^/]+/[^/]+?)/?(?:/(?P<kind>tree|blob)/(?P<rev>[^/]+)(?P<path>/.*)?)?$")
+
+
+def hub_uri_of_page(url: str) -> str | None:
+    """The ``hf://`` URI a Hugging Face web page's URL (a repository, its ``tree`` or a ``blob``, as the
+    browser's address bar shows them) means; None for any other URL, the Hub's ``resolve`` file URLs
+    included, which are files and load over HTTPS."""
+    parts = urlsplit(url)
+    if (parts.hostname or "").lower() not in _HUB_HOSTS:
+        return None
+    match = _HUB_PAGES.match(parts.path)
+    if match is None or match["repo"].split("/")[0] in ("api", "datasets", "spaces", "docs"):
+        return None
+    if match["kind"] is None:
+        return f"hf://{match['repo']}"
+    path = (match["path"] or "").strip("/")
+    if match["kind"] == "tree":
+        return f"hf://{match['repo']}@{match['rev']}" + (f"/{path}/" if path else "")
+    return f"hf://{match['repo']}@{match['rev']}/{path}"
+
+
 class FileStore(Store):
     """``file://`` URIs and plain paths: a file, or a local directory of them."""
 
@@ -57,6 +80,9 @@ class FileStore(Store):
     def is_directory(self, uri: str) -> bool:
         path = local_path(uri)
         return path is not None and path.is_dir()
+
+    def check(self, uri: str) -> None:
+        """Any path is a path; a missing file is the load's error, with the path."""
 
     def list(self, uri: str, settings: SourceSettings, *, files: Sequence[str] = ()) -> Directory:
         path = local_path(uri) or Path(uri)
@@ -80,6 +106,18 @@ class HttpStore(Store):
 
     def is_directory(self, uri: str) -> bool:
         return urlsplit(uri).path.endswith("/")
+
+    def check(self, uri: str) -> None:
+        """A URL without a host, or a Hugging Face web page (neither a file nor a listable directory)."""
+        parts = urlsplit(uri)
+        if not parts.hostname:
+            raise SourceUriError(f"{display_url(uri)} names no host: http(s)://HOST/PATH")
+        meant = hub_uri_of_page(uri)
+        if meant is not None:
+            raise SourceUriError(
+                f"{display_url(uri)} is a Hugging Face web page, not a file: load the repository with "
+                f"--source {meant}"
+            )
 
     def list(self, uri: str, settings: SourceSettings, *, files: Sequence[str] = ()) -> Directory:
         if urlsplit(uri).query:
@@ -122,6 +160,10 @@ class S3Store(Store):
 
     def is_directory(self, uri: str) -> bool:
         return uri.endswith("/") or "/" not in uri.removeprefix("s3://")
+
+    def check(self, uri: str) -> None:
+        if not uri.removeprefix("s3://").partition("/")[0]:
+            raise SourceUriError(f"an S3 source is s3://BUCKET/KEY (or s3://BUCKET/PREFIX/), got {uri!r}")
 
     def list(self, uri: str, settings: SourceSettings, *, files: Sequence[str] = ()) -> Directory:
         base = uri if uri.endswith("/") else uri + "/"

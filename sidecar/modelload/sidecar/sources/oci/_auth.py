@@ -34,7 +34,7 @@ from .._service import fetch_document, origin_of
 from .._settings import HttpSettings, RetryPolicy
 from ._reference import OciRef
 
-__all__ = ["RegistryAuth", "auths_from_docker_config", "load_docker_config"]
+__all__ = ["RegistryAuth", "auths_from_docker_config", "load_docker_config", "login_advice"]
 
 _PARAM = re.compile(r'([A-Za-z]+)="([^"]*)"')
 _TOKEN_LIMIT = 1 << 20
@@ -71,6 +71,14 @@ def load_docker_config(path: Path) -> dict[str, dict[str, str]]:
     except OSError as exc:
         raise ConfigError(f"the Docker config {path} cannot be read: {exc.strerror}") from None
     return auths_from_docker_config(data, where=f"the Docker config {path}")
+
+
+def login_advice(registry: str) -> str:
+    """How a push gets credentials for ``registry``."""
+    return (
+        f"log in (docker login {registry}, or oras login {registry}: both write ~/.docker/config.json) or "
+        "name a Docker config with --docker-config FILE"
+    )
 
 
 def _host_key(host: str) -> str:
@@ -118,8 +126,13 @@ class RegistryAuth:
         http: HttpSettings,
         retry: RetryPolicy,
         actions: str = "pull",
+        credentials_from: str | None = None,
     ) -> None:
+        """``credentials_from``: where ``auths`` came from, for messages (a push's Docker config file);
+        None for a pull, whose credentials are a dockerconfigjson Secret's or the sidecar's file."""
         self._ref = ref
+        self.pushing = "push" in actions.split(",")
+        self.credentials_from = credentials_from or "the dockerconfigjson Secret (or Docker config)"
         self._origin = origin_of(base_url)
         self._http = http
         self._retry = retry
@@ -261,7 +274,13 @@ class RegistryAuth:
             if self.has_credentials:
                 return SourceAccessDeniedError(
                     f"{shown}: the registry's token service refused the credentials for {self._ref.registry} "
-                    f"(HTTP {status}): check the user and password (or token) in the dockerconfigjson Secret",
+                    f"(HTTP {status}): check the user and password (or token) in {self.credentials_from}",
+                    uri=shown,
+                )
+            if self.pushing:
+                return SourceAccessDeniedError(
+                    f"{shown}: the registry's token service refused an anonymous push (HTTP {status}): "
+                    + login_advice(self._ref.registry),
                     uri=shown,
                 )
             return SourceAccessDeniedError(

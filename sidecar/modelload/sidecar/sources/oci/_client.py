@@ -26,7 +26,7 @@ from .._checksum import Checksum
 from .._responses import error_for_status, json_body
 from .._service import Explain, ServiceFile, fetch_document
 from .._settings import SourceSettings
-from ._auth import RegistryAuth
+from ._auth import RegistryAuth, login_advice
 from ._media import INDEX_TYPES, MANIFEST_TYPES
 from ._reference import DIGEST, OciRef
 
@@ -48,6 +48,14 @@ def _codes(body: bytes) -> list[str]:
         return []
 
 
+def plain_http_advice(registry: str) -> str:
+    """How to reach ``registry`` over plain HTTP, on the command line and in a ModelLoad."""
+    return (
+        f"if the registry serves plain HTTP, say so: --registry-plain-http {registry} (a ModelLoad: "
+        "spec.registry.plainHttp: true; modelload push: --plain-http)"
+    )
+
+
 def explain(auth: RegistryAuth, ref: OciRef, *, uri: str) -> Explain:
     """How a registry's error answers read for ``ref``: the spec's error codes, with what to do."""
 
@@ -63,12 +71,14 @@ def explain(auth: RegistryAuth, ref: OciRef, *, uri: str) -> Explain:
                 )
             return error_for_status(status, reason, headers, uri=uri)
         if status in (401, 403) or "DENIED" in codes or "UNAUTHORIZED" in codes:
+            action = "push" if auth.pushing else "pull"
             if auth.has_credentials:
                 advice = (
-                    f"the credentials for {ref.registry} in the dockerconfigjson Secret (or Docker config) "
-                    "do not grant pull on this repository: check the user, its token's scopes and the "
-                    "repository's permissions"
+                    f"the credentials for {ref.registry} in {auth.credentials_from} do not grant {action} on "
+                    "this repository: check the user, its token's scopes and the repository's permissions"
                 )
+            elif auth.pushing:
+                advice = f"no credentials were given for {ref.registry}: {login_advice(ref.registry)}"
             else:
                 advice = (
                     f"no credentials were given for {ref.registry}: give a dockerconfigjson Secret (the "
@@ -76,7 +86,7 @@ def explain(auth: RegistryAuth, ref: OciRef, *, uri: str) -> Explain:
                     "or, on the command line, log in (docker login / oras login writes ~/.docker/config.json)"
                 )
             return SourceAccessDeniedError(
-                f"{uri}: the registry refused the pull ({what}): {advice}", uri=uri
+                f"{uri}: the registry refused the {action} ({what}): {advice}", uri=uri
             )
         if "NAME_UNKNOWN" in codes:
             return SourceNotFoundError(
@@ -113,6 +123,11 @@ class RegistryClient:
     def url(self, kind: str, reference: str) -> str:
         return f"{self.base}/v2/{self.ref.repository}/{kind}/{reference}"
 
+    @property
+    def plain_http_advice(self) -> str:
+        """What a registry that answers TLS in plain HTTP needs: to be named as one."""
+        return plain_http_advice(self.ref.registry)
+
     def manifest(self, reference: str | None = None) -> tuple[str, dict[str, Any]]:
         """The image manifest ``reference`` (default: the ref's) names, and its digest.
 
@@ -148,6 +163,7 @@ class RegistryClient:
             explain=explain(self.auth, self.ref, uri=shown),
             limit=MANIFEST_LIMIT,
             headers={"Accept": ", ".join((*MANIFEST_TYPES, *INDEX_TYPES))},
+            plain_http_advice=self.plain_http_advice,
         )
         digest = "sha256:" + hashlib.sha256(body).hexdigest()
         stated = headers.get("Docker-Content-Digest")
@@ -190,6 +206,7 @@ class RegistryClient:
             auth=self.auth,
             explain=explain(self.auth, self.ref.file(digest), uri=display),
             size=size,
+            plain_http_advice=self.plain_http_advice,
         )
         blob._checksum = Checksum(
             "sha256", digest.removeprefix("sha256:"), digest, size, where=display, object_source=blob

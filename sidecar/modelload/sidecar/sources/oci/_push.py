@@ -36,6 +36,7 @@ from urllib.parse import urljoin, urlsplit
 from modelload.loader.errors import ConfigError, SourceError
 
 from .._connections import Origin
+from .._http import PLAIN_HTTP_REPLIES
 from .._service import origin_of
 from .._settings import SourceSettings
 from ._auth import RegistryAuth
@@ -46,6 +47,7 @@ from ._media import (
     ARTIFACT_MODELPACK,
     CONFIG_MODELPACK,
     DOC_RAW,
+    DOCKER_MANIFEST,
     OCI_MANIFEST,
     WEIGHT_CONFIG_RAW,
     WEIGHT_RAW,
@@ -57,6 +59,8 @@ __all__ = ["PushedLayer", "PushResult", "layer_media_type", "push_directory"]
 log = logging.getLogger("modelload.sidecar.push")
 
 WEIGHT_SUFFIXES = (".safetensors", ".tensors", ".gguf", ".bin", ".pt", ".pth")
+LOADED_SUFFIXES = (".safetensors", ".tensors")
+"""The weight files a sidecar loads: a push without one would publish an artifact no pod can use."""
 _BLOCK = 1 << 20
 
 
@@ -104,15 +108,26 @@ def _files(directory: Path) -> list[Path]:
     skipped = sorted(p.name for p in directory.iterdir() if p.is_dir() and not p.name.startswith("."))
     if skipped:
         log.warning("not pushed (folders are not part of a loaded model): %s", ", ".join(skipped))
-    if not any(p.name.lower().endswith(WEIGHT_SUFFIXES) for p in files):
-        raise ConfigError(f"{directory} holds no weight file ({', '.join(WEIGHT_SUFFIXES)}): nothing to push")
+    if not any(p.name.lower().endswith(LOADED_SUFFIXES) for p in files):
+        others = [p.name for p in files if p.name.lower().endswith(WEIGHT_SUFFIXES)]
+        held = (
+            f"; it holds {', '.join(others[:4])}, which the sidecar does not read (pickled torch weights, "
+            "GGUF): save the model as safetensors (save_pretrained(..., safe_serialization=True)) and push "
+            "that"
+            if others
+            else ": nothing to push"
+        )
+        raise ConfigError(
+            f"{directory} holds no weights the sidecar loads (*.safetensors, or *.tensors for tensorizer)"
+            + held
+        )
     return files
 
 
 class _Registry:
     """Requests to one repository for a push: the token flow with ``pull,push``, bodies from files."""
 
-    def __init__(self, ref: OciRef, settings: SourceSettings) -> None:
+    def __init__(self, ref: OciRef, settings: SourceSettings, *, credentials_from: str | None = None) -> None:
         self.ref = ref
         self.base = ref.base_url(settings.registry)
         self.settings = settings
@@ -124,6 +139,7 @@ class _Registry:
             http=settings.http,
             retry=settings.retry,
             actions="pull,push",
+            credentials_from=credentials_from,
         )
         self._explain = explain(self.auth, ref, uri=ref.display)
 
@@ -163,6 +179,16 @@ class _Registry:
                 conn.request(method, parts.path + (f"?{parts.query}" if parts.query else ""), body, sent)
                 response = conn.getresponse()
                 data = response.read()
+            except ssl.SSLError as exc:
+                if exc.reason not in PLAIN_HTTP_REPLIES:
+                    raise SourceError(
+                        f"{self.ref.display}: {method} to the registry failed: {type(exc).__name__}: {exc}",
+                        uri=self.ref.display,
+                    ) from None
+                raise ConfigError(
+                    f"{self.ref.display}: {origin.netloc} answered in plain HTTP, not TLS: if the registry "
+                    "serves plain HTTP, push with --plain-http"
+                ) from None
             except OSError as exc:
                 raise SourceError(
                     f"{self.ref.display}: {method} to the registry failed: {type(exc).__name__}: {exc}",
@@ -182,6 +208,23 @@ class _Registry:
                 response.status, response.reason, response.headers, data, origin == self.origin
             )
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def tagged(self, tag: str) -> tuple[str, dict[str, object]] | None:
+        """The digest and document of the image manifest ``tag`` names now, or None for a new tag."""
+        status, _, body = self.call(
+            "GET",
+            f"v2/{self.ref.repository}/manifests/{tag}",
+            accept=frozenset({200, 404}),
+            headers={"Accept": f"{OCI_MANIFEST}, {DOCKER_MANIFEST}"},
+        )
+        if status == 404:
+            return None
+        try:
+            document = json.loads(body)
+        except ValueError:
+            document = {}
+        digest = "sha256:" + hashlib.sha256(body).hexdigest()
+        return digest, document if isinstance(document, dict) else {}
 
     def blob_exists(self, digest: str) -> bool:
         status, _, _ = self.call(
@@ -213,31 +256,88 @@ def push_directory(
     *,
     annotations: Mapping[str, str] | None = None,
     progress: Callable[[str], None] | None = None,
+    force: bool = False,
+    credentials_from: str | None = None,
 ) -> PushResult:
-    """Push ``directory`` to ``uri`` (``oci://REGISTRY/REPOSITORY:TAG``) as a ModelPack artifact."""
+    """Push ``directory`` to ``uri`` (``oci://REGISTRY/REPOSITORY:TAG``) as a ModelPack artifact.
+
+    A tag that already names an artifact of other files (or other annotations) is not moved unless ``force``:
+    pods load a tag, so moving it changes the model the next pod gets. The same files pushed again leave the
+    tag as it is and return its digest. ``credentials_from`` names where ``settings``' credentials came from,
+    for messages.
+    """
     ref = parse_oci_uri(uri)
     if ref.digest is not None or ref.path:
         raise ConfigError(
             f"{uri}: push to a tag (oci://REGISTRY/REPOSITORY:TAG): the digest is the push's result"
         )
+    tag = ref.tag or "latest"  # a reference without a digest has a tag (parse_oci_uri defaults it)
     say = progress or log.info
-    registry = _Registry(ref, settings)
-    layers: list[PushedLayer] = []
-    for path in _files(directory):
-        size = path.stat().st_size
-        digest = _sha256(path)
-        media = layer_media_type(path.name)
-        uploaded = not registry.blob_exists(digest)
-        if uploaded:
-            with path.open("rb") as body:
-                registry.upload(digest, size, body)
-        say(f"{'pushed' if uploaded else 'exists'} {path.name} ({size} bytes, {media}, {digest[:19]})")
-        layers.append(PushedLayer(path.name, digest, size, media, uploaded))
+    files = _files(directory)
+    planned = [(path, _sha256(path), layer_media_type(path.name)) for path in files]
+    registry = _Registry(ref, settings, credentials_from=credentials_from)
+    current = registry.tagged(tag)
+    if current is not None:
+        same = _same_files(current[1], [(p.name, digest) for p, digest, _ in planned], annotations or {})
+        if same:
+            say(f"unchanged: {ref.display} already names these files ({current[0][:19]})")
+            kept = tuple(PushedLayer(p.name, d, p.stat().st_size, m, False) for p, d, m in planned)
+            return PushResult(ref.display, current[0], kept)
+        if not force:
+            raise ConfigError(
+                f"{ref.display} already names another model ({current[0][:19]}...): pods that load this tag "
+                "would get these files instead. Push under a new tag, or pass --force to move the tag"
+            )
+    layers = [_upload(registry, path, digest, media, say) for path, digest, media in planned]
     config = _model_config(directory, layers)
     config_digest = "sha256:" + hashlib.sha256(config).hexdigest()
     if not registry.blob_exists(config_digest):
         registry.upload(config_digest, len(config), config)
-    manifest = {
+    document = _manifest(config, config_digest, layers, annotations)
+    digest = "sha256:" + hashlib.sha256(document).hexdigest()
+    registry.call(
+        "PUT",
+        f"v2/{ref.repository}/manifests/{tag}",
+        accept=frozenset({201}),
+        headers={"Content-Type": OCI_MANIFEST},
+        body=document,
+    )
+    say(f"pushed {ref.display} ({len(layers)} layers): {ref.pinned(digest).uri}")
+    return PushResult(ref.display, digest, tuple(layers))
+
+
+def _upload(
+    registry: _Registry, path: Path, digest: str, media: str, say: Callable[[str], None]
+) -> PushedLayer:
+    size = path.stat().st_size
+    uploaded = not registry.blob_exists(digest)
+    if uploaded:
+        with path.open("rb") as body:
+            registry.upload(digest, size, body)
+    say(f"{'pushed' if uploaded else 'exists'} {path.name} ({size} bytes, {media}, {digest[:19]})")
+    return PushedLayer(path.name, digest, size, media, uploaded)
+
+
+def _same_files(
+    manifest: Mapping[str, object], files: list[tuple[str, str]], annotations: Mapping[str, str]
+) -> bool:
+    """Whether ``manifest`` (a tag's current one) holds exactly ``files`` (name, digest), as a push of them
+    would have written it, with the same annotations."""
+    layers = manifest.get("layers")
+    if not isinstance(layers, list):
+        return False
+    held = sorted(
+        (str((layer.get("annotations") or {}).get(ANNOTATION_FILEPATH)), str(layer.get("digest")))
+        for layer in layers
+        if isinstance(layer, dict)
+    )
+    return held == sorted(files) and (manifest.get("annotations") or {}) == dict(annotations)
+
+
+def _manifest(
+    config: bytes, config_digest: str, layers: list[PushedLayer], annotations: Mapping[str, str] | None
+) -> bytes:
+    manifest: dict[str, object] = {
         "schemaVersion": 2,
         "mediaType": OCI_MANIFEST,
         "artifactType": ARTIFACT_MODELPACK,
@@ -254,17 +354,7 @@ def push_directory(
     }
     if annotations:
         manifest["annotations"] = dict(annotations)
-    document = json.dumps(manifest, indent=2).encode()
-    digest = "sha256:" + hashlib.sha256(document).hexdigest()
-    registry.call(
-        "PUT",
-        f"v2/{ref.repository}/manifests/{ref.tag}",
-        accept=frozenset({201}),
-        headers={"Content-Type": OCI_MANIFEST},
-        body=document,
-    )
-    say(f"pushed {ref.display} ({len(layers)} layers): {ref.pinned(digest).uri}")
-    return PushResult(ref.display, digest, tuple(layers))
+    return json.dumps(manifest, indent=2).encode()
 
 
 def _model_config(directory: Path, layers: list[PushedLayer]) -> bytes:
