@@ -23,6 +23,7 @@ from modelload.operator.tls import (
     write_files,
 )
 from tests.operator.conftest import MWC, MWC_NAME, OPERATOR_NAMESPACE, current, wait_for
+from tests.support.waiting import wait_for_async
 
 NAMES = service_names("modelload-webhook", "modelload-system")
 
@@ -286,13 +287,25 @@ async def test_two_running_replicas_renew_the_certificate_before_it_expires_and_
         ):
             ca_before = trusted_by_the_api_server(kube)
             seen, bundles = await watch_replicas(kube, [a, b], 7.0)  # past the first certificate's expiry
-            secret = await api.read_secret(OPERATOR_NAMESPACE, "modelload-webhook-tls")
+
+            async def both_serve_the_secrets_certificate() -> dict[str, Any] | None:
+                # Read after the watch, the Secret may already hold the next renewal (every 4 s): wait, with
+                # a deadline, for both replicas to pick it up, not compare two moments a renewal splits.
+                secret = await api.read_secret(OPERATOR_NAMESPACE, "modelload-webhook-tls")
+                final = int(x509.load_pem_x509_certificate(secret["tls.crt"]).serial_number)
+                trust = trusted_by_the_api_server(kube)
+                served = [await served_serial(replica.port, trust) for replica in (a, b)]
+                return secret if served == [final, final] else None
+
+            secret = await wait_for_async(
+                both_serve_the_secrets_certificate,
+                timeout=15.0,
+                what="both replicas serving the Secret's certificate",
+            )
     finally:
         await api.close()
     assert all(len(serials) >= 2 for serials in seen), seen  # each replica moved to a renewed certificate
     assert bundles == [ca_before]  # same CA throughout: nothing for the API server to learn
-    final = int(x509.load_pem_x509_certificate(secret["tls.crt"]).serial_number)
-    assert all(final in serials for serials in seen)  # both ended on the Secret's certificate
     assert "ca-previous.crt" not in secret
 
 
