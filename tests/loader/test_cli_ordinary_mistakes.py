@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -65,25 +64,18 @@ def test_stage_onto_a_read_only_volume_says_read_only_not_full(
     assert "bytes and" not in err  # not the free-space message of a full volume
 
 
-def test_a_sidecar_on_a_read_only_volume_reports_a_segment_error_not_an_internal_one(
+def test_a_sidecar_on_a_read_only_volume_is_refused_at_start_with_a_segment_error(
     model: Path, read_only_tmpfs: Path
 ) -> None:
+    from modelload.loader.errors import SegmentError
     from modelload.sidecar.process import Sidecar
     from modelload.sidecar.settings import parse_settings
 
     argv = ["--source", str(model), "--segment", str(read_only_tmpfs / "m.seg"), "--notify", "none"]
-    sidecar = Sidecar(parse_settings([*argv, "--host", "127.0.0.1", "--port", "0"], environ={}))
-    sidecar.start()
-    try:
-        deadline = time.monotonic() + 20
-        while sidecar.tracker.snapshot().phase != "failed":
-            assert time.monotonic() < deadline, "the load did not fail"
-            time.sleep(0.02)
-    finally:
-        sidecar.stop()
-    status = sidecar.tracker.snapshot()
-    assert status.errors == {"segment": 1}
-    assert status.error is not None and "read-only file system" in status.error
+    settings = parse_settings([*argv, "--host", "127.0.0.1", "--port", "0"], environ={})
+    with pytest.raises(SegmentError, match=r"(?i)read-only file system") as refused:
+        Sidecar(settings)  # the segment's lock cannot be taken: nothing to load into
+    assert refused.value.kind == "segment"
 
 
 def operator(env: dict[str, str]) -> subprocess.CompletedProcess[str]:

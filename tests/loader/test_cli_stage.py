@@ -14,8 +14,9 @@ import pytest
 from modelload.loader import LoadFailedError, attach, dtypes
 from modelload.loader.cli.main import main
 from modelload.loader.formats import read_index
-from modelload.loader.segment import SegmentReader, TensorFlags, TensorState, WriterState
+from modelload.loader.segment import SegmentReader, TensorFlags
 from tests.formats.tensorizer_support import raw_bytes, sample, torch, tz_write
+from tests.support.failures import assert_load_failed
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 tensorizer = pytest.importorskip("tensorizer")
@@ -102,7 +103,7 @@ def test_an_encrypted_file_without_its_key_creates_no_segment(
     assert not (shm_dir / "model.seg").exists()
 
 
-def test_a_corrupt_file_marks_the_segment_failed_with_the_reason(
+def test_a_corrupt_file_fails_the_stage_leaving_the_reason_and_no_segment_holding_memory(
     shm_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     tensors = {"a": sample("float32", (100,)), "b": sample("int32", (50,)), "c": sample("float16", (8,))}
@@ -113,19 +114,14 @@ def test_a_corrupt_file_marks_the_segment_failed_with_the_reason(
     data[entry.data_offset] ^= 0x10
     source.write_bytes(data)
     segment = shm_dir / "model.seg"
-
     code, _, err = cli(capsys, source, segment, "--threads", "1")
     assert code == 1
     assert err.startswith("modelload stage: ") and "tensor 'b'" in err
-    with SegmentReader.open(segment) as reader:
-        assert reader.writer_state == WriterState.FAILED
-        assert "tensor 'b'" in reader.error and "corrupt" in reader.error
-        assert reader.state(1) == TensorState.FAILED
-    with (
-        attach(segment, timeout=5, notify=False) as model,
-        pytest.raises(LoadFailedError, match="tensor 'b'"),
-    ):
-        model.wait()
+    assert not segment.exists(), "the failed segment holds no memory"
+    assert not list(shm_dir.glob(".model.seg*")), "nor does anything set aside"
+    assert "tensor 'b'" in (shm_dir / "model.seg.failed").read_text()
+    with pytest.raises(LoadFailedError, match=r"tensor 'b'.*corrupt"):
+        attach(segment, timeout=5, notify=False)
 
     code, _, err = cli(capsys, source, segment, "--no-verify")
     assert code == 0, "without --verify the flipped bit goes unnoticed: the check above is the hash check"
@@ -254,8 +250,7 @@ def test_staging_with_a_wrong_key_says_the_key_is_wrong(
 
     code, _, err = cli(capsys, source, segment, "--key-file", key, "--threads", "1")
     assert code == 1 and "key or password is wrong" in err
-    with SegmentReader.open(segment) as reader:
-        assert reader.writer_state == WriterState.FAILED
+    assert_load_failed(segment, match="key or password is wrong")
 
 
 def test_a_corrupt_encrypted_tensor_is_told_as_corrupt_not_as_a_wrong_key(
@@ -276,6 +271,4 @@ def test_a_corrupt_encrypted_tensor_is_told_as_corrupt_not_as_a_wrong_key(
     code, _, err = cli(capsys, source, segment, "--key-file", key, "--threads", "1")
     assert code == 1
     assert "tensor 'a'" in err and "corrupt (the key is right)" in err
-    with SegmentReader.open(segment) as reader:
-        assert reader.writer_state == WriterState.FAILED
-        assert reader.state(0) != TensorState.READY
+    assert_load_failed(segment, match="corrupt")

@@ -106,7 +106,7 @@ def test_a_stop_during_connection_retries_is_prompt(shm_dir: Path) -> None:
     assert took < 2.0, f"stopping took {took:.1f} s"
     snapshot = sidecar.tracker.snapshot()
     assert snapshot.phase == "stopped"
-    assert not (shm_dir / "model.seg.failed").exists()  # a stop is not a failure for apps to report
+    assert not (shm_dir / "model.seg.failed").exists()  # a stop: a restart loads again, apps wait for it
 
 
 def test_the_range_fallback_has_a_flag_and_a_variable() -> None:

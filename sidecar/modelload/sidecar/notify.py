@@ -108,6 +108,9 @@ class Notifier:
         cut = reason.encode("utf-8")[:MAX_REASON_BYTES]
         self._send(b"failed", cut.decode("utf-8", "ignore").encode("utf-8"))  # never half a character
 
+    def load_retrying(self, *, kind: str, reason: str, attempt: int, delay: float) -> None:
+        self.load_failed(kind=kind, reason=reason)  # the attempt's segment is FAILED: wake its readers
+
     # --- sending and closing --------------------------------------------------------------------------
 
     def _send(self, topic: bytes, payload: bytes) -> None:

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from modelload.loader.errors import SegmentError, SegmentSpaceError
+from modelload.loader.errors import ConfigError, SegmentError, SegmentSpaceError
 from modelload.loader.segment import _memory, _ring
 from modelload.loader.segment.consumers import create_table
 from modelload.loader.segment.layout import (
@@ -62,8 +62,9 @@ from modelload.loader.segment.layout import (
     WriterState,
     entry_offset,
 )
+from modelload.loader.segment.lock import WriterLock
 
-__all__ = ["SegmentWriter"]
+__all__ = ["SegmentWriter", "check_folder", "supersede"]
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,7 @@ class SegmentWriter:
         created_ns: int | None = None,
         heartbeat: bool = True,
         reserve_ranges: Sequence[tuple[int, int]] = (),
+        lock: WriterLock | None = None,
     ) -> SegmentWriter:
         """Create, size and publish a segment for ``layout`` at ``path``, ready for tensor data.
 
@@ -128,6 +130,10 @@ class SegmentWriter:
 
         ``reserve_ranges`` (``(offset, length)`` pairs) are reserved before publishing even without
         ``reserve``, as are the header, manifest and state table: the parts no data transfer will write.
+
+        ``lock``, the segment's :class:`~modelload.loader.segment.lock.WriterLock` held by the caller, is
+        told the new load_id before the segment is published, so a reader can tell from the lock whether
+        this load's writer still lives (SPEC.md, "Writers and loads").
         """
         target = Path(path)
         load_id = load_id or (secrets.randbits(64) | 1)
@@ -163,6 +169,8 @@ class SegmentWriter:
             writer._write_prologue(created_ns)
             if layout.layout_version >= 3:  # the consumer table first: a version-3 or -4 reader looks for it
                 create_table(target, load_id=load_id, tensor_count=len(layout.slots))
+            if lock is not None:
+                lock.update(load_id=load_id)
             _supersede(target, load_id)
             temp.rename(target)
         except BaseException:
@@ -276,9 +284,14 @@ class SegmentWriter:
             self._u32[self._state_word(index)] = TensorState.FAILED
 
     def mark_complete(self) -> None:
-        """Declare the load complete. Every tensor must be READY."""
+        """Declare the load complete. Every tensor must be READY, and the load not already marked FAILED
+        (a stop from another thread): a segment never leaves FAILED."""
         with self._lock:
             self._check_open()
+            if self.writer_state == WriterState.FAILED:
+                raise SegmentError(
+                    f"cannot complete {self.path}: the load was marked failed ({self._error()})"
+                )
             if self._ready != len(self.layout.slots):
                 missing = [s.name for s in self.layout.slots if self.state(s.index) != TensorState.READY]
                 raise SegmentError(f"cannot complete: {len(missing)} tensors are not ready ({missing[:5]})")
@@ -295,6 +308,10 @@ class SegmentWriter:
             self._view[OFF_ERROR : OFF_ERROR + len(encoded)] = encoded
             self._u32[OFF_ERROR_LENGTH // 4] = len(encoded)
             self._finish(WriterState.FAILED)
+
+    def _error(self) -> str:
+        length = int(self._u32[OFF_ERROR_LENGTH // 4])
+        return bytes(self._view[OFF_ERROR : OFF_ERROR + length]).decode("utf-8", "replace")
 
     @property
     def writer_state(self) -> WriterState:
@@ -363,6 +380,18 @@ class SegmentWriter:
     def __repr__(self) -> str:
         ready = f"{self._ready}/{len(self.layout.slots)}"
         return f"<SegmentWriter {self.path} load_id={self.load_id:016x} ready={ready}>"
+
+
+def check_folder(segment: Path) -> None:
+    """ConfigError when the segment's folder is missing. Writers never create it: in a pod it is the
+    shared volume's mount point, and a folder made in its place would hold the model in the writer's own
+    filesystem, out of the app's sight (the sidecar and ``modelload stage`` agree on this)."""
+    folder = segment.absolute().parent
+    if not folder.is_dir():
+        raise ConfigError(
+            f"the segment's folder {folder} does not exist: create it (mkdir -p {folder}), mount the shared"
+            " volume there, or name a segment path in an existing folder (--segment/MODELLOAD_SEGMENT)"
+        )
 
 
 def _check_writable(directory: Path) -> None:
@@ -455,9 +484,14 @@ def _writer_state(target: Path) -> int | None:
 
 
 def _supersede(target: Path, load_id: int) -> None:
-    """Mark a LOADING segment at ``target`` FAILED, so its readers stop waiting (SPEC.md writer rule 4)."""
+    supersede(target, f"superseded by a new load ({load_id:016x}); attach again")
+
+
+def supersede(target: Path, reason: str) -> None:
+    """Mark a LOADING segment at ``target`` FAILED with ``reason``, so its readers stop waiting (SPEC.md
+    writer rule 4). Anything else at ``target`` is left alone."""
     try:
-        fd = os.open(target, os.O_RDWR | os.O_CLOEXEC)
+        fd = os.open(target, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
     except OSError:
         return
     try:
@@ -468,11 +502,9 @@ def _supersede(target: Path, load_id: int) -> None:
             loading = struct.unpack_from("<I", old, OFF_WRITER_STATE)[0] == WriterState.LOADING
             if old[: len(MAGIC)] != MAGIC or not loading:
                 return
-            reason = _truncate_utf8(
-                f"superseded by a new load ({load_id:016x}); attach again", ERROR_CAPACITY
-            )
-            old[OFF_ERROR : OFF_ERROR + len(reason)] = reason
-            struct.pack_into("<I", old, OFF_ERROR_LENGTH, len(reason))
+            encoded = _truncate_utf8(reason, ERROR_CAPACITY)
+            old[OFF_ERROR : OFF_ERROR + len(encoded)] = encoded
+            struct.pack_into("<I", old, OFF_ERROR_LENGTH, len(encoded))
             struct.pack_into("<Q", old, OFF_FINISHED_NS, time.time_ns())
             _memory.release_fence()
             struct.pack_into("<I", old, OFF_WRITER_STATE, WriterState.FAILED)

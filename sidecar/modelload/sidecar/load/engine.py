@@ -47,15 +47,19 @@ from modelload.loader.formats import ModelIndex
 from modelload.loader.formats import tensorizer as tz
 from modelload.loader.segment import (
     MODEL_DIR_KEY,
-    SegmentReader,
     SegmentWriter,
     TensorFinisher,
-    WriterState,
     run_in_order,
 )
+from modelload.loader.segment.failure import leave_failed, remove_failure
+from modelload.loader.segment.identity import LoadIdentity
+from modelload.loader.segment.lock import WriterLock
+from modelload.loader.segment.modeldir import remove_model_dir
+from modelload.loader.segment.previous import Previous, set_aside
 from modelload.sidecar.load import integrity
 from modelload.sidecar.load.meter import ChunkMeter
 from modelload.sidecar.load.modeldir import write_model_dir
+from modelload.sidecar.load.reuse import load_identity, reuse
 from modelload.sidecar.load.settings import LoadSettings
 from modelload.sidecar.memory import MemoryManager, plan_memory
 from modelload.sidecar.planner import Chunk, LoadPlan, plan_load
@@ -75,6 +79,10 @@ from modelload.sidecar.sources import (
 __all__ = ["Engine", "LoadStopped", "error_kind"]
 
 log = logging.getLogger(__name__)
+
+
+STOPPED = "the sidecar was stopped before the load finished"
+"""The reason a stopped load's segment records."""
 
 
 class LoadStopped(ModelloadError):
@@ -105,7 +113,13 @@ class Engine:
         sources: SourceSettings,
         observer: LoadObserver,
         peers: PeerHook | None = None,
+        lock: WriterLock | None = None,
+        retry_transient: bool = False,
     ) -> None:
+        """``lock`` is the segment's writer lock when the caller holds it (the sidecar, for its whole
+        life); without it the engine takes the lock for the run. ``retry_transient`` says the caller
+        retries the whole load after a transient failure: the engine then reports none (the caller says
+        it retries) and leaves no failure marker, only the FAILED segment's reason for attached readers."""
         self.settings = settings
         self._peers = peers
         self._observer = observer
@@ -113,10 +127,21 @@ class Engine:
         # A stop (SIGTERM) also cuts short a retry's backoff, so stopping never waits out a retry's sleep.
         self._sources = replace(sources, retry=replace(sources.retry, stop=self._stop))
         self._writer: SegmentWriter | None = None
+        self._writer_lock = threading.Lock()
+        self._lock = lock
+        self._retry_transient = retry_transient
+        self._previous: Previous | None = None
+        self._model_dir: Path | None = None
 
     def stop(self) -> None:
-        """Stop the readers at their next chunk; a segment still loading is marked FAILED."""
-        self._stop.set()
+        """Mark a segment still loading FAILED ("stopped") at once, then stop the readers at their next
+        chunk: a reader blocked on a slow source cannot hold the mark back (SPEC.md, "Writers and loads")."""
+        with self._writer_lock:
+            self._stop.set()
+            writer = self._writer
+        if writer is not None:
+            with contextlib.suppress(SegmentError):  # closed: the load already ended
+                writer.mark_failed(STOPPED)
 
     # --- the load -----------------------------------------------------------------------------------------
 
@@ -124,7 +149,14 @@ class Engine:
         """Load the model. Raises the ModelloadError that failed it, or :class:`LoadStopped`."""
         settings = self.settings
         self._observer.load_started(source=display_url(settings.source), segment=str(settings.segment))
+        own_lock = None
         try:
+            if self._lock is None:
+                self._lock = own_lock = WriterLock.acquire(settings.segment, program="modelload engine")
+            # Out of sight until this load knows whether the segment an earlier one left is this very load;
+            # an earlier failure's marker goes too (SPEC.md writer rule 7).
+            self._previous = set_aside(settings.segment)
+            remove_failure(settings.segment)
             model = open_model(
                 settings.source,
                 self._sources,
@@ -145,6 +177,8 @@ class Engine:
         finally:
             if self._writer is not None:
                 self._writer.close()
+            if own_lock is not None:
+                own_lock.release()
 
     @property
     def model_dir(self) -> Path:
@@ -157,17 +191,22 @@ class Engine:
         uri = model.uri
         model_dir = None
         _warn_without_validator(model)
+        key = self._read_key()
+        identity = load_identity(model, settings, key)
         if model.directory is not None:
-            model_dir = write_model_dir(model, self.model_dir, self._sources, on_retry=self._retried)
-        if self._reuse(uri, model.fingerprint, model.size):
+            model_dir = self._model_dir = write_model_dir(
+                model, self.model_dir, self._sources, on_retry=self._retried
+            )
+        previous, self._previous = self._previous, None
+        if reuse(previous, identity, key, observer):
             return
         index = model.index
-        key = self._key(index, uri)
+        self._check_key(index, uri, key)
         plan = plan_load(
             index,
             chunk_size=settings.chunk_size,
             priority=settings.priority,
-            metadata=_metadata(uri, model.fingerprint, model.size, settings.notify, model_dir),
+            metadata=_metadata(uri, model.fingerprint, model.size, settings.notify, model_dir, identity),
         )
         plan = plan_memory(plan, settings.memory)
         use_fd = settings.splice and all(source.supports_fd for source in model.sources)
@@ -175,9 +214,14 @@ class Engine:
         unlanded = integrity.unlanded_ranges(plan) if use_fd else []
         # A ring's pages are taken once, now, and reused lap after lap (a full volume fails here).
         ring = settings.memory.mode == "ring"
-        self._writer = writer = SegmentWriter.create(
-            settings.segment, plan.layout, reserve=ring, reserve_ranges=unlanded
+        writer = SegmentWriter.create(
+            settings.segment, plan.layout, reserve=ring, reserve_ranges=unlanded, lock=self._lock
         )
+        with self._writer_lock:  # a stop from now on marks this segment (SIGTERM: mark first, then stop)
+            self._writer = writer
+            stopped = self._stop.is_set()
+        if stopped:
+            raise LoadStopped("stopped before the load finished")
         memory = None
         if settings.memory.mode != "full":
             report = getattr(observer, "memory_changed", None)
@@ -208,73 +252,51 @@ class Engine:
             sample=settings.memory.mode == "full",
             skip=getattr(self._peers, "verified_by_peers", ()),
         )
+        if self._stop.is_set():
+            raise LoadStopped("stopped before the load finished")
         writer.mark_complete()
         observer.load_finished(seconds=time.monotonic() - started, nbytes=index.nbytes)
 
     def _fail(self, exc: BaseException) -> None:
+        """Leave the failure as readers must find it (:func:`~modelload.loader.segment.failure.leave_failed`:
+        the segment marked FAILED, then removed, the reason in the marker), free what this load wrote, and
+        report it unless the caller retries the whole load."""
         kind = error_kind(exc)
-        reason = str(exc) if kind != "stopped" else "the sidecar was stopped before the load finished"
-        if self._writer is not None:
-            with contextlib.suppress(SegmentError):  # a closed writer: the failure came at creation
-                self._writer.mark_failed(reason)
-        self._observer.load_failed(kind=kind, reason=reason)
+        final = not (self._retry_transient and getattr(exc, "transient", False))
+        reason = str(exc) if kind != "stopped" else STOPPED
+        if not final:
+            reason = f"{reason}; the sidecar retries the whole load: attach again"
+        with self._writer_lock:
+            writer = self._writer
+        if kind == "stopped":  # the pod is going away, or a restart loads again: readers just stop waiting
+            if writer is not None:
+                with contextlib.suppress(SegmentError):
+                    writer.mark_failed(reason)
+        elif final or writer is not None:
+            problem = leave_failed(self.settings.segment, f"{reason} ({kind})", writer=writer)
+            if problem is not None:
+                log.error("%s", problem)
+        if not final:  # no marker while retrying: an app attaching meanwhile waits for the next attempt
+            remove_failure(self.settings.segment)
+        if self._model_dir is not None:
+            remove_model_dir(self._model_dir)
+        if self._previous is not None and final and kind != "stopped":
+            self._previous.discard()  # a transient failure or a stop keeps it: the next load may reuse it
+        if final:
+            self._observer.load_failed(kind=kind, reason=reason)
 
     def _retried(self, event: RetryEvent) -> None:
         self._observer.retried(kind=retry_kind(event), message=str(event.error))
 
-    def _reuse(self, uri: str, etag: str | None, size: int) -> bool:
-        """Reuse a COMPLETE segment of this same object (URI, ETag and size), as after a sidecar restart.
-
-        In every memory mode: the app attached before the restart has copied (and consumed) what it
-        released, and does not attach again, so loading anew in ``release`` or ``ring`` mode would wait for
-        a consumer that never comes (a ring stalls, and the pod stops being ready). A segment written in
-        another memory mode is loaded again.
-        """
-        path = self.settings.segment
-        if etag is None or not path.exists():
-            return False
-        try:
-            with SegmentReader.open(path) as old:
-                meta = old.metadata
-                same = (meta.get("source"), meta.get("source_etag"), meta.get("source_size")) == (
-                    uri,
-                    etag,
-                    str(size),
-                )
-                if not same or old.writer_state != WriterState.COMPLETE:
-                    return False
-                if old.memory_mode.name.lower() != self.settings.memory.mode:
-                    log.info(
-                        "not reusing the segment at %s: it was written in memory mode %s",
-                        path,
-                        old.memory_mode.name.lower(),
-                    )
-                    return False
-                nbytes = sum(s.nbytes for s in old.slots)
-                self._observer.manifest_published(
-                    model_format=meta.get("format", "unknown"),
-                    tensors=len(old.slots),
-                    nbytes=nbytes,
-                    notify=meta.get("notify"),
-                )
-                for slot in old.slots:
-                    self._observer.bytes_loaded(slot.nbytes)
-                    self._observer.tensor_ready(index=slot.index, name=slot.name, nbytes=slot.nbytes)
-        except ModelloadError as exc:
-            log.info("not reusing the segment at %s: %s", path, exc)
-            return False
-        self._observer.load_finished(seconds=0.0, nbytes=nbytes)
-        log.info("reusing the complete segment at %s (same object, ETag %s)", path, etag)
-        return True
-
-    def _key(self, index: ModelIndex, uri: str) -> tz.DecryptionKey | None:
+    def _read_key(self) -> tz.DecryptionKey | None:
         settings = self.settings
         if settings.key_file is not None:
-            key = tz.DecryptionKey.from_file(settings.key_file)
-        elif settings.password_file is not None:
-            key = tz.DecryptionKey.from_password_file(settings.password_file)
-        else:
-            key = None
+            return tz.DecryptionKey.from_file(settings.key_file)
+        if settings.password_file is not None:
+            return tz.DecryptionKey.from_password_file(settings.password_file)
+        return None
+
+    def _check_key(self, index: ModelIndex, uri: str, key: tz.DecryptionKey | None) -> None:
         if key is not None and not index.encrypted:
             raise NotEncryptedError(f"{uri} is not encrypted, but a decryption key was given; drop the key")
         if key is None and index.encrypted:
@@ -282,7 +304,6 @@ class Engine:
                 f"{uri} is encrypted and no key was given: pass --key-file or --password-file "
                 "(a ModelLoad's decryptionKeySecretRef)"
             )
-        return key
 
 
 class _Load:
@@ -409,13 +430,18 @@ def _warn_without_validator(model: OpenedModel) -> None:
 
 
 def _metadata(
-    uri: str, etag: str | None, size: int, notify: str | None, model_dir: Path | None
+    uri: str,
+    etag: str | None,
+    size: int,
+    notify: str | None,
+    model_dir: Path | None,
+    identity: LoadIdentity,
 ) -> dict[str, str]:
     try:
         writer = f"modelload-sidecar {version('modelload')}"
     except PackageNotFoundError:
         writer = "modelload-sidecar"
-    meta = {"source": uri, "source_size": str(size), "writer": writer}
+    meta = {"source": uri, "source_size": str(size), "writer": writer, **identity.metadata()}
     if etag is not None:
         meta["source_etag"] = etag
     if notify is not None:

@@ -27,7 +27,7 @@ into :class:`RequestHeaders` for ``HttpSettings(headers=...)``, sent to the sour
 
 from __future__ import annotations
 
-from ._base import InterruptedReadError, ObjectInfo, Source, SourceBase, check_range
+from ._base import InterruptedReadError, ObjectInfo, Source, SourceBase, check_range, file_version
 from ._file import FileSource
 from ._headers import RequestHeaders, parse_headers, read_header_file
 from ._http import HttpSource
@@ -67,6 +67,7 @@ __all__ = [
     "check_scheme",
     "display_url",
     "fetch_small_file",
+    "file_version",
     "is_directory",
     "list_directory",
     "metered",
