@@ -36,7 +36,7 @@ from ._model import OpenedModel, fetch_small_file, open_model
 from ._proxy import ProxySettings, proxy_from_environ
 from ._registry import SourceFactory, check_scheme, open_source, register_source, registered_schemes
 from ._responses import display_url
-from ._retry import RetryCancelled, RetryEvent, read_range, read_range_into_fd, stat_source
+from ._retry import RetryCancelled, RetryEvent, read_bytes, read_range, read_range_into_fd, stat_source
 from ._s3 import S3Location, S3Source, plan_s3_location
 from ._settings import HttpSettings, RetryPolicy, S3Addressing, S3Credentials, S3Settings, SourceSettings
 from ._splice import metered
@@ -76,6 +76,7 @@ __all__ = [
     "parse_headers",
     "plan_s3_location",
     "proxy_from_environ",
+    "read_bytes",
     "read_header_file",
     "read_range",
     "read_range_into_fd",

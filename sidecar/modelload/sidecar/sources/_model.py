@@ -32,9 +32,9 @@ from modelload.loader.formats import (
 from ._base import ObjectInfo, Source
 from ._listing import Directory, is_directory, list_directory
 from ._registry import open_source
-from ._retry import RetryEvent, read_range, stat_source
+from ._retry import RetryEvent, read_bytes, read_range, stat_source
 from ._s3 import S3Source, parse_s3_uri
-from ._settings import SourceSettings
+from ._settings import RetryPolicy, SourceSettings
 
 __all__ = ["OpenedModel", "fetch_small_file", "open_model"]
 
@@ -79,6 +79,9 @@ class OpenedModel:
     """The small files to copy into the model directory, with their sizes."""
     opener: Callable[[str], Source] | None = None
     """How this model's files are opened (sharing S3 set-up); None: :func:`open_source`."""
+    retry: RetryPolicy | None = None
+    """How the index reads are retried: as every range of the load (None: not at all)."""
+    on_retry: Callable[[RetryEvent], None] | None = None
     _index: ModelIndex | None = None
 
     @property
@@ -119,7 +122,14 @@ class OpenedModel:
 
     def _read_index(self, source: Source, info: ObjectInfo) -> ModelIndex:
         uri = source.display_uri
-        index = read_index(source.read_bytes, format=self.format, source=uri, size=info.size)
+        policy, on_retry = self.retry, self.on_retry
+
+        def read(offset: int, length: int) -> bytes:
+            if policy is None:
+                return source.read_bytes(offset, length)
+            return read_bytes(source, offset, length, policy=policy, on_retry=on_retry)
+
+        index = read_index(read, format=self.format, source=uri, size=info.size)
         if index.data_end > info.size:
             raise TruncatedError(
                 f"the index needs {index.data_end} bytes and the object has {info.size}: it is truncated",
@@ -157,7 +167,14 @@ def open_model(
     except BaseException:
         source.close()
         raise
-    return OpenedModel(uri=source.display_uri, sources=[source], infos=[info], format=format)
+    return OpenedModel(
+        uri=source.display_uri,
+        sources=[source],
+        infos=[info],
+        format=format,
+        retry=settings.retry,
+        on_retry=on_retry,
+    )
 
 
 def _open_directory(
@@ -205,6 +222,8 @@ def _open_directory(
         directory=directory,
         small=small_sizes,
         opener=opener,
+        retry=settings.retry,
+        on_retry=on_retry,
     )
 
 
