@@ -38,9 +38,12 @@ def test_two_segments_in_one_folder_get_two_notify_sockets_and_stopping_one_keep
 def test_a_second_publisher_on_a_live_socket_is_refused_instead_of_taking_it(shm_dir: Path) -> None:
     endpoint = f"ipc://{shm_dir}/shared.sock"
     with Notifier(endpoint):
-        with pytest.raises(ConfigError, match="another process publishes notifications on ipc://"):
+        with pytest.raises(ConfigError, match="another process publishes notifications on ipc://") as clash:
             Notifier(endpoint)
         assert (shm_dir / "shared.sock").is_socket()
+    # The advice never leads two sidecars onto one segment (each with its own --notify): that is refused.
+    assert "never share one segment" in str(clash.value)
+    assert "or its own segment path" not in str(clash.value)
 
 
 def test_a_missing_segment_folder_is_named_as_such(

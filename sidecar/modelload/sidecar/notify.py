@@ -201,8 +201,9 @@ def _refuse_a_live_socket(path: Path, endpoint: str) -> None:
     finally:
         probe.close()
     raise ConfigError(
-        f"another process publishes notifications on {endpoint}: give this sidecar its own endpoint"
-        " (--notify/MODELLOAD_NOTIFY) or its own segment path"
+        f"another process publishes notifications on {endpoint}. A sidecar of another segment: leave"
+        " --notify/MODELLOAD_NOTIFY unset (the default is one endpoint per segment) or give each its own."
+        " Two sidecars never share one segment: the second is refused, naming the first"
     )
 
 
