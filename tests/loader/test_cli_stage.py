@@ -13,6 +13,7 @@ import pytest
 
 from modelload.loader import LoadFailedError, attach, dtypes
 from modelload.loader.cli.main import main
+from modelload.loader.errors import ConfigError
 from modelload.loader.formats import read_index
 from modelload.loader.segment import SegmentReader, TensorFlags
 from tests.formats.tensorizer_support import raw_bytes, sample, torch, tz_write
@@ -135,6 +136,41 @@ def test_staging_into_a_missing_directory_is_a_clear_error(
     code, _, err = cli(capsys, source, tmp_path / "nowhere" / "model.seg")
     assert code == 1
     assert "does not exist" in err and str(tmp_path / "nowhere") in err
+
+
+def test_stage_refuses_a_missing_folder_as_the_sidecar_does_and_creates_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from modelload.sidecar.process import Sidecar
+    from modelload.sidecar.settings import parse_settings
+
+    model = tmp_path / "model"  # a directory model: config beside the weights, as from the Hub
+    model.mkdir()
+    safetensors_torch.save_file({"w": sample("float32", (2,))}, str(model / "model.safetensors"))
+    (model / "config.json").write_text("{}")
+    target = tmp_path / "volume" / "model.seg"
+    code, _, err = cli(capsys, model, target)
+    assert code == 1
+    assert f"the segment's folder {target.parent} does not exist" in err
+    assert not target.parent.exists(), "stage created neither the folder nor a model directory in it"
+    argv = ["--source", str(model), "--segment", str(target), "--port", "0"]
+    with pytest.raises(ConfigError, match=f"the segment's folder {target.parent} does not exist"):
+        Sidecar(parse_settings(argv, environ={}))  # the same words from the sidecar
+
+
+def test_a_stage_refused_by_a_full_volume_leaves_no_model_directory_behind(
+    tmp_path: Path, tiny_tmpfs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    safetensors_torch.save_file({"w": sample("float32", (600_000,))}, str(model / "model.safetensors"))
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    (model / "tokenizer.json").write_text("{}")
+    code, _, err = cli(capsys, model, tiny_tmpfs / "model.seg")
+    assert code == 1 and "sizeLimit" in err
+    assert sorted(p.name for p in tiny_tmpfs.iterdir()) == ["model.seg.failed", "model.seg.lock"], (
+        "no model/ folder of config files, no segment: only the reason"
+    )
 
 
 def test_a_file_that_is_not_a_segment_is_not_replaced_unless_forced(

@@ -351,3 +351,20 @@ def test_a_restart_of_the_same_load_reuses_its_segment_but_not_after_the_object_
     load(url, segment)
     assert segment.stat().st_ino != inode
     models.assert_segment_matches(segment, second)
+
+
+def test_a_load_refused_by_a_full_volume_leaves_no_model_directory_behind(
+    nginx: Any, tiny_tmpfs: Path
+) -> None:
+    from modelload.loader.errors import SegmentSpaceError
+    from tests.support import hfdir
+
+    tensors = {"w": models.state_dict(seed=74, layers=1, width=512)["embed.weight"]}  # 1 MiB: too big
+    for name, data in hfdir.files(tensors, shards=1, small={"config.json": b"{}"}).items():
+        nginx.put(f"endings-full/{name}", data)
+    with pytest.raises(SegmentSpaceError):
+        load(nginx.url("endings-full/"), tiny_tmpfs / "model.seg")
+    assert sorted(p.name for p in tiny_tmpfs.iterdir()) == ["model.seg.failed", "model.seg.lock"], (
+        "no model/ folder of config files, no segment: only the reason"
+    )
+    assert_load_failed(tiny_tmpfs / "model.seg", match="sizeLimit")

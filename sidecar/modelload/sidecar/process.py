@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from modelload.loader.errors import ModelloadError
 from modelload.sidecar.load.attempts import AttemptPolicy
 from modelload.sidecar.logs import LoggingObserver, describe_progress
-from modelload.sidecar.settings import SidecarSettings
+from modelload.sidecar.settings import SidecarSettings, check_secret_files
 
 if TYPE_CHECKING:
     from modelload.sidecar.api import ApiServer
@@ -126,6 +126,7 @@ class Sidecar:
         from modelload.loader.segment.writer import check_folder
 
         attempts = attempts or AttemptPolicy()
+        check_secret_files(settings.engine)
         check_folder(settings.engine.segment)
         # One writer per segment, before anything else binds: a second sidecar on this segment is refused
         # here, naming the first, rather than by the notify socket it would also share.

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from modelload.loader.errors import (
+    ConfigError,
     MissingKeyError,
     ModelloadError,
     NotEncryptedError,
@@ -290,10 +291,15 @@ class Engine:
 
     def _read_key(self) -> tz.DecryptionKey | None:
         settings = self.settings
-        if settings.key_file is not None:
-            return tz.DecryptionKey.from_file(settings.key_file)
-        if settings.password_file is not None:
-            return tz.DecryptionKey.from_password_file(settings.password_file)
+        try:
+            if settings.key_file is not None:
+                return tz.DecryptionKey.from_file(settings.key_file)
+            if settings.password_file is not None:
+                return tz.DecryptionKey.from_password_file(settings.password_file)
+        except OSError as exc:  # checked at start; gone since (a Secret unmounted)
+            path = settings.key_file or settings.password_file
+            flag = "--key-file" if settings.key_file is not None else "--password-file"
+            raise ConfigError(f"cannot read {path}: {exc.strerror or exc}", setting=flag) from None
         return None
 
     def _check_key(self, index: ModelIndex, uri: str, key: tz.DecryptionKey | None) -> None:

@@ -31,6 +31,7 @@ from modelload.loader.errors import (
     SourceAccessDeniedError,
     SourceChangedError,
     SourceError,
+    SourceUriError,
 )
 
 from ._base import InterruptedReadError, ObjectInfo, SourceBase, byte_view
@@ -387,6 +388,12 @@ class HttpSource(HttpObject):
         except ValueError:
             return False
         with self._lock:
+            current, path = self._location
+            if origin == current and _is_directory_redirect(path, _request_path(location)):
+                raise SourceUriError(
+                    f"{self.display_uri} names a directory (the server redirects to {display_url(location)}):"
+                    f" end the source with '/' to load the model in it ({self.display_uri}/)"
+                )
             self._location = (origin, _request_path(location))
         if self._private and origin != self._origin:
             _log.info(
@@ -434,6 +441,11 @@ class HttpSource(HttpObject):
             "headersSecretRef (the sidecar's --header-file); a presigned URL may have expired",
             uri=uri,
         )
+
+
+def _is_directory_redirect(path: str, target: str) -> bool:
+    """A server's redirect of ``/dir`` to ``/dir/``: the URL names a directory, not a file."""
+    return "?" not in path and not path.endswith("/") and target == path + "/"
 
 
 def _request_path(url: str) -> str:

@@ -23,18 +23,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit
 
-from modelload.loader.errors import ConfigError, SourceNotFoundError
+from modelload.loader.errors import ConfigError, ModelloadError, SourceNotFoundError, SourceUriError
 from modelload.loader.formats import SAFETENSORS_INDEX, WELL_KNOWN_SMALL_FILES
 
 from ._registry import open_source
 from ._responses import display_url
 from ._retry import stat_source
 from ._s3 import list_s3_prefix
-from ._settings import SourceSettings
+from ._settings import RetryPolicy, SourceSettings
 
-__all__ = ["Directory", "is_directory", "list_directory"]
+__all__ = ["Directory", "directory_hint", "is_directory", "list_directory"]
 
 _PROBED = (SAFETENSORS_INDEX, "model.safetensors", "model.tensors", *WELL_KNOWN_SMALL_FILES)
+_ONE_TRY = RetryPolicy(attempts=1, initial_backoff=0.0, max_backoff=0.0, deadline=10.0)
+"""A hint's probes are not retried: a failed load waits for no courtesy."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,11 @@ def list_directory(uri: str, settings: SourceSettings, *, files: Sequence[str] =
                 f"{display_url(uri)}: a directory URL cannot carry a query string (a presigned URL signs one "
                 "object): serve the directory without one, or load one file"
             )
+        if files and not uri.endswith("/"):
+            raise SourceUriError(
+                f"{display_url(uri)}: with a list of files the source is a directory and must end with '/'"
+                f" ({display_url(uri)}/); without it the names would be appended to its last segment"
+            )
         names = tuple(files) or _PROBED
         found = _probe(uri, names, settings, required=bool(files))
         return Directory(uri, display_url(uri), found, listed=bool(files))
@@ -152,3 +159,29 @@ def _probe(
     with ThreadPoolExecutor(max_workers=min(8, len(names)), thread_name_prefix="probe") as pool:
         found = list(pool.map(stat, names))
     return {name: size for name, size in found if size is not None}
+
+
+def directory_hint(uri: str, settings: SourceSettings) -> str | None:
+    """What to say when ``uri``, read as one file, does not exist but names a model directory: an S3 prefix
+    ``key/`` that holds files, or an HTTP(S) base whose usual files answer. None when it does not look like
+    one (or the look fails: the hint is a courtesy, the not-found error stands)."""
+    if uri.endswith("/") or _local_path(uri) is not None:
+        return None
+    base = uri + "/"
+    try:
+        if uri.startswith("s3://"):
+            names = sorted(list_s3_prefix(base, settings))
+        elif uri.startswith(("http://", "https://")) and not urlsplit(uri).query:
+            probe = SourceSettings(http=settings.http, s3=settings.s3, retry=_ONE_TRY)
+            names = sorted(
+                _probe(base, (SAFETENSORS_INDEX, "config.json", "model.safetensors"), probe, required=False)
+            )
+        else:
+            return None
+    except ModelloadError:
+        return None
+    if not names:
+        return None
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    shown_base = display_url(base)
+    return f"but {shown_base} is a directory holding {shown}: end the source with '/' to load the model in it"

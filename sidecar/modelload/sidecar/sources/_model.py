@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
-from modelload.loader.errors import TruncatedError
+from modelload.loader.errors import SourceNotFoundError, TruncatedError
 from modelload.loader.formats import (
     SAFETENSORS_INDEX,
     SMALL_FILE_LIMIT,
@@ -30,7 +30,7 @@ from modelload.loader.formats import (
 )
 
 from ._base import ObjectInfo, Source
-from ._listing import Directory, is_directory, list_directory
+from ._listing import Directory, directory_hint, is_directory, list_directory
 from ._registry import open_source
 from ._retry import RetryEvent, read_bytes, read_range, stat_source
 from ._s3 import S3Source, parse_s3_uri
@@ -164,6 +164,12 @@ def open_model(
     source = open_source(uri, settings)
     try:
         info = stat_source(source, policy=settings.retry, on_retry=on_retry)
+    except SourceNotFoundError as exc:
+        source.close()
+        hint = directory_hint(uri, settings)
+        if hint is None:
+            raise
+        raise SourceNotFoundError(f"{exc}, {hint}", uri=exc.uri) from exc
     except BaseException:
         source.close()
         raise

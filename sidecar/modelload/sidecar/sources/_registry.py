@@ -91,8 +91,19 @@ def _factory(uri: str) -> SourceFactory | None:
 
 
 def _refuse_a_scheme_short_of_its_slashes(uri: str) -> None:
-    """``s3:/bucket/m`` or ``https:host/m`` would otherwise be read as a local path and fail as a missing
-    file; ``file:/path`` stays a path, as documented."""
+    """``s3:/bucket/m``, ``https:host/m`` or ``s3//bucket/m`` would otherwise be read as a local path and
+    fail as a missing file; ``file:/path`` stays a path, as documented."""
+    colonless = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)//", uri)
+    if colonless is not None:
+        scheme = colonless.group(1).lower()
+        with _lock:
+            known = scheme in _factories and scheme != "file"
+        if known:
+            rest = uri[colonless.end() :]
+            raise SourceUriError(
+                f"{uri!r} is not a {scheme}:// URI (no ':' after '{scheme}'), and as a local path it names"
+                f" nothing: did you mean {scheme}://{rest}?"
+            )
     short = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*):/?(?!/)", uri)
     if short is None:
         return
