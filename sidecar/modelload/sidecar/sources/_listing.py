@@ -16,7 +16,6 @@ Which of the files are weights is decided by :func:`modelload.loader.formats.sel
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from urllib.parse import quote, unquote, urlsplit
 
 from modelload.loader.errors import ConfigError, ModelloadError, SourceNotFoundError, SourceUriError
 from modelload.loader.formats import SAFETENSORS_INDEX, WELL_KNOWN_SMALL_FILES
+from modelload.loader.localdir import list_local_directory
 
 from ._registry import open_source
 from ._responses import display_url
@@ -121,7 +121,7 @@ def list_directory(uri: str, settings: SourceSettings, *, files: Sequence[str] =
 
 def _list_local(path: Path, files: Sequence[str]) -> Directory:
     try:
-        entries = {e.name: e.stat().st_size for e in os.scandir(path) if e.is_file()}
+        entries = list_local_directory(path)
     except FileNotFoundError:
         raise SourceNotFoundError(f"{path} does not exist", uri=str(path)) from None
     except OSError as exc:
