@@ -27,6 +27,7 @@ into :class:`RequestHeaders` for ``HttpSettings(headers=...)``, sent to the sour
 
 from __future__ import annotations
 
+from ._addresses import AddressPolicy, parse_networks
 from ._base import InterruptedReadError, ObjectInfo, Source, SourceBase, check_range, file_version
 from ._file import FileSource
 from ._headers import RequestHeaders, parse_headers, read_header_file
@@ -42,6 +43,7 @@ from ._settings import HttpSettings, RetryPolicy, S3Addressing, S3Credentials, S
 from ._splice import metered
 
 __all__ = [
+    "AddressPolicy",
     "Directory",
     "FileSource",
     "HttpSettings",
@@ -73,6 +75,7 @@ __all__ = [
     "metered",
     "open_model",
     "open_source",
+    "parse_networks",
     "parse_headers",
     "plan_s3_location",
     "proxy_from_environ",

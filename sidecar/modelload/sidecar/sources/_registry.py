@@ -18,6 +18,7 @@ from modelload.loader.errors import ConfigError, SourceUriError
 from ._base import Source
 from ._file import open_file
 from ._http import open_http
+from ._responses import display_url
 from ._s3 import open_s3
 from ._settings import SourceSettings
 
@@ -75,6 +76,12 @@ def check_scheme(uri: str) -> None:
 
 
 def _factory(uri: str) -> SourceFactory | None:
+    if any(ord(c) < 32 or ord(c) == 127 for c in uri):
+        shown = display_url(uri).encode("unicode_escape").decode("ascii")
+        raise SourceUriError(
+            f"the source URI '{shown}' holds a control character (a NUL byte, a newline): no object is named"
+            " that way; check how the URI was written or templated"
+        )
     match = _SCHEME.match(uri)
     if match is None:
         _refuse_a_scheme_short_of_its_slashes(uri)
