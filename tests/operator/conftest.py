@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import os
 import time
+import uuid
 import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -21,13 +22,16 @@ from typing import Any
 
 import pytest
 
-from tests.support.fixtures import moto_s3  # noqa: F401 - a fixture
+from tests.support.fixtures import moto_s3, nginx  # noqa: F401 - fixtures
 
 NAMESPACE = "serving"
 OPERATOR_NAMESPACE = "modelload-system"
 MODELLOADS = "modelload.dev/v1alpha1/modelloads"
 MWC = "admissionregistration.k8s.io/v1/mutatingwebhookconfigurations"
 MWC_NAME = "modelload"
+LOOPBACK = "127.0.0.0/8,::1/128"
+"""The networks the tests' operator may read sources from: its test servers, on loopback. An operator with the
+chart's defaults refuses them (tests/operator/test_source_reads.py)."""
 
 
 def model_bytes(tensors: int = 3, rows: int = 64) -> bytes:
@@ -161,11 +165,14 @@ def api(client_configuration: Any) -> Iterator[Any]:
         yield api_client
 
 
-def operator_settings(tmp_path: Path, **sidecar: Any) -> Any:
+def operator_settings(tmp_path: Path, *, source_networks: Any = None, **sidecar: Any) -> Any:
     from modelload.operator.settings import OperatorSettings, RetrySettings, SidecarSettings, WebhookSettings
+    from modelload.sidecar.sources import parse_networks
 
     return OperatorSettings(
         namespace=OPERATOR_NAMESPACE,
+        # the test servers listen on loopback only: allowed here, refused by the chart's defaults
+        source_networks=parse_networks(LOOPBACK) if source_networks is None else source_networks,
         retry=RetrySettings(first_delay=0.2, max_delay=1.0),  # a fixed spec is noticed within a second
         webhook=WebhookSettings(host="127.0.0.1", port=0, cert_dir=tmp_path / "certs"),
         sidecar=SidecarSettings(image="registry.test/modelload-sidecar:1", **sidecar),
@@ -201,11 +208,10 @@ async def operator(start_operator: Callable[..., Awaitable[Any]]) -> Any:
 
 
 @pytest.fixture
-def model_file(tmp_path: Path) -> Path:
-    """A safetensors model on the local filesystem (a file:// source the operator reads itself)."""
-    path = tmp_path / "tiny.safetensors"
-    path.write_bytes(model_bytes(tensors=4, rows=32))
-    return path
+def model_url(request: pytest.FixtureRequest) -> str:
+    """A safetensors model served by nginx on loopback (which the tests' operator is allowed to read)."""
+    server = request.getfixturevalue("nginx")
+    return str(server.put(f"operator/{uuid.uuid4().hex}/tiny.safetensors", model_bytes(tensors=4, rows=32)))
 
 
 async def resolved(kube: Any, name: str, *, timeout: float = 15.0) -> dict[str, Any]:

@@ -176,6 +176,7 @@ async def test_the_status_sums_the_serving_pods_peer_stats_and_keeps_the_token_o
     kube: Any,
     operator: Any,
     api: Any,
+    nginx: Any,
     tmp_path: Path,
     sidecars: Sidecars,
     silent_port: int,
@@ -184,7 +185,8 @@ async def test_the_status_sums_the_serving_pods_peer_stats_and_keeps_the_token_o
     caplog.set_level(logging.DEBUG)
     model = tmp_path / "model.safetensors"
     model.write_bytes(model_bytes(tensors=8, rows=8192))  # 4 MiB in 8 tensors
-    await create_modelload(api, "tiny", {"source": f"file://{model}", "peers": True})
+    url = nginx.put("fleet/model.safetensors", model.read_bytes())  # the operator reads it over HTTP
+    await create_modelload(api, "tiny", {"source": url, "peers": True})
     await resolved(kube, "tiny")
     secret = await wait_for(lambda: current(kube, "v1/secrets", NAMESPACE, "tiny-peers"), what="the Secret")
     token = base64.b64decode(secret["data"]["token"]).decode()
@@ -248,11 +250,10 @@ async def test_the_status_sums_the_serving_pods_peer_stats_and_keeps_the_token_o
 
 
 async def test_a_model_without_peers_gets_no_fleet_figures_and_no_connection(
-    kube: Any, operator: Any, api: Any, tmp_path: Path
+    kube: Any, operator: Any, api: Any, nginx: Any
 ) -> None:
-    model = tmp_path / "model.safetensors"
-    model.write_bytes(model_bytes())
-    await create_modelload(api, "tiny", {"source": f"file://{model}"})
+    url = nginx.put("fleet/plain.safetensors", model_bytes())
+    await create_modelload(api, "tiny", {"source": url})
     await resolved(kube, "tiny")
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     with listener:

@@ -7,7 +7,6 @@ would; the operator sees them through its watch.
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -90,8 +89,8 @@ async def pods_become(kube: Any, expected: dict[str, Any], name: str = "tiny") -
 
 
 @pytest.fixture
-async def model(kube: Any, operator: Any, model_file: Path, api: Any) -> dict[str, Any]:
-    await create_modelload(api, "tiny", {"source": f"file://{model_file}"})
+async def model(kube: Any, operator: Any, model_url: str, api: Any) -> dict[str, Any]:
+    await create_modelload(api, "tiny", {"source": model_url})
     return await resolved(kube, "tiny")
 
 
@@ -135,13 +134,11 @@ async def test_pods_for_another_model_or_without_the_sidecar_are_not_counted(kub
     assert pods_status(kube)["injected"] == 1
 
 
-async def test_a_modelload_created_after_its_pods_counts_them_at_once(
-    kube, operator, api, model_file
-) -> None:
+async def test_a_modelload_created_after_its_pods_counts_them_at_once(kube, operator, api, model_url) -> None:
     kubelet = Kubelet(api)
     await kubelet.create(injected_pod("early"))
     await asyncio.sleep(0.2)
-    await create_modelload(api, "tiny", {"source": f"file://{model_file}"})
+    await create_modelload(api, "tiny", {"source": model_url})
     await resolved(kube, "tiny")
     await pods_become(kube, {"injected": 1})
 

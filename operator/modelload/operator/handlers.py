@@ -180,7 +180,13 @@ class Handlers:
             spec = parse_spec(body.get("spec"))
             sizing = self._settings.sidecar.sizing
             with METRICS.resolving():
-                resolution = await resolve(kube=self._kube, namespace=namespace, spec=spec, sizing=sizing)
+                resolution = await resolve(
+                    kube=self._kube,
+                    namespace=namespace,
+                    spec=spec,
+                    sizing=sizing,
+                    networks=self._settings.source_networks,
+                )
         except Exception as exc:
             failure = classify_failure(exc, retry=retry, policy=self._settings.retry)
             if failure is None:
@@ -209,7 +215,11 @@ class Handlers:
         kopf.info(body, reason="Resolved", message=new_status["conditions"][-1]["message"])
         selector, index = (namespace, label_value(body)), kwargs["pod_loads"]
         await self._aggregator.refresh(
-            namespace, name, lambda: index.get(selector, []), model_bytes=resolution.summary.bytes, force=True
+            namespace,
+            name,
+            lambda: index.get(selector, []),
+            model_bytes=resolution.summary.bytes if resolution.summary is not None else None,
+            force=True,
         )
 
     async def pod_changed(self, *, namespace: str | None, labels: Mapping[str, str], **kwargs: Any) -> None:

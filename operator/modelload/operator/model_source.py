@@ -7,6 +7,11 @@ sidecar reads it (its listing, every shard's header, the sizes of its small file
 Everything that ties the operator to those two layers' APIs is in this module, so aligning with a change there
 is a change here only.
 
+What the operator reads is bounded: never a local file (a ``file://`` model lives in the pods' filesystem, not
+the operator's), only public addresses and the networks the installation allows (``AddressPolicy``, checked
+at every connection and redirect), and nothing it read is echoed back (an unreadable file is described, not
+shown). The statuses it writes carry counts, sizes and reasons, never bytes of the file.
+
 Credentials (S3 keys, or an HTTP server's token or header lines) come from the ModelLoad's Secrets, read
 through the Kubernetes API, and are handed to the source as explicit settings: the operator's own
 environment is never changed (it serves many namespaces at once, each with its own Secret). The call is
@@ -15,20 +20,23 @@ blocking; the handlers run it in a thread.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from modelload.loader.errors import ConfigError
+from modelload.loader.errors import ConfigError, SourceUriError
 from modelload.loader.formats import ModelIndex
 from modelload.loader.segment import ALIGNMENT, TensorSpec, plan_layout
 from modelload.operator.schema import ModelLoadSpec
-from modelload.sidecar.sources import RequestHeaders, S3Credentials, parse_headers
+from modelload.sidecar.sources import Network, RequestHeaders, S3Credentials, parse_headers
 
 __all__ = [
     "ModelSummary",
+    "Network",
     "RequestHeaders",
     "S3Credentials",
     "check_priority",
+    "is_local",
     "parse_headers",
     "read_summary",
     "segment_bound",
@@ -55,17 +63,27 @@ class ModelSummary:
 
 
 def read_summary(
-    spec: ModelLoadSpec, *, credentials: S3Credentials | None, headers: RequestHeaders | None = None
+    spec: ModelLoadSpec,
+    *,
+    credentials: S3Credentials | None,
+    headers: RequestHeaders | None = None,
+    networks: Sequence[Network] = (),
 ) -> ModelSummary:
     """Read the model's index at ``spec.source`` and summarise it, with the S3 ``credentials`` or the HTTP
-    ``headers`` (a private server's token) from the ModelLoad's Secret.
+    ``headers`` (a private server's token) from the ModelLoad's Secret, from public addresses and the
+    ``networks`` the installation allows only.
 
-    Raises the loader's error tree: ConfigError (a bad URI or setting), the SourceError branches (not found,
-    access denied, transient), FormatError (not a model file, or a corrupt one).
+    Raises the loader's error tree: ConfigError (a bad URI or setting; a local file, which the operator
+    never reads; an address it may not read), the SourceError branches (not found, access denied,
+    transient), FormatError (not a model file, or a corrupt one).
     """
     from modelload.sidecar.sources import open_model
 
-    settings = _source_settings(spec, credentials, headers)
+    if is_local(spec.source):
+        raise SourceUriError(
+            f"{spec.source}: the operator reads no local file on a ModelLoad's behalf", setting="spec.source"
+        )
+    settings = _source_settings(spec, credentials, headers, networks)
     model = open_model(spec.source, settings, format=_format_name(spec.format), files=spec.files)
     try:
         index = model.index
@@ -122,10 +140,19 @@ def _format_name(name: str) -> Literal["auto", "tensorizer", "safetensors"]:
     return name  # type: ignore[return-value]
 
 
+def is_local(source: str) -> bool:
+    """Whether ``source`` names a file in the pods' own filesystem (``file://``), which the operator never
+    reads: the file is the pod's (an image, a volume), not the operator's."""
+    return source.startswith("file:")
+
+
 def _source_settings(
-    spec: ModelLoadSpec, credentials: S3Credentials | None, headers: RequestHeaders | None
+    spec: ModelLoadSpec,
+    credentials: S3Credentials | None,
+    headers: RequestHeaders | None,
+    networks: Sequence[Network],
 ) -> Any:
-    from modelload.sidecar.sources import HttpSettings, RetryPolicy, S3Settings, SourceSettings
+    from modelload.sidecar.sources import AddressPolicy, HttpSettings, RetryPolicy, S3Settings, SourceSettings
 
     s3 = spec.s3
     s3_settings = S3Settings(
@@ -138,4 +165,7 @@ def _source_settings(
     # A short retry of the first look-up (a throttled store): the handler's own retry, with kopf's backoff,
     # covers longer outages, and a handler must not sit in a thread for a minute of in-source backoff.
     retry = RetryPolicy(attempts=2, initial_backoff=0.2, max_backoff=1.0, deadline=30.0)
-    return SourceSettings(http=HttpSettings(headers=headers), s3=s3_settings, retry=retry)
+    addresses = AddressPolicy(allowed=tuple(networks), setting="sourceNetworks (--source-networks)")
+    return SourceSettings(
+        http=HttpSettings(headers=headers, addresses=addresses), s3=s3_settings, retry=retry
+    )

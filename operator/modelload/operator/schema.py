@@ -217,8 +217,8 @@ class ModelLoadSpec:
     source: str = prop(
         doc="The model: a weight file (s3://bucket/key, http(s)://host/path or file:///path) or a model "
         "directory of shards with its config and tokenizer (an S3 prefix or HTTP(S) base URL ending in /, "
-        "or a local directory). file:// is read by the operator from its own filesystem, and by the sidecar "
-        "from its own.",
+        "or a local directory). file:// names a file in the pods' own filesystem (an image, a volume): the "
+        "sidecar reads it there, the operator never reads it, so such a model needs volumeSizeLimit.",
         pattern=SOURCE_PATTERN,
         max_length=2048,
         error=SourceUriError,
@@ -338,6 +338,12 @@ def parse_spec(data: Any) -> ModelLoadSpec:
     Raises :class:`~modelload.loader.errors.ConfigError` naming the field and what is wrong.
     """
     spec = parse(ModelLoadSpec, data, path="spec")
+    if any(ord(c) < 32 or ord(c) == 127 for c in spec.source):
+        raise SourceUriError(
+            "holds a control character (a NUL byte, a newline): no object is named that way; check how the"
+            " source was written or templated",
+            setting="spec.source",
+        )
     chunk = parse_size(spec.chunk_size)
     if not MIN_CHUNK <= chunk <= MAX_CHUNK:
         raise ConfigError(f"spec.chunkSize: {spec.chunk_size} is outside 1MiB to 1GiB (the sidecar's bounds)")

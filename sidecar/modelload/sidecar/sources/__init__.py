@@ -27,7 +27,7 @@ into :class:`RequestHeaders` for ``HttpSettings(headers=...)``, sent to the sour
 
 from __future__ import annotations
 
-from ._addresses import AddressPolicy, parse_networks
+from ._addresses import AddressPolicy, Network, parse_networks
 from ._base import InterruptedReadError, ObjectInfo, Source, SourceBase, check_range, file_version
 from ._file import FileSource
 from ._headers import RequestHeaders, parse_headers, read_header_file
@@ -49,6 +49,7 @@ __all__ = [
     "HttpSettings",
     "HttpSource",
     "InterruptedReadError",
+    "Network",
     "ObjectInfo",
     "OpenedModel",
     "ProxySettings",
