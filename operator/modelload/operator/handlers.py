@@ -33,6 +33,7 @@ import kopf
 from modelload.operator.conditions import now_rfc3339
 from modelload.operator.fleet import FleetPoller
 from modelload.operator.kube import Kube, KubeNotFoundError
+from modelload.operator.load_reasons import LoadReasons
 from modelload.operator.metrics import METRICS
 from modelload.operator.peers import ensure_peer_objects
 from modelload.operator.pods import PodLoad, aggregate, classify
@@ -130,11 +131,13 @@ class PodAggregator:
 def modelloads_by_label(
     *, namespace: str | None, name: str, body: kopf.Body, status: kopf.Status, **_: Any
 ) -> Any:
-    """Index: the ModelLoad (its model's bytes, whether it has peers) that each pod label value in a
-    namespace selects."""
+    """Index: the ModelLoad (its model's bytes, whether it has peers, its status conditions) that each pod
+    label value in a namespace selects."""
     nbytes = status.get("bytes")
     peers = (body.get("spec") or {}).get("peers") is True
-    return {(namespace, label_value(body)): (name, nbytes if isinstance(nbytes, int) else None, peers)}
+    conditions = list(status.get("conditions") or [])
+    value = (name, nbytes if isinstance(nbytes, int) else None, peers, conditions)
+    return {(namespace, label_value(body)): value}
 
 
 def pod_loads(*, namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> Any:
@@ -151,13 +154,16 @@ class Handlers:
         self._kube = kube
         self._aggregator = PodAggregator(kube)
         self.fleet = FleetPoller(kube, interval=settings.fleet_interval)
+        self.reasons = LoadReasons(kube, interval=settings.fleet_interval)
 
     async def start_fleet(self, **kwargs: Any) -> None:
         """Start reading peered models' pod stats, over kopf's live indices (filled as kopf watches)."""
         self.fleet.start(models=kwargs["modelloads_by_label"], pods=kwargs["pod_loads"])
+        self.reasons.start(models=kwargs["modelloads_by_label"], pods=kwargs["pod_loads"])
 
     async def stop_fleet(self, **_: Any) -> None:
         await self.fleet.stop()
+        await self.reasons.stop()
 
     async def resolve_model(
         self,
@@ -229,7 +235,7 @@ class Handlers:
         owners = list(kwargs["modelloads_by_label"].get(selector, []))
         if len(owners) != 1:
             return  # no ModelLoad (the webhook refused such pods), or an ambiguous label: nothing to report
-        name, model_bytes, _ = owners[0]
+        name, model_bytes = owners[0][:2]
         index = kwargs["pod_loads"]
         await self._aggregator.refresh(
             namespace, name, lambda: index.get(selector, []), model_bytes=model_bytes

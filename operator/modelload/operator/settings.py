@@ -103,7 +103,9 @@ class OperatorSettings:
     sidecar: SidecarSettings = field(default_factory=SidecarSettings)
     retry: RetrySettings = field(default_factory=RetrySettings)
     fleet_interval: float = 20.0
-    """Seconds between two readings of a peered model's pod stats (status.fleet); one GET per serving pod."""
+    """Seconds between two readings of a peered model's pod stats (status.fleet; one GET per serving pod),
+    and of the reasons of the pods whose sidecar is running and not ready (one GET each: Events on the pod,
+    the ModelLoad's Degraded condition)."""
     source_networks: tuple[Network, ...] = ()
     """Networks, besides public addresses, the operator may read ModelLoad sources from (it reads each
     model's index). Default none: a source at a loopback, link-local (cloud metadata), private or other

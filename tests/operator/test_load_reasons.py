@@ -1,0 +1,155 @@
+"""A pod whose load failed, or that the sidecar retries, says why: an Event on the pod and the ModelLoad's
+Degraded condition, from the sidecar's own /status (a real sidecar on loopback, as the pod's IP)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from modelload.operator.load_reasons import PodReason, degraded_condition
+from modelload.sidecar.load.attempts import AttemptPolicy
+from modelload.sidecar.process import Sidecar
+from modelload.sidecar.settings import parse_settings
+from modelload.sidecar.sources import HttpSettings, RetryPolicy, SourceSettings
+from tests.operator.conftest import (
+    MODELLOADS,
+    NAMESPACE,
+    create_modelload,
+    current,
+    operator_settings,
+    posted_events,
+    resolved,
+    wait_for,
+)
+from tests.operator.test_pod_status import Kubelet, injected_pod, sidecar_status
+from tests.support.fault_proxy import FaultProxy, server_error
+
+pytestmark = pytest.mark.timeout(120)
+RUNNING = {"state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}, "ready": False}
+FAST = SourceSettings(
+    http=HttpSettings(connect_timeout=1.0, stall_timeout=1.0),
+    retry=RetryPolicy(attempts=2, initial_backoff=0.01, max_backoff=0.02, jitter=0.0, deadline=5.0),
+)
+
+
+@pytest.fixture
+async def operator(kube: Any, client_configuration: Any, tmp_path: Path) -> AsyncIterator[Any]:
+    """The operator, asking not-ready pods every 0.3 s."""
+    import kopf
+
+    from modelload.operator.app import running
+
+    def login(**_: Any) -> Any:
+        return kopf.ConnectionInfo(server=str(kube.url), insecure=True, default_namespace=NAMESPACE)
+
+    settings = dataclasses.replace(operator_settings(tmp_path), fleet_interval=0.3)
+    async with running(settings, configuration=client_configuration, login=login, liveness=False) as op:
+        yield op
+
+
+@pytest.fixture
+def sidecar(shm_dir: Path) -> Iterator[Any]:
+    started: list[Sidecar] = []
+
+    def start(source: str) -> Sidecar:
+        argv = [
+            "--source",
+            source,
+            "--segment",
+            str(shm_dir / "model.seg"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+        ]
+        settings = dataclasses.replace(parse_settings(argv, environ={}), sources=FAST)
+        one = Sidecar(settings, attempts=AttemptPolicy(first_delay=30.0, max_delay=30.0))
+        started.append(one)
+        one.start()
+        return one
+
+    yield start
+    for one in started:
+        one.stop()
+
+
+def pod_at(name: str, port: int) -> dict[str, Any]:
+    pod = injected_pod(name)
+    pod["spec"]["initContainers"][0]["env"] = [{"name": "MODELLOAD_PORT", "value": str(port)}]
+    return pod
+
+
+def pod_events(kube: Any, pod: str) -> list[dict[str, Any]]:
+    return [e for e in posted_events(kube) if (e.get("involvedObject") or {}).get("name") == pod]
+
+
+def degraded(kube: Any) -> dict[str, Any] | None:
+    obj = current(kube, MODELLOADS, NAMESPACE, "tiny") or {}
+    found = [c for c in (obj.get("status") or {}).get("conditions") or () if c.get("type") == "Degraded"]
+    return found[0] if found else None
+
+
+async def test_a_failed_load_is_told_on_the_pod_and_on_the_modelload(
+    kube: Any, operator: Any, api: Any, model_url: str, nginx: Any, sidecar: Any
+) -> None:
+    await create_modelload(api, "tiny", {"source": model_url})
+    await resolved(kube, "tiny")
+    failing = sidecar(nginx.url("reasons/missing.safetensors"))
+    await wait_for(lambda: failing.tracker.snapshot().phase == "failed", what="the sidecar's failure")
+    kubelet = Kubelet(api)
+    await kubelet.create(pod_at("web-1", failing.api.port))
+    await kubelet.status("web-1", {"phase": "Running", "podIP": "127.0.0.1", **sidecar_status(**RUNNING)})
+    events = await wait_for(lambda: pod_events(kube, "web-1"), what="an Event on the pod")
+    assert events[0]["reason"] == "LoadFailed" and events[0]["type"] == "Warning"
+    assert "missing.safetensors does not exist" in events[0]["message"]
+    condition = await wait_for(lambda: degraded(kube), what="the Degraded condition")
+    assert (condition["status"], condition["reason"]) == ("True", "LoadFailed")
+    assert "web-1: " in condition["message"] and "does not exist" in condition["message"]
+    ready = [
+        c
+        for c in current(kube, MODELLOADS, NAMESPACE, "tiny")["status"]["conditions"]
+        if c["type"] == "Ready"
+    ]
+    assert ready and ready[0]["status"] == "True", "the model itself is still resolved"
+    await kubelet.delete("web-1")  # the pod is replaced: nothing reports a failure any more
+    condition = await wait_for(
+        lambda: (c := degraded(kube)) and c["status"] == "False" and c, what="the condition to clear"
+    )
+    assert condition["reason"] == "LoadsHealthy"
+
+
+async def test_a_load_the_sidecar_retries_is_told_as_retrying(
+    kube: Any, operator: Any, api: Any, model_url: str, nginx: Any, sidecar: Any
+) -> None:
+    await create_modelload(api, "tiny", {"source": model_url})
+    await resolved(kube, "tiny")
+    nginx.put("reasons/outage.safetensors", b"x" * 100)
+    with FaultProxy(nginx.port) as proxy:
+        proxy.always(server_error())
+        retrying = sidecar(proxy.url("reasons/outage.safetensors"))
+        await wait_for(lambda: retrying.tracker.snapshot().phase == "retrying", what="a retry of the load")
+        kubelet = Kubelet(api)
+        await kubelet.create(pod_at("web-2", retrying.api.port))
+        await kubelet.status("web-2", {"phase": "Running", "podIP": "127.0.0.1", **sidecar_status(**RUNNING)})
+        events = await wait_for(lambda: pod_events(kube, "web-2"), what="an Event on the pod")
+    assert events[0]["reason"] == "LoadRetrying"
+    assert (
+        "load attempt 1 failed" in events[0]["message"]
+        and "starts the whole load again" in events[0]["message"]
+    )
+    condition = await wait_for(lambda: degraded(kube), what="the Degraded condition")
+    assert (condition["status"], condition["reason"]) == ("True", "LoadRetrying")
+
+
+def test_the_condition_names_failed_pods_first_and_counts_the_rest() -> None:
+    reasons = [PodReason(f"p{i}", str(i), "retrying", "503") for i in range(3)]
+    reasons += [PodReason(f"f{i}", f"u{i}", "failed", "404 not found") for i in range(5)]
+    status, reason, message = degraded_condition(reasons)
+    assert (status, reason) == ("True", "LoadFailed")
+    assert message.startswith("5 of the pods report a failed load: f0: 404 not found")
+    assert "(and 2 more)" in message and "p0" not in message
+    assert degraded_condition([])[0] == "False"
