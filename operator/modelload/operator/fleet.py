@@ -2,9 +2,10 @@
 
 For every ModelLoad with ``spec.peers``, a background task (:class:`FleetPoller`) asks, every
 ``fleet_interval`` seconds, each pod whose sidecar runs and serves peers for ``/peer/v1/stats`` on its peer
-port, with the ModelLoad's peer token, and writes the sums into ``status.fleet``. Besides this, the operator
-opens connections to pods only to ask a sidecar that is not ready why (:mod:`modelload.operator.load_reasons`):
-everything else it learns from the pods' own status (:mod:`modelload.operator.pods`).
+port, with the ModelLoad's peer token, and writes the sums into ``status.fleet``. Besides this, the
+operator opens connections to pods only to ask a sidecar that is not ready why
+(:mod:`modelload.operator.load_reasons`): everything else it learns from the pods' own status
+(:mod:`modelload.operator.pods`).
 
 The figures are the *live* fleet's: the sum over the pods serving now. A pod that left stops counting, and
 a restarted sidecar starts its counters at zero. A cumulative total is deliberately not kept: it would
