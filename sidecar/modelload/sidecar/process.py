@@ -40,7 +40,8 @@ log = logging.getLogger("modelload.sidecar")
 
 STOP_TIMEOUT = 10.0
 """Seconds to wait for the engine's readers after stop(): they stop at their next chunk, which a stalled
-source bounds by its stall timeout; the kubelet's default grace period is 30 s."""
+source bounds only by its stall timeout (30 s). The segment is marked FAILED before the wait, so a reader
+still blocked then costs nothing but its thread; the kubelet's default grace period is 30 s."""
 
 PROGRESS_INTERVAL = 10.0
 """Seconds between progress lines in the log while loading (``kubectl logs`` stays readable)."""
