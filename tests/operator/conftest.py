@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.fixtures import moto_s3, nginx  # noqa: F401 - fixtures
+from tests.support.fixtures import moto_s3, nginx, sidecars  # noqa: F401 - fixtures
 
 NAMESPACE = "serving"
 OPERATOR_NAMESPACE = "modelload-system"
@@ -165,7 +165,9 @@ def api(client_configuration: Any) -> Iterator[Any]:
         yield api_client
 
 
-def operator_settings(tmp_path: Path, *, source_networks: Any = None, **sidecar: Any) -> Any:
+def operator_settings(
+    tmp_path: Path, *, source_networks: Any = None, fleet_interval: float = 20.0, **sidecar: Any
+) -> Any:
     from modelload.operator.settings import OperatorSettings, RetrySettings, SidecarSettings, WebhookSettings
     from modelload.sidecar.sources import parse_networks
 
@@ -173,6 +175,7 @@ def operator_settings(tmp_path: Path, *, source_networks: Any = None, **sidecar:
         namespace=OPERATOR_NAMESPACE,
         # the test servers listen on loopback only: allowed here, refused by the chart's defaults
         source_networks=parse_networks(LOOPBACK) if source_networks is None else source_networks,
+        fleet_interval=fleet_interval,
         retry=RetrySettings(first_delay=0.2, max_delay=1.0),  # a fixed spec is noticed within a second
         webhook=WebhookSettings(host="127.0.0.1", port=0, cert_dir=tmp_path / "certs"),
         sidecar=SidecarSettings(image="registry.test/modelload-sidecar:1", **sidecar),
@@ -193,8 +196,9 @@ async def start_operator(
 
     async with contextlib.AsyncExitStack() as stack:
 
-        async def start(**sidecar: Any) -> Any:
-            settings = operator_settings(tmp_path, **sidecar)
+        async def start(**options: Any) -> Any:
+            """``options``: :func:`operator_settings`' keywords (the sidecar's settings among them)."""
+            settings = operator_settings(tmp_path, **options)
             return await stack.enter_async_context(
                 running(settings, configuration=client_configuration, login=login, liveness=False)
             )

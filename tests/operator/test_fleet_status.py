@@ -20,7 +20,7 @@ import socket
 import subprocess
 import sys
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,6 @@ from tests.operator.conftest import (
     create_modelload,
     current,
     model_bytes,
-    operator_settings,
     posted_events,
     request_bodies,
     resolved,
@@ -133,18 +132,9 @@ def silent_port() -> Iterator[int]:
 
 
 @pytest.fixture
-async def operator(kube: Any, client_configuration: Any, tmp_path: Path) -> AsyncIterator[Any]:
+async def operator(start_operator: Any) -> Any:
     """The operator, reading fleets every 0.3 s."""
-    import kopf
-
-    from modelload.operator.app import running
-
-    def login(**_: Any) -> Any:
-        return kopf.ConnectionInfo(server=str(kube.url), insecure=True, default_namespace=NAMESPACE)
-
-    settings = dataclasses.replace(operator_settings(tmp_path), fleet_interval=0.3)
-    async with running(settings, configuration=client_configuration, login=login, liveness=False) as op:
-        yield op
+    return await start_operator(fleet_interval=0.3)
 
 
 def fleet_status(kube: Any, name: str = "tiny") -> dict[str, Any]:

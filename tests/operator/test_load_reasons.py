@@ -4,7 +4,6 @@ Degraded condition, from the sidecar's own /status (a real sidecar on loopback, 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,6 @@ from tests.operator.conftest import (
     NAMESPACE,
     create_modelload,
     current,
-    operator_settings,
     posted_events,
     resolved,
     wait_for,
@@ -37,44 +35,22 @@ FAST = SourceSettings(
 
 
 @pytest.fixture
-async def operator(kube: Any, client_configuration: Any, tmp_path: Path) -> AsyncIterator[Any]:
+async def operator(start_operator: Any) -> Any:
     """The operator, asking not-ready pods every 0.3 s."""
-    import kopf
-
-    from modelload.operator.app import running
-
-    def login(**_: Any) -> Any:
-        return kopf.ConnectionInfo(server=str(kube.url), insecure=True, default_namespace=NAMESPACE)
-
-    settings = dataclasses.replace(operator_settings(tmp_path), fleet_interval=0.3)
-    async with running(settings, configuration=client_configuration, login=login, liveness=False) as op:
-        yield op
+    return await start_operator(fleet_interval=0.3)
 
 
 @pytest.fixture
-def sidecar(shm_dir: Path) -> Iterator[Any]:
-    started: list[Sidecar] = []
+def sidecar(sidecars: Any, shm_dir: Path) -> Any:
+    """A sidecar in this process loading ``source``, which starts a transient failure's next attempt only
+    after 30 s (the test is over by then)."""
 
     def start(source: str) -> Sidecar:
-        argv = [
-            "--source",
-            source,
-            "--segment",
-            str(shm_dir / "model.seg"),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-        ]
-        settings = dataclasses.replace(parse_settings(argv, environ={}), sources=FAST)
-        one = Sidecar(settings, attempts=AttemptPolicy(first_delay=30.0, max_delay=30.0))
-        started.append(one)
-        one.start()
-        return one
+        argv = ["--source", source, "--segment", str(shm_dir / "model.seg"), "--host", "127.0.0.1"]
+        settings = dataclasses.replace(parse_settings([*argv, "--port", "0"], environ={}), sources=FAST)
+        return sidecars(settings, attempts=AttemptPolicy(first_delay=30.0, max_delay=30.0))
 
-    yield start
-    for one in started:
-        one.stop()
+    return start
 
 
 def pod_at(name: str, port: int) -> dict[str, Any]:

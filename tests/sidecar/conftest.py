@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from tests.support.fixtures import aws_env, moto_proxy, moto_s3, nginx, nginx_proxy
+from tests.support.fixtures import aws_env, moto_proxy, moto_s3, nginx, nginx_proxy, sidecars
 
-__all__ = ["aws_env", "moto_proxy", "moto_s3", "nginx", "nginx_proxy"]
+__all__ = ["aws_env", "moto_proxy", "moto_s3", "nginx", "nginx_proxy", "sidecars"]

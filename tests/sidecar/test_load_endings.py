@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,22 +62,6 @@ def wait_for(condition: Callable[[], bool], *, timeout: float = 20.0, what: str 
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.02)
-
-
-@pytest.fixture
-def sidecars() -> Iterator[Callable[..., Sidecar]]:
-    """Sidecars in this process, stopped at the end of the test."""
-    started: list[Sidecar] = []
-
-    def start(settings: SidecarSettings, **kwargs: Any) -> Sidecar:
-        sidecar = Sidecar(settings, **kwargs)
-        started.append(sidecar)
-        sidecar.start()
-        return sidecar
-
-    yield start
-    for sidecar in started:
-        sidecar.stop()
 
 
 def sidecar_settings(

@@ -20,7 +20,6 @@ the sidecar's reasons never hold credentials (the error tree's rule). This and t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from collections.abc import Iterable, Mapping
@@ -32,6 +31,7 @@ import aiohttp
 from modelload.operator.conditions import now_rfc3339, set_condition
 from modelload.operator.kube import Kube, KubeError, KubeNotFoundError
 from modelload.operator.pods import PodLoad
+from modelload.operator.polling import IndexPoller, Selector
 
 __all__ = ["CONDITION", "LoadReasons", "PodReason", "degraded_condition"]
 
@@ -42,8 +42,6 @@ TIMEOUT = 2.0
 MAX_BODY = 1 << 16
 MAX_MESSAGE = 1000
 """Event messages are cut here (the API server refuses those over 1024 bytes)."""
-
-Selector = tuple[str, str]
 
 
 @dataclass(frozen=True)
@@ -103,36 +101,18 @@ def degraded_condition(reasons: Iterable[PodReason]) -> tuple[str, str, str]:
     return "True", reason, f"{len(named)} of the pods report a {what} load: {shown}{more}"[:MAX_MESSAGE]
 
 
-class LoadReasons:
+class LoadReasons(IndexPoller):
     """Every ``interval`` seconds, the reasons of the not-ready pods of every ModelLoad (see the module)."""
 
+    task_name = "modelload-load-reasons"
+    what = "asking the pods why their loads are not ready"
+
     def __init__(self, kube: Kube, *, interval: float, timeout: float = TIMEOUT) -> None:
+        super().__init__(interval=interval)
         self._kube = kube
-        self._interval = interval
         self._timeout = timeout
         self._told: dict[str, tuple[str, str]] = {}
         """(phase, error) last posted per pod uid."""
-        self._written: dict[Selector, tuple[str, str, str]] = {}
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self, *, models: Mapping[Selector, Any], pods: Mapping[Selector, Any]) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(models, pods), name="modelload-load-reasons")
-
-    async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    async def _run(self, models: Mapping[Selector, Any], pods: Mapping[Selector, Any]) -> None:
-        while True:
-            await asyncio.sleep(self._interval)
-            try:
-                await self.poll(models, pods)
-            except Exception:  # a poll must never end the task; the next one may work
-                logger.exception("asking the pods why their loads are not ready failed")
 
     async def poll(self, models: Mapping[Selector, Any], pods: Mapping[Selector, Any]) -> None:
         """One round: every ModelLoad with one owner of its label, its not-ready pods asked concurrently."""
@@ -189,7 +169,6 @@ class LoadReasons:
         current = next((c for c in conditions or () if c.get("type") == CONDITION), None)
         shown = (current.get("status"), current.get("reason"), current.get("message")) if current else None
         if shown == wanted or (current is None and wanted[0] == "False"):
-            self._written[selector] = wanted
             return  # no condition to write: nothing ever went wrong, or it already says so
         status, reason, message = wanted
         body = set_condition(
@@ -205,4 +184,3 @@ class LoadReasons:
                 "cannot write ModelLoad %s/%s's %s condition: %s", selector[0], name, CONDITION, exc
             )
             return
-        self._written[selector] = wanted

@@ -97,28 +97,27 @@ def _factory(uri: str) -> SourceFactory | None:
     return factory
 
 
+_SLIPS = (
+    (re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)//"), "no ':' after '{scheme}'"),
+    (re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):/?(?!/)"), "two slashes after '{scheme}:'"),
+)
+"""A known scheme short of its colon (``s3//bucket/m``) or of a slash (``s3:/bucket/m``, ``https:host/m``),
+and what is missing."""
+
+
 def _refuse_a_scheme_short_of_its_slashes(uri: str) -> None:
     """``s3:/bucket/m``, ``https:host/m`` or ``s3//bucket/m`` would otherwise be read as a local path and
     fail as a missing file; ``file:/path`` stays a path, as documented."""
-    colonless = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)//", uri)
-    if colonless is not None:
-        scheme = colonless.group(1).lower()
+    for pattern, missing in _SLIPS:
+        slip = pattern.match(uri)
+        if slip is None:
+            continue
+        scheme = slip.group(1).lower()
         with _lock:
             known = scheme in _factories and scheme != "file"
         if known:
-            rest = uri[colonless.end() :]
+            rest = uri[slip.end() :]
             raise SourceUriError(
-                f"{uri!r} is not a {scheme}:// URI (no ':' after '{scheme}'), and as a local path it names"
-                f" nothing: did you mean {scheme}://{rest}?"
+                f"{uri!r} is not a {scheme}:// URI ({missing.format(scheme=scheme)}): did you mean"
+                f" {scheme}://{rest}?"
             )
-    short = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*):/?(?!/)", uri)
-    if short is None:
-        return
-    scheme = short.group(1).lower()
-    with _lock:
-        known = scheme in _factories and scheme != "file"
-    if known:
-        rest = uri[short.end() :]
-        raise SourceUriError(
-            f"{uri!r} is not a {scheme}:// URI (two slashes after '{scheme}:'): did you mean {scheme}://{rest}?"
-        )
