@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,19 +47,13 @@ def settings_for(shm_dir: Path, *flags: str, source: str = "scripted://model") -
 
 
 @pytest.fixture
-def run_sidecar(shm_dir: Path) -> Iterator[Callable[..., Sidecar]]:
+def run_sidecar(sidecars: Callable[..., Sidecar], shm_dir: Path) -> Callable[..., Sidecar]:
     """Start a Sidecar in this process with an engine factory; stopped at the end of the test."""
-    started: list[Sidecar] = []
 
     def start(factory: Any, *flags: str, source: str = "scripted://model") -> Sidecar:
-        sidecar = Sidecar(settings_for(shm_dir, *flags, source=source), engine_factory=factory)
-        started.append(sidecar)
-        sidecar.start()
-        return sidecar
+        return sidecars(settings_for(shm_dir, *flags, source=source), engine_factory=factory)
 
-    yield start
-    for sidecar in started:
-        sidecar.stop()
+    return start
 
 
 def get(sidecar: Sidecar, path: str) -> httpx.Response:
