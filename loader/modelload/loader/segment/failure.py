@@ -79,20 +79,23 @@ def read_failure(segment: Path) -> str | None:
     return data.decode("utf-8", "replace").strip() or "no reason given"
 
 
-def leave_failed(segment: Path, reason: str, *, writer: SegmentWriter | None = None) -> str | None:
+def leave_failed(
+    segment: Path, reason: str, *, writer: SegmentWriter | None = None, marker: bool = True
+) -> str | None:
     """Leave a failed load as readers must find it, holding no memory: the segment ``writer`` published is
     marked FAILED with ``reason`` (processes that map it stop waiting and let go of it), the marker gets the
     reason (a process attaching later fails with it), and the segment is removed from the name (its pages go
     once nobody maps it). Where the marker cannot be written (a full volume), the FAILED segment stays: it
-    then is what tells. Returns None, or what the caller must tell the user when the segment could not be
-    removed (where it is, and how to remove it).
+    then is what tells. ``marker=False`` (a load that will be tried again) writes none: a process attaching
+    meanwhile waits for the next attempt. Returns None, or what the caller must tell the user when the
+    segment could not be removed (where it is, and how to remove it).
     """
     if writer is not None:
         from modelload.loader.errors import SegmentError
 
         with contextlib.suppress(SegmentError):  # closed: the failure came while publishing
             writer.mark_failed(reason)
-    if not write_failure(segment, reason):
+    if marker and not write_failure(segment, reason):
         return None  # a full volume: the FAILED segment stays, the one place that holds the reason
     if writer is None or not _is_ours(segment, writer):
         return None

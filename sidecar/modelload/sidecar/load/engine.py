@@ -273,12 +273,10 @@ class Engine:
             if writer is not None:
                 with contextlib.suppress(SegmentError):
                     writer.mark_failed(reason)
-        elif final or writer is not None:
-            problem = leave_failed(self.settings.segment, f"{reason} ({kind})", writer=writer)
+        elif final or writer is not None:  # retrying: no marker, an app attaching meanwhile waits for it
+            problem = leave_failed(self.settings.segment, f"{reason} ({kind})", writer=writer, marker=final)
             if problem is not None:
                 log.error("%s", problem)
-        if not final:  # no marker while retrying: an app attaching meanwhile waits for the next attempt
-            remove_failure(self.settings.segment)
         if self._model_dir is not None:
             remove_model_dir(self._model_dir)
         if self._previous is not None and final and kind != "stopped":
