@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--origins", default=",".join(ORIGINS), help="http, s3 or both (default both)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)  # the retries are counted; their warnings would drown the table
+    logging.getLogger("modelload").setLevel(logging.ERROR)
     faults = args.only.split(",") if args.only else list(FAULTS)
     tensors = models.state_dict(seed=90, layers=2)
     expected = {name: models.as_bytes(tensor) for name, tensor in tensors.items()}
