@@ -2,7 +2,7 @@
 
 The goal is flat in model size: attaching maps the segment and makes views, it copies nothing. For each size
 (about 300 tensors, TinyLlama-like shapes scaled to the size) this writes a complete segment in /dev/shm,
-then measures in fresh processes (imports not timed, as for the peers in run.py):
+then measures in fresh processes (imports not timed, as for the contenders in run.py):
 
 - ``attach()``: open, check the header and manifest, map;
 - ``state_dict()``: every tensor as a zero-copy torch tensor (afterwards, outside the timing, one element of

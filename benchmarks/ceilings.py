@@ -142,7 +142,7 @@ def run_rounds(found: dict[str, Contender], runs: int) -> dict[str, list[Figures
         for label, measure in found.items():
             try:
                 results[label].append(measure())
-            except Exception as exc:  # a peer that cannot read this source is reported, not fatal
+            except Exception as exc:  # a contender that cannot read this source is reported, not fatal
                 print(f"  {label}: failed: {str(exc).strip().splitlines()[-1][:200]}")
     return results
 
@@ -195,7 +195,7 @@ def round_ratio(
 
 
 def engine_rate(figures: Figures) -> float:
-    """The sidecar's rate from its engine's start (imports and process start excluded, as for the peers)."""
+    """The sidecar's rate from its engine's start (imports and process start excluded, as for the contenders)."""
     if figures.extra.startswith("engine "):
         return float(figures.extra.split()[1])
     return figures.gib_per_s

@@ -1,11 +1,11 @@
 """The benchmark as Kubernetes Jobs: the sidecar, tensorizer and Run:ai loading the user's model from the
-user's bucket, on the user's nodes, measured by the same ``peers.py`` as ``make bench``.
+user's bucket, on the user's nodes, measured by the same ``contenders.py`` as ``make bench``.
 
     python benchmarks/cluster.py --write    # regenerate manifests/benchmarks/benchmark.yaml
     python benchmarks/cluster.py --check    # fail when the file on disk differs (a test runs this)
 
 The manifest is generated, never edited by hand, so that the ConfigMap always carries the current
-``peers.py``. What it holds and how to use it is in ``manifests/benchmarks/README.md``.
+``contenders.py``. What it holds and how to use it is in ``manifests/benchmarks/README.md``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ SIDECAR_IMAGE = "ghcr.io/modelload/sidecar:0.1.0"
 PYTHON_IMAGE = "python:3.11-slim-bookworm"
 ROUNDS = 3
 
-# What each peer installs before it is measured (the install is not timed). torch's CPU build: the loads
+# What each contender installs before it is measured (the install is not timed). torch's CPU build: the loads
 # land in CPU memory, and the CUDA wheels would add gigabytes to every pod's start.
 TORCH = "pip install -q --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 INSTALL = {
@@ -62,14 +62,14 @@ def script() -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": {"name": "modelload-benchmark-peers", "namespace": NAMESPACE},
-        "data": {"peers.py": (HERE / "peers.py").read_text()},
+        "metadata": {"name": "modelload-benchmark-contenders", "namespace": NAMESPACE},
+        "data": {"contenders.py": (HERE / "contenders.py").read_text()},
     }
 
 
 def job(contender: str) -> dict[str, Any]:
     measure = (
-        f'python /bench/peers.py {contender} --source "${SOURCE[contender]}" --readers "$READERS" '
+        f'python /bench/contenders.py {contender} --source "${SOURCE[contender]}" --readers "$READERS" '
         '--chunk "$CHUNK_BYTES" ${S3_ENDPOINT:+--s3-endpoint "$S3_ENDPOINT"}'
     )
     if contender == "sidecar":
@@ -90,14 +90,16 @@ def job(contender: str) -> dict[str, Any]:
             {"secretRef": {"name": "modelload-benchmark-s3", "optional": True}},
         ],
         "resources": {
-            # The peers hold the whole model in private memory; the sidecar holds it in the segment (the
+            # The other contenders hold the whole model in private memory; the sidecar holds it in the segment (the
             # emptyDir below, counted against the pod's memory). Raise both to your model's size + 2 GiB.
             "requests": {"cpu": "4", "memory": "20Gi"},
             "limits": {"memory": "20Gi"},
         },
-        "volumeMounts": [{"name": "peers", "mountPath": "/bench", "readOnly": True}],
+        "volumeMounts": [{"name": "contenders", "mountPath": "/bench", "readOnly": True}],
     }
-    volumes: list[dict[str, Any]] = [{"name": "peers", "configMap": {"name": "modelload-benchmark-peers"}}]
+    volumes: list[dict[str, Any]] = [
+        {"name": "contenders", "configMap": {"name": "modelload-benchmark-contenders"}}
+    ]
     if contender == "sidecar":
         container["volumeMounts"].append({"name": "segment", "mountPath": "/run/modelload"})
         volumes.append({"name": "segment", "emptyDir": {"medium": "Memory", "sizeLimit": "18Gi"}})

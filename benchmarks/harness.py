@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 from attach import shapes
-from peers import ProcSampler, wait_complete
+from contenders import ProcSampler, wait_complete
 
 from modelload.loader.formats.tensorizer import TensorizerWriter
 

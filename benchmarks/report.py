@@ -197,13 +197,13 @@ def targets(records: list[dict[str, Any]]) -> str:
         if sidecar is None or not sidecar.ok:
             continue
         parts = []
-        for peer, goal in (
+        for contender, goal in (
             ("tensorizer", 2.5 if origin in remote else 1.0),
             ("runai", 3.5 if origin in remote else 0),
         ):
-            case = cases.get(peer)
+            case = cases.get(contender)
             if case is not None and case.ok and goal:
-                parts.append(f"/ {NAMES[peer]} {verdict(ratio(sidecar, case), goal)} (goal >= {goal:g})")
+                parts.append(f"/ {NAMES[contender]} {verdict(ratio(sidecar, case), goal)} (goal >= {goal:g})")
         curl = cases.get("curl")
         if curl is not None and curl.ok:
             parts.append(

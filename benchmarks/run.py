@@ -1,6 +1,6 @@
 """modelload's sidecar against what a user would use instead, on origins that behave like theirs.
 
-``make bench`` runs this, then ``report.py``. Every measurement is ``peers.py`` in a fresh process (one
+``make bench`` runs this, then ``report.py``. Every measurement is ``contenders.py`` in a fresh process (one
 contender, one load); within a round every contender of a case runs once, in an order that rotates from
 round to round, so the swings of a shared machine hit all alike. Ratios are taken within a round.
 
@@ -51,7 +51,7 @@ from scratch import scratch  # noqa: E402
 from tests.support.nginx import NginxServer  # noqa: E402
 
 MIB, GIB = 1 << 20, 1 << 30
-PEERS = HERE / "peers.py"
+CONTENDERS = HERE / "contenders.py"
 ST, TZ, PT = "st/model.safetensors", "model.tensors", "model.pt"
 NO_HTTP = "no HTTP(S) source"
 FILES_ONLY = "reads local files only"
@@ -59,7 +59,7 @@ FILES_ONLY = "reads local files only"
 
 @dataclass
 class Case:
-    """One contender's configuration on one origin: what ``peers.py`` gets, or why it cannot run."""
+    """One contender's configuration on one origin: what ``contenders.py`` gets, or why it cannot run."""
 
     contender: str
     label: str
@@ -95,7 +95,7 @@ class Recorder:
 
 
 def measure(case: Case, env: dict[str, str]) -> dict[str, Any]:
-    argv = [sys.executable, str(PEERS), case.contender, *case.argv]
+    argv = [sys.executable, str(CONTENDERS), case.contender, *case.argv]
     argv += ["--readers", str(case.readers), "--chunk", str(case.chunk)]
     done = subprocess.run(argv, capture_output=True, text=True, env=env, check=False, timeout=900)
     lines = done.stdout.strip().splitlines()

@@ -6,7 +6,7 @@ round running every method once):
 
 - ``http``: modelload's HttpSource, ``read_into`` a buffer reused per thread (the ceiling of the client);
 - ``s3``: modelload's S3Source (SigV4-signed per request) against nginx's path-style S3 stand-in;
-- ``boto3``: ``get_object(Range=...)['Body'].readinto`` a reused buffer, same stand-in (what peers do);
+- ``boto3``: ``get_object(Range=...)['Body'].readinto`` a reused buffer, same stand-in (what other loaders do);
 - ``mmap``: HttpSource ``read_into`` slices of a fresh /dev/shm file's mmap (page faults included);
 - ``splice``: HttpSource ``read_into_fd`` into a fresh /dev/shm file at each range's offset;
 - ``curl``: one ``curl -o /dev/null`` stream, for reference.

@@ -57,17 +57,33 @@ def first_code(cell: str) -> str:
 def test_the_flag_table_lists_every_sidecar_option_in_order() -> None:
     settings = pytest.importorskip("modelload.sidecar.settings")
     documented = [(first_code(row[0]), first_code(row[1])) for row in table_rows("sidecar-flags")]
-    in_code = [(option.flag, option.env) for option in settings._OPTIONS]
+    in_code = [(option.flag, option.env) for option in settings.OPTIONS]
     assert documented == in_code
 
 
 def test_the_flag_table_names_the_negative_form_of_every_boolean_flag() -> None:
     settings = pytest.importorskip("modelload.sidecar.settings")
     cells = {first_code(row[0]): row[0] for row in table_rows("sidecar-flags")}
-    for option in settings._OPTIONS:
+    for option in settings.OPTIONS:
         if option.boolean:
             negative = "--no-" + option.flag.removeprefix("--")
             assert f"`{negative}`" in cells[option.flag], f"{option.flag}: {negative} is not documented"
+
+
+def test_the_flag_table_gives_the_default_each_setting_declares() -> None:
+    settings = pytest.importorskip("modelload.sidecar.settings")
+    from modelload.loader.options import default_shown
+
+    defaults = {first_code(row[0]): row[2] for row in table_rows("sidecar-flags")}
+    checked = 0
+    for option in settings.OPTIONS:
+        shown = default_shown(option, settings.SidecarSettings)
+        if shown is None:  # required, none, or a default that other settings decide: said in words
+            continue
+        documented = defaults[option.flag].replace("`", "")
+        assert documented == shown, f"{option.flag}: the doc says {documented}, the field {shown}"
+        checked += 1
+    assert checked >= 15, "the defaults of most flags are values the table gives"
 
 
 # --- pod wiring ---------------------------------------------------------------------------------------------
@@ -100,8 +116,26 @@ def _everything_the_webhook_sets() -> tuple[dict[str, dict[str, Any]], dict[str,
         {"source": "s3://models/m.tensors", "passwordSecretRef": {"name": "pw"}, "s3": {"unsigned": True}},
         {"source": "https://models.example.com/m.tensors", "headersSecretRef": {"name": "token"}},
         {
+            "source": "hf://org/model",
+            "hub": {"endpoint": "https://mirror.internal", "tokenSecretRef": {"name": "hf"}},
+        },
+        {
+            "source": "oci://registry.internal:5000/models/m:v1",
+            "registry": {"credentialsSecretRef": {"name": "pull"}, "plainHttp": True},
+        },
+        {
             "source": "s3://models/m.tensors",
             "memory": {"mode": "ring", "ringSize": "256Mi", "waitTimeoutSeconds": 60},
+        },
+        {
+            "source": "gs://models/m.tensors",
+            "credentialsSecretRef": {"name": "gcs"},
+            "gcs": {"endpoint": "http://gcs:4443"},
+        },
+        {
+            "source": "az://acct01/models/m.tensors",
+            "credentialsSecretRef": {"name": "az"},
+            "azure": {"endpoint": "http://azurite:10000/acct01"},
         },
     ):
         sidecar.update(_env_of(spec))

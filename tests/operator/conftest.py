@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.fixtures import moto_s3, nginx, sidecars  # noqa: F401 - fixtures
+from tests.support.fixtures import hub, moto_s3, nginx, sidecars, token_registry  # noqa: F401 - fixtures
 
 NAMESPACE = "serving"
 OPERATOR_NAMESPACE = "modelload-system"
@@ -168,7 +168,7 @@ def api(client_configuration: Any) -> Iterator[Any]:
 def operator_settings(
     tmp_path: Path, *, source_networks: Any = None, fleet_interval: float = 20.0, **sidecar: Any
 ) -> Any:
-    from modelload.operator.settings import OperatorSettings, RetrySettings, SidecarSettings, WebhookSettings
+    from modelload.operator.settings import InjectedSidecar, OperatorSettings, RetrySettings, WebhookSettings
     from modelload.sidecar.sources import parse_networks
 
     return OperatorSettings(
@@ -178,7 +178,7 @@ def operator_settings(
         fleet_interval=fleet_interval,
         retry=RetrySettings(first_delay=0.2, max_delay=1.0),  # a fixed spec is noticed within a second
         webhook=WebhookSettings(host="127.0.0.1", port=0, cert_dir=tmp_path / "certs"),
-        sidecar=SidecarSettings(image="registry.test/modelload-sidecar:1", **sidecar),
+        sidecar=InjectedSidecar(image="registry.test/modelload-sidecar:1", **sidecar),
     )
 
 

@@ -14,7 +14,7 @@ import pytest
 from modelload.operator.injection import build_patch, target_env
 from modelload.operator.resource import ResolvedModel
 from modelload.operator.schema import parse_spec
-from modelload.operator.settings import SidecarSettings
+from modelload.operator.settings import InjectedSidecar
 
 sidecar_settings = pytest.importorskip("modelload.sidecar.settings")
 
@@ -24,7 +24,7 @@ def injected_env(spec: dict[str, Any]) -> dict[str, str]:
     pod = {"metadata": {"name": "p"}, "spec": {"containers": [{"name": "app", "image": "app:1"}]}}
     (op,) = [
         o
-        for o in build_patch(pod=pod, model=model, sidecar=SidecarSettings(), native=True)
+        for o in build_patch(pod=pod, model=model, sidecar=InjectedSidecar(), native=True)
         if "initContainers" in o["path"]
     ]
     (container,) = op["value"]

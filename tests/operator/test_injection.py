@@ -22,11 +22,11 @@ from modelload.operator.injection import (
 from modelload.operator.quantity import parse_bytes
 from modelload.operator.resource import ResolvedModel
 from modelload.operator.schema import parse_spec
-from modelload.operator.settings import SidecarSettings
+from modelload.operator.settings import InjectedSidecar
 from modelload.operator.sizing import segment_bytes
 
 GIB = 1 << 30
-SIDECAR = SidecarSettings(image="registry.test/modelload-sidecar:1")
+SIDECAR = InjectedSidecar(image="registry.test/modelload-sidecar:1")
 
 
 def model(spec: dict[str, Any] | None = None, *, nbytes: int = 3 * GIB, tensors: int = 291) -> ResolvedModel:

@@ -88,3 +88,20 @@ def test_the_crd_schema_carries_the_memory_fields_and_their_rule() -> None:
     spec_schema = schema["properties"]["spec"]
     rules = [rule["rule"] for rule in spec_schema["x-kubernetes-validations"]]
     assert any("self.memory.ringSize" in rule for rule in rules)
+
+
+def test_a_spec_writes_every_size_as_ring_size_does_and_the_chunk_size_reads_it() -> None:
+    schema = openapi_schema()
+    doc = {"apiVersion": "modelload.dev/v1alpha1", "kind": "ModelLoad", "metadata": {"name": "m"}}
+    spec = {"source": SOURCE, "chunkSize": "64Mi", "memory": {"mode": "ring", "ringSize": "2Gi"}}
+    jsonschema.validate({**doc, "spec": spec}, schema)
+    pod = bare_pod()
+    patch = build_patch(
+        pod=pod, model=model({k: v for k, v in spec.items() if k != "source"}), sidecar=SIDECAR, native=True
+    )
+    env = env_of(container(apply(pod, patch), "modelload"))
+    assert (env["MODELLOAD_CHUNK_SIZE"], env["MODELLOAD_RING_SIZE"]) == (str(64 << 20), str(2 << 30))
+    assert schema["properties"]["spec"]["properties"]["chunkSize"]["default"] == "32Mi"
+    jsonschema.validate(
+        {**doc, "spec": {"source": SOURCE, "chunkSize": "64MiB"}}, schema
+    )  # as it was written

@@ -28,7 +28,7 @@ from modelload.operator.model_source import read_summary
 from modelload.operator.quantity import parse_bytes
 from modelload.operator.resource import ResolvedModel
 from modelload.operator.schema import parse_spec
-from modelload.operator.settings import SidecarSettings
+from modelload.operator.settings import InjectedSidecar
 from modelload.sidecar.sources import parse_networks
 from tests.operator.conftest import LOOPBACK
 
@@ -101,7 +101,7 @@ def test_the_injected_sidecar_loads_the_model_and_the_app_attaches(
     )
     pod = {"metadata": {"name": "p"}, "spec": {"containers": [{"name": "app", "image": "app:1"}]}}
     patched = jsonpatch.apply_patch(
-        copy.deepcopy(pod), build_patch(pod=pod, model=model, sidecar=SidecarSettings(), native=True)
+        copy.deepcopy(pod), build_patch(pod=pod, model=model, sidecar=InjectedSidecar(), native=True)
     )
     (sidecar,) = patched["spec"]["initContainers"]
     (app,) = patched["spec"]["containers"]

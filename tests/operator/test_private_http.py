@@ -21,7 +21,7 @@ from modelload.loader.errors import ConfigError
 from modelload.operator.injection import HEADERS_DIR, build_patch
 from modelload.operator.resource import ResolvedModel
 from modelload.operator.schema import SPEC_RULES, parse_spec, spec_schema
-from modelload.operator.settings import SidecarSettings
+from modelload.operator.settings import InjectedSidecar
 from tests.operator.conftest import NAMESPACE, create_modelload, model_bytes, posted_events, resolved, secret
 from tests.operator.test_resolving import failed, ready_condition, settled
 from tests.operator.test_webhook import admit, pod, review
@@ -105,7 +105,7 @@ def injected(spec: dict[str, Any]) -> dict[str, Any]:
     model = ResolvedModel(name="m", namespace=NAMESPACE, spec=parse_spec(spec), bytes=1 << 30, tensors=10)
     original = pod("m")
     original["spec"]["containers"].append({"name": "metrics", "image": "exporter:1"})
-    ops = build_patch(pod=original, model=model, sidecar=SidecarSettings(), native=True)
+    ops = build_patch(pod=original, model=model, sidecar=InjectedSidecar(), native=True)
     return jsonpatch.apply_patch(copy.deepcopy(original), ops)
 
 

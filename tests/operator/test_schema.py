@@ -20,7 +20,7 @@ def test_a_minimal_spec_gets_every_default() -> None:
     spec = parse_spec({"source": "s3://models/llama.tensors"})
     assert spec.format == "auto"
     assert spec.readers == 8
-    assert spec.chunk_size == "32MiB"
+    assert spec.chunk_size == "32Mi"
     assert spec.verify_hashes is True
     assert spec.priority == []
     assert spec.containers == []
@@ -42,7 +42,7 @@ def test_nested_defaults_apply_when_the_parent_is_given() -> None:
 def test_the_crd_schema_declares_the_same_defaults_the_parser_applies() -> None:
     schema = crd_schema()["properties"]
     assert schema["readers"]["default"] == parse_spec({"source": "s3://bkt/k"}).readers
-    assert schema["chunkSize"]["default"] == "32MiB"
+    assert schema["chunkSize"]["default"] == "32Mi"
     assert schema["verifyHashes"]["default"] is True
     assert schema["credentialsSecretRef"]["properties"]["accessKeyIdKey"]["default"] == "AWS_ACCESS_KEY_ID"
     assert schema["credentialsSecretRef"]["required"] == ["name"]

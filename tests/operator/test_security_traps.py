@@ -18,10 +18,10 @@ from modelload.operator.injection import InjectionError, build_patch, source_que
 from modelload.operator.resolve import resolve
 from modelload.operator.resource import ResolvedModel
 from modelload.operator.schema import parse_spec
-from modelload.operator.settings import SidecarSettings
+from modelload.operator.settings import InjectedSidecar
 from modelload.operator.sizing import SizingDefaults
 
-SIDECAR = SidecarSettings(image="registry.test/modelload-sidecar:1")
+SIDECAR = InjectedSidecar(image="registry.test/modelload-sidecar:1")
 PRESIGNED = (
     "https://models.s3.amazonaws.com/llama.safetensors?X-Amz-Algorithm=AWS4-HMAC-SHA256"
     "&X-Amz-Credential=AKIAEXAMPLE%2F20261124%2Fus-east-1%2Fs3%2Faws4_request&X-Amz-Expires=604800"
@@ -83,7 +83,7 @@ def test_a_pod_with_an_fsgroup_is_left_to_it() -> None:
 
 
 def test_the_segment_group_can_be_turned_off() -> None:
-    ops = build_patch(pod=pod(), model=model(), sidecar=SidecarSettings(segment_group=0), native=False)
+    ops = build_patch(pod=pod(), model=model(), sidecar=InjectedSidecar(segment_group=0), native=False)
     assert not any(op["path"].startswith("/spec/securityContext") for op in ops)
 
 

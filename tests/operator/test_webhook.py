@@ -234,10 +234,10 @@ async def _lookup_has_a_bug(namespace: str, value: str) -> Any:
     [(_lookup_fails, 503, "cannot look up the model"), (_lookup_has_a_bug, 500, "the pod was not changed")],
 )
 async def test_a_webhook_that_cannot_decide_refuses_the_pod_with_a_reason(lookup, code, words) -> None:
-    from modelload.operator.settings import SidecarSettings
+    from modelload.operator.settings import InjectedSidecar
     from modelload.operator.webhook import PodWebhook
 
-    webhook = PodWebhook(lookup=lookup, sidecar=SidecarSettings(), native=True)
+    webhook = PodWebhook(lookup=lookup, sidecar=InjectedSidecar(), native=True)
     body = review(pod())
     answer = await webhook.review(body)
     assert answer["response"]["uid"] == body["request"]["uid"]

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from modelload.loader.errors import ConfigError
 from modelload.loader.sizes import parse_size
+from modelload.sidecar.memory import MemorySettings
+from modelload.sidecar.peers import PeerSettings
 from modelload.sidecar.settings import (
     ENVIRONMENT,
     LoadSettings,
@@ -17,7 +20,7 @@ from modelload.sidecar.settings import (
     parse_bool,
     parse_settings,
 )
-from modelload.sidecar.sources import display_url
+from modelload.sidecar.sources import S3Settings, display_url
 
 SOURCE = ["--source", "s3://models/llama.tensors"]
 
@@ -284,3 +287,81 @@ def test_s3_endpoint_and_region_come_from_the_aws_variables_unless_overridden(
     with open_source(overridden.engine.source, overridden.sources) as source:
         assert source.location.origin.netloc == "minio:9000"  # type: ignore[attr-defined]
         assert source.region == "eu-west-3"  # type: ignore[attr-defined]
+
+
+def test_the_help_gives_each_flag_the_default_its_field_declares() -> None:
+    from modelload.loader import options
+    from modelload.sidecar.settings import OPTIONS, SidecarSettings
+
+    shown = {option.flag: options.default_shown(option, SidecarSettings) for option in OPTIONS}
+    assert shown["--readers"] == "8" and shown["--chunk-size"] == "32MiB" and shown["--verify"] == "on"
+    for option in OPTIONS:
+        parser = argparse.ArgumentParser()
+        options.add_arguments(parser, [option], settings=SidecarSettings)
+        text = " ".join(parser.format_help().split("options:", 1)[1].split())
+        if shown[option.flag] is not None:
+            assert f"default {shown[option.flag]})" in text, option.flag
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "built_in_code"),
+    [
+        ("--consumers", "65", lambda: MemorySettings(consumers=65)),
+        ("--readers", "300", lambda: LoadSettings(source="s3://b/k", readers=300)),
+        ("--peer-uploads", "0", lambda: PeerSettings(max_uploads=0)),
+        ("--s3-addressing", "dns", lambda: S3Settings(addressing="dns")),  # type: ignore[arg-type]
+        ("--memory-wait-timeout", "0", lambda: MemorySettings(wait_timeout=0)),
+    ],
+)
+def test_a_flag_and_code_are_refused_by_the_one_rule_in_the_same_words(
+    flag: str, value: str, built_in_code: Callable[[], object]
+) -> None:
+    with pytest.raises(ConfigError) as from_flag:
+        parse_settings([*SOURCE, flag, value], environ={})
+    with pytest.raises(ConfigError) as from_code:
+        built_in_code()
+    assert from_flag.value.setting == flag
+    assert from_flag.value.detail == from_code.value.detail
+
+
+def test_the_hub_token_and_endpoint_come_from_the_flags_else_the_hubs_own_variables(tmp_path: Path) -> None:
+    hub_env = {"HF_TOKEN": "hf_from-env-EXAMPLE", "HF_ENDPOINT": "https://mirror.example"}
+    settings = parse_settings(["--source", "hf://org/model"], environ=hub_env)
+    assert (settings.sources.hub.token, settings.sources.hub.endpoint) == (
+        hub_env["HF_TOKEN"],
+        hub_env["HF_ENDPOINT"],
+    )
+    token = tmp_path / "token"
+    token.write_text("hf_from-file-EXAMPLE\n")
+    flags = [
+        "--source",
+        "hf://org/model",
+        "--hf-token-file",
+        str(token),
+        "--hf-endpoint",
+        "http://hub.internal",
+    ]
+    settings = parse_settings(flags, environ=hub_env)
+    assert (settings.sources.hub.token, settings.sources.hub.endpoint) == (
+        "hf_from-file-EXAMPLE",
+        "http://hub.internal",
+    )
+    assert "hf_from-file-EXAMPLE" not in repr(settings)
+    with pytest.raises(ConfigError, match="--hf-endpoint"):
+        parse_settings(["--source", "hf://org/model", "--hf-endpoint", "hub.internal"], environ={})
+
+
+def test_registry_credentials_and_plain_http_registries_are_read_at_start(tmp_path: Path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text('{"auths": {"registry.internal:5000": {"auth": "dXNlcjpwdw=="}}}')
+    env = {
+        "MODELLOAD_REGISTRY_AUTH_FILE": str(config),
+        "MODELLOAD_REGISTRY_PLAIN_HTTP": "registry.internal:5000",
+    }
+    settings = parse_settings(["--source", "oci://registry.internal:5000/m:v1"], environ=env)
+    assert settings.sources.registry.auths == {"registry.internal:5000": {"auth": "dXNlcjpwdw=="}}
+    assert settings.sources.registry.uses_plain_http("registry.internal:5000")
+    assert "dXNlcjpwdw" not in repr(settings)
+    config.write_text("not json")
+    with pytest.raises(ConfigError, match=r"MODELLOAD_REGISTRY_AUTH_FILE.*not JSON"):
+        parse_settings(["--source", "oci://registry.internal:5000/m:v1"], environ=env)

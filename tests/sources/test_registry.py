@@ -2,23 +2,34 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+import torch
 
 from modelload.loader.errors import ConfigError, SourceChangedError, SourceNotFoundError, TruncatedError
 from modelload.sidecar.sources import (
+    Directory,
     FileSource,
     HttpSource,
+    ListedFile,
     ObjectInfo,
+    Opener,
     S3Source,
     Source,
     SourceBase,
     SourceSettings,
+    Store,
+    is_directory,
+    list_directory,
+    open_model,
     open_source,
     register_source,
+    register_store,
     registered_schemes,
 )
+from tests.support import hfdir
 from tests.support.memory_source import (
     MemorySource,
     put_memory_object,
@@ -37,7 +48,7 @@ def test_production_registers_no_in_memory_scheme() -> None:
 
     code = "from modelload.sidecar.sources import registered_schemes; print(','.join(registered_schemes()))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip().split(",") == ["file", "http", "https", "s3"]
+    assert out.strip().split(",") == ["az", "file", "gs", "hf", "http", "https", "oci", "s3"]
 
 
 def test_plain_paths_and_file_uris_open_file_sources(tmp_path: Path) -> None:
@@ -59,8 +70,8 @@ def test_http_and_s3_uris_open_without_network_io(aws_env: object) -> None:
 
 
 def test_an_unknown_scheme_is_a_config_error_listing_the_known_ones() -> None:
-    with pytest.raises(ConfigError, match=r"gs://.*file://, http://"):
-        open_source("gs://bucket/key")
+    with pytest.raises(ConfigError, match=r"ftp://.*az://, file://, gs://, hf://, http://"):
+        open_source("ftp://bucket/key")
 
 
 def test_a_registered_factory_serves_its_scheme() -> None:
@@ -111,3 +122,58 @@ def test_reads_after_close_fail_and_context_managers_close() -> None:
     with MemorySource(b"ab") as source:
         assert isinstance(source, SourceBase)
     assert "MemorySource" in repr(source)
+
+
+class _BlobStore(Store):
+    """A store whose directory files live under other URIs (as a registry's blobs do), each opened once
+    through one shared opener: the shape a new origin implements."""
+
+    schemes = ("blobs",)
+
+    def __init__(self, files: dict[str, bytes]) -> None:
+        self.blobs = {f"blobs://sha/{i}": data for i, data in enumerate(files.values())}
+        self.names = dict(zip(files, self.blobs, strict=True))
+        self.opened: list[str] = []
+        self.openers = 0
+
+    def open(self, uri: str, settings: SourceSettings) -> Source:
+        self.opened.append(uri)
+        return MemorySource(self.blobs[uri], name=uri)
+
+    def list(self, uri: str, settings: SourceSettings, *, files: Sequence[str] = ()) -> Directory:
+        listed = {
+            name: ListedFile(size=len(self.blobs[blob]), uri=blob, version=f"v-{name}")
+            for name, blob in self.names.items()
+        }
+        directory = Directory(uri, uri, listed)
+        return directory.only(files) if files else directory
+
+    def opener(self, settings: SourceSettings) -> Opener:
+        self.openers += 1
+        return super().opener(settings)
+
+
+def test_a_registered_store_lists_a_directory_whose_files_live_elsewhere_and_opens_each_once() -> None:
+    tensors = {f"layer.{i}.weight": torch.full((64,), float(i)) for i in range(6)}
+    files = hfdir.files(tensors, shards=2)
+    store = _BlobStore(files)
+    register_store(store)
+    assert is_directory("blobs://registry/model/")
+    model = open_model("blobs://registry/model/", SourceSettings())
+    try:
+        assert store.openers == 1
+        assert sorted(model.weights) == sorted(n for n in files if n.endswith(".safetensors"))
+        weights = {name: store.names[name] for name in model.weights}
+        assert sorted(store.opened) == sorted(
+            {store.names["model.safetensors.index.json"], *weights.values()}
+        )
+        assert {t.name for t in model.index.tensors} == set(tensors)
+    finally:
+        model.close()
+
+
+def test_a_store_that_cannot_list_refuses_a_directory_with_a_clear_message() -> None:
+    register_source("single", lambda uri, settings: MemorySource(b"x", name=uri))
+    assert not is_directory("single://bucket/dir/")
+    with pytest.raises(ConfigError, match="cannot be listed"):
+        list_directory("single://bucket/dir/", SourceSettings())

@@ -2,7 +2,8 @@
 
 :func:`parse_size` reads what the sidecar's ``--chunk-size``, the loader's ``--shard-size`` and a ModelLoad's
 ``chunkSize`` take: a whole number of bytes with an optional unit, decimal (``500MB``, ``5G``) or binary
-(``512MiB``, ``16Gi``, Kubernetes' spelling), in any case. :func:`format_bytes` writes a count for logs and
+(``512MiB``, ``16Gi``, Kubernetes' spelling), in any case; :func:`format_size` writes a count back in that
+grammar (``32MiB``, for help texts and messages). :func:`format_bytes` writes a count for logs and
 terminals. Kubernetes quantities written into a pod spec (``1536Mi``, with milli-units and exponents) are
 the operator's own concern (``modelload.operator.quantity``).
 
@@ -16,7 +17,7 @@ import re
 
 from modelload.loader.errors import ConfigError
 
-__all__ = ["format_bytes", "parse_size"]
+__all__ = ["format_bytes", "format_size", "parse_size"]
 
 _SIZE = re.compile(r"^\s*(\d+)\s*([A-Za-z]*)\s*$")
 _UNITS = {
@@ -45,6 +46,19 @@ def parse_size(text: str, *, setting: str | None = None) -> int:
             f"expected a size such as 32MiB, 1GiB or a number of bytes, got {text!r}", setting=setting
         )
     return int(match.group(1)) * _UNITS[unit]
+
+
+def format_size(count: int) -> str:
+    """``count`` bytes as :func:`parse_size` reads them back, exactly: in the largest unit that divides it.
+
+    >>> format_size(32 << 20), format_size(1 << 30), format_size(4096), format_size(1000)
+    ('32MiB', '1GiB', '4KiB', '1000B')
+    """
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        scale = _UNITS[unit.lower()]
+        if count and count % scale == 0:
+            return f"{count // scale}{unit}"
+    return f"{count}B"
 
 
 def format_bytes(count: float) -> str:

@@ -10,6 +10,8 @@ them from one place instead of repeating them. Standard library only.
 from __future__ import annotations
 
 __all__ = [
+    "KEEPER_ENV",
+    "KEEPER_SOCKET",
     "MODEL_DIR_ENV",
     "MODEL_DIR_PATH",
     "MOUNT_PATH",
@@ -35,6 +37,9 @@ MODEL_DIR_ENV = "MODELLOAD_MODEL_DIR"
 """Where a directory model's small files go (``--model-dir``), for the app to pass to its engine."""
 STATUS_URL_ENV = "MODELLOAD_STATUS_URL"
 """The sidecar's status API as an app container reaches it (``attach()``, ``modelload monitor``)."""
+KEEPER_ENV = "MODELLOAD_KEEPER"
+"""The keeper's Unix socket (the opt-in CUDA hand-off, docs/handoff.md): ``modelload keeper --socket`` and
+``modelload.loader.handoff.connect()`` read it. The webhook does not set it."""
 
 # --- paths -------------------------------------------------------------------------------------------------
 
@@ -47,6 +52,8 @@ NOTIFY_ENDPOINT = f"ipc://{MOUNT_PATH}/notify.sock"
 MODEL_DIR_PATH = f"{MOUNT_PATH}/model"
 """A directory model's config and tokenizer in a pod (the sidecar's default: ``model/`` beside the
 segment)."""
+KEEPER_SOCKET = f"{MOUNT_PATH}/keeper.sock"
+"""Where the keeper listens and the app connects when ``MODELLOAD_KEEPER`` is not set."""
 
 # --- ports -------------------------------------------------------------------------------------------------
 

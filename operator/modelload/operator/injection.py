@@ -12,14 +12,15 @@ What a pod gets (docs/contracts.md, "Pod wiring"):
   its status port is declared as ``metrics`` (what a PodMonitor scrapes: ``/metrics``). KNative's rule of
   one port across containers is checked on the Revision's template, never on the pods its Deployment makes,
   which is where this injection happens (as a service mesh's proxy declares its own port there);
-* S3 credentials as the sidecar's env from the Secret (``secretKeyRef``); the decryption key or password,
+* S3 and Azure credentials as the sidecar's env from the Secret (``secretKeyRef``), a GCS service-account key
+  as a file (:mod:`cloud_sources`); the decryption key or password,
   and an HTTP(S) source's token or header lines (``MODELLOAD_HEADER_FILE``), as files mounted read-only in
   the sidecar only (a Secret volume holding the one key): no other container can read them;
 * target containers (all of them, or those the pod's ``modelload.dev/containers`` annotation or the spec
   names) get the volume at /run/modelload and ``MODELLOAD_SEGMENT``/``_NOTIFY``/``_STATUS_URL``;
 * who may read the segment: the sidecar writes it ``0640`` (it holds decrypted weights). A pod with an
   ``fsGroup`` needs nothing more (the volume's files belong to that group, which every container has). A
-  pod without one gets the sidecar's ``runAsGroup`` set to the segment group (:class:`SidecarSettings`
+  pod without one gets the sidecar's ``runAsGroup`` set to the segment group (:class:`InjectedSidecar`
   ``segment_group``) and that group added to ``spec.securityContext.supplementalGroups``, so the app reads the
   segment whatever user it runs as, and processes outside the pod's containers do not.
 
@@ -51,11 +52,13 @@ from modelload.loader.wiring import (
     STATUS_URL_ENV,
     status_url,
 )
+from modelload.operator import hubs
+from modelload.operator.cloud_sources import cloud_env, cloud_mounts, cloud_volumes, scheme_of
 from modelload.operator.peers import PEER_DIR, PEER_VOLUME, peer_env, peer_volume
 from modelload.operator.quantity import parse_bytes
 from modelload.operator.resource import ResolvedModel
 from modelload.operator.schema import MODEL_LABEL, ModelLoadSpec
-from modelload.operator.settings import SidecarSettings
+from modelload.operator.settings import InjectedSidecar
 from modelload.operator.sizing import plan_sizing
 
 __all__ = [
@@ -121,7 +124,7 @@ def _check_own_name(pod: Mapping[str, Any]) -> None:
 
 
 def build_patch(
-    *, pod: Mapping[str, Any], model: ResolvedModel, sidecar: SidecarSettings, native: bool
+    *, pod: Mapping[str, Any], model: ResolvedModel, sidecar: InjectedSidecar, native: bool
 ) -> list[Op]:
     """The JSON patch that gives ``pod`` the model; ``[]`` when it already has everything.
 
@@ -162,7 +165,7 @@ def _mode(native: bool) -> str:
     return "native" if native else "regular"
 
 
-def _segment_group(spec: Mapping[str, Any], sidecar: SidecarSettings) -> int | None:
+def _segment_group(spec: Mapping[str, Any], sidecar: InjectedSidecar) -> int | None:
     """The group the sidecar writes the segment as; None when the pod's fsGroup already owns the volume."""
     if (spec.get("securityContext") or {}).get("fsGroup") is not None or not sidecar.segment_group:
         return None
@@ -242,8 +245,10 @@ def _volumes(model: ResolvedModel, size_limit: str) -> list[dict[str, Any]]:
     headers_ref = model.spec.headers_secret_ref
     if headers_ref is not None:
         volumes.append(_secret_volume(HEADERS_VOLUME, headers_ref.name, headers_ref.key))
+    volumes += hubs.volumes(model.spec, mode=SECRET_FILE_MODE)
     if model.spec.peers:
         volumes.append(peer_volume(name=model.name, mode=SECRET_FILE_MODE))
+    volumes += cloud_volumes(model.spec, mode=SECRET_FILE_MODE)
     return volumes
 
 
@@ -260,7 +265,7 @@ def _secret_volume(name: str, secret: str, key: str) -> dict[str, Any]:
 
 def _sidecar_container(
     model: ResolvedModel,
-    sidecar: SidecarSettings,
+    sidecar: InjectedSidecar,
     resources: Mapping[str, Any],
     *,
     native: bool,
@@ -274,8 +279,10 @@ def _sidecar_container(
         mounts.append({"name": PASSWORD_VOLUME, "mountPath": PASSWORD_DIR, "readOnly": True})
     if model.spec.headers_secret_ref is not None:
         mounts.append({"name": HEADERS_VOLUME, "mountPath": HEADERS_DIR, "readOnly": True})
+    mounts += hubs.sidecar_mounts(model.spec)
     if model.spec.peers:
         mounts.append({"name": PEER_VOLUME, "mountPath": PEER_DIR, "readOnly": True})
+    mounts += cloud_mounts(model.spec)
     probe = {"port": sidecar.port, "scheme": "HTTP"}
     container: dict[str, Any] = {
         "name": SIDECAR_NAME,
@@ -375,8 +382,9 @@ def sidecar_env(model: ResolvedModel, *, port: int) -> list[dict[str, Any]]:
             env.append({"name": "MODELLOAD_S3_ADDRESSING", "value": s3.addressing})
         if s3.unsigned:
             env.append({"name": "MODELLOAD_S3_UNSIGNED", "value": "true"})
+    env += cloud_env(spec)
     creds = spec.credentials_secret_ref
-    if creds is not None and not (s3 is not None and s3.unsigned):
+    if creds is not None and scheme_of(spec.source) == "s3" and not (s3 is not None and s3.unsigned):
         env += [
             _secret_env("AWS_ACCESS_KEY_ID", creds.name, creds.access_key_id_key, optional=False),
             _secret_env("AWS_SECRET_ACCESS_KEY", creds.name, creds.secret_access_key_key, optional=False),
@@ -390,6 +398,7 @@ def sidecar_env(model: ResolvedModel, *, port: int) -> list[dict[str, Any]]:
     if spec.headers_secret_ref is not None:
         path = f"{HEADERS_DIR}/{spec.headers_secret_ref.key}"
         env.append({"name": "MODELLOAD_HEADER_FILE", "value": path})
+    env += hubs.sidecar_env(spec)
     if spec.peers:
         env += peer_env(name=model.name, namespace=model.namespace)
     return env

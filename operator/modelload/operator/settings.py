@@ -1,10 +1,14 @@
 """The operator's settings: typed, grouped, read once at the edge (flags and ``MODELLOAD_OPERATOR_*``).
 
-Every knob is one row of :data:`OPTIONS`: its flag, its environment variable and its parser; its default
-and why are on the dataclasses below. The rows are the loader's :class:`~modelload.loader.options.Option`,
-read as the sidecar reads its own (a flag wins over the variable, an empty variable is unset, a bad value is
-a ConfigError naming the flag or variable). The Helm chart sets the variables, and nothing below this
-module reads the environment.
+Every knob is one row of :data:`OPTIONS`: the field it fills, its flag, its environment variable and its
+parser; its default and why are on the dataclasses below, once (``--help`` shows the field's default). The
+rows are the loader's :class:`~modelload.loader.options.Option`, read as the sidecar reads its own (a flag
+wins over the variable, an empty variable is unset, a bad value is a ConfigError naming the flag or
+variable). The Helm chart sets the variables, and nothing below this module reads the environment.
+
+:class:`InjectedSidecar` is the sidecar as the webhook writes it into pods (image, mode, port, group); the
+sidecar's own settings, which it reads from the variables the webhook sets, are
+``modelload.sidecar.settings.SidecarSettings``.
 """
 
 from __future__ import annotations
@@ -18,9 +22,9 @@ from typing import Any, Literal
 from modelload.loader import options
 from modelload.loader._logjson import parse_log_format
 from modelload.loader.errors import ConfigError
-from modelload.loader.options import Lookup, Option, parse_list, parse_text
+from modelload.loader.options import Given, Option, parse_list, parse_text
 from modelload.loader.wiring import STATUS_PORT
-from modelload.operator.quantity import parse_bytes
+from modelload.operator.quantity import format_mib, parse_bytes
 from modelload.operator.sizing import SizingDefaults
 from modelload.sidecar.sources import Network, parse_networks
 
@@ -28,7 +32,7 @@ __all__ = [
     "OPTIONS",
     "OperatorSettings",
     "RetrySettings",
-    "SidecarSettings",
+    "InjectedSidecar",
     "WebhookSettings",
     "add_arguments",
     "from_args",
@@ -41,8 +45,8 @@ DEFAULT_SIDECAR_IMAGE = "ghcr.io/modelload/sidecar:0.1.0"
 
 
 @dataclass(frozen=True)
-class SidecarSettings:
-    """What the webhook injects when a ModelLoad does not say otherwise."""
+class InjectedSidecar:
+    """The sidecar container the webhook injects into a pod, when its ModelLoad does not say otherwise."""
 
     image: str = DEFAULT_SIDECAR_IMAGE
     image_pull_policy: str = "IfNotPresent"
@@ -100,7 +104,7 @@ class OperatorSettings:
     log_format: LogFormat = "text"
     """text: one human line per record. json: one JSON object per line, for a log pipeline."""
     webhook: WebhookSettings = field(default_factory=WebhookSettings)
-    sidecar: SidecarSettings = field(default_factory=SidecarSettings)
+    sidecar: InjectedSidecar = field(default_factory=InjectedSidecar)
     retry: RetrySettings = field(default_factory=RetrySettings)
     fleet_interval: float = 20.0
     """Seconds between two readings of a peered model's pod stats (status.fleet; one GET per serving pod),
@@ -167,8 +171,9 @@ OPTIONS: tuple[Option, ...] = (
         "watch_namespaces",
         "--watch-namespaces",
         "MODELLOAD_OPERATOR_WATCH_NAMESPACES",
-        "comma-separated namespaces to serve (default: the whole cluster)",
+        "comma-separated namespaces to serve",
         parse=parse_list,
+        unset="the whole cluster",
     ),
     Option(
         "liveness_port", "--liveness-port", "MODELLOAD_OPERATOR_LIVENESS_PORT", "kopf's /healthz", parse=_port
@@ -177,7 +182,7 @@ OPTIONS: tuple[Option, ...] = (
         "metrics_port",
         "--metrics-port",
         "MODELLOAD_OPERATOR_METRICS_PORT",
-        "Prometheus /metrics port (default 0: off)",
+        "Prometheus /metrics port, 0: off",
         parse=_port_or_off,
     ),
     Option(
@@ -187,7 +192,7 @@ OPTIONS: tuple[Option, ...] = (
         "log_format",
         "--log-format",
         "MODELLOAD_OPERATOR_LOG_FORMAT",
-        "text (default) or json: one JSON object per line",
+        "text, or json: one JSON object per line",
         parse=parse_log_format,
     ),
     Option("webhook.port", "--webhook-port", "MODELLOAD_OPERATOR_WEBHOOK_PORT", "HTTPS port", parse=_port),
@@ -250,28 +255,29 @@ OPTIONS: tuple[Option, ...] = (
         "sidecar.log_format",
         "--sidecar-log-format",
         "MODELLOAD_OPERATOR_SIDECAR_LOG_FORMAT",
-        "the injected sidecars' log format: text (default) or json",
+        "the injected sidecars' log format: text or json",
         parse=parse_log_format,
     ),
     Option(
         "sidecar.segment_group",
         "--segment-group",
         "MODELLOAD_OPERATOR_SEGMENT_GROUP",
-        "group that may read a pod's segment when the pod has no fsGroup (default 8479; 0: none)",
+        "group that may read a pod's segment when the pod has no fsGroup, 0: none",
         parse=_group,
     ),
     Option(
         "sidecar.sizing.working_set_bytes",
         "--sidecar-working-set",
         "MODELLOAD_OPERATOR_SIDECAR_WORKING_SET",
-        "sidecar memory beyond the model (e.g. 512Mi)",
+        "sidecar memory beyond the model, a quantity",
         parse=parse_bytes,
+        show=format_mib,
     ),
     Option(
         "retry.first_delay",
         "--retry-first-delay",
         "MODELLOAD_OPERATOR_RETRY_FIRST_DELAY",
-        "seconds before re-trying a ModelLoad that could not be resolved (doubled each time)",
+        "seconds before re-trying a ModelLoad that could not be resolved, doubled each time",
         parse=_seconds,
     ),
     Option(
@@ -285,7 +291,7 @@ OPTIONS: tuple[Option, ...] = (
         "sidecar.sizing.cpu_request",
         "--sidecar-cpu-request",
         "MODELLOAD_OPERATOR_SIDECAR_CPU_REQUEST",
-        "sidecar CPU request (e.g. 500m)",
+        "sidecar CPU request, a quantity",
         parse=parse_text,
     ),
     Option(
@@ -300,7 +306,7 @@ OPTIONS: tuple[Option, ...] = (
         "fleet_interval",
         "--fleet-interval",
         "MODELLOAD_OPERATOR_FLEET_INTERVAL",
-        "seconds between readings of peered models' pod stats into status.fleet (default 20)",
+        "seconds between readings of peered models' pod stats into status.fleet",
         parse=_seconds,
     ),
 )
@@ -308,34 +314,21 @@ OPTIONS: tuple[Option, ...] = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per option; each defaults to nothing so :func:`from_args` can fall back to the environment."""
-    options.add_arguments(parser, OPTIONS)
+    options.add_arguments(parser, OPTIONS, settings=OperatorSettings)
 
 
 def from_args(args: argparse.Namespace | None, environ: Mapping[str, str]) -> OperatorSettings:
     """Settings from flags, then ``MODELLOAD_OPERATOR_*`` variables, then the defaults above."""
-    lookup = Lookup(OPTIONS, vars(args) if args is not None else {}, environ)
-    values: dict[tuple[str, ...], Any] = {}
-    for option in OPTIONS:
-        assert option.parse is not None
-        value = lookup.get(option.dest, option.parse, _UNSET)
-        if value is not _UNSET:
-            values[tuple(option.dest.split("."))] = value
-    return _build(values)
-
-
-_UNSET: Any = object()
-
-
-def _build(values: Mapping[tuple[str, ...], Any]) -> OperatorSettings:
-    def pick(prefix: tuple[str, ...]) -> dict[str, Any]:
-        return {path[-1]: v for path, v in values.items() if path[:-1] == prefix}
-
-    sizing = SizingDefaults(**pick(("sidecar", "sizing")))
-    sidecar = SidecarSettings(**pick(("sidecar",)), sizing=sizing)
-    webhook = WebhookSettings(**pick(("webhook",)))
-    retry = RetrySettings(**pick(("retry",)))
+    given = Given(OPTIONS, vars(args) if args is not None else {}, environ)
+    sizing = given.build(SizingDefaults, "sidecar.sizing")
+    retry = given.build(RetrySettings, "retry")
     if retry.max_delay < retry.first_delay:
         raise ConfigError(
             f"the retry max delay {retry.max_delay} is below the first delay {retry.first_delay}"
         )
-    return OperatorSettings(**pick(()), webhook=webhook, sidecar=sidecar, retry=retry)
+    return given.build(
+        OperatorSettings,
+        webhook=given.build(WebhookSettings, "webhook"),
+        sidecar=given.build(InjectedSidecar, "sidecar", sizing=sizing),
+        retry=retry,
+    )

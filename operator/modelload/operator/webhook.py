@@ -30,7 +30,7 @@ from modelload.operator.kube import Kube, KubeError
 from modelload.operator.metrics import METRICS, OperatorMetrics
 from modelload.operator.resource import NotResolvedError, ResolvedModel, label_value
 from modelload.operator.schema import MODEL_LABEL
-from modelload.operator.settings import SidecarSettings
+from modelload.operator.settings import InjectedSidecar
 
 __all__ = ["ModelLookup", "ModelNotFoundError", "PodWebhook", "kube_lookup", "serve"]
 
@@ -75,7 +75,7 @@ class PodWebhook:
         self,
         *,
         lookup: ModelLookup,
-        sidecar: SidecarSettings,
+        sidecar: InjectedSidecar,
         native: bool,
         metrics: OperatorMetrics = METRICS,
     ) -> None:

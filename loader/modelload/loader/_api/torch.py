@@ -59,9 +59,13 @@ def as_tensor(view: memoryview, dtype: DType, shape: tuple[int, ...]) -> torch.T
 
 
 class DeviceCopier:
-    """Copies host tensors to one CUDA device as they are handed in, overlapping copies with loading."""
+    """Copies host tensors to one CUDA device as they are handed in, overlapping copies with loading.
 
-    def __init__(self, device: str | torch.device) -> None:
+    ``pin_in_place=False`` skips registration and copies through the staging buffers from the start (the
+    GPU benchmark measures both ways; registration is otherwise always tried first).
+    """
+
+    def __init__(self, device: str | torch.device, *, pin_in_place: bool = True) -> None:
         import torch
 
         self.device = torch.device(device)
@@ -73,16 +77,29 @@ class DeviceCopier:
         """(event, pointer, keep-alive, what to call once the copy has left the host bytes)"""
         self._staging: list[tuple[torch.Tensor, Any]] | None = None
         self._next_stage = 0
-        self._pin_in_place = True
+        self._pin_in_place = pin_in_place
 
-    def copy(self, host: torch.Tensor, *, on_done: Callable[[], None] | None = None) -> torch.Tensor:
+    @property
+    def pins_in_place(self) -> bool:
+        """Whether copies still pin the host pages in place (False once registration was refused)."""
+        return self._pin_in_place
+
+    def copy(
+        self,
+        host: torch.Tensor,
+        *,
+        into: torch.Tensor | None = None,
+        on_done: Callable[[], None] | None = None,
+    ) -> torch.Tensor:
         """Start copying ``host`` to the device. The result may be used once :meth:`finish` returns.
 
-        ``on_done`` is called once the host bytes are no longer needed (the copy has read them): the
-        loader then marks the tensor consumed, so the sidecar may give its pages back (memory modes).
+        ``into`` is a device tensor of the same dtype and shape to copy into (the hand-off keeper's memory);
+        by default a new one is allocated. ``on_done`` is called once the host bytes are no longer needed
+        (the copy has read them): the loader then marks the tensor consumed, so the sidecar may give its
+        pages back (memory modes).
         """
         torch = self._torch
-        target = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+        target = self._target(host, into)
         if not host.numel():
             if on_done is not None:
                 on_done()
@@ -106,6 +123,24 @@ class DeviceCopier:
             if on_done is not None:  # the bytes are in a staging buffer now
                 on_done()
         return target
+
+    def _target(self, host: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
+        torch = self._torch
+        if into is None:
+            return torch.empty(host.shape, dtype=host.dtype, device=self.device)
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        if (
+            into.shape != host.shape
+            or into.dtype != host.dtype
+            or into.device != torch.device("cuda", index)  # "cuda" names the current device
+            or not into.is_contiguous()
+        ):
+            raise ConfigError(
+                f"cannot copy a {host.dtype} tensor of shape {tuple(host.shape)} into a {into.dtype} "
+                f"tensor of shape {tuple(into.shape)} on {into.device} (copying to {self.device}; it must be "
+                "contiguous)"
+            )
+        return into
 
     def finish(self) -> None:
         """Wait for every copy, release the pinned pages, and order the current stream after the copies."""

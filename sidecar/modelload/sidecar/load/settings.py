@@ -8,7 +8,9 @@ from typing import Literal, get_args
 
 from modelload.loader import wiring
 from modelload.loader.errors import ConfigError
-from modelload.sidecar.memory import MemorySettings
+from modelload.loader.rules import Between, OneOf, check_fields, rule
+from modelload.loader.sizes import format_size
+from modelload.sidecar.memory.settings import MemorySettings
 from modelload.sidecar.sources import display_url
 
 __all__ = ["DEFAULT_SEGMENT", "MAX_CHUNK", "MAX_READERS", "MIN_CHUNK", "LoadSettings", "ModelFormat"]
@@ -28,79 +30,83 @@ MIN_CODE_CHUNK = 4096
 class LoadSettings:
     """What to load, where to, and how hard to pull: the engine's settings, from the flags or from code.
 
-    ``source``: the model's URI (``s3://bucket/key``, ``http(s)://...``, ``file:///path`` or a plain path).
-    Required. A directory loads every weight file in it into the one segment: an S3 prefix
-    (``s3://bucket/models/llama/``), an HTTP(S) base URL ending in ``/``, or a local directory. Shown in
-    reprs and logs through :func:`~modelload.sidecar.sources.display_url` (no user info,
-    no query string).
-
-    ``segment``: the segment file to create, absolute. Default ``/run/modelload/model.seg``, inside the
-    memory-backed volume the operator mounts at ``/run/modelload``.
-
-    ``format``: ``auto`` detects tensorizer or safetensors from the file's first bytes; naming it skips
-    the guess and fails clearly on a file of the other format. Default ``auto``.
-
-    ``readers``: parallel range readers, 1 to 256. Default 8: enough to fill a 10 Gbit/s link from S3,
-    whose single streams top out near 100 MB/s, without overloading a small HTTP server.
-
-    ``chunk_size``: bytes per range request, 1 MiB to 1 GiB from a flag or variable. Default 32 MiB: large
-    enough that request latency is small against transfer time, small enough that a retry re-reads little
-    and that the readers share a model of a few GB evenly. Code may go down to a page (4 KiB), for models of
-    a few kilobytes.
-
-    ``verify``: check each tensor against the hash its file stores (tensorizer CRC32, or SHA-256 when it is
-    the only one) before publishing it. Default on: a corrupt transfer is then an error, not wrong weights.
-    Encrypted tensors are always authenticated by their MACs.
-
-    ``key_file`` / ``password_file``: a file holding the raw 32-byte decryption key, or the password of an
-    Argon2id-derived key, for encrypted tensorizer files. At most one; default none. Only the paths are
-    kept here: the engine reads the bytes when it needs them.
-
-    ``priority``: tensor names or name prefixes loaded first, in this order (for example the embeddings and
-    the first layers, so an app can start computing sooner). Default empty: file order.
-
-    ``model_dir``: where a directory's small files (config, tokenizer) are copied, for the app to pass to
-    its engine as the model path. Default ``model/`` beside the segment (``/run/modelload/model``).
-
-    ``files``: a directory's file names, instead of listing it: for an HTTP(S) directory that has neither a
-    ``model.safetensors.index.json`` nor a ``model.safetensors`` (a server cannot be listed). Default empty.
-
-    ``notify``: the pyzmq endpoint recorded in the segment for loaders to subscribe to (the sidecar's
-    ``--notify``, :attr:`NotifySettings.endpoint`). Default none.
-
-    ``splice``: land bytes with ``os.splice`` where the source supports it (plain HTTP, S3 over HTTP,
-    files). Default on; off only to compare the two paths.
+    Each field's default and rule are declared here once; the sidecar's flags and variables
+    (:mod:`modelload.sidecar.settings`) read them from here for their parsing and their ``--help``.
     """
 
     source: str
+    """The model's URI (``s3://bucket/key``, ``http(s)://...``, ``file:///path`` or a plain path). Required.
+    A directory loads every weight file in it into the one segment: an S3 prefix (``s3://bucket/models/llama/``),
+    an HTTP(S) base URL ending in ``/``, or a local directory. Shown in reprs and logs through
+    :func:`~modelload.sidecar.sources.display_url` (no user info, no query string)."""
+
     segment: Path = DEFAULT_SEGMENT
-    format: ModelFormat = "auto"
-    readers: int = 8
-    chunk_size: int = 32 * MiB
+    """The segment file to create, made absolute. Default ``/run/modelload/model.seg``, inside the
+    memory-backed volume the operator mounts at ``/run/modelload``."""
+
+    format: ModelFormat = field(default="auto", metadata=rule(OneOf(get_args(ModelFormat))))
+    """``auto`` detects tensorizer or safetensors from the file's first bytes; naming it skips the guess and
+    fails clearly on a file of the other format. Default ``auto``."""
+
+    readers: int = field(default=8, metadata=rule(Between(1, MAX_READERS)))
+    """Parallel range readers. Default 8: enough to fill a 10 Gbit/s link from S3, whose single streams top
+    out near 100 MB/s, without overloading a small HTTP server."""
+
+    chunk_size: int = field(
+        default=32 * MiB,
+        metadata=rule(Between(MIN_CODE_CHUNK, MAX_CHUNK, what="a chunk size", show=format_size)),
+    )
+    """Bytes per range request. Default 32 MiB: large enough that request latency is small against transfer
+    time, small enough that a retry re-reads little and that the readers share a model of a few GB evenly.
+    Code may go down to a page (4 KiB), for models of a few kilobytes; a flag or variable starts at 1 MiB."""
+
     verify: bool = True
+    """Check each tensor against the hash its file stores (tensorizer CRC32, or SHA-256 when it is the only
+    one) before publishing it. Default on: a corrupt transfer is then an error, not wrong weights. Encrypted
+    tensors are always authenticated by their MACs."""
+
     key_file: Path | None = None
+    """A file holding the raw 32-byte decryption key of an encrypted tensorizer file. Default none. Only the
+    path is kept here: the engine reads the bytes when it needs them."""
+
     password_file: Path | None = None
+    """A file holding the password of an Argon2id-derived key, instead of ``key_file`` (not both)."""
+
     priority: tuple[str, ...] = ()
+    """Tensor names or name prefixes loaded first, in this order (for example the embeddings and the first
+    layers, so an app can start computing sooner). Default empty: file order."""
+
     model_dir: Path | None = None
+    """Where a directory's small files (config, tokenizer) are copied, for the app to pass to its engine as
+    the model path. Default ``model/`` beside the segment (``/run/modelload/model``)."""
+
     files: tuple[str, ...] = ()
+    """A directory's file names, instead of listing it: for an HTTP(S) directory that has neither a
+    ``model.safetensors.index.json`` nor a ``model.safetensors`` (a server cannot be listed). Default
+    empty."""
+
     notify: str | None = None
+    """The pyzmq endpoint recorded in the segment for loaders to subscribe to (the sidecar's ``--notify``,
+    ``NotifySettings.endpoint``). Default none."""
+
     splice: bool = True
+    """Land bytes with ``os.splice`` where the source supports it (plain HTTP, S3 over HTTP, files). Default
+    on; off only to compare the two paths."""
+
     memory: MemorySettings = field(default_factory=MemorySettings)
     """Memory modes full, release and ring (``modelload.sidecar.memory``)."""
 
     def __post_init__(self) -> None:
         if not self.source.strip():
             raise ConfigError(
-                "the source is empty: pass --source or MODELLOAD_SOURCE (s3://, http(s)://, file://)"
+                "no model source: pass --source URI or set MODELLOAD_SOURCE (s3://, http(s)://, file://)"
             )
-        if self.format not in get_args(ModelFormat):
-            raise ConfigError(f"format must be auto, tensorizer or safetensors, got {self.format!r}")
-        if not 1 <= self.readers <= MAX_READERS:
-            raise ConfigError(f"readers must be between 1 and {MAX_READERS}, got {self.readers}")
-        if not MIN_CODE_CHUNK <= self.chunk_size <= MAX_CHUNK:
-            raise ConfigError(f"chunk size must be between 4 KiB and 1 GiB, got {self.chunk_size} bytes")
+        check_fields(self)
         if self.key_file is not None and self.password_file is not None:
-            raise ConfigError("give a key file or a password file, not both")
+            raise ConfigError(
+                "both a key file (--key-file/MODELLOAD_KEY_FILE) and a password file"
+                " (--password-file/MODELLOAD_PASSWORD_FILE) are set: give one"
+            )
         if not self.segment.is_absolute():
             object.__setattr__(self, "segment", self.segment.absolute())
         if self.model_dir is None:

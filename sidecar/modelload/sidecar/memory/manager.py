@@ -33,78 +33,30 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Any, Literal
+from dataclasses import replace
+from typing import Any
 
 import numpy as np
 
 from modelload.loader.errors import ConfigError, MemoryWaitError
 from modelload.loader.segment import ALIGNMENT, MemoryMode, SegmentWriter, TensorState
-from modelload.loader.segment.consumers import EXPIRY, ConsumerEntry, ConsumerTable
+from modelload.loader.segment.consumers import ConsumerEntry, ConsumerTable
 from modelload.loader.segment.layout import align
 from modelload.loader.segment.release import Releaser, punch_hole, resident_bytes
 from modelload.sidecar.memory.ring import RingSpace
+from modelload.sidecar.memory.settings import MemorySettings
 from modelload.sidecar.planner import Chunk, LoadPlan
 
-__all__ = ["MemoryManager", "MemorySettings", "plan_memory"]
+__all__ = ["MemoryManager", "plan_memory"]
 
 log = logging.getLogger(__name__)
 
-Mode = Literal["full", "release", "ring"]
 POLL_INTERVAL = 0.01
 """Seconds between reads of the consumer table."""
 POLL_WAITING = 0.001
 """... while a reader waits for room in the ring: the load is stalled until the next release is seen."""
 STATUS_INTERVAL = 1.0
 """Seconds between status reports while nothing changes (so a wait's duration shows as it grows)."""
-
-
-@dataclass(frozen=True)
-class MemorySettings:
-    """How much host memory the load may keep (the sidecar's ``--memory-*`` flags).
-
-    ``mode``: ``full`` (default: every page stays, for CPU consumers that keep zero-copy views), ``release``
-    (pages go once every consumer copied the tensor) or ``ring`` (at most ``ring_size`` bytes at once).
-
-    ``ring_size``: ring mode's bound on tensor data in memory, bytes, rounded up to 4096 (and down to the
-    model's data, when that is smaller). It must hold the largest tensor with its record header; a few times
-    the chunk size keeps the readers busy while the app copies.
-
-    ``wait_timeout``: seconds ring mode may wait for room before failing the load; None waits as long as
-    it takes (the status shows the wait).
-
-    ``consumers``: consumers that must have registered before anything is released (tensor-parallel
-    workers that attach one by one: set it to their count). Default 1. Once they have, a tensor is released
-    when every *live* consumer has consumed it: one that left (``Model.close()``) or whose heartbeat expired
-    (it died) needs nothing more.
-
-    ``expiry``: seconds without a heartbeat after which a consumer counts as gone. Default 30.
-    """
-
-    mode: Mode = "full"
-    ring_size: int = 0
-    wait_timeout: float | None = None
-    consumers: int = 1
-    expiry: float = EXPIRY
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("full", "release", "ring"):
-            raise ConfigError(f"memory mode must be full, release or ring, got {self.mode!r}")
-        if (self.mode == "ring") != (self.ring_size > 0):
-            raise ConfigError(
-                "a ring size (--ring-size/MODELLOAD_RING_SIZE) is needed with --memory-mode ring, and only "
-                "then"
-            )
-        if self.wait_timeout is not None and self.wait_timeout <= 0:
-            raise ConfigError(f"the memory wait timeout must be positive seconds, got {self.wait_timeout}")
-        if not 1 <= self.consumers <= 64:
-            raise ConfigError(f"consumers must be between 1 and 64, got {self.consumers}")
-        if self.expiry < 5:
-            raise ConfigError(f"the consumer expiry must be at least 5 seconds, got {self.expiry}")
-
-    @property
-    def layout_mode(self) -> MemoryMode:
-        return MemoryMode[self.mode.upper()]
 
 
 def ring_span(plan: LoadPlan, tensor: int) -> tuple[int, int]:
@@ -157,8 +109,11 @@ class MemoryManager:
         plan: LoadPlan,
         stop: threading.Event,
         report: Callable[[dict[str, Any]], None] | None = None,
+        hold: Callable[[], np.ndarray | None] | None = None,
     ) -> None:
         self.settings = settings
+        self._hold = hold
+        """Per tensor, whether it may be released yet (the load's digest check has hashed its bytes)."""
         self.plan = plan
         self._stop = stop
         self._report = report
@@ -287,7 +242,11 @@ class MemoryManager:
         for entry in live:
             bits = np.unpackbits(self._table.consumed_bits(entry.slot), bitorder="little", count=count)
             consumed &= bits.astype(bool)
-        todo = np.flatnonzero(consumed & ready & ~self._released)
+        releasable = consumed & ready & ~self._released
+        held = self._hold() if self._hold is not None else None
+        if held is not None:
+            releasable &= held
+        todo = np.flatnonzero(releasable)
         for index in todo:
             punched = self._releaser.release(int(index))
             self._released_bytes += punched if not self._ring else self.plan.layout.slots[index].nbytes

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from modelload.loader import wiring
 from modelload.loader.errors import ConfigError
+from modelload.loader.rules import Between, check_fields, rule
 
 __all__ = ["DEFAULT_PEER_PORT", "PeerSettings"]
 
@@ -14,24 +15,35 @@ DEFAULT_PEER_PORT = wiring.PEER_PORT
 
 @dataclass(frozen=True)
 class PeerSettings:
-    """Sidecars of the same model as each other's sources (docs/peers.md). Off unless peers are named.
-
-    ``urls``: peers' base URLs (``http://10.0.0.7:8480``), from ``--peers``. ``dns``: a name whose addresses
-    are the peers (a headless Service with ``publishNotReadyAddresses``), re-resolved while loading, each
-    address with ``port``. ``port``: where this sidecar serves its peers. ``token``: the shared secret peers
-    present and ask for (read from ``--peer-token-file``; ``repr`` hides it). ``max_uploads``: uploads served
-    at once before answering 429. ``stall_timeout``: seconds a peer may send nothing (or an owner make no
-    progress) before its chunks move elsewhere. ``settle``: seconds to wait at the start of a load for every
-    peer address to answer, so that sidecars started together agree on who reads what from the origin.
-    """
+    """Sidecars of the same model as each other's sources (docs/peers.md). Off unless peers are named."""
 
     urls: tuple[str, ...] = ()
+    """Peers' base URLs (``http://10.0.0.7:8480``), from ``--peers``. Default none."""
+
     dns: str | None = None
-    port: int = DEFAULT_PEER_PORT
+    """A name whose addresses are the peers (a headless Service with ``publishNotReadyAddresses``),
+    re-resolved while loading, each address with ``port``. Default none."""
+
+    port: int = field(default=DEFAULT_PEER_PORT, metadata=rule(Between(0, 65535)))
+    """Where this sidecar serves its peers, and the port of every address ``dns`` resolves to. Default 8480
+    (``modelload.loader.wiring``): a port of its own, not the status API's, as uploads are long requests."""
+
     token: str = field(default="", repr=False)
-    max_uploads: int = 8
+    """The shared secret peers present and ask for (read from ``--peer-token-file``; ``repr`` hides it).
+    Required when peers are named."""
+
+    max_uploads: int = field(default=8, metadata=rule(Between(1, 256)))
+    """Uploads served at once before answering 429: a busy sidecar sends the asker to another peer or the
+    origin at once instead of queueing it. Default 8."""
+
     stall_timeout: float = 10.0
+    """Seconds a peer may send nothing (or an owner make no progress) before its chunks move elsewhere: it
+    bounds how long a chunk waits on a frozen peer, while a slow but moving peer keeps its chunk. Default
+    10."""
+
     settle: float = 5.0
+    """Seconds to wait at the start of a load for every peer address to answer, so that sidecars started
+    together agree on who reads what from the origin."""
 
     @property
     def enabled(self) -> bool:
@@ -43,7 +55,4 @@ class PeerSettings:
                 "peers are named (--peers/--peer-dns) but no token is: pass --peer-token-file or set"
                 " MODELLOAD_PEER_TOKEN_FILE (the ModelLoad's peer Secret)"
             )
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"the peer port must be between 0 and 65535, got {self.port}")
-        if not 1 <= self.max_uploads <= 256:
-            raise ConfigError(f"peer uploads must be between 1 and 256, got {self.max_uploads}")
+        check_fields(self)

@@ -11,7 +11,6 @@ fetched with :func:`fetch_small_file`.
 from __future__ import annotations
 
 import hashlib
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -30,36 +29,16 @@ from modelload.loader.formats import (
 )
 
 from ._base import ObjectInfo, Source
+from ._checksum import checksum_of, verify_bytes
 from ._listing import Directory, directory_hint, is_directory, list_directory
-from ._registry import open_source
+from ._registry import open_source, store_for
 from ._retry import RetryEvent, read_bytes, read_range, stat_source
-from ._s3 import S3Source, parse_s3_uri
 from ._settings import RetryPolicy, SourceSettings
+from ._store import Opener
 
 __all__ = ["OpenedModel", "fetch_small_file", "open_model"]
 
 _WORKERS = 8
-
-
-class _Opener:
-    """Opens the files of one directory; S3 files share one endpoint resolution and credential chain
-    (botocore's session set-up costs about 0.1 s a file, which a directory of shards would pay per shard)."""
-
-    def __init__(self, settings: SourceSettings) -> None:
-        self._settings = settings
-        self._s3: S3Source | None = None
-        self._lock = threading.Lock()
-
-    def __call__(self, uri: str) -> Source:
-        if uri.startswith("s3://"):
-            with self._lock:
-                if self._s3 is not None:
-                    return self._s3.sibling(parse_s3_uri(uri)[1])
-                source = open_source(uri, self._settings)
-                if isinstance(source, S3Source):
-                    self._s3 = source
-                return source
-        return open_source(uri, self._settings)
 
 
 @dataclass
@@ -77,12 +56,14 @@ class OpenedModel:
     directory: Directory | None = None
     small: dict[str, int] = field(default_factory=dict)
     """The small files to copy into the model directory, with their sizes."""
-    opener: Callable[[str], Source] | None = None
-    """How this model's files are opened (sharing S3 set-up); None: :func:`open_source`."""
+    opener: Opener | None = None
+    """How this model's files are opened (sharing their store's set-up); None: :func:`open_source`."""
     retry: RetryPolicy | None = None
     """How the index reads are retried: as every range of the load (None: not at all)."""
     on_retry: Callable[[RetryEvent], None] | None = None
     _index: ModelIndex | None = None
+    _kept: dict[int, list[tuple[int, bytes]]] = field(default_factory=dict)
+    """The bytes each weight file's index was read from, by file: what a digest check hashes for them."""
 
     @property
     def size(self) -> int:
@@ -112,7 +93,7 @@ class OpenedModel:
         if self._index is None:
             workers = min(_WORKERS, len(self.sources))
             with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="index") as pool:
-                indexes = list(pool.map(self._read_index, self.sources, self.infos))
+                indexes = list(pool.map(self._read_index, range(len(self.sources)), self.sources, self.infos))
             if self.directory is None:
                 self._index = indexes[0]
             else:
@@ -120,14 +101,18 @@ class OpenedModel:
                 self._index = merge_indexes(named, where=self.directory.display)
         return self._index
 
-    def _read_index(self, source: Source, info: ObjectInfo) -> ModelIndex:
+    def _read_index(self, file: int, source: Source, info: ObjectInfo) -> ModelIndex:
         uri = source.display_uri
+        kept = self._kept.setdefault(file, [])
         policy, on_retry = self.retry, self.on_retry
 
         def read(offset: int, length: int) -> bytes:
             if policy is None:
-                return source.read_bytes(offset, length)
-            return read_bytes(source, offset, length, policy=policy, on_retry=on_retry)
+                data = source.read_bytes(offset, length)
+            else:  # the index read is retried as every range is
+                data = read_bytes(source, offset, length, policy=policy, on_retry=on_retry)
+            kept.append((offset, data))
+            return data
 
         index = read_index(read, format=self.format, source=uri, size=info.size)
         if index.data_end > info.size:
@@ -136,6 +121,18 @@ class OpenedModel:
                 source=uri,
             )
         return index
+
+    def kept_bytes(self, file: int, offset: int, length: int) -> bytes | None:
+        """Bytes ``[offset, offset + length)`` of weight file ``file`` as its index read them, when it did."""
+        out = bytearray(length)
+        covered = 0  # bytes of [offset, offset + covered) assembled so far
+        for start, data in sorted(self._kept.get(file, ()), key=lambda read: read[0]):
+            at = offset + covered
+            if start <= at < start + len(data):
+                take = min(start + len(data), offset + length) - at
+                out[covered : covered + take] = data[at - start : at - start + take]
+                covered += take
+        return bytes(out) if covered == length else None
 
     def display(self, file: int) -> str:
         """The URI of weight file ``file``, for messages."""
@@ -193,7 +190,7 @@ def _open_directory(
 ) -> OpenedModel:
     directory = list_directory(uri, settings, files=files)
     where = directory.display
-    opener = _Opener(settings)
+    opener = store_for(directory.uri).opener(settings)
     index_json = None
     if SAFETENSORS_INDEX in directory.sizes and format != "tensorizer":
         index_json = fetch_small_file(
@@ -239,7 +236,7 @@ def fetch_small_file(
     settings: SourceSettings,
     *,
     on_retry: Callable[[RetryEvent], None] | None = None,
-    opener: Callable[[str], Source] | None = None,
+    opener: Opener | None = None,
 ) -> bytes:
     """The whole content of a small file of ``directory``, at most :data:`SMALL_FILE_LIMIT` bytes."""
     uri = directory.file_uri(name)
@@ -249,6 +246,9 @@ def fetch_small_file(
         check_small_files({name: info.size}, where=directory.display)
         buf = bytearray(min(info.size, SMALL_FILE_LIMIT))
         read_range(source, 0, memoryview(buf), policy=settings.retry, on_retry=on_retry)
+        checksum = checksum_of(source)
+        if checksum is not None and checksum.covers_file(len(buf)):
+            verify_bytes(bytes(buf), checksum)  # the Hub's git blob id or SHA-256, a registry blob's digest
         return bytes(buf)
     finally:
         source.close()

@@ -1,10 +1,14 @@
-"""Open a source from its URI: a registry of factories keyed by URI scheme.
+"""Open a source from its URI: a registry of stores keyed by URI scheme.
 
-Built in: ``file://`` and plain paths, ``http://``, ``https://``, ``s3://``. Nothing else is registered in
-production (the tests' in-memory source registers ``memory://`` from the test support). A new backend
-registers one factory::
+Built in: ``file://`` and plain paths, ``http://``, ``https://``, ``s3://``, ``gs://``, ``az://`` (and
+``gcs://``, ``abfs[s]://``, ``wasb[s]://``, refused with the URI they mean), ``hf://`` (the Hugging Face
+Hub, :mod:`.hub`), ``oci://`` (OCI registries, :mod:`.oci`). A new origin registers a
+:class:`~._store.Store`, which opens its files and lists its directories::
 
-    register_source("gs", lambda uri, settings: GcsSource(uri, settings))
+    register_store(GcsStore())          # serves every scheme in GcsStore.schemes
+
+A plain factory of single-file sources still registers with :func:`register_source` (the tests' in-memory
+source registers ``memory://`` that way).
 """
 
 from __future__ import annotations
@@ -15,67 +19,89 @@ from collections.abc import Callable
 
 from modelload.loader.errors import ConfigError, SourceUriError
 
+from ._azure import AzureStore, OtherAzureSchemes
 from ._base import Source
-from ._file import open_file
-from ._http import open_http
+from ._gcs import GcsSpelling, GcsStore
 from ._responses import display_url
-from ._s3 import open_s3
 from ._settings import SourceSettings
+from ._store import Store
+from ._stores import FactoryStore, FileStore, HttpStore, S3Store
+from .hub import HubStore
+from .oci import OciStore
 
-__all__ = ["SourceFactory", "check_scheme", "open_source", "register_source", "registered_schemes"]
+__all__ = [
+    "SourceFactory",
+    "check_scheme",
+    "open_source",
+    "register_source",
+    "register_store",
+    "registered_schemes",
+    "store_for",
+]
 
 SourceFactory = Callable[[str, SourceSettings], Source]
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _lock = threading.Lock()
+_FILES = FileStore()
+_stores: dict[str, Store] = {}
 
 
-_factories: dict[str, SourceFactory] = {
-    "file": open_file,
-    "http": open_http,
-    "https": open_http,
-    "s3": open_s3,
-}
-
-
-def register_source(scheme: str, factory: SourceFactory) -> None:
-    """Make :func:`open_source` hand URIs of ``scheme`` (lower case, without ``://``) to ``factory``.
+def register_store(store: Store) -> None:
+    """Make :func:`open_source` and the directory listing hand URIs of ``store.schemes`` to ``store``.
 
     A later registration of the same scheme replaces the earlier one.
     """
-    if not re.fullmatch(r"[a-z][a-z0-9+.-]*", scheme):
-        raise ConfigError(f"not a URI scheme: {scheme!r}")
+    for scheme in store.schemes:
+        if not re.fullmatch(r"[a-z][a-z0-9+.-]*", scheme):
+            raise ConfigError(f"not a URI scheme: {scheme!r}")
     with _lock:
-        _factories[scheme] = factory
+        _stores.update(dict.fromkeys(store.schemes, store))
+
+
+def register_source(scheme: str, factory: SourceFactory) -> None:
+    """Serve ``scheme`` (lower case, without ``://``) with a factory of single files, not listable."""
+    register_store(FactoryStore(scheme, factory))
+
+
+for _store in (
+    _FILES,
+    HttpStore(),
+    S3Store(),
+    GcsStore(),
+    GcsSpelling(),
+    AzureStore(),
+    OtherAzureSchemes(),
+    HubStore(),
+    OciStore(),
+):
+    register_store(_store)
 
 
 def registered_schemes() -> tuple[str, ...]:
     """The schemes :func:`open_source` accepts, sorted."""
     with _lock:
-        return tuple(sorted(_factories))
+        return tuple(sorted(scheme for scheme, store in _stores.items() if store.listed))
 
 
 def open_source(uri: str, settings: SourceSettings | None = None) -> Source:
     """Open the object at ``uri``. No network I/O happens here; the first :meth:`Source.stat` or read does it.
 
     ``uri`` is ``s3://bucket/key``, ``http(s)://...``, ``file:///path``, a plain path, or any scheme added
-    with :func:`register_source`. Raises ConfigError for an unknown scheme or a malformed URI, and
+    with :func:`register_store`. Raises ConfigError for an unknown scheme or a malformed URI, and
     SourceNotFoundError / SourceAccessDeniedError for a local file that cannot be opened.
     """
-    settings = settings or SourceSettings()
-    factory = _factory(uri)
-    if factory is None:  # a plain path, or file:/path
-        return open_file(uri, settings)
-    return factory(uri, settings)
+    return store_for(uri).open(uri, settings or SourceSettings())
 
 
 def check_scheme(uri: str) -> None:
     """Raise ConfigError now if no source serves ``uri``'s scheme: settings call it, so a sidecar given an
     ``ftp://`` source exits with a configuration error instead of serving a failed load forever."""
-    _factory(uri)
+    store_for(uri)
 
 
-def _factory(uri: str) -> SourceFactory | None:
+def store_for(uri: str) -> Store:
+    """The store that serves ``uri``: by its scheme, or the local files for a plain path."""
     if any(ord(c) < 32 or ord(c) == 127 for c in uri):
         shown = display_url(uri).encode("unicode_escape").decode("ascii")
         raise SourceUriError(
@@ -85,16 +111,16 @@ def _factory(uri: str) -> SourceFactory | None:
     match = _SCHEME.match(uri)
     if match is None:
         _refuse_a_scheme_short_of_its_slashes(uri)
-        return None
+        return _FILES
     scheme = match.group(1).lower()
     with _lock:
-        factory = _factories.get(scheme)
-    if factory is None:
+        store = _stores.get(scheme)
+    if store is None:
         known = ", ".join(f"{known}://" for known in registered_schemes())
         raise SourceUriError(
             f"no source for {scheme}:// URIs (supported: {known}, or a local path); check the source URI"
         )
-    return factory
+    return store
 
 
 _SLIPS = (
@@ -114,7 +140,7 @@ def _refuse_a_scheme_short_of_its_slashes(uri: str) -> None:
             continue
         scheme = slip.group(1).lower()
         with _lock:
-            known = scheme in _factories and scheme != "file"
+            known = scheme in _stores and scheme != "file"
         if known:
             rest = uri[slip.end() :]
             raise SourceUriError(

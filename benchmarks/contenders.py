@@ -1,6 +1,6 @@
 """One contender, one load, one JSON line: the measurement every benchmark of modelload runs.
 
-``python peers.py CONTENDER --source URI [options]`` loads the model once with one contender and prints
+``python contenders.py CONTENDER --source URI [options]`` loads the model once with one contender and prints
 ``{"seconds", "nbytes", "cpu_s", "peak_rss", ...}``. It runs in a fresh process per measurement, on this
 machine (``benchmarks/run.py`` spawns it) and in a cluster (``manifests/benchmarks/`` mounts this very file
 into each Job), so both measure the same way. It needs only the standard library plus the contender's own
@@ -23,7 +23,7 @@ Contenders:
 - ``curl``: ``curl`` fetching the object as ``readers`` parallel ranges into fresh files in tmpfs: the floor
   of landing bytes in new memory on this machine (and the throughput a raw client reaches).
 
-For the library peers the load is timed inside the process, imports excluded; CPU is user + system time of
+For the library contenders the load is timed inside the process, imports excluded; CPU is user + system time of
 the process and of the children it waited for (tensorizer runs curl) over the load; peak RSS is the
 process's maximum resident set (the import of torch included, as it is in a real server).
 """

@@ -1,0 +1,155 @@
+"""What every kind of origin provides, in one shape: a :class:`Store` per URI scheme.
+
+A store knows three things about the URIs of its scheme:
+
+- whether a URI names one file or a model directory (:meth:`Store.is_directory`);
+- what a directory holds (:meth:`Store.list`): each file's name and, where the origin says so, its size, the
+  version listed (an ETag, a generation, a commit, a digest) and the checksums the origin keeps for it, as
+  :class:`ListedFile` rows of a :class:`Directory`;
+- how to read one file by byte ranges (:meth:`Store.open`, a :class:`~._base.Source`), and how to open many
+  files of one model sharing their set-up (:meth:`Store.opener`: one credential chain, one endpoint
+  resolution for every shard).
+
+Everything above this protocol (the index reads, the plan, retries, the engine) is the same for every store,
+so a new origin is one module that implements it and one line in :mod:`._registry`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+from urllib.parse import quote
+
+from modelload.loader.errors import ConfigError, SourceNotFoundError
+
+from ._base import Source
+from ._responses import display_url
+from ._settings import SourceSettings
+
+__all__ = ["Directory", "ListedFile", "Opener", "Store", "join_uri", "shared_opener"]
+
+S = TypeVar("S", bound=Source)
+
+Opener = Callable[[str], Source]
+"""Opens one file of a model by its URI (as :meth:`Directory.file_uri` gives it)."""
+
+
+@dataclass(frozen=True)
+class ListedFile:
+    """One file of a model directory, as its origin listed it."""
+
+    size: int | None = None
+    """Bytes, when the listing said (an HTTP(S) base probed by name does not list sizes of named files)."""
+    uri: str | None = None
+    """Where the file is read, when it is not the directory's URI joined with its name (a registry blob, a
+    pinned revision's URL); read through the same store."""
+    version: str | None = None
+    """The version the listing saw (an ETag, a generation, a commit or a digest), when it gave one."""
+    checksums: Mapping[str, str] = field(default_factory=dict)
+    """The origin's own checksums of the whole file, by algorithm (``sha256`` hex, ``crc32c`` base64...)."""
+
+
+@dataclass(frozen=True)
+class Directory:
+    """A model directory's files, by name relative to it."""
+
+    uri: str
+    """The directory's URI, ending in ``/`` (a local path for a local directory)."""
+    display: str
+    """The URI for messages, without credentials or query strings."""
+    files: Mapping[str, ListedFile]
+    """Every file found."""
+    listed: bool = True
+    """False for a directory whose files were probed by name (an HTTP(S) base): the shards its index names
+    are then taken on the index's word (a missing one fails when it is read)."""
+
+    @classmethod
+    def of_sizes(
+        cls, uri: str, display: str, sizes: Mapping[str, int | None], *, listed: bool = True
+    ) -> Directory:
+        """A directory whose listing gave only names and sizes."""
+        return cls(uri, display, {name: ListedFile(size) for name, size in sizes.items()}, listed)
+
+    @property
+    def sizes(self) -> Mapping[str, int | None]:
+        """Every file's size, where the listing gave one."""
+        return {name: entry.size for name, entry in self.files.items()}
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(sorted(self.files))
+
+    def with_files(self, names: Sequence[str]) -> Directory:
+        """This directory, also holding ``names`` (of unknown size)."""
+        added = {name: ListedFile() for name in names if name not in self.files}
+        return Directory(self.uri, self.display, {**added, **self.files}, self.listed)
+
+    def only(self, names: Sequence[str]) -> Directory:
+        """This directory narrowed to ``names``, each of which it must hold."""
+        missing = [name for name in names if name not in self.files]
+        if missing:
+            raise SourceNotFoundError(
+                f"{self.display} has no file named {', '.join(missing[:3])}", uri=self.display
+            )
+        return Directory(self.uri, self.display, {name: self.files[name] for name in names}, self.listed)
+
+    def file_uri(self, name: str) -> str:
+        """The URI of file ``name`` in this directory."""
+        entry = self.files.get(name)
+        if entry is not None and entry.uri is not None:
+            return entry.uri
+        if "://" not in self.uri:
+            return str(Path(self.uri) / name)
+        return join_uri(self.uri, name)
+
+
+def shared_opener(first: Callable[[str], S], sibling: Callable[[S, str], S]) -> Callable[[str], S]:
+    """An opener whose first file is opened with ``first`` and every later one as ``sibling(first, uri)``:
+    the files of one model share one credential chain and endpoint resolution."""
+    opened: list[S] = []
+    lock = threading.Lock()
+
+    def open_one(uri: str) -> S:
+        with lock:
+            if opened:
+                return sibling(opened[0], uri)
+            opened.append(first(uri))
+            return opened[0]
+
+    return open_one
+
+
+def join_uri(base: str, name: str) -> str:
+    """A file's URI under a directory URI ending in ``/`` (the name percent-encoded as a path segment)."""
+    return base + quote(name, safe="~@!$&'()*+,;=:")
+
+
+class Store:
+    """The origins of one or more URI schemes. Subclasses implement :meth:`open`, and :meth:`list` when
+    their directories can be listed; the defaults suit an origin of single files."""
+
+    schemes: tuple[str, ...] = ()
+    """The URI schemes served, lower case, without ``://``."""
+    listed: bool = True
+    """False for a store that only refuses other spellings with the right one (``abfss://`` -> ``az://``):
+    not named among the supported schemes."""
+
+    def open(self, uri: str, settings: SourceSettings) -> Source:
+        """One file at ``uri``, read by ranges. No network I/O yet: the first stat or read does it."""
+        raise NotImplementedError
+
+    def is_directory(self, uri: str) -> bool:
+        """Whether ``uri`` names a model directory rather than one file: by default, a trailing ``/``."""
+        return uri.endswith("/")
+
+    def list(self, uri: str, settings: SourceSettings, *, files: Sequence[str] = ()) -> Directory:
+        """The files of the directory at ``uri``; ``files`` names them instead of listing, where the store
+        allows that (less permission needed, or no listing at all)."""
+        raise ConfigError(f"{display_url(uri)} cannot be listed: name one file of the model instead")
+
+    def opener(self, settings: SourceSettings) -> Opener:
+        """How the files of one model are opened: by default each on its own."""
+        return lambda uri: self.open(uri, settings)
