@@ -27,8 +27,14 @@ log = logging.getLogger(__name__)
 def load_identity(model: OpenedModel, settings: LoadSettings, key: Any) -> LoadIdentity:
     """The identity of loading ``model`` with ``settings`` and ``key`` (a DecryptionKey or None)."""
     names = model.weights or ("",)
+    listed = model.directory.files if model.directory is not None else {}
     files = tuple(
-        FileVersion(name=name, size=info.size, version=file_version(info))
+        FileVersion(
+            name=name,
+            size=info.size,
+            # the look-up's own version, else the one the listing saw (a Hub commit, a registry digest)
+            version=file_version(info) or (listed[name].version if name in listed else None),
+        )
         for name, info in zip(names, model.infos, strict=True)
     )
     memory = settings.memory
