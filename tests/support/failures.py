@@ -12,7 +12,7 @@ from modelload.loader.errors import LoadFailedError
 __all__ = ["assert_load_failed"]
 
 
-def assert_load_failed(segment: Path, *, match: str = "") -> str:
+def assert_load_failed(segment: Path, *, match: str | None = None) -> str:
     """A failed load left what an app needs and nothing more: no segment holding memory at the name, and
     ``attach()`` raising LoadFailedError with the reason (from the marker beside it). Returns the reason."""
     assert not segment.exists(), "a failed load leaves no segment holding memory"
