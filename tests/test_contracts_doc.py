@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import io
 import re
-import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import numpy as np
 import pytest
 
 from modelload.loader.formats.tensorizer import TensorizerWriter, read_index
+from tests.support.subscriptions import until_heard
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTRACTS = ROOT / "docs" / "contracts.md"
@@ -125,7 +125,7 @@ def _everything_the_webhook_sets() -> tuple[dict[str, dict[str, Any]], dict[str,
         },
         {
             "source": "s3://models/m.tensors",
-            "memory": {"mode": "ring", "ringSize": "256Mi", "waitTimeoutSeconds": 60},
+            "memory": {"mode": "ring", "ringSize": "256Mi", "waitTimeoutSeconds": 60, "hugePages": "2Mi"},
         },
         {
             "source": "gs://models/m.tensors",
@@ -202,6 +202,7 @@ def test_the_paths_and_names_of_the_pod_are_those_of_the_webhook() -> None:
         "KEY_VOLUME",
         "PASSWORD_VOLUME",
         "HEADERS_VOLUME",
+        "HUGE_PAGES_VOLUME",
         "SIDECAR_NAME",
         "CONTAINERS_ANNOTATION",
         "INJECTED_ANNOTATION",
@@ -256,13 +257,15 @@ def test_the_notifications_are_the_frames_the_doc_lists(tmp_path: Path) -> None:
         sub.setsockopt(zmq.LINGER, 0)
         sub.connect(endpoint)
         try:
-            first = None
-            deadline = time.monotonic() + 10
-            while first is None and time.monotonic() < deadline:  # until the subscription is in place
-                notifier.tensor_ready(index=7, name="w", nbytes=4)
-                if sub.poll(50):
-                    first = sub.recv_multipart()
-            assert first == [b"ready", (7).to_bytes(4, "little")]
+            heard: list[list[bytes]] = []
+
+            def listen(seconds: float) -> bool:
+                if sub.poll(int(seconds * 1000)):
+                    heard.append(sub.recv_multipart())
+                return bool(heard)
+
+            until_heard(lambda: notifier.tensor_ready(index=7, name="w", nbytes=4), listen)
+            assert heard[0] == [b"ready", (7).to_bytes(4, "little")]
             notifier.load_finished(seconds=1.0, nbytes=4)
             notifier.load_failed(kind="format", reason="a" + "é" * 3000)
             received: list[list[bytes]] = []

@@ -13,60 +13,15 @@
 # status 0 when every step passed.
 set -u
 
-OUT=${1:-}
-if [ -z "$OUT" ]; then
-    echo "usage: $0 OUT [WHEELS]  (OUT: a folder for the figures and logs)" >&2
-    exit 2
-fi
-ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-cd "$ROOT" || exit 2
-mkdir -p "$OUT" || exit 2
-OUT=$(cd "$OUT" && pwd)
-WHEELS=${2:-${GPU_WHEELS:-$ROOT/.gpu-wheels}}
-PY=${GPU_CHECK_PYTHON:-python3}
+# shellcheck source=benchmarks/gpu/steps.sh
+. "$(dirname "$0")/steps.sh"  # OUT, WHEELS, PY, ROOT (the working directory), START, record, run_step
 BUDGET=${GPU_CHECK_BUDGET:-470}
 SIZE=${GPU_BENCH_SIZE:-4}
-START=$(date +%s)
-SUMMARY=$OUT/summary.jsonl
-: >"$SUMMARY"
-export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 INSTALLED=0
-FAILED=0
 
 wheels_field() { # the value of one field of WHEELS/wheels.json, or nothing
     "$PY" -c 'import json, sys; print(json.load(open(sys.argv[1])).get(sys.argv[2], ""))' \
         "$WHEELS/wheels.json" "$1" 2>/dev/null
-}
-
-record() { # NAME STATUS EXIT SECONDS NOTE: one JSON line in summary.jsonl, one line on the terminal
-    "$PY" -c 'import json, sys
-step, status, code, seconds, note = sys.argv[1:]
-print(json.dumps({"step": step, "status": status, "exit": int(code), "seconds": int(seconds), "note": note}))' \
-        "$@" >>"$SUMMARY"
-    printf 'step %-8s %-8s exit %-3s %4s s  %s\n' "$1" "$2" "$3" "$4" "$5"
-    [ "$2" = ok ] || FAILED=1
-}
-
-run_step() { # NAME LIMIT COMMAND...: run it under a time limit, its output in OUT/NAME.log
-    local name=$1 limit=$2 left began rc status seconds
-    shift 2
-    left=$((BUDGET - ($(date +%s) - START)))
-    if [ "$left" -lt 20 ]; then
-        record "$name" skipped 0 0 "the check's ${BUDGET} s were spent"
-        return
-    fi
-    [ "$limit" -gt $((left - 10)) ] && limit=$((left - 10))
-    began=$(date +%s)
-    timeout --kill-after=15 "$limit" "$@" >"$OUT/$name.log" 2>&1 </dev/null
-    rc=$?
-    seconds=$(($(date +%s) - began))
-    case $rc in
-        0) status=ok ;;
-        124 | 137) status=timeout ;;
-        *) status=failed ;;
-    esac
-    record "$name" "$status" "$rc" "$seconds" "limit ${limit} s; $(tail -n 1 "$OUT/$name.log" | cut -c1-200)"
-    return $rc
 }
 
 install() { # what the image lacks, from the wheels; the project from this tree when its wheel is stale
@@ -120,24 +75,15 @@ if run_step install 150 bash -c install; then INSTALLED=1; fi
 if [ "$INSTALLED" = 1 ]; then
     run_step tests 200 bash -c gpu_tests
     bench_limit=$((BUDGET - ($(date +%s) - START) - 10))
-    dry=()
-    if ! "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
-        echo "no CUDA device here: the benchmark runs dry (a tiny model, the CUDA parts skipped)"
-        dry=(--dry)
-    fi
+    mapfile -t dry < <(bench_dry)
     # shellcheck disable=SC2086  # GPU_BENCH_ARGS is a list of flags
+    # The benchmark keeps to its budget itself (each case under its own limit, cases the budget has no room
+    # for skipped with a line saying so): the step's limit is only the backstop.
     run_step bench "$bench_limit" "$PY" benchmarks/gpu_copy.py --size "$SIZE" --out "$OUT/gpu_copy.jsonl" \
-        --budget $((bench_limit > 160 ? bench_limit - 120 : 40)) "${dry[@]}" ${GPU_BENCH_ARGS:-}
+        --budget $((bench_limit - 15)) "${dry[@]}" ${GPU_BENCH_ARGS:-}
 else
     record tests skipped 0 0 "the install failed: see install.log"
     record bench skipped 0 0 "the install failed: see install.log"
 fi
 
-echo
-echo "== tests (tail of tests.log) =="
-tail -n 12 "$OUT/tests.log" 2>/dev/null
-echo "== benchmark (tail of bench.log) =="
-tail -n 30 "$OUT/bench.log" 2>/dev/null
-echo "== summary ($(($(date +%s) - START)) s) =="
-cat "$SUMMARY"
-exit $FAILED
+finish 12 30

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from modelload.loader import _cuda
 from modelload.loader.errors import DeviceError
-from modelload.loader.handoff import _cuda
 
 ROOT = Path(__file__).resolve().parents[2]
 

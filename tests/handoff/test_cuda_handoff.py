@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,13 +20,14 @@ import pytest
 import torch
 
 from modelload.loader import attach
-from modelload.loader.errors import DeviceError
+from modelload.loader.errors import DeviceError, ModelloadError
 from modelload.loader.handoff import connect, status
 from modelload.loader.handoff.device import CudaMapper, CudaMemory
 from modelload.loader.handoff.keeper import Keeper
 from modelload.loader.segment import MemoryMode
 from modelload.loader.segment.consumers import ConsumerTable
 from tests.handoff.helpers import digest, model_tensors, write_segment
+from tests.support.waiting import wait_for
 
 pytestmark = [
     pytest.mark.gpu,
@@ -85,16 +85,13 @@ def keeper_process(segment: Path, sock: Path) -> Iterator[subprocess.Popen[str]]
             "--socket", str(sock), "--block-size", "2MiB", "--timeout", "60"]  # fmt: skip
     process = subprocess.Popen(argv, cwd=ROOT, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while True:
+
+        def ready() -> bool:
             assert process.poll() is None, process.stderr.read() if process.stderr else "the keeper exited"
-            try:
-                if status(sock)["state"] == "ready":
-                    break
-            except Exception:
-                pass
-            assert time.monotonic() < deadline, "the keeper did not get ready within 120 s"
-            time.sleep(0.05)
+            return status(sock)["state"] == "ready"
+
+        starting = (ModelloadError, OSError)  # no keeper answers yet, or not yet whole
+        wait_for(ready, timeout=120, what="the keeper ready", interval=0.05, ignoring=starting)
         yield process
     finally:
         if process.poll() is None:

@@ -15,8 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import ClassVar
@@ -39,6 +38,7 @@ from modelload.loader.segment import MemoryMode
 from modelload.loader.segment.consumers import ConsumerTable
 from tests.handoff.helpers import digest, held, model_tensors, probe, publish, write_segment
 from tests.handoff.memfd import MemfdMapper, MemfdMemory
+from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
@@ -82,14 +82,6 @@ def first_line(process: subprocess.Popen[str]) -> dict:
     return json.loads(line)
 
 
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
-
-
 # --- the weights, across processes ---------------------------------------------------------------------
 
 
@@ -104,10 +96,10 @@ def test_an_app_that_restarts_maps_the_same_memory_again_without_a_copy(
         seen = first_line(first)
         assert seen["digests"] == {name: digest(t) for name, t in tensors.items()}
         assert seen["writable"] is False
-        wait_for(lambda: status(sock)["apps"] == 1, "the keeper to count the app")
+        wait_for(lambda: status(sock)["apps"] == 1, timeout=30, what="the keeper to count the app")
         first.send_signal(signal.SIGKILL)  # an OOM kill: no goodbye
         first.wait(timeout=30)
-        wait_for(lambda: status(sock)["apps"] == 0, "the keeper to see the app gone")
+        wait_for(lambda: status(sock)["apps"] == 0, timeout=30, what="the keeper to see the app gone")
         second = app(sock)
         again = first_line(second)
         assert second.wait(timeout=30) == 0
@@ -191,7 +183,9 @@ def test_an_app_connecting_during_the_load_is_told_the_progress_until_the_manife
         protocol.send(raw, {"op": "open", "versions": [1]})
         loading = protocol.expect(protocol.receive(raw), "loading").message
         assert loading["state"] in ("starting", "loading")
-        wait_for(lambda: loading_count(raw) == 2, "the keeper to report the two published tensors")
+        wait_for(
+            lambda: loading_count(raw) == 2, timeout=30, what="the keeper to report the two published tensors"
+        )
         publish(writer, tensors, range(2, len(tensors)))
         writer.mark_complete()
         while (received := protocol.expect(protocol.receive(raw), "loading", "manifest")).op == "loading":
@@ -228,7 +222,7 @@ def test_an_app_waiting_when_the_keeper_stops_is_told_so(shm_dir: Path, sock_dir
     with keeper_of(shm_dir / "m.seg", sock_dir / "k.sock") as keeper:
         waiter = threading.Thread(target=wait)
         waiter.start()
-        wait_for(lambda: len(keeper._connections) == 1, "the app to connect")
+        wait_for(lambda: len(keeper._connections) == 1, timeout=30, what="the app to connect")
         writer.mark_failed("the test is over")  # ends the keeper's load thread (after the stop)
     waiter.join(timeout=30)
     assert len(outcome) == 1 and isinstance(outcome[0], KeeperUnavailableError), outcome
@@ -324,7 +318,11 @@ def test_a_keeper_on_another_gpu_is_refused_by_the_mapper_with_the_reason(
             keeper.load(model)
         with pytest.raises(DeviceError, match="GPU-elsewhere is not visible"):
             connect(sock_dir / "k.sock", timeout=30, mapper=MemfdMapper())
-        wait_for(lambda: status(sock_dir / "k.sock")["apps"] == 0, "the keeper to end the refused lease")
+        wait_for(
+            lambda: status(sock_dir / "k.sock")["apps"] == 0,
+            timeout=30,
+            what="the keeper to end the refused lease",
+        )
     finally:
         keeper.close()
 

@@ -15,20 +15,15 @@ import pytest
 from modelload.loader.cli.main import main
 from modelload.loader.formats.safetensors import save_file
 from tests.support.ports import free_port
+from tests.support.sidecars import Sidecars
+from tests.support.tmpfs import tmpfs
 
 
 @pytest.fixture
 def read_only_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A small tmpfs mounted read-only (skipped where mounting is not allowed)."""
-    mount = tmp_path / "ro"
-    mount.mkdir()
-    command = ["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(mount)]
-    if os.geteuid() != 0 or subprocess.run(command, capture_output=True, check=False).returncode != 0:
-        pytest.skip("mounting a tmpfs needs privileges this machine does not give")
-    try:
+    """A small tmpfs mounted read-only (needs root: :mod:`tests.support.tmpfs`)."""
+    with tmpfs(tmp_path / "ro", size="1m", read_only=True) as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], check=False)
 
 
 @pytest.fixture
@@ -65,16 +60,13 @@ def test_stage_onto_a_read_only_volume_says_read_only_not_full(
 
 
 def test_a_sidecar_on_a_read_only_volume_is_refused_at_start_with_a_segment_error(
-    model: Path, read_only_tmpfs: Path
+    model: Path, read_only_tmpfs: Path, sidecars: Sidecars
 ) -> None:
     from modelload.loader.errors import SegmentError
-    from modelload.sidecar.process import Sidecar
-    from modelload.sidecar.settings import parse_settings
 
-    argv = ["--source", str(model), "--segment", str(read_only_tmpfs / "m.seg"), "--notify", "none"]
-    settings = parse_settings([*argv, "--host", "127.0.0.1", "--port", "0"], environ={})
     with pytest.raises(SegmentError, match=r"(?i)read-only file system") as refused:
-        Sidecar(settings)  # the segment's lock cannot be taken: nothing to load into
+        # the segment's lock cannot be taken: nothing to load into
+        sidecars.start(str(model), read_only_tmpfs / "m.seg", "--notify", "none")
     assert refused.value.kind == "segment"
 
 

@@ -25,6 +25,7 @@ from tests.operator.conftest import (
 )
 from tests.operator.test_pod_status import Kubelet, injected_pod, sidecar_status
 from tests.support.fault_proxy import FaultProxy, server_error
+from tests.support.sidecars import Sidecars
 
 pytestmark = pytest.mark.timeout(120)
 RUNNING = {"state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}, "ready": False}
@@ -41,14 +42,14 @@ async def operator(start_operator: Any) -> Any:
 
 
 @pytest.fixture
-def sidecar(sidecars: Any, shm_dir: Path) -> Any:
+def sidecar(sidecars: Sidecars, shm_dir: Path) -> Any:
     """A sidecar in this process loading ``source``, which starts a transient failure's next attempt only
     after 30 s (the test is over by then)."""
 
     def start(source: str) -> Sidecar:
         argv = ["--source", source, "--segment", str(shm_dir / "model.seg"), "--host", "127.0.0.1"]
         settings = dataclasses.replace(parse_settings([*argv, "--port", "0"], environ={}), sources=FAST)
-        return sidecars(settings, attempts=AttemptPolicy(first_delay=30.0, max_delay=30.0))
+        return sidecars.run(settings, attempts=AttemptPolicy(first_delay=30.0, max_delay=30.0))
 
     return start
 

@@ -1,4 +1,4 @@
-"""Fixtures of the sidecar tests: the shared servers (tests/support), and small models in both formats."""
+"""Fixtures of the sidecar tests: the shared servers and in-process sidecars (tests/support)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from tests.support.fixtures import (
     nginx_proxy,
     registry,
     s3_registry,
-    sidecars,
     token_registry,
 )
+from tests.support.sidecars import sidecars
 
 __all__ = [
     "aws_env",

@@ -16,15 +16,14 @@ from modelload.loader import attach
 from modelload.loader.errors import LoadFailedError
 from modelload.loader.segment.failure import marker_path, write_failure
 from modelload.sidecar.process import Sidecar, default_engine
-from modelload.sidecar.settings import parse_settings
 from tests.sidecar.scripted import scripted, tensor_values
+from tests.support.sidecars import Sidecars
 
 
 @pytest.fixture
-def start_sidecar(sidecars: Callable[..., Sidecar]) -> Callable[..., Sidecar]:
+def start_sidecar(sidecars: Sidecars) -> Callable[..., Sidecar]:
     def start(source: str, segment: Path, factory: Any = default_engine) -> Sidecar:
-        argv = ["--source", source, "--segment", str(segment), "--host", "127.0.0.1", "--port", "0"]
-        return sidecars(parse_settings(argv, environ={}), engine_factory=factory)
+        return sidecars.start(source, segment, engine_factory=factory)
 
     return start
 

@@ -14,8 +14,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +32,6 @@ from modelload.loader.segment.lock import SegmentBusyError
 from modelload.sidecar.load import LoadSettings
 from modelload.sidecar.load.attempts import AttemptPolicy
 from modelload.sidecar.load.engine import Engine
-from modelload.sidecar.process import Sidecar
 from modelload.sidecar.progress import LoadTracker
 from modelload.sidecar.settings import SidecarSettings, parse_settings
 from modelload.sidecar.sources import HttpSettings, RetryPolicy, SourceSettings
@@ -43,6 +40,8 @@ from tests.support.failures import assert_load_failed
 from tests.support.fault_proxy import Stall, server_error
 from tests.support.ports import free_port
 from tests.support.processes import start_sidecar, stop_sidecar
+from tests.support.sidecars import Sidecars, wait_for_phase
+from tests.support.waiting import wait_for
 
 FAST = SourceSettings(
     http=HttpSettings(connect_timeout=2.0, stall_timeout=2.0),
@@ -55,13 +54,6 @@ def load(source: str, segment: Path, **settings: Any) -> LoadTracker:
     tracker = LoadTracker()
     Engine(LoadSettings(source=source, segment=segment, **settings), sources=FAST, observer=tracker).run()
     return tracker
-
-
-def wait_for(condition: Callable[[], bool], *, timeout: float = 20.0, what: str = "the condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def sidecar_settings(
@@ -134,7 +126,7 @@ def test_an_app_attached_to_a_load_that_fails_midway_gets_the_reason(
 
     loading = threading.Thread(target=run)
     loading.start()
-    wait_for((shm_dir / "model.seg").exists, what="the segment")
+    wait_for((shm_dir / "model.seg").exists, timeout=20, what="the segment")
     with attach(shm_dir / "model.seg", timeout=30, notify=False) as model, pytest.raises(LoadFailedError):
         model.wait(timeout=30)
     loading.join(30)
@@ -143,14 +135,14 @@ def test_an_app_attached_to_a_load_that_fails_midway_gets_the_reason(
 
 
 def test_a_transient_failure_that_outlasts_an_attempt_starts_the_whole_load_again(
-    sidecars: Callable[..., Sidecar], nginx: Any, nginx_proxy: Any, shm_dir: Path
+    sidecars: Sidecars, nginx: Any, nginx_proxy: Any, shm_dir: Path
 ) -> None:
     tensors = models.state_dict(seed=64, layers=1)
     nginx.put("endings-outage.safetensors", models.safetensors_bytes(tensors))
     nginx_proxy.always(server_error())  # an outage longer than an attempt's three tries
     settings = sidecar_settings(nginx_proxy.url("endings-outage.safetensors"), shm_dir / "model.seg")
-    sidecar = sidecars(settings, attempts=AttemptPolicy(first_delay=0.5, max_delay=1.0, jitter=0.0))
-    wait_for(lambda: sidecar.tracker.snapshot().phase == "retrying", what="a retry of the whole load")
+    sidecar = sidecars.run(settings, attempts=AttemptPolicy(first_delay=0.5, max_delay=1.0, jitter=0.0))
+    wait_for_phase(sidecar, "retrying", timeout=20)  # a retry of the whole load
     status = httpx.get(sidecar.api.url + "/status", timeout=5).json()
     assert status["error"].startswith("gave up") and "500" in status["error"], status
     assert status["next_attempt_at"] > status["started_at"]
@@ -161,18 +153,19 @@ def test_a_transient_failure_that_outlasts_an_attempt_starts_the_whole_load_agai
     nginx_proxy.clear()  # the outage ends
     with attach(shm_dir / "model.seg", timeout=30, notify=False) as model:
         model.wait(timeout=30)
-    wait_for(lambda: sidecar.tracker.snapshot().phase == "complete", what="the load")
+    wait_for_phase(sidecar, "complete", timeout=20)
     assert sidecar.tracker.snapshot().attempt >= 2
     models.assert_segment_matches(shm_dir / "model.seg", tensors)
 
 
 def test_a_permanent_failure_is_not_retried_and_stays_failed(
-    sidecars: Callable[..., Sidecar], nginx: Any, shm_dir: Path
+    sidecars: Sidecars, nginx: Any, shm_dir: Path
 ) -> None:
     settings = sidecar_settings(nginx.url("endings-gone.safetensors"), shm_dir / "model.seg")
-    sidecar = sidecars(settings, attempts=AttemptPolicy(first_delay=0.05, max_delay=0.05, jitter=0.0))
-    wait_for(lambda: sidecar.tracker.snapshot().phase == "failed", what="the failure")
-    wait_for(lambda: not sidecar._load._thread.is_alive(), what="the load thread to end: no attempt follows")
+    sidecar = sidecars.run(settings, attempts=AttemptPolicy(first_delay=0.05, max_delay=0.05, jitter=0.0))
+    wait_for_phase(sidecar, "failed", timeout=20)
+    thread = sidecar._load._thread
+    wait_for(lambda: not thread.is_alive(), timeout=20, what="the load thread to end: no attempt follows")
     metrics = httpx.get(sidecar.api.url + "/metrics", timeout=5).text
     assert 'modelload_load_attempts_total{outcome="failed"} 1.0' in metrics
     assert 'modelload_load_attempts_total{outcome="retrying"} 0.0' in metrics
@@ -184,15 +177,15 @@ def test_a_permanent_failure_is_not_retried_and_stays_failed(
 
 
 def test_a_second_sidecar_on_the_same_segment_is_refused_naming_the_first(
-    sidecars: Callable[..., Sidecar], nginx: Any, nginx_proxy: Any, shm_dir: Path
+    sidecars: Sidecars, nginx: Any, nginx_proxy: Any, shm_dir: Path
 ) -> None:
     nginx.put("endings-writer.safetensors", models.safetensors_bytes(models.state_dict(seed=65)))
     nginx_proxy.always(Stall(after=0, seconds=1.0))  # the first one is still loading
     url = nginx_proxy.url("endings-writer.safetensors")
-    first = sidecars(sidecar_settings(url, shm_dir / "model.seg"))
+    first = sidecars.run(sidecar_settings(url, shm_dir / "model.seg"))
     other_socket = f"ipc://{shm_dir}/other.sock"  # its own notify endpoint: no socket clash to stop it
     with pytest.raises(SegmentBusyError) as refused:
-        Sidecar(sidecar_settings(url, shm_dir / "model.seg", "--notify", other_socket))
+        sidecars.run(sidecar_settings(url, shm_dir / "model.seg", "--notify", other_socket))
     message = str(refused.value)
     assert f"pid {os.getpid()}" in message and first.api.url in message, message
     assert refused.value.exit_status == 2
@@ -233,9 +226,9 @@ def test_sigterm_on_a_stalled_source_marks_the_segment_failed_before_the_process
     args = ["--source", nginx_proxy.url("endings-stalled.safetensors"), "--segment", str(segment)]
     process = start_sidecar([*args, "--host", "127.0.0.1", "--port", str(port), "--readers", "2"], port=port)
     try:
-        wait_for(segment.exists, what="the segment")
+        wait_for(segment.exists, timeout=20, what="the segment")
         model = attach(segment, timeout=5, notify=False)
-        wait_for(lambda: len(nginx_proxy.requests) >= 4, what="the readers to block")
+        wait_for(lambda: len(nginx_proxy.requests) >= 4, timeout=20, what="the readers to block")
         process.send_signal(signal.SIGTERM)
         with pytest.raises(LoadFailedError, match="stopped"):
             model.wait(timeout=20)  # an attached app hears of it while the readers still hang
@@ -261,7 +254,7 @@ def test_a_killed_sidecar_is_noticed_by_attached_apps_at_once(
     args = ["--source", nginx_proxy.url("endings-killed.safetensors"), "--segment", str(segment)]
     process = start_sidecar([*args, "--host", "127.0.0.1", "--port", str(port)], port=port)
     try:
-        wait_for(segment.exists, what="the segment")
+        wait_for(segment.exists, timeout=20, what="the segment")
         model = attach(segment, timeout=5, notify=False)
         process.kill()  # SIGKILL, the OOM killer: no handler runs, the segment stays LOADING
         process.wait()
@@ -309,7 +302,7 @@ def test_a_new_source_is_never_taken_for_the_model_an_earlier_load_left(
     nginx_proxy.push(Stall(after=0, seconds=2.0))  # B's first look-up is slow: A is still in the volume
     loading = threading.Thread(target=load, args=(nginx_proxy.url("endings-model-b.safetensors"), segment))
     loading.start()
-    wait_for(lambda: len(nginx_proxy.requests) >= 1, what="B's load to start")
+    wait_for(lambda: len(nginx_proxy.requests) >= 1, timeout=20, what="B's load to start")
     with pytest.raises(SidecarUnavailableError):
         attach(segment, timeout=0.5, notify=False)  # waits for B: A is no longer the load
     loading.join(30)

@@ -13,9 +13,6 @@
   :class:`~tests.support.moto_s3.Credentials`. Change them with ``monkeypatch.setenv``.
 - ``nginx_proxy`` / ``moto_proxy`` (function): a :class:`~tests.support.fault_proxy.FaultProxy` in front
   of the session's nginx or moto, closed after the test.
-- ``sidecars`` (function): ``sidecars(settings, **kwargs)`` builds and starts a
-  :class:`~modelload.sidecar.process.Sidecar` in this process (``kwargs``: its keyword arguments); every one
-  started is stopped after the test.
 
 A missing nginx or moto skips these tests, or fails them under ``MODELLOAD_REQUIRE_SERVERS=1``.
 """
@@ -24,8 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import pytest
 
@@ -52,7 +48,6 @@ __all__ = [
     "nginx_proxy",
     "registry",
     "s3_registry",
-    "sidecars",
     "token_registry",
 ]
 
@@ -140,23 +135,6 @@ def nginx_proxy(nginx: NginxServer) -> Iterator[FaultProxy]:
 def moto_proxy(moto_s3: MotoS3Server) -> Iterator[FaultProxy]:
     with FaultProxy(moto_s3.port) as proxy:
         yield proxy
-
-
-@pytest.fixture
-def sidecars() -> Iterator[Callable[..., Any]]:
-    from modelload.sidecar.process import Sidecar
-
-    started: list[Sidecar] = []
-
-    def start(settings: Any, **kwargs: Any) -> Sidecar:
-        sidecar = Sidecar(settings, **kwargs)
-        started.append(sidecar)
-        sidecar.start()
-        return sidecar
-
-    yield start
-    for sidecar in started:
-        sidecar.stop()
 
 
 @pytest.fixture(scope="session")

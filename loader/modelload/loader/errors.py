@@ -393,7 +393,8 @@ class HandoffProtocolError(HandoffError):
 class DeviceError(HandoffError):
     """The CUDA driver refused a step of the hand-off: no driver, a GPU without virtual memory management or
     POSIX file descriptor export, the keeper's GPU not visible here, or no device memory left. The message
-    names the call and the driver's error."""
+    names the call and the driver's error. (The copy to a GPU meets it too, when pinning host memory is
+    refused, and falls back to staging buffers: it never reaches the caller from there.)"""
 
 
 class LoadTimeoutError(ModelloadError, TimeoutError):

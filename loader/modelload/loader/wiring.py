@@ -10,6 +10,8 @@ them from one place instead of repeating them. Standard library only.
 from __future__ import annotations
 
 __all__ = [
+    "HUGE_PAGES_MOUNT_PATH",
+    "HUGE_PAGES_SEGMENT_PATH",
     "KEEPER_ENV",
     "KEEPER_SOCKET",
     "MODEL_DIR_ENV",
@@ -52,6 +54,11 @@ NOTIFY_ENDPOINT = f"ipc://{MOUNT_PATH}/notify.sock"
 MODEL_DIR_PATH = f"{MOUNT_PATH}/model"
 """A directory model's config and tokenizer in a pod (the sidecar's default: ``model/`` beside the
 segment)."""
+HUGE_PAGES_MOUNT_PATH = "/run/modelload-hugepages"
+"""Where the huge-page volume is mounted (``spec.memory.hugePages``), beside the memory volume: hugetlbfs
+holds only mapped files, so the model directory and the notify socket stay at :data:`MOUNT_PATH`."""
+HUGE_PAGES_SEGMENT_PATH = f"{HUGE_PAGES_MOUNT_PATH}/model.seg"
+"""The segment in a pod with huge pages."""
 KEEPER_SOCKET = f"{MOUNT_PATH}/keeper.sock"
 """Where the keeper listens and the app connects when ``MODELLOAD_KEEPER`` is not set."""
 

@@ -28,6 +28,7 @@ from typing import Any, Literal
 from modelload.loader.errors import ConfigError, SourceUriError
 from modelload.loader.formats import ModelIndex
 from modelload.loader.segment import ALIGNMENT, TensorSpec, plan_layout
+from modelload.loader.segment.layout import align
 from modelload.operator import hubs
 from modelload.operator.cloud_sources import GcsKey
 from modelload.operator.hubs import HubAccess
@@ -111,7 +112,7 @@ def read_summary(
 
 def _small_files_bound(small: dict[str, int]) -> int:
     """The volume's pages the model directory takes: each file rounded up to a page, and the directory."""
-    return sum(-(-size // ALIGNMENT) * ALIGNMENT for size in small.values()) + ALIGNMENT * (1 + bool(small))
+    return sum(align(size) for size in small.values()) + ALIGNMENT * (1 + bool(small))
 
 
 def check_priority(index: ModelIndex, priority: list[str]) -> None:
@@ -144,7 +145,7 @@ def segment_bound(index: ModelIndex, *, source: str) -> int:
     }
     metadata = {"format": index.format, "source": source, **{k: "x" * n for k, n in room_for.items()}}
     planned = plan_layout(specs, metadata=metadata, files=index.files).segment_length
-    room = sum(-(-(t.data_offset - t.record_offset) // ALIGNMENT) * ALIGNMENT for t in index.tensors)
+    room = sum(align(t.header_length) for t in index.tensors)
     return planned + room + ALIGNMENT * len(index.tensors)
 
 

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from modelload.loader.wiring import PEER_PORT, STATUS_PORT
 from modelload.operator.peers import PEER_DNS_ENV, PEER_PORT_ENV
+from modelload.operator.scheduling import huge_page_request, unschedulable
 from modelload.operator.schema import PodsStatus
 
 __all__ = ["PodLoad", "aggregate", "classify"]
@@ -60,6 +61,10 @@ class PodLoad:
     address: str | None = None
     """``host:port`` of the sidecar's peer server (the pod's IP and its MODELLOAD_PEER_PORT), once the pod
     has an IP; None without peers."""
+    unschedulable: str | None = None
+    """The scheduler's message for a pending pod no node can take (:mod:`.scheduling`)."""
+    huge_pages: str | None = None
+    """The huge pages the sidecar asks for (``hugepages-2Mi: 1030Mi``), or None."""
     status_address: str | None = field(default=None, compare=False)
     """``host:port`` of the sidecar's status API (the pod's IP and its MODELLOAD_PORT), once the pod has an
     IP: where the operator asks a sidecar that is not ready why (:mod:`modelload.operator.load_reasons`)."""
@@ -91,6 +96,10 @@ def classify(pod: Mapping[str, Any]) -> PodLoad | None:
         uid=str(meta.get("uid") or ""),
         status_address=_address(status, env.get(STATUS_PORT_ENV), STATUS_PORT),
     )
+    if load.state == "pending":
+        stuck = unschedulable(status)
+        if stuck is not None:
+            load = replace(load, unschedulable=stuck, huge_pages=huge_page_request(sidecars[0]))
     if PEER_DNS_ENV not in env:
         return load
     return replace(
@@ -183,6 +192,7 @@ def aggregate(loads: Iterable[PodLoad], *, model_bytes: int | None) -> PodsStatu
         loading=counts["loading"],
         ready=counts["ready"],
         failed=counts["failed"],
+        unschedulable=sum(1 for p in items if p.unschedulable is not None),
         last_load_seconds=last_seconds,
         median_load_seconds=median,
         last_throughput_bytes_per_second=throughput,

@@ -317,6 +317,15 @@ class MemoryOptions:
         minimum=1,
         maximum=64,
     )
+    huge_pages: str | None = prop(
+        doc="Put the segment on huge pages of this size (2Mi or 1Gi) from the node's pre-allocated pool: an "
+        "emptyDir with medium HugePages-<size> and a hugepages-<size> request and limit on the sidecar, "
+        "sized from the model (or the ring). Bytes land faster and at about half the CPU, and the GPU copy "
+        "pins them whole. Nodes must pre-allocate them (vm.nr_hugepages, shown in node allocatable); pods "
+        "no node can take are reported in the status. Empty: 4 KiB pages (medium Memory).",
+        default=None,
+        enum=("2Mi", "1Gi"),
+    )
 
 
 @dataclass(frozen=True)
@@ -539,7 +548,10 @@ def spec_schema() -> dict[str, Any]:
 class Condition:
     """One observation about the resource, in the Kubernetes convention (metav1.Condition)."""
 
-    type: str = prop(doc="Ready (the model's index was read) or PodsReady (every injected pod loaded it).")
+    type: str = prop(
+        doc="Ready (the model's index was read), PodsReady (every injected pod loaded it) or PodsScheduled "
+        "(False while injected pods wait for a node that can take them)."
+    )
     status: str = prop(doc="True, False or Unknown.", enum=("True", "False", "Unknown"))
     reason: str = prop(doc="A CamelCase reason: Resolved, BadSource, SecretNotFound, SourceUnreadable...")
     last_transition_time: str = prop(doc="When the status last changed.", format="date-time")
@@ -564,6 +576,12 @@ class PodsStatus:
     ready: int = prop(doc="Pods whose sidecar reports every tensor in.", default=0, minimum=0)
     failed: int = prop(
         doc="Pods whose sidecar crashed, cannot start, or whose pod failed.", default=0, minimum=0
+    )
+    unschedulable: int = prop(
+        doc="Pending pods no node can take (for example none with enough free huge pages); the "
+        "PodsScheduled condition says why.",
+        default=0,
+        minimum=0,
     )
     last_load_seconds: float | None = prop(
         doc="Seconds from sidecar start to pod Ready for the most recent pod that got ready.", default=None
@@ -607,7 +625,7 @@ class ModelLoadStatus:
         enum=("Pending", "Ready", "Retrying", "Failed"),
     )
     observed_generation: int | None = prop(doc="The spec generation the status describes.", default=None)
-    conditions: list[Condition] | None = prop(doc="Ready and PodsReady.", default=None)
+    conditions: list[Condition] | None = prop(doc="Ready, PodsReady and PodsScheduled.", default=None)
     format: str | None = prop(doc="The detected format.", default=None, enum=("tensorizer", "safetensors"))
     format_version: int | None = prop(doc="The format's data version.", default=None)
     tensors: int | None = prop(doc="Number of tensors.", default=None, minimum=0)

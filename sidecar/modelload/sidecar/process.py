@@ -30,8 +30,11 @@ from modelload.sidecar.logs import LoggingObserver, describe_progress
 from modelload.sidecar.settings import SidecarSettings, check_secret_files
 
 if TYPE_CHECKING:
+    from modelload.loader.segment.lock import WriterLock
     from modelload.sidecar.api import ApiServer
+    from modelload.sidecar.load.engine import PeerHook
     from modelload.sidecar.notify import Notifier
+    from modelload.sidecar.peers.hook import Peers
     from modelload.sidecar.progress import LoadObserver, LoadTracker
 
 __all__ = ["EngineFactory", "LoadEngine", "Sidecar", "default_engine", "run_sidecar"]
@@ -62,7 +65,11 @@ EngineFactory = Callable[[SidecarSettings, "LoadObserver"], LoadEngine]
 
 
 def default_engine(
-    settings: SidecarSettings, observer: LoadObserver, *, peers: Any = None, lock: Any = None
+    settings: SidecarSettings,
+    observer: LoadObserver,
+    *,
+    peers: PeerHook | None = None,
+    lock: WriterLock | None = None,
 ) -> LoadEngine:
     """The streaming engine of ``modelload.sidecar.load.engine``, built from the sidecar's settings (and this
     sidecar's :class:`~modelload.sidecar.peers.hook.Peers` when peers are on, and the segment's writer lock
@@ -159,7 +166,7 @@ class Sidecar:
             except BaseException:
                 self.api.stop()
                 raise
-        self.peers: Any = None
+        self.peers: Peers | None = None
         if settings.peers.enabled:
             from modelload.sidecar.peers.hook import Peers
 

@@ -372,6 +372,11 @@ OPTIONS: tuple[Option, ...] = (
         "URL", parse=parse_text, unset="a connection string's, else https://ACCOUNT.blob.core.windows.net",
     ),
     Option(
+        "engine.landing", "--landing", "MODELLOAD_LANDING",
+        "how bytes reach the segment: auto (splice on 4 KiB pages, the segment's mapping on huge pages),"
+        " splice or mapping", parse=parse_word,
+    ),
+    Option(
         "engine.memory.mode", "--memory-mode", "MODELLOAD_MEMORY_MODE",
         "full keeps the model; release frees each tensor once every consumer copied it; ring holds at most"
         " --ring-size", parse=parse_word,

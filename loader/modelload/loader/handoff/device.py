@@ -22,8 +22,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from modelload.loader._cuda import Driver, driver
 from modelload.loader.errors import DeviceError
-from modelload.loader.handoff._cuda import Driver, driver
 from modelload.loader.handoff.protocol import TensorPlace
 
 if TYPE_CHECKING:

@@ -32,6 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 from modelload.loader.errors import SegmentError, SegmentLayoutError
+from modelload.loader.segment.pages import mapped_length, round_up, volume_of
 
 __all__ = [
     "CAPACITY",
@@ -83,17 +84,23 @@ def create_table(segment: Path, *, load_id: int, tensor_count: int, capacity: in
 
     The writer calls this before it publishes the segment, so that a reader that finds a version-3 segment
     also finds its table (with the same load id).
+
+    The header is written through a mapping and the file is whole pages of its volume: beside a segment on
+    hugetlbfs (``segment.pages``) the table is on hugetlbfs too, which takes no ``write()`` and no other size.
     """
     final = table_path(segment)
     temp = final.with_name(f".{final.name}.{load_id:016x}.tmp")
     fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
     try:
         os.fchmod(fd, 0o666)  # the umask would take write access from the app's containers
-        os.ftruncate(fd, table_length(tensor_count, capacity))
+        volume = volume_of(fd)
+        length = table_length(tensor_count, capacity)
+        os.ftruncate(fd, mapped_length(length, volume))
         header = _HEADER.pack(
             MAGIC, TABLE_VERSION, capacity, load_id, tensor_count, entry_length(tensor_count), 0
         )
-        os.pwrite(fd, header, 0)
+        with mmap.mmap(fd, mapped_length(HEADER_LENGTH, volume), flags=mmap.MAP_SHARED) as mm:
+            mm[: len(header)] = header
         temp.rename(final)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -167,10 +174,11 @@ class ConsumerTable:
                     f"consumer table {path} belongs to another load ({table_load:016x}, not {load_id:016x}); "
                     "the sidecar replaced the load: attach again"
                 )
+            expected = table_length(count, capacity)
             if (
                 not 1 <= capacity <= 4096
                 or length != entry_length(count)
-                or size != table_length(count, capacity)
+                or size not in (expected, round_up(expected, volume_of(fd).page_size))
             ):
                 raise SegmentLayoutError(f"consumer table {path} has an impossible geometry")
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if write else 0)

@@ -14,6 +14,12 @@ containers, and a link planted there must not make the writer write elsewhere. I
 file that is removed and re-created can be held by two processes at once); a writer that ends leaves it,
 unlocked, for the next. Its content is small JSON, at most :data:`MAX_LOCK_BYTES` bytes, and readers
 parse it defensively: a bad file only costs them the early answer.
+
+On hugetlbfs (``segment.pages``) a file takes no ``write()``, only whole huge pages through a mapping, and
+a page of the pod's pool for a few bytes of JSON would be a page the operator's sizing does not count. There
+the lock file stays empty: it still admits one writer (``flock`` is the file system's own), a second is
+refused without the first's name, and a reader takes an empty lock file that nobody holds, beside a LOADING
+segment, as its writer gone (a writer holds the lock for as long as its segment is LOADING).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from modelload.loader.errors import ConfigError, SegmentError
+from modelload.loader.segment.pages import volume_of
 
 __all__ = [
     "MAX_LOCK_BYTES",
@@ -78,6 +85,8 @@ class WriterInfo:
 
     def describe(self) -> str:
         """``modelload sidecar (pid 12, host pod-a, status http://127.0.0.1:8479)``."""
+        if not self.pid:  # an empty lock file (hugetlbfs): nothing names the writer
+            return self.program
         parts = [f"pid {self.pid}", f"host {self.host}"]
         if self.status_url:
             parts.append(f"status {self.status_url}")
@@ -125,6 +134,8 @@ class WriterLock:
         self.path = lock_path(segment)
         self._fd = fd
         self.info = info
+        self._described = not _mapping_only(fd)
+        """Whether the file takes the description (not on hugetlbfs: see the module)."""
 
     @classmethod
     def acquire(cls, segment: Path, *, program: str, status_url: str | None = None) -> WriterLock:
@@ -171,6 +182,8 @@ class WriterLock:
     def _write(self) -> None:
         if self._fd < 0:
             raise SegmentError(f"the lock of {self.segment} was released")
+        if not self._described:
+            return
         data = self.info.encode()
         try:
             os.pwrite(self._fd, data, 0)
@@ -205,7 +218,11 @@ def writer_gone(segment: Path, load_id: int) -> WriterInfo | None:
         return None
     try:
         info = _read_info(fd)
-        if info is None or info.load_id != load_id:
+        if info is None:
+            info = _undescribed(fd)  # on hugetlbfs: a lock file that names no load, nor can
+            if info is None:
+                return None
+        elif info.load_id != load_id:
             return None
         if not _try_lock(fd, fcntl.LOCK_SH):
             return None  # held: the writer lives
@@ -256,6 +273,26 @@ def _open(path: Path, flags: int) -> int:
     with contextlib.suppress(OSError):
         os.set_blocking(fd, True)
     return fd
+
+
+def _mapping_only(fd: int) -> bool:
+    try:
+        return volume_of(fd).mapping_only
+    except OSError:
+        return False
+
+
+_UNDESCRIBED = WriterInfo(pid=0, host="", program="unnamed: its lock file is on hugetlbfs", started=0.0)
+
+
+def _undescribed(fd: int) -> WriterInfo | None:
+    """:data:`_UNDESCRIBED` for the empty lock file of a segment on hugetlbfs, which names no writer and
+    no load (see the module); None for any other file that holds no description."""
+    try:
+        empty = os.fstat(fd).st_size == 0
+    except OSError:
+        return None
+    return _UNDESCRIBED if empty and _mapping_only(fd) else None
 
 
 def _try_lock(fd: int, operation: int) -> bool:

@@ -8,6 +8,10 @@ the directory, so an app that attaches finds both.
 The directory is replaced whole: the files land in a hidden directory beside it, which is renamed into
 place, so a reader never finds a mix of two loads' files. Files are world-readable (0644): they are the
 model's configuration, and the app's container may run as another user.
+
+A segment on hugetlbfs (huge pages) cannot have its model directory beside it: hugetlbfs files are written
+through mappings only, in whole pages, so ``config.json`` could not be written there (and would not read back
+as JSON). The model directory then goes on another volume (``--model-dir``), and one beside it is refused.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from modelload.loader.errors import ConfigError, SegmentError, SegmentSpaceError
+from modelload.loader.errors import ConfigError, SegmentError
+from modelload.loader.segment.pages import volume_of
+from modelload.loader.segment.volume import full_volume
 
 __all__ = ["remove_model_dir", "write_model_dir"]
 
@@ -47,6 +53,12 @@ def write_model_dir(
 
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
+        if volume_of(target.parent).mapping_only:
+            raise ConfigError(
+                f"the model directory {target} is on hugetlbfs, which holds only mapped, page-sized files: "
+                "put the model directory on another volume (--model-dir / MODELLOAD_MODEL_DIR; the operator "
+                "does this for spec.memory.hugePages)"
+            )
         staging.mkdir(mode=0o755)
         staging.chmod(0o755)
         with ThreadPoolExecutor(
@@ -65,12 +77,13 @@ def write_model_dir(
 
 
 def _translate(exc: OSError, target: Path) -> SegmentError:
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return SegmentSpaceError(
-            exc.errno,
-            f"no room for the model's small files in {target.parent}: {exc.strerror} (size the volume for "
-            "the weights and the small files)",
-        )
+    full = full_volume(
+        exc,
+        f"no room for the model's small files in {target.parent}",
+        advice="size the volume for the weights and the small files",
+    )
+    if full is not None:
+        return full
     if exc.errno == errno.EROFS:
         return SegmentError(f"cannot write the model directory {target}: the file system is read-only")
     return SegmentError(f"cannot write the model directory {target}: {exc.strerror or exc}")

@@ -19,6 +19,12 @@ A ring segment (layout version 4) holds only ``ring_size`` bytes of data after i
 bytes wrap around the ring's end. The writer maps the ring a second time right after the file
 (:mod:`._ring`), so :meth:`SegmentWriter.slot` and :meth:`SegmentWriter.region` still give one contiguous
 view; landing through the descriptor takes :meth:`SegmentWriter.file_ranges`, one or two pieces of the file.
+
+On huge pages (:mod:`.pages`) the layout is planned for the volume's page size (``plan_layout(page_size=)``),
+so the file is whole pages, which hugetlbfs requires. A hugetlbfs file is filled only through the mapping:
+its pages are reserved by ``posix_fallocate`` (or by the shared mapping itself, which the kernel refuses
+with ENOMEM when the pool has too few free pages: both are a :class:`SegmentSpaceError` here, never a
+SIGBUS later).
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from modelload.loader.errors import ConfigError, SegmentError, SegmentSpaceError
+from modelload.loader.errors import ConfigError, SegmentError
 from modelload.loader.segment import _memory, _ring
 from modelload.loader.segment.consumers import create_table
 from modelload.loader.segment.layout import (
@@ -63,6 +69,15 @@ from modelload.loader.segment.layout import (
     entry_offset,
 )
 from modelload.loader.segment.lock import WriterLock
+from modelload.loader.segment.pages import (
+    Volume,
+    available_bytes,
+    check_page_size,
+    full_volume_advice,
+    mapped_length,
+    volume_of,
+)
+from modelload.loader.segment.volume import FULL, full_volume, volume_full
 
 __all__ = ["SegmentWriter", "check_folder", "supersede"]
 
@@ -88,12 +103,23 @@ class SegmentWriter:
     ...     writer.mark_complete()
     """
 
-    def __init__(self, path: Path, layout: Layout, fd: int, mm: mmap.mmap | memoryview, load_id: int) -> None:
+    def __init__(
+        self,
+        path: Path,
+        layout: Layout,
+        fd: int,
+        mm: mmap.mmap | memoryview,
+        load_id: int,
+        volume: Volume | None = None,
+    ) -> None:
         self.path = path
         self.layout = layout
+        self.volume = volume or Volume("small")
+        """The kind of memory under the segment: on hugetlbfs only the mapping can write it."""
         self.load_id = load_id
         self._fd = fd
         self._mm = mm
+        self._ring = layout.ring
         self._view = memoryview(mm)
         self._u32 = np.frombuffer(mm, dtype="<u4")
         self._u64 = np.frombuffer(mm, dtype="<u8")
@@ -139,6 +165,7 @@ class SegmentWriter:
         load_id = load_id or (secrets.randbits(64) | 1)
         created_ns = created_ns or time.time_ns()
         _check_writable(target.parent)
+        volume = check_page_size(target.parent, layout.page_size)
         _make_room(target, layout.segment_length, load_id)
         _check_space(target.parent, layout)
         temp = target.with_name(f".{target.name}.{load_id:016x}.tmp")
@@ -159,13 +186,8 @@ class SegmentWriter:
                     if length > 0:
                         _reserve(fd, length, target, offset=offset)
             mm: mmap.mmap | memoryview
-            if layout.memory_mode == MemoryMode.RING:
-                mm = _ring.map_ring(
-                    fd, start=0, ring_offset=layout.data_offset, ring_size=layout.ring_size, writable=True
-                )
-            else:
-                mm = mmap.mmap(fd, layout.segment_length, flags=mmap.MAP_SHARED)
-            writer = cls(target, layout, fd, mm, load_id)
+            mm = _map(fd, layout, target)
+            writer = cls(target, layout, fd, mm, load_id, volume)
             writer._write_prologue(created_ns)
             if layout.layout_version >= 3:  # the consumer table first: a version-3 or -4 reader looks for it
                 create_table(target, load_id=load_id, tensor_count=len(layout.slots))
@@ -222,26 +244,12 @@ class SegmentWriter:
     def file_ranges(self, offset: int, length: int) -> list[tuple[int, int]]:
         """``(file offset, length)`` of the pieces of the file that hold segment bytes ``[offset, offset +
         length)``, in order: the range itself, except where a ring wraps (two pieces)."""
-        layout = self.layout
-        start = layout.file_offset(offset)
-        if layout.memory_mode != MemoryMode.RING:
-            return [(start, length)]
-        self._check_ring_span(offset, length)
-        first = min(length, layout.segment_length - start)
-        return [(start, first)] if first == length else [(start, first), (layout.data_offset, length - first)]
+        return [(offset, length)] if self._ring is None else self._ring.file_ranges(offset, length)
 
     def _at(self, offset: int, length: int) -> memoryview:
-        if self.layout.memory_mode == MemoryMode.RING:
-            self._check_ring_span(offset, length)
-            offset = self.layout.file_offset(offset)  # and on through the ring's second mapping
+        if self._ring is not None:  # one piece of the file, or on through the ring's second mapping
+            offset = self._ring.file_ranges(offset, length)[0][0]
         return self._view[offset : offset + length]
-
-    def _check_ring_span(self, offset: int, length: int) -> None:
-        layout = self.layout
-        if offset + length - max(offset, layout.data_offset) > layout.ring_size:
-            raise IndexError(
-                f"bytes [{offset}, {offset + length}) are more than the ring of {layout.ring_size} holds"
-            )
 
     def state(self, index: int) -> TensorState:
         return TensorState(int(self._u32[self._state_word(index)]))
@@ -407,6 +415,29 @@ def _check_writable(directory: Path) -> None:
         )
 
 
+def _map(fd: int, layout: Layout, target: Path) -> mmap.mmap | memoryview:
+    """Map the new segment shared and writable (a ring twice over). On hugetlbfs the kernel reserves the
+    mapping's pages from its pool now, and refuses with ENOMEM when too few are free."""
+    try:
+        if layout.memory_mode == MemoryMode.RING:
+            return _ring.map_ring(
+                fd, start=0, ring_offset=layout.data_offset, ring_size=layout.ring_size, writable=True,
+                page_size=layout.page_size,
+            )  # fmt: skip
+        return mmap.mmap(fd, layout.segment_length, flags=mmap.MAP_SHARED)
+    except OSError as exc:
+        full = full_volume(
+            exc,
+            f"cannot map the {layout.segment_length}-byte segment at {target}: too few free huge pages",
+            advice="raise the node's huge pages (nr_hugepages) or the pod's hugepages limit "
+            "(spec.memory.hugePages)",
+            codes=frozenset({errno.ENOMEM}),
+        )
+        if full is None:
+            raise
+        raise full from exc
+
+
 def _check_space(directory: Path, layout: Layout) -> None:
     try:
         available = _available(directory)
@@ -416,17 +447,15 @@ def _check_space(directory: Path, layout: Layout) -> None:
         ) from None
     needed = layout.segment_length
     if needed > available and layout.memory_mode == MemoryMode.RING:
-        raise SegmentSpaceError(
-            errno.ENOSPC,
+        raise volume_full(
             f"ring mode needs {needed} bytes in {directory} (the ring of {layout.ring_size} and the "
             f"segment's header and tables) and the volume has {available} free: raise the volume's "
-            "sizeLimit or lower --ring-size",
+            "sizeLimit or lower --ring-size"
         )
     if needed > available:
-        raise SegmentSpaceError(
-            errno.ENOSPC,
+        raise volume_full(
             f"the segment needs {needed} bytes and {directory} has {available} free; "
-            "raise the volume's sizeLimit (emptyDir medium: Memory) or free space",
+            + full_volume_advice(directory)
         )
 
 
@@ -434,12 +463,12 @@ def _reserve(fd: int, length: int, target: Path, *, offset: int = 0) -> None:
     try:
         os.posix_fallocate(fd, offset, length)
     except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
-            raise SegmentSpaceError(
-                exc.errno,
-                f"no room for a {length}-byte segment at {target}: {os.strerror(exc.errno)}; raise the "
-                "volume's sizeLimit and the writer's memory limit (tmpfs pages count against it)",
-            ) from exc
+        # Reserving tmpfs pages past the writer's memory limit fails with ENOMEM: the volume is full too.
+        full = full_volume(
+            exc, f"no room for a {length}-byte segment at {target}", codes=FULL | {errno.ENOMEM}
+        )
+        if full is not None:
+            raise full from exc
         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise
         log.debug("posix_fallocate is not supported at %s; pages are allocated on first write", target)
@@ -466,8 +495,7 @@ def _make_room(target: Path, needed: int, load_id: int) -> None:
 
 
 def _available(directory: Path) -> int:
-    stats = os.statvfs(directory)
-    return stats.f_bavail * stats.f_frsize
+    return available_bytes(directory)
 
 
 def _writer_state(target: Path) -> int | None:
@@ -498,7 +526,8 @@ def supersede(target: Path, reason: str) -> None:
         size = os.fstat(fd).st_size
         if size < HEADER_LENGTH:
             return
-        with mmap.mmap(fd, HEADER_LENGTH, flags=mmap.MAP_SHARED) as old:
+        length = min(mapped_length(HEADER_LENGTH, volume_of(fd)), size)
+        with mmap.mmap(fd, length, flags=mmap.MAP_SHARED) as old:
             loading = struct.unpack_from("<I", old, OFF_WRITER_STATE)[0] == WriterState.LOADING
             if old[: len(MAGIC)] != MAGIC or not loading:
                 return

@@ -11,8 +11,9 @@ One run is one load:
 3. read each weight file's index with one small range, plan the segment (a slot per tensor, across files)
    and the range chunks, publish the segment's header and manifest at once (an app can attach now);
 4. N reader threads take chunks in load order and land them straight in the segment: ``os.splice`` from the
-   socket or file into the segment's file where the source supports it (no user-space copy, no page faults
-   in this process), ``readinto`` a slice of the mapping otherwise;
+   socket or file into the segment's file on 4 KiB pages where the source supports it (no user-space copy,
+   no page faults in this process), ``readinto`` a slice of the mapping on huge pages and otherwise
+   (:mod:`modelload.sidecar.load.landing` chooses);
 5. the thread that lands a tensor's last chunk decrypts it in place, checks its hash when asked, and
    publishes it READY;
 6. every tensor in, and the weight files still the ones the load started with (a fresh look-up of their
@@ -32,11 +33,11 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from modelload.loader.errors import (
     ConfigError,
@@ -61,6 +62,7 @@ from modelload.loader.segment.modeldir import remove_model_dir
 from modelload.loader.segment.previous import Previous, set_aside
 from modelload.sidecar.load import integrity, proof
 from modelload.sidecar.load.digests import FileDigests
+from modelload.sidecar.load.landing import choose_landing
 from modelload.sidecar.load.meter import ChunkMeter
 from modelload.sidecar.load.modeldir import write_model_dir
 from modelload.sidecar.load.reuse import load_identity, reuse
@@ -71,6 +73,7 @@ from modelload.sidecar.progress import LoadObserver
 from modelload.sidecar.sources import (
     OpenedModel,
     RetryEvent,
+    RetryPolicy,
     Source,
     SourceSettings,
     display_url,
@@ -96,15 +99,37 @@ class LoadStopped(ModelloadError):
 
 
 class PeerHook(Protocol):
-    """Other sidecars as sources (``modelload.sidecar.peers.hook.Peers``): ``begin`` may wrap
-    ``model.sources`` and reorder the plan; ``finish`` checks a tensor before it is published and returns a
-    CRC-32 to record."""
+    """Other sidecars as sources (``modelload.sidecar.peers.hook.Peers``): everything the engine asks of
+    them."""
+
+    @property
+    def verified_by_peers(self) -> Collection[int]:
+        """Tensors whose bytes came from peers and matched the CRC-32 the peers listed for them: checked
+        already, so neither re-sampled from the origin before publishing nor at the end of the load."""
 
     def begin(
-        self, *, model: OpenedModel, plan: LoadPlan, writer: Any, segment: Path, share: bool = True
-    ) -> LoadPlan: ...
+        self, *, model: OpenedModel, plan: LoadPlan, writer: SegmentWriter, segment: Path, share: bool = True
+    ) -> LoadPlan:
+        """Once the segment exists: may wrap ``model.sources`` to ask peers first, and returns the plan to
+        load (the same chunks, perhaps reordered). ``share`` false: this load will not keep its tensors."""
 
-    def finish(self, tensor: int) -> int | None: ...
+    def finish(self, tensor: int) -> int | None:
+        """Check tensor ``tensor``, whose bytes are all in, before it is published (bytes from a peer that
+        fail are read again from the origin). Returns the CRC-32 of the tensor's slot when the check
+        computed exactly that (the engine records it instead of computing it again), else None."""
+
+
+@dataclass(frozen=True)
+class _LoadContext:
+    """What one load's readers share with the engine that runs them, handed over explicitly."""
+
+    settings: LoadSettings
+    observer: LoadObserver
+    stop: threading.Event
+    """Set by :meth:`Engine.stop`: the readers stop at their next chunk."""
+    retry: RetryPolicy
+    on_retry: Callable[[RetryEvent], None]
+    peers: PeerHook | None
 
 
 class Engine:
@@ -206,6 +231,7 @@ class Engine:
             return
         index = model.index
         self._check_key(index, uri, key)
+        landing = choose_landing(settings.landing, settings.segment, model.sources)
         proofs = _decide_proofs(model, settings, encrypted=index.encrypted)
         metadata = _metadata(uri, model.fingerprint, model.size, settings.notify, model_dir, identity)
         plan = plan_load(
@@ -217,9 +243,10 @@ class Engine:
                 **_pinned_version(model),
                 PROOFS_KEY: json.dumps({p.uri: p.label for p in proofs}, sort_keys=True),
             },
+            page_size=landing.page_size,
         )
         plan = plan_memory(plan, settings.memory)
-        use_fd = settings.splice and all(source.supports_fd for source in model.sources)
+        use_fd = landing.through_fd
         # Through the file descriptor nothing writes a meta tensor's slot: reserve it before publishing.
         unlanded = integrity.unlanded_ranges(plan) if use_fd else []
         # A ring's pages are taken once, now, and reused lap after lap (a full volume fails here).
@@ -231,13 +258,12 @@ class Engine:
         checking: list[FileDigests] = []  # set below, before any tensor is ready to release
         memory = None
         if settings.memory.mode != "full":
-            report = getattr(observer, "memory_changed", None)
             memory = MemoryManager(
                 settings.memory,
                 writer=writer,
                 plan=plan,
                 stop=self._stop,
-                report=report,
+                report=observer.memory_changed,
                 hold=lambda: checking[0].releasable() if checking else None,
             )
         observer.manifest_published(
@@ -258,8 +284,9 @@ class Engine:
         digests = self._digests(model, plan, writer)  # on the plan the readers follow (peers reorder it)
         checking.extend([digests] if digests is not None else [])
         _Load(
-            self, model, plan, writer, key, use_fd=use_fd, memory=memory, proofs=proofs, digests=digests
-        ).run()
+            self._context(), model, plan, writer, key, use_fd=use_fd, memory=memory, proofs=proofs,
+            digests=digests,
+        ).run()  # fmt: skip
         if digests is not None and (digests.failure is not None or not self._stop.is_set()):
             self._finish_digests(digests, proofs)
         if self._stop.is_set():
@@ -272,7 +299,7 @@ class Engine:
             readers=settings.readers,
             on_retry=self._retried,
             sample=settings.memory.mode == "full",
-            skip=getattr(self._peers, "verified_by_peers", ()),
+            skip=self._peers.verified_by_peers if self._peers is not None else (),
             proven=[p.file for p in proofs if p.method != "samples"],
         )
         for each in proofs:
@@ -282,6 +309,16 @@ class Engine:
             raise LoadStopped("stopped before the load finished")
         writer.mark_complete()
         observer.load_finished(seconds=time.monotonic() - started, nbytes=index.nbytes)
+
+    def _context(self) -> _LoadContext:
+        return _LoadContext(
+            settings=self.settings,
+            observer=self._observer,
+            stop=self._stop,
+            retry=self._sources.retry,
+            on_retry=self._retried,
+            peers=self._peers,
+        )
 
     def _finish_digests(self, digests: FileDigests, proofs: list[proof.FileProof]) -> None:
         """Wait for every ``digest`` proof (raises the first mismatch) and say each file is proven."""
@@ -381,7 +418,7 @@ class _Load:
 
     def __init__(
         self,
-        engine: Engine,
+        context: _LoadContext,
         model: OpenedModel,
         plan: LoadPlan,
         writer: SegmentWriter,
@@ -392,16 +429,16 @@ class _Load:
         proofs: list[proof.FileProof] | None = None,
         digests: FileDigests | None = None,
     ) -> None:
-        self.engine = engine
+        self.context = context
         self.memory = memory
         self.digests = digests
         self.sources: list[Source] = model.sources
         self.model = model
         self.plan = plan
         self.writer = writer
-        self.settings = engine.settings
-        self.observer = engine._observer
-        self.stop = engine._stop
+        self.settings = context.settings
+        self.observer = context.observer
+        self.stop = context.stop
         self._lock = threading.Lock()
         self._remaining = list(plan.chunk_counts)
         proofs = proofs or []
@@ -413,11 +450,11 @@ class _Load:
         self._sampled = [t.file in sampled_files for t in plan.index.tensors]
         # A file proven by the store's checksum keeps its tensors back until it is proven (in memory modes
         # that can hold them, and unless the file's own hashes prove each tensor as it lands).
-        own_hashes = plan.index.format == "tensorizer" and engine.settings.verify
-        hold = engine.settings.memory.mode != "ring" and not own_hashes
+        own_hashes = plan.index.format == "tensorizer" and context.settings.verify
+        hold = context.settings.memory.mode != "ring" and not own_hashes
         self._held: dict[int, list[int]] = {p.file: [] for p in proofs if hold and self.prover.proves(p.file)}
         self.finisher = TensorFinisher(
-            writer, key=key, encrypted=plan.index.encrypted, verify=engine.settings.verify
+            writer, key=key, encrypted=plan.index.encrypted, verify=context.settings.verify
         )
         self._land: Callable[[Chunk], None] = self._land_fd if use_fd else self._land_view
 
@@ -458,7 +495,7 @@ class _Load:
     def _prove(self, file: int) -> None:
         """Check a complete file against the store's checksum (once more, from the origin, when none of its
         tensors is out yet), then publish the tensors it held back."""
-        policy = self.engine._sources.retry
+        policy = self.context.retry
         each = self._proofs[file]
         try:
             self.prover.prove(file, self.writer.region, policy=policy)
@@ -492,8 +529,8 @@ class _Load:
                 length,
                 self.writer.fileno(),
                 file_offset,
-                policy=self.engine._sources.retry,
-                on_retry=self.engine._retried,
+                policy=self.context.retry,
+                on_retry=self.context.on_retry,
             )
             src_offset += length
 
@@ -503,20 +540,20 @@ class _Load:
             self.sources[chunk.file],
             chunk.src_offset,
             view,
-            policy=self.engine._sources.retry,
-            on_retry=self.engine._retried,
+            policy=self.context.retry,
+            on_retry=self.context.on_retry,
         )
 
     def _publish(self, tensor: int) -> None:
         """Finish a tensor whose bytes are all in (the shared :class:`TensorFinisher`), then tell."""
         entry = self.plan.index.tensors[tensor]
-        peers = self.engine._peers
-        if peers is not None:
-            peers.finish(tensor)  # bytes from a peer checked (and re-read from the origin if bad)
+        peers = self.context.peers
+        # Bytes from a peer are checked (and read again from the origin if bad), which may give the CRC-32.
+        crc = peers.finish(tensor) if peers is not None else None
         header = None
         if self.plan.index.format == "tensorizer":  # the record's header landed in the slot's lead
-            header = self.writer.region(*self.plan.header_span(tensor))
-        from_peers = peers is not None and tensor in getattr(peers, "verified_by_peers", ())
+            header = self.writer.region(*self.plan.record(tensor).header_span)
+        from_peers = peers is not None and tensor in peers.verified_by_peers
 
         def check(verified: bool) -> None:
             if not verified and not from_peers and self._sampled[tensor]:
@@ -525,12 +562,12 @@ class _Load:
                     self.plan,
                     self.writer,
                     self.plan.chunks_by_tensor[tensor],
-                    policy=self.engine._sources.retry,
-                    on_retry=self.engine._retried,
+                    policy=self.context.retry,
+                    on_retry=self.context.on_retry,
                 )
 
         uri = self.model.display(entry.file)
-        if self.finisher.finish(tensor, entry=entry, header=header, source=uri, check=check):
+        if self.finisher.finish(tensor, entry=entry, header=header, source=uri, check=check, crc32=crc):
             slot = self.plan.layout.slots[tensor]
             self.observer.tensor_ready(index=tensor, name=slot.name, nbytes=slot.nbytes)
 

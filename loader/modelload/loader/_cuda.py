@@ -1,4 +1,11 @@
-"""CUDA's virtual memory management (VMM) through the driver library, ``libcuda.so.1``, with ctypes.
+"""The CUDA driver library, ``libcuda.so.1``, through ctypes: the calls torch and its runtime bindings lack.
+
+Two users. The copy to a GPU (``_api/torch.py``) pins host memory where it is (``cuMemHostRegister``,
+read-only). Through the driver rather than torch's ``cudaHostRegister`` binding: a refused runtime call also
+stays behind as the thread's "last error", which torch reports at the next kernel launch as if that kernel
+had failed (seen on an H100: ``cudaErrorHostMemoryAlreadyRegistered`` raised by an unrelated ``torch.equal``),
+and torch binds no ``cudaGetLastError`` to clear it. A driver call returns its status and leaves nothing
+behind.
 
 The hand-off needs a handful of driver calls that neither torch nor the runtime API exposes: allocations
 that can be exported as a POSIX file descriptor (``cuMemCreate`` asking for
@@ -8,20 +15,23 @@ access (``cuMemAddressReserve``, ``cuMemMap``, ``cuMemSetAccess``). Unlike the l
 a descriptor passed over a Unix socket needs no shared PID namespace: the kernel hands the other process its
 own descriptor for the same allocation.
 
-ctypes rather than ``cuda-python``: nine functions do not earn a dependency whose package names change with
+ctypes rather than ``cuda-python``: a dozen functions do not earn a dependency whose package names change with
 the CUDA major version, and the driver's C ABI for these calls has been stable since CUDA 10.2. The driver
 library comes with the NVIDIA driver (the container toolkit mounts it); without it every entry point raises
 :class:`~modelload.loader.errors.DeviceError` saying so. This is the one module that calls the driver, and
 driver errors become ``DeviceError`` here, named by call and by the driver's own error name.
 
 Every call runs with the device's primary context current on the calling thread: the context torch uses,
-so the addresses mapped here are ordinary device pointers to torch and its kernels.
+so the addresses mapped here are ordinary device pointers to torch and its kernels, and host memory pinned
+here is what torch's copies see as pinned.
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from modelload.loader.errors import DeviceError
@@ -36,6 +46,8 @@ CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 0x3
 CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0x0
 CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102
 CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED = 103
+CU_MEMHOSTREGISTER_PORTABLE = 0x01
+CU_MEMHOSTREGISTER_READ_ONLY = 0x08
 
 _LIBRARY = "libcuda.so.1"
 
@@ -83,6 +95,10 @@ _SIGNATURES: dict[str, tuple[Any, ...]] = {
     "cuDeviceGetUuid": (ctypes.POINTER(CUuuid), ctypes.c_int),
     "cuDevicePrimaryCtxRetain": (ctypes.POINTER(ctypes.c_void_p), ctypes.c_int),
     "cuCtxSetCurrent": (ctypes.c_void_p,),
+    "cuCtxPushCurrent": (ctypes.c_void_p,),
+    "cuCtxPopCurrent": (ctypes.POINTER(ctypes.c_void_p),),
+    "cuMemHostRegister": (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint),
+    "cuMemHostUnregister": (ctypes.c_void_p,),
     "cuMemGetAllocationGranularity": (
         ctypes.POINTER(ctypes.c_size_t),
         ctypes.POINTER(CUmemAllocationProp),
@@ -98,7 +114,12 @@ _SIGNATURES: dict[str, tuple[Any, ...]] = {
     "cuMemUnmap": (_u64, ctypes.c_size_t),
     "cuMemSetAccess": (_u64, ctypes.c_size_t, ctypes.POINTER(CUmemAccessDesc), ctypes.c_size_t),
 }
-_VERSIONED = {"cuDeviceGetUuid": "cuDeviceGetUuid_v2"}
+_VERSIONED = {
+    "cuDeviceGetUuid": "cuDeviceGetUuid_v2",
+    "cuCtxPushCurrent": "cuCtxPushCurrent_v2",
+    "cuCtxPopCurrent": "cuCtxPopCurrent_v2",
+    "cuMemHostRegister": "cuMemHostRegister_v2",
+}
 
 
 class Driver:
@@ -185,13 +206,42 @@ class Driver:
 
     def use(self, ordinal: int) -> None:
         """Make the device's primary context (torch's) current on this thread."""
+        self.call("cuCtxSetCurrent", ctypes.c_void_p(self._primary(ordinal)))
+
+    @contextmanager
+    def current(self, ordinal: int) -> Iterator[None]:
+        """The device's primary context current on this thread for the calls inside, then the thread's own
+        again: torch reads its current device from the current context, which this leaves as it was."""
+        self.call("cuCtxPushCurrent", ctypes.c_void_p(self._primary(ordinal)))
+        try:
+            yield
+        finally:
+            popped = ctypes.c_void_p()
+            self.call("cuCtxPopCurrent", ctypes.byref(popped))
+
+    def _primary(self, ordinal: int) -> int:
         with self._lock:
             context = self._contexts.get(ordinal)
             if context is None:
                 handle = ctypes.c_void_p()
                 self.call("cuDevicePrimaryCtxRetain", ctypes.byref(handle), self._device(ordinal))
                 context = self._contexts[ordinal] = int(handle.value or 0)
-        self.call("cuCtxSetCurrent", ctypes.c_void_p(context))
+        return context
+
+    # --- host memory ------------------------------------------------------------------------------------
+
+    def host_register(self, address: int, size: int, *, ordinal: int) -> None:
+        """Pin ``[address, address + size)`` of this process's memory for every context (portable), read-only:
+        the device reads it, never writes it, so the kernel pins the pages as they are (a private mapping's
+        page is not copied first). Raises :class:`DeviceError` naming the driver's refusal."""
+        flags = CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY
+        with self.current(ordinal):
+            self.call("cuMemHostRegister", ctypes.c_void_p(address), size, flags)
+
+    def host_unregister(self, address: int, *, ordinal: int) -> None:
+        """Unpin the range :meth:`host_register` pinned at ``address``."""
+        with self.current(ordinal):
+            self.call("cuMemHostUnregister", ctypes.c_void_p(address))
 
     # --- allocations ------------------------------------------------------------------------------------
 
