@@ -25,8 +25,7 @@ from modelload.loader.errors import (
     TruncatedError,
     WrongKeyError,
 )
-from modelload.loader.segment import SegmentReader, TensorFlags, WriterState
-from modelload.loader.segment import writer as writer_module
+from modelload.loader.segment import SegmentReader, TensorFlags, WriterState, room
 from modelload.sidecar.load import LoadSettings
 from modelload.sidecar.load.engine import Engine
 from modelload.sidecar.progress import LoadTracker, Observers
@@ -268,7 +267,7 @@ def test_a_volume_that_fills_up_mid_load_fails_it_with_what_to_raise(
 ) -> None:
     # Without the up-front free-space check (another process can fill the volume after it), the splice
     # path meets a full volume mid-load: an ordinary ENOSPC, never a SIGBUS.
-    monkeypatch.setattr(writer_module, "_check_space", lambda *_: None)
+    monkeypatch.setattr(room, "check_space", lambda *_: None)
     path = tmp_path / "big.safetensors"
     path.write_bytes(models.safetensors_bytes({"w": torch.zeros(1 << 19)}))
     with pytest.raises(SegmentSpaceError, match="sizeLimit"):

@@ -131,7 +131,7 @@ class Sidecar:
         attempts: AttemptPolicy | None = None,
     ) -> None:
         from modelload.loader.segment.lock import WriterLock
-        from modelload.loader.segment.writer import check_folder
+        from modelload.loader.segment.room import check_folder
 
         attempts = attempts or AttemptPolicy()
         check_secret_files(settings.engine)

@@ -79,8 +79,8 @@ from modelload.loader.segment.lock import WriterLock
 from modelload.loader.segment.modeldir import remove_model_dir, write_model_dir
 from modelload.loader.segment.pages import Volume, prefers_mapping, volume_of
 from modelload.loader.segment.previous import set_aside
+from modelload.loader.segment.room import check_folder
 from modelload.loader.segment.volume import full_volume
-from modelload.loader.segment.writer import check_folder
 
 __all__ = ["register", "run"]
 

@@ -10,7 +10,8 @@ meanwhile finds no segment and waits, as before any load. Then:
 - the new load is the very load the old segment holds (:class:`~.identity.LoadIdentity`, and COMPLETE):
   :meth:`Previous.restore` moves it back, and the load is done without reading the model again;
 - anything else: :meth:`Previous.discard` marks it FAILED when it was still LOADING (processes attached
-  to it stop waiting) and removes it. Processes that map it keep its pages until they let go.
+  to it stop waiting: :func:`supersede`, which the writer also applies to a LOADING segment its new one
+  replaces) and removes it. Processes that map it keep its pages until they let go.
 
 Renames leave the file itself untouched, so processes attached to the old segment are not disturbed, and a
 reader of any version only ever finds, by name, the current load's segment (or none).
@@ -20,16 +21,31 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import os
 import stat
+import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from modelload.loader.errors import ModelloadError, SegmentError
+from modelload.loader.segment import _memory
 from modelload.loader.segment.identity import LoadIdentity
-from modelload.loader.segment.layout import MemoryMode, WriterState
+from modelload.loader.segment.layout import (
+    HEADER_LENGTH,
+    MAGIC,
+    OFF_ERROR,
+    OFF_ERROR_LENGTH,
+    OFF_FINISHED_NS,
+    OFF_WRITER_STATE,
+    MemoryMode,
+    WriterState,
+    error_bytes,
+)
+from modelload.loader.segment.pages import mapped_length, volume_of
 
-__all__ = ["Previous", "previous_path", "set_aside"]
+__all__ = ["Previous", "previous_path", "set_aside", "supersede"]
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +80,6 @@ class Previous:
 
     def discard(self, reason: str = "superseded by a new load; attach again") -> None:
         """Mark it FAILED if it was still LOADING (with ``reason``), then remove it. Idempotent."""
-        from modelload.loader.segment.writer import supersede
-
         if self.state == WriterState.LOADING:
             supersede(self.path, reason)
         with contextlib.suppress(FileNotFoundError):
@@ -134,3 +148,31 @@ def _describe(path: Path, segment: Path) -> Previous:
     except (ModelloadError, OSError, ValueError) as exc:
         log.info("the previous segment at %s cannot be read (%s): it will be removed", segment, exc)
         return Previous(path, segment, None, None, None, {})
+
+
+def supersede(target: Path, reason: str) -> None:
+    """Mark a LOADING segment at ``target`` FAILED with ``reason``, so its readers stop waiting (SPEC.md
+    writer rule 4). Anything else at ``target`` is left alone."""
+    try:
+        fd = os.open(target, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return
+    try:
+        size = os.fstat(fd).st_size
+        if size < HEADER_LENGTH:
+            return
+        length = min(mapped_length(HEADER_LENGTH, volume_of(fd)), size)
+        with mmap.mmap(fd, length, flags=mmap.MAP_SHARED) as old:
+            loading = struct.unpack_from("<I", old, OFF_WRITER_STATE)[0] == WriterState.LOADING
+            if old[: len(MAGIC)] != MAGIC or not loading:
+                return
+            encoded = error_bytes(reason)
+            old[OFF_ERROR : OFF_ERROR + len(encoded)] = encoded
+            struct.pack_into("<I", old, OFF_ERROR_LENGTH, len(encoded))
+            struct.pack_into("<Q", old, OFF_FINISHED_NS, time.time_ns())
+            _memory.release_fence()
+            struct.pack_into("<I", old, OFF_WRITER_STATE, WriterState.FAILED)
+    except (OSError, ValueError) as exc:
+        log.warning("could not mark the previous segment at %s superseded: %s", target, exc)
+    finally:
+        os.close(fd)

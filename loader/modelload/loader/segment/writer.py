@@ -10,10 +10,9 @@ that lands its data through the file descriptor instead (``os.splice``, where a 
 still reserves the pages nothing will ever write: the header, manifest and state table, and the part of a
 slot the source has no bytes for (a meta tensor), which readers fault in.
 
-A writer replacing a segment that is not complete (a sidecar restarted after a crash mid-load) needs room
-for the new file while the old one still takes its pages. When both do not fit, the old segment (and any
-temporary file a crashed writer left) is marked FAILED and removed first: a volume sized for one model then
-holds the new load. Readers that still map the old file keep its pages until they let go of it.
+The checks before a segment is created (its folder, a writable volume with room for it, an unfinished
+segment removed to make room) and the reservation of its pages are :mod:`.room`'s; marking a LOADING
+segment at the name FAILED when the new one replaces it is :func:`.previous.supersede`.
 
 A ring segment (layout version 4) holds only ``ring_size`` bytes of data after its tables, and a tensor's
 bytes wrap around the ring's end. The writer maps the ring a second time right after the file
@@ -43,8 +42,8 @@ from pathlib import Path
 
 import numpy as np
 
-from modelload.loader.errors import ConfigError, SegmentError
-from modelload.loader.segment import _memory, _ring
+from modelload.loader.errors import SegmentError
+from modelload.loader.segment import _memory, _ring, room
 from modelload.loader.segment.consumers import create_table
 from modelload.loader.segment.layout import (
     ENTRY_CRC32,
@@ -52,7 +51,6 @@ from modelload.loader.segment.layout import (
     ENTRY_READY_NS,
     ERROR_CAPACITY,
     HEADER_LENGTH,
-    MAGIC,
     OFF_BYTES_READY,
     OFF_ERROR,
     OFF_ERROR_LENGTH,
@@ -67,19 +65,14 @@ from modelload.loader.segment.layout import (
     TensorState,
     WriterState,
     entry_offset,
+    error_bytes,
 )
 from modelload.loader.segment.lock import WriterLock
-from modelload.loader.segment.pages import (
-    Volume,
-    available_bytes,
-    check_page_size,
-    full_volume_advice,
-    mapped_length,
-    volume_of,
-)
-from modelload.loader.segment.volume import FULL, full_volume, volume_full
+from modelload.loader.segment.pages import Volume, check_page_size
+from modelload.loader.segment.previous import supersede
+from modelload.loader.segment.volume import full_volume
 
-__all__ = ["SegmentWriter", "check_folder", "supersede"]
+__all__ = ["SegmentWriter"]
 
 log = logging.getLogger(__name__)
 
@@ -164,10 +157,10 @@ class SegmentWriter:
         target = Path(path)
         load_id = load_id or (secrets.randbits(64) | 1)
         created_ns = created_ns or time.time_ns()
-        _check_writable(target.parent)
+        room.check_writable(target.parent)
         volume = check_page_size(target.parent, layout.page_size)
-        _make_room(target, layout.segment_length, load_id)
-        _check_space(target.parent, layout)
+        room.make_room(target, layout.segment_length, load_id)
+        room.check_space(target.parent, layout)
         temp = target.with_name(f".{target.name}.{load_id:016x}.tmp")
         try:
             fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, SEGMENT_MODE)
@@ -180,11 +173,11 @@ class SegmentWriter:
             os.fchmod(fd, SEGMENT_MODE)  # exactly this mode, whatever the umask
             os.ftruncate(fd, layout.segment_length)
             if reserve and layout.segment_length:
-                _reserve(fd, layout.segment_length, target)
+                room.reserve_pages(fd, layout.segment_length, target)
             elif layout.segment_length:
                 for offset, length in ((0, layout.data_offset), *reserve_ranges):
                     if length > 0:
-                        _reserve(fd, length, target, offset=offset)
+                        room.reserve_pages(fd, length, target, offset=offset)
             mm: mmap.mmap | memoryview
             mm = _map(fd, layout, target)
             writer = cls(target, layout, fd, mm, load_id, volume)
@@ -193,7 +186,7 @@ class SegmentWriter:
                 create_table(target, load_id=load_id, tensor_count=len(layout.slots))
             if lock is not None:
                 lock.update(load_id=load_id)
-            _supersede(target, load_id)
+            supersede(target, f"superseded by a new load ({load_id:016x}); attach again")
             temp.rename(target)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -207,7 +200,7 @@ class SegmentWriter:
     def reserve(self) -> None:
         """Allocate every page of the segment now; :class:`SegmentSpaceError` when the volume is full."""
         if self.layout.segment_length:
-            _reserve(self._fd, self.layout.segment_length, self.path)
+            room.reserve_pages(self._fd, self.layout.segment_length, self.path)
 
     def _write_prologue(self, created_ns: int) -> None:
         header = self.layout.header(load_id=self.load_id, created_ns=created_ns).pack()
@@ -307,7 +300,7 @@ class SegmentWriter:
 
     def mark_failed(self, reason: str) -> None:
         """Declare the load failed with ``reason`` (truncated to 1024 bytes of UTF-8). Final."""
-        encoded = _truncate_utf8(reason, ERROR_CAPACITY)
+        encoded = error_bytes(reason)
         with self._lock:
             self._check_open()
             if self.writer_state in (WriterState.COMPLETE, WriterState.FAILED):
@@ -390,31 +383,6 @@ class SegmentWriter:
         return f"<SegmentWriter {self.path} load_id={self.load_id:016x} ready={ready}>"
 
 
-def check_folder(segment: Path) -> None:
-    """ConfigError when the segment's folder is missing. Writers never create it: in a pod it is the
-    shared volume's mount point, and a folder made in its place would hold the model in the writer's own
-    filesystem, out of the app's sight (the sidecar and ``modelload stage`` agree on this)."""
-    folder = segment.absolute().parent
-    if not folder.is_dir():
-        raise ConfigError(
-            f"the segment's folder {folder} does not exist: create it (mkdir -p {folder}), mount the shared"
-            " volume there, or name a segment path in an existing folder (--segment/MODELLOAD_SEGMENT)"
-        )
-
-
-def _check_writable(directory: Path) -> None:
-    """A read-only volume is named as such, before the space checks: a small read-only mount is not "full"."""
-    try:
-        read_only = bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
-    except OSError:
-        return  # _check_space reports a missing directory
-    if read_only:
-        raise SegmentError(
-            f"cannot create a segment in {directory}: it is on a read-only file system; mount the volume"
-            " read-write there, or choose another folder (--segment/MODELLOAD_SEGMENT)"
-        )
-
-
 def _map(fd: int, layout: Layout, target: Path) -> mmap.mmap | memoryview:
     """Map the new segment shared and writable (a ring twice over). On hugetlbfs the kernel reserves the
     mapping's pages from its pool now, and refuses with ENOMEM when too few are free."""
@@ -436,115 +404,3 @@ def _map(fd: int, layout: Layout, target: Path) -> mmap.mmap | memoryview:
         if full is None:
             raise
         raise full from exc
-
-
-def _check_space(directory: Path, layout: Layout) -> None:
-    try:
-        available = _available(directory)
-    except FileNotFoundError:
-        raise SegmentError(
-            f"segment directory {directory} does not exist; create it or mount the volume"
-        ) from None
-    needed = layout.segment_length
-    if needed > available and layout.memory_mode == MemoryMode.RING:
-        raise volume_full(
-            f"ring mode needs {needed} bytes in {directory} (the ring of {layout.ring_size} and the "
-            f"segment's header and tables) and the volume has {available} free: raise the volume's "
-            "sizeLimit or lower --ring-size"
-        )
-    if needed > available:
-        raise volume_full(
-            f"the segment needs {needed} bytes and {directory} has {available} free; "
-            + full_volume_advice(directory)
-        )
-
-
-def _reserve(fd: int, length: int, target: Path, *, offset: int = 0) -> None:
-    try:
-        os.posix_fallocate(fd, offset, length)
-    except OSError as exc:
-        # Reserving tmpfs pages past the writer's memory limit fails with ENOMEM: the volume is full too.
-        full = full_volume(
-            exc, f"no room for a {length}-byte segment at {target}", codes=FULL | {errno.ENOMEM}
-        )
-        if full is not None:
-            raise full from exc
-        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-            raise
-        log.debug("posix_fallocate is not supported at %s; pages are allocated on first write", target)
-
-
-def _make_room(target: Path, needed: int, load_id: int) -> None:
-    """Remove an unfinished segment at ``target`` (and crashed writers' temporary files) when the volume
-    cannot hold it and a new ``needed``-byte segment at once; a COMPLETE one is never removed here."""
-    try:
-        available = _available(target.parent)
-    except OSError:
-        return  # _check_space reports a missing directory
-    if needed <= available:
-        return
-    leftovers = list(target.parent.glob(f".{target.name}.*.tmp"))
-    old_state = _writer_state(target)
-    if old_state is not None and old_state != WriterState.COMPLETE:
-        _supersede(target, load_id)
-        leftovers.append(target)
-    for path in leftovers:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-            log.warning("removed %s, an unfinished segment, to make room for a new load", path)
-
-
-def _available(directory: Path) -> int:
-    return available_bytes(directory)
-
-
-def _writer_state(target: Path) -> int | None:
-    """The writer_state word of the segment at ``target``; None when there is no segment there."""
-    try:
-        with target.open("rb") as file:
-            head = file.read(HEADER_LENGTH)
-    except OSError:
-        return None
-    if len(head) < HEADER_LENGTH or head[: len(MAGIC)] != MAGIC:
-        return None
-    state: int = struct.unpack_from("<I", head, OFF_WRITER_STATE)[0]
-    return state
-
-
-def _supersede(target: Path, load_id: int) -> None:
-    supersede(target, f"superseded by a new load ({load_id:016x}); attach again")
-
-
-def supersede(target: Path, reason: str) -> None:
-    """Mark a LOADING segment at ``target`` FAILED with ``reason``, so its readers stop waiting (SPEC.md
-    writer rule 4). Anything else at ``target`` is left alone."""
-    try:
-        fd = os.open(target, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError:
-        return
-    try:
-        size = os.fstat(fd).st_size
-        if size < HEADER_LENGTH:
-            return
-        length = min(mapped_length(HEADER_LENGTH, volume_of(fd)), size)
-        with mmap.mmap(fd, length, flags=mmap.MAP_SHARED) as old:
-            loading = struct.unpack_from("<I", old, OFF_WRITER_STATE)[0] == WriterState.LOADING
-            if old[: len(MAGIC)] != MAGIC or not loading:
-                return
-            encoded = _truncate_utf8(reason, ERROR_CAPACITY)
-            old[OFF_ERROR : OFF_ERROR + len(encoded)] = encoded
-            struct.pack_into("<I", old, OFF_ERROR_LENGTH, len(encoded))
-            struct.pack_into("<Q", old, OFF_FINISHED_NS, time.time_ns())
-            _memory.release_fence()
-            struct.pack_into("<I", old, OFF_WRITER_STATE, WriterState.FAILED)
-    except (OSError, ValueError) as exc:
-        log.warning("could not mark the previous segment at %s superseded: %s", target, exc)
-    finally:
-        os.close(fd)
-
-
-def _truncate_utf8(text: str, limit: int) -> bytes:
-    encoded = text.encode("utf-8", errors="replace")
-    if len(encoded) <= limit:
-        return encoded
-    return encoded[:limit].decode("utf-8", errors="ignore").encode()
