@@ -19,6 +19,7 @@ from tests.operator.conftest import (
     NAMESPACE,
     create_modelload,
     current,
+    modelload,
     posted_events,
     resolved,
     wait_for,
@@ -130,3 +131,28 @@ def test_the_condition_names_failed_pods_first_and_counts_the_rest() -> None:
     assert message.startswith("5 of the pods report a failed load: f0: 404 not found")
     assert "(and 2 more)" in message and "p0" not in message
     assert degraded_condition([])[0] == "False"
+
+
+async def test_the_degraded_condition_keeps_the_conditions_its_stale_view_of_the_modelload_lacks(
+    kube: Any, client_configuration: Any
+) -> None:
+    # The index the poller reads lags behind the ModelLoad: Ready and PodsScheduled were written since. A
+    # merge patch replaces the conditions list whole, so Degraded is written from a fresh read.
+    from modelload.operator.kube import Kube
+    from modelload.operator.load_reasons import LoadReasons
+
+    written = [
+        {"type": "Ready", "status": "True", "reason": "Resolved", "message": "ok"},
+        {"type": "PodsScheduled", "status": "False", "reason": "Unschedulable", "message": "0/3 nodes"},
+    ]
+    kube.objects[MODELLOADS, NAMESPACE, "tiny"] = {
+        **modelload("tiny", {"source": "http://models.example/m.safetensors"}),
+        "status": {"conditions": written},
+    }
+    reasons = LoadReasons(Kube(client_configuration), interval=60)
+    failed = [PodReason("web-1", "u1", "failed", "404 not found")]
+    await reasons._write((NAMESPACE, "tiny"), "tiny", [], failed)
+    conditions = current(kube, MODELLOADS, NAMESPACE, "tiny")["status"]["conditions"]
+    assert [c["type"] for c in conditions] == ["Ready", "PodsScheduled", "Degraded"]
+    assert conditions[:2] == written
+    assert (conditions[2]["status"], conditions[2]["reason"]) == ("True", "LoadFailed")

@@ -22,13 +22,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
-from modelload.operator.conditions import now_rfc3339, set_condition
+from modelload.operator.conditions import Verdict, now_rfc3339, write_condition
 from modelload.operator.kube import Kube, KubeError, KubeNotFoundError
 from modelload.operator.pods import PodLoad
 from modelload.operator.polling import IndexPoller, Selector
@@ -164,19 +164,23 @@ class LoadReasons(IndexPoller):
             return
         self._told[reason.uid] = said
 
-    async def _write(self, selector: Selector, name: str, conditions: Any, reasons: list[PodReason]) -> None:
+    async def _write(self, selector: Selector, name: str, shown: Any, reasons: list[PodReason]) -> None:
+        """Keep the Degraded condition in line with ``reasons``. ``shown`` is the ModelLoad's conditions as
+        the index last saw them: when they already say it, nothing is read; otherwise the conditions are
+        written from a fresh read (:func:`.conditions.write_condition`), never over one written meanwhile."""
         wanted = degraded_condition(reasons)
-        current = next((c for c in conditions or () if c.get("type") == CONDITION), None)
-        shown = (current.get("status"), current.get("reason"), current.get("message")) if current else None
-        if shown == wanted or (current is None and wanted[0] == "False"):
-            return  # no condition to write: nothing ever went wrong, or it already says so
-        status, reason, message = wanted
-        body = set_condition(
-            conditions, type=CONDITION, status=status, reason=reason, message=message, generation=None,
-            now=now_rfc3339(),
-        )  # fmt: skip
+
+        def decide(conditions: Sequence[Mapping[str, Any]]) -> Verdict | None:
+            current = next((c for c in conditions if c.get("type") == CONDITION), None)
+            said = (current.get("status"), current.get("reason"), current.get("message")) if current else None
+            if said == wanted or (current is None and wanted[0] == "False"):
+                return None  # no condition to write: nothing ever went wrong, or it already says so
+            return wanted
+
+        if decide(shown or ()) is None:
+            return
         try:
-            await self._kube.patch_modelload_status(selector[0], name, {"conditions": body})
+            done, _ = await write_condition(self._kube, selector[0], name, type=CONDITION, decide=decide)
         except KubeNotFoundError:
             return
         except KubeError as exc:
@@ -184,3 +188,10 @@ class LoadReasons(IndexPoller):
                 "cannot write ModelLoad %s/%s's %s condition: %s", selector[0], name, CONDITION, exc
             )
             return
+        if not done:
+            logger.info(
+                "ModelLoad %s/%s changed while its %s condition was written: next round",
+                selector[0],
+                name,
+                CONDITION,
+            )
