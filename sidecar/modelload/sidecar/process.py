@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from modelload.loader.errors import ModelloadError
 from modelload.sidecar.load.attempts import AttemptPolicy
 from modelload.sidecar.logs import LoggingObserver, describe_progress
-from modelload.sidecar.settings import SidecarSettings, check_secret_files
+from modelload.sidecar.settings import SidecarSettings
 
 if TYPE_CHECKING:
     from modelload.loader.segment.lock import WriterLock
@@ -132,9 +132,10 @@ class Sidecar:
     ) -> None:
         from modelload.loader.segment.lock import WriterLock
         from modelload.loader.segment.room import check_folder
+        from modelload.sidecar.load.keys import check_key_files
 
         attempts = attempts or AttemptPolicy()
-        check_secret_files(settings.engine)
+        check_key_files(settings.engine)
         check_folder(settings.engine.segment)
         # One writer per segment, before anything else binds: a second sidecar on this segment is refused
         # here, naming the first, rather than by the notify socket it would also share.

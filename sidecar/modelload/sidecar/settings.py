@@ -83,7 +83,6 @@ __all__ = [
     "PeerSettings",
     "SidecarSettings",
     "add_arguments",
-    "check_secret_files",
     "default_notify_endpoint",
     "parse_bool",
     "parse_settings",
@@ -185,43 +184,6 @@ def _urls(text: str) -> tuple[str, ...]:
         if problem is not None:
             raise ConfigError(problem)
     return urls
-
-
-def check_secret_files(engine: LoadSettings) -> None:
-    """ConfigError, naming the flag and variable, when the key or password file cannot be read or is not a
-    key: run at the sidecar's start, so a Secret that is not mounted (or holds a passphrase where a raw key
-    belongs) stops it with exit status 2 instead of failing the load later as an internal error. Only the
-    paths stay in the settings: the engine reads the key when it needs it."""
-    from modelload.loader.formats.tensorizer import DecryptionKey
-
-    if engine.key_file is not None:
-        try:
-            DecryptionKey.from_file(engine.key_file)
-        except OSError as exc:
-            raise ConfigError(_unreadable("key", engine.key_file, exc), setting=KEY_SETTING) from None
-        except ConfigError as exc:
-            raise ConfigError(str(exc), setting=KEY_SETTING) from None
-    if engine.password_file is not None:
-        try:
-            empty = not engine.password_file.read_bytes().strip()
-        except OSError as exc:
-            raise ConfigError(
-                _unreadable("password", engine.password_file, exc), setting=PASSWORD_SETTING
-            ) from None
-        if empty:
-            raise ConfigError(f"the password file {engine.password_file} is empty", setting=PASSWORD_SETTING)
-
-
-KEY_SETTING = "--key-file/MODELLOAD_KEY_FILE"
-PASSWORD_SETTING = "--password-file/MODELLOAD_PASSWORD_FILE"  # noqa: S105 - a setting's name
-
-
-def _unreadable(what: str, path: Path, exc: OSError) -> str:
-    reason = "it does not exist" if isinstance(exc, FileNotFoundError) else exc.strerror or type(exc).__name__
-    return (
-        f"cannot read the {what} file {path}: {reason}; mount the Secret that holds it there (a ModelLoad's"
-        f" {'decryptionKeySecretRef' if what == 'key' else 'passwordSecretRef'}) or fix the path"
-    )
 
 
 def _token_file(text: str) -> str:

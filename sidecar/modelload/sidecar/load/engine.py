@@ -40,14 +40,10 @@ from pathlib import Path
 from typing import Protocol
 
 from modelload.loader.errors import (
-    ConfigError,
     HashMismatchError,
-    MissingKeyError,
     ModelloadError,
-    NotEncryptedError,
     SegmentError,
 )
-from modelload.loader.formats import ModelIndex
 from modelload.loader.formats import tensorizer as tz
 from modelload.loader.segment import (
     MODEL_DIR_KEY,
@@ -62,6 +58,7 @@ from modelload.loader.segment.modeldir import remove_model_dir
 from modelload.loader.segment.previous import Previous, set_aside
 from modelload.sidecar.load import integrity, proof
 from modelload.sidecar.load.digests import FileDigests
+from modelload.sidecar.load.keys import check_key, read_key
 from modelload.sidecar.load.landing import choose_landing
 from modelload.sidecar.load.meter import ChunkMeter
 from modelload.sidecar.load.modeldir import write_model_dir
@@ -220,7 +217,7 @@ class Engine:
         uri = model.uri
         model_dir = None
         _warn_without_validator(model)
-        key = self._read_key()
+        key = read_key(settings)
         identity = load_identity(model, settings, key)
         if model.directory is not None:
             model_dir = self._model_dir = write_model_dir(
@@ -230,7 +227,7 @@ class Engine:
         if reuse(previous, identity, key, observer):
             return
         index = model.index
-        self._check_key(index, uri, key)
+        check_key(index, uri, key)
         landing = choose_landing(settings.landing, settings.segment, model.sources)
         proofs = _decide_proofs(model, settings, encrypted=index.encrypted)
         metadata = _metadata(uri, model.fingerprint, model.size, settings.notify, model_dir, identity)
@@ -389,28 +386,6 @@ class Engine:
 
     def _retried(self, event: RetryEvent) -> None:
         self._observer.retried(kind=retry_kind(event), message=str(event.error))
-
-    def _read_key(self) -> tz.DecryptionKey | None:
-        settings = self.settings
-        try:
-            if settings.key_file is not None:
-                return tz.DecryptionKey.from_file(settings.key_file)
-            if settings.password_file is not None:
-                return tz.DecryptionKey.from_password_file(settings.password_file)
-        except OSError as exc:  # checked at start; gone since (a Secret unmounted)
-            path = settings.key_file or settings.password_file
-            flag = "--key-file" if settings.key_file is not None else "--password-file"
-            raise ConfigError(f"cannot read {path}: {exc.strerror or exc}", setting=flag) from None
-        return None
-
-    def _check_key(self, index: ModelIndex, uri: str, key: tz.DecryptionKey | None) -> None:
-        if key is not None and not index.encrypted:
-            raise NotEncryptedError(f"{uri} is not encrypted, but a decryption key was given; drop the key")
-        if key is None and index.encrypted:
-            raise MissingKeyError(
-                f"{uri} is encrypted and no key was given: pass --key-file or --password-file "
-                "(a ModelLoad's decryptionKeySecretRef)"
-            )
 
 
 class _Load:
