@@ -10,7 +10,7 @@ by hand, about two minutes for the default 20 runs of each of the 24 cases::
 The faults (reset, truncation, HTTP 500, HTTP 503, S3 SlowDown with Retry-After, a stall longer than the
 stall timeout) and what counts as a pass are in ``tests/support/fault_cases.py``: the real engine loads a
 small model (safetensors over HTTP from nginx, tensorizer over S3 from moto, each behind the fault proxy),
-the proxy breaks the index read (the second request) or the first data range (the third), and the run
+the proxy breaks the index read (the first request, the look-up too) or the first data range (the second), and the run
 passes when the load completed, every tensor equals the file byte for byte, and the broken request was
 retried. The script prints one line per case (runs, passes, retries, the median and slowest run) and the
 load average, and exits 1 if any run did not pass.

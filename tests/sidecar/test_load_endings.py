@@ -115,7 +115,7 @@ def test_an_app_attached_to_a_load_that_fails_midway_gets_the_reason(
     tensors = models.state_dict(seed=63, layers=3)
     data = models.corrupt_tensor(models.tensorizer_bytes(tensors), "layers.2.attn.weight")
     nginx.put("endings-corrupt.tensors", data)
-    nginx_proxy.push(PASS, PASS, Stall(after=0, seconds=1.0))  # the first range is slow: time to attach
+    nginx_proxy.push(PASS, Stall(after=0, seconds=1.0))  # the look-up and index; the first range is slow
     outcome: list[BaseException] = []
 
     def run() -> None:
@@ -219,16 +219,17 @@ def test_sigterm_on_a_stalled_source_marks_the_segment_failed_before_the_process
     nginx: Any, nginx_proxy: Any, shm_dir: Path
 ) -> None:
     nginx.put("endings-stalled.safetensors", models.safetensors_bytes(models.state_dict(seed=67)))
-    nginx_proxy.push(PASS, PASS)  # the look-up and the index
+    nginx_proxy.push(PASS)  # the look-up, which reads the index too
     nginx_proxy.always(Stall(after=0, seconds=120))  # every range hangs inside a recv
     port = free_port()
     segment = shm_dir / "model.seg"
     args = ["--source", nginx_proxy.url("endings-stalled.safetensors"), "--segment", str(segment)]
-    process = start_sidecar([*args, "--host", "127.0.0.1", "--port", str(port), "--readers", "2"], port=port)
+    args += ["--readers", "2", "--chunk-size", str(1 << 20)]  # 3.6 MB: both readers get a range
+    process = start_sidecar([*args, "--host", "127.0.0.1", "--port", str(port)], port=port)
     try:
         wait_for(segment.exists, timeout=20, what="the segment")
         model = attach(segment, timeout=5, notify=False)
-        wait_for(lambda: len(nginx_proxy.requests) >= 4, timeout=20, what="the readers to block")
+        wait_for(lambda: len(nginx_proxy.requests) >= 3, timeout=20, what="both readers to block")
         process.send_signal(signal.SIGTERM)
         with pytest.raises(LoadFailedError, match="stopped"):
             model.wait(timeout=20)  # an attached app hears of it while the readers still hang
@@ -247,7 +248,7 @@ def test_a_killed_sidecar_is_noticed_by_attached_apps_at_once(
     nginx: Any, nginx_proxy: Any, shm_dir: Path
 ) -> None:
     nginx.put("endings-killed.safetensors", models.safetensors_bytes(models.state_dict(seed=68)))
-    nginx_proxy.push(PASS, PASS)
+    nginx_proxy.push(PASS)  # the look-up, which reads the index too
     nginx_proxy.always(Stall(after=0, seconds=120))
     port = free_port()
     segment = shm_dir / "model.seg"

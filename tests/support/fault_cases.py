@@ -3,8 +3,8 @@
 (``tests/sidecar/test_fault_suite.py``); ``benchmarks/fault_suite.py`` runs each many times.
 
 A case loads a small model with the real engine through a :class:`~tests.support.fault_proxy.FaultProxy`
-whose *n*-th GET breaks: the first GET is the look-up (a one-byte range), the second the index read (the
-file's first 512 KiB, which holds the header), the third the first data range. The run passes when the load
+whose *n*-th GET breaks: the first GET is the look-up and the index read at once (a range of the file's first
+512 KiB, which holds the header), the second the first data range. The run passes when the load
 ends COMPLETE, byte-exact, and the fault was applied and retried.
 """
 
@@ -54,9 +54,9 @@ FAULTS: dict[str, Callable[[Target], Fault]] = {
     "slowdown": lambda target: slow_down(retry_after=0.05),
     "stall": lambda target: Stall(after=_into(target), seconds=1.0),
 }
-"""Each fault, for a target. A fault in the body strikes 1000 bytes into the index read (512 KiB: the retry
-resumes mid-body) and at a data range's first byte (the third request may be a small range: a chunk of
-small tensors, or a tensor's sample)."""
+"""Each fault, for a target. A fault in the body strikes 1000 bytes into the index read (512 KiB, the look-up
+too: it is tried again whole) and at a data range's first byte (the second request may be a small range: a
+chunk of small tensors, or a sample)."""
 
 
 def _into(target: Target) -> int:
@@ -77,8 +77,8 @@ def source_settings(origin: str, proxy: FaultProxy) -> SourceSettings:
 
 
 def queue_fault(proxy: FaultProxy, fault: Fault, target: Target) -> None:
-    """Break the index read (the second GET) or the first data range (the third)."""
-    proxy.push(*([PASS] if target == "index" else [PASS, PASS]), fault)
+    """Break the index read (the first GET, which is the look-up too) or the first data range (the second)."""
+    proxy.push(*([] if target == "index" else [PASS]), fault)
 
 
 @dataclass(frozen=True)

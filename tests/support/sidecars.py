@@ -24,7 +24,8 @@ import pytest
 
 from modelload.sidecar.load import LoadSettings
 from modelload.sidecar.load.attempts import AttemptPolicy
-from modelload.sidecar.load.engine import Engine, PeerHook
+from modelload.sidecar.load.engine import Engine
+from modelload.sidecar.load.readers import PeerHook
 from modelload.sidecar.process import EngineFactory, Sidecar, default_engine
 from modelload.sidecar.progress import LoadObserver, LoadStatus, LoadTracker, Observers
 from modelload.sidecar.settings import SidecarSettings, parse_settings

@@ -32,7 +32,7 @@ from modelload.sidecar.settings import SidecarSettings
 if TYPE_CHECKING:
     from modelload.loader.segment.lock import WriterLock
     from modelload.sidecar.api import ApiServer
-    from modelload.sidecar.load.engine import PeerHook
+    from modelload.sidecar.load.readers import PeerHook
     from modelload.sidecar.notify import Notifier
     from modelload.sidecar.peers.hook import Peers
     from modelload.sidecar.progress import LoadObserver, LoadTracker

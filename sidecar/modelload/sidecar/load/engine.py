@@ -10,12 +10,13 @@ One run is one load:
    before the segment is published, so an app that attaches finds them;
 3. read each weight file's index with one small range, plan the segment (a slot per tensor, across files)
    and the range chunks, publish the segment's header and manifest at once (an app can attach now);
-4. N reader threads take chunks in load order and land them straight in the segment: ``os.splice`` from the
-   socket or file into the segment's file on 4 KiB pages where the source supports it (no user-space copy,
-   no page faults in this process), ``readinto`` a slice of the mapping on huge pages and otherwise
+4. N reader threads (:mod:`modelload.sidecar.load.readers`) take chunks, each a range of neighbouring
+   tensors, in load order and land them straight in the segment: ``os.splice`` from the socket or file into
+   the segment's file on 4 KiB pages where the source supports it and the pieces are big (no user-space
+   copy, no page faults in this process), scattering reads into the mapping on huge pages and otherwise
    (:mod:`modelload.sidecar.load.landing` chooses);
-5. the thread that lands a tensor's last chunk decrypts it in place, checks its hash when asked, and
-   publishes it READY;
+5. the thread that lands a chunk decrypts the tensors it completes in place, checks their hashes when
+   asked, and publishes them READY together;
 6. every tensor in, and the weight files still the ones the load started with (a fresh look-up of their
    validators and a re-read sample of every landed range, :mod:`modelload.sidecar.load.integrity`): the
    segment is COMPLETE. Any permanent failure marks it FAILED with the reason, so attached readers get an
@@ -33,24 +34,14 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Protocol
 
-from modelload.loader.errors import (
-    HashMismatchError,
-    ModelloadError,
-    SegmentError,
-)
-from modelload.loader.formats import tensorizer as tz
-from modelload.loader.segment import (
-    MODEL_DIR_KEY,
-    SegmentWriter,
-    TensorFinisher,
-    run_in_order,
-)
+from modelload.loader.errors import ModelloadError, SegmentError
+from modelload.loader.formats import ModelIndex
+from modelload.loader.segment import MODEL_DIR_KEY, SegmentWriter
+from modelload.loader.segment.collector import paused_collector
 from modelload.loader.segment.failure import leave_failed, remove_failure
 from modelload.loader.segment.identity import LoadIdentity
 from modelload.loader.segment.lock import WriterLock
@@ -60,27 +51,16 @@ from modelload.sidecar.load import integrity, proof
 from modelload.sidecar.load.digests import FileDigests
 from modelload.sidecar.load.keys import check_key, read_key
 from modelload.sidecar.load.landing import choose_landing
-from modelload.sidecar.load.meter import ChunkMeter
 from modelload.sidecar.load.modeldir import write_model_dir
+from modelload.sidecar.load.readers import LoadContext, PeerHook, Readers
 from modelload.sidecar.load.reuse import load_identity, reuse
 from modelload.sidecar.load.settings import LoadSettings
 from modelload.sidecar.memory import MemoryManager, plan_memory
-from modelload.sidecar.planner import Chunk, LoadPlan, plan_load
+from modelload.sidecar.planner import LoadPlan, plan_load
 from modelload.sidecar.progress import LoadObserver
-from modelload.sidecar.sources import (
-    OpenedModel,
-    RetryEvent,
-    RetryPolicy,
-    Source,
-    SourceSettings,
-    display_url,
-    metered,
-    open_model,
-    read_range,
-    read_range_into_fd,
-)
+from modelload.sidecar.sources import OpenedModel, RetryEvent, SourceSettings, display_url, open_model
 
-__all__ = ["Engine", "LoadStopped", "error_kind"]
+__all__ = ["Engine", "LoadStopped", "PeerHook", "error_kind"]
 
 log = logging.getLogger(__name__)
 
@@ -93,40 +73,6 @@ class LoadStopped(ModelloadError):
     """The load was stopped (SIGTERM) before it finished; the segment is marked FAILED."""
 
     kind = "stopped"
-
-
-class PeerHook(Protocol):
-    """Other sidecars as sources (``modelload.sidecar.peers.hook.Peers``): everything the engine asks of
-    them."""
-
-    @property
-    def verified_by_peers(self) -> Collection[int]:
-        """Tensors whose bytes came from peers and matched the CRC-32 the peers listed for them: checked
-        already, so neither re-sampled from the origin before publishing nor at the end of the load."""
-
-    def begin(
-        self, *, model: OpenedModel, plan: LoadPlan, writer: SegmentWriter, segment: Path, share: bool = True
-    ) -> LoadPlan:
-        """Once the segment exists: may wrap ``model.sources`` to ask peers first, and returns the plan to
-        load (the same chunks, perhaps reordered). ``share`` false: this load will not keep its tensors."""
-
-    def finish(self, tensor: int) -> int | None:
-        """Check tensor ``tensor``, whose bytes are all in, before it is published (bytes from a peer that
-        fail are read again from the origin). Returns the CRC-32 of the tensor's slot when the check
-        computed exactly that (the engine records it instead of computing it again), else None."""
-
-
-@dataclass(frozen=True)
-class _LoadContext:
-    """What one load's readers share with the engine that runs them, handed over explicitly."""
-
-    settings: LoadSettings
-    observer: LoadObserver
-    stop: threading.Event
-    """Set by :meth:`Engine.stop`: the readers stop at their next chunk."""
-    retry: RetryPolicy
-    on_retry: Callable[[RetryEvent], None]
-    peers: PeerHook | None
 
 
 class Engine:
@@ -231,18 +177,9 @@ class Engine:
         landing = choose_landing(settings.landing, settings.segment, model.sources)
         proofs = _decide_proofs(model, settings, encrypted=index.encrypted)
         metadata = _metadata(uri, model.fingerprint, model.size, settings.notify, model_dir, identity)
-        plan = plan_load(
-            index,
-            chunk_size=settings.chunk_size,
-            priority=settings.priority,
-            metadata={
-                **metadata,
-                **_pinned_version(model),
-                PROOFS_KEY: json.dumps({p.uri: p.label for p in proofs}, sort_keys=True),
-            },
-            page_size=landing.page_size,
-        )
-        plan = plan_memory(plan, settings.memory)
+        proofs_text = json.dumps({p.uri: p.label for p in proofs}, sort_keys=True)
+        metadata = {**metadata, **_pinned_version(model), PROOFS_KEY: proofs_text}
+        plan = self._plan(index, metadata, page_size=landing.page_size)
         use_fd = landing.through_fd
         # Through the file descriptor nothing writes a meta tensor's slot: reserve it before publishing.
         unlanded = integrity.unlanded_ranges(plan) if use_fd else []
@@ -280,7 +217,7 @@ class Engine:
             writer.reserve()
         digests = self._digests(model, plan, writer)  # on the plan the readers follow (peers reorder it)
         checking.extend([digests] if digests is not None else [])
-        _Load(
+        Readers(
             self._context(), model, plan, writer, key, use_fd=use_fd, memory=memory, proofs=proofs,
             digests=digests,
         ).run()  # fmt: skip
@@ -307,8 +244,23 @@ class Engine:
         writer.mark_complete()
         observer.load_finished(seconds=time.monotonic() - started, nbytes=index.nbytes)
 
-    def _context(self) -> _LoadContext:
-        return _LoadContext(
+    def _plan(self, index: ModelIndex, metadata: dict[str, str], *, page_size: int) -> LoadPlan:
+        """The segment's layout and the chunks: a few objects per tensor that live as long as the load, so
+        the collector is held off while they are made (it would look at each of them again and again)."""
+        settings = self.settings
+        with paused_collector():
+            plan = plan_load(
+                index,
+                chunk_size=settings.chunk_size,
+                priority=settings.priority,
+                metadata=metadata,
+                span_limit=settings.memory.ring_size or None,  # ring mode: a chunk always fits in the ring
+                page_size=page_size,
+            )
+            return plan_memory(plan, settings.memory)
+
+    def _context(self) -> LoadContext:
+        return LoadContext(
             settings=self.settings,
             observer=self._observer,
             stop=self._stop,
@@ -386,165 +338,6 @@ class Engine:
 
     def _retried(self, event: RetryEvent) -> None:
         self._observer.retried(kind=retry_kind(event), message=str(event.error))
-
-
-class _Load:
-    """One load's readers and their shared state: the next chunk, and the chunks each tensor waits for."""
-
-    def __init__(
-        self,
-        context: _LoadContext,
-        model: OpenedModel,
-        plan: LoadPlan,
-        writer: SegmentWriter,
-        key: tz.DecryptionKey | None,
-        *,
-        use_fd: bool,
-        memory: MemoryManager | None = None,
-        proofs: list[proof.FileProof] | None = None,
-        digests: FileDigests | None = None,
-    ) -> None:
-        self.context = context
-        self.memory = memory
-        self.digests = digests
-        self.sources: list[Source] = model.sources
-        self.model = model
-        self.plan = plan
-        self.writer = writer
-        self.settings = context.settings
-        self.observer = context.observer
-        self.stop = context.stop
-        self._lock = threading.Lock()
-        self._remaining = list(plan.chunk_counts)
-        proofs = proofs or []
-        self.prover = proof.Prover(proofs, plan, model.sources, [info.size for info in model.infos])
-        self._proofs = proofs
-        # Tensors without a stored hash are re-sampled before they are published (integrity.check_tensor),
-        # unless the store's checksum proves their file.
-        sampled_files = {p.file for p in proofs if p.method == "samples"}
-        self._sampled = [t.file in sampled_files for t in plan.index.tensors]
-        # A file proven by the store's checksum keeps its tensors back until it is proven (in memory modes
-        # that can hold them, and unless the file's own hashes prove each tensor as it lands).
-        own_hashes = plan.index.format == "tensorizer" and context.settings.verify
-        hold = context.settings.memory.mode != "ring" and not own_hashes
-        self._held: dict[int, list[int]] = {p.file: [] for p in proofs if hold and self.prover.proves(p.file)}
-        self.finisher = TensorFinisher(
-            writer, key=key, encrypted=plan.index.encrypted, verify=context.settings.verify
-        )
-        self._land: Callable[[Chunk], None] = self._land_fd if use_fd else self._land_view
-
-    def run(self) -> None:
-        for tensor in self.plan.order:
-            if self._remaining[tensor] == 0:  # nothing to fetch: an empty tensor
-                self._publish(tensor)
-        for each in self._proofs:
-            if self.prover.no_chunks(each.file):
-                self._prove(each.file)
-        chunks = len(self.plan.chunks)
-        run_in_order(chunks, self._read, threads=self.settings.readers, stop=self.stop, name="reader")
-        self.finisher.settle()  # the only encrypted tensor, and it failed: nothing proves the key
-
-    def _read(self, seq: int) -> None:
-        """Land chunk ``seq`` (a reader thread of the shared pool); finish its tensor if it is the last."""
-        chunk = self.plan.chunks[seq]
-        if self.memory is not None and not self.memory.admit(seq, chunk):
-            return  # stopped while waiting for room in the ring
-        meter = ChunkMeter(self.observer.bytes_loaded, data=chunk.data_bytes, length=chunk.length)
-        with metered(meter):  # progress moves as bytes land, not only per chunk
-            self._land(chunk)
-        meter.finish()
-        if self.digests is not None:
-            self.digests.landed(seq)
-        file_done = self.prover.landed(chunk, self.writer.region)
-        with self._lock:
-            self._remaining[chunk.tensor] -= 1
-            complete = self._remaining[chunk.tensor] == 0
-            held = self._held.get(chunk.file)
-            if complete and held is not None:
-                held.append(chunk.tensor)
-        if complete and held is None:
-            self._publish(chunk.tensor)
-        if file_done:
-            self._prove(chunk.file)
-
-    def _prove(self, file: int) -> None:
-        """Check a complete file against the store's checksum (once more, from the origin, when none of its
-        tensors is out yet), then publish the tensors it held back."""
-        policy = self.context.retry
-        each = self._proofs[file]
-        try:
-            self.prover.prove(file, self.writer.region, policy=policy)
-        except HashMismatchError as exc:
-            if file not in self._held:
-                self.observer.file_proof(file=each.uri, proof=each.label, state="failed")
-                raise
-            log.warning("%s; reading the file again", exc)
-            self.observer.retried(kind="checksum", message=str(exc))
-            for chunk in self.prover.reset(file):
-                self._land(chunk)
-                self.prover.landed(chunk, self.writer.region)
-            try:
-                self.prover.prove(file, self.writer.region, policy=policy)
-            except HashMismatchError:
-                self.observer.file_proof(file=each.uri, proof=each.label, state="failed")
-                raise
-        self.observer.file_proof(file=each.uri, proof=each.label, state="proven")
-        with self._lock:
-            held = self._held.pop(file, [])
-        for tensor in held:
-            self._publish(tensor)
-
-    def _land_fd(self, chunk: Chunk) -> None:
-        src_offset = chunk.src_offset
-        # One piece of the file, or two where a ring segment's ring wraps (one more request per lap).
-        for file_offset, length in self.writer.file_ranges(chunk.dst_offset, chunk.length):
-            read_range_into_fd(
-                self.sources[chunk.file],
-                src_offset,
-                length,
-                self.writer.fileno(),
-                file_offset,
-                policy=self.context.retry,
-                on_retry=self.context.on_retry,
-            )
-            src_offset += length
-
-    def _land_view(self, chunk: Chunk) -> None:
-        view = self.writer.region(chunk.dst_offset, chunk.length)
-        read_range(
-            self.sources[chunk.file],
-            chunk.src_offset,
-            view,
-            policy=self.context.retry,
-            on_retry=self.context.on_retry,
-        )
-
-    def _publish(self, tensor: int) -> None:
-        """Finish a tensor whose bytes are all in (the shared :class:`TensorFinisher`), then tell."""
-        entry = self.plan.index.tensors[tensor]
-        peers = self.context.peers
-        # Bytes from a peer are checked (and read again from the origin if bad), which may give the CRC-32.
-        crc = peers.finish(tensor) if peers is not None else None
-        header = None
-        if self.plan.index.format == "tensorizer":  # the record's header landed in the slot's lead
-            header = self.writer.region(*self.plan.record(tensor).header_span)
-        from_peers = peers is not None and tensor in peers.verified_by_peers
-
-        def check(verified: bool) -> None:
-            if not verified and not from_peers and self._sampled[tensor]:
-                integrity.check_tensor(
-                    self.model,
-                    self.plan,
-                    self.writer,
-                    self.plan.chunks_by_tensor[tensor],
-                    policy=self.context.retry,
-                    on_retry=self.context.on_retry,
-                )
-
-        uri = self.model.display(entry.file)
-        if self.finisher.finish(tensor, entry=entry, header=header, source=uri, check=check, crc32=crc):
-            slot = self.plan.layout.slots[tensor]
-            self.observer.tensor_ready(index=tensor, name=slot.name, nbytes=slot.nbytes)
 
 
 def _warn_without_validator(model: OpenedModel) -> None:

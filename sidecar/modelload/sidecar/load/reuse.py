@@ -72,8 +72,10 @@ def reuse(previous: Previous | None, identity: LoadIdentity, key: Any, observer:
         nbytes=nbytes,
         notify=metadata.get("notify"),
     )
-    for slot in slots:
-        observer.bytes_loaded(slot.nbytes)
-        observer.tensor_ready(index=slot.index, name=slot.name, nbytes=slot.nbytes)
+    sizes = [slot.nbytes for slot in slots]
+    observer.bytes_loaded(sum(sizes))  # one event for the whole segment, not one per tensor
+    observer.tensors_published(
+        indices=[slot.index for slot in slots], names=[slot.name for slot in slots], nbytes=sizes
+    )
     observer.load_finished(seconds=0.0, nbytes=nbytes)
     return True

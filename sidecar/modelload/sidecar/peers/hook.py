@@ -27,7 +27,6 @@ import logging
 import os
 import secrets
 import threading
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +113,7 @@ class Peers:
             with self._lock:
                 self._phase = "unshared"
             return plan
+        plan = plan.per_tensor()  # a peer serves ranges inside one tensor's record (ranges.py)
         ranges = RangeMap(plan)
         fd = os.open(segment, os.O_RDONLY)
         with self._lock:
@@ -129,7 +129,7 @@ class Peers:
             PeerSource(origin, file=i, fleet=self.fleet, ranges=ranges, ledger=self.ledger)
             for i, origin in enumerate(model.sources)
         ]
-        return replace(plan, chunks=self._own_first(plan))
+        return plan.reordered(self._own_first(plan))
 
     def _own_first(self, plan: LoadPlan) -> tuple[Chunk, ...]:
         """Chunks of the tensors this sidecar would read from the origin first, then the rest, each in load
