@@ -51,3 +51,23 @@ def test_the_stdlib_operator_module_is_not_shadowed() -> None:
     import operator
 
     assert hasattr(operator, "itemgetter")
+
+
+def test_the_license_is_an_spdx_expression_that_setuptools_reads_without_a_warning() -> None:
+    import warnings
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+    from setuptools.config.pyprojecttoml import read_configuration
+
+    assert PYPROJECT["project"]["license"] == "Apache-2.0"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the license table's deprecation (builds fail from 2027-02-18) is one
+        config = read_configuration(ROOT / "pyproject.toml")
+    assert config["project"]["license"] == "Apache-2.0"
+    # The SPDX string needs setuptools 77 (PEP 639): the build must not accept an older one.
+    (setuptools,) = [
+        r for r in map(Requirement, PYPROJECT["build-system"]["requires"]) if r.name == "setuptools"
+    ]
+    floor = min(Version(s.version) for s in setuptools.specifier if s.operator in (">=", "=="))
+    assert floor >= Version("77")

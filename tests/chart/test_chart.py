@@ -95,6 +95,7 @@ def test_the_crd_ships_in_the_charts_crds_folder() -> None:
         ({"watchNamespaces": ["Not_A_Namespace"]}, "watchNamespaces"),
         ({"resources": {"limits": {"memory": "lots"}}}, "memory"),
         ({"replicas": 2}, "replicas"),
+        ({"sourceNetworks": ["the cluster"]}, "sourceNetworks"),
     ],
 )
 def test_the_values_schema_refuses_bad_values(values: dict[str, Any], message: str) -> None:
@@ -236,6 +237,17 @@ def test_the_deployment_configures_the_operator_through_settings_it_knows(varian
     assert settings.webhook.tls == ("files" if "cert-manager" in variant else "self-signed")
     assert settings.sidecar.image.startswith(
         "mirror.local/sidecar:" if variant == "custom" else "ghcr.io/modelload/sidecar:"
+    )
+
+
+def test_source_networks_reach_the_operator_and_default_to_none() -> None:
+    import ipaddress
+
+    assert from_args(None, _env(render({}))).source_networks == ()
+    env = _env(render({"sourceNetworks": ["10.96.0.0/12", "fd00::/8"]}))
+    assert from_args(None, env).source_networks == (
+        ipaddress.ip_network("10.96.0.0/12"),
+        ipaddress.ip_network("fd00::/8"),
     )
 
 

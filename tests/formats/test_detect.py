@@ -69,17 +69,24 @@ def test_safetensors_files_of_both_writers_are_detected() -> None:
 def test_lookalike_files_are_named_in_the_error(prefix: bytes, hint: str) -> None:
     with pytest.raises(errors.BadMagicError, match=hint) as caught:
         detect_format(prefix)
-    assert prefix[:4].hex(" ") in str(caught.value)
+    assert prefix[:4].hex(" ") not in str(caught.value), (
+        "what a file looks like is said, its bytes never shown"
+    )
 
 
-def test_garbage_is_refused_with_the_expected_formats_and_its_first_bytes_in_hex() -> None:
-    garbage = bytes(range(250, 256)) + b"\x00\x01\x02\x03" * 10
+@pytest.mark.parametrize(
+    "secret",
+    [bytes(range(250, 256)) + b"\x00\x01\x02\x03" * 10, b"root:*:19000:0:99999:7:::\ndaemon:*:19000"],
+    ids=["binary", "text"],
+)
+def test_garbage_is_refused_with_the_expected_formats_and_none_of_its_bytes(secret: bytes) -> None:
     with pytest.raises(errors.BadMagicError) as caught:
-        detect_format(garbage)
+        detect_format(secret)
     message = str(caught.value)
     assert "tensorizer" in message and "safetensors" in message and "'|TZR|'" in message
-    assert "fa fb fc fd fe ff 00 01 02 03 00 01 02 03 00 01" in message
-    assert message.isprintable(), "the message carries hex, never raw binary"
+    assert secret[:16].hex(" ") not in message and secret[:16].hex() not in message
+    assert "root" not in message, "a file that is not a model may be anything: none of it is echoed"
+    assert message.isprintable()
 
 
 @pytest.mark.parametrize(
@@ -87,7 +94,7 @@ def test_garbage_is_refused_with_the_expected_formats_and_its_first_bytes_in_hex
     [
         (b"", "the file is empty"),
         (b"|TZ", "only 3 bytes"),
-        ((2**40).to_bytes(8, "little") + b"{", "00 00 00 00 00 01 00 00 7b"),  # a size no header has
+        ((2**40).to_bytes(8, "little") + b"{", "expected a tensorizer file"),  # a size no header has
         ((0).to_bytes(8, "little") + b"{", "expected a tensorizer file"),
         ((64).to_bytes(8, "little") + b"[", "expected a tensorizer file"),
     ],

@@ -15,7 +15,7 @@ import pytest
 from modelload.loader.cli.main import main
 from modelload.loader.formats.safetensors import save_file
 from tests.support.ports import free_port
-from tests.support.sidecars import Sidecars, wait_for_phase
+from tests.support.sidecars import Sidecars
 from tests.support.tmpfs import tmpfs
 
 
@@ -59,15 +59,15 @@ def test_stage_onto_a_read_only_volume_says_read_only_not_full(
     assert "bytes and" not in err  # not the free-space message of a full volume
 
 
-def test_a_sidecar_on_a_read_only_volume_reports_a_segment_error_not_an_internal_one(
+def test_a_sidecar_on_a_read_only_volume_is_refused_at_start_with_a_segment_error(
     model: Path, read_only_tmpfs: Path, sidecars: Sidecars
 ) -> None:
-    sidecar = sidecars.start(str(model), read_only_tmpfs / "m.seg", "--notify", "none")
-    wait_for_phase(sidecar, "failed", timeout=20)
-    sidecar.stop()
-    status = sidecar.tracker.snapshot()
-    assert status.errors == {"segment": 1}
-    assert status.error is not None and "read-only file system" in status.error
+    from modelload.loader.errors import SegmentError
+
+    with pytest.raises(SegmentError, match=r"(?i)read-only file system") as refused:
+        # the segment's lock cannot be taken: nothing to load into
+        sidecars.start(str(model), read_only_tmpfs / "m.seg", "--notify", "none")
+    assert refused.value.kind == "segment"
 
 
 def operator(env: dict[str, str]) -> subprocess.CompletedProcess[str]:

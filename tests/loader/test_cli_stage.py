@@ -13,9 +13,11 @@ import pytest
 
 from modelload.loader import LoadFailedError, attach, dtypes
 from modelload.loader.cli.main import main
+from modelload.loader.errors import ConfigError
 from modelload.loader.formats import read_index
-from modelload.loader.segment import SegmentReader, TensorFlags, TensorState, WriterState
+from modelload.loader.segment import SegmentReader, TensorFlags
 from tests.formats.tensorizer_support import raw_bytes, sample, torch, tz_write
+from tests.support.failures import assert_load_failed
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 tensorizer = pytest.importorskip("tensorizer")
@@ -102,7 +104,7 @@ def test_an_encrypted_file_without_its_key_creates_no_segment(
     assert not (shm_dir / "model.seg").exists()
 
 
-def test_a_corrupt_file_marks_the_segment_failed_with_the_reason(
+def test_a_corrupt_file_fails_the_stage_leaving_the_reason_and_no_segment_holding_memory(
     shm_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     tensors = {"a": sample("float32", (100,)), "b": sample("int32", (50,)), "c": sample("float16", (8,))}
@@ -113,19 +115,14 @@ def test_a_corrupt_file_marks_the_segment_failed_with_the_reason(
     data[entry.data_offset] ^= 0x10
     source.write_bytes(data)
     segment = shm_dir / "model.seg"
-
     code, _, err = cli(capsys, source, segment, "--threads", "1")
     assert code == 1
     assert err.startswith("modelload stage: ") and "tensor 'b'" in err
-    with SegmentReader.open(segment) as reader:
-        assert reader.writer_state == WriterState.FAILED
-        assert "tensor 'b'" in reader.error and "corrupt" in reader.error
-        assert reader.state(1) == TensorState.FAILED
-    with (
-        attach(segment, timeout=5, notify=False) as model,
-        pytest.raises(LoadFailedError, match="tensor 'b'"),
-    ):
-        model.wait()
+    assert not segment.exists(), "the failed segment holds no memory"
+    assert not list(shm_dir.glob(".model.seg*")), "nor does anything set aside"
+    assert "tensor 'b'" in (shm_dir / "model.seg.failed").read_text()
+    with pytest.raises(LoadFailedError, match=r"tensor 'b'.*corrupt"):
+        attach(segment, timeout=5, notify=False)
 
     code, _, err = cli(capsys, source, segment, "--no-verify")
     assert code == 0, "without --verify the flipped bit goes unnoticed: the check above is the hash check"
@@ -139,6 +136,41 @@ def test_staging_into_a_missing_directory_is_a_clear_error(
     code, _, err = cli(capsys, source, tmp_path / "nowhere" / "model.seg")
     assert code == 1
     assert "does not exist" in err and str(tmp_path / "nowhere") in err
+
+
+def test_stage_refuses_a_missing_folder_as_the_sidecar_does_and_creates_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from modelload.sidecar.process import Sidecar
+    from modelload.sidecar.settings import parse_settings
+
+    model = tmp_path / "model"  # a directory model: config beside the weights, as from the Hub
+    model.mkdir()
+    safetensors_torch.save_file({"w": sample("float32", (2,))}, str(model / "model.safetensors"))
+    (model / "config.json").write_text("{}")
+    target = tmp_path / "volume" / "model.seg"
+    code, _, err = cli(capsys, model, target)
+    assert code == 1
+    assert f"the segment's folder {target.parent} does not exist" in err
+    assert not target.parent.exists(), "stage created neither the folder nor a model directory in it"
+    argv = ["--source", str(model), "--segment", str(target), "--port", "0"]
+    with pytest.raises(ConfigError, match=f"the segment's folder {target.parent} does not exist"):
+        Sidecar(parse_settings(argv, environ={}))  # the same words from the sidecar
+
+
+def test_a_stage_refused_by_a_full_volume_leaves_no_model_directory_behind(
+    tmp_path: Path, tiny_tmpfs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    safetensors_torch.save_file({"w": sample("float32", (600_000,))}, str(model / "model.safetensors"))
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    (model / "tokenizer.json").write_text("{}")
+    code, _, err = cli(capsys, model, tiny_tmpfs / "model.seg")
+    assert code == 1 and "sizeLimit" in err
+    assert sorted(p.name for p in tiny_tmpfs.iterdir()) == ["model.seg.failed", "model.seg.lock"], (
+        "no model/ folder of config files, no segment: only the reason"
+    )
 
 
 def test_a_file_that_is_not_a_segment_is_not_replaced_unless_forced(
@@ -254,8 +286,7 @@ def test_staging_with_a_wrong_key_says_the_key_is_wrong(
 
     code, _, err = cli(capsys, source, segment, "--key-file", key, "--threads", "1")
     assert code == 1 and "key or password is wrong" in err
-    with SegmentReader.open(segment) as reader:
-        assert reader.writer_state == WriterState.FAILED
+    assert_load_failed(segment, match="key or password is wrong")
 
 
 def test_a_corrupt_encrypted_tensor_is_told_as_corrupt_not_as_a_wrong_key(
@@ -276,6 +307,4 @@ def test_a_corrupt_encrypted_tensor_is_told_as_corrupt_not_as_a_wrong_key(
     code, _, err = cli(capsys, source, segment, "--key-file", key, "--threads", "1")
     assert code == 1
     assert "tensor 'a'" in err and "corrupt (the key is right)" in err
-    with SegmentReader.open(segment) as reader:
-        assert reader.writer_state == WriterState.FAILED
-        assert reader.state(0) != TensorState.READY
+    assert_load_failed(segment, match="corrupt")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import uuid
 import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -20,7 +21,8 @@ from typing import Any
 
 import pytest
 
-from tests.support.fixtures import hub, moto_s3, token_registry  # noqa: F401 - fixtures
+from tests.support.fixtures import hub, moto_s3, nginx, token_registry  # noqa: F401 - fixtures
+from tests.support.sidecars import sidecars  # noqa: F401 - fixture
 from tests.support.waiting import wait_for_async
 
 NAMESPACE = "serving"
@@ -28,6 +30,9 @@ OPERATOR_NAMESPACE = "modelload-system"
 MODELLOADS = "modelload.dev/v1alpha1/modelloads"
 MWC = "admissionregistration.k8s.io/v1/mutatingwebhookconfigurations"
 MWC_NAME = "modelload"
+LOOPBACK = "127.0.0.0/8,::1/128"
+"""The networks the tests' operator may read sources from: its test servers, on loopback. An operator with the
+chart's defaults refuses them (tests/operator/test_source_reads.py)."""
 
 
 def model_bytes(tensors: int = 3, rows: int = 64) -> bytes:
@@ -169,11 +174,17 @@ def api(client_configuration: Any) -> Iterator[Any]:
         yield api_client
 
 
-def operator_settings(tmp_path: Path, **sidecar: Any) -> Any:
+def operator_settings(
+    tmp_path: Path, *, source_networks: Any = None, fleet_interval: float = 20.0, **sidecar: Any
+) -> Any:
     from modelload.operator.settings import InjectedSidecar, OperatorSettings, RetrySettings, WebhookSettings
+    from modelload.sidecar.sources import parse_networks
 
     return OperatorSettings(
         namespace=OPERATOR_NAMESPACE,
+        # the test servers listen on loopback only: allowed here, refused by the chart's defaults
+        source_networks=parse_networks(LOOPBACK) if source_networks is None else source_networks,
+        fleet_interval=fleet_interval,
         retry=RetrySettings(first_delay=0.2, max_delay=1.0),  # a fixed spec is noticed within a second
         webhook=WebhookSettings(host="127.0.0.1", port=0, cert_dir=tmp_path / "certs"),
         sidecar=InjectedSidecar(image="registry.test/modelload-sidecar:1", **sidecar),
@@ -194,8 +205,9 @@ async def start_operator(
 
     async with contextlib.AsyncExitStack() as stack:
 
-        async def start(**sidecar: Any) -> Any:
-            settings = operator_settings(tmp_path, **sidecar)
+        async def start(**options: Any) -> Any:
+            """``options``: :func:`operator_settings`' keywords (the sidecar's settings among them)."""
+            settings = operator_settings(tmp_path, **options)
             return await stack.enter_async_context(
                 running(settings, configuration=client_configuration, login=login, liveness=False)
             )
@@ -209,11 +221,10 @@ async def operator(start_operator: Callable[..., Awaitable[Any]]) -> Any:
 
 
 @pytest.fixture
-def model_file(tmp_path: Path) -> Path:
-    """A safetensors model on the local filesystem (a file:// source the operator reads itself)."""
-    path = tmp_path / "tiny.safetensors"
-    path.write_bytes(model_bytes(tensors=4, rows=32))
-    return path
+def model_url(request: pytest.FixtureRequest) -> str:
+    """A safetensors model served by nginx on loopback (which the tests' operator is allowed to read)."""
+    server = request.getfixturevalue("nginx")
+    return str(server.put(f"operator/{uuid.uuid4().hex}/tiny.safetensors", model_bytes(tensors=4, rows=32)))
 
 
 async def resolved(kube: Any, name: str, *, timeout: float = 15.0) -> dict[str, Any]:

@@ -23,8 +23,8 @@ from modelload.operator.model_source import read_summary
 from modelload.operator.resource import ResolvedModel
 from modelload.operator.schema import SPEC_RULES, parse_spec, spec_schema
 from modelload.operator.settings import InjectedSidecar
-from modelload.sidecar.sources import AzureCredentials, open_source
-from tests.operator.conftest import NAMESPACE
+from modelload.sidecar.sources import AzureCredentials, open_source, parse_networks
+from tests.operator.conftest import LOOPBACK, NAMESPACE
 from tests.operator.test_private_http import _cel
 from tests.operator.test_webhook import pod
 from tests.sidecar import models
@@ -198,7 +198,6 @@ def test_the_operators_index_read_uses_the_azure_secret(azurite: Azurite, cloud_
     tensors = models.state_dict(layers=2, width=64)
     uri = azurite.put("operator-read", "m.safetensors", models.safetensors_bytes(tensors))
     spec = parse_spec({"source": uri, "azure": {"endpoint": azurite.endpoint}})
-    summary = read_summary(
-        spec, credentials=None, cloud=AzureCredentials(connection_string=azurite.connection_string)
-    )
+    cloud = AzureCredentials(connection_string=azurite.connection_string)
+    summary = read_summary(spec, credentials=None, cloud=cloud, networks=parse_networks(LOOPBACK))
     assert (summary.format, summary.tensors) == ("safetensors", len(tensors))

@@ -20,7 +20,7 @@ import socket
 import subprocess
 import sys
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,6 @@ from tests.operator.conftest import (
     current,
     handled,
     model_bytes,
-    operator_settings,
     posted_events,
     request_bodies,
     resolved,
@@ -136,18 +135,9 @@ def silent_port() -> Iterator[int]:
 
 
 @pytest.fixture
-async def operator(kube: Any, client_configuration: Any, tmp_path: Path) -> AsyncIterator[Any]:
+async def operator(start_operator: Any) -> Any:
     """The operator, reading fleets every 0.3 s."""
-    import kopf
-
-    from modelload.operator.app import running
-
-    def login(**_: Any) -> Any:
-        return kopf.ConnectionInfo(server=str(kube.url), insecure=True, default_namespace=NAMESPACE)
-
-    settings = dataclasses.replace(operator_settings(tmp_path), fleet_interval=0.3)
-    async with running(settings, configuration=client_configuration, login=login, liveness=False) as op:
-        yield op
+    return await start_operator(fleet_interval=0.3)
 
 
 def fleet_status(kube: Any, name: str = "tiny") -> dict[str, Any]:
@@ -179,6 +169,7 @@ async def test_the_status_sums_the_serving_pods_peer_stats_and_keeps_the_token_o
     kube: Any,
     operator: Any,
     api: Any,
+    nginx: Any,
     tmp_path: Path,
     sidecars: Sidecars,
     silent_port: int,
@@ -187,7 +178,8 @@ async def test_the_status_sums_the_serving_pods_peer_stats_and_keeps_the_token_o
     caplog.set_level(logging.DEBUG)
     model = tmp_path / "model.safetensors"
     model.write_bytes(model_bytes(tensors=8, rows=8192))  # 4 MiB in 8 tensors
-    await create_modelload(api, "tiny", {"source": f"file://{model}", "peers": True})
+    url = nginx.put("fleet/model.safetensors", model.read_bytes())  # the operator reads it over HTTP
+    await create_modelload(api, "tiny", {"source": url, "peers": True})
     await resolved(kube, "tiny")
     secret = await wait_for(lambda: current(kube, "v1/secrets", NAMESPACE, "tiny-peers"), what="the Secret")
     token = base64.b64decode(secret["data"]["token"]).decode()
@@ -254,7 +246,7 @@ async def test_a_model_without_peers_gets_no_fleet_figures_and_no_connection(
     kube: Any,
     operator: Any,
     api: Any,
-    tmp_path: Path,
+    nginx: Any,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -269,9 +261,8 @@ async def test_a_model_without_peers_gets_no_fleet_figures_and_no_connection(
         polls.append(asyncio.get_running_loop().time())
 
     monkeypatch.setattr(FleetPoller, "poll", counted)
-    model = tmp_path / "model.safetensors"
-    model.write_bytes(model_bytes())
-    await create_modelload(api, "tiny", {"source": f"file://{model}"})
+    url = nginx.put("fleet/plain.safetensors", model_bytes())
+    await create_modelload(api, "tiny", {"source": url})
     await resolved(kube, "tiny")
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     with listener:

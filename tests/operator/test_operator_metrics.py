@@ -37,7 +37,7 @@ def value(samples: dict[Any, float], name: str, **labels: str) -> float:
 
 
 async def test_the_operator_counts_what_it_admits_refuses_and_resolves(
-    kube: Any, client_configuration: Any, api: Any, model_file: Path, tmp_path: Path
+    kube: Any, client_configuration: Any, api: Any, model_url: str, tmp_path: Path
 ) -> None:
     port = free_port()
     settings = dataclasses.replace(operator_settings(tmp_path), metrics_port=port)
@@ -50,7 +50,7 @@ async def test_the_operator_counts_what_it_admits_refuses_and_resolves(
             running(settings, configuration=client_configuration, login=login, liveness=False)
         )
         before = await scrape(port)
-        await create_modelload(api, "tiny", {"source": f"file://{model_file}"})
+        await create_modelload(api, "tiny", {"source": model_url})
         await resolved(kube, "tiny")
         assert (await admit(operator, operator.ca_pem, review(pod())))["response"]["allowed"] is True
         missing = await admit(operator, operator.ca_pem, review(pod("nothing-here", name="server-2")))

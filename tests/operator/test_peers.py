@@ -52,9 +52,9 @@ def test_a_model_without_peers_gets_no_peer_wiring() -> None:
 
 
 async def test_the_operator_makes_the_headless_service_and_the_token_secret_once(
-    kube: Any, operator: Any, model_file: Path, api: Any
+    kube: Any, operator: Any, model_url: str, api: Any
 ) -> None:
-    await create_modelload(api, "tiny", {"source": f"file://{model_file}", "peers": True})
+    await create_modelload(api, "tiny", {"source": model_url, "peers": True})
     obj = await resolved(kube, "tiny")
     service = await wait_for(
         lambda: current(kube, "v1/services", NAMESPACE, "tiny-peers"), what="the peers' Service"
@@ -77,20 +77,20 @@ async def test_the_operator_makes_the_headless_service_and_the_token_secret_once
 
 
 async def test_a_model_without_peers_gets_no_service(
-    kube: Any, operator: Any, model_file: Path, api: Any
+    kube: Any, operator: Any, model_url: str, api: Any
 ) -> None:
-    await create_modelload(api, "plain", {"source": f"file://{model_file}"})
+    await create_modelload(api, "plain", {"source": model_url})
     await resolved(kube, "plain")
     assert current(kube, "v1/services", NAMESPACE, "plain-peers") is None
     assert current(kube, "v1/secrets", NAMESPACE, "plain-peers") is None
 
 
 async def test_the_status_counts_the_pods_whose_sidecars_serve_their_peers(
-    kube: Any, operator: Any, model_file: Path, api: Any
+    kube: Any, operator: Any, model_url: str, api: Any
 ) -> None:
     from tests.operator.test_pod_status import Kubelet, injected_pod, pods_become, sidecar_status
 
-    await create_modelload(api, "tiny", {"source": f"file://{model_file}", "peers": True})
+    await create_modelload(api, "tiny", {"source": model_url, "peers": True})
     await resolved(kube, "tiny")
     kubelet = Kubelet(api)
     for name, peers in (("p1", True), ("p2", True), ("p3", False)):

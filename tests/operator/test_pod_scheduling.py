@@ -7,7 +7,6 @@ through its watch.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -44,8 +43,8 @@ def scheduled_condition(kube: Any) -> dict[str, Any] | None:
 
 
 @pytest.fixture
-async def model(kube: Any, operator: Any, model_file: Path, api: Any) -> dict[str, Any]:
-    await create_modelload(api, "tiny", {"source": f"file://{model_file}", "memory": {"hugePages": "2Mi"}})
+async def model(kube: Any, operator: Any, model_url: str, api: Any) -> dict[str, Any]:
+    await create_modelload(api, "tiny", {"source": model_url, "memory": {"hugePages": "2Mi"}})
     return await resolved(kube, "tiny")
 
 

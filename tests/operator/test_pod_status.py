@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -92,8 +91,8 @@ async def pods_become(kube: Any, expected: dict[str, Any], name: str = "tiny") -
 
 
 @pytest.fixture
-async def model(kube: Any, operator: Any, model_file: Path, api: Any) -> dict[str, Any]:
-    await create_modelload(api, "tiny", {"source": f"file://{model_file}"})
+async def model(kube: Any, operator: Any, model_url: str, api: Any) -> dict[str, Any]:
+    await create_modelload(api, "tiny", {"source": model_url})
     return await resolved(kube, "tiny")
 
 
@@ -144,13 +143,13 @@ async def test_pods_for_another_model_or_without_the_sidecar_are_not_counted(
 
 
 async def test_a_modelload_created_after_its_pods_counts_them_at_once(
-    kube, operator, api, model_file, caplog
+    kube, operator, api, model_url, caplog
 ) -> None:
     caplog.set_level(logging.INFO, logger="kopf")
     kubelet = Kubelet(api)
     await kubelet.create(injected_pod("early"))
     await wait_for(lambda: handled(caplog, "pod_changed", "early"), what="the operator to see the pod")
-    await create_modelload(api, "tiny", {"source": f"file://{model_file}"})
+    await create_modelload(api, "tiny", {"source": model_url})
     await resolved(kube, "tiny")
     await pods_become(kube, {"injected": 1})
 

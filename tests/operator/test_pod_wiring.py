@@ -28,6 +28,8 @@ from modelload.operator.quantity import parse_bytes
 from modelload.operator.resource import ResolvedModel
 from modelload.operator.schema import parse_spec
 from modelload.operator.settings import InjectedSidecar
+from modelload.sidecar.sources import parse_networks
+from tests.operator.conftest import LOOPBACK
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -83,7 +85,7 @@ def write_model(path: Path, fmt: str, arrays: dict[str, np.ndarray]) -> None:
 
 @pytest.mark.parametrize("fmt", ["safetensors", "tensorizer"])
 def test_the_injected_sidecar_loads_the_model_and_the_app_attaches(
-    fmt: str, shm_dir: Path, tmp_path: Path
+    fmt: str, shm_dir: Path, tmp_path: Path, nginx: Any
 ) -> None:
     # Names of different lengths and odd sizes: the segment's padding, manifest and tensorizer headers vary.
     arrays = {
@@ -91,8 +93,9 @@ def test_the_injected_sidecar_loads_the_model_and_the_app_attaches(
     }
     path = tmp_path / f"model.{fmt}"
     write_model(path, fmt, arrays)
-    spec = parse_spec({"source": f"file://{path}", "readers": 2, "chunkSize": "1MiB"})
-    summary = read_summary(spec, credentials=None)
+    url = nginx.put(f"wiring/{path.name}", path.read_bytes())
+    spec = parse_spec({"source": url, "readers": 2, "chunkSize": "1MiB"})
+    summary = read_summary(spec, credentials=None, networks=parse_networks(LOOPBACK))
     model = ResolvedModel(
         name="tiny", namespace="ns", spec=spec, bytes=summary.bytes, tensors=summary.tensors
     )

@@ -168,30 +168,29 @@ async def test_keys_the_store_refuses_are_an_accessdenied_condition_that_never_s
         assert leaked not in caplog.text
 
 
-async def test_a_file_that_is_not_a_model_is_a_badmodel_condition(kube, operator, tmp_path, api) -> None:
-    path = tmp_path / "page.html"
-    path.write_bytes(b"<html><body>Access denied</body></html>" * 10)
-    await create_modelload(api, "html", {"source": f"file://{path}"})
+async def test_a_file_that_is_not_a_model_is_a_badmodel_condition(kube, operator, nginx, api) -> None:
+    url = nginx.put("operator/page.html", b"<html><body>Access denied</body></html>" * 10)
+    await create_modelload(api, "html", {"source": url})
     obj = await failed(kube, "html", "BadModel")
     assert "HTML" in ready_condition(obj)["message"]
     assert obj["status"]["phase"] == "Failed"
 
 
 async def test_a_decryption_key_of_the_wrong_size_is_refused_before_reading(
-    kube, operator, model_file, api
+    kube, operator, model_url, api
 ) -> None:
     kube.objects["v1/secrets", NAMESPACE, "model-key"] = secret(
         "model-key", {"key": base64.b64encode(b"k" * 32)}
     )
-    spec = {"source": f"file://{model_file}", "decryptionKeySecretRef": {"name": "model-key"}}
+    spec = {"source": model_url, "decryptionKeySecretRef": {"name": "model-key"}}
     await create_modelload(api, "badkey", spec)
     obj = await failed(kube, "badkey", "BadKey")
     assert "holds 44 bytes; a decryption key is exactly 32 raw bytes" in ready_condition(obj)["message"]
 
 
-async def test_a_key_for_a_file_that_is_not_encrypted_is_refused(kube, operator, model_file, api) -> None:
+async def test_a_key_for_a_file_that_is_not_encrypted_is_refused(kube, operator, model_url, api) -> None:
     kube.objects["v1/secrets", NAMESPACE, "model-key"] = secret("model-key", {"key": bytes(range(32))})
-    spec = {"source": f"file://{model_file}", "decryptionKeySecretRef": {"name": "model-key"}}
+    spec = {"source": model_url, "decryptionKeySecretRef": {"name": "model-key"}}
     await create_modelload(api, "plain", spec)
     await failed(kube, "plain", "NotEncrypted")
 
@@ -212,10 +211,10 @@ async def test_an_unreachable_store_is_retried_and_reported_as_transient(kube, o
     assert "(retrying)" in ready_condition(obj)["message"]
 
 
-async def test_a_spec_change_re_reads_the_model(kube, operator, model_file, tmp_path, api) -> None:
+async def test_a_spec_change_re_reads_the_model(kube, operator, model_url, nginx, api) -> None:
     from kubernetes import client
 
-    await create_modelload(api, "moving", {"source": f"file://{tmp_path}/absent.safetensors"})
+    await create_modelload(api, "moving", {"source": nginx.url("operator/absent.safetensors")})
     await failed(kube, "moving", "SourceNotFound")
     await asyncio.to_thread(
         client.CustomObjectsApi(api).patch_namespaced_custom_object,
@@ -224,7 +223,7 @@ async def test_a_spec_change_re_reads_the_model(kube, operator, model_file, tmp_
         NAMESPACE,
         "modelloads",
         "moving",
-        {"spec": {"source": f"file://{model_file}"}},
+        {"spec": {"source": model_url}},
         _content_type="application/merge-patch+json",
     )
     obj = await resolved(kube, "moving")
@@ -245,9 +244,9 @@ async def test_the_ready_transition_time_moves_only_when_the_status_flips() -> N
 
 
 async def test_a_priority_entry_matching_no_tensor_is_a_badspec_condition(
-    kube, operator, model_file, api
+    kube, operator, model_url, api
 ) -> None:
-    spec = {"source": f"file://{model_file}", "priority": ["layers.1.", "layer.2."]}
+    spec = {"source": model_url, "priority": ["layers.1.", "layer.2."]}
     await create_modelload(api, "typo-priority", spec)
     obj = await failed(kube, "typo-priority", "BadSpec")
     assert "spec.priority[1]: 'layer.2.' matches no tensor" in ready_condition(obj)["message"]

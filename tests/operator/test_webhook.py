@@ -10,7 +10,6 @@ import base64
 import copy
 import ssl
 import uuid
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -85,8 +84,8 @@ def ca_bundle(kube: Any) -> bytes:
 
 
 @pytest.fixture
-async def ready_model(kube: Any, model_file: Path, api: Any) -> dict[str, Any]:
-    await create_modelload(api, "tiny", {"source": f"file://{model_file}"})
+async def ready_model(kube: Any, model_url: str, api: Any) -> dict[str, Any]:
+    await create_modelload(api, "tiny", {"source": model_url})
     return await resolved(kube, "tiny")
 
 
@@ -145,8 +144,8 @@ async def test_a_pod_asking_for_a_missing_modelload_is_refused_with_a_clear_mess
     assert "does not exist in namespace 'serving'" in message
 
 
-async def test_a_pod_asking_for_a_model_that_is_not_resolved_is_refused(kube, operator, api) -> None:
-    await create_modelload(api, "broken", {"source": "file:///nowhere/model.safetensors"})
+async def test_a_pod_asking_for_a_model_that_is_not_resolved_is_refused(kube, operator, api, nginx) -> None:
+    await create_modelload(api, "broken", {"source": nginx.url("nowhere/model.safetensors")})
     await resolved_or_failed(kube, "broken")
     answer = await admit(operator, operator.ca_pem, review(pod("broken")))
     assert answer["response"]["allowed"] is False
@@ -168,8 +167,8 @@ async def resolved_or_failed(kube: Any, name: str) -> dict[str, Any]:
     )
 
 
-async def test_a_pod_label_matching_a_podlabelvalue_finds_its_model(kube, operator, model_file, api) -> None:
-    await create_modelload(api, "llama-v2", {"source": f"file://{model_file}", "podLabelValue": "llama"})
+async def test_a_pod_label_matching_a_podlabelvalue_finds_its_model(kube, operator, model_url, api) -> None:
+    await create_modelload(api, "llama-v2", {"source": model_url, "podLabelValue": "llama"})
     await resolved(kube, "llama-v2")
     answer = await admit(operator, operator.ca_pem, review(pod("llama")))
     assert answer["response"]["allowed"] is True and "patch" in answer["response"]

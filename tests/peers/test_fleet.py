@@ -32,8 +32,6 @@ INDEX_ALLOWANCE = 2 << 20
 consistency samples: 4 KiB of each chunk re-read before an unverified tensor is published and again at the
 end of the load (docs/sidecar.md, "Consistency"); tensors verified against a peer's checksums skip both."""
 
-_alone: dict[str, float] = {}
-
 
 def _window(topology: Topology, sidecars: list[Sidecar]) -> float:
     """Seconds from the first load start to the last load finish."""
@@ -62,15 +60,13 @@ def test_sidecars_started_together_read_the_model_from_the_origin_about_once(
         f" launch to all ready {done - launched:.2f} s, peer bytes {sum(s['peer_bytes'] for s in stats)}"
     )
     if count == 1:
-        _alone["window"] = window
         assert origin <= SIZE + INDEX_ALLOWANCE
         return
     assert origin <= 1.25 * SIZE, f"the fleet read {origin / SIZE:.2f} x the model from the origin"
     assert sum(s["peer_bytes"] for s in stats) >= (count - 1.25) * SIZE
     assert sum(s["mismatches"] for s in stats) == 0
-    alone = _alone.get("window")
-    if alone is not None:  # the N=1 case ran first in this session
-        assert window <= 1.5 * alone, f"{count} sidecars took {window:.2f} s, one alone {alone:.2f} s"
+    # How the window grows with N is timing, which this shared machine cannot pin: benchmarks/peer_fleet.py
+    # measures it; the test pins what does not depend on the clock (origin bytes, peer bytes, exact weights).
 
 
 def test_staggered_sidecars_read_nothing_more_from_the_origin_once_one_is_complete(

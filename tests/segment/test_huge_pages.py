@@ -17,7 +17,7 @@ import pytest
 
 from modelload.loader import attach
 from modelload.loader.dtypes import by_name
-from modelload.loader.errors import ConfigError, SegmentError, SegmentSpaceError
+from modelload.loader.errors import ConfigError, LoadFailedError, SegmentError, SegmentSpaceError
 from modelload.loader.segment import (
     MemoryMode,
     SegmentReader,
@@ -30,6 +30,7 @@ from modelload.loader.segment import (
 from modelload.loader.segment._ring import map_ring
 from modelload.loader.segment.consumers import ConsumerTable, table_path
 from modelload.loader.segment.layout import Layout
+from modelload.loader.segment.lock import SegmentBusyError, WriterLock, lock_path
 from modelload.loader.segment.modeldir import write_model_dir
 from modelload.loader.segment.pages import (
     SMALL_PAGE,
@@ -284,6 +285,31 @@ def test_write_really_is_refused_by_hugetlbfs(hugetlbfs: Path) -> None:
 
 
 # --- huge tmpfs ---------------------------------------------------------------------------------------------
+
+
+def test_the_writer_lock_on_hugetlbfs_admits_one_writer_and_tells_readers_when_it_is_gone(
+    hugetlbfs: Path,
+) -> None:
+    # hugetlbfs takes no write(): the lock file stays empty (no page of the pool), and still does its work.
+    segment = hugetlbfs / "model.seg"
+    free = free_pages()
+    lock = WriterLock.acquire(segment, program="modelload sidecar")
+    lock.update(status_url="http://127.0.0.1:8479", load_id=7)
+    assert lock_path(segment).stat().st_size == 0 and free_pages() == free
+    with pytest.raises(SegmentBusyError, match="already has a writer: another process"):
+        WriterLock.acquire(segment, program="modelload stage")
+    writer = SegmentWriter.create(segment, _layout([5000]), heartbeat=False, lock=lock)
+    reader = SegmentReader.open(segment)
+    try:
+        reader.check()  # the writer holds the lock: alive
+        lock.release()  # as when the process dies
+        reader._next_lock_probe = 0.0
+        with pytest.raises(LoadFailedError, match=r"unnamed: its lock file is on hugetlbfs.*is gone"):
+            reader.check()
+    finally:
+        reader.close()
+        writer.close()
+    WriterLock.acquire(segment, program="modelload stage").release()  # free again
 
 
 def test_a_segment_on_a_huge_tmpfs_is_mapped_in_huge_pages(huge_tmpfs: Path) -> None:

@@ -203,7 +203,7 @@ def test_a_volume_without_room_is_refused_before_anything_is_written(shm_dir: Pa
 def test_a_full_tmpfs_fails_the_reservation_not_a_later_write(
     tiny_tmpfs: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from modelload.loader.segment import writer as writer_module
+    from modelload.loader.segment import room
 
     # Fill most of the volume so the statvfs check passes only for a segment that barely fits.
     (tiny_tmpfs / "ballast").write_bytes(bytes(700 * 1024))
@@ -212,7 +212,7 @@ def test_a_full_tmpfs_fails_the_reservation_not_a_later_write(
         pass
     # Without the free-space pre-check (another writer could fill the volume between check and use),
     # posix_fallocate itself must fail cleanly, and no temporary file may remain.
-    monkeypatch.setattr(writer_module, "_check_space", lambda *_: None)
+    monkeypatch.setattr(room, "check_space", lambda *_: None)
     with pytest.raises(SegmentSpaceError, match="no room"):
         SegmentWriter.create(tiny_tmpfs / "b.seg", layout, heartbeat=False)
     assert sorted(p.name for p in tiny_tmpfs.iterdir()) == ["a.seg", "ballast"]

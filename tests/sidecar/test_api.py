@@ -73,6 +73,7 @@ def test_the_probes_follow_a_load_from_start_to_complete(served: Served) -> None
         "tensors_ready": 2,
         "tensors_total": 2,
         "error": None,
+        "attempt": 1,
     }
 
 

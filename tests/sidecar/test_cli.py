@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -28,7 +27,8 @@ from modelload.sidecar.process import Sidecar
 from modelload.sidecar.settings import SidecarSettings
 from tests.sidecar.scripted import ELEMENTS, ScriptedEngine, scripted, tensor_values
 from tests.support.clock import FakeClock
-from tests.support.ports import free_port, wait_for_port
+from tests.support.ports import free_port
+from tests.support.processes import start_sidecar, stop_sidecar
 from tests.support.sidecars import Sidecars
 from tests.support.subscriptions import PROBE, heard_on, receive, until_heard
 from tests.support.waiting import wait_for
@@ -262,25 +262,6 @@ def test_loading_the_commands_imports_no_web_framework_or_zmq() -> None:
 # --- as a real command -------------------------------------------------------------------------------------
 
 
-def start_command(args: list[str], *, port: int, script: str | None = None) -> subprocess.Popen[str]:
-    argv = (
-        [sys.executable, "-c", script, *args]
-        if script
-        else [sys.executable, "-m", "modelload.loader.cli.main", "sidecar", *args]
-    )
-    process = subprocess.Popen(argv, cwd=REPO, stderr=subprocess.PIPE, text=True)
-    if not wait_for_port(port, timeout=20, alive=process):
-        process.kill()
-        raise AssertionError(f"the sidecar did not listen: {process.communicate()[1]}")
-    return process
-
-
-def stop_command(process: subprocess.Popen[str]) -> tuple[int, str]:
-    process.send_signal(signal.SIGTERM)
-    _, stderr = process.communicate(timeout=20)
-    return process.returncode, stderr
-
-
 def test_the_command_loads_a_safetensors_file_and_exits_0_on_sigterm(shm_dir: Path, tmp_path: Path) -> None:
     rng = np.random.default_rng(7)
     tensors = {
@@ -290,7 +271,7 @@ def test_the_command_loads_a_safetensors_file_and_exits_0_on_sigterm(shm_dir: Pa
     save_file(tensors, tmp_path / "model.safetensors")
     port = free_port()
     args = ["--source", f"file://{tmp_path}/model.safetensors", "--segment", str(shm_dir / "model.seg")]
-    process = start_command(
+    process = start_sidecar(
         [*args, "--host", "127.0.0.1", "--port", str(port), "--chunk-size", "1MiB"], port=port
     )
     try:
@@ -304,7 +285,7 @@ def test_the_command_loads_a_safetensors_file_and_exits_0_on_sigterm(shm_dir: Pa
             for name, expected in tensors.items():
                 assert np.array_equal(model.numpy(name), expected)
     finally:
-        code, stderr = stop_command(process)
+        code, stderr = stop_sidecar(process)
     assert code == 0, stderr
     assert "load complete" in stderr and "SIGTERM" in stderr
     assert not (shm_dir / "model.seg.notify.sock").exists()
@@ -315,7 +296,7 @@ def test_the_command_loads_a_safetensors_file_and_exits_0_on_sigterm(shm_dir: Pa
 def test_the_command_keeps_serving_a_missing_source_as_a_failed_load(shm_dir: Path, tmp_path: Path) -> None:
     port = free_port()
     args = ["--source", str(tmp_path / "missing.safetensors"), "--segment", str(shm_dir / "model.seg")]
-    process = start_command([*args, "--host", "127.0.0.1", "--port", str(port)], port=port)
+    process = start_sidecar([*args, "--host", "127.0.0.1", "--port", str(port)], port=port)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_for(lambda: httpx.get(url + "/readyz", timeout=5).status_code == 500, timeout=20, what="failed")
@@ -325,7 +306,7 @@ def test_the_command_keeps_serving_a_missing_source_as_a_failed_load(shm_dir: Pa
         assert httpx.get(url + "/healthz", timeout=5).status_code == 200
         assert process.poll() is None
     finally:
-        code, stderr = stop_command(process)
+        code, stderr = stop_sidecar(process)
     assert code == 1
     assert "load failed" in stderr
 
@@ -345,7 +326,7 @@ sys.exit(run_sidecar(parse_settings(sys.argv[1:], {}), engine_factory=scripted(t
 def test_sigterm_during_a_load_marks_the_segment_failed_and_exits_1(shm_dir: Path) -> None:
     port = free_port()
     args = ["--source", "scripted://m", "--segment", str(shm_dir / "model.seg"), "--host", "127.0.0.1"]
-    process = start_command([*args, "--port", str(port)], port=port, script=PAUSED)
+    process = start_sidecar([*args, "--port", str(port)], port=port, script=PAUSED)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_for(
@@ -354,7 +335,7 @@ def test_sigterm_during_a_load_marks_the_segment_failed_and_exits_1(shm_dir: Pat
             what="2 tensors ready",
         )
     finally:
-        code, stderr = stop_command(process)
+        code, stderr = stop_sidecar(process)
     assert code == 1, stderr
     assert "SIGTERM: stopping the load, then the status API" in stderr
     with SegmentReader.open(shm_dir / "model.seg") as segment:

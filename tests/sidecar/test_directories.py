@@ -22,7 +22,7 @@ from modelload.loader.errors import (
     SourceNotFoundError,
 )
 from modelload.loader.formats import _directory
-from modelload.loader.segment import SegmentReader, WriterState
+from modelload.loader.segment import SegmentReader
 from modelload.sidecar.load import LoadSettings
 from modelload.sidecar.load.engine import Engine
 from modelload.sidecar.progress import LoadTracker, Observers
@@ -30,6 +30,7 @@ from modelload.sidecar.sources import S3Settings, SourceSettings
 from tests.sidecar import models
 from tests.sidecar.test_engine import FAST, Recorder, load
 from tests.support import hfdir
+from tests.support.failures import assert_load_failed
 
 
 def tensors(seed: int = 40) -> dict[str, Any]:
@@ -231,10 +232,8 @@ def test_a_shard_replaced_mid_load_fails_the_segment_rather_than_mixing(nginx: A
     )
     with pytest.raises(SourceChangedError):
         engine.run()
-    with SegmentReader.open(shm_dir / "model.seg") as reader:
-        assert reader.writer_state == WriterState.FAILED
-        assert "model-00002-of-00002.safetensors" in reader.error
-        assert "changed" in reader.error
+    reason = assert_load_failed(shm_dir / "model.seg", match="changed")
+    assert "model-00002-of-00002.safetensors" in reason
 
 
 def test_a_private_http_directory_sends_the_token_for_every_file_and_never_shows_it(

@@ -18,19 +18,20 @@ import torch
 from modelload.loader import attach
 from modelload.loader.errors import (
     HashMismatchError,
+    LoadFailedError,
     MissingKeyError,
     NotEncryptedError,
     SegmentSpaceError,
     TruncatedError,
     WrongKeyError,
 )
-from modelload.loader.segment import SegmentReader, TensorFlags, WriterState
-from modelload.loader.segment import writer as writer_module
+from modelload.loader.segment import SegmentReader, TensorFlags, WriterState, room
 from modelload.sidecar.load import LoadSettings
 from modelload.sidecar.load.engine import Engine
 from modelload.sidecar.progress import LoadTracker, Observers
 from modelload.sidecar.sources import HttpSettings, RetryPolicy, S3Settings, SourceSettings
 from tests.sidecar import models
+from tests.support.failures import assert_load_failed
 from tests.support.fault_proxy import Stall
 
 FAST = SourceSettings(
@@ -142,10 +143,8 @@ def test_encryption_mistakes_fail_before_or_during_the_load_with_a_clear_error(
     wrong = models.write_secret(shm_dir, "k2", bytes(32))
     with pytest.raises(WrongKeyError):
         load(encrypted, shm_dir / "c.seg", key_file=wrong)
-    with SegmentReader.open(shm_dir / "c.seg") as reader:
-        assert reader.writer_state == WriterState.FAILED
-        assert "wrong" in reader.error
-        assert params.key.hex() not in reader.error
+    reason = assert_load_failed(shm_dir / "c.seg", match="wrong")
+    assert params.key.hex() not in reason
 
 
 def test_a_corrupt_tensor_fails_the_load_and_marks_the_segment(nginx: Any, shm_dir: Path) -> None:
@@ -157,8 +156,7 @@ def test_a_corrupt_tensor_fails_the_load_and_marks_the_segment(nginx: Any, shm_d
     with pytest.raises(HashMismatchError, match="CRC32"):
         engine.run()
     assert recorder.named("load_failed")[0]["kind"] == "hash_mismatch"
-    with attach(shm_dir / "model.seg", notify=False) as model, pytest.raises(Exception, match="corrupt"):
-        model.wait(timeout=5)
+    assert_load_failed(shm_dir / "model.seg", match="corrupt")
 
 
 def test_without_verification_the_same_corrupt_file_loads(nginx: Any, shm_dir: Path) -> None:
@@ -274,11 +272,11 @@ def test_a_volume_that_fills_up_mid_load_fails_it_with_what_to_raise(
 ) -> None:
     # Without the up-front free-space check (another process can fill the volume after it), the splice
     # path meets a full volume mid-load: an ordinary ENOSPC, never a SIGBUS.
-    monkeypatch.setattr(writer_module, "_check_space", lambda *_: None)
+    monkeypatch.setattr(room, "check_space", lambda *_: None)
     path = tmp_path / "big.safetensors"
     path.write_bytes(models.safetensors_bytes({"w": torch.zeros(1 << 19)}))
     with pytest.raises(SegmentSpaceError, match="sizeLimit"):
         load(str(path), tiny_tmpfs / "model.seg")
-    with SegmentReader.open(tiny_tmpfs / "model.seg") as reader:
-        assert reader.writer_state == WriterState.FAILED
-        assert "no room" in reader.error
+    # No room for the marker either: the FAILED segment stays, the one place that holds the reason.
+    with pytest.raises(LoadFailedError, match="no room"):
+        attach(tiny_tmpfs / "model.seg", timeout=5, notify=False)

@@ -22,12 +22,12 @@ from modelload.loader.errors import (
     SourceNotFoundError,
     TransientSourceError,
 )
-from modelload.loader.segment import SegmentReader, WriterState
 from modelload.sidecar.load import LoadSettings
 from modelload.sidecar.load.engine import Engine
 from modelload.sidecar.progress import LoadTracker
 from modelload.sidecar.sources import HttpSettings, RetryPolicy, S3Settings, SourceSettings
 from tests.sidecar import models
+from tests.support.failures import assert_load_failed
 from tests.support.fault_proxy import (
     ReplaceObject,
     Reset,
@@ -140,9 +140,7 @@ def test_an_object_replaced_mid_load_fails_rather_than_mixing_versions(
     with pytest.raises(SourceChangedError):
         run(url, shm_dir / "model.seg", readers=1)
     assert len(nginx_proxy.ranges()) == 6, "the load stops at the first sign of a new version"
-    with SegmentReader.open(shm_dir / "model.seg") as reader:
-        assert reader.writer_state == WriterState.FAILED
-        assert "changed" in reader.error
+    assert_load_failed(shm_dir / "model.seg", match="changed")
 
 
 def test_a_server_that_never_recovers_fails_the_load_and_wakes_attached_readers(
@@ -201,9 +199,7 @@ def test_credentials_refused_mid_load_fail_it_without_showing_them(
         )
     message = str(caught.value)
     assert "faults-denied" in message and "model.tensors" in message
-    with SegmentReader.open(shm_dir / "model.seg") as reader:
-        recorded = reader.error
-        assert reader.writer_state == WriterState.FAILED
+    recorded = assert_load_failed(shm_dir / "model.seg")
     everything = " ".join([message, recorded, caplog.text])
     for secret in TEST_CREDENTIALS.secrets():
         assert secret not in everything

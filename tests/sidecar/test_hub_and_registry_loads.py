@@ -26,6 +26,7 @@ from modelload.sidecar.sources.oci import push_directory
 from tests.sidecar import models
 from tests.sidecar.test_engine import FAST, Recorder
 from tests.support import hfdir
+from tests.support.failures import assert_load_failed
 from tests.support.fixtures import REGISTRY_USERS
 from tests.support.hub import HubServer
 from tests.support.registry import RegistryServer
@@ -120,7 +121,7 @@ def test_a_corrupted_file_from_the_cdn_fails_the_load_and_is_never_complete(
     hub.cdn.corrupt.add(hashlib.sha256(data).hexdigest())
     with pytest.raises(HashMismatchError, match="sha256 digest the origin publishes"):
         run("hf://org/bad", shm_dir / "model.seg", hub_settings(hub))
-    assert state(shm_dir / "model.seg") == WriterState.FAILED
+    assert_load_failed(shm_dir / "model.seg", match="sha256 digest")
 
 
 def test_a_branch_moved_during_the_load_does_not_mix_commits(hub: HubServer, shm_dir: Path) -> None:
@@ -185,7 +186,7 @@ def test_a_blob_corrupted_in_the_registrys_storage_is_never_published(
     stored.write_bytes(bytes(data))
     with pytest.raises(HashMismatchError):
         run(registry.uri("engine/corrupt", "v1"), shm_dir / "model.seg", registry_settings(registry))
-    assert state(shm_dir / "model.seg") == WriterState.FAILED
+    assert_load_failed(shm_dir / "model.seg")
 
 
 @pytest.mark.parametrize("mode", ["release", "ring"])

@@ -40,7 +40,6 @@ from modelload.sidecar.sources import (
     open_source,
 )
 from tests.sidecar import models
-from tests.sidecar.test_cli import start_command, stop_command
 from tests.support.fault_proxy import Reset, Stall
 from tests.support.hugepages import (
     HUGE_PAGE,
@@ -51,6 +50,7 @@ from tests.support.hugepages import (
     mounted,
 )
 from tests.support.ports import free_port
+from tests.support.processes import start_sidecar, stop_sidecar
 from tests.support.sidecars import BackgroundLoad
 from tests.support.waiting import wait_for
 
@@ -261,7 +261,9 @@ def test_a_sidecar_restarted_over_its_crashed_load_makes_room_in_a_volume_sized_
         crashed.close()
         load(url, volume / "model.seg")
         models.assert_segment_matches(volume / "model.seg", tensors)
-        assert sorted(p.name for p in volume.iterdir()) == ["model.seg"]
+        # and the writer's lock file, empty on hugetlbfs (no page of the pool)
+        assert sorted(p.name for p in volume.iterdir()) == ["model.seg", "model.seg.lock"]
+        assert (volume / "model.seg.lock").stat().st_size == 0
         with SegmentReader.open(volume / "model.seg") as reader:
             assert reader.writer_state == WriterState.COMPLETE
 
@@ -288,7 +290,7 @@ def test_the_sidecar_command_killed_mid_load_on_hugetlbfs_loads_again_when_resta
     args = ["--segment", str(segment), "--host", "127.0.0.1", "--chunk-size", "1MiB", "--readers", "1"]
     port = free_port()
     source = ["--source", nginx_proxy.url("huge-killed.safetensors")]
-    process = start_command([*source, *args, "--port", str(port)], port=port)
+    process = start_sidecar([*source, *args, "--port", str(port)], port=port)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_for(
@@ -304,7 +306,7 @@ def test_the_sidecar_command_killed_mid_load_on_hugetlbfs_loads_again_when_resta
         crashed = reader.load_id
     port = free_port()
     source = ["--source", nginx.url("huge-killed.safetensors")]
-    process = start_command([*source, *args, "--port", str(port)], port=port)
+    process = start_sidecar([*source, *args, "--port", str(port)], port=port)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_for(lambda: httpx.get(url + "/readyz", timeout=5).status_code == 200, timeout=60, what="ready")
@@ -312,6 +314,6 @@ def test_the_sidecar_command_killed_mid_load_on_hugetlbfs_loads_again_when_resta
             assert reader.load_id != crashed and reader.writer_state == WriterState.COMPLETE
         models.assert_segment_matches(segment, tensors)
     finally:
-        code, stderr = stop_command(process)
+        code, stderr = stop_sidecar(process)
     assert code == 0, stderr
     assert "hugetlbfs" in stderr, "the log says which landing the volume got"

@@ -27,13 +27,14 @@ import torch
 from modelload.loader.cli.main import main
 from modelload.loader.errors import HashMismatchError, SegmentSpaceError, SourceChangedError
 from modelload.loader.formats import read_index
-from modelload.loader.segment import SegmentReader, SegmentWriter, TensorFlags, WriterState
+from modelload.loader.segment import SegmentReader, SegmentWriter, TensorFlags
 from modelload.sidecar.load import LoadSettings
 from modelload.sidecar.load.engine import Engine
 from modelload.sidecar.planner import plan_load
 from modelload.sidecar.progress import LoadTracker
 from modelload.sidecar.sources import HttpSettings, RetryPolicy, SourceSettings
 from tests.sidecar import models
+from tests.support.failures import assert_load_failed
 from tests.support.tmpfs import tmpfs
 
 FAST = SourceSettings(
@@ -87,9 +88,7 @@ def test_a_file_replaced_behind_an_unchanged_etag_fails_the_load_instead_of_mixi
     tracker = _OnFirstData(lambda: replace_keeping_validators(path, new))
     with pytest.raises(SourceChangedError, match="without a change of its validator"):
         load(url, shm_dir / "model.seg", observer=tracker)
-    with SegmentReader.open(shm_dir / "model.seg") as reader:
-        assert reader.writer_state == WriterState.FAILED
-        assert "mix two versions" in reader.error
+    assert_load_failed(shm_dir / "model.seg", match="mix two versions")
     assert tracker.snapshot().phase == "failed"
 
 
@@ -169,7 +168,7 @@ def test_a_meta_tensor_is_reserved_on_the_splice_path_so_a_full_volume_is_no_sig
     volume = sized_tmpfs(segment_length(data) + (256 << 10))
     load(url, volume / "model.seg")  # plain HTTP: spliced through the file descriptor
     # The volume fills up after the load (another file, a log): the meta slot must already have its pages.
-    with (volume / "filler").open("wb") as filler, pytest.raises(OSError):
+    with (volume / "filler").open("wb", buffering=0) as filler, pytest.raises(OSError):
         while True:
             filler.write(bytes(64 << 10))
             filler.flush()
@@ -190,7 +189,8 @@ def test_a_file_declaring_an_enormous_tensor_is_refused_before_anything_is_publi
     volume = sized_tmpfs(4 << 20)
     with pytest.raises(SegmentSpaceError, match="sizeLimit"):
         load(url, volume / "model.seg")
-    assert list(volume.iterdir()) == [], "nothing was published or left behind"
+    left = sorted(p.name for p in volume.iterdir())
+    assert left == ["model.seg.failed", "model.seg.lock"], "nothing was published: only the reason is left"
 
 
 def test_a_restarted_sidecar_loads_again_in_a_volume_sized_for_one_segment(
@@ -212,7 +212,7 @@ def test_a_restarted_sidecar_loads_again_in_a_volume_sized_for_one_segment(
 
     load(url, volume / "model.seg", readers=3)
     models.assert_segment_matches(volume / "model.seg", tensors)
-    assert sorted(p.name for p in volume.iterdir()) == ["model.seg"]
+    assert sorted(p.name for p in volume.iterdir()) == ["model.seg", "model.seg.lock"]
 
 
 def test_inspect_verify_calls_a_corrupt_encrypted_tensor_corrupt_when_the_key_opens_the_others(

@@ -498,6 +498,9 @@ def test_a_ring_s_wait_names_the_tensor_whose_bytes_it_waits_for(tmp_path: Path,
     settings = MemorySettings(mode="ring", ring_size=RING, wait_timeout=2)
     load = Load(source, segment, settings, readers=2, priority=("head.bias", "layers.5."))
     model = attach(segment, timeout=30, notify=False)
+    with SegmentReader.open(segment) as reader:  # the layout, read while the segment is there
+        data_offset = reader.header.data_offset
+        ring = {s.name: (s.offset - data_offset) % RING for s in reader.slots}
     with pytest.raises(LoadFailedError, match="ring mode waited"):
         for name in model.iter_ready():
             if name not in ("head.bias", "layers.5.attn.weight"):  # held, never consumed
@@ -505,9 +508,6 @@ def test_a_ring_s_wait_names_the_tensor_whose_bytes_it_waits_for(tmp_path: Path,
     load.finish()
     model.close()
     assert isinstance(load.error, MemoryWaitError)
-    with SegmentReader.open(segment) as reader:
-        data_offset = reader.header.data_offset
-        ring = {s.name: (s.offset - data_offset) % RING for s in reader.slots}
     assert ring["head.bias"] == 0 and ring["layers.5.attn.weight"] > 4096, "the layout this test relies on"
     assert "to land tensor 'layers.5.mlp.weight'" in str(load.error)
     assert "has not consumed 'layers.5.attn.weight'" in str(load.error), load.error

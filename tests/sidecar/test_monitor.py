@@ -179,3 +179,12 @@ def test_render_shows_a_failure_with_what_was_loaded() -> None:
     line = render({"phase": "failed", "error": "no space", "bytes_done": 1024, "bytes_total": 4096,
                    "tensors_ready": 1, "tensors_total": 4})  # fmt: skip
     assert line == "failed: no space (1.0 KiB/4.0 KiB, 1/4 tensors)"
+
+
+def test_render_says_a_transient_failure_starts_the_whole_load_again() -> None:
+    import time
+
+    line = render(
+        {"phase": "retrying", "error": "HTTP 503", "attempt": 2, "next_attempt_at": time.time() + 30.4}
+    )
+    assert line.startswith("retrying: attempt 2 failed (HTTP 503); the whole load again in 3")

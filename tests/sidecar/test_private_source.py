@@ -11,10 +11,10 @@ import httpx
 import pytest
 
 from modelload.loader.errors import ConfigError
-from modelload.loader.segment import SegmentReader, WriterState
 from modelload.sidecar.process import Sidecar
 from modelload.sidecar.settings import parse_settings
 from tests.sidecar import models
+from tests.support.failures import assert_load_failed
 from tests.support.fault_proxy import FaultProxy, Respond, Stall
 from tests.support.nginx import TOKEN, NginxServer
 from tests.support.sidecars import Sidecars
@@ -152,9 +152,7 @@ def test_a_token_revoked_mid_load_marks_the_segment_failed_with_the_reason(
     ready(sidecar, 500)
     error = get(sidecar, "/status").json()["error"]
     assert error.startswith(f"{source} refused the configured token or headers (HTTP 401")
-    with SegmentReader.open(shm_dir / "model.seg") as segment:
-        assert segment.writer_state == WriterState.FAILED
-        assert segment.error == error
-        recorded = segment.error
+    recorded = assert_load_failed(shm_dir / "model.seg")
+    assert recorded == f"{error} (access_denied)"
     assert {r.headers.get("authorization") for r in nginx_proxy.requests} == {f"Bearer {TOKEN}"}
     assert TOKEN not in everything_shown(sidecar, caplog) + recorded

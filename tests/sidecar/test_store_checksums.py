@@ -15,7 +15,9 @@ from typing import Any
 import pytest
 
 from modelload.loader.errors import HashMismatchError
-from modelload.loader.segment import SegmentReader, TensorState, WriterState
+from modelload.loader.segment import SegmentReader
+from modelload.sidecar.load import LoadSettings
+from modelload.sidecar.load.engine import Engine
 from modelload.sidecar.sources import (
     AzureCredentials,
     AzureSettings,
@@ -24,9 +26,10 @@ from modelload.sidecar.sources import (
     SourceSettings,
 )
 from tests.sidecar import models
-from tests.sidecar.test_engine import FAST, load
+from tests.sidecar.test_engine import FAST, Recorder, load
 from tests.support import hfdir
 from tests.support.cloud_emulators import Azurite, FakeGcs
+from tests.support.failures import assert_load_failed
 from tests.support.fault_proxy import FaultProxy, FlipBit
 from tests.support.fixtures import aws_env, azurite, cloud_env, fake_gcs, moto_s3
 from tests.support.moto_s3 import MotoS3Server
@@ -158,17 +161,17 @@ def test_a_bit_flipped_every_time_is_never_published(store: Store, shm_dir: Path
     tensors = models.state_dict(layers=3, width=256, seed=6)
     uri = store.put(f"flip-always-{store.kind}.safetensors", models.safetensors_bytes(tensors))
     segment = shm_dir / "m.seg"
+    recorder = Recorder()
+    settings = LoadSettings(source=uri, segment=segment, readers=2, chunk_size=64 << 10)
     with FaultProxy(store.port) as proxy:
         proxy.always(FlipBit(at=100, from_offset=600_000), path="flip-always")
         with pytest.raises(
             HashMismatchError, match=f"flip-always-{store.kind}.safetensors.*{EXPECTED[store.kind]}"
         ):
-            load(uri, segment, sources=store.settings(proxy), readers=2, chunk_size=64 << 10)
-    with SegmentReader.open(segment) as reader:
-        assert reader.writer_state == WriterState.FAILED
-        # (an empty tensor has no byte to prove: it is published at once)
-        ready = [s.name for i, s in enumerate(reader.slots) if reader.state(i) == TensorState.READY]
-        assert ready == ["empty"]
+            Engine(settings, sources=store.settings(proxy), observer=recorder).run()
+    # (an empty tensor has no byte to prove: it is published at once)
+    assert [event["name"] for event in recorder.named("tensor_ready")] == ["empty"]
+    assert_load_failed(segment, match="flip-always")
 
 
 @pytest.mark.parametrize("first_extra", [1000, -1000])

@@ -6,20 +6,37 @@ from __future__ import annotations
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import generate_latest
 
 from modelload.loader.cli.main import main
-from modelload.loader.errors import ConfigError
+from modelload.loader.errors import ConfigError, SourceNotFoundError, SourceUriError
+from modelload.sidecar.load import LoadSettings
+from modelload.sidecar.load.engine import Engine
 from modelload.sidecar.metrics import MetricsObserver
 from modelload.sidecar.notify import Notifier
+from modelload.sidecar.progress import LoadTracker
 from modelload.sidecar.settings import parse_settings
+from modelload.sidecar.sources import HttpSettings, RetryPolicy, S3Settings, SourceSettings
+from tests.sidecar import models
+from tests.support import hfdir
 from tests.support.ports import free_port
 from tests.support.sidecars import Sidecars
 from tests.support.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
+FAST = SourceSettings(
+    http=HttpSettings(connect_timeout=2.0, stall_timeout=2.0),
+    retry=RetryPolicy(attempts=2, initial_backoff=0.01, max_backoff=0.05, jitter=0.0, deadline=10.0),
+)
+
+
+def load(source: str, segment: Path, *, sources: SourceSettings = FAST, **settings: Any) -> None:
+    Engine(
+        LoadSettings(source=source, segment=segment, **settings), sources=sources, observer=LoadTracker()
+    ).run()
 
 
 def test_two_segments_in_one_folder_get_two_notify_sockets_and_stopping_one_keeps_the_other(
@@ -39,9 +56,12 @@ def test_two_segments_in_one_folder_get_two_notify_sockets_and_stopping_one_keep
 def test_a_second_publisher_on_a_live_socket_is_refused_instead_of_taking_it(shm_dir: Path) -> None:
     endpoint = f"ipc://{shm_dir}/shared.sock"
     with Notifier(endpoint):
-        with pytest.raises(ConfigError, match="another process publishes notifications on ipc://"):
+        with pytest.raises(ConfigError, match="another process publishes notifications on ipc://") as clash:
             Notifier(endpoint)
         assert (shm_dir / "shared.sock").is_socket()
+    # The advice never leads two sidecars onto one segment (each with its own --notify): that is refused.
+    assert "never share one segment" in str(clash.value)
+    assert "or its own segment path" not in str(clash.value)
 
 
 def test_a_missing_segment_folder_is_named_as_such(
@@ -97,7 +117,7 @@ def test_a_stop_during_connection_retries_is_prompt(shm_dir: Path, sidecars: Sid
     assert took < 2.0, f"stopping took {took:.1f} s"
     snapshot = sidecar.tracker.snapshot()
     assert snapshot.phase == "stopped"
-    assert not (shm_dir / "model.seg.failed").exists()  # a stop is not a failure for apps to report
+    assert not (shm_dir / "model.seg.failed").exists()  # a stop: a restart loads again, apps wait for it
 
 
 def test_the_range_fallback_has_a_flag_and_a_variable() -> None:
@@ -172,3 +192,86 @@ def test_the_sidecar_help_names_every_source_scheme(capsys: pytest.CaptureFixtur
     description = text[: text.index("HTTP endpoints")]
     for store in ("S3", "Google Cloud Storage", "Azure Blob", "Hugging Face Hub", "OCI registr"):
         assert store in description, f"the sidecar's description does not name {store}"
+
+
+# --- URI slips and missing files (issue: a new user's traps) ---------------------------------------------
+
+
+@pytest.mark.timeout(20)
+def test_a_uri_missing_its_colon_is_named_as_such_instead_of_read_as_a_local_path(
+    shm_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status = main(
+        ["sidecar", "--source", "s3//models/llama/", "--segment", str(shm_dir / "m.seg"), "--port", "0"]
+    )
+    err = capsys.readouterr().err
+    assert status == 2
+    assert "'s3//models/llama/' is not a s3:// URI" in err and "did you mean s3://models/llama/?" in err
+
+
+def test_an_http_directory_without_its_slash_is_named_a_directory_not_a_refused_token(
+    nginx: Any, shm_dir: Path
+) -> None:
+    tensors = models.state_dict(seed=80, layers=1)
+    for name, data in hfdir.files(tensors, shards=1, small={"config.json": b"{}"}).items():
+        nginx.put(f"slips/tiny/{name}", data)
+    source = nginx.url("slips/tiny")
+    with pytest.raises(SourceUriError) as slip:
+        load(source, shm_dir / "model.seg")
+    message = str(slip.value)
+    assert f"{source} names a directory" in message and f"({source}/)" in message
+    assert "token" not in message
+    load(source + "/", shm_dir / "model.seg")  # as the message says
+    models.assert_segment_matches(shm_dir / "model.seg", tensors)
+
+
+def test_an_s3_prefix_without_its_slash_says_the_prefix_holds_a_model(
+    moto_s3: Any, aws_env: Any, shm_dir: Path
+) -> None:
+    tensors = models.state_dict(seed=81, layers=1)
+    for name, data in hfdir.files(tensors, shards=2, small={"config.json": b"{}"}).items():
+        moto_s3.put("slips", f"llama/{name}", data)
+    sources = SourceSettings(s3=S3Settings(endpoint_url=moto_s3.endpoint, addressing="path"))
+    with pytest.raises(SourceNotFoundError) as slip:
+        load("s3://slips/llama", shm_dir / "model.seg", sources=sources)
+    message = str(slip.value)
+    assert "no object 'llama'" in message and "but s3://slips/llama/ is a directory holding" in message
+    assert "model-00001-of-00002.safetensors" in message
+    assert "end the source with '/'" in message
+    with pytest.raises(SourceNotFoundError) as plain:  # a name that is nothing at all gets no hint
+        load("s3://slips/nothing", shm_dir / "model.seg", sources=sources)
+    assert "directory" not in str(plain.value)
+
+
+def test_files_named_on_a_base_without_its_slash_are_refused_not_appended_to_its_last_segment(
+    nginx: Any, nginx_proxy: Any, shm_dir: Path
+) -> None:
+    with pytest.raises(SourceUriError, match="must end with '/'"):
+        load(nginx_proxy.url("slips/tiny"), shm_dir / "model.seg", files=("x.safetensors",))
+    assert not any("tinyx" in r.path for r in nginx_proxy.requests), "no request for '.../tinyx.safetensors'"
+
+
+@pytest.mark.parametrize("flag", ["--key-file", "--password-file"])
+def test_a_missing_key_file_stops_the_sidecar_at_start_naming_the_flag(
+    flag: str, tmp_path: Path, shm_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "secrets" / "key"
+    argv = ["sidecar", "--source", "s3://models/m.tensors", "--segment", str(shm_dir / "m.seg")]
+    status = main([*argv, "--port", "0", flag, str(missing)])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert flag in err and f"{missing}: it does not exist" in err and "mount the Secret" in err
+    assert "Traceback" not in err and "Errno" not in err
+    assert not (shm_dir / "m.seg.failed").exists(), "refused at start: no load was tried"
+
+
+def test_a_passphrase_in_the_key_file_stops_the_sidecar_at_start(
+    tmp_path: Path, shm_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    key = tmp_path / "key"
+    key.write_bytes(b"correct horse battery staple\n")
+    argv = ["sidecar", "--source", "s3://models/m.tensors", "--segment", str(shm_dir / "m.seg")]
+    assert main([*argv, "--port", "0", "--key-file", str(key)]) == 2
+    err = capsys.readouterr().err
+    assert "--key-file/MODELLOAD_KEY_FILE" in err and "exactly 32 bytes" in err
+    assert "correct horse" not in err

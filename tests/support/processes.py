@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import sys
+from pathlib import Path
 
-__all__ = ["stop_process"]
+from tests.support.ports import wait_for_port
+
+__all__ = ["start_sidecar", "stop_process", "stop_sidecar"]
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def stop_process(
@@ -23,3 +29,25 @@ def stop_process(
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+
+
+def start_sidecar(args: list[str], *, port: int, script: str | None = None) -> subprocess.Popen[str]:
+    """``modelload sidecar ARGS`` (or ``python -c SCRIPT ARGS``) in a process of its own, once it listens on
+    ``port``; its standard error is kept for :func:`stop_sidecar`."""
+    argv = (
+        [sys.executable, "-c", script, *args]
+        if script
+        else [sys.executable, "-m", "modelload.loader.cli.main", "sidecar", *args]
+    )
+    process = subprocess.Popen(argv, cwd=REPO, stderr=subprocess.PIPE, text=True)
+    if not wait_for_port(port, timeout=20, alive=process):
+        process.kill()
+        raise AssertionError(f"the sidecar did not listen: {process.communicate()[1]}")
+    return process
+
+
+def stop_sidecar(process: subprocess.Popen[str], *, timeout: float = 20.0) -> tuple[int, str]:
+    """SIGTERM, then the exit status and standard error."""
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=timeout)
+    return process.returncode, stderr

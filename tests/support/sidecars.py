@@ -2,7 +2,8 @@
 
 - ``sidecars`` (function fixture): :class:`Sidecars`; ``sidecars.start(source, segment, *flags)`` builds a
   :class:`~modelload.sidecar.process.Sidecar` from the command line's flags (the status API on a free
-  loopback port), starts it and returns it; every one started is stopped after the test.
+  loopback port), starts it and returns it; ``sidecars.run(settings)`` does the same from settings the test
+  built; every one started is stopped after the test.
   :func:`wait_for_phase` waits for its load to reach a phase.
 - :class:`BackgroundLoad`: the engine alone, loading in a thread of its own as the sidecar runs it, with a
   tracker to wait on and the error it ended with.
@@ -22,10 +23,12 @@ from typing import Any
 import pytest
 
 from modelload.sidecar.load import LoadSettings
-from modelload.sidecar.load.engine import Engine, PeerHook
+from modelload.sidecar.load.attempts import AttemptPolicy
+from modelload.sidecar.load.engine import Engine
+from modelload.sidecar.load.readers import PeerHook
 from modelload.sidecar.process import EngineFactory, Sidecar, default_engine
 from modelload.sidecar.progress import LoadObserver, LoadStatus, LoadTracker, Observers
-from modelload.sidecar.settings import parse_settings
+from modelload.sidecar.settings import SidecarSettings, parse_settings
 from modelload.sidecar.sources import SourceSettings
 from tests.support.waiting import wait_for
 
@@ -47,11 +50,24 @@ class Sidecars:
         *flags: str,
         engine_factory: EngineFactory = default_engine,
         environ: dict[str, str] | None = None,
+        attempts: AttemptPolicy | None = None,
     ) -> Sidecar:
         """Build a sidecar as ``modelload sidecar --source SOURCE --segment SEGMENT FLAGS`` would (its API
-        on 127.0.0.1, a free port), start it and return it. ``environ`` stands for the process's."""
+        on 127.0.0.1, a free port), start it and return it. ``environ`` stands for the process's;
+        ``attempts`` is how the sidecar retries a whole load after a transient failure."""
         argv = ["--source", source, "--segment", str(segment), "--host", "127.0.0.1", "--port", "0", *flags]
-        sidecar = Sidecar(parse_settings(argv, environ=environ or {}), engine_factory=engine_factory)
+        settings = parse_settings(argv, environ=environ or {})
+        return self.run(settings, engine_factory=engine_factory, attempts=attempts)
+
+    def run(
+        self,
+        settings: SidecarSettings,
+        *,
+        engine_factory: EngineFactory = default_engine,
+        attempts: AttemptPolicy | None = None,
+    ) -> Sidecar:
+        """Build a sidecar from ``settings`` made by the test, start it and return it."""
+        sidecar = Sidecar(settings, engine_factory=engine_factory, attempts=attempts)
         self.started.append(sidecar)
         sidecar.start()
         return sidecar

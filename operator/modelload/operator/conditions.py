@@ -1,12 +1,26 @@
-"""Status conditions in the Kubernetes convention: a transition time that moves only when the status does."""
+"""Status conditions in the Kubernetes convention: a transition time that moves only when the status does.
+
+Several writers keep conditions of one ModelLoad (the resolve handler its ``Ready``, the pod watch its
+``PodsScheduled``, the load reasons poller its ``Degraded``), and a merge patch replaces the ``conditions``
+list whole. A writer other than a handler of the ModelLoad itself therefore writes with
+:func:`write_condition`: the list read afresh, and written only if the ModelLoad is still that version.
+"""
 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["now_rfc3339", "set_condition"]
+from modelload.operator.kube import Kube, KubeConflictError
+
+__all__ = ["ATTEMPTS", "Verdict", "now_rfc3339", "set_condition", "write_condition"]
+
+Verdict = tuple[str, str, str]
+"""A condition's ``(status, reason, message)``."""
+
+ATTEMPTS = 3
+"""Reads and conditional writes of a condition before giving up until the writer's next look."""
 
 
 def now_rfc3339() -> str:
@@ -61,3 +75,49 @@ def _build(
     if generation is not None:
         condition["observedGeneration"] = generation
     return condition
+
+
+async def write_condition(
+    kube: Kube,
+    namespace: str,
+    name: str,
+    *,
+    type: str,  # noqa: A002 - the condition's field name
+    decide: Callable[[Sequence[Mapping[str, Any]]], Verdict | None],
+) -> tuple[bool, Verdict | None]:
+    """Bring the ModelLoad's condition of ``type`` in line with ``decide`` (given the conditions as they are
+    now; None: nothing to write). The ModelLoad is read afresh and the conditions are written with its
+    resourceVersion as a precondition, so a condition another writer set meanwhile is never dropped: a
+    conflict reads again, :data:`ATTEMPTS` times.
+
+    Returns whether the condition now says what ``decide`` wanted (written, or already so), and that.
+    KubeNotFoundError when the ModelLoad is gone.
+    """
+    wanted: Verdict | None = None
+    for _ in range(ATTEMPTS):
+        current = await kube.read_modelload(namespace, name)
+        conditions = (current.get("status") or {}).get("conditions") or []
+        wanted = decide(conditions)
+        if wanted is None or _says(conditions, type, wanted):
+            return True, wanted
+        status, reason, message = wanted
+        updated = set_condition(
+            conditions, type=type, status=status, reason=reason, message=message, generation=None,
+            now=now_rfc3339(),
+        )  # fmt: skip
+        version = (current.get("metadata") or {}).get("resourceVersion")
+        try:
+            await kube.patch_modelload_status(
+                namespace, name, {"conditions": updated}, resource_version=version
+            )
+        except KubeConflictError:
+            continue  # written meanwhile: read it again
+        return True, wanted
+    return False, wanted
+
+
+def _says(conditions: Iterable[Mapping[str, Any]], type_: str, wanted: Verdict) -> bool:
+    return any(
+        c.get("type") == type_ and (c.get("status"), c.get("reason"), c.get("message")) == wanted
+        for c in conditions
+    )

@@ -2,9 +2,10 @@
 
 For every ModelLoad with ``spec.peers``, a background task (:class:`FleetPoller`) asks, every
 ``fleet_interval`` seconds, each pod whose sidecar runs and serves peers for ``/peer/v1/stats`` on its peer
-port, with the ModelLoad's peer token, and writes the sums into ``status.fleet``. This is the one place
-where the operator opens connections to pods, and only for peered models: everything else it learns from
-the pods' own status (:mod:`modelload.operator.pods`).
+port, with the ModelLoad's peer token, and writes the sums into ``status.fleet``. Besides this, the
+operator opens connections to pods only to ask a sidecar that is not ready why
+(:mod:`modelload.operator.load_reasons`): everything else it learns from the pods' own status
+(:mod:`modelload.operator.pods`).
 
 The figures are the *live* fleet's: the sum over the pods serving now. A pod that left stops counting, and
 a restarted sidecar starts its counters at zero. A cumulative total is deliberately not kept: it would
@@ -24,7 +25,6 @@ changed.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from collections.abc import Iterable, Mapping
@@ -38,6 +38,7 @@ from modelload.operator.conditions import now_rfc3339
 from modelload.operator.kube import Kube, KubeError, KubeNotFoundError
 from modelload.operator.peers import TOKEN_KEY, peer_names
 from modelload.operator.pods import PodLoad
+from modelload.operator.polling import IndexPoller, Selector
 
 __all__ = ["FleetPoller", "PodStats", "fleet_body", "sum_stats"]
 
@@ -116,51 +117,30 @@ def fleet_body(figures: Mapping[str, Any], *, now: str) -> dict[str, Any]:
     return {**figures, "updated": now}
 
 
-Selector = tuple[str, str]
-"""(namespace, label value): how pods find their ModelLoad."""
-
-
-class FleetPoller:
+class FleetPoller(IndexPoller):
     """Every ``interval`` seconds, the stats of every peered ModelLoad's serving pods into its status.
 
     ``models`` and ``pods`` are kopf's live indices (:func:`modelload.operator.handlers.modelloads_by_label`
     and ``pod_loads``), handed over at start-up: the poller reads them, kopf keeps them current.
     """
 
+    task_name = "modelload-fleet-stats"
+    what = "reading the peer fleets' stats"
+
     def __init__(self, kube: Kube, *, interval: float, timeout: float = TIMEOUT) -> None:
+        super().__init__(interval=interval)
         self._kube = kube
-        self._interval = interval
         self._timeout = timeout
         self._written: dict[Selector, dict[str, Any]] = {}
         self._silent: dict[Selector, frozenset[str]] = {}
-        self._task: asyncio.Task[None] | None = None
         self._limit = asyncio.Semaphore(CONCURRENCY)
-
-    def start(self, *, models: Mapping[Selector, Any], pods: Mapping[Selector, Any]) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(models, pods), name="modelload-fleet-stats")
-
-    async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    async def _run(self, models: Mapping[Selector, Any], pods: Mapping[Selector, Any]) -> None:
-        while True:
-            await asyncio.sleep(self._interval)
-            try:
-                await self.poll(models, pods)
-            except Exception:  # a poll must never end the task; the next one may work
-                logger.exception("reading the peer fleets' stats failed")
 
     async def poll(self, models: Mapping[Selector, Any], pods: Mapping[Selector, Any]) -> None:
         """One round over every peered ModelLoad (each concurrently)."""
         peered: dict[Selector, str] = {}
         for selector, owners in list(models.items()):
             entries = list(owners)
-            if len(entries) == 1 and entries[0][2]:  # (name, bytes, peers); an ambiguous label: skip
+            if len(entries) == 1 and entries[0][2]:  # (name, bytes, peers, ...); an ambiguous label: skip
                 peered[selector] = entries[0][0]
         for gone in set(self._written) - set(peered):
             self._written.pop(gone, None)

@@ -33,6 +33,7 @@ import kopf
 from modelload.operator.conditions import now_rfc3339
 from modelload.operator.fleet import FleetPoller
 from modelload.operator.kube import Kube, KubeNotFoundError
+from modelload.operator.load_reasons import LoadReasons
 from modelload.operator.metrics import METRICS
 from modelload.operator.peers import ensure_peer_objects
 from modelload.operator.pods import PodLoad, aggregate, classify
@@ -168,13 +169,16 @@ class Handlers:
         self._kube = kube
         self._aggregator = PodAggregator(kube)
         self.fleet = FleetPoller(kube, interval=settings.fleet_interval)
+        self.reasons = LoadReasons(kube, interval=settings.fleet_interval)
 
     async def start_fleet(self, **kwargs: Any) -> None:
         """Start reading peered models' pod stats, over kopf's live indices (filled as kopf watches)."""
         self.fleet.start(models=kwargs["modelloads_by_label"], pods=kwargs["pod_loads"])
+        self.reasons.start(models=kwargs["modelloads_by_label"], pods=kwargs["pod_loads"])
 
     async def stop_fleet(self, **_: Any) -> None:
         await self.fleet.stop()
+        await self.reasons.stop()
 
     async def resolve_model(
         self,
@@ -197,7 +201,13 @@ class Handlers:
             spec = parse_spec(body.get("spec"))
             sizing = self._settings.sidecar.sizing
             with METRICS.resolving():
-                resolution = await resolve(kube=self._kube, namespace=namespace, spec=spec, sizing=sizing)
+                resolution = await resolve(
+                    kube=self._kube,
+                    namespace=namespace,
+                    spec=spec,
+                    sizing=sizing,
+                    networks=self._settings.source_networks,
+                )
         except Exception as exc:
             failure = classify_failure(exc, retry=retry, policy=self._settings.retry)
             if failure is None:
@@ -229,7 +239,7 @@ class Handlers:
             namespace,
             name,
             lambda: index.get(selector, []),
-            model_bytes=resolution.summary.bytes,
+            model_bytes=resolution.summary.bytes if resolution.summary is not None else None,
             conditions=new_status["conditions"],
             force=True,
         )

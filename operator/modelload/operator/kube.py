@@ -149,6 +149,14 @@ class Kube:
         what = f"create Service {namespace}/{body['metadata']['name']}"
         await self._call(what, self._core.create_namespaced_service, namespace, dict(body))
 
+    # --- Events --------------------------------------------------------------------------------------------
+
+    async def create_event(self, namespace: str, body: Mapping[str, Any]) -> None:
+        """Post a core/v1 Event (outside a kopf handler, where kopf's own posting queue is not set up)."""
+        await self._call(
+            f"create an Event in {namespace}", self._core.create_namespaced_event, namespace, dict(body)
+        )
+
     # --- ModelLoads ----------------------------------------------------------------------------------------
 
     async def list_modelloads(self, namespace: str) -> list[dict[str, Any]]:

@@ -7,6 +7,11 @@ sidecar reads it (its listing, every shard's header, the sizes of its small file
 Everything that ties the operator to those two layers' APIs is in this module, so aligning with a change there
 is a change here only.
 
+What the operator reads is bounded: never a local file (a ``file://`` model lives in the pods' filesystem, not
+the operator's), only public addresses and the networks the installation allows (``AddressPolicy``, checked
+at every connection and redirect), and nothing it read is echoed back (an unreadable file is described, not
+shown). The statuses it writes carry counts, sizes and reasons, never bytes of the file.
+
 Credentials (S3 keys, a GCS service-account key, an Azure connection string, SAS token or account key, or
 an HTTP server's token or header lines) come from the ModelLoad's Secrets, read
 through the Kubernetes API, and are handed to the source as explicit settings: the operator's own
@@ -16,10 +21,11 @@ blocking; the handlers run it in a thread.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from modelload.loader.errors import ConfigError, SourceAccessDeniedError
+from modelload.loader.errors import ConfigError, SourceAccessDeniedError, SourceUriError
 from modelload.loader.formats import ModelIndex
 from modelload.loader.segment import ALIGNMENT, TensorSpec, plan_layout
 from modelload.loader.segment.layout import align
@@ -27,13 +33,15 @@ from modelload.operator import hubs
 from modelload.operator.cloud_sources import GcsKey, endpoint_of, own_identity_reaches
 from modelload.operator.hubs import HubAccess
 from modelload.operator.schema import ModelLoadSpec
-from modelload.sidecar.sources import AzureCredentials, RequestHeaders, S3Credentials, parse_headers
+from modelload.sidecar.sources import AzureCredentials, Network, RequestHeaders, S3Credentials, parse_headers
 
 __all__ = [
     "ModelSummary",
+    "Network",
     "RequestHeaders",
     "S3Credentials",
     "check_priority",
+    "is_local",
     "parse_headers",
     "read_summary",
     "segment_bound",
@@ -66,18 +74,25 @@ def read_summary(
     headers: RequestHeaders | None = None,
     cloud: GcsKey | AzureCredentials | None = None,
     access: HubAccess | None = None,
+    networks: Sequence[Network] = (),
 ) -> ModelSummary:
     """Read the model's index at ``spec.source`` and summarise it, with the S3 ``credentials`` or the HTTP
     ``headers`` (a private server's token) from the ModelLoad's Secret, or the Hub's token and the registry's
-    credentials (``access``, see :mod:`.hubs`).
+    credentials (``access``, see :mod:`.hubs`), from public addresses and the ``networks`` the installation
+    allows only.
 
-    Raises the loader's error tree: ConfigError (a bad URI or setting), the SourceError branches (not found,
-    access denied, transient), FormatError (not a model file, or a corrupt one).
+    Raises the loader's error tree: ConfigError (a bad URI or setting; a local file, which the operator
+    never reads; an address it may not read), the SourceError branches (not found, access denied,
+    transient), FormatError (not a model file, or a corrupt one).
     """
     from modelload.sidecar.sources import open_model
 
+    if is_local(spec.source):
+        raise SourceUriError(
+            f"{spec.source}: the operator reads no local file on a ModelLoad's behalf", setting="spec.source"
+        )
     anonymous = cloud is None and not own_identity_reaches(spec)
-    settings = _source_settings(spec, credentials, headers, cloud, access, anonymous=anonymous)
+    settings = _source_settings(spec, credentials, headers, cloud, access, networks, anonymous=anonymous)
     try:
         model = open_model(spec.source, settings, format=_format_name(spec.format), files=spec.files)
         try:
@@ -151,16 +166,24 @@ def _format_name(name: str) -> Literal["auto", "tensorizer", "safetensors"]:
     return name  # type: ignore[return-value]
 
 
+def is_local(source: str) -> bool:
+    """Whether ``source`` names a file in the pods' own filesystem (``file://``), which the operator never
+    reads: the file is the pod's (an image, a volume), not the operator's."""
+    return source.startswith("file:")
+
+
 def _source_settings(
     spec: ModelLoadSpec,
     credentials: S3Credentials | None,
     headers: RequestHeaders | None,
     cloud: GcsKey | AzureCredentials | None = None,
     access: HubAccess | None = None,
+    networks: Sequence[Network] = (),
     *,
     anonymous: bool = False,
 ) -> Any:
     from modelload.sidecar.sources import (
+        AddressPolicy,
         AzureSettings,
         GcsSettings,
         HttpSettings,
@@ -192,8 +215,9 @@ def _source_settings(
         credentials=cloud if isinstance(cloud, AzureCredentials) else None,
         anonymous=anonymous and not isinstance(cloud, AzureCredentials),
     )
+    addresses = AddressPolicy(allowed=tuple(networks), setting="sourceNetworks (--source-networks)")
     return SourceSettings(
-        http=HttpSettings(headers=headers),
+        http=HttpSettings(headers=headers, addresses=addresses),
         s3=s3_settings,
         retry=retry,
         gcs=gcs,

@@ -2,8 +2,9 @@
 
 The operator learns about loads from the pods alone: the kubelet records the sidecar's state, readiness and
 start time, and the pod's Ready condition. The sidecar needs no RBAC and, for these figures, the operator
-opens no connection to pods (NetworkPolicies often forbid one); only a peered model's byte figures are asked
-of its pods (:mod:`modelload.operator.fleet`, at the address noted here). A native sidecar reports in
+opens no connection to pods (NetworkPolicies often forbid one); only a peered model's byte figures
+(:mod:`modelload.operator.fleet`) and a not-ready sidecar's reason (:mod:`modelload.operator.load_reasons`)
+are asked of its pods, at the addresses noted here. A native sidecar reports in
 ``initContainerStatuses``, a regular one in ``containerStatuses``; both are read.
 
 Load time is measured from the sidecar container's start to the pod's Ready transition. With a native
@@ -17,11 +18,11 @@ from __future__ import annotations
 import re
 import statistics
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
-from modelload.loader.wiring import PEER_PORT
+from modelload.loader.wiring import PEER_PORT, STATUS_PORT
 from modelload.operator.peers import PEER_DNS_ENV, PEER_PORT_ENV
 from modelload.operator.scheduling import huge_page_request, unschedulable
 from modelload.operator.schema import PodsStatus
@@ -29,6 +30,8 @@ from modelload.operator.schema import PodsStatus
 __all__ = ["PodLoad", "aggregate", "classify"]
 
 SIDECAR_NAME = "modelload"
+STATUS_PORT_ENV = "MODELLOAD_PORT"
+"""The sidecar's status API port variable (its ``--port``), which the webhook sets."""
 FAILED_WAITING_REASONS = frozenset(
     {
         "CrashLoopBackOff",
@@ -62,6 +65,12 @@ class PodLoad:
     """The scheduler's message for a pending pod no node can take (:mod:`.scheduling`)."""
     huge_pages: str | None = None
     """The huge pages the sidecar asks for (``hugepages-2Mi: 1030Mi``), or None."""
+    status_address: str | None = field(default=None, compare=False)
+    """``host:port`` of the sidecar's status API (the pod's IP and its MODELLOAD_PORT), once the pod has an
+    IP: where the operator asks a sidecar that is not ready why (:mod:`modelload.operator.load_reasons`)."""
+    name: str = field(default="", compare=False)
+    uid: str = field(default="", compare=False)
+    """The pod's name and uid, for Events about it."""
 
     @property
     def serving(self) -> bool:
@@ -79,18 +88,28 @@ def classify(pod: Mapping[str, Any]) -> PodLoad | None:
         return None
     env = {e.get("name"): e.get("value") for e in sidecars[0].get("env") or ()}
     load = _classify(meta, status)
-    if load is not None and load.state == "pending":
+    if load is None:
+        return None
+    load = replace(
+        load,
+        name=str(meta.get("name") or ""),
+        uid=str(meta.get("uid") or ""),
+        status_address=_address(status, env.get(STATUS_PORT_ENV), STATUS_PORT),
+    )
+    if load.state == "pending":
         stuck = unschedulable(status)
         if stuck is not None:
             load = replace(load, unschedulable=stuck, huge_pages=huge_page_request(sidecars[0]))
-    if load is None or PEER_DNS_ENV not in env:
+    if PEER_DNS_ENV not in env:
         return load
-    return replace(load, peers=True, pod=str(meta.get("name") or ""), address=_address(status, env))
+    return replace(
+        load, peers=True, pod=load.name, address=_address(status, env.get(PEER_PORT_ENV), PEER_PORT)
+    )
 
 
-def _address(status: Mapping[str, Any], env: Mapping[Any, Any]) -> str | None:
+def _address(status: Mapping[str, Any], port_value: Any, default: int) -> str | None:
     ip = status.get("podIP")
-    port = str(env.get(PEER_PORT_ENV) or PEER_PORT)
+    port = str(port_value or default)
     if not isinstance(ip, str) or not ip or not port.isdigit():
         return None
     return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"

@@ -33,7 +33,7 @@ Messages never carry credentials, tokens, keys or query strings: the sources lay
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -52,8 +52,10 @@ from modelload.operator.injection import source_query_problem
 from modelload.operator.kube import Kube, KubeNotFoundError
 from modelload.operator.model_source import (
     ModelSummary,
+    Network,
     RequestHeaders,
     S3Credentials,
+    is_local,
     parse_headers,
     read_summary,
 )
@@ -85,7 +87,8 @@ class SecretProblemError(ModelloadError):
 
 @dataclass(frozen=True)
 class Resolution:
-    summary: ModelSummary
+    summary: ModelSummary | None
+    """None for a local (``file://``) model: the operator does not read it."""
     sizing: Sizing
 
 
@@ -98,8 +101,16 @@ class Failure:
     """Seconds until the next try; None for a permanent failure that waits for a spec change."""
 
 
-async def resolve(*, kube: Kube, namespace: str, spec: ModelLoadSpec, sizing: SizingDefaults) -> Resolution:
-    """Check the Secrets, read the index (in a thread), and size the pods' volume and sidecar."""
+async def resolve(
+    *,
+    kube: Kube,
+    namespace: str,
+    spec: ModelLoadSpec,
+    sizing: SizingDefaults,
+    networks: Sequence[Network] = (),
+) -> Resolution:
+    """Check the Secrets, read the index (in a thread, from public addresses and ``networks`` only), and
+    size the pods' volume and sidecar. A local (``file://``) model is not read (:func:`_local`)."""
     problem = source_query_problem(spec.source)
     if problem is not None:
         raise SourceUriError(problem, setting="spec.source")
@@ -108,8 +119,16 @@ async def resolve(*, kube: Kube, namespace: str, spec: ModelLoadSpec, sizing: Si
     headers = await read_headers(kube, namespace, spec)
     access = await read_hub_access(kube, namespace, spec)
     await check_decryption_secret(kube, namespace, spec)
+    if is_local(spec.source):
+        return _local(spec, sizing)
     summary = await asyncio.to_thread(
-        read_summary, spec, credentials=credentials, headers=headers, cloud=cloud, access=access
+        read_summary,
+        spec,
+        credentials=credentials,
+        headers=headers,
+        cloud=cloud,
+        access=access,
+        networks=networks,
     )
     has_key = spec.decryption_key_secret_ref is not None or spec.password_secret_ref is not None
     if summary.encrypted and not has_key:
@@ -132,6 +151,20 @@ async def resolve(*, kube: Kube, namespace: str, spec: ModelLoadSpec, sizing: Si
         segment=summary.segment_bytes,
     )
     return Resolution(summary=summary, sizing=planned)
+
+
+def _local(spec: ModelLoadSpec, sizing: SizingDefaults) -> Resolution:
+    """A ``file://`` model lives in the pods' own filesystem (an image, a volume), not the operator's: the
+    operator reads nothing there (it would read its own files, on the ModelLoad author's behalf), so it
+    cannot size the pods' volume from the model and needs ``spec.volumeSizeLimit``; the sidecar checks the
+    model against the volume when it loads."""
+    if spec.volume_size_limit is None:
+        raise ConfigError(
+            "a file:// model is read by the sidecar from the pod's own filesystem, never by the operator, so"
+            " its size is not known here: set spec.volumeSizeLimit to at least the model's size plus 64Mi",
+            setting="spec.volumeSizeLimit",
+        )
+    return Resolution(summary=None, sizing=plan_sizing(model_bytes=0, tensors=0, spec=spec, defaults=sizing))
 
 
 async def _secret(kube: Kube, namespace: str, name: str, purpose: str) -> dict[str, bytes]:
@@ -306,6 +339,8 @@ def success_status(
     resolution: Resolution, *, generation: int | None, conditions: Any, now: str
 ) -> dict[str, Any]:
     s = resolution.summary
+    if s is None:
+        return _local_status(resolution, generation=generation, conditions=conditions, now=now)
     message = (
         f"{s.tensors} tensors, {format_bytes(s.bytes)} ({s.format} v{s.format_version}"
         f"{', encrypted' if s.encrypted else ''}); "
@@ -335,6 +370,41 @@ def success_status(
             now=now,
         ),
     }
+
+
+LOCAL_REASON = "LocalSource"
+"""The Ready condition's reason for a file:// model, which the operator does not read."""
+
+
+def _local_status(
+    resolution: Resolution, *, generation: int | None, conditions: Any, now: str
+) -> dict[str, Any]:
+    """Ready, without the fields only a read would give (format, tensors, bytes: deleted, not guessed)."""
+    limit = resolution.sizing.volume_size_limit
+    message = (
+        "a file:// model: the sidecar reads it from the pod's own filesystem and the operator reads no"
+        " local file, so tensors and size are not shown here; pods get a"
+        f" {limit} memory volume (spec.volumeSizeLimit)"
+    )
+    status: dict[str, Any] = dict.fromkeys(RESOLVED_FIELDS)
+    status.update(
+        {
+            "phase": "Ready",
+            "observedGeneration": generation,
+            "volumeSizeLimit": limit,
+            "resolvedAt": now,
+            "conditions": set_condition(
+                conditions,
+                type="Ready",
+                status="True",
+                reason=LOCAL_REASON,
+                message=message,
+                generation=generation,
+                now=now,
+            ),
+        }
+    )
+    return status
 
 
 RESOLVED_FIELDS = (

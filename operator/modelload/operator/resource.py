@@ -51,6 +51,8 @@ class ResolvedModel:
         spec = parse_spec(body.get("spec"))
         nbytes, tensors = status.get("bytes"), status.get("tensors")
         phase = status.get("phase") or "Pending"
+        if spec.source.startswith("file:") and phase == "Ready":
+            nbytes = tensors = 0  # a local model is not read: its volume is spec.volumeSizeLimit
         if not isinstance(nbytes, int) or not isinstance(tensors, int):
             reason = _failing_message(status)
             raise NotResolvedError(f"ModelLoad {name!r} is not ready yet (phase {phase}{reason})")

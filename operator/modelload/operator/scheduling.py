@@ -17,8 +17,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from modelload.operator.conditions import now_rfc3339, set_condition
-from modelload.operator.kube import Kube, KubeConflictError
+from modelload.operator import conditions
+from modelload.operator.conditions import Verdict
+from modelload.operator.kube import Kube
 
 __all__ = [
     "CONDITION",
@@ -84,10 +85,6 @@ def verdict(
     return SchedulingVerdict("False", "Unschedulable", f"{count}: {message.strip()}")
 
 
-ATTEMPTS = 3
-"""Reads and conditional writes of the condition before giving up until the next pod event."""
-
-
 async def write_condition(
     kube: Kube,
     namespace: str,
@@ -103,37 +100,17 @@ async def write_condition(
 
     ``shown`` is the status as last seen (the operator's index, possibly behind): nothing is read while no
     pod is stuck and neither it nor ``flagged`` says the condition is False. Otherwise the ModelLoad is read
-    afresh and the conditions are written with its resourceVersion as a precondition, so a Ready condition
-    written meanwhile is never dropped: a conflict reads again.
+    afresh and written with its resourceVersion as a precondition (:func:`.conditions.write_condition`), so
+    a Ready condition written meanwhile is never dropped.
     """
     stuck = any(message is not None for message, _ in pods)
     flagged = flagged or any(c.get("type") == CONDITION and c.get("status") == "False" for c in shown or ())
     if not stuck and not flagged:
         return False
-    for _ in range(ATTEMPTS):
-        current = await kube.read_modelload(namespace, name)
-        conditions = (current.get("status") or {}).get("conditions") or []
-        said = verdict(pods, existing=conditions)
-        if said is None or _says(conditions, said):
-            return said is not None and said.status == "False"
-        updated = set_condition(
-            conditions, type=CONDITION, status=said.status, reason=said.reason, message=said.message,
-            generation=None, now=now_rfc3339(),
-        )  # fmt: skip
-        version = (current.get("metadata") or {}).get("resourceVersion")
-        try:
-            await kube.patch_modelload_status(
-                namespace, name, {"conditions": updated}, resource_version=version
-            )
-        except KubeConflictError:
-            continue  # written meanwhile: read it again
-        return said.status == "False"
-    return True
 
+    def decide(existing: Sequence[Mapping[str, Any]]) -> Verdict | None:
+        said = verdict(pods, existing=existing)
+        return None if said is None else (said.status, said.reason, said.message)
 
-def _says(conditions: Sequence[Mapping[str, Any]], said: SchedulingVerdict) -> bool:
-    return any(
-        c.get("type") == CONDITION
-        and (c.get("status"), c.get("reason"), c.get("message")) == (said.status, said.reason, said.message)
-        for c in conditions
-    )
+    done, said = await conditions.write_condition(kube, namespace, name, type=CONDITION, decide=decide)
+    return not done or (said is not None and said[0] == "False")

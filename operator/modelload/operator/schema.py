@@ -337,8 +337,8 @@ class ModelLoadSpec:
         "http(s)://host/path or file:///path) or a model directory of shards with its config and tokenizer "
         "(an S3, GCS or Azure prefix or an HTTP(S) base URL ending in /, a Hugging Face repository "
         "hf://ORG/NAME[@REVISION], an OCI artifact oci://REGISTRY/REPOSITORY:TAG or @sha256:DIGEST, or a "
-        "local directory). file:// is read by the operator from its own filesystem, and by the sidecar from "
-        "its own.",
+        "local directory). file:// names a file in the pods' own filesystem (an image, a volume): the "
+        "sidecar reads it there, the operator never reads it, so such a model needs volumeSizeLimit.",
         pattern=SOURCE_PATTERN,
         max_length=2048,
         error=SourceUriError,
@@ -483,6 +483,12 @@ def parse_spec(data: Any) -> ModelLoadSpec:
     """
     _check_source_shape(data)
     spec = parse(ModelLoadSpec, data, path="spec")
+    if any(ord(c) < 32 or ord(c) == 127 for c in spec.source):
+        raise SourceUriError(
+            "holds a control character (a NUL byte, a newline): no object is named that way; check how the"
+            " source was written or templated",
+            setting="spec.source",
+        )
     chunk = parse_size(spec.chunk_size)
     if not MIN_CHUNK <= chunk <= MAX_CHUNK:
         raise ConfigError(f"spec.chunkSize: {spec.chunk_size} is outside 1MiB to 1GiB (the sidecar's bounds)")

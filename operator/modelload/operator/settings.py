@@ -26,6 +26,7 @@ from modelload.loader.options import Given, Option, parse_list, parse_text
 from modelload.loader.wiring import STATUS_PORT
 from modelload.operator.quantity import format_mib, parse_bytes
 from modelload.operator.sizing import SizingDefaults
+from modelload.sidecar.sources import Network, parse_networks
 
 __all__ = [
     "OPTIONS",
@@ -106,7 +107,15 @@ class OperatorSettings:
     sidecar: InjectedSidecar = field(default_factory=InjectedSidecar)
     retry: RetrySettings = field(default_factory=RetrySettings)
     fleet_interval: float = 20.0
-    """Seconds between two readings of a peered model's pod stats (status.fleet); one GET per serving pod."""
+    """Seconds between two readings of a peered model's pod stats (status.fleet; one GET per serving pod),
+    and of the reasons of the pods whose sidecar is running and not ready (one GET each: Events on the pod,
+    the ModelLoad's Degraded condition)."""
+    source_networks: tuple[Network, ...] = ()
+    """Networks, besides public addresses, the operator may read ModelLoad sources from (it reads each
+    model's index). Default none: a source at a loopback, link-local (cloud metadata), private or other
+    non-public address is refused as BadSource, so a ModelLoad cannot make the operator probe the cluster.
+    An in-cluster S3 store or artifact server needs its network here (the chart's ``sourceNetworks``, for
+    example ``10.0.0.0/8``); the address is checked at every connection, redirects included."""
 
 
 def _choice(*allowed: str) -> Callable[[str], str]:
@@ -284,6 +293,14 @@ OPTIONS: tuple[Option, ...] = (
         "MODELLOAD_OPERATOR_SIDECAR_CPU_REQUEST",
         "sidecar CPU request, a quantity",
         parse=parse_text,
+    ),
+    Option(
+        "source_networks",
+        "--source-networks",
+        "MODELLOAD_OPERATOR_SOURCE_NETWORKS",
+        "comma-separated networks (CIDR) besides public addresses that ModelLoad sources may be read from"
+        " (default none: loopback, link-local and private addresses are refused)",
+        parse=parse_networks,
     ),
     Option(
         "fleet_interval",

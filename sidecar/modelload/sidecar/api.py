@@ -5,8 +5,8 @@ Endpoints (docs/contracts.md, "The status API")::
     GET /healthz    200 while the process runs (liveness: a failed load is not a reason to restart)
     GET /startupz   200 once the segment's manifest is published (apps can attach), else 503;
                     500 when the load failed before that (the startup probe then restarts the sidecar)
-    GET /readyz     200 once every tensor is in, 503 while starting or loading (or stopping),
-                    500 with {"phase": "failed", "error": ...} when the load failed
+    GET /readyz     200 once every tensor is in, 503 while starting, loading or retrying (the reason in
+                    "error"), 500 with {"phase": "failed", "error": ...} when the load failed
     GET /status     the load's snapshot as JSON (LoadStatus.as_dict, plus "state", the contract's name
                     for "phase")
     GET /metrics    Prometheus text exposition of the metrics registry
@@ -64,6 +64,7 @@ def _summary(status: LoadStatus) -> dict[str, Any]:
         "tensors_ready": status.tensors_ready,
         "tensors_total": status.tensors_total,
         "error": status.error,
+        "attempt": status.attempt,
     }
 
 

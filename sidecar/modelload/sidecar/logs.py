@@ -127,3 +127,12 @@ class LoggingObserver:
             self._log.error(
                 "load failed (%s): %s; the sidecar keeps serving /status and /readyz (500)", kind, reason
             )
+
+    def load_retrying(self, *, kind: str, reason: str, attempt: int, delay: float) -> None:
+        self._log.warning(
+            "load attempt %d failed (%s; transient): %s; the whole load starts again in %.0f s",
+            attempt,
+            kind,
+            reason,
+            delay,
+        )

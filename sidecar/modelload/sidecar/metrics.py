@@ -17,7 +17,8 @@ Families (units in the names, as Prometheus asks)::
     modelload_load_duration_seconds          histogram  seconds of each completed load
     modelload_retries_total{kind}            counter    range requests retried, by kind of failure
     modelload_errors_total{kind}             counter    every error seen, retried or fatal, by kind
-    modelload_phase{modelload_phase}         state set  starting, loading, complete, failed, stopped
+    modelload_phase{modelload_phase}         state set  starting, loading, complete, failed, retrying, stopped
+    modelload_load_attempts_total{outcome}   counter    attempts ended: complete, failed, retrying, stopped
     modelload_memory_resident_bytes          gauge      segment bytes in memory (memory modes release, ring)
     modelload_memory_released_bytes          gauge      bytes given back after every consumer copied them
     modelload_memory_waiting                 gauge      1 while ring mode waits for consumers to free room
@@ -40,7 +41,8 @@ __all__ = ["DURATION_BUCKETS", "PHASES", "MetricsObserver"]
 DURATION_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800, float("inf"))
 """Load durations from a small test model (0.1 s) to a large model on a slow link (30 min)."""
 
-PHASES = ("starting", "loading", "complete", "failed", "stopped")
+PHASES = ("starting", "loading", "complete", "failed", "retrying", "stopped")
+OUTCOMES = ("complete", "failed", "retrying", "stopped")
 
 
 class MetricsObserver:
@@ -98,6 +100,14 @@ class MetricsObserver:
             "modelload_errors", "Errors seen, retried or fatal, by kind.", ["kind"], registry=r
         )
         self.phase = Enum("modelload_phase", "Phase of the load.", states=list(PHASES), registry=r)
+        self.attempts = Counter(
+            "modelload_load_attempts",
+            "Load attempts that ended, by outcome (retrying: a transient failure, the load starts again).",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in OUTCOMES:
+            self.attempts.labels(outcome=outcome)
         self.memory = {
             key: Gauge(f"modelload_memory_{name}", text, registry=r)
             for key, name, text in (
@@ -114,6 +124,10 @@ class MetricsObserver:
     def load_started(self, *, source: str, segment: str) -> None:
         with self._lock:
             self._started = self._clock()
+            self._finished = None
+            self._bytes = 0
+            self._first_tensor_seen = False
+        self.tensors_ready.set(0)
         self.phase.state("starting")
 
     def manifest_published(self, *, model_format: str, tensors: int, nbytes: int, notify: str | None) -> None:
@@ -150,13 +164,21 @@ class MetricsObserver:
         with self._lock:
             self._finished = self._clock()
         self.duration.observe(seconds)
+        self.attempts.labels(outcome="complete").inc()
         self.phase.state("complete")
 
     def load_failed(self, *, kind: str, reason: str) -> None:
         with self._lock:
             self._finished = self._clock()
         self.errors.labels(kind=kind).inc()
-        self.phase.state("stopped" if kind == "stopped" else "failed")
+        outcome = "stopped" if kind == "stopped" else "failed"
+        self.attempts.labels(outcome=outcome).inc()
+        self.phase.state(outcome)
+
+    def load_retrying(self, *, kind: str, reason: str, attempt: int, delay: float) -> None:
+        self.errors.labels(kind=kind).inc()
+        self.attempts.labels(outcome="retrying").inc()
+        self.phase.state("retrying")
 
     def memory_changed(self, status: dict[str, object]) -> None:
         for key, gauge in self.memory.items():

@@ -185,6 +185,11 @@ def render(status: dict[str, Any], *, width: int = 24) -> str:
         return f"complete: {format_bytes(total)} in {elapsed:.1f} s ({speed}), {tensors}, {retries}"
     if phase in ("failed", "stopped"):
         return f"{phase}: {status.get('error')} ({format_bytes(done)}/{format_bytes(total)}, {tensors})"
+    if phase == "retrying":
+        upcoming = status.get("next_attempt_at")
+        wait = f" in {max(upcoming - time.time(), 0):.0f} s" if isinstance(upcoming, int | float) else ""
+        attempt = int(_number(status, "attempt") or 1)
+        return f"retrying: attempt {attempt} failed ({status.get('error')}); the whole load again{wait}"
     if phase == "starting" or not total:
         return f"{phase}: waiting for the model's index"
     share = min(done / total, 1.0)

@@ -117,6 +117,9 @@ class Notifier:
         cut = reason.encode("utf-8")[:MAX_REASON_BYTES]
         self._send(b"failed", cut.decode("utf-8", "ignore").encode("utf-8"))  # never half a character
 
+    def load_retrying(self, *, kind: str, reason: str, attempt: int, delay: float) -> None:
+        self.load_failed(kind=kind, reason=reason)  # the attempt's segment is FAILED: wake its readers
+
     # --- sending and closing --------------------------------------------------------------------------
 
     def _send(self, topic: bytes, payload: bytes) -> None:
@@ -207,8 +210,9 @@ def _refuse_a_live_socket(path: Path, endpoint: str) -> None:
     finally:
         probe.close()
     raise ConfigError(
-        f"another process publishes notifications on {endpoint}: give this sidecar its own endpoint"
-        " (--notify/MODELLOAD_NOTIFY) or its own segment path"
+        f"another process publishes notifications on {endpoint}. A sidecar of another segment: leave"
+        " --notify/MODELLOAD_NOTIFY unset (the default is one endpoint per segment) or give each its own."
+        " Two sidecars never share one segment: the second is refused, naming the first"
     )
 
 

@@ -24,13 +24,15 @@ from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol
 
-from modelload.loader.errors import ConfigError, ModelloadError
+from modelload.loader.errors import ModelloadError
+from modelload.sidecar.load.attempts import AttemptPolicy
 from modelload.sidecar.logs import LoggingObserver, describe_progress
 from modelload.sidecar.settings import SidecarSettings
 
 if TYPE_CHECKING:
+    from modelload.loader.segment.lock import WriterLock
     from modelload.sidecar.api import ApiServer
-    from modelload.sidecar.load.engine import PeerHook
+    from modelload.sidecar.load.readers import PeerHook
     from modelload.sidecar.notify import Notifier
     from modelload.sidecar.peers.hook import Peers
     from modelload.sidecar.progress import LoadObserver, LoadTracker
@@ -41,7 +43,8 @@ log = logging.getLogger("modelload.sidecar")
 
 STOP_TIMEOUT = 10.0
 """Seconds to wait for the engine's readers after stop(): they stop at their next chunk, which a stalled
-source bounds by its stall timeout; the kubelet's default grace period is 30 s."""
+source bounds only by its stall timeout (30 s). The segment is marked FAILED before the wait, so a reader
+still blocked then costs nothing but its thread; the kubelet's default grace period is 30 s."""
 
 PROGRESS_INTERVAL = 10.0
 """Seconds between progress lines in the log while loading (``kubectl logs`` stays readable)."""
@@ -62,13 +65,25 @@ EngineFactory = Callable[[SidecarSettings, "LoadObserver"], LoadEngine]
 
 
 def default_engine(
-    settings: SidecarSettings, observer: LoadObserver, *, peers: PeerHook | None = None
+    settings: SidecarSettings,
+    observer: LoadObserver,
+    *,
+    peers: PeerHook | None = None,
+    lock: WriterLock | None = None,
 ) -> LoadEngine:
     """The streaming engine of ``modelload.sidecar.load.engine``, built from the sidecar's settings (and this
-    sidecar's :class:`~modelload.sidecar.peers.hook.Peers` when peers are on)."""
+    sidecar's :class:`~modelload.sidecar.peers.hook.Peers` when peers are on, and the segment's writer lock
+    the sidecar holds). Transient failures are left to the sidecar, which starts the whole load again."""
     from modelload.sidecar.load.engine import Engine
 
-    return Engine(settings.engine, sources=settings.sources, observer=observer, peers=peers)
+    return Engine(
+        settings.engine,
+        sources=settings.sources,
+        observer=observer,
+        peers=peers,
+        lock=lock,
+        retry_transient=True,
+    )
 
 
 # --- the process -------------------------------------------------------------------------------------------
@@ -108,18 +123,37 @@ class Sidecar:
     :attr:`shutdown` is set (by a signal, or a test) or the API dies; :meth:`stop` returns the exit status.
     """
 
-    def __init__(self, settings: SidecarSettings, *, engine_factory: EngineFactory = default_engine) -> None:
+    def __init__(
+        self,
+        settings: SidecarSettings,
+        *,
+        engine_factory: EngineFactory = default_engine,
+        attempts: AttemptPolicy | None = None,
+    ) -> None:
+        from modelload.loader.segment.lock import WriterLock
+        from modelload.loader.segment.room import check_folder
+        from modelload.sidecar.load.keys import check_key_files
+
+        attempts = attempts or AttemptPolicy()
+        check_key_files(settings.engine)
+        check_folder(settings.engine.segment)
+        # One writer per segment, before anything else binds: a second sidecar on this segment is refused
+        # here, naming the first, rather than by the notify socket it would also share.
+        self.lock = WriterLock.acquire(settings.engine.segment, program="modelload sidecar")
+        try:
+            self._build(settings, engine_factory, attempts)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _build(
+        self, settings: SidecarSettings, engine_factory: EngineFactory, attempts: AttemptPolicy
+    ) -> None:
         from modelload.sidecar.api import ApiServer, create_app
         from modelload.sidecar.metrics import MetricsObserver
         from modelload.sidecar.notify import FailureMarker, Notifier
         from modelload.sidecar.progress import LoadTracker, Observers
 
-        folder = settings.engine.segment.parent
-        if not folder.is_dir():
-            raise ConfigError(
-                f"the segment's folder {folder} does not exist: create it, mount the shared volume there,"
-                " or point --segment/MODELLOAD_SEGMENT into an existing folder"
-            )
         self.settings = settings
         self.shutdown = threading.Event()
         self.tracker: LoadTracker = LoadTracker()
@@ -145,17 +179,20 @@ class Sidecar:
                     self.notifier.close()
                 raise
             self.peers.register_metrics(self.metrics.registry)
-            if engine_factory is default_engine:
-                engine_factory = functools.partial(default_engine, peers=self.peers)
+        if engine_factory is default_engine:
+            engine_factory = functools.partial(default_engine, peers=self.peers, lock=self.lock)
         marker = FailureMarker(settings.engine.segment)
         observers = [self.tracker, self.metrics, LoggingObserver(), marker, self.notifier, self.peers]
         self.observer: LoadObserver = Observers(*[o for o in observers if o is not None])  # type: ignore[assignment]
-        self._load = _LoadThread(lambda: engine_factory(settings, self.observer), self.observer, self.tracker)
+        self._load = _LoadThread(
+            lambda: engine_factory(settings, self.observer), self.observer, self.tracker, attempts
+        )
         self._stopped: int | None = None
 
     def start(self) -> None:
         """Serve the API (the liveness probe answers from now on), then start the load."""
         self.api.start()
+        self.lock.update(status_url=self.api.url)  # a second writer's refusal names where to look
         if self.peers is not None:
             self.peers.start()
         log.info(
@@ -193,25 +230,34 @@ class Sidecar:
             self.notifier.close()
         status = self.tracker.snapshot()
         self._stopped = 0 if status.phase == "complete" else 1
+        self.lock.release()
         log.info("stopped (load %s): exit status %d", status.phase, self._stopped)
         return self._stopped
 
 
 class _LoadThread:
-    """Builds the engine and runs it in a thread; a failure before the engine could report it is reported.
+    """Builds the engine and runs it in a thread, attempt after attempt while the failures are transient
+    (:mod:`modelload.sidecar.load.attempts`); a failure before the engine could report it is reported.
 
-    The engine reports its own failures to the observers before raising; an error in building it (a bad
-    combination of settings, a missing engine module) has nobody to report it, so this thread does, and the
-    sidecar then serves the failure on /readyz like any other.
+    The engine reports its own final failures to the observers before raising; an error in building it (a
+    bad combination of settings, a missing engine module) has nobody to report it, so this thread does, and
+    the sidecar then serves the failure on /readyz like any other.
     """
 
-    def __init__(self, build: Callable[[], LoadEngine], observer: LoadObserver, tracker: LoadTracker) -> None:
+    def __init__(
+        self,
+        build: Callable[[], LoadEngine],
+        observer: LoadObserver,
+        tracker: LoadTracker,
+        attempts: AttemptPolicy,
+    ) -> None:
         self._build = build
         self._observer = observer
         self._tracker = tracker
+        self._attempts = attempts
         self._lock = threading.Lock()
         self._engine: LoadEngine | None = None
-        self._stopping = False
+        self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="modelload-engine", daemon=True)
 
     def start(self) -> None:
@@ -219,7 +265,7 @@ class _LoadThread:
 
     def stop(self) -> None:
         with self._lock:
-            self._stopping = True
+            self._stopping.set()
             engine = self._engine
         if engine is not None:
             engine.stop()
@@ -230,17 +276,31 @@ class _LoadThread:
         return not self._thread.is_alive()
 
     def _run(self) -> None:
+        attempt = 1
+        while not self._attempt(attempt):
+            delay = self._attempts.delay(attempt)
+            if self._stopping.wait(delay):
+                return
+            attempt += 1
+
+    def _attempt(self, attempt: int) -> bool:
+        """Run one attempt; False when it failed transiently and the load should start again."""
         try:
             with self._lock:
-                if self._stopping:
-                    return
+                if self._stopping.is_set():
+                    return True
                 self._engine = engine = self._build()
             engine.run()
         except ModelloadError as exc:
+            if exc.transient and not self._stopping.is_set():
+                delay = self._attempts.delay(attempt)
+                self._observer.load_retrying(kind=exc.kind, reason=str(exc), attempt=attempt, delay=delay)
+                return False
             self._report(exc, exc.kind)
         except Exception as exc:
             log.exception("the engine failed unexpectedly")
             self._report(exc, "internal")
+        return True
 
     def _report(self, exc: BaseException, kind: str) -> None:
         if self._tracker.snapshot().phase in ("failed", "stopped"):

@@ -20,7 +20,7 @@ __all__ = ["LoadObserver", "LoadPhase", "LoadStatus", "LoadTracker", "Observers"
 
 log = logging.getLogger(__name__)
 
-LoadPhase = Literal["starting", "loading", "complete", "failed", "stopped"]
+LoadPhase = Literal["starting", "loading", "complete", "failed", "retrying", "stopped"]
 
 
 class LoadObserver(Protocol):
@@ -52,6 +52,10 @@ class LoadObserver(Protocol):
 
     def load_failed(self, *, kind: str, reason: str) -> None:
         """The load gave up; the segment is marked FAILED with ``reason`` (never holding credentials)."""
+
+    def load_retrying(self, *, kind: str, reason: str, attempt: int, delay: float) -> None:
+        """Load attempt ``attempt`` failed transiently (``reason``); the whole load starts again in
+        ``delay`` seconds (the sidecar retries for as long as the failures stay transient)."""
 
     def memory_changed(self, status: dict[str, Any]) -> None:
         """Release or ring mode: resident and released bytes, and what a waiting ring waits for, changed."""
@@ -92,6 +96,11 @@ class LoadStatus:
     """Memory modes release and ring: what is held, released, and what the load waits for (memory.py)."""
     proofs: dict[str, dict[str, str]] = field(default_factory=dict)
     """Per weight file: what proves its bytes (``proof``) and how far it got (``state``)."""
+    attempt: int = 1
+    """Which attempt at the load this is: the sidecar starts the whole load again after a transient failure
+    that outlasted an attempt's retries."""
+    next_attempt_at: float | None = None
+    """While retrying: when the next attempt starts (Unix seconds)."""
 
     @property
     def published(self) -> bool:
@@ -150,6 +159,8 @@ class LoadStatus:
             "notify": self.notify,
             "memory": self.memory,
             "proofs": {file: dict(entry) for file, entry in self.proofs.items()},
+            "attempt": self.attempt,
+            "next_attempt_at": self.next_attempt_at,
         }
 
 
@@ -174,6 +185,7 @@ class LoadTracker:
         self._ready = 0
         self._retries = 0
         self._errors: Counter[str] = Counter()
+        self._attempt = 1
 
     def snapshot(self) -> LoadStatus:
         with self._lock:
@@ -187,10 +199,17 @@ class LoadTracker:
             )
 
     def load_started(self, *, source: str, segment: str) -> None:
-        with self._lock:
+        with self._lock:  # a new attempt starts from nothing, but its number and the errors so far stay
             self._status = LoadStatus(
-                phase="starting", source=source, segment=segment, started_at=time.time()
+                phase="starting",
+                source=source,
+                segment=segment,
+                started_at=time.time(),
+                attempt=self._attempt,
             )
+            self._bytes = self._ready = 0
+            self._landed.clear()
+            self._loading_since = None
 
     def manifest_published(self, *, model_format: str, tensors: int, nbytes: int, notify: str | None) -> None:
         with self._lock:
@@ -265,6 +284,14 @@ class LoadTracker:
             self._errors[kind] += 1
             phase: LoadPhase = "stopped" if kind == "stopped" else "failed"
             self._status = _replace(self._status, phase=phase, finished_at=time.time(), error=reason)
+
+    def load_retrying(self, *, kind: str, reason: str, attempt: int, delay: float) -> None:
+        with self._lock:
+            self._errors[kind] += 1
+            self._attempt = attempt + 1
+            self._status = _replace(
+                self._status, phase="retrying", error=reason, next_attempt_at=time.time() + delay
+            )
 
 
 class Observers:

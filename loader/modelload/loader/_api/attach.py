@@ -128,24 +128,35 @@ def attach(
 
 
 def _open_when_present(path: Path, timeout: float | None, *, status_url: str | None) -> SegmentReader:
+    """The segment at ``path`` once it is there and its load has not failed; the failure marker is read
+    first (SPEC.md reader rule 6), so a failed load is reported whatever else the volume holds."""
     deadline = None if timeout is None else time.monotonic() + timeout
     pause = 0.01
     next_status = time.monotonic()
     while True:
+        reason = read_failure(path)
+        if reason is not None:
+            raise LoadFailedError(reason, path=str(path))
         try:
-            return SegmentReader.open(path)
+            reader = SegmentReader.open(path)
         except SidecarUnavailableError:
-            reason = read_failure(path)
-            if reason is None and status_url is not None and time.monotonic() >= next_status:
+            if status_url is not None and time.monotonic() >= next_status:
                 next_status = time.monotonic() + STATUS_INTERVAL
                 reason = _failure_from_status(status_url)
-            if reason is not None:
-                raise LoadFailedError(reason, path=str(path)) from None
+                if reason is not None:
+                    raise LoadFailedError(reason, path=str(path)) from None
             if deadline is not None and time.monotonic() >= deadline:
                 raise SidecarUnavailableError(
                     f"no segment appeared at {path} within {timeout:g} s: is the modelload sidecar running, "
                     "and is its volume mounted in this container?"
                 ) from None
+        else:
+            try:
+                reader.check()  # a failed, stopped or abandoned load fails the attach itself
+            except BaseException:
+                reader.close()
+                raise
+            return reader
         time.sleep(pause)
         pause = min(pause * 2, 0.2)
 

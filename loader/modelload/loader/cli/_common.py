@@ -39,6 +39,7 @@ from modelload.loader.formats import (
 )
 from modelload.loader.formats._atomic import atomic_file
 from modelload.loader.formats.tensorizer import DecryptionKey
+from modelload.loader.localdir import list_local_directory
 from modelload.loader.segment.layout import MAGIC as SEGMENT_MAGIC
 from modelload.loader.segment.volume import FULL
 from modelload.loader.sizes import format_bytes
@@ -153,7 +154,7 @@ def read_password(path: Path | None, env: str | None) -> bytes | None:
 def local_model_files(directory: Path, *, format: str = "auto") -> ModelFiles:  # noqa: A002 - the CLI's word
     """A local model directory's files by role (weights, small files, ignored), by the sidecar's rules."""
     try:
-        names = [entry.name for entry in os.scandir(directory) if entry.is_file()]
+        names = list(list_local_directory(directory))
         index_json = (directory / SAFETENSORS_INDEX).read_bytes() if SAFETENSORS_INDEX in names else None
     except OSError as exc:
         raise translate_os_error(exc, directory) from None

@@ -19,7 +19,10 @@ the finishing of a tensor (decrypt, verify, publish) are the sidecar engine's ow
   tensor is read into its slot of the mapping: hugetlbfs takes nothing else, and a huge-page mapping faults
   512 times fewer pages than 4 KiB ones. The segment is planned for the volume's page size.
 
-Any error marks the segment FAILED with the reason, so processes already attached stop waiting and see why.
+Any error (SIGTERM and Ctrl-C included) marks the segment FAILED with the reason, so processes already
+attached stop waiting and see why, then removes it and the model directory this run wrote (a failed stage
+holds no memory), leaving the reason in ``SEGMENT.failed`` for processes that attach later. The segment's
+folder must exist, as for the sidecar; only one writer (this command or a sidecar) may hold a segment.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import argparse
 import contextlib
 import errno
 import os
+import signal
 import sys
 import threading
 import time
@@ -69,9 +73,13 @@ from modelload.loader.segment import (
     plan_layout,
     run_in_order,
 )
+from modelload.loader.segment.failure import leave_failed, remove_failure
 from modelload.loader.segment.layout import MAGIC
-from modelload.loader.segment.modeldir import write_model_dir
+from modelload.loader.segment.lock import WriterLock
+from modelload.loader.segment.modeldir import remove_model_dir, write_model_dir
 from modelload.loader.segment.pages import Volume, prefers_mapping, volume_of
+from modelload.loader.segment.previous import set_aside
+from modelload.loader.segment.room import check_folder
 from modelload.loader.segment.volume import full_volume
 
 __all__ = ["register", "run"]
@@ -88,8 +96,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "shards with its config and tokenizer) into a new segment at SEGMENT, publishing each tensor as "
             "it lands. A directory's small files go to the model directory (--model-dir). A segment already "
             "at SEGMENT is replaced (its readers are told it was superseded). On an error the segment is "
-            "marked failed with the reason. Remote models (s3://, http(s)://) are loaded by "
-            "`modelload sidecar --source URI`."
+            "marked failed for its readers and removed, with the reason left in SEGMENT.failed for apps "
+            "that attach later; nothing of the failed load keeps holding memory. Remote models (s3://, "
+            "http(s)://) are loaded by `modelload sidecar --source URI`."
         ),
     )
     parser.add_argument("source", metavar="SOURCE", help="the model file or directory")
@@ -140,25 +149,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--threads must be 1 or more")
     key = decryption_key(args)
     _check_target(source, args.segment, force=args.force)
-    with _open_model(source, args.format, key, verify=args.verify) as model:
-        index = model.index
-        model_dir = None
-        if model.small is not None:
-            target = args.model_dir or args.segment.parent / "model"
-            model_dir = write_model_dir(target, model.small, lambda name: (source / name).read_bytes())
-        volume = _volume(args.segment)
-        writer = SegmentWriter.create(args.segment, _layout(source, model, model_dir, volume.page_size))
-        try:
-            with ProgressBar(index.nbytes, "stage", enabled=not args.no_progress) as bar:
-                finisher = TensorFinisher(writer, key=key, encrypted=index.encrypted, verify=args.verify)
-                kernel_copy = not prefers_mapping(volume)
-                _fill(model.readers, writer, finisher, threads=args.threads, bar=bar, kernel_copy=kernel_copy)
-            writer.mark_complete()
-        except BaseException as exc:
-            writer.mark_failed(_reason(exc))
-            raise
-        finally:
-            writer.close()
+    check_folder(args.segment)
+    with WriterLock.acquire(args.segment, program="modelload stage") as lock, _terminated_as_interrupt():
+        staged = _stage(args, source, key, lock)
+    index = staged.index
     kind = index.format
     verified = kind == "tensorizer" and args.verify
     checks = [word for word, on in (("decrypted", index.encrypted), ("verified", verified)) if on]
@@ -168,9 +162,75 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"staged {args.segment} ({how}): {len(index.tensors)} tensors{files}, {rate(index.nbytes, seconds)}"
     )
-    if model_dir is not None:
-        print(f"model directory {model_dir}: {len(model.small or ())} files")
+    if staged.model_dir is not None:
+        print(f"model directory {staged.model_dir}: {len(staged.small or ())} files")
     return 0
+
+
+@dataclass
+class _Staged:
+    """What a stage loaded: the index, a directory's small files, and the model directory written."""
+
+    index: ModelIndex
+    small: list[str] | None
+    model_dir: Path | None
+
+
+def _stage(args: argparse.Namespace, source: Path, key: DecryptionKey | None, lock: WriterLock) -> _Staged:
+    """Load ``source`` into ``args.segment`` holding its ``lock``; a failure leaves no segment holding
+    memory, no model directory, and the reason beside the segment for apps (SPEC.md writer rule 7)."""
+    previous = set_aside(args.segment)  # replaced: its readers are told, and it goes
+    if previous is not None:
+        print(f"modelload stage: replacing the segment at {args.segment}", file=sys.stderr)
+        previous.discard()
+    remove_failure(args.segment)
+    model_dir: Path | None = None
+    writer: SegmentWriter | None = None
+    try:
+        with _open_model(source, args.format, key, verify=args.verify) as model:
+            index = model.index
+            if model.small is not None:
+                target = args.model_dir or args.segment.parent / "model"
+                model_dir = write_model_dir(target, model.small, lambda name: (source / name).read_bytes())
+            volume = _volume(args.segment)
+            layout = _layout(source, model, model_dir, volume.page_size)
+            writer = SegmentWriter.create(args.segment, layout, lock=lock)
+            with ProgressBar(index.nbytes, "stage", enabled=not args.no_progress) as bar:
+                finisher = TensorFinisher(writer, key=key, encrypted=index.encrypted, verify=args.verify)
+                kernel_copy = not prefers_mapping(volume)
+                _fill(model.readers, writer, finisher, threads=args.threads, bar=bar, kernel_copy=kernel_copy)
+            writer.mark_complete()
+            return _Staged(index, model.small, model_dir)
+    except BaseException as exc:
+        problem = leave_failed(args.segment, _reason(exc), writer=writer)
+        if model_dir is not None:
+            remove_model_dir(model_dir)
+        if problem is not None:
+            print(f"modelload stage: {problem}", file=sys.stderr)
+        raise
+    finally:
+        if writer is not None:
+            writer.close()
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so the failed stage is cleaned up as after Ctrl-C."""
+
+
+@contextlib.contextmanager
+def _terminated_as_interrupt() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum: int, frame: object) -> None:
+        raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @dataclass
@@ -225,8 +285,6 @@ def _check_target(source: Path, segment: Path, *, force: bool) -> None:
         raise ConfigError(f"{segment} exists and cannot be read ({exc.strerror}); remove it") from None
     if not is_segment and not force:
         raise ConfigError(f"{segment} exists and is not a modelload segment; pass --force to replace it")
-    if is_segment:
-        print(f"modelload stage: replacing the segment at {segment}", file=sys.stderr)
 
 
 def _volume(segment: Path) -> Volume:
@@ -355,6 +413,8 @@ def _translate(exc: OSError, tensor: str, reader: ModelReader) -> ModelloadError
 
 def _reason(exc: BaseException) -> str:
     """What a reader of the failed segment is told."""
+    if isinstance(exc, _Terminated):
+        return "modelload stage was stopped (SIGTERM)"
     if isinstance(exc, KeyboardInterrupt):
         return "modelload stage was interrupted"
     if isinstance(exc, ModelloadError):

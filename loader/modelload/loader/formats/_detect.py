@@ -65,8 +65,9 @@ def detect_format(prefix: bytes | memoryview) -> FormatName:
 def _describe(head: bytes, length: int) -> str:
     if length == 0:
         return f"the file is empty; {_EXPECTED}"
-    shown = head[:16]
-    text = f"{_EXPECTED}; the first {len(shown)} bytes are {shown.hex(' ')}"
+    # The bytes themselves are never shown: the message reaches logs and a ModelLoad's status, and a file
+    # that is not a model may be anything (a secret the source was pointed at); what they look like is said.
+    text = f"{_EXPECTED}; its first bytes are neither"
     if length < 9:
         text = f"the file is only {length} bytes; {text}"
     for start, meaning in _LOOKALIKES:

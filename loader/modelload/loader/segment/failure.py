@@ -17,10 +17,25 @@ with a size bound. Reasons hold no credentials (the error tree's rule), so the f
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import secrets
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["MAX_REASON_BYTES", "marker_path", "read_failure", "remove_failure", "write_failure"]
+if TYPE_CHECKING:
+    from modelload.loader.segment.writer import SegmentWriter
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "MAX_REASON_BYTES",
+    "leave_failed",
+    "marker_path",
+    "read_failure",
+    "remove_failure",
+    "write_failure",
+]
 
 MAX_REASON_BYTES = 4096
 """A reason is cut to this many bytes; a longer marker file is read only this far."""
@@ -31,9 +46,9 @@ def marker_path(segment: Path) -> Path:
     return segment.with_name(segment.name + ".failed")
 
 
-def write_failure(segment: Path, reason: str) -> None:
-    """Leave the marker for ``segment`` (replacing an older one); silently nothing where it cannot be written
-    (a read-only or full volume): the marker is a courtesy to readers, and the failure is logged anyway."""
+def write_failure(segment: Path, reason: str) -> bool:
+    """Leave the marker for ``segment`` (replacing an older one); False where it cannot be written (a
+    read-only or full volume): the failure is logged anyway, and a FAILED segment says it too."""
     target = marker_path(segment)
     text = reason.encode("utf-8", "replace")[:MAX_REASON_BYTES].decode("utf-8", "ignore")
     temporary = target.with_name(f".{target.name}.{secrets.token_hex(4)}")
@@ -44,6 +59,8 @@ def write_failure(segment: Path, reason: str) -> None:
     except OSError:
         with contextlib.suppress(OSError):
             temporary.unlink()
+        return False
+    return True
 
 
 def remove_failure(segment: Path) -> None:
@@ -60,3 +77,44 @@ def read_failure(segment: Path) -> str | None:
     except OSError:
         return None
     return data.decode("utf-8", "replace").strip() or "no reason given"
+
+
+def leave_failed(
+    segment: Path, reason: str, *, writer: SegmentWriter | None = None, marker: bool = True
+) -> str | None:
+    """Leave a failed load as readers must find it, holding no memory: the segment ``writer`` published is
+    marked FAILED with ``reason`` (processes that map it stop waiting and let go of it), the marker gets the
+    reason (a process attaching later fails with it), and the segment is removed from the name (its pages go
+    once nobody maps it). Where the marker cannot be written (a full volume), the FAILED segment stays: it
+    then is what tells. ``marker=False`` (a load that will be tried again) writes none: a process attaching
+    meanwhile waits for the next attempt. Returns None, or what the caller must tell the user when the
+    segment could not be removed (where it is, and how to remove it).
+    """
+    if writer is not None:
+        from modelload.loader.errors import SegmentError
+
+        with contextlib.suppress(SegmentError):  # closed: the failure came while publishing
+            writer.mark_failed(reason)
+    if marker and not write_failure(segment, reason):
+        return None  # a full volume: the FAILED segment stays, the one place that holds the reason
+    if writer is None or not _is_ours(segment, writer):
+        return None
+    try:
+        segment.unlink()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return (
+            f"the failed segment {segment} could not be removed ({exc.strerror or exc}) and holds memory:"
+            f" remove it with `rm {segment}`"
+        )
+    log.info("removed the failed segment %s; the reason is in %s", segment, marker_path(segment))
+    return None
+
+
+def _is_ours(segment: Path, writer: SegmentWriter) -> bool:
+    """Whether the name still holds the writer's file (and not a newer writer's)."""
+    try:
+        return segment.stat().st_ino == os.fstat(writer.fileno()).st_ino
+    except (OSError, ValueError):
+        return False

@@ -50,6 +50,7 @@ __all__ = [
     "WriterState",
     "align",
     "entry_offset",
+    "error_bytes",
     "plan_layout",
 ]
 
@@ -93,6 +94,15 @@ ENTRY_READY_NS = 8
 """u64: when the tensor became READY."""
 ENTRY_CRC32 = 16
 """u32: the tensor's CRC-32, when the CRC32 flag is set."""
+
+
+def error_bytes(reason: str) -> bytes:
+    """``reason`` as the header's error field holds it: UTF-8, cut at a character boundary to
+    :data:`ERROR_CAPACITY` bytes."""
+    encoded = reason.encode("utf-8", errors="replace")
+    if len(encoded) <= ERROR_CAPACITY:
+        return encoded
+    return encoded[:ERROR_CAPACITY].decode("utf-8", errors="ignore").encode()
 
 
 def entry_offset(state_offset: int, index: int, field: int = ENTRY_STATE) -> int:

@@ -27,7 +27,7 @@ from modelload.loader.errors import ConfigError, SegmentError
 from modelload.loader.segment.pages import volume_of
 from modelload.loader.segment.volume import full_volume
 
-__all__ = ["write_model_dir"]
+__all__ = ["remove_model_dir", "write_model_dir"]
 
 
 def write_model_dir(
@@ -87,3 +87,12 @@ def _translate(exc: OSError, target: Path) -> SegmentError:
     if exc.errno == errno.EROFS:
         return SegmentError(f"cannot write the model directory {target}: the file system is read-only")
     return SegmentError(f"cannot write the model directory {target}: {exc.strerror or exc}")
+
+
+def remove_model_dir(target: Path) -> None:
+    """Remove a model directory a failed load wrote (its small files hold memory on a memory-backed
+    volume). A link at ``target`` is removed, never followed."""
+    if target.is_symlink():
+        target.unlink()
+    elif target.is_dir():
+        shutil.rmtree(target, ignore_errors=True)

@@ -66,6 +66,7 @@ from modelload.loader.segment.layout import (
     WriterState,
     entry_offset,
 )
+from modelload.loader.segment.lock import writer_gone
 from modelload.loader.segment.pages import SMALL_PAGE, Volume, mapped_length, volume_of
 from modelload.loader.segment.validate import parse_header, parse_manifest
 
@@ -76,6 +77,9 @@ Waiter = Callable[[float], None]
 
 STALE_AFTER = 60.0
 """Seconds without a heartbeat after which a LOADING writer is taken for dead (SPEC.md reader rule 5)."""
+
+LOCK_PROBE_INTERVAL = 0.25
+"""Seconds between looks at the writer's lock while a LOADING segment is waited for."""
 
 _POLL_MIN, _POLL_MAX = 0.0005, 0.02
 _RESCAN = 0.25
@@ -118,6 +122,7 @@ class SegmentReader:
             first : first + len(slots) * (STATE_ENTRY_LENGTH // 4) : STATE_ENTRY_LENGTH // 4
         ]
         self.stale_after = STALE_AFTER
+        self._next_lock_probe = 0.0
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> SegmentReader:
@@ -274,10 +279,20 @@ class SegmentReader:
     # --- waiting --------------------------------------------------------------------------------------------
 
     def check(self) -> None:
-        """Raise :class:`LoadFailedError` when the writer failed or stopped beating."""
+        """Raise :class:`LoadFailedError` when the writer failed, is gone (its lock is free: SPEC.md,
+        "Writers and loads"), or stopped beating."""
         state = self.writer_state
         if state == WriterState.FAILED:
             raise LoadFailedError(self.error or "no reason recorded", path=str(self.path))
+        if state == WriterState.LOADING and time.monotonic() >= self._next_lock_probe:
+            self._next_lock_probe = time.monotonic() + LOCK_PROBE_INTERVAL
+            gone = writer_gone(self.path, self.load_id)
+            if gone is not None and self.writer_state == WriterState.LOADING:
+                raise LoadFailedError(
+                    f"the writer of this load ({gone.describe()}) is gone: it was killed or crashed before"
+                    " finishing; check its logs and restarts (a restarted sidecar loads again)",
+                    path=str(self.path),
+                )
         if state == WriterState.LOADING and self.stale_after:
             silent = (time.time_ns() - self.heartbeat_ns) / 1e9
             if silent > self.stale_after:

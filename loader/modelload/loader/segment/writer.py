@@ -10,10 +10,9 @@ that lands its data through the file descriptor instead (``os.splice``, where a 
 still reserves the pages nothing will ever write: the header, manifest and state table, and the part of a
 slot the source has no bytes for (a meta tensor), which readers fault in.
 
-A writer replacing a segment that is not complete (a sidecar restarted after a crash mid-load) needs room
-for the new file while the old one still takes its pages. When both do not fit, the old segment (and any
-temporary file a crashed writer left) is marked FAILED and removed first: a volume sized for one model then
-holds the new load. Readers that still map the old file keep its pages until they let go of it.
+The checks before a segment is created (its folder, a writable volume with room for it, an unfinished
+segment removed to make room) and the reservation of its pages are :mod:`.room`'s; marking a LOADING
+segment at the name FAILED when the new one replaces it is :func:`.previous.supersede`.
 
 A ring segment (layout version 4) holds only ``ring_size`` bytes of data after its tables, and a tensor's
 bytes wrap around the ring's end. The writer maps the ring a second time right after the file
@@ -46,7 +45,7 @@ import numpy as np
 import numpy.typing as npt
 
 from modelload.loader.errors import SegmentError
-from modelload.loader.segment import _memory, _ring
+from modelload.loader.segment import _memory, _ring, room
 from modelload.loader.segment.consumers import create_table
 from modelload.loader.segment.layout import (
     ENTRY_CRC32,
@@ -54,7 +53,6 @@ from modelload.loader.segment.layout import (
     ENTRY_READY_NS,
     ERROR_CAPACITY,
     HEADER_LENGTH,
-    MAGIC,
     OFF_BYTES_READY,
     OFF_ERROR,
     OFF_ERROR_LENGTH,
@@ -70,16 +68,12 @@ from modelload.loader.segment.layout import (
     TensorState,
     WriterState,
     entry_offset,
+    error_bytes,
 )
-from modelload.loader.segment.pages import (
-    Volume,
-    available_bytes,
-    check_page_size,
-    full_volume_advice,
-    mapped_length,
-    volume_of,
-)
-from modelload.loader.segment.volume import FULL, full_volume, volume_full
+from modelload.loader.segment.lock import WriterLock
+from modelload.loader.segment.pages import Volume, check_page_size
+from modelload.loader.segment.previous import supersede
+from modelload.loader.segment.volume import full_volume
 
 __all__ = ["SegmentWriter"]
 
@@ -145,6 +139,7 @@ class SegmentWriter:
         created_ns: int | None = None,
         heartbeat: bool = True,
         reserve_ranges: Sequence[tuple[int, int]] = (),
+        lock: WriterLock | None = None,
     ) -> SegmentWriter:
         """Create, size and publish a segment for ``layout`` at ``path``, ready for tensor data.
 
@@ -157,14 +152,18 @@ class SegmentWriter:
 
         ``reserve_ranges`` (``(offset, length)`` pairs) are reserved before publishing even without
         ``reserve``, as are the header, manifest and state table: the parts no data transfer will write.
+
+        ``lock``, the segment's :class:`~modelload.loader.segment.lock.WriterLock` held by the caller, is
+        told the new load_id before the segment is published, so a reader can tell from the lock whether
+        this load's writer still lives (SPEC.md, "Writers and loads").
         """
         target = Path(path)
         load_id = load_id or (secrets.randbits(64) | 1)
         created_ns = created_ns or time.time_ns()
-        _check_writable(target.parent)
+        room.check_writable(target.parent)
         volume = check_page_size(target.parent, layout.page_size)
-        _make_room(target, layout.segment_length, load_id)
-        _check_space(target.parent, layout)
+        room.make_room(target, layout.segment_length, load_id)
+        room.check_space(target.parent, layout)
         temp = target.with_name(f".{target.name}.{load_id:016x}.tmp")
         try:
             fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, SEGMENT_MODE)
@@ -177,18 +176,20 @@ class SegmentWriter:
             os.fchmod(fd, SEGMENT_MODE)  # exactly this mode, whatever the umask
             os.ftruncate(fd, layout.segment_length)
             if reserve and layout.segment_length:
-                _reserve(fd, layout.segment_length, target)
+                room.reserve_pages(fd, layout.segment_length, target)
             elif layout.segment_length:
                 for offset, length in ((0, layout.data_offset), *reserve_ranges):
                     if length > 0:
-                        _reserve(fd, length, target, offset=offset)
+                        room.reserve_pages(fd, length, target, offset=offset)
             mm: mmap.mmap | memoryview
             mm = _map(fd, layout, target)
             writer = cls(target, layout, fd, mm, load_id, volume)
             writer._write_prologue(created_ns)
             if layout.layout_version >= 3:  # the consumer table first: a version-3 or -4 reader looks for it
                 create_table(target, load_id=load_id, tensor_count=len(layout.slots))
-            _supersede(target, load_id)
+            if lock is not None:
+                lock.update(load_id=load_id)
+            supersede(target, f"superseded by a new load ({load_id:016x}); attach again")
             temp.rename(target)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -202,13 +203,13 @@ class SegmentWriter:
     def reserve(self) -> None:
         """Allocate every page of the segment now; :class:`SegmentSpaceError` when the volume is full."""
         if self.layout.segment_length:
-            _reserve(self._fd, self.layout.segment_length, self.path)
+            room.reserve_pages(self._fd, self.layout.segment_length, self.path)
 
     def reserve_range(self, offset: int, length: int) -> None:
         """Allocate the pages of segment bytes ``[offset, offset + length)`` now, before writing them through
         a view (:class:`SegmentSpaceError` when the volume is full, instead of a SIGBUS)."""
         for file_offset, count in self.file_ranges(offset, length):
-            _reserve(self._fd, count, self.path, offset=file_offset)
+            room.reserve_pages(self._fd, count, self.path, offset=file_offset)
 
     def _write_prologue(self, created_ns: int) -> None:
         # The manifest straight into the file (never whole in memory), then the header with its CRC; the
@@ -367,9 +368,14 @@ class SegmentWriter:
             self._u32[self._state_word(index)] = TensorState.FAILED
 
     def mark_complete(self) -> None:
-        """Declare the load complete. Every tensor must be READY."""
+        """Declare the load complete. Every tensor must be READY, and the load not already marked FAILED
+        (a stop from another thread): a segment never leaves FAILED."""
         with self._lock:
             self._check_open()
+            if self.writer_state == WriterState.FAILED:
+                raise SegmentError(
+                    f"cannot complete {self.path}: the load was marked failed ({self._error()})"
+                )
             if self._ready != len(self.layout.slots):
                 missing = [s.name for s in self.layout.slots if self.state(s.index) != TensorState.READY]
                 raise SegmentError(f"cannot complete: {len(missing)} tensors are not ready ({missing[:5]})")
@@ -377,7 +383,7 @@ class SegmentWriter:
 
     def mark_failed(self, reason: str) -> None:
         """Declare the load failed with ``reason`` (truncated to 1024 bytes of UTF-8). Final."""
-        encoded = _truncate_utf8(reason, ERROR_CAPACITY)
+        encoded = error_bytes(reason)
         with self._lock:
             self._check_open()
             if self.writer_state in (WriterState.COMPLETE, WriterState.FAILED):
@@ -386,6 +392,10 @@ class SegmentWriter:
             self._view[OFF_ERROR : OFF_ERROR + len(encoded)] = encoded
             self._u32[OFF_ERROR_LENGTH // 4] = len(encoded)
             self._finish(WriterState.FAILED)
+
+    def _error(self) -> str:
+        length = int(self._u32[OFF_ERROR_LENGTH // 4])
+        return bytes(self._view[OFF_ERROR : OFF_ERROR + length]).decode("utf-8", "replace")
 
     @property
     def writer_state(self) -> WriterState:
@@ -456,19 +466,6 @@ class SegmentWriter:
         return f"<SegmentWriter {self.path} load_id={self.load_id:016x} ready={ready}>"
 
 
-def _check_writable(directory: Path) -> None:
-    """A read-only volume is named as such, before the space checks: a small read-only mount is not "full"."""
-    try:
-        read_only = bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
-    except OSError:
-        return  # _check_space reports a missing directory
-    if read_only:
-        raise SegmentError(
-            f"cannot create a segment in {directory}: it is on a read-only file system; mount the volume"
-            " read-write there, or choose another folder (--segment/MODELLOAD_SEGMENT)"
-        )
-
-
 def _map(fd: int, layout: Layout, target: Path) -> mmap.mmap | memoryview:
     """Map the new segment shared and writable (a ring twice over). On hugetlbfs the kernel reserves the
     mapping's pages from its pool now, and refuses with ENOMEM when too few are free."""
@@ -490,116 +487,3 @@ def _map(fd: int, layout: Layout, target: Path) -> mmap.mmap | memoryview:
         if full is None:
             raise
         raise full from exc
-
-
-def _check_space(directory: Path, layout: Layout) -> None:
-    try:
-        available = _available(directory)
-    except FileNotFoundError:
-        raise SegmentError(
-            f"segment directory {directory} does not exist; create it or mount the volume"
-        ) from None
-    needed = layout.segment_length
-    if needed > available and layout.memory_mode == MemoryMode.RING:
-        raise volume_full(
-            f"ring mode needs {needed} bytes in {directory} (the ring of {layout.ring_size} and the "
-            f"segment's header and tables) and the volume has {available} free: raise the volume's "
-            "sizeLimit or lower --ring-size"
-        )
-    if needed > available:
-        raise volume_full(
-            f"the segment needs {needed} bytes and {directory} has {available} free; "
-            + full_volume_advice(directory)
-        )
-
-
-def _reserve(fd: int, length: int, target: Path, *, offset: int = 0) -> None:
-    try:
-        os.posix_fallocate(fd, offset, length)
-    except OSError as exc:
-        # Reserving tmpfs pages past the writer's memory limit fails with ENOMEM: the volume is full too. The
-        # advice is the volume's own: a hugetlbfs needs huge pages set aside, not a larger sizeLimit.
-        full = full_volume(
-            exc,
-            f"no room for a {length}-byte segment at {target}",
-            advice=full_volume_advice(target.parent),
-            codes=FULL | {errno.ENOMEM},
-        )
-        if full is not None:
-            raise full from exc
-        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-            raise
-        log.debug("posix_fallocate is not supported at %s; pages are allocated on first write", target)
-
-
-def _make_room(target: Path, needed: int, load_id: int) -> None:
-    """Remove an unfinished segment at ``target`` (and crashed writers' temporary files) when the volume
-    cannot hold it and a new ``needed``-byte segment at once; a COMPLETE one is never removed here."""
-    try:
-        available = _available(target.parent)
-    except OSError:
-        return  # _check_space reports a missing directory
-    if needed <= available:
-        return
-    leftovers = list(target.parent.glob(f".{target.name}.*.tmp"))
-    old_state = _writer_state(target)
-    if old_state is not None and old_state != WriterState.COMPLETE:
-        _supersede(target, load_id)
-        leftovers.append(target)
-    for path in leftovers:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-            log.warning("removed %s, an unfinished segment, to make room for a new load", path)
-
-
-def _available(directory: Path) -> int:
-    return available_bytes(directory)
-
-
-def _writer_state(target: Path) -> int | None:
-    """The writer_state word of the segment at ``target``; None when there is no segment there."""
-    try:
-        with target.open("rb") as file:
-            head = file.read(HEADER_LENGTH)
-    except OSError:
-        return None
-    if len(head) < HEADER_LENGTH or head[: len(MAGIC)] != MAGIC:
-        return None
-    state: int = struct.unpack_from("<I", head, OFF_WRITER_STATE)[0]
-    return state
-
-
-def _supersede(target: Path, load_id: int) -> None:
-    """Mark a LOADING segment at ``target`` FAILED, so its readers stop waiting (SPEC.md writer rule 4)."""
-    try:
-        fd = os.open(target, os.O_RDWR | os.O_CLOEXEC)
-    except OSError:
-        return
-    try:
-        size = os.fstat(fd).st_size
-        if size < HEADER_LENGTH:
-            return
-        length = min(mapped_length(HEADER_LENGTH, volume_of(fd)), size)
-        with mmap.mmap(fd, length, flags=mmap.MAP_SHARED) as old:
-            loading = struct.unpack_from("<I", old, OFF_WRITER_STATE)[0] == WriterState.LOADING
-            if old[: len(MAGIC)] != MAGIC or not loading:
-                return
-            reason = _truncate_utf8(
-                f"superseded by a new load ({load_id:016x}); attach again", ERROR_CAPACITY
-            )
-            old[OFF_ERROR : OFF_ERROR + len(reason)] = reason
-            struct.pack_into("<I", old, OFF_ERROR_LENGTH, len(reason))
-            struct.pack_into("<Q", old, OFF_FINISHED_NS, time.time_ns())
-            _memory.release_fence()
-            struct.pack_into("<I", old, OFF_WRITER_STATE, WriterState.FAILED)
-    except (OSError, ValueError) as exc:
-        log.warning("could not mark the previous segment at %s superseded: %s", target, exc)
-    finally:
-        os.close(fd)
-
-
-def _truncate_utf8(text: str, limit: int) -> bytes:
-    encoded = text.encode("utf-8", errors="replace")
-    if len(encoded) <= limit:
-        return encoded
-    return encoded[:limit].decode("utf-8", errors="ignore").encode()

@@ -2,9 +2,10 @@
 
 ``engine`` (:class:`~modelload.sidecar.load.engine.Engine`) runs a load; ``landing`` chooses how bytes reach
 the segment (splice or the mapping, by the pages under it); ``integrity`` checks that the bytes landed are
-the origin's; ``meter`` counts bytes as they land; ``modeldir`` copies a directory's small files
-beside the segment; ``settings`` holds :class:`LoadSettings`. The engine is imported from its module, not from
-here, so reading the settings (``modelload sidecar --help``) never loads the engine.
+the origin's; ``keys`` checks and reads the decryption key; ``meter`` counts bytes as they land;
+``modeldir`` copies a directory's small files beside the segment; ``settings`` holds :class:`LoadSettings`.
+The engine is imported from its module, not from here, so reading the settings (``modelload sidecar
+--help``) never loads the engine.
 """
 
 from modelload.sidecar.load.landing import LANDINGS, Landing

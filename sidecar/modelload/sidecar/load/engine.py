@@ -10,12 +10,13 @@ One run is one load:
    before the segment is published, so an app that attaches finds them;
 3. read each weight file's index with one small range, plan the segment (a slot per tensor, across files)
    and the range chunks, publish the segment's header and manifest at once (an app can attach now);
-4. N reader threads take chunks in load order and land them straight in the segment: ``os.splice`` from the
-   socket or file into the segment's file on 4 KiB pages where the source supports it (no user-space copy,
-   no page faults in this process), ``readinto`` a slice of the mapping on huge pages and otherwise
+4. N reader threads (:mod:`modelload.sidecar.load.readers`) take chunks, each a range of neighbouring
+   tensors, in load order and land them straight in the segment: ``os.splice`` from the socket or file into
+   the segment's file on 4 KiB pages where the source supports it and the pieces are big (no user-space
+   copy, no page faults in this process), scattering reads into the mapping on huge pages and otherwise
    (:mod:`modelload.sidecar.load.landing` chooses);
-5. the thread that lands a tensor's last chunk decrypts it in place, checks its hash when asked, and
-   publishes it READY;
+5. the thread that lands a chunk decrypts the tensors it completes in place, checks their hashes when
+   asked, and publishes them READY together;
 6. every tensor in, and the weight files still the ones the load started with (a fresh look-up of their
    validators and a re-read sample of every landed range, :mod:`modelload.sidecar.load.integrity`): the
    segment is COMPLETE. Any permanent failure marks it FAILED with the reason, so attached readers get an
@@ -33,100 +34,45 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Protocol
 
-import numpy as np
-import numpy.typing as npt
-
-from modelload.loader.errors import (
-    HashMismatchError,
-    MissingKeyError,
-    ModelloadError,
-    NotEncryptedError,
-    SegmentError,
-)
+from modelload.loader.errors import ModelloadError, SegmentError
 from modelload.loader.formats import ModelIndex
-from modelload.loader.formats import tensorizer as tz
-from modelload.loader.segment import (
-    MODEL_DIR_KEY,
-    SegmentReader,
-    SegmentWriter,
-    TensorFinisher,
-    WriterState,
-    run_in_order,
-)
+from modelload.loader.segment import MODEL_DIR_KEY, SegmentWriter
 from modelload.loader.segment.collector import paused_collector
+from modelload.loader.segment.failure import leave_failed, remove_failure
+from modelload.loader.segment.identity import LoadIdentity
+from modelload.loader.segment.lock import WriterLock
+from modelload.loader.segment.modeldir import remove_model_dir
+from modelload.loader.segment.previous import Previous, set_aside
 from modelload.sidecar.load import integrity, proof
 from modelload.sidecar.load.digests import FileDigests
+from modelload.sidecar.load.keys import check_key, read_key
 from modelload.sidecar.load.landing import choose_landing
-from modelload.sidecar.load.meter import ChunkMeter
 from modelload.sidecar.load.modeldir import write_model_dir
+from modelload.sidecar.load.readers import LoadContext, PeerHook, Readers
+from modelload.sidecar.load.reuse import load_identity, reuse
 from modelload.sidecar.load.settings import LoadSettings
 from modelload.sidecar.memory import MemoryManager, plan_memory
-from modelload.sidecar.planner import Chunk, LoadPlan, plan_load
+from modelload.sidecar.planner import LoadPlan, plan_load
 from modelload.sidecar.progress import LoadObserver
-from modelload.sidecar.sources import (
-    OpenedModel,
-    RetryEvent,
-    RetryPolicy,
-    Source,
-    SourceSettings,
-    display_url,
-    metered,
-    open_model,
-    read_range,
-    read_range_into_fd,
-    read_range_pieces,
-    read_range_pieces_into_fd,
-)
+from modelload.sidecar.sources import OpenedModel, RetryEvent, SourceSettings, display_url, open_model
 
-__all__ = ["Engine", "LoadStopped", "error_kind"]
+__all__ = ["Engine", "LoadStopped", "PeerHook", "error_kind"]
 
 log = logging.getLogger(__name__)
+
+
+STOPPED = "the sidecar was stopped before the load finished"
+"""The reason a stopped load's segment records."""
 
 
 class LoadStopped(ModelloadError):
     """The load was stopped (SIGTERM) before it finished; the segment is marked FAILED."""
 
     kind = "stopped"
-
-
-class PeerHook(Protocol):
-    """Other sidecars as sources (``modelload.sidecar.peers.hook.Peers``): everything the engine asks of
-    them."""
-
-    @property
-    def verified_by_peers(self) -> Collection[int]:
-        """Tensors whose bytes came from peers and matched the CRC-32 the peers listed for them: checked
-        already, so neither re-sampled from the origin before publishing nor at the end of the load."""
-
-    def begin(
-        self, *, model: OpenedModel, plan: LoadPlan, writer: SegmentWriter, segment: Path, share: bool = True
-    ) -> LoadPlan:
-        """Once the segment exists: may wrap ``model.sources`` to ask peers first, and returns the plan to
-        load (the same chunks, perhaps reordered). ``share`` false: this load will not keep its tensors."""
-
-    def finish(self, tensor: int) -> int | None:
-        """Check tensor ``tensor``, whose bytes are all in, before it is published (bytes from a peer that
-        fail are read again from the origin). Returns the CRC-32 of the tensor's slot when the check
-        computed exactly that (the engine records it instead of computing it again), else None."""
-
-
-@dataclass(frozen=True)
-class _LoadContext:
-    """What one load's readers share with the engine that runs them, handed over explicitly."""
-
-    settings: LoadSettings
-    observer: LoadObserver
-    stop: threading.Event
-    """Set by :meth:`Engine.stop`: the readers stop at their next chunk."""
-    retry: RetryPolicy
-    on_retry: Callable[[RetryEvent], None]
-    peers: PeerHook | None
 
 
 class Engine:
@@ -139,7 +85,13 @@ class Engine:
         sources: SourceSettings,
         observer: LoadObserver,
         peers: PeerHook | None = None,
+        lock: WriterLock | None = None,
+        retry_transient: bool = False,
     ) -> None:
+        """``lock`` is the segment's writer lock when the caller holds it (the sidecar, for its whole
+        life); without it the engine takes the lock for the run. ``retry_transient`` says the caller
+        retries the whole load after a transient failure: the engine then reports none (the caller says
+        it retries) and leaves no failure marker, only the FAILED segment's reason for attached readers."""
         self.settings = settings
         self._peers = peers
         self._observer = observer
@@ -147,10 +99,21 @@ class Engine:
         # A stop (SIGTERM) also cuts short a retry's backoff, so stopping never waits out a retry's sleep.
         self._sources = replace(sources, retry=replace(sources.retry, stop=self._stop))
         self._writer: SegmentWriter | None = None
+        self._writer_lock = threading.Lock()
+        self._lock = lock
+        self._retry_transient = retry_transient
+        self._previous: Previous | None = None
+        self._model_dir: Path | None = None
 
     def stop(self) -> None:
-        """Stop the readers at their next chunk; a segment still loading is marked FAILED."""
-        self._stop.set()
+        """Mark a segment still loading FAILED ("stopped") at once, then stop the readers at their next
+        chunk: a reader blocked on a slow source cannot hold the mark back (SPEC.md, "Writers and loads")."""
+        with self._writer_lock:
+            self._stop.set()
+            writer = self._writer
+        if writer is not None:
+            with contextlib.suppress(SegmentError):  # closed: the load already ended
+                writer.mark_failed(STOPPED)
 
     # --- the load -----------------------------------------------------------------------------------------
 
@@ -158,7 +121,14 @@ class Engine:
         """Load the model. Raises the ModelloadError that failed it, or :class:`LoadStopped`."""
         settings = self.settings
         self._observer.load_started(source=display_url(settings.source), segment=str(settings.segment))
+        own_lock = None
         try:
+            if self._lock is None:
+                self._lock = own_lock = WriterLock.acquire(settings.segment, program="modelload engine")
+            # Out of sight until this load knows whether the segment an earlier one left is this very load;
+            # an earlier failure's marker goes too (SPEC.md writer rule 7).
+            self._previous = set_aside(settings.segment)
+            remove_failure(settings.segment)
             model = open_model(
                 settings.source,
                 self._sources,
@@ -179,6 +149,8 @@ class Engine:
         finally:
             if self._writer is not None:
                 self._writer.close()
+            if own_lock is not None:
+                own_lock.release()
 
     @property
     def model_dir(self) -> Path:
@@ -191,15 +163,20 @@ class Engine:
         uri = model.uri
         model_dir = None
         _warn_without_validator(model)
+        key = read_key(settings)
+        identity = load_identity(model, settings, key)
         if model.directory is not None:
-            model_dir = write_model_dir(model, self.model_dir, self._sources, on_retry=self._retried)
-        if self._reuse(uri, model.fingerprint, model.size):
+            model_dir = self._model_dir = write_model_dir(
+                model, self.model_dir, self._sources, on_retry=self._retried
+            )
+        previous, self._previous = self._previous, None
+        if reuse(previous, identity, key, observer):
             return
         index = model.index
-        key = self._key(index, uri)
+        check_key(index, uri, key)
         landing = choose_landing(settings.landing, settings.segment, model.sources)
         proofs = _decide_proofs(model, settings, encrypted=index.encrypted)
-        metadata = _metadata(uri, model.fingerprint, model.size, settings.notify, model_dir)
+        metadata = _metadata(uri, model.fingerprint, model.size, settings.notify, model_dir, identity)
         proofs_text = json.dumps({p.uri: p.label for p in proofs}, sort_keys=True)
         metadata = {**metadata, **_pinned_version(model), PROOFS_KEY: proofs_text}
         plan = self._plan(index, metadata, page_size=landing.page_size)
@@ -208,9 +185,10 @@ class Engine:
         unlanded = integrity.unlanded_ranges(plan) if use_fd else []
         # A ring's pages are taken once, now, and reused lap after lap (a full volume fails here).
         ring = settings.memory.mode == "ring"
-        self._writer = writer = SegmentWriter.create(
-            settings.segment, plan.layout, reserve=ring, reserve_ranges=unlanded
+        writer = SegmentWriter.create(
+            settings.segment, plan.layout, reserve=ring, reserve_ranges=unlanded, lock=self._lock
         )
+        self._take_writer(writer)
         checking: list[FileDigests] = []  # set below, before any tensor is ready to release
         memory = None
         if settings.memory.mode != "full":
@@ -239,7 +217,7 @@ class Engine:
             writer.reserve()
         digests = self._digests(model, plan, writer)  # on the plan the readers follow (peers reorder it)
         checking.extend([digests] if digests is not None else [])
-        _Load(
+        Readers(
             self._context(), model, plan, writer, key, use_fd=use_fd, memory=memory, proofs=proofs,
             digests=digests,
         ).run()  # fmt: skip
@@ -261,6 +239,8 @@ class Engine:
         for each in proofs:
             if each.method in _UNPROVEN_STATE:
                 observer.file_proof(file=each.uri, proof=each.label, state=_UNPROVEN_STATE[each.method])
+        if self._stop.is_set():
+            raise LoadStopped("stopped before the load finished")
         writer.mark_complete()
         observer.load_finished(seconds=time.monotonic() - started, nbytes=index.nbytes)
 
@@ -279,8 +259,8 @@ class Engine:
             )
             return plan_memory(plan, settings.memory)
 
-    def _context(self) -> _LoadContext:
-        return _LoadContext(
+    def _context(self) -> LoadContext:
+        return LoadContext(
             settings=self.settings,
             observer=self._observer,
             stop=self._stop,
@@ -321,283 +301,43 @@ class Engine:
         digests.start(threads=max(1, settings.readers // 4))
         return digests
 
+    def _take_writer(self, writer: SegmentWriter) -> None:
+        """From now on a stop marks ``writer``'s segment (SIGTERM: mark first, then stop); stopped already,
+        the load ends here."""
+        with self._writer_lock:
+            self._writer = writer
+            stopped = self._stop.is_set()
+        if stopped:
+            raise LoadStopped("stopped before the load finished")
+
     def _fail(self, exc: BaseException) -> None:
+        """Leave the failure as readers must find it (:func:`~modelload.loader.segment.failure.leave_failed`:
+        the segment marked FAILED, then removed, the reason in the marker), free what this load wrote, and
+        report it unless the caller retries the whole load."""
         kind = error_kind(exc)
-        reason = str(exc) if kind != "stopped" else "the sidecar was stopped before the load finished"
-        if self._writer is not None:
-            with contextlib.suppress(SegmentError):  # a closed writer: the failure came at creation
-                self._writer.mark_failed(reason)
-        self._observer.load_failed(kind=kind, reason=reason)
+        final = not (self._retry_transient and getattr(exc, "transient", False))
+        reason = str(exc) if kind != "stopped" else STOPPED
+        if not final:
+            reason = f"{reason}; the sidecar retries the whole load: attach again"
+        with self._writer_lock:
+            writer = self._writer
+        if kind == "stopped":  # the pod is going away, or a restart loads again: readers just stop waiting
+            if writer is not None:
+                with contextlib.suppress(SegmentError):
+                    writer.mark_failed(reason)
+        elif final or writer is not None:  # retrying: no marker, an app attaching meanwhile waits for it
+            problem = leave_failed(self.settings.segment, f"{reason} ({kind})", writer=writer, marker=final)
+            if problem is not None:
+                log.error("%s", problem)
+        if self._model_dir is not None:
+            remove_model_dir(self._model_dir)
+        if self._previous is not None and final and kind != "stopped":
+            self._previous.discard()  # a transient failure or a stop keeps it: the next load may reuse it
+        if final:
+            self._observer.load_failed(kind=kind, reason=reason)
 
     def _retried(self, event: RetryEvent) -> None:
         self._observer.retried(kind=retry_kind(event), message=str(event.error))
-
-    def _reuse(self, uri: str, etag: str | None, size: int) -> bool:
-        """Reuse a COMPLETE segment of this same object (URI, ETag and size), as after a sidecar restart.
-
-        In every memory mode: the app attached before the restart has copied (and consumed) what it
-        released, and does not attach again, so loading anew in ``release`` or ``ring`` mode would wait for
-        a consumer that never comes (a ring stalls, and the pod stops being ready). A segment written in
-        another memory mode is loaded again.
-        """
-        path = self.settings.segment
-        if etag is None or not path.exists():
-            return False
-        try:
-            with SegmentReader.open(path) as old:
-                meta = old.metadata
-                same = (meta.get("source"), meta.get("source_etag"), meta.get("source_size")) == (
-                    uri,
-                    etag,
-                    str(size),
-                )
-                if not same or old.writer_state != WriterState.COMPLETE:
-                    return False
-                if old.memory_mode.name.lower() != self.settings.memory.mode:
-                    log.info(
-                        "not reusing the segment at %s: it was written in memory mode %s",
-                        path,
-                        old.memory_mode.name.lower(),
-                    )
-                    return False
-                nbytes = sum(s.nbytes for s in old.slots)
-                self._observer.manifest_published(
-                    model_format=meta.get("format", "unknown"),
-                    tensors=len(old.slots),
-                    nbytes=nbytes,
-                    notify=meta.get("notify"),
-                )
-                sizes = [slot.nbytes for slot in old.slots]
-                self._observer.bytes_loaded(sum(sizes))
-                self._observer.tensors_published(
-                    indices=list(range(len(sizes))), names=[slot.name for slot in old.slots], nbytes=sizes
-                )
-        except ModelloadError as exc:
-            log.info("not reusing the segment at %s: %s", path, exc)
-            return False
-        self._observer.load_finished(seconds=0.0, nbytes=nbytes)
-        log.info("reusing the complete segment at %s (same object, ETag %s)", path, etag)
-        return True
-
-    def _key(self, index: ModelIndex, uri: str) -> tz.DecryptionKey | None:
-        settings = self.settings
-        if settings.key_file is not None:
-            key = tz.DecryptionKey.from_file(settings.key_file)
-        elif settings.password_file is not None:
-            key = tz.DecryptionKey.from_password_file(settings.password_file)
-        else:
-            key = None
-        if key is not None and not index.encrypted:
-            raise NotEncryptedError(f"{uri} is not encrypted, but a decryption key was given; drop the key")
-        if key is None and index.encrypted:
-            raise MissingKeyError(
-                f"{uri} is encrypted and no key was given: pass --key-file or --password-file "
-                "(a ModelLoad's decryptionKeySecretRef)"
-            )
-        return key
-
-
-SPLICE_PIECE = 1 << 20
-"""The smallest mean piece a chunk lands through the file descriptor: below it, the two system calls a
-piece costs to splice outweigh the page faults a read into the mapping takes."""
-
-
-class _Load:
-    """One load's readers and their shared state: the next chunk, and the chunks each tensor waits for."""
-
-    def __init__(
-        self,
-        context: _LoadContext,
-        model: OpenedModel,
-        plan: LoadPlan,
-        writer: SegmentWriter,
-        key: tz.DecryptionKey | None,
-        *,
-        use_fd: bool,
-        memory: MemoryManager | None = None,
-        proofs: list[proof.FileProof] | None = None,
-        digests: FileDigests | None = None,
-    ) -> None:
-        self.context = context
-        self.memory = memory
-        self.digests = digests
-        self.sources: list[Source] = model.sources
-        self.model = model
-        self.plan = plan
-        self.writer = writer
-        self.settings = context.settings
-        self.observer = context.observer
-        self.stop = context.stop
-        self._lock = threading.Lock()
-        self._remaining = plan.chunk_counts.copy()
-        self._spread = _chunks_of_cut_tensors(plan)
-        proofs = proofs or []
-        self.prover = proof.Prover(proofs, plan, model.sources, [info.size for info in model.infos])
-        self._proofs = proofs
-        # Ranges of files without a checksum are re-sampled before their tensors are published
-        # (integrity.check_chunks), unless the store's checksum or validator proves their file.
-        self._sampled = {p.file for p in proofs if p.method == "samples"}
-        # A file proven by the store's checksum keeps its tensors back until it is proven (in memory modes
-        # that can hold them, and unless the file's own hashes prove each tensor as it lands).
-        own_hashes = plan.index.format == "tensorizer" and context.settings.verify
-        hold = context.settings.memory.mode != "ring" and not own_hashes
-        self._held: dict[int, list[npt.NDArray[np.int32]]] = {
-            p.file: [] for p in proofs if hold and self.prover.proves(p.file)
-        }
-        self.finisher = TensorFinisher(
-            writer, key=key, encrypted=plan.index.encrypted, verify=context.settings.verify
-        )
-        self._use_fd = use_fd
-
-    def run(self) -> None:
-        order = self.plan.order
-        empty = order[self._remaining[order] == 0]  # nothing to fetch: an empty tensor
-        if len(empty):
-            self._publish(empty, None)
-        for each in self._proofs:
-            if self.prover.no_chunks(each.file):
-                self._prove(each.file)
-        chunks = len(self.plan.chunks)
-        run_in_order(chunks, self._read, threads=self.settings.readers, stop=self.stop, name="reader")
-        self.finisher.settle()  # the only encrypted tensor, and it failed: nothing proves the key
-
-    def _read(self, seq: int) -> None:
-        """Land chunk ``seq`` (a reader thread of the shared pool); publish the tensors it completes."""
-        chunk = self.plan.chunks[seq]
-        if self.memory is not None and not self.memory.admit(seq, chunk):
-            return  # stopped while waiting for room in the ring
-        meter = ChunkMeter(self.observer.bytes_loaded, data=chunk.data_bytes, length=chunk.length)
-        with metered(meter):  # progress moves as bytes land, not only per chunk
-            self._land(chunk)
-        meter.finish()
-        if self.digests is not None:
-            self.digests.landed(seq)
-        file_done = self.prover.landed(chunk, self.writer.region)
-        tensors = self.plan.tensors_of(chunk)
-        with self._lock:
-            self._remaining[tensors] -= 1
-            complete = tensors[self._remaining[tensors] == 0]
-            held = self._held.get(chunk.file)
-            if len(complete) and held is not None:
-                held.append(complete)
-        if len(complete) and held is None:
-            self._publish(complete, seq)
-        if file_done:
-            self._prove(chunk.file)
-
-    def _land(self, chunk: Chunk) -> None:
-        """Through the file descriptor (``os.splice``: no copy through this process, no page faults in it)
-        where the landing goes that way and the chunk's pieces are big; through the mapping otherwise: a
-        range of a thousand small tensors lands with a few scattering reads (``preadv``, ``recvmsg_into``)
-        rather than two splices per tensor, its pages taken first (a full volume is then an error, not a
-        SIGBUS)."""
-        if self._use_fd and chunk.length >= SPLICE_PIECE * chunk.count:
-            self._land_fd(chunk)
-            return
-        if self._use_fd:  # the segment's pages are taken as the descriptor writes them: take these now
-            last = chunk.first + chunk.count - 1
-            end = int(self.plan.pieces.dst[last] + self.plan.pieces.length[last])
-            self.writer.reserve_range(chunk.dst_offset, end - chunk.dst_offset)
-        self._land_view(chunk)
-
-    def _prove(self, file: int) -> None:
-        """Check a complete file against the store's checksum (once more, from the origin, when none of its
-        tensors is out yet), then publish the tensors it held back."""
-        policy = self.context.retry
-        each = self._proofs[file]
-        try:
-            self.prover.prove(file, self.writer.region, policy=policy)
-        except HashMismatchError as exc:
-            if file not in self._held:
-                self.observer.file_proof(file=each.uri, proof=each.label, state="failed")
-                raise
-            log.warning("%s; reading the file again", exc)
-            self.observer.retried(kind="checksum", message=str(exc))
-            for chunk in self.prover.reset(file):
-                self._land(chunk)
-                self.prover.landed(chunk, self.writer.region)
-            try:
-                self.prover.prove(file, self.writer.region, policy=policy)
-            except HashMismatchError:
-                self.observer.file_proof(file=each.uri, proof=each.label, state="failed")
-                raise
-        self.observer.file_proof(file=each.uri, proof=each.label, state="proven")
-        with self._lock:
-            held = self._held.pop(file, [])
-        if held:
-            self._publish(np.concatenate(held), None)
-
-    def _land_fd(self, chunk: Chunk) -> None:
-        pieces = self.plan.pieces
-        # Each piece is one piece of the file, or two where a ring segment's ring wraps.
-        targets = [
-            target
-            for at in chunk.pieces
-            for target in self.writer.file_ranges(int(pieces.dst[at]), int(pieces.length[at]))
-        ]
-        source, context = self.sources[chunk.file], self.context
-        if len(targets) == 1:
-            file_offset, length = targets[0]
-            read_range_into_fd(source, chunk.src_offset, length, self.writer.fileno(), file_offset,
-                               policy=context.retry, on_retry=context.on_retry)  # fmt: skip
-            return
-        read_range_pieces_into_fd(source, chunk.src_offset, self.writer.fileno(), targets,
-                                  policy=context.retry, on_retry=context.on_retry)  # fmt: skip
-
-    def _land_view(self, chunk: Chunk) -> None:
-        source, context = self.sources[chunk.file], self.context
-        if chunk.count == 1:
-            view = self.writer.region(chunk.dst_offset, chunk.length)
-            read_range(source, chunk.src_offset, view, policy=context.retry, on_retry=context.on_retry)
-            return
-        pieces, span = self.plan.pieces, slice(chunk.first, chunk.first + chunk.count)
-        views = self.writer.regions(pieces.dst[span].tolist(), pieces.length[span].tolist())
-        read_range_pieces(source, chunk.src_offset, views, policy=context.retry, on_retry=context.on_retry)
-
-    def _publish(self, tensors: npt.NDArray[np.int32], seq: int | None) -> None:
-        """Finish tensors whose bytes are all in (the ones chunk ``seq`` completed, or the empty ones, or a
-        proven file's held ones), with the shared :class:`TensorFinisher`, then tell."""
-        plan, peers = self.plan, self.context.peers
-        chosen = tensors.tolist()
-        # Bytes from a peer are checked (and re-read from the origin if bad), which may give the CRC-32.
-        crcs = [peers.finish(tensor) for tensor in chosen] if peers is not None else None
-        entries = list(map(plan.index.tensors.__getitem__, chosen))
-        headers = None
-        if plan.index.format == "tensorizer":  # the record's header landed in the slot's lead
-            headers = [self.writer.region(*plan.record(t).header_span) for t in chosen]
-            crcs = None  # finishing a record may change its slot's bytes (decryption)
-        from_peers = peers.verified_by_peers if peers is not None else ()
-
-        def check(verified: bool) -> None:
-            if verified or seq is None or (from_peers and all(t in from_peers for t in chosen)):
-                return
-            spread = [c for t in chosen for c in self._spread.get(t, ())]
-            chunks = [plan.chunks[c] for c in sorted({seq, *spread}) if plan.chunks[c].file in self._sampled]
-            context = self.context
-            integrity.check_chunks(
-                self.model, plan, self.writer, chunks, policy=context.retry, on_retry=context.on_retry
-            )
-
-        uri = self.model.display(entries[0].file)
-        done = self.finisher.finish_many(
-            chosen, entries=entries, headers=headers, source=uri, check=check, crcs=crcs
-        )
-        if done:
-            slots = plan.layout.slots
-            self.observer.tensors_published(
-                indices=done, names=[slots[t].name for t in done], nbytes=[slots[t].nbytes for t in done]
-            )
-
-
-def _chunks_of_cut_tensors(plan: LoadPlan) -> dict[int, list[int]]:
-    """The chunks of each tensor that is cut across several (a tensor larger than a chunk), by load order:
-    publishing it re-checks them all."""
-    pieces = plan.pieces
-    cut = np.flatnonzero(plan.chunk_counts[pieces.tensor] > 1)
-    spread: dict[int, list[int]] = {}
-    for tensor, chunk in zip(pieces.tensor[cut].tolist(), pieces.chunk[cut].tolist(), strict=True):
-        spread.setdefault(tensor, []).append(chunk)
-    return spread
 
 
 def _warn_without_validator(model: OpenedModel) -> None:
@@ -630,13 +370,18 @@ def _decide_proofs(model: OpenedModel, settings: LoadSettings, *, encrypted: boo
 
 
 def _metadata(
-    uri: str, etag: str | None, size: int, notify: str | None, model_dir: Path | None
+    uri: str,
+    etag: str | None,
+    size: int,
+    notify: str | None,
+    model_dir: Path | None,
+    identity: LoadIdentity,
 ) -> dict[str, str]:
     try:
         writer = f"modelload-sidecar {version('modelload')}"
     except PackageNotFoundError:
         writer = "modelload-sidecar"
-    meta = {"source": uri, "source_size": str(size), "writer": writer}
+    meta = {"source": uri, "source_size": str(size), "writer": writer, **identity.metadata()}
     if etag is not None:
         meta["source_etag"] = etag
     if notify is not None:

@@ -16,7 +16,7 @@ segment's volume (:mod:`modelload.loader.segment.pages`):
 :mod:`~modelload.loader.segment.pages`); ``splice`` and ``mapping`` force a path, to compare them. A source
 that cannot splice (HTTPS: its bytes are decrypted in user space) always lands through the mapping, and so
 does a chunk of many small tensors whichever path is chosen (its pieces average under
-``engine.SPLICE_PIECE``: two splices per tensor would cost more than the page faults of one scattering read).
+``readers.SPLICE_PIECE``: two splices per tensor would cost more than the page faults of one scattering read).
 """
 
 from __future__ import annotations

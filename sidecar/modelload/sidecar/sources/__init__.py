@@ -28,7 +28,8 @@ into :class:`RequestHeaders` for ``HttpSettings(headers=...)``, sent to the sour
 from __future__ import annotations
 
 from . import hub, oci
-from ._base import InterruptedReadError, ObjectInfo, Source, SourceBase, check_range
+from ._addresses import AddressPolicy, Network, parse_networks
+from ._base import InterruptedReadError, ObjectInfo, Source, SourceBase, check_range, file_version
 from ._checksum import Checksum, checksum_of, new_hasher, verify_bytes
 from ._checksums import (
     COMPOSABLE,
@@ -59,6 +60,7 @@ from ._responses import display_url
 from ._retry import (
     RetryCancelled,
     RetryEvent,
+    read_bytes,
     read_range,
     read_range_into_fd,
     read_range_pieces,
@@ -87,6 +89,7 @@ from .hub import parse_hub_uri
 from .oci import auths_from_docker_config, parse_oci_uri
 
 __all__ = [
+    "AddressPolicy",
     "AzureCredentials",
     "AzureSettings",
     "COMPOSABLE",
@@ -100,6 +103,7 @@ __all__ = [
     "HubSettings",
     "InterruptedReadError",
     "ListedFile",
+    "Network",
     "ObjectInfo",
     "OpenedModel",
     "Opener",
@@ -131,6 +135,7 @@ __all__ = [
     "crc_width",
     "display_url",
     "fetch_small_file",
+    "file_version",
     "hub",
     "is_directory",
     "join_uri",
@@ -143,9 +148,11 @@ __all__ = [
     "open_source",
     "parse_headers",
     "parse_hub_uri",
+    "parse_networks",
     "parse_oci_uri",
     "plan_s3_location",
     "proxy_from_environ",
+    "read_bytes",
     "read_header_file",
     "read_range",
     "read_range_into_fd",

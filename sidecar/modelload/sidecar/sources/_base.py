@@ -26,6 +26,7 @@ __all__ = [
     "SourceBase",
     "byte_view",
     "check_range",
+    "file_version",
     "views_after",
 ]
 
@@ -47,6 +48,16 @@ class ObjectInfo:
     last_modified: str | None = None
     accepts_ranges: bool = True
     checksums: Sequence[StoreChecksum] = ()
+    version: str | None = None
+    """The origin's own name for this content when it has one besides the ETag (a GCS generation, a Hub
+    commit, an OCI digest); see :func:`file_version`."""
+
+
+def file_version(info: ObjectInfo) -> str | None:
+    """The version of an object a load records (SPEC.md, "Writers and loads"): the source's own
+    ``version``, else its ETag; None when it has neither (a server that sends only Last-Modified, whose
+    one-second resolution cannot tell two uploads apart): such a load is never taken for another."""
+    return info.version if info.version is not None else info.etag
 
 
 class InterruptedReadError(TransientSourceError):

@@ -139,6 +139,8 @@ class ConnectionPool:
             )
         else:
             conn = http.client.HTTPConnection(origin.host, origin.port, timeout=timeout)
+        if self._settings.addresses is not None:  # every connection's address checked as it connects
+            conn._create_connection = self._settings.addresses.connect  # type: ignore[attr-defined]
         with self._lock:
             self._open.add(conn)
         return conn

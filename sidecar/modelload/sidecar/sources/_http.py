@@ -30,6 +30,7 @@ from modelload.loader.errors import (
     SourceAccessDeniedError,
     SourceChangedError,
     SourceError,
+    SourceUriError,
 )
 from modelload.loader.segment.volume import full_volume
 
@@ -238,12 +239,15 @@ class HttpObject(SourceBase):
         if first != 0 or last is None or last >= length or exchange.response.length not in (None, last + 1):
             self._small_body(exchange)
             return b""
+        body = b""
         try:
             body = exchange.response.read(last + 1)
+            if len(body) != last + 1:  # read(n) returns what came before the connection closed: a truncation
+                raise EOFError
             exchange.response.close()
-        except (OSError, http.client.HTTPException) as exc:
+        except (OSError, EOFError, http.client.HTTPException) as exc:
             self._pool.discard(exchange.origin, exchange.conn)
-            raise self._translate(exc) from exc
+            raise self._translate(exc, landed=len(body), total=last + 1) from exc
         return body
 
     def read_into(self, offset: int, buf: memoryview) -> None:
@@ -499,6 +503,12 @@ class HttpSource(HttpObject):
         except ValueError:
             return False
         with self._lock:
+            current, path = self._location
+            if origin == current and _is_directory_redirect(path, _request_path(location)):
+                raise SourceUriError(
+                    f"{self.display_uri} names a directory (the server redirects to {display_url(location)}):"
+                    f" end the source with '/' to load the model in it ({self.display_uri}/)"
+                )
             self._location = (origin, _request_path(location))
         if self._private and origin != self._origin:
             _log.info(
@@ -546,6 +556,11 @@ class HttpSource(HttpObject):
             "headersSecretRef (the sidecar's --header-file); a presigned URL may have expired",
             uri=uri,
         )
+
+
+def _is_directory_redirect(path: str, target: str) -> bool:
+    """A server's redirect of ``/dir`` to ``/dir/``: the URL names a directory, not a file."""
+    return "?" not in path and not path.endswith("/") and target == path + "/"
 
 
 def _request_path(url: str) -> str:

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
-from modelload.loader.errors import TruncatedError
+from modelload.loader.errors import SourceNotFoundError, TruncatedError
 from modelload.loader.formats import (
     PREFIX_LENGTH,
     SAFETENSORS_INDEX,
@@ -31,9 +31,9 @@ from modelload.loader.formats import (
 
 from ._base import ObjectInfo, Source
 from ._checksum import checksum_of, verify_bytes
-from ._listing import Directory, is_directory, list_directory
+from ._listing import Directory, directory_hint, is_directory, list_directory
 from ._registry import open_source, store_for
-from ._retry import RetryEvent, stat_with_prefix
+from ._retry import RetryEvent, read_bytes, stat_with_prefix
 from ._settings import SourceSettings
 from ._store import Opener
 
@@ -139,6 +139,12 @@ def open_model(
     source = open_source(uri, settings)
     try:
         info, index, kept = _stat_and_index(source, 0, format, settings, on_retry)
+    except SourceNotFoundError as exc:
+        source.close()
+        hint = directory_hint(uri, settings)
+        if hint is None:
+            raise
+        raise SourceNotFoundError(f"{exc}, {hint}", uri=exc.uri) from exc
     except BaseException:
         source.close()
         raise
@@ -168,7 +174,9 @@ def _stat_and_index(
     def read(offset: int, length: int) -> bytes:
         if offset + length <= len(head) or len(head) >= info.size:
             return head[offset : offset + length]
-        data = source.read_bytes(offset, min(length, info.size - offset))
+        # The rest of a long index is retried as every range of the load is.
+        length = min(length, info.size - offset)
+        data = read_bytes(source, offset, length, policy=settings.retry, on_retry=on_retry)
         more.append((offset, data))
         return data
 

@@ -22,6 +22,7 @@ from modelload.loader.errors import ConfigError, SourceUriError
 from ._azure import AzureStore, OtherAzureSchemes
 from ._base import Source
 from ._gcs import GcsSpelling, GcsStore
+from ._responses import display_url
 from ._settings import SourceSettings
 from ._store import Store
 from ._stores import FactoryStore, FileStore, HttpStore, S3Store
@@ -102,6 +103,12 @@ def check_source_uri(uri: str) -> None:
 
 def store_for(uri: str) -> Store:
     """The store that serves ``uri``: by its scheme, or the local files for a plain path."""
+    if any(ord(c) < 32 or ord(c) == 127 for c in uri):
+        shown = display_url(uri).encode("unicode_escape").decode("ascii")
+        raise SourceUriError(
+            f"the source URI '{shown}' holds a control character (a NUL byte, a newline): no object is named"
+            " that way; check how the URI was written or templated"
+        )
     match = _SCHEME.match(uri)
     if match is None:
         _refuse_a_scheme_short_of_its_slashes(uri)
@@ -117,17 +124,27 @@ def store_for(uri: str) -> Store:
     return store
 
 
+_SLIPS = (
+    (re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)//"), "no ':' after '{scheme}'"),
+    (re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):/?(?!/)"), "two slashes after '{scheme}:'"),
+)
+"""A known scheme short of its colon (``s3//bucket/m``) or of a slash (``s3:/bucket/m``, ``https:host/m``),
+and what is missing."""
+
+
 def _refuse_a_scheme_short_of_its_slashes(uri: str) -> None:
-    """``s3:/bucket/m`` or ``https:host/m`` would otherwise be read as a local path and fail as a missing
-    file; ``file:/path`` stays a path, as documented."""
-    short = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*):/?(?!/)", uri)
-    if short is None:
-        return
-    scheme = short.group(1).lower()
-    with _lock:
-        known = scheme in _stores and scheme != "file"
-    if known:
-        rest = uri[short.end() :]
-        raise SourceUriError(
-            f"{uri!r} is not a {scheme}:// URI (two slashes after '{scheme}:'): did you mean {scheme}://{rest}?"
-        )
+    """``s3:/bucket/m``, ``https:host/m`` or ``s3//bucket/m`` would otherwise be read as a local path and
+    fail as a missing file; ``file:/path`` stays a path, as documented."""
+    for pattern, missing in _SLIPS:
+        slip = pattern.match(uri)
+        if slip is None:
+            continue
+        scheme = slip.group(1).lower()
+        with _lock:
+            known = scheme in _stores and scheme != "file"
+        if known:
+            rest = uri[slip.end() :]
+            raise SourceUriError(
+                f"{uri!r} is not a {scheme}:// URI ({missing.format(scheme=scheme)}): did you mean"
+                f" {scheme}://{rest}?"
+            )

@@ -26,6 +26,7 @@ from ._settings import RetryPolicy
 __all__ = [
     "RetryCancelled",
     "RetryEvent",
+    "read_bytes",
     "read_range",
     "read_range_into_fd",
     "read_range_pieces",
@@ -97,6 +98,21 @@ def read_range(
         source.read_into(offset + done, view[done:])
 
     _retrying(source.display_uri, offset, len(view), step, policy, on_retry)
+
+
+def read_bytes(
+    source: Source,
+    offset: int,
+    length: int,
+    *,
+    policy: RetryPolicy,
+    on_retry: RetryCallback | None = None,
+) -> bytes:
+    """``source.read_bytes(offset, length)`` under the same retries as every range (:func:`read_range`): the
+    small reads of a file's header and index, where one reset or 503 must not fail the load for good."""
+    buf = bytearray(length)
+    read_range(source, offset, memoryview(buf), policy=policy, on_retry=on_retry)
+    return bytes(buf)
 
 
 def read_range_into_fd(

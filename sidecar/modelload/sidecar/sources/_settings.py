@@ -17,6 +17,7 @@ from typing import Literal, get_args
 from modelload.loader.errors import ConfigError
 from modelload.loader.rules import OneOf, Prefixed, check_fields, rule
 
+from ._addresses import AddressPolicy
 from ._headers import RequestHeaders
 from ._proxy import ProxySettings
 
@@ -93,6 +94,10 @@ class HttpSettings:
     headers: RequestHeaders | None = None
     proxy: ProxySettings | None = None
     """Send origin requests through an HTTP proxy (Dragonfly's dfdaemon, a caching proxy): see ``_proxy``."""
+    addresses: AddressPolicy | None = None
+    """Connect only to the addresses this policy permits (public ones, and the networks it allows), checked
+    at every connection, redirects included: the operator's guard against ModelLoads that point into the
+    cluster (``_addresses``). None (the sidecar): any address."""
 
     def __post_init__(self) -> None:
         _require_positive("connect_timeout", self.connect_timeout)

@@ -2,7 +2,8 @@
 
 How each finds a directory's files:
 
-- a local directory is listed (top level only);
+- a local directory is listed (top level only), and a symbolic link that leaves it refuses the load
+  (:mod:`modelload.loader.localdir`);
 - an S3 prefix is listed with ListObjectsV2 (top level only: ``delimiter=/``), unless the caller names the
   files (then only ``s3:GetObject`` is needed);
 - an HTTP(S) base has no listing: unless the caller names the files, the well-known names of a Hugging Face
@@ -13,7 +14,6 @@ How each finds a directory's files:
 
 from __future__ import annotations
 
-import os
 import re
 import threading
 from collections.abc import Callable, Sequence
@@ -23,6 +23,7 @@ from urllib.parse import unquote, urlsplit
 
 from modelload.loader.errors import ConfigError, SourceNotFoundError, SourceUriError
 from modelload.loader.formats import SAFETENSORS_INDEX, WELL_KNOWN_SMALL_FILES
+from modelload.loader.localdir import list_local_directory
 
 from ._base import Source
 from ._file import open_file
@@ -87,7 +88,7 @@ class FileStore(Store):
     def list(self, uri: str, settings: SourceSettings, *, files: Sequence[str] = ()) -> Directory:
         path = local_path(uri) or Path(uri)
         try:
-            sizes = {e.name: e.stat().st_size for e in os.scandir(path) if e.is_file()}
+            sizes: dict[str, int | None] = dict(list_local_directory(path))  # links out of it refused
         except FileNotFoundError:
             raise SourceNotFoundError(f"{path} does not exist", uri=str(path)) from None
         except OSError as exc:
@@ -124,6 +125,11 @@ class HttpStore(Store):
             raise ConfigError(
                 f"{display_url(uri)}: a directory URL cannot carry a query string (a presigned URL signs one "
                 "object): serve the directory without one, or load one file"
+            )
+        if files and not uri.endswith("/"):
+            raise SourceUriError(
+                f"{display_url(uri)}: with a list of files the source is a directory and must end with '/'"
+                f" ({display_url(uri)}/); without it the names would be appended to its last segment"
             )
         names = tuple(files) or _PROBED
         found = self._probe(uri, names, settings, required=bool(files))

@@ -12,6 +12,8 @@ derives once. Neither type ever shows its key or password in a repr, a str or an
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import secrets
 import threading
@@ -75,6 +77,23 @@ def _derive(password: bytes, params: PWHashParams) -> bytes:
             f"{type(exc).__name__}; give the raw key instead, or more memory"
         ) from None
     return bytes(key)
+
+
+_FINGERPRINT_PREFIX = b"modelload key fingerprint v1\0"
+_FINGERPRINT_SALT_BYTES = 16
+
+
+def _raw_fingerprint(raw: bytes) -> str:
+    return "sha256:" + hashlib.sha256(_FINGERPRINT_PREFIX + raw).hexdigest()
+
+
+def _fingerprint_hash(password: bytes, salt: bytes) -> bytes:
+    """Argon2id at libsodium's interactive cost (2 passes, 64 MiB): what a password's fingerprint is."""
+    limits = Argon2Limits.INTERACTIVE
+    return _derive(
+        password,
+        PWHashParams(opslimit=limits.opslimit, memlimit=limits.memlimit, salt=salt, alg=ALG_ARGON2ID13),
+    )
 
 
 class DecryptionKey:
@@ -146,6 +165,33 @@ class DecryptionKey:
             if key is None:
                 key = self._cache[slot] = _derive(self._password, kdf)
         return key
+
+    def fingerprint(self) -> str:
+        """A fingerprint of this key that does not give it away, for a segment to record which key its
+        load used (:mod:`modelload.loader.segment.identity`). A raw key: SHA-256 under a fixed prefix (a
+        random 32-byte key cannot be found from it). A password: Argon2id at libsodium's interactive cost
+        with a random salt kept in the fingerprint, so that testing a guess against it costs what a guess
+        against the file costs."""
+        if self._raw is not None:
+            return _raw_fingerprint(self._raw)
+        assert self._password is not None
+        salt = secrets.token_bytes(_FINGERPRINT_SALT_BYTES)
+        return f"argon2id:{salt.hex()}:{_fingerprint_hash(self._password, salt).hex()}"
+
+    def matches(self, fingerprint: str) -> bool:
+        """Whether :meth:`fingerprint` of this key could have given ``fingerprint``."""
+        if self._raw is not None:
+            return hmac.compare_digest(fingerprint, _raw_fingerprint(self._raw))
+        assert self._password is not None
+        kind, _, rest = fingerprint.partition(":")
+        salt_hex, _, digest_hex = rest.partition(":")
+        try:
+            salt, digest = bytes.fromhex(salt_hex), bytes.fromhex(digest_hex)
+        except ValueError:
+            return False
+        if kind != "argon2id" or len(salt) != _FINGERPRINT_SALT_BYTES or len(digest) != KEY_BYTES:
+            return False
+        return hmac.compare_digest(_fingerprint_hash(self._password, salt), digest)
 
     def __repr__(self) -> str:
         return f"DecryptionKey({'password' if self._password is not None else 'raw key'}, hidden)"

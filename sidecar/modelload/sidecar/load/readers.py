@@ -1,0 +1,289 @@
+"""One load's reader threads: chunks from the sources into the segment, the tensors they complete published.
+
+:class:`~modelload.sidecar.load.engine.Engine` plans a load, creates its segment and then hands the rest to
+:class:`Readers`: N threads of the shared pool (:func:`~modelload.loader.segment.run_in_order`) take chunks in
+load order. A chunk is one range of one weight file covering neighbouring tensors; it lands with one request,
+each piece at its tensor's slot: ``os.splice`` through the segment's file descriptor when its pieces are big
+(no copy through this process), scattering reads into the mapping (``preadv``, ``recvmsg_into``) when they are
+many and small. The tensors a chunk completes are finished together (:class:`TensorFinisher`: decrypted, their
+hashes checked, a sample of their range re-read when nothing else proves their file) and published with one
+event. A file proven by its store's checksum holds its tensors back until the whole file is proven
+(:mod:`modelload.sidecar.load.proof`).
+
+The engine keeps what outlives the readers: the segment's identity, the writer lock, stop and failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from modelload.loader.errors import HashMismatchError
+from modelload.loader.formats import tensorizer as tz
+from modelload.loader.segment import SegmentWriter, TensorFinisher, run_in_order
+from modelload.sidecar.load import integrity, proof
+from modelload.sidecar.load.digests import FileDigests
+from modelload.sidecar.load.meter import ChunkMeter
+from modelload.sidecar.load.settings import LoadSettings
+from modelload.sidecar.memory import MemoryManager
+from modelload.sidecar.planner import Chunk, LoadPlan
+from modelload.sidecar.progress import LoadObserver
+from modelload.sidecar.sources import (
+    OpenedModel,
+    RetryEvent,
+    RetryPolicy,
+    Source,
+    metered,
+    read_range,
+    read_range_into_fd,
+    read_range_pieces,
+    read_range_pieces_into_fd,
+)
+
+__all__ = ["SPLICE_PIECE", "LoadContext", "PeerHook", "Readers"]
+
+log = logging.getLogger(__name__)
+
+
+class PeerHook(Protocol):
+    """Other sidecars as sources (``modelload.sidecar.peers.hook.Peers``): everything the engine asks of
+    them."""
+
+    @property
+    def verified_by_peers(self) -> Collection[int]:
+        """Tensors whose bytes came from peers and matched the CRC-32 the peers listed for them: checked
+        already, so neither re-sampled from the origin before publishing nor at the end of the load."""
+
+    def begin(
+        self, *, model: OpenedModel, plan: LoadPlan, writer: SegmentWriter, segment: Path, share: bool = True
+    ) -> LoadPlan:
+        """Once the segment exists: may wrap ``model.sources`` to ask peers first, and returns the plan to
+        load (the same chunks, perhaps reordered). ``share`` false: this load will not keep its tensors."""
+
+    def finish(self, tensor: int) -> int | None:
+        """Check tensor ``tensor``, whose bytes are all in, before it is published (bytes from a peer that
+        fail are read again from the origin). Returns the CRC-32 of the tensor's slot when the check
+        computed exactly that (the engine records it instead of computing it again), else None."""
+
+
+@dataclass(frozen=True)
+class LoadContext:
+    """What one load's readers share with the engine that runs them, handed over explicitly."""
+
+    settings: LoadSettings
+    observer: LoadObserver
+    stop: threading.Event
+    """Set by :meth:`Engine.stop`: the readers stop at their next chunk."""
+    retry: RetryPolicy
+    on_retry: Callable[[RetryEvent], None]
+    peers: PeerHook | None
+
+
+SPLICE_PIECE = 1 << 20
+"""The smallest mean piece a chunk lands through the file descriptor: below it, the two system calls a
+piece costs to splice outweigh the page faults a read into the mapping takes."""
+
+
+class Readers:
+    """One load's readers and their shared state: the next chunk, and the chunks each tensor waits for."""
+
+    def __init__(
+        self,
+        context: LoadContext,
+        model: OpenedModel,
+        plan: LoadPlan,
+        writer: SegmentWriter,
+        key: tz.DecryptionKey | None,
+        *,
+        use_fd: bool,
+        memory: MemoryManager | None = None,
+        proofs: list[proof.FileProof] | None = None,
+        digests: FileDigests | None = None,
+    ) -> None:
+        self.context = context
+        self.memory = memory
+        self.digests = digests
+        self.sources: list[Source] = model.sources
+        self.model = model
+        self.plan = plan
+        self.writer = writer
+        self.settings = context.settings
+        self.observer = context.observer
+        self.stop = context.stop
+        self._lock = threading.Lock()
+        self._remaining = plan.chunk_counts.copy()
+        self._spread = _chunks_of_cut_tensors(plan)
+        proofs = proofs or []
+        self.prover = proof.Prover(proofs, plan, model.sources, [info.size for info in model.infos])
+        self._proofs = proofs
+        # Ranges of files without a checksum are re-sampled before their tensors are published
+        # (integrity.check_chunks), unless the store's checksum or validator proves their file.
+        self._sampled = {p.file for p in proofs if p.method == "samples"}
+        # A file proven by the store's checksum keeps its tensors back until it is proven (in memory modes
+        # that can hold them, and unless the file's own hashes prove each tensor as it lands).
+        own_hashes = plan.index.format == "tensorizer" and context.settings.verify
+        hold = context.settings.memory.mode != "ring" and not own_hashes
+        self._held: dict[int, list[npt.NDArray[np.int32]]] = {
+            p.file: [] for p in proofs if hold and self.prover.proves(p.file)
+        }
+        self.finisher = TensorFinisher(
+            writer, key=key, encrypted=plan.index.encrypted, verify=context.settings.verify
+        )
+        self._use_fd = use_fd
+
+    def run(self) -> None:
+        order = self.plan.order
+        empty = order[self._remaining[order] == 0]  # nothing to fetch: an empty tensor
+        if len(empty):
+            self._publish(empty, None)
+        for each in self._proofs:
+            if self.prover.no_chunks(each.file):
+                self._prove(each.file)
+        chunks = len(self.plan.chunks)
+        run_in_order(chunks, self._read, threads=self.settings.readers, stop=self.stop, name="reader")
+        self.finisher.settle()  # the only encrypted tensor, and it failed: nothing proves the key
+
+    def _read(self, seq: int) -> None:
+        """Land chunk ``seq`` (a reader thread of the shared pool); publish the tensors it completes."""
+        chunk = self.plan.chunks[seq]
+        if self.memory is not None and not self.memory.admit(seq, chunk):
+            return  # stopped while waiting for room in the ring
+        meter = ChunkMeter(self.observer.bytes_loaded, data=chunk.data_bytes, length=chunk.length)
+        with metered(meter):  # progress moves as bytes land, not only per chunk
+            self._land(chunk)
+        meter.finish()
+        if self.digests is not None:
+            self.digests.landed(seq)
+        file_done = self.prover.landed(chunk, self.writer.region)
+        tensors = self.plan.tensors_of(chunk)
+        with self._lock:
+            self._remaining[tensors] -= 1
+            complete = tensors[self._remaining[tensors] == 0]
+            held = self._held.get(chunk.file)
+            if len(complete) and held is not None:
+                held.append(complete)
+        if len(complete) and held is None:
+            self._publish(complete, seq)
+        if file_done:
+            self._prove(chunk.file)
+
+    def _land(self, chunk: Chunk) -> None:
+        """Through the file descriptor (``os.splice``: no copy through this process, no page faults in it)
+        where the landing goes that way and the chunk's pieces are big; through the mapping otherwise: a
+        range of a thousand small tensors lands with a few scattering reads (``preadv``, ``recvmsg_into``)
+        rather than two splices per tensor, its pages taken first (a full volume is then an error, not a
+        SIGBUS)."""
+        if self._use_fd and chunk.length >= SPLICE_PIECE * chunk.count:
+            self._land_fd(chunk)
+            return
+        if self._use_fd:  # the segment's pages are taken as the descriptor writes them: take these now
+            last = chunk.first + chunk.count - 1
+            end = int(self.plan.pieces.dst[last] + self.plan.pieces.length[last])
+            self.writer.reserve_range(chunk.dst_offset, end - chunk.dst_offset)
+        self._land_view(chunk)
+
+    def _prove(self, file: int) -> None:
+        """Check a complete file against the store's checksum (once more, from the origin, when none of its
+        tensors is out yet), then publish the tensors it held back."""
+        policy = self.context.retry
+        each = self._proofs[file]
+        try:
+            self.prover.prove(file, self.writer.region, policy=policy)
+        except HashMismatchError as exc:
+            if file not in self._held:
+                self.observer.file_proof(file=each.uri, proof=each.label, state="failed")
+                raise
+            log.warning("%s; reading the file again", exc)
+            self.observer.retried(kind="checksum", message=str(exc))
+            for chunk in self.prover.reset(file):
+                self._land(chunk)
+                self.prover.landed(chunk, self.writer.region)
+            try:
+                self.prover.prove(file, self.writer.region, policy=policy)
+            except HashMismatchError:
+                self.observer.file_proof(file=each.uri, proof=each.label, state="failed")
+                raise
+        self.observer.file_proof(file=each.uri, proof=each.label, state="proven")
+        with self._lock:
+            held = self._held.pop(file, [])
+        if held:
+            self._publish(np.concatenate(held), None)
+
+    def _land_fd(self, chunk: Chunk) -> None:
+        pieces = self.plan.pieces
+        # Each piece is one piece of the file, or two where a ring segment's ring wraps.
+        targets = [
+            target
+            for at in chunk.pieces
+            for target in self.writer.file_ranges(int(pieces.dst[at]), int(pieces.length[at]))
+        ]
+        source, context = self.sources[chunk.file], self.context
+        if len(targets) == 1:
+            file_offset, length = targets[0]
+            read_range_into_fd(source, chunk.src_offset, length, self.writer.fileno(), file_offset,
+                               policy=context.retry, on_retry=context.on_retry)  # fmt: skip
+            return
+        read_range_pieces_into_fd(source, chunk.src_offset, self.writer.fileno(), targets,
+                                  policy=context.retry, on_retry=context.on_retry)  # fmt: skip
+
+    def _land_view(self, chunk: Chunk) -> None:
+        source, context = self.sources[chunk.file], self.context
+        if chunk.count == 1:
+            view = self.writer.region(chunk.dst_offset, chunk.length)
+            read_range(source, chunk.src_offset, view, policy=context.retry, on_retry=context.on_retry)
+            return
+        pieces, span = self.plan.pieces, slice(chunk.first, chunk.first + chunk.count)
+        views = self.writer.regions(pieces.dst[span].tolist(), pieces.length[span].tolist())
+        read_range_pieces(source, chunk.src_offset, views, policy=context.retry, on_retry=context.on_retry)
+
+    def _publish(self, tensors: npt.NDArray[np.int32], seq: int | None) -> None:
+        """Finish tensors whose bytes are all in (the ones chunk ``seq`` completed, or the empty ones, or a
+        proven file's held ones), with the shared :class:`TensorFinisher`, then tell."""
+        plan, peers = self.plan, self.context.peers
+        chosen = tensors.tolist()
+        # Bytes from a peer are checked (and re-read from the origin if bad), which may give the CRC-32.
+        crcs = [peers.finish(tensor) for tensor in chosen] if peers is not None else None
+        entries = list(map(plan.index.tensors.__getitem__, chosen))
+        headers = None
+        if plan.index.format == "tensorizer":  # the record's header landed in the slot's lead
+            headers = [self.writer.region(*plan.record(t).header_span) for t in chosen]
+            crcs = None  # finishing a record may change its slot's bytes (decryption)
+        from_peers = peers.verified_by_peers if peers is not None else ()
+
+        def check(verified: bool) -> None:
+            if verified or seq is None or (from_peers and all(t in from_peers for t in chosen)):
+                return
+            spread = [c for t in chosen for c in self._spread.get(t, ())]
+            chunks = [plan.chunks[c] for c in sorted({seq, *spread}) if plan.chunks[c].file in self._sampled]
+            context = self.context
+            integrity.check_chunks(
+                self.model, plan, self.writer, chunks, policy=context.retry, on_retry=context.on_retry
+            )
+
+        uri = self.model.display(entries[0].file)
+        done = self.finisher.finish_many(
+            chosen, entries=entries, headers=headers, source=uri, check=check, crcs=crcs
+        )
+        if done:
+            slots = plan.layout.slots
+            self.observer.tensors_published(
+                indices=done, names=[slots[t].name for t in done], nbytes=[slots[t].nbytes for t in done]
+            )
+
+
+def _chunks_of_cut_tensors(plan: LoadPlan) -> dict[int, list[int]]:
+    """The chunks of each tensor that is cut across several (a tensor larger than a chunk), by load order:
+    publishing it re-checks them all."""
+    pieces = plan.pieces
+    cut = np.flatnonzero(plan.chunk_counts[pieces.tensor] > 1)
+    spread: dict[int, list[int]] = {}
+    for tensor, chunk in zip(pieces.tensor[cut].tolist(), pieces.chunk[cut].tolist(), strict=True):
+        spread.setdefault(tensor, []).append(chunk)
+    return spread
