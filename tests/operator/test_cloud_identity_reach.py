@@ -22,6 +22,8 @@ from modelload.loader.errors import ConfigError, SourceAccessDeniedError
 from modelload.operator.cloud_sources import own_identity_reaches
 from modelload.operator.model_source import read_summary
 from modelload.operator.schema import parse_spec
+from modelload.sidecar.sources import parse_networks
+from tests.operator.conftest import LOOPBACK
 from tests.sidecar import models
 from tests.support.cloud_emulators import Azurite, FakeGcs
 from tests.support.fault_proxy import FaultProxy
@@ -29,6 +31,10 @@ from tests.support.fixtures import azurite, cloud_env, fake_gcs
 from tests.support.token_endpoints import TokenEndpoints
 
 __all__ = ["azurite", "cloud_env", "fake_gcs"]
+
+LOOPBACK_NETWORKS = parse_networks(
+    LOOPBACK
+)  # the emulators listen on loopback, which a ModelLoad may not name
 
 MODEL = models.safetensors_bytes(models.state_dict(layers=1, width=32))
 
@@ -54,7 +60,9 @@ def test_the_operators_own_google_token_never_goes_to_a_modelloads_endpoint(
     uri = fake_gcs.put("reach", "model.safetensors", MODEL)
     with FaultProxy(fake_gcs.port) as author:
         spec = parse_spec({"source": uri, "gcs": {"endpoint": author.endpoint}})
-        summary = read_summary(spec, credentials=None)  # the emulator serves anonymous reads
+        summary = read_summary(
+            spec, credentials=None, networks=LOOPBACK_NETWORKS
+        )  # the emulator serves anonymous reads
         sent = [r.headers.get("authorization") for r in author.requests]
     assert summary.format == "safetensors"
     assert sent and sent == [None] * len(sent)
@@ -72,7 +80,7 @@ def test_a_refused_anonymous_read_at_a_modelloads_endpoint_says_why_no_identity_
         author.always(Respond(401, json.dumps(refusal).encode(), (("Content-Type", "application/json"),)))
         spec = parse_spec({"source": uri, "gcs": {"endpoint": author.endpoint}})
         with pytest.raises(SourceAccessDeniedError, match=r"own identity.*credentialsSecretRef"):
-            read_summary(spec, credentials=None)
+            read_summary(spec, credentials=None, networks=LOOPBACK_NETWORKS)
 
 
 @pytest.mark.parametrize(
@@ -89,7 +97,7 @@ def test_the_operators_own_azure_key_or_sas_never_goes_to_a_modelloads_endpoint(
         endpoint = f"{author.endpoint}/{azurite.account}"
         spec = parse_spec({"source": uri, "azure": {"endpoint": endpoint}})
         with pytest.raises(SourceAccessDeniedError, match=r"own identity.*credentialsSecretRef"):
-            read_summary(spec, credentials=None)
+            read_summary(spec, credentials=None, networks=LOOPBACK_NETWORKS)
         seen: list[Any] = [(r.path, r.headers.get("authorization")) for r in author.requests]
     assert seen, "the read reached the endpoint"
     assert all(authorization is None and "sig=" not in path for path, authorization in seen), leak
@@ -152,5 +160,5 @@ def test_a_service_account_key_that_names_its_own_token_service_is_refused_befor
         source = fake_gcs.put("reach", "k.safetensors", MODEL)
         spec = parse_spec({"source": source, "gcs": {"endpoint": fake_gcs.endpoint}})
         with pytest.raises(ConfigError, match=r"token_uri.*oauth2\.googleapis\.com"):
-            read_summary(spec, credentials=None, cloud=GcsKey(json.dumps(key)))
+            read_summary(spec, credentials=None, cloud=GcsKey(json.dumps(key)), networks=LOOPBACK_NETWORKS)
         assert inside.requests == []
