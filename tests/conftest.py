@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,19 +53,8 @@ def shm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A 1 MiB tmpfs of its own, for tests of a full volume (skipped where mounting is not allowed)."""
-    mount = tmp_path / "tiny"
-    mount.mkdir()
-    mounted = (
-        os.geteuid() == 0
-        and subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, check=False
-        ).returncode
-        == 0
-    )
-    if not mounted:
-        pytest.skip("mounting a small tmpfs needs privileges this machine does not give")
-    try:
+    """A 1 MiB tmpfs of its own, for tests of a full volume (needs root: :mod:`tests.support.tmpfs`)."""
+    from tests.support.tmpfs import tmpfs
+
+    with tmpfs(tmp_path / "tiny", size="1m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], check=False)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import io
 import re
-import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import numpy as np
 import pytest
 
 from modelload.loader.formats.tensorizer import TensorizerWriter, read_index
+from tests.support.subscriptions import until_heard
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTRACTS = ROOT / "docs" / "contracts.md"
@@ -238,13 +238,15 @@ def test_the_notifications_are_the_frames_the_doc_lists(tmp_path: Path) -> None:
         sub.setsockopt(zmq.LINGER, 0)
         sub.connect(endpoint)
         try:
-            first = None
-            deadline = time.monotonic() + 10
-            while first is None and time.monotonic() < deadline:  # until the subscription is in place
-                notifier.tensor_ready(index=7, name="w", nbytes=4)
-                if sub.poll(50):
-                    first = sub.recv_multipart()
-            assert first == [b"ready", (7).to_bytes(4, "little")]
+            heard: list[list[bytes]] = []
+
+            def listen(seconds: float) -> bool:
+                if sub.poll(int(seconds * 1000)):
+                    heard.append(sub.recv_multipart())
+                return bool(heard)
+
+            until_heard(lambda: notifier.tensor_ready(index=7, name="w", nbytes=4), listen)
+            assert heard[0] == [b"ready", (7).to_bytes(4, "little")]
             notifier.load_finished(seconds=1.0, nbytes=4)
             notifier.load_failed(kind="format", reason="a" + "é" * 3000)
             received: list[list[bytes]] = []

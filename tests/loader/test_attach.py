@@ -79,18 +79,12 @@ def test_tensors_are_yielded_in_the_order_they_become_ready(shm_dir: Path) -> No
     path = shm_dir / "model.seg"
     writer = _segment(path, tensors)
     model = attach(path, notify=False, timeout=10)
-    order = [2, 0, 3, 1]
-
-    def produce() -> None:
-        for i in order:
-            time.sleep(0.03)
-            _fill(writer, i, tensors[f"t{i}"])
-        writer.mark_complete()
-
-    thread = threading.Thread(target=produce)
-    thread.start()
-    assert list(model.iter_ready()) == [f"t{i}" for i in order]
-    thread.join()
+    ready = model.iter_ready()
+    for i in [2, 0, 3, 1]:
+        _fill(writer, i, tensors[f"t{i}"])
+        assert next(ready) == f"t{i}", "each tensor as it becomes ready, whatever its place in the file"
+    writer.mark_complete()
+    assert list(ready) == []
     model.close()
     writer.close()
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,20 +15,15 @@ import pytest
 from modelload.loader.cli.main import main
 from modelload.loader.formats.safetensors import save_file
 from tests.support.ports import free_port
+from tests.support.sidecars import Sidecars, wait_for_phase
+from tests.support.tmpfs import tmpfs
 
 
 @pytest.fixture
 def read_only_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A small tmpfs mounted read-only (skipped where mounting is not allowed)."""
-    mount = tmp_path / "ro"
-    mount.mkdir()
-    command = ["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(mount)]
-    if os.geteuid() != 0 or subprocess.run(command, capture_output=True, check=False).returncode != 0:
-        pytest.skip("mounting a tmpfs needs privileges this machine does not give")
-    try:
+    """A small tmpfs mounted read-only (needs root: :mod:`tests.support.tmpfs`)."""
+    with tmpfs(tmp_path / "ro", size="1m", read_only=True) as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], check=False)
 
 
 @pytest.fixture
@@ -66,21 +60,11 @@ def test_stage_onto_a_read_only_volume_says_read_only_not_full(
 
 
 def test_a_sidecar_on_a_read_only_volume_reports_a_segment_error_not_an_internal_one(
-    model: Path, read_only_tmpfs: Path
+    model: Path, read_only_tmpfs: Path, sidecars: Sidecars
 ) -> None:
-    from modelload.sidecar.process import Sidecar
-    from modelload.sidecar.settings import parse_settings
-
-    argv = ["--source", str(model), "--segment", str(read_only_tmpfs / "m.seg"), "--notify", "none"]
-    sidecar = Sidecar(parse_settings([*argv, "--host", "127.0.0.1", "--port", "0"], environ={}))
-    sidecar.start()
-    try:
-        deadline = time.monotonic() + 20
-        while sidecar.tracker.snapshot().phase != "failed":
-            assert time.monotonic() < deadline, "the load did not fail"
-            time.sleep(0.02)
-    finally:
-        sidecar.stop()
+    sidecar = sidecars.start(str(model), read_only_tmpfs / "m.seg", "--notify", "none")
+    wait_for_phase(sidecar, "failed", timeout=20)
+    sidecar.stop()
     status = sidecar.tracker.snapshot()
     assert status.errors == {"segment": 1}
     assert status.error is not None and "read-only file system" in status.error

@@ -15,6 +15,7 @@ from modelload.loader import attach
 from modelload.loader._api.notify import connect
 from modelload.loader.dtypes import by_name
 from modelload.loader.segment import SegmentWriter, TensorSpec, plan_layout
+from tests.support.subscriptions import until_heard
 
 
 def _writer(path: Path, count: int, endpoint: str) -> SegmentWriter:
@@ -29,7 +30,7 @@ def test_a_published_ready_event_wakes_the_waiting_model(shm_dir: Path) -> None:
     writer = _writer(shm_dir / "model.seg", 3, endpoint)
     model = attach(shm_dir / "model.seg", timeout=10)  # the endpoint comes from the segment's metadata
     assert model._subscriber is not None and model._subscriber.endpoint == endpoint
-    time.sleep(0.1)  # let the subscription reach the publisher; a lost message would only cost a poll
+    until_heard(lambda: publisher.send_multipart([b"probe", b""]), model._subscriber.wait)
 
     def produce() -> None:
         for i in range(3):
@@ -67,13 +68,13 @@ def test_the_subscriber_drains_bursts_and_returns_after_its_timeout(shm_dir: Pat
     publisher.bind(endpoint)
     subscriber = connect(endpoint)
     assert subscriber is not None
-    time.sleep(0.1)
+    until_heard(lambda: publisher.send_multipart([b"probe", b""]), subscriber.wait)
     for i in range(1000):
         publisher.send_multipart([b"ready", struct.pack("<I", i)])
-    time.sleep(0.05)
-    subscriber.wait(1.0)  # returns at once, having drained all 1000
-    started = time.monotonic()
-    subscriber.wait(0.05)  # nothing left: waits out its timeout
-    assert 0.04 <= time.monotonic() - started < 1.0
+    wakes = 0
+    while subscriber.wait(0.2):  # each wake drains every message already queued
+        wakes += 1
+        assert wakes < 20, "the subscriber woke once per message instead of draining the burst"
+    assert wakes >= 1  # and once the burst is drained, a wait runs out its timeout (False)
     subscriber.close()
     publisher.close(linger=0)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import time
 import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any
 import pytest
 
 from tests.support.fixtures import moto_s3  # noqa: F401 - a fixture
+from tests.support.waiting import wait_for_async
 
 NAMESPACE = "serving"
 OPERATOR_NAMESPACE = "modelload-system"
@@ -104,16 +104,24 @@ def webhook_configuration() -> dict[str, Any]:
     )
 
 
-async def wait_for(predicate: Callable[[], Any], *, timeout: float = 10.0, what: str = "a condition") -> Any:
-    """Poll ``predicate`` on the event loop until it returns something truthy."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.05)
+async def wait_for(
+    predicate: Callable[[], Any | Awaitable[Any]], *, timeout: float = 10.0, what: str = "a condition"
+) -> Any:
+    """The shared wait (:func:`tests.support.waiting.wait_for_async`) on the operator's event loop, with
+    this area's default deadline."""
+    return await wait_for_async(predicate, timeout=timeout, what=what, interval=0.05)
+
+
+def handled(caplog: pytest.LogCaptureFixture, handler: str, name: str) -> int:
+    """How many times kopf has run ``handler`` for the object called ``name``: kopf logs each success at
+    INFO with the object's reference, so a test can wait for the operator to have seen an event (the test
+    sets ``caplog.set_level(logging.INFO, logger="kopf")``)."""
+    done = f"Handler {handler!r} succeeded."
+    return sum(
+        1
+        for r in caplog.records
+        if r.getMessage() == done and (getattr(r, "k8s_ref", None) or {}).get("name") == name
+    )
 
 
 def current(kmock: Any, resource: str, namespace: str | None, name: str) -> dict[str, Any] | None:

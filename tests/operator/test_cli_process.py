@@ -74,13 +74,12 @@ async def test_the_operator_command_serves_and_stops_on_sigterm(kube: Any, tmp_p
     )
     try:
         ready = f"https://127.0.0.1:{webhook_port}/readyz"
-        for _ in range(300):
-            if await get_status(ready, verify=False) == 200:
-                break
+
+        async def webhook_ready() -> bool:
             assert process.returncode is None, (await process.communicate())[0].decode()[-3000:]
-            await asyncio.sleep(0.1)
-        else:
-            raise AssertionError("the webhook never reported ready")
+            return await get_status(ready, verify=False) == 200
+
+        await wait_for(webhook_ready, timeout=30, what="the webhook ready")
         assert await get_status(f"http://127.0.0.1:{health_port}/healthz") == 200
         mwc = await wait_for(lambda: current(kube, MWC, None, MWC_NAME), what="the webhook configuration")
         ca = base64.b64decode(mwc["webhooks"][0]["clientConfig"]["caBundle"])

@@ -13,12 +13,13 @@ Python): a throwaway HTTP server with Range support, so nothing outside the clus
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.support.waiting import wait_for
 
 pytestmark = [
     pytest.mark.e2e,
@@ -97,14 +98,8 @@ def _image(ref: str) -> dict[str, str]:
 
 
 def wait_until(what: str, check: Callable[[], Any], timeout: float = 300.0, every: float = 2.0) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+    """The shared wait (tests/support/waiting.py) at a cluster's pace: minutes, looking every 2 s."""
+    return wait_for(check, timeout=timeout, what=what, interval=every)
 
 
 @pytest.fixture(scope="module")

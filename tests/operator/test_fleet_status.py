@@ -32,6 +32,7 @@ from tests.operator.conftest import (
     NAMESPACE,
     create_modelload,
     current,
+    handled,
     model_bytes,
     operator_settings,
     posted_events,
@@ -94,13 +95,15 @@ class Sidecars:
         return sidecar
 
     async def ready(self, sidecar: RealSidecar) -> None:
-        for _ in range(600):
+        async def loaded() -> bool:
             if sidecar.process.poll() is not None:
                 raise AssertionError(f"the sidecar exited: {sidecar.log.read_text()[-2000:]}")
-            if await asyncio.to_thread(sidecar.ready):
-                return
-            await asyncio.sleep(0.1)
-        raise AssertionError(f"the sidecar did not load: {sidecar.log.read_text()[-2000:]}")
+            return await asyncio.to_thread(sidecar.ready)
+
+        try:
+            await wait_for(loaded, timeout=60, what="the sidecar loaded")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: {sidecar.log.read_text()[-2000:]}") from None
 
     def stop(self) -> None:
         for sidecar in self.running:
@@ -248,8 +251,24 @@ async def test_the_status_sums_the_serving_pods_peer_stats_and_keeps_the_token_o
 
 
 async def test_a_model_without_peers_gets_no_fleet_figures_and_no_connection(
-    kube: Any, operator: Any, api: Any, tmp_path: Path
+    kube: Any,
+    operator: Any,
+    api: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    from modelload.operator.fleet import FleetPoller
+
+    caplog.set_level(logging.INFO, logger="kopf")
+    polls: list[float] = []
+    poll = FleetPoller.poll
+
+    async def counted(self: FleetPoller, *args: Any) -> None:
+        await poll(self, *args)
+        polls.append(asyncio.get_running_loop().time())
+
+    monkeypatch.setattr(FleetPoller, "poll", counted)
     model = tmp_path / "model.safetensors"
     model.write_bytes(model_bytes())
     await create_modelload(api, "tiny", {"source": f"file://{model}"})
@@ -263,8 +282,11 @@ async def test_a_model_without_peers_gets_no_fleet_figures_and_no_connection(
         kubelet = Kubelet(api)
         pod = peered_pod("p1", port)  # even a sidecar wired for peers: the ModelLoad says no
         await kubelet.create(pod)
+        await wait_for(lambda: handled(caplog, "pod_changed", "p1"), what="the new pod handled")
         await kubelet.status("p1", {"phase": "Running", "podIP": "127.0.0.1", **sidecar_status(**RUNNING)})
-        await asyncio.sleep(1.5)  # five fleet intervals
+        await wait_for(lambda: handled(caplog, "pod_changed", "p1") >= 2, what="the serving pod handled")
+        seen = len(polls)
+        await wait_for(lambda: len(polls) >= seen + 3, what="three fleet polls since the pod serves")
         with pytest.raises(BlockingIOError):
             listener.accept()
     assert fleet_status(kube) == {}

@@ -7,6 +7,7 @@ would; the operator sees them through its watch.
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from tests.operator.conftest import (
     NAMESPACE,
     create_modelload,
     current,
+    handled,
     resolved,
     seeded,
     wait_for,
@@ -123,7 +125,10 @@ async def test_pods_moving_through_their_load_update_the_modelloads_status(kube,
     await pods_become(kube, {"injected": 1, "ready": 1, "failed": 0})
 
 
-async def test_pods_for_another_model_or_without_the_sidecar_are_not_counted(kube, model, api) -> None:
+async def test_pods_for_another_model_or_without_the_sidecar_are_not_counted(
+    kube, model, api, caplog
+) -> None:
+    caplog.set_level(logging.INFO, logger="kopf")
     kubelet = Kubelet(api)
     await kubelet.create(injected_pod("other", label="other-model"))
     plain = injected_pod("plain")
@@ -131,16 +136,20 @@ async def test_pods_for_another_model_or_without_the_sidecar_are_not_counted(kub
     await kubelet.create(plain)
     await kubelet.create(injected_pod("mine"))
     await pods_become(kube, {"injected": 1})
-    await asyncio.sleep(0.3)
+    await wait_for(
+        lambda: all(handled(caplog, "pod_changed", pod) for pod in ("other", "plain", "mine")),
+        what="the operator to have seen every pod",
+    )
     assert pods_status(kube)["injected"] == 1
 
 
 async def test_a_modelload_created_after_its_pods_counts_them_at_once(
-    kube, operator, api, model_file
+    kube, operator, api, model_file, caplog
 ) -> None:
+    caplog.set_level(logging.INFO, logger="kopf")
     kubelet = Kubelet(api)
     await kubelet.create(injected_pod("early"))
-    await asyncio.sleep(0.2)
+    await wait_for(lambda: handled(caplog, "pod_changed", "early"), what="the operator to see the pod")
     await create_modelload(api, "tiny", {"source": f"file://{model_file}"})
     await resolved(kube, "tiny")
     await pods_become(kube, {"injected": 1})
@@ -166,9 +175,11 @@ async def test_deleting_a_modelload_is_immediate_and_later_pod_events_are_harmle
         lambda: current(kube, MODELLOADS, NAMESPACE, "tiny") is None, what="the ModelLoad to be gone"
     )
     kubelet = Kubelet(api)
+    caplog.set_level(logging.INFO, logger="kopf")
     await kubelet.create(injected_pod("orphan"))
+    await wait_for(lambda: handled(caplog, "pod_changed", "orphan"), what="the new pod handled")
     await kubelet.status("orphan", {"phase": "Running"})
-    await asyncio.sleep(0.5)
+    await wait_for(lambda: handled(caplog, "pod_changed", "orphan") >= 2, what="its status change handled")
     assert current(kube, MODELLOADS, NAMESPACE, "tiny") is None  # not re-created by a status patch
     errors = [r.getMessage() for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
     assert errors == []

@@ -14,7 +14,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from modelload.operator.quantity import parse_bytes
 from modelload.operator.resource import ResolvedModel
 from modelload.operator.schema import parse_spec
 from modelload.operator.settings import InjectedSidecar
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -113,11 +113,12 @@ def test_the_injected_sidecar_loads_the_model_and_the_app_attaches(
         probes = {
             p: sidecar[p]["httpGet"]["path"] for p in ("startupProbe", "readinessProbe", "livenessProbe")
         }
-        deadline = time.monotonic() + 30
-        while get(f"http://127.0.0.1:{port}{probes['readinessProbe']}") != 200:
+
+        def ready() -> bool:
             assert process.poll() is None, process.communicate()[0].decode()[-3000:]
-            assert time.monotonic() < deadline, "the sidecar did not get ready"
-            time.sleep(0.1)
+            return get(f"http://127.0.0.1:{port}{probes['readinessProbe']}") == 200
+
+        wait_for(ready, timeout=30, what="the injected sidecar ready", interval=0.1)
         assert get(f"http://127.0.0.1:{port}{probes['startupProbe']}") == 200
         assert get(f"http://127.0.0.1:{port}{probes['livenessProbe']}") == 200
         app_env = plain_env(app, volume=shm_dir, port=port)

@@ -22,7 +22,7 @@ from modelload.operator.tls import (
     watch_and_reload,
     write_files,
 )
-from tests.operator.conftest import MWC, MWC_NAME, OPERATOR_NAMESPACE, current
+from tests.operator.conftest import MWC, MWC_NAME, OPERATOR_NAMESPACE, current, wait_for
 
 NAMES = service_names("modelload-webhook", "modelload-system")
 
@@ -157,7 +157,14 @@ async def test_the_ca_goes_only_into_webhooks_that_call_the_operators_service(
     assert hooks[1]["clientConfig"]["caBundle"] == "Q0E="
 
 
-async def test_renewed_certificate_files_are_loaded_without_a_restart(tmp_path: Path) -> None:
+async def test_renewed_certificate_files_are_loaded_without_a_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from modelload.operator import tls
+
+    looks: list[object] = []
+    digest = tls._digest
+    monkeypatch.setattr(tls, "_digest", lambda files: looks.append(files) or digest(files))
     first = generate_bundle(NAMES)
     files = write_files(first, tmp_path)
     context = server_context(files)
@@ -171,13 +178,10 @@ async def test_renewed_certificate_files_are_loaded_without_a_restart(tmp_path: 
     context.load_cert_chain = spy  # type: ignore[method-assign]
     task = asyncio.create_task(watch_and_reload(context, files, interval=0.05))
     try:
-        await asyncio.sleep(0.15)
-        assert reloads == []
+        await wait_for(lambda: len(looks) >= 3, what="two looks at the unchanged files")
+        assert reloads == [], "unchanged files are not loaded again"
         write_files(generate_bundle(NAMES), tmp_path)
-        for _ in range(40):
-            if reloads:
-                break
-            await asyncio.sleep(0.05)
+        await wait_for(lambda: reloads, what="the renewed files loaded")
     finally:
         task.cancel()
     assert reloads == [str(files.cert)]

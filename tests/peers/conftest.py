@@ -13,6 +13,7 @@ import torch
 
 from tests.conftest import require
 from tests.sidecar.models import safetensors_bytes
+from tests.support.sidecars import sidecars  # noqa: F401 - the fixture, for the loopback tests
 
 from .topology import Topology, can_make_namespaces
 

@@ -19,6 +19,7 @@ import torch
 
 from modelload.loader.segment import SegmentReader
 from tests.sidecar.models import assert_segment_matches, safetensors_bytes
+from tests.support.waiting import wait_for
 
 from .conftest import MODEL, model_tensors
 from .topology import Sidecar, Topology
@@ -81,7 +82,13 @@ def test_staggered_sidecars_read_nothing_more_from_the_origin_once_one_is_comple
     fleet.wait_complete([first], timeout=60)
     fleet.reset_log()
     later = [fleet.start_sidecar(hosts[1], fleet.url(MODEL), peers=hosts)]
-    time.sleep(1.0)
+    wait_for(  # the next one starts while this one loads
+        lambda: int(fleet.status(later[0]).get("bytes_done", 0) or 0) > 0,  # type: ignore[call-overload]
+        timeout=60,
+        what="the second sidecar loading",
+        interval=0.05,
+        ignoring=(OSError,),
+    )
     later.append(fleet.start_sidecar(hosts[2], fleet.url(MODEL), peers=hosts))
     fleet.wait_complete(later, timeout=60)
     later.append(fleet.start_sidecar(hosts[3], fleet.url(MODEL), peers=hosts))
@@ -107,7 +114,13 @@ def test_a_peer_killed_mid_upload_leaves_its_chunks_to_another_peer(
     fleet.reset_log()
     try:
         receiver = fleet.start_sidecar(b, fleet.url(MODEL), peers=[a, d])
-        _wait_for(lambda: int(fleet.status(receiver).get("bytes_done", 0) or 0) >= 8 << 20, 60)  # type: ignore[call-overload]
+        wait_for(
+            lambda: int(fleet.status(receiver).get("bytes_done", 0) or 0) >= 8 << 20,  # type: ignore[call-overload]
+            timeout=60,
+            what="8 MiB at the receiver",
+            interval=0.05,
+            ignoring=(OSError,),  # its API may not answer yet
+        )
         uploaded_before = holders[0].stats(fleet.token)["uploaded_bytes"]
         holders[0].process.kill()
         fleet.wait_complete([receiver], timeout=60)
@@ -176,7 +189,13 @@ def test_a_stalled_peer_loses_its_chunks_to_another_within_the_stall_timeout(
     before = holders[0].stats(fleet.token)["uploaded_bytes"]  # what it sent its fellow holder
     try:
         receiver = fleet.start_sidecar(b, fleet.url(MODEL), peers=[a, d])
-        _wait_for(lambda: holders[0].stats(fleet.token)["uploaded_bytes"] >= before + (2 << 20), 60)
+        wait_for(
+            lambda: holders[0].stats(fleet.token)["uploaded_bytes"] >= before + (2 << 20),
+            timeout=60,
+            what="2 MiB more uploaded by the first holder",
+            interval=0.05,
+            ignoring=(OSError,),
+        )
         frozen = time.monotonic()
         holders[0].process.send_signal(signal.SIGSTOP)  # alive, connections open, silent
         fleet.wait_complete([receiver], timeout=60)
@@ -210,16 +229,3 @@ def test_the_load_completes_from_peers_while_the_origin_fails_every_data_range(
     fleet.wait_complete([receiver], timeout=60)
     assert_segment_matches(receiver.segment, tensors)
     assert receiver.stats(fleet.token)["origin_bytes"] == 0
-
-
-def _wait_for(predicate: object, timeout: float) -> None:
-    """Poll ``predicate`` (a sidecar's API may not answer yet: that counts as false) until it holds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if predicate():  # type: ignore[operator]
-                return
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)

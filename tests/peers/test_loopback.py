@@ -7,14 +7,14 @@ and are served from there), the server's answers to bad askers, and the settings
 from __future__ import annotations
 
 import http.client
-import time
-from collections.abc import Iterator
+import zlib
 from pathlib import Path
 
 import pytest
 import torch
 
 from modelload.loader.errors import ConfigError
+from modelload.loader.segment import SegmentReader
 from modelload.sidecar.peers.ranges import owner
 from modelload.sidecar.process import Sidecar
 from modelload.sidecar.settings import parse_settings
@@ -22,6 +22,7 @@ from tests.sidecar.models import assert_segment_matches, safetensors_bytes, tens
 from tests.support.fixtures import nginx  # noqa: F401 - the fixture
 from tests.support.nginx import NginxServer
 from tests.support.ports import free_port
+from tests.support.sidecars import Sidecars, wait_for_phase
 
 TOKEN = "peer-token-for-tests-0123456789"
 
@@ -39,59 +40,42 @@ def token_file(tmp_path: Path) -> Path:
 
 
 class _Running:
-    def __init__(self) -> None:
-        self.sidecars: list[Sidecar] = []
+    """Sidecars of one model on loopback, each serving peers on a port of its own."""
 
-    def start(
-        self, source: str, segment: Path, *, peer_port: int, peers: list[int], token_file: Path
-    ) -> Sidecar:
+    def __init__(self, sidecars: Sidecars, token_file: Path) -> None:
+        self.sidecars, self.token_file = sidecars, token_file
+
+    def start(self, source: str, segment: Path, *, peer_port: int, peers: list[int]) -> Sidecar:
         urls = ",".join(f"http://127.0.0.1:{p}" for p in peers) or f"http://127.0.0.1:{peer_port}"
-        argv = [
-            "--source", source, "--segment", str(segment), "--notify", "none", "--port", "0",
-            "--host", "127.0.0.1", "--chunk-size", "1MiB", "--peers", urls, "--peer-port", str(peer_port),
-            "--peer-token-file", str(token_file), "--peer-stall-timeout", "2",
-        ]  # fmt: skip
-        sidecar = Sidecar(parse_settings(argv, {}))
-        sidecar.start()
-        self.sidecars.append(sidecar)
-        return sidecar
+        return self.sidecars.start(
+            source, segment, "--notify", "none", "--chunk-size", "1MiB", "--peers", urls,
+            "--peer-port", str(peer_port), "--peer-token-file", str(self.token_file),
+            "--peer-stall-timeout", "2",
+        )  # fmt: skip
+
+    def pair(self, url: str, folder: Path) -> tuple[Sidecar, Sidecar]:
+        """A first sidecar that loads from the origin, then a second that has the first as its peer."""
+        first_port, second_port = free_port(), free_port()
+        first = self.start(url, folder / "a.seg", peer_port=first_port, peers=[])
+        wait_for_phase(first, "complete")
+        second = self.start(url, folder / "b.seg", peer_port=second_port, peers=[first_port])
+        wait_for_phase(second, "complete")
+        return first, second
 
 
 @pytest.fixture
-def running() -> Iterator[_Running]:
-    fleet = _Running()
-    try:
-        yield fleet
-    finally:
-        for sidecar in fleet.sidecars:
-            sidecar.stop()
-
-
-def _complete(sidecar: Sidecar, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while sidecar.tracker.snapshot().phase != "complete":
-        status = sidecar.tracker.snapshot()
-        assert status.phase not in ("failed", "stopped"), status.error
-        assert time.monotonic() < deadline, f"not complete: {status}"
-        time.sleep(0.02)
+def running(sidecars: Sidecars, token_file: Path) -> _Running:
+    return _Running(sidecars, token_file)
 
 
 def test_a_tensorizer_model_comes_whole_from_a_peer_with_its_hashes_checked(
     nginx: NginxServer,  # noqa: F811 - the fixture
     running: _Running,
     tmp_path: Path,
-    token_file: Path,
 ) -> None:
     tensors = _tensors(1)
     (nginx.root / "peers-model.tensors").write_bytes(tensorizer_bytes(tensors))
-    url = nginx.url("peers-model.tensors")
-    first_port, second_port = free_port(), free_port()
-    first = running.start(url, tmp_path / "a.seg", peer_port=first_port, peers=[], token_file=token_file)
-    _complete(first)
-    second = running.start(
-        url, tmp_path / "b.seg", peer_port=second_port, peers=[first_port], token_file=token_file
-    )
-    _complete(second)
+    first, second = running.pair(nginx.url("peers-model.tensors"), tmp_path)
     assert_segment_matches(tmp_path / "b.seg", tensors)
     stats = second.peers.stats()
     data = sum(t.numel() * 4 for t in tensors.values())
@@ -109,6 +93,21 @@ def test_a_tensorizer_model_comes_whole_from_a_peer_with_its_hashes_checked(
     assert float(samples["modelload_peer_origin_bytes_total"]) == 0
 
 
+def test_a_safetensors_tensor_from_a_peer_records_the_checksum_its_check_computed(
+    nginx: NginxServer,  # noqa: F811 - the fixture
+    running: _Running,
+    tmp_path: Path,
+) -> None:
+    (nginx.root / "peers-crc.safetensors").write_bytes(safetensors_bytes(_tensors(2)))
+    _, second = running.pair(nginx.url("peers-crc.safetensors"), tmp_path)
+    assert second.peers is not None and second.peers.stats()["origin_bytes"] == 0
+    listed = second.peers.manifest()["crc32"]
+    with SegmentReader.open(tmp_path / "b.seg") as segment:
+        for i in range(len(segment.slots)):
+            # The peers' check computed the slot's CRC-32 (the record is the slot): the one recorded.
+            assert segment.crc32(i) == zlib.crc32(segment.view(i)) == listed[i]
+
+
 def _get(port: int, path: str, headers: dict[str, str]) -> tuple[int, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
     try:
@@ -123,19 +122,14 @@ def test_the_peer_server_answers_only_token_holders_and_only_with_ready_tensor_r
     nginx: NginxServer,  # noqa: F811 - the fixture
     running: _Running,
     tmp_path: Path,
-    token_file: Path,
 ) -> None:
     tensors = _tensors(2)
     (nginx.root / "peers-model.safetensors").write_bytes(safetensors_bytes(tensors))
     port = free_port()
     sidecar = running.start(
-        nginx.url("peers-model.safetensors"),
-        tmp_path / "a.seg",
-        peer_port=port,
-        peers=[],
-        token_file=token_file,
+        nginx.url("peers-model.safetensors"), tmp_path / "a.seg", peer_port=port, peers=[]
     )
-    _complete(sidecar)
+    wait_for_phase(sidecar, "complete")
     auth = {"Authorization": f"Bearer {TOKEN}"}
     assert _get(port, "/peer/v1/manifest", {})[0] == 401
     assert _get(port, "/peer/v1/manifest", {"Authorization": "Bearer wrong"})[0] == 401

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from modelload.loader.segment import SegmentReader, WriterState
 from tests.conftest import find_executable
+from tests.support.waiting import wait_for
 
 __all__ = ["Host", "Sidecar", "Topology", "can_make_namespaces"]
 
@@ -260,11 +261,14 @@ http {{
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        deadline = time.monotonic() + 10
-        while not self.access_log.exists() or not self._origin_answers():
-            if time.monotonic() > deadline or self._nginx.poll() is not None:
-                raise RuntimeError(f"nginx did not start in {self.origin.name}")
-            time.sleep(0.05)
+        nginx_process = self._nginx
+
+        def answers() -> bool:
+            if nginx_process.poll() is not None:
+                raise RuntimeError(f"nginx exited in {self.origin.name}")
+            return self.access_log.exists() and self._origin_answers()
+
+        wait_for(answers, timeout=10, what=f"nginx answering in {self.origin.name}", interval=0.05)
 
     def _origin_answers(self) -> bool:
         try:
@@ -328,17 +332,20 @@ http {{
 
     def wait_complete(self, sidecars: list[Sidecar], *, timeout: float) -> float:
         """Wait until every sidecar's segment is COMPLETE; the monotonic time when the last one was."""
-        deadline = time.monotonic() + timeout
         pending = list(sidecars)
-        while pending:
-            pending = [s for s in pending if not s.complete()]
+
+        def all_complete() -> bool:
+            pending[:] = [s for s in pending if not s.complete()]
             for s in pending:
                 if s.process.poll() is not None:
                     raise AssertionError(f"{s.host.name}'s sidecar exited: {s.log.read_text()[-3000:]}")
-            if time.monotonic() > deadline:
-                logs = "\n".join(s.log.read_text()[-1500:] for s in pending)
-                raise AssertionError(f"{len(pending)} sidecars not complete in {timeout} s:\n{logs}")
-            time.sleep(0.05)
+            return not pending
+
+        try:
+            wait_for(all_complete, timeout=timeout, what=f"{len(sidecars)} sidecars complete", interval=0.05)
+        except AssertionError as exc:
+            logs = "\n".join(s.log.read_text()[-1500:] for s in pending)
+            raise AssertionError(f"{exc}; {len(pending)} not complete:\n{logs}") from None
         return time.monotonic()
 
     def stop_sidecars(self) -> None:

@@ -24,6 +24,7 @@ from modelload.loader.segment import (
     plan_layout,
 )
 from tests.segment.helpers import expected_bytes
+from tests.support.waiting import wait_for
 
 ROUNDS = 12
 READERS = 3
@@ -54,30 +55,43 @@ def _writer(directory: str, torn: bool) -> None:
             writer.mark_complete()
 
 
+class _Checker:
+    """One reader's look at one round's segment: each call checks every tensor newly READY."""
+
+    def __init__(self, reader: SegmentReader, round_: int) -> None:
+        self.reader, self.round = reader, round_
+        self.seen: set[int] = set()
+        self.checked = self.mismatched = 0
+
+    def __call__(self) -> bool:
+        """One pass over the state table; True once every tensor is checked and the writer is done."""
+        reader = self.reader
+        done = reader.writer_state == WriterState.COMPLETE
+        for i in map(int, reader.ready_mask().nonzero()[0]):
+            if i in self.seen:
+                continue
+            self.seen.add(i)
+            self.checked += 1
+            if bytes(reader.view(i)) != expected_bytes(self.round, i, reader.slots[i].nbytes):
+                self.mismatched += 1
+        return done and len(self.seen) == len(reader.slots)
+
+
 def _reader(directory: str, results: multiprocessing.Queue) -> None:
     checked = mismatched = 0
     for round_ in range(ROUNDS):
         path = Path(directory) / f"r{round_}.seg"
-        deadline = time.monotonic() + 30
-        while not path.exists():
-            if time.monotonic() > deadline:
-                results.put(("timeout", round_))
-                return
-            time.sleep(0.0005)
-        with SegmentReader.open(path) as reader:
-            seen: set[int] = set()
-            while True:
-                done = reader.writer_state == WriterState.COMPLETE
-                for i in map(int, reader.ready_mask().nonzero()[0]):
-                    if i in seen:
-                        continue
-                    seen.add(i)
-                    checked += 1
-                    slot = reader.slots[i]
-                    if bytes(reader.view(i)) != expected_bytes(round_, i, slot.nbytes):
-                        mismatched += 1
-                if done and len(seen) == len(reader.slots):
-                    break
+        try:  # polled tightly: the reader must be looking while the writer fills the first slots
+            wait_for(path.exists, timeout=30, what=f"round {round_}'s segment", interval=0.0005)
+            with SegmentReader.open(path) as reader:
+                checker = _Checker(reader, round_)
+                # No pause between passes: a torn tensor shows only in the instant it is published.
+                wait_for(checker, timeout=60, what=f"round {round_} complete", interval=0)
+        except AssertionError:
+            results.put(("timeout", round_))
+            return
+        checked += checker.checked
+        mismatched += checker.mismatched
     results.put((checked, mismatched))
 
 

@@ -38,6 +38,11 @@ def tensorizer_file(path: Path, *, key: bytes | None = None) -> Path:
     return path
 
 
+def safetensors_file(path: Path) -> Path:
+    save_file(TENSORS, path)
+    return path
+
+
 def corrupt_data_of(path: Path, name: str) -> None:
     """Flip a byte in the middle of tensor ``name``'s stored data."""
     with open_reader(path, "tensorizer", verify=False) as reader:
@@ -96,6 +101,37 @@ def test_a_plain_tensorizer_tensor_is_verified_and_published_with_its_crc(
             assert seg.state(i) == TensorState.READY
             assert seg.flags(i) & TensorFlags.VERIFIED and not seg.flags(i) & TensorFlags.DECRYPTED
             assert seg.crc32(i) == zlib.crc32(array.tobytes())
+
+
+def test_a_checksum_the_caller_computed_is_recorded_without_a_second_pass(
+    segment: tuple[SegmentWriter, Path],
+) -> None:
+    writer, path = segment
+    finisher = TensorFinisher(writer, key=None, encrypted=False, verify=True)
+    entries = {}
+    with open_reader(safetensors_file(path.parent / "m.safetensors"), "safetensors") as reader:
+        for i, entry in enumerate(reader.index.tensors):
+            reader.readinto(entry, writer.slot(i))
+            entries[i] = entry
+    given = zlib.crc32(writer.slot(0)) ^ 1  # not the bytes' own: proves it is the caller's that is kept
+    assert finisher.finish(0, entry=entries[0], header=None, source="m", crc32=given)
+    assert finisher.finish(1, entry=entries[1], header=None, source="m")
+    with SegmentReader.open(path) as seg:
+        assert seg.crc32(0) == given
+        assert seg.crc32(1) == zlib.crc32(TENSORS["t1"].tobytes())
+
+
+def test_a_checksum_given_for_a_tensor_the_finish_changes_is_refused(
+    tmp_path: Path, segment: tuple[SegmentWriter, Path]
+) -> None:
+    writer, path = segment
+    finisher = TensorFinisher(writer, key=None, encrypted=False, verify=True)
+    with open_reader(tensorizer_file(tmp_path / "m.tensors"), "tensorizer") as reader:
+        header = land(reader, writer, 0)
+        with pytest.raises(ValueError, match="whose bytes this finish changes"):
+            finisher.finish(0, entry=reader.index.tensors[0], header=header, source="m", crc32=1)
+    with SegmentReader.open(path) as seg:
+        assert seg.state(0) == TensorState.PENDING
 
 
 def test_an_encrypted_tensor_is_decrypted_in_its_slot(

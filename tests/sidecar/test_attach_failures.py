@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,24 +16,16 @@ from modelload.loader import attach
 from modelload.loader.errors import LoadFailedError
 from modelload.loader.segment.failure import marker_path, write_failure
 from modelload.sidecar.process import Sidecar, default_engine
-from modelload.sidecar.settings import parse_settings
 from tests.sidecar.scripted import scripted, tensor_values
+from tests.support.sidecars import Sidecars
 
 
 @pytest.fixture
-def start_sidecar() -> Iterator[Callable[..., Sidecar]]:
-    started: list[Sidecar] = []
-
+def start_sidecar(sidecars: Sidecars) -> Callable[..., Sidecar]:
     def start(source: str, segment: Path, factory: Any = default_engine) -> Sidecar:
-        argv = ["--source", source, "--segment", str(segment), "--host", "127.0.0.1", "--port", "0"]
-        sidecar = Sidecar(parse_settings(argv, environ={}), engine_factory=factory)
-        started.append(sidecar)
-        sidecar.start()
-        return sidecar
+        return sidecars.start(source, segment, engine_factory=factory)
 
-    yield start
-    for sidecar in started:
-        sidecar.stop()
+    return start
 
 
 def test_a_load_that_fails_before_its_segment_exists_reaches_attach_at_once(

@@ -3,20 +3,18 @@ not only once it is whole, and every chunk still counts exactly its tensor bytes
 
 from __future__ import annotations
 
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
 
 from modelload.loader.formats.safetensors import save_file
 from modelload.sidecar.load import LoadSettings
-from modelload.sidecar.load.engine import Engine
 from modelload.sidecar.load.meter import ChunkMeter
-from modelload.sidecar.progress import LoadTracker
 from modelload.sidecar.sources import HttpSettings, SourceSettings
 from tests.support.fault_proxy import FaultProxy, Stall
 from tests.support.nginx import NginxServer
+from tests.support.sidecars import BackgroundLoad
+from tests.support.waiting import wait_for
 
 MiB = 1 << 20
 
@@ -29,8 +27,7 @@ def test_a_long_range_shows_its_bytes_while_it_streams(
     nginx.put("progress/one.safetensors", file.read_bytes())
     # Every GET stops for 2 s after 2 MiB (the small index reads never get that far).
     nginx_proxy.always(Stall(after=2 * MiB, seconds=2.0), path="progress/one.safetensors")
-    tracker = LoadTracker()
-    engine = Engine(
+    load = BackgroundLoad(
         LoadSettings(
             source=nginx_proxy.url("progress/one.safetensors"),
             segment=shm_dir / "model.seg",
@@ -38,21 +35,18 @@ def test_a_long_range_shows_its_bytes_while_it_streams(
             chunk_size=32 * MiB,
         ),
         sources=SourceSettings(http=HttpSettings(stall_timeout=10.0)),
-        observer=tracker,
     )
-    thread = threading.Thread(target=engine.run)
-    thread.start()
     try:
-        deadline = time.monotonic() + 10
-        while tracker.snapshot().bytes_done == 0:
-            assert time.monotonic() < deadline, "no bytes counted while the range streamed"
-            time.sleep(0.01)
-        midway = tracker.snapshot()
+        midway = wait_for(
+            lambda: load.tracker.snapshot() if load.tracker.snapshot().bytes_done else None,
+            timeout=10,
+            what="bytes counted while the range streams",
+        )
         assert midway.tensors_ready == 0 and midway.phase == "loading"
         assert 0 < midway.bytes_done < midway.bytes_total == 4 * MiB
     finally:
-        thread.join(20)
-    done = tracker.snapshot()
+        load.finish(20)
+    done = load.tracker.snapshot()
     assert (done.phase, done.bytes_done, done.tensors_ready) == ("complete", 4 * MiB, 1)
 
 

@@ -9,8 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,40 +25,30 @@ from modelload.loader.formats.safetensors import save_file
 from modelload.loader.segment import SegmentReader, TensorState, WriterState
 from modelload.sidecar.logs import LoggingObserver
 from modelload.sidecar.process import Sidecar
-from modelload.sidecar.settings import SidecarSettings, parse_settings
+from modelload.sidecar.settings import SidecarSettings
 from tests.sidecar.scripted import ELEMENTS, ScriptedEngine, scripted, tensor_values
+from tests.support.clock import FakeClock
 from tests.support.ports import free_port, wait_for_port
+from tests.support.sidecars import Sidecars
+from tests.support.subscriptions import PROBE, heard_on, receive, until_heard
+from tests.support.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def wait_for(condition: Callable[[], bool], *, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out waiting for the sidecar")
-        time.sleep(0.01)
-
-
-def settings_for(shm_dir: Path, *flags: str, source: str = "scripted://model") -> SidecarSettings:
-    argv = ["--source", source, "--segment", str(shm_dir / "model.seg"), "--host", "127.0.0.1", "--port", "0"]
-    return parse_settings([*argv, *flags], environ={})
-
-
 @pytest.fixture
-def run_sidecar(shm_dir: Path) -> Iterator[Callable[..., Sidecar]]:
+def run_sidecar(sidecars: Sidecars, shm_dir: Path) -> Callable[..., Sidecar]:
     """Start a Sidecar in this process with an engine factory; stopped at the end of the test."""
-    started: list[Sidecar] = []
 
     def start(factory: Any, *flags: str, source: str = "scripted://model") -> Sidecar:
-        sidecar = Sidecar(settings_for(shm_dir, *flags, source=source), engine_factory=factory)
-        started.append(sidecar)
-        sidecar.start()
-        return sidecar
+        return sidecars.start(source, shm_dir / "model.seg", *flags, engine_factory=factory)
 
-    yield start
-    for sidecar in started:
-        sidecar.stop()
+    return start
+
+
+def ready(sidecar: Sidecar, status: int) -> None:
+    """Wait until the sidecar's /readyz answers ``status`` (200 loaded, 500 failed)."""
+    wait_for(lambda: get(sidecar, "/readyz").status_code == status, timeout=10, what=f"/readyz {status}")
 
 
 def get(sidecar: Sidecar, path: str) -> httpx.Response:
@@ -73,7 +62,7 @@ def test_a_complete_load_is_served_until_the_sidecar_stops(
     run_sidecar: Callable[..., Sidecar], shm_dir: Path
 ) -> None:
     sidecar = run_sidecar(scripted(tensors=4))
-    wait_for(lambda: get(sidecar, "/readyz").status_code == 200)
+    ready(sidecar, 200)
     status = get(sidecar, "/status").json()
     assert (status["state"], status["tensors_ready"], status["bytes_done"]) == (
         "complete",
@@ -82,8 +71,7 @@ def test_a_complete_load_is_served_until_the_sidecar_stops(
     )
     assert status["notify"] == f"ipc://{shm_dir}/model.seg.notify.sock"
     assert "modelload_tensors_ready 4.0" in get(sidecar, "/metrics").text
-    time.sleep(0.6)  # the load is over; the sidecar keeps serving
-    assert get(sidecar, "/healthz").status_code == 200
+    assert get(sidecar, "/healthz").status_code == 200  # the load is over; the sidecar keeps serving
     with attach(shm_dir / "model.seg", timeout=5) as model:
         assert np.array_equal(model.numpy("layer3.weight"), tensor_values(3))
     url = sidecar.api.url
@@ -104,10 +92,11 @@ def test_notifications_reach_a_subscriber_while_the_model_loads(
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.setsockopt(zmq.RCVTIMEO, 5000)
     sub.connect(f"ipc://{shm_dir}/model.seg.notify.sock")
-    wait_for(lambda: get(sidecar, "/startupz").status_code == 200)
-    time.sleep(0.3)  # the subscription reaches the publisher before the first tensor
-    gate.set()
-    frames = [sub.recv_multipart() for _ in range(4)]
+    notifier = sidecar.notifier
+    assert notifier is not None
+    until_heard(lambda: notifier.tensor_ready(index=PROBE, name="probe", nbytes=0), heard_on(sub))
+    gate.set()  # the first tensor only once the subscription is in place
+    frames = receive(sub, 4)
     sub.close(linger=0)
     assert frames == [
         [b"ready", b"\x00\x00\x00\x00"],
@@ -121,7 +110,7 @@ def test_a_failed_load_keeps_the_sidecar_serving_the_reason(
     run_sidecar: Callable[..., Sidecar], shm_dir: Path
 ) -> None:
     sidecar = run_sidecar(scripted(tensors=4, fail_at=2))
-    wait_for(lambda: get(sidecar, "/readyz").status_code == 500)
+    ready(sidecar, 500)
     reason = "layer2.weight: hash mismatch (the transfer or the file is corrupt)"
     assert get(sidecar, "/readyz").json()["error"] == reason
     assert get(sidecar, "/healthz").status_code == 200  # liveness green: no restart into the same failure
@@ -132,7 +121,6 @@ def test_a_failed_load_keeps_the_sidecar_serving_the_reason(
     with SegmentReader.open(shm_dir / "model.seg") as segment:
         assert segment.writer_state == WriterState.FAILED
         assert segment.error == reason
-    time.sleep(0.6)
     assert get(sidecar, "/readyz").status_code == 500  # still up, still saying why
     assert sidecar.stop() == 1
 
@@ -141,7 +129,7 @@ def test_stopping_during_a_load_leaves_the_segment_failed_not_torn(
     run_sidecar: Callable[..., Sidecar], shm_dir: Path
 ) -> None:
     sidecar = run_sidecar(scripted(tensors=4, pause_at=2))
-    wait_for(lambda: get(sidecar, "/status").json()["tensors_ready"] == 2)
+    wait_for(lambda: get(sidecar, "/status").json()["tensors_ready"] == 2, timeout=10, what="2 tensors ready")
     assert get(sidecar, "/readyz").status_code == 503
     assert sidecar.stop() == 1
     with SegmentReader.open(shm_dir / "model.seg") as segment:
@@ -157,7 +145,7 @@ def test_an_engine_that_cannot_be_built_is_served_as_a_failed_load(
         raise ConfigError("--key-file /secrets/key: no such file")
 
     sidecar = run_sidecar(broken)
-    wait_for(lambda: get(sidecar, "/readyz").status_code == 500)
+    ready(sidecar, 500)
     status = get(sidecar, "/status").json()
     assert status["error"] == "--key-file /secrets/key: no such file"
     assert status["errors"] == {"config": 1}
@@ -172,7 +160,7 @@ def test_an_engine_that_crashes_is_served_as_a_failed_load(run_sidecar: Callable
             pass
 
     sidecar = run_sidecar(lambda settings, observer: Crashing())
-    wait_for(lambda: get(sidecar, "/readyz").status_code == 500)
+    ready(sidecar, 500)
     assert get(sidecar, "/status").json()["errors"] == {"internal": 1}
 
 
@@ -183,7 +171,7 @@ def test_credentials_in_the_source_never_reach_the_logs(
     uri = "https://alice:hunter2@models.example/m.safetensors?X-Amz-Signature=deadbeef"
     # The scripted engine reports the raw URI (the real one reports its display form): the log must not care.
     sidecar = run_sidecar(scripted(tensors=2, fail_at=1, source=uri), source=uri)
-    wait_for(lambda: get(sidecar, "/readyz").status_code == 500)
+    ready(sidecar, 500)
     sidecar.stop()
     assert "loading https://models.example/m.safetensors?…" in caplog.text
     assert "load failed (hash_mismatch)" in caplog.text
@@ -193,10 +181,12 @@ def test_credentials_in_the_source_never_reach_the_logs(
 
 def test_retries_are_logged_at_most_once_a_second(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="modelload")
-    observer = LoggingObserver(retry_interval=0.2)
+    clock = FakeClock()
+    observer = LoggingObserver(retry_interval=1.0, clock=clock)
     for _ in range(50):
         observer.retried(kind="timeout", message="no byte for 30 s")
-    time.sleep(0.25)
+        clock.advance(0.01)
+    clock.advance(0.6)  # past 1 s since the first
     observer.retried(kind="throttled", message="503 SlowDown")
     lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert lines == [
@@ -211,11 +201,11 @@ def test_progress_is_logged_while_the_model_loads(
     monkeypatch.setattr("modelload.sidecar.process.PROGRESS_INTERVAL", 0.0)
     caplog.set_level(logging.INFO, logger="modelload")
     sidecar = run_sidecar(scripted(tensors=4, pause_at=2))
-    wait_for(lambda: sidecar.tracker.snapshot().tensors_ready == 2)
+    wait_for(lambda: sidecar.tracker.snapshot().tensors_ready == 2, timeout=10, what="2 tensors ready")
     waiter = threading.Thread(target=sidecar.wait)
     waiter.start()
     try:
-        wait_for(lambda: "loading: 50.0% 8.0 KiB/16.0 KiB" in caplog.text, timeout=5)
+        wait_for(lambda: "loading: 50.0% 8.0 KiB/16.0 KiB" in caplog.text, timeout=5, what="a progress line")
     finally:
         sidecar.shutdown.set()
         waiter.join(5)
@@ -305,7 +295,7 @@ def test_the_command_loads_a_safetensors_file_and_exits_0_on_sigterm(shm_dir: Pa
     )
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: httpx.get(url + "/readyz", timeout=5).status_code == 200, timeout=20)
+        wait_for(lambda: httpx.get(url + "/readyz", timeout=5).status_code == 200, timeout=20, what="ready")
         status = httpx.get(url + "/status", timeout=5).json()
         assert status["tensors_total"] == status["tensors_ready"] == 13
         assert status["bytes_done"] == status["bytes_total"] == sum(t.nbytes for t in tensors.values())
@@ -328,7 +318,7 @@ def test_the_command_keeps_serving_a_missing_source_as_a_failed_load(shm_dir: Pa
     process = start_command([*args, "--host", "127.0.0.1", "--port", str(port)], port=port)
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: httpx.get(url + "/readyz", timeout=5).status_code == 500, timeout=20)
+        wait_for(lambda: httpx.get(url + "/readyz", timeout=5).status_code == 500, timeout=20, what="failed")
         status = httpx.get(url + "/status", timeout=5).json()
         assert status["state"] == "failed"
         assert "missing.safetensors" in status["error"]
@@ -358,7 +348,11 @@ def test_sigterm_during_a_load_marks_the_segment_failed_and_exits_1(shm_dir: Pat
     process = start_command([*args, "--port", str(port)], port=port, script=PAUSED)
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: httpx.get(url + "/status", timeout=5).json()["tensors_ready"] == 2)
+        wait_for(
+            lambda: httpx.get(url + "/status", timeout=5).json()["tensors_ready"] == 2,
+            timeout=20,
+            what="2 tensors ready",
+        )
     finally:
         code, stderr = stop_command(process)
     assert code == 1, stderr

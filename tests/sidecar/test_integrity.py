@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import os
 import subprocess
@@ -32,6 +34,7 @@ from modelload.sidecar.planner import plan_load
 from modelload.sidecar.progress import LoadTracker
 from modelload.sidecar.sources import HttpSettings, RetryPolicy, SourceSettings
 from tests.sidecar import models
+from tests.support.tmpfs import tmpfs
 
 FAST = SourceSettings(
     http=HttpSettings(connect_timeout=2.0, stall_timeout=2.0),
@@ -132,30 +135,14 @@ def test_a_corrupt_encrypted_tensor_is_corruption_not_a_wrong_key_when_others_de
 
 @pytest.fixture
 def sized_tmpfs(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
-    """Mount tmpfs volumes of a given size (skipped where mounting is not allowed)."""
-    mounts: list[Path] = []
+    """Mount tmpfs volumes of a given size (needs root: :mod:`tests.support.tmpfs`)."""
+    names = itertools.count()
+    with contextlib.ExitStack() as mounts:
 
-    def mount(size: int) -> Path:
-        path = tmp_path / f"volume{len(mounts)}"
-        path.mkdir()
-        done = os.geteuid() == 0 and (
-            subprocess.run(
-                ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                capture_output=True,
-                check=False,
-            ).returncode
-            == 0
-        )
-        if not done:
-            pytest.skip("mounting a tmpfs needs privileges this machine does not give")
-        mounts.append(path)
-        return path
+        def mount(size: int) -> Path:
+            return mounts.enter_context(tmpfs(tmp_path / f"volume{next(names)}", size=size))
 
-    try:
         yield mount
-    finally:
-        for path in mounts:
-            subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def segment_length(data: bytes, **kwargs: Any) -> int:

@@ -12,14 +12,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import pytest
-
 from modelload.loader._logjson import JsonFormatter, use_log_format
+from modelload.loader.errors import SidecarUnavailableError
 from modelload.loader.segment import SegmentReader, WriterState
 from tests.sidecar import models
+from tests.support.waiting import wait_for
 
 MODELLOAD = str(Path(sys.executable).with_name("modelload"))
 
@@ -31,16 +30,15 @@ def test_a_sidecar_asked_for_json_writes_only_json_lines(tmp_path: Path, shm_dir
     env = {**os.environ, "MODELLOAD_LOG_FORMAT": "json"}
     command = [MODELLOAD, "sidecar", "--source", str(source), "--segment", str(segment), "--port", "0"]
     process = subprocess.Popen([*command, "--notify", "none"], env=env, stderr=subprocess.PIPE, text=True)
+
+    def complete() -> bool:
+        with SegmentReader.open(segment) as reader:
+            return reader.writer_state == WriterState.COMPLETE
+
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if segment.exists():
-                with SegmentReader.open(segment) as reader:
-                    if reader.writer_state == WriterState.COMPLETE:
-                        break
-            time.sleep(0.05)
-        else:
-            pytest.fail("the sidecar did not finish loading in 30 s")
+        wait_for(
+            complete, timeout=30, what="the sidecar's load complete", ignoring=(SidecarUnavailableError,)
+        )
     finally:
         process.send_signal(signal.SIGTERM)
         _, stderr = process.communicate(timeout=30)

@@ -4,7 +4,6 @@ the loader copies each tensor as it arrives; what the volume holds is read from 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import multiprocessing
 import os
@@ -26,15 +25,14 @@ from modelload.loader.errors import (
     ModelloadError,
     SegmentSpaceError,
 )
-from modelload.loader.segment import SegmentReader, TensorState, WriterState
+from modelload.loader.segment import SegmentReader, TensorState, WriterState, consumers
 from modelload.sidecar.load import LoadSettings
-from modelload.sidecar.load.engine import Engine
 from modelload.sidecar.memory import MemorySettings
 from modelload.sidecar.metrics import MetricsObserver
-from modelload.sidecar.progress import LoadTracker, Observers
 from modelload.sidecar.settings import parse_settings
-from modelload.sidecar.sources import SourceSettings
 from tests.sidecar import models
+from tests.support.sidecars import BackgroundLoad
+from tests.support.waiting import wait_for
 
 CHUNK = 64 << 10
 RING = 1 << 20
@@ -48,32 +46,26 @@ def _model(tmp_path: Path, fmt: str = "safetensors", **kwargs: Any) -> tuple[Pat
     return path, tensors
 
 
-class Load:
+class Load(BackgroundLoad):
     """The engine in a thread, with a tracker and metrics, as the sidecar runs it."""
 
-    def __init__(self, source: Path, segment: Path, memory: MemorySettings, **settings: Any) -> None:
-        self.tracker, self.metrics = LoadTracker(), MetricsObserver()
-        self.engine = Engine(
+    def __init__(
+        self, source: Path, segment: Path, memory: MemorySettings, peers: Any = None, **settings: Any
+    ) -> None:
+        self.metrics = MetricsObserver()
+        super().__init__(
             LoadSettings(source=str(source), segment=segment, chunk_size=CHUNK, memory=memory, **settings),
-            sources=SourceSettings(),
-            observer=Observers(self.tracker, self.metrics),
+            observers=(self.metrics,),
+            peers=peers,
         )
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
 
-    def _run(self) -> None:
-        try:
-            self.engine.run()
-        except BaseException as exc:
-            self.error = exc
-
-    def finish(self) -> None:
-        self.thread.join(30)
-        assert not self.thread.is_alive()
+    def memory(self) -> dict[str, Any]:
+        """The memory section of the load's status (empty before the first report)."""
+        return self.tracker.snapshot().memory or {}
 
 
 def _consume(segment: Path, *, sample: list[int] | None = None) -> dict[str, bytes]:
+    """Attach (waiting for the segment to be published), copy every tensor as it arrives, mark it consumed."""
     copies = {}
     with attach(segment, timeout=30, notify=False) as model:
         for name in model.iter_ready():
@@ -106,8 +98,6 @@ def test_ring_mode_loads_byte_exact_while_the_volume_never_holds_more_than_the_r
     model_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     assert model_bytes > 3 * RING, "the model must be larger than the ring for this test to mean anything"
     load = Load(source, segment, MemorySettings(mode="ring", ring_size=RING), readers=4, **how)
-    while not segment.exists():
-        time.sleep(0.005)
     sample: list[int] = []
     copies = _consume(segment, sample=sample)
     load.finish()
@@ -122,11 +112,11 @@ def test_ring_mode_loads_byte_exact_while_the_volume_never_holds_more_than_the_r
         assert os.stat(segment).st_size == data_offset + RING, "the file is the tables and the ring"
         wrapped = [s.name for s in reader.slots if (s.offset - data_offset) % RING + s.nbytes > RING]
         assert wrapped, "some tensor must run past the ring's end for this test to mean anything"
-    deadline = time.monotonic() + 5
-    while load.tracker.snapshot().memory["released_tensors"] < len(tensors) and time.monotonic() < deadline:  # type: ignore[index]
-        time.sleep(0.01)
-    memory = load.tracker.snapshot().memory
-    assert memory is not None and memory["released_tensors"] == len(tensors)
+    wait_for(
+        lambda: load.memory().get("released_tensors") == len(tensors),
+        timeout=10,
+        what="every tensor released",
+    )
     assert _resident(segment) <= control
     with SegmentReader.open(segment) as reader:
         assert reader.writer_state == WriterState.COMPLETE
@@ -139,8 +129,6 @@ def test_a_tensor_a_consumer_holds_keeps_its_bytes_while_the_ring_waits_for_it(
     source, tensors = _model(tmp_path, seed=4)
     segment = shm_dir / "held.seg"
     load = Load(source, segment, MemorySettings(mode="ring", ring_size=RING), readers=4)
-    while not segment.exists():
-        time.sleep(0.005)
     held: dict[str, Any] = {}
     copies: dict[str, bytes] = {}
     model = attach(segment, timeout=30, notify=False)
@@ -155,16 +143,13 @@ def test_a_tensor_a_consumer_holds_keeps_its_bytes_while_the_ring_waits_for_it(
 
     consumer = threading.Thread(target=consume, daemon=True)
     consumer.start()
-    deadline = time.monotonic() + 10
-    memory: dict[str, Any] | None = None
-    while time.monotonic() < deadline:
-        memory = load.tracker.snapshot().memory
-        if memory and memory["waiting"] and memory["waiting_for"] and "embed.weight" in memory["waiting_for"]:
-            break
-        time.sleep(0.01)
-    assert memory is not None and memory["waiting"], f"the ring must wait for the held tensor: {memory}"
+    wait_for(
+        lambda: load.memory().get("waiting") and "embed.weight" in (load.memory().get("waiting_for") or ""),
+        timeout=10,
+        what="the ring waiting for the held tensor",
+    )
     assert load.thread.is_alive() and not model.complete
-    time.sleep(0.2)  # the ring stays stalled: nothing overwrites the held tensor
+    # The ring stalls rather than land newer bytes over the held tensor's.
     assert held["embed.weight"].tobytes() == models.as_bytes(tensors["embed.weight"])
     copies["embed.weight"] = held.pop("embed.weight").tobytes()
     model.consumed("embed.weight")
@@ -185,8 +170,6 @@ def test_two_consumers_in_two_processes_copy_a_model_larger_than_the_ring_byte_e
     source, tensors = _model(tmp_path, "tensorizer", seed=6)
     segment = shm_dir / "two.seg"
     load = Load(source, segment, MemorySettings(mode="ring", ring_size=RING, consumers=2), readers=4)
-    while not segment.exists():
-        time.sleep(0.005)
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     other = context.Process(target=_consume_elsewhere, args=(str(segment), results))
@@ -210,8 +193,6 @@ def test_a_meta_tensor_in_a_ring_reads_as_zeros_not_as_an_older_tensor_s_bytes(
     source.write_bytes(models.tensorizer_bytes(tensors))
     segment = shm_dir / "meta.seg"
     load = Load(source, segment, MemorySettings(mode="ring", ring_size=RING), readers=4)
-    while not segment.exists():
-        time.sleep(0.005)
     copies = _consume(segment)
     load.finish()
     assert load.error is None
@@ -220,7 +201,9 @@ def test_a_meta_tensor_in_a_ring_reads_as_zeros_not_as_an_older_tensor_s_bytes(
 
 
 class _Peers:
-    """A peer hook that records what the engine offers it."""
+    """A peer hook (the engine's PeerHook) that records what the engine offers it."""
+
+    verified_by_peers: frozenset[int] = frozenset()
 
     def __init__(self) -> None:
         self.share: bool | None = None
@@ -237,21 +220,10 @@ def test_a_ring_serves_no_peers(tmp_path: Path, shm_dir: Path) -> None:
     source, _ = _model(tmp_path, seed=9)
     segment = shm_dir / "peers.seg"
     peers = _Peers()
-    engine = Engine(
-        LoadSettings(
-            source=str(source), segment=segment, chunk_size=CHUNK,
-            memory=MemorySettings(mode="ring", ring_size=RING),
-        ),
-        sources=SourceSettings(),
-        observer=LoadTracker(),
-        peers=peers,
-    )  # fmt: skip
-    thread = threading.Thread(target=engine.run, daemon=True)
-    thread.start()
-    while not segment.exists():
-        time.sleep(0.005)
+    load = Load(source, segment, MemorySettings(mode="ring", ring_size=RING), peers=peers)
     _consume(segment)
-    thread.join(30)
+    load.finish()
+    assert load.error is None, load.error
     assert peers.share is False, "a ring reuses its bytes: it cannot serve a tensor to a peer"
 
 
@@ -259,15 +231,10 @@ def test_release_mode_empties_the_volume_once_the_consumer_is_done(tmp_path: Pat
     source, tensors = _model(tmp_path, seed=3)
     segment = shm_dir / "release.seg"
     load = Load(source, segment, MemorySettings(mode="release"), readers=4)
-    while not segment.exists():
-        time.sleep(0.005)
     copies = _consume(segment)
     load.finish()
     assert copies == {name: models.as_bytes(t) for name, t in tensors.items()}
-    deadline = time.monotonic() + 5
-    while _resident(segment) > 64 << 10 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert _resident(segment) <= 64 << 10
+    wait_for(lambda: _resident(segment) <= 64 << 10, timeout=10, what="the volume emptied")
     scraped = generate_latest(load.metrics.registry).decode()
     assert "modelload_memory_released_bytes" in scraped
     released = next(
@@ -295,22 +262,15 @@ def test_a_consumer_that_never_releases_makes_the_ring_wait_and_the_timeout_name
     source, _ = _model(tmp_path)
     segment = shm_dir / "stuck.seg"
     load = Load(source, segment, MemorySettings(mode="ring", ring_size=RING, wait_timeout=1.5), readers=2)
-    while not segment.exists():
-        time.sleep(0.005)
     hoarder = attach(segment, timeout=5, notify=False)  # registers, reads, never marks anything consumed
-    deadline = time.monotonic() + 5
-    memory = None
-    while time.monotonic() < deadline:
-        memory = load.tracker.snapshot().memory
-        if (
-            memory
-            and memory["waiting"]
-            and memory["waiting_for"]
-            and "has not consumed" in memory["waiting_for"]
-        ):
-            break
-        time.sleep(0.02)
-    assert memory is not None and memory["waiting"], memory
+
+    def waiting_for_the_hoarder() -> dict[str, Any] | None:
+        memory = load.memory()
+        return (
+            memory if memory.get("waiting") and "has not consumed" in (memory["waiting_for"] or "") else None
+        )
+
+    memory = wait_for(waiting_for_the_hoarder, timeout=5, what="the ring waiting for the hoarder")
     assert f"pid {os.getpid()}" in memory["waiting_for"] and memory["consumers"][0]["pid"] == os.getpid()
     load.finish()
     assert isinstance(load.error, MemoryWaitError)
@@ -336,13 +296,13 @@ def _hold_and_die(segment: str, ready: Any) -> None:
 
 
 def test_a_reader_that_died_holding_tensors_stops_counting_when_its_heartbeat_expires(
-    tmp_path: Path, shm_dir: Path
+    tmp_path: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     source, tensors = _model(tmp_path, seed=5)
     segment = shm_dir / "dead.seg"
-    load = Load(source, segment, MemorySettings(mode="ring", ring_size=RING, expiry=5.0), readers=2)
-    while not segment.exists():
-        time.sleep(0.005)
+    # A sub-second expiry, for the test's sake: the live consumer (this process) beats fast enough for it.
+    monkeypatch.setattr(consumers, "HEARTBEAT_INTERVAL", 0.05)
+    load = Load(source, segment, MemorySettings(mode="ring", ring_size=RING, expiry=0.5), readers=2)
     context = multiprocessing.get_context("spawn")
     ready = context.Event()
     reader = context.Process(target=_hold_and_die, args=(str(segment), ready))
@@ -354,6 +314,17 @@ def test_a_reader_that_died_holding_tensors_stops_counting_when_its_heartbeat_ex
     load.finish()
     assert load.error is None
     assert copies == {name: models.as_bytes(t) for name, t in tensors.items()}
+
+
+def test_the_consumer_expiry_outlasts_a_few_heartbeats_and_follows_a_faster_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    floor = r"at least 5 seconds \(2.5 of the consumers' heartbeats\), got 4.9"
+    with pytest.raises(ConfigError, match=floor):
+        MemorySettings(mode="release", expiry=4.9)
+    assert MemorySettings(mode="release", expiry=5.0).expiry == 5.0
+    monkeypatch.setattr(consumers, "HEARTBEAT_INTERVAL", 0.05)  # consumers that beat 40 times faster
+    assert MemorySettings(mode="release", expiry=0.125).expiry == 0.125
 
 
 def test_a_volume_too_small_for_the_ring_is_a_clear_error(tmp_path: Path, tiny_tmpfs: Path) -> None:
@@ -399,20 +370,17 @@ def test_a_sidecar_restarting_over_its_unfinished_ring_reuses_the_room_of_the_ol
     old.close()
     source, tensors = _model(tmp_path, seed=10)
     load = Load(source, segment, MemorySettings(mode="ring", ring_size=ring), readers=2)
-    deadline = time.monotonic() + 10
-    while load.thread.is_alive() and time.monotonic() < deadline:
-        with contextlib.suppress(ModelloadError), SegmentReader.open(segment) as reader:
-            if reader.load_id != old.load_id:
-                break
-        time.sleep(0.01)
-    copies = _consume(segment) if load.thread.is_alive() else {}
+
+    def replaced() -> bool:
+        assert load.thread.is_alive() or load.error is None, load.error
+        with SegmentReader.open(segment) as reader:
+            return reader.load_id != old.load_id
+
+    wait_for(replaced, timeout=10, what="the new ring published", ignoring=(ModelloadError,))
+    copies = _consume(segment)
     load.finish()
     assert load.error is None, load.error
     assert copies == {name: models.as_bytes(t) for name, t in tensors.items()}
-    deadline = time.monotonic() + 5  # the memory thread lets go of the file once the last lap is released
-    while load.tracker.snapshot().memory["released_tensors"] < len(tensors) and time.monotonic() < deadline:  # type: ignore[index]
-        time.sleep(0.01)
-    time.sleep(0.1)
 
 
 @pytest.mark.parametrize("mode", ["ring", "release"])
@@ -427,8 +395,6 @@ def test_a_sidecar_restarted_after_a_complete_load_keeps_the_segment_its_app_alr
         else MemorySettings(mode="release")
     )
     first = Load(source, segment, memory, readers=2)
-    while not segment.exists():
-        time.sleep(0.005)
     assert _consume(segment) == {name: models.as_bytes(t) for name, t in tensors.items()}
     first.finish()
     assert first.error is None
@@ -451,9 +417,13 @@ def test_a_ring_that_gave_up_waiting_no_longer_reports_a_wait(tmp_path: Path, sh
     load = Load(source, shm_dir / "gave-up.seg", settings)
     load.finish()
     assert isinstance(load.error, MemoryWaitError)
-    time.sleep(0.1)  # the memory thread's last report
-    memory = load.tracker.snapshot().memory
-    assert memory is not None and not memory["waiting"] and memory["waiting_for"] is None, memory
+    # The memory thread's last report says the wait is over.
+    memory = wait_for(
+        lambda: load.memory() if not load.memory().get("waiting", True) else None,
+        timeout=5,
+        what="a report without a wait",
+    )
+    assert memory["waiting_for"] is None, memory
     waited = memory["wait_seconds_total"]
     assert 0.5 <= waited < 5, memory
     assert "modelload_memory_waiting 0.0" in generate_latest(load.metrics.registry).decode()
@@ -493,8 +463,6 @@ def test_a_module_with_tied_weights_loads_into_a_ring_smaller_than_the_span_betw
     segment = shm_dir / "tied.seg"
     ring = 1536 << 10  # holds the embedding (1 MiB), not the embedding and every layer after it
     load = Load(source, segment, MemorySettings(mode="ring", ring_size=ring, wait_timeout=10), readers=2)
-    while not segment.exists():
-        time.sleep(0.005)
 
     monkeypatch.setattr(torch_api, "copy_all", _copy_all_on_the_host)
     with torch.device("meta"):
@@ -520,8 +488,6 @@ def test_a_module_that_takes_not_every_tensor_of_the_file_loads_through_a_ring(
     source.write_bytes(models.safetensors_bytes(tensors))
     segment = shm_dir / "extra.seg"
     load = Load(source, segment, MemorySettings(mode="ring", ring_size=1536 << 10, wait_timeout=10))
-    while not segment.exists():
-        time.sleep(0.005)
 
     monkeypatch.setattr(torch_api, "copy_all", _copy_all_on_the_host)
     with torch.device("meta"):
@@ -541,8 +507,6 @@ def test_a_ring_s_wait_names_the_tensor_whose_bytes_it_waits_for(tmp_path: Path,
     # layers.5.attn.weight holds, and nothing of head.bias's.
     settings = MemorySettings(mode="ring", ring_size=RING, wait_timeout=2)
     load = Load(source, segment, settings, readers=2, priority=("head.bias", "layers.5."))
-    while not segment.exists():
-        time.sleep(0.005)
     model = attach(segment, timeout=30, notify=False)
     with pytest.raises(LoadFailedError, match="ring mode waited"):
         for name in model.iter_ready():

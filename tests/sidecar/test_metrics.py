@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import threading
-import time
 
+import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from modelload.sidecar.metrics import DURATION_BUCKETS, MetricsObserver
+from tests.support.clock import FakeClock
 
 
 def samples(observer: MetricsObserver) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -25,7 +26,12 @@ def value(observer: MetricsObserver, name: str, **labels: str) -> float:
     return samples(observer)[(name, tuple(sorted(labels.items())))]
 
 
-def scripted_load(observer: MetricsObserver, *, tensors: int = 5, size: int = 4096) -> None:
+def observed() -> tuple[MetricsObserver, FakeClock]:
+    clock = FakeClock()
+    return MetricsObserver(clock=clock), clock
+
+
+def scripted_load(observer: MetricsObserver, clock: FakeClock, *, tensors: int = 5, size: int = 4096) -> None:
     observer.load_started(source="s3://b/k", segment="/run/modelload/model.seg")
     observer.manifest_published(
         model_format="safetensors", tensors=tensors, nbytes=tensors * size, notify=None
@@ -36,13 +42,13 @@ def scripted_load(observer: MetricsObserver, *, tensors: int = 5, size: int = 40
     for i in range(tensors):
         observer.bytes_loaded(size)
         observer.tensor_ready(index=i, name=f"t{i}", nbytes=size)
-        time.sleep(0.002)
+        clock.advance(0.002)
     observer.load_finished(seconds=1.5, nbytes=tensors * size)
 
 
 def test_a_completed_load_exports_every_family_with_its_values() -> None:
-    observer = MetricsObserver()
-    scripted_load(observer)
+    observer, clock = observed()
+    scripted_load(observer, clock)
     assert value(observer, "modelload_loaded_bytes_total") == 5 * 4096
     assert value(observer, "modelload_model_bytes") == 5 * 4096
     assert value(observer, "modelload_model_tensors") == 5
@@ -63,8 +69,8 @@ def test_a_completed_load_exports_every_family_with_its_values() -> None:
 
 
 def test_the_duration_buckets_span_a_tenth_of_a_second_to_half_an_hour() -> None:
-    observer = MetricsObserver()
-    scripted_load(observer)
+    observer, clock = observed()
+    scripted_load(observer, clock)
     bounds = {
         float(dict(labels)["le"])
         for (name, labels) in samples(observer)
@@ -76,16 +82,17 @@ def test_the_duration_buckets_span_a_tenth_of_a_second_to_half_an_hour() -> None
 
 
 def test_throughput_is_current_while_loading_and_frozen_once_finished() -> None:
-    observer = MetricsObserver()
+    observer, clock = observed()
     observer.load_started(source="s3://b/k", segment="/s")
     observer.bytes_loaded(1 << 20)
-    time.sleep(0.05)
-    live = value(observer, "modelload_throughput_bytes_per_second")
-    assert 0 < live < (1 << 20) / 0.05 * 1.01
-    observer.load_finished(seconds=0.06, nbytes=1 << 20)
-    frozen = value(observer, "modelload_throughput_bytes_per_second")
-    time.sleep(0.05)
-    assert value(observer, "modelload_throughput_bytes_per_second") == frozen
+    clock.advance(0.05)
+    assert value(observer, "modelload_throughput_bytes_per_second") == pytest.approx((1 << 20) / 0.05)
+    clock.advance(0.05)
+    current = value(observer, "modelload_throughput_bytes_per_second")
+    assert current == pytest.approx((1 << 20) / 0.1), "current, at each scrape"
+    observer.load_finished(seconds=0.1, nbytes=1 << 20)
+    clock.advance(0.05)
+    assert value(observer, "modelload_throughput_bytes_per_second") == current, "frozen at the end"
 
 
 def test_a_failed_load_counts_its_error_and_shows_the_failed_phase() -> None:
@@ -130,8 +137,8 @@ def test_bytes_counted_from_many_reader_threads_add_up_exactly() -> None:
 
 
 def test_metric_names_carry_the_prefix_and_their_units() -> None:
-    observer = MetricsObserver()
-    scripted_load(observer)
+    observer, clock = observed()
+    scripted_load(observer, clock)
     families = {f.name for f in text_string_to_metric_families(generate_latest(observer.registry).decode())}
     assert families >= {
         "modelload_loaded_bytes",

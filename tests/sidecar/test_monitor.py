@@ -18,6 +18,7 @@ from modelload.sidecar.metrics import MetricsObserver
 from modelload.sidecar.monitor import EXIT_FAILED, EXIT_LOADING, EXIT_UNREACHABLE, render, watch
 from modelload.sidecar.progress import LoadObserver, LoadTracker, Observers
 from tests.support.ports import free_port
+from tests.support.waiting import wait_for
 
 
 class Live:
@@ -130,7 +131,9 @@ def test_the_monitor_waits_for_a_sidecar_that_is_still_starting() -> None:
         sidecar = Live(port=port)  # binds the port only now
         started.append(sidecar)
         sidecar.server.start()
-        time.sleep(0.2)
+        wait_for(
+            lambda: "starting" in out.getvalue(), timeout=5, what="the monitor to see the sidecar starting"
+        )
         sidecar.load(pause=0.01)
 
     threading.Timer(0.3, come_up).start()

@@ -3,9 +3,12 @@ subscriber in this process, in another process, and as another user; sends that 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
+import queue
+import select
 import socket
 import stat
 import struct
@@ -13,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +26,8 @@ import zmq
 from modelload.loader._api.notify import connect
 from modelload.loader.errors import ConfigError
 from modelload.sidecar.notify import MAX_REASON_BYTES, Notifier
+from tests.support.subscriptions import PROBE, heard_on, receive, until_heard
+from tests.support.waiting import wait_for
 
 NOBODY = 65534
 
@@ -34,25 +40,13 @@ def subscribe(endpoint: str) -> Any:
     return sub
 
 
+def probe(notifier: Notifier) -> Callable[[], None]:
+    return lambda: notifier.tensor_ready(index=PROBE, name="probe", nbytes=0)
+
+
 def publish_until_heard(notifier: Notifier, sub: Any) -> None:
-    """PUB drops what is sent before a subscription lands: send a probe until one arrives, then drain."""
-    sub.setsockopt(zmq.RCVTIMEO, 50)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        notifier.tensor_ready(index=0xFFFF, name="probe", nbytes=0)
-        try:
-            sub.recv_multipart()
-            break
-        except zmq.Again:
-            continue
-    else:
-        raise AssertionError("the subscription never reached the publisher")
-    while True:
-        try:
-            sub.recv_multipart()
-        except zmq.Again:
-            break
-    sub.setsockopt(zmq.RCVTIMEO, 5000)
+    """PUB drops what is sent before a subscription lands: send probes until one arrives, then drain."""
+    until_heard(probe(notifier), heard_on(sub))
 
 
 def test_each_event_is_published_as_the_contracts_frames(shm_dir: Path) -> None:
@@ -64,7 +58,7 @@ def test_each_event_is_published_as_the_contracts_frames(shm_dir: Path) -> None:
         notifier.tensor_ready(index=0x01020304, name="big", nbytes=1)
         notifier.load_finished(seconds=1.0, nbytes=4097)
         notifier.load_failed(kind="hash_mismatch", reason="tensor é: hash mismatch")
-        received = [sub.recv_multipart() for _ in range(4)]
+        received = receive(sub, 4)
         sub.close(linger=0)
     assert received == [
         [b"ready", b"\x07\x00\x00\x00"],
@@ -80,7 +74,7 @@ def test_a_long_failure_reason_is_cut_on_a_character_boundary(shm_dir: Path) -> 
         sub = subscribe(endpoint)
         publish_until_heard(notifier, sub)
         notifier.load_failed(kind="format", reason="é" * MAX_REASON_BYTES)
-        topic, reason = sub.recv_multipart()
+        topic, reason = receive(sub, 1)[0]
         sub.close(linger=0)
     assert topic == b"failed"
     assert len(reason) == MAX_REASON_BYTES  # 2048 two-byte characters fit exactly
@@ -92,11 +86,9 @@ def test_the_loaders_subscriber_wakes_on_a_ready_message(shm_dir: Path) -> None:
     with Notifier(endpoint) as notifier:
         subscriber = connect(endpoint)
         assert subscriber is not None
-        time.sleep(0.2)  # let the subscription reach the publisher
+        until_heard(probe(notifier), subscriber.wait)
         threading.Timer(0.1, lambda: notifier.tensor_ready(index=3, name="t3", nbytes=16)).start()
-        started = time.monotonic()
-        subscriber.wait(10.0)  # without a message this would wait the full 10 s
-        assert time.monotonic() - started < 5.0
+        assert subscriber.wait(10.0), "a message wakes the subscriber before its timeout"
         subscriber.close()
 
 
@@ -104,20 +96,26 @@ CHILD = """
 import json, sys, time, zmq
 from modelload.loader._api.notify import connect
 
-endpoint = sys.argv[1]
+endpoint, PROBE = sys.argv[1], bytes.fromhex(sys.argv[2])
 subscriber = connect(endpoint)                      # the loader's own subscriber
 raw = zmq.Context.instance().socket(zmq.SUB)        # and a raw one, to see the frames
 raw.setsockopt(zmq.SUBSCRIBE, b"")
 raw.setsockopt(zmq.RCVTIMEO, 10000)
 raw.connect(endpoint)
 print("subscribed", flush=True)
+raw_heard = sub_heard = False
+while not (raw_heard and sub_heard):                # the parent probes until both subscriptions hear
+    if not raw_heard and raw.poll(50):
+        raw_heard = bool(raw.recv_multipart())
+    sub_heard = sub_heard or subscriber.wait(0.05)
+print("heard", flush=True)
 started = time.monotonic()
 subscriber.wait(20.0)
 woke = time.monotonic() - started
 frames = []
 while True:
     topic, payload = raw.recv_multipart()
-    if topic == b"probe":
+    if payload == PROBE:
         continue
     frames.append([topic.decode(), payload.hex()])
     if topic in (b"done", b"failed"):
@@ -129,11 +127,17 @@ print(json.dumps({"woke_after": woke, "frames": frames}), flush=True)
 def test_a_subscriber_in_another_process_receives_every_message(shm_dir: Path) -> None:
     endpoint = f"ipc://{shm_dir}/notify.sock"
     with Notifier(endpoint) as notifier:
-        child = subprocess.Popen([sys.executable, "-c", CHILD, endpoint], stdout=subprocess.PIPE, text=True)
+        argv = [sys.executable, "-c", CHILD, endpoint, PROBE.to_bytes(4, "little").hex()]
+        child = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
         try:
-            assert child.stdout is not None
-            assert child.stdout.readline().strip() == "subscribed"
-            time.sleep(0.5)  # both subscriptions reach the publisher (a PUB drops what came before)
+            out = child.stdout
+            assert out is not None
+            assert out.readline().strip() == "subscribed"
+
+            def child_heard(seconds: float) -> bool:
+                return bool(select.select([out], [], [], seconds)[0]) and out.readline().strip() == "heard"
+
+            until_heard(probe(notifier), child_heard)  # both subscriptions reach the publisher
             for i in range(3):
                 notifier.tensor_ready(index=i, name=f"t{i}", nbytes=16)
             notifier.load_finished(seconds=0.1, nbytes=48)
@@ -190,14 +194,14 @@ def test_another_user_in_the_pod_can_subscribe(shm_dir: Path) -> None:
         try:
             kind, connected = results.get(timeout=10)
             assert (kind, connected) == ("subscribed", True)
-            deadline = time.monotonic() + 5
-            message = None
-            while message is None and time.monotonic() < deadline:
+
+            def heard() -> Any:
                 notifier.load_finished(seconds=0.1, nbytes=1)
-                try:
-                    message = results.get(timeout=0.1)
-                except Exception:
-                    continue
+                with contextlib.suppress(queue.Empty):
+                    return results.get(timeout=0.1)
+                return None
+
+            message = wait_for(heard, timeout=5, what="a message at the other user's subscriber", interval=0)
             assert message == ("message", [b"done", b""])
         finally:
             child.join(10)
@@ -224,7 +228,7 @@ def test_a_stale_socket_file_of_a_previous_sidecar_is_replaced(shm_dir: Path) ->
         sub = subscribe(f"ipc://{path}")
         publish_until_heard(notifier, sub)
         notifier.load_finished(seconds=1, nbytes=1)
-        assert sub.recv_multipart() == [b"done", b""]
+        assert receive(sub, 1) == [[b"done", b""]]
         sub.close(linger=0)
 
 
@@ -254,7 +258,7 @@ def test_messages_from_many_reader_threads_all_arrive(shm_dir: Path) -> None:
             thread.start()
         for thread in threads:
             thread.join()
-        indices = sorted(struct.unpack("<I", sub.recv_multipart()[1])[0] for _ in range(4000))
+        indices = sorted(struct.unpack("<I", frames[1])[0] for frames in receive(sub, 4000))
         sub.close(linger=0)
     assert indices == list(range(4000))
 

@@ -5,8 +5,6 @@ stays out of the error, /status, /metrics, the log and the segment."""
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -19,6 +17,8 @@ from modelload.sidecar.settings import parse_settings
 from tests.sidecar import models
 from tests.support.fault_proxy import FaultProxy, Respond, Stall
 from tests.support.nginx import TOKEN, NginxServer
+from tests.support.sidecars import Sidecars
+from tests.support.waiting import wait_for
 
 PASS = Stall(after=0, seconds=0.0)
 WRONG = TOKEN.replace("EXAMPLE", "REVOKED")
@@ -28,33 +28,18 @@ def header_file(directory: Path, text: str) -> Path:
     return models.write_secret(directory, "token", text.encode())
 
 
-def start(shm_dir: Path, source: str, *flags: str, started: list[Sidecar]) -> Sidecar:
-    argv = ["--source", source, "--segment", str(shm_dir / "model.seg"), "--host", "127.0.0.1", "--port", "0"]
-    argv += ["--readers", "3", "--chunk-size", "1MiB", "--notify", "none", *flags]
-    sidecar = Sidecar(parse_settings(argv, environ={}))
-    started.append(sidecar)
-    sidecar.start()
-    return sidecar
-
-
-@pytest.fixture
-def sidecars() -> Iterator[list[Sidecar]]:
-    started: list[Sidecar] = []
-    yield started
-    for sidecar in started:
-        sidecar.stop()
+def start(shm_dir: Path, source: str, *flags: str, started: Sidecars) -> Sidecar:
+    flags = ("--readers", "3", "--chunk-size", "1MiB", "--notify", "none", *flags)
+    return started.start(source, shm_dir / "model.seg", *flags)
 
 
 def get(sidecar: Sidecar, path: str) -> httpx.Response:
     return httpx.get(sidecar.api.url + path, timeout=5)
 
 
-def wait_for(condition: Callable[[], bool], *, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out waiting for the sidecar")
-        time.sleep(0.02)
+def ready(sidecar: Sidecar, status: int) -> None:
+    """Wait until the sidecar's /readyz answers ``status`` (200 loaded, 500 failed)."""
+    wait_for(lambda: get(sidecar, "/readyz").status_code == status, timeout=30, what=f"/readyz {status}")
 
 
 def everything_shown(sidecar: Sidecar, caplog: pytest.LogCaptureFixture) -> str:
@@ -115,14 +100,14 @@ def test_the_command_exits_2_with_the_message_and_no_token(
 
 
 def test_the_right_token_loads_the_model_byte_exact(
-    nginx: NginxServer, shm_dir: Path, tmp_path: Path, sidecars: list[Sidecar]
+    nginx: NginxServer, shm_dir: Path, tmp_path: Path, sidecars: Sidecars
 ) -> None:
     tensors = models.state_dict(seed=41, layers=4, width=512)
     nginx.put("private-sidecar/model.safetensors", models.safetensors_bytes(tensors))
     path = header_file(tmp_path, TOKEN)
     source = nginx.private_url("private-sidecar/model.safetensors")
     sidecar = start(shm_dir, source, "--header-file", str(path), started=sidecars)
-    wait_for(lambda: get(sidecar, "/readyz").status_code == 200)
+    ready(sidecar, 200)
     models.assert_segment_matches(shm_dir / "model.seg", tensors)
 
 
@@ -130,7 +115,7 @@ def test_a_refused_token_fails_the_load_with_the_url_and_never_shows_the_token(
     nginx: NginxServer,
     shm_dir: Path,
     tmp_path: Path,
-    sidecars: list[Sidecar],
+    sidecars: Sidecars,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.DEBUG, logger="modelload")
@@ -138,7 +123,7 @@ def test_a_refused_token_fails_the_load_with_the_url_and_never_shows_the_token(
     source = nginx.private_url("private-sidecar/refused.safetensors")
     path = header_file(tmp_path, f"Authorization: Bearer {WRONG}\n")
     sidecar = start(shm_dir, source, "--header-file", str(path), started=sidecars)
-    wait_for(lambda: get(sidecar, "/readyz").status_code == 500)
+    ready(sidecar, 500)
     error = get(sidecar, "/status").json()["error"]
     assert error.startswith(f"{source} refused the configured token or headers (HTTP 401")
     assert "Secret" in error and "expired" in error
@@ -154,7 +139,7 @@ def test_a_token_revoked_mid_load_marks_the_segment_failed_with_the_reason(
     nginx_proxy: FaultProxy,
     shm_dir: Path,
     tmp_path: Path,
-    sidecars: list[Sidecar],
+    sidecars: Sidecars,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.DEBUG, logger="modelload")
@@ -164,7 +149,7 @@ def test_a_token_revoked_mid_load_marks_the_segment_failed_with_the_reason(
     nginx_proxy.always(Respond(401, b"token revoked"))
     source = nginx_proxy.url("private/private-sidecar/revoked.safetensors")
     sidecar = start(shm_dir, source, "--header-file", str(header_file(tmp_path, TOKEN)), started=sidecars)
-    wait_for(lambda: get(sidecar, "/readyz").status_code == 500)
+    ready(sidecar, 500)
     error = get(sidecar, "/status").json()["error"]
     assert error.startswith(f"{source} refused the configured token or headers (HTTP 401")
     with SegmentReader.open(shm_dir / "model.seg") as segment:

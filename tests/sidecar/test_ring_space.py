@@ -4,24 +4,15 @@ from __future__ import annotations
 
 import pytest
 
+from modelload.loader.segment.geometry import Ring
 from modelload.sidecar.memory.ring import RingSpace
 
 DATA = 8192  # where the data region (the ring) starts in the segment
 SIZE = 1000
 
 
-def test_a_range_maps_to_ring_positions_and_splits_where_it_wraps() -> None:
-    ring = RingSpace(data_offset=DATA, size=SIZE)
-    assert ring.pieces(DATA + 10, 100) == [(10, 110)]
-    assert ring.pieces(DATA + 2950, 100) == [(950, 1000), (0, 50)], "lap 3, across the end"
-    assert ring.pieces(DATA - 40, 100) == [(0, 60)], "a first record header before the ring takes no room"
-    assert ring.pieces(DATA - 40, 40) == []
-    with pytest.raises(ValueError, match="do not fit in a ring of 1000"):
-        ring.pieces(DATA, SIZE + 1)
-
-
 def test_taken_bytes_block_every_later_lap_until_their_owner_is_freed() -> None:
-    ring = RingSpace(data_offset=DATA, size=SIZE)
+    ring = RingSpace(Ring(DATA, SIZE))
     ring.take(0, DATA + 900, 200)  # [900, 1000) and [0, 100)
     ring.take(1, DATA + 1100, 300)  # [100, 400): right after, on the next lap
     assert ring.used == 500
@@ -36,7 +27,7 @@ def test_taken_bytes_block_every_later_lap_until_their_owner_is_freed() -> None:
 
 
 def test_tensors_freed_out_of_order_leave_exactly_the_others_taken() -> None:
-    ring = RingSpace(data_offset=DATA, size=SIZE)
+    ring = RingSpace(Ring(DATA, SIZE))
     for owner in range(10):
         ring.take(owner, DATA + owner * 100, 100)
     for owner in (3, 7, 0):

@@ -15,6 +15,7 @@ from modelload.sidecar.load.engine import Engine
 from modelload.sidecar.progress import RATE_WINDOW, LoadTracker
 from modelload.sidecar.sources import HttpSettings, RetryPolicy, SourceSettings
 from tests.sidecar import models
+from tests.support.clock import FakeClock
 from tests.support.fault_proxy import Stall, Trickle
 
 PASS = Stall(after=0, seconds=0.0)
@@ -65,32 +66,24 @@ def test_a_minimum_rate_must_be_a_number_of_bytes_per_second() -> None:
     HttpSettings(min_rate=0)  # 0 turns the check off
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_the_eta_follows_recent_progress_and_is_unknown_while_nothing_lands() -> None:
-    clock = _Clock()
+    clock = FakeClock()
     tracker = LoadTracker(clock=clock)
     tracker.load_started(source="s3://bucket/model", segment="/dev/shm/model.seg")
     tracker.manifest_published(model_format="safetensors", tensors=26, nbytes=26 << 20, notify=None)
     for _ in range(25):  # 25 of 26 MiB in 5 s: 5 MiB/s
-        clock.now += 0.2
+        clock.advance(0.2)
         tracker.bytes_loaded(1 << 20)
     eta = tracker.snapshot().eta
     assert eta is not None and 0.1 < eta < 0.3  # 1 MiB left at 5 MiB/s
 
-    clock.now += RATE_WINDOW + 1  # the last range trickles: nothing lands for a whole window
+    clock.advance(RATE_WINDOW + 1)  # the last range trickles: nothing lands for a whole window
     status = tracker.snapshot()
     assert status.eta is None, "an ETA from the average since the start would say 'under a second'"
     assert status.recent_throughput == 0.0
     assert status.as_dict()["eta_s"] is None
 
-    clock.now += 1.0
+    clock.advance(1.0)
     tracker.bytes_loaded(1 << 20)  # it finally lands (a retry on another connection)
     tracker.load_finished(seconds=30.0, nbytes=26 << 20)
     assert tracker.snapshot().eta == 0.0

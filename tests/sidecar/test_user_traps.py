@@ -14,9 +14,10 @@ from modelload.loader.cli.main import main
 from modelload.loader.errors import ConfigError
 from modelload.sidecar.metrics import MetricsObserver
 from modelload.sidecar.notify import Notifier
-from modelload.sidecar.process import Sidecar
 from modelload.sidecar.settings import parse_settings
 from tests.support.ports import free_port
+from tests.support.sidecars import Sidecars
+from tests.support.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -82,22 +83,11 @@ def test_a_uri_missing_a_slash_is_named_as_such_instead_of_read_as_a_local_path(
     assert f"{source!r} is not a {scheme}:// URI" in err and f"{scheme}://" in err
 
 
-def test_a_stop_during_connection_retries_is_prompt(shm_dir: Path) -> None:
+def test_a_stop_during_connection_retries_is_prompt(shm_dir: Path, sidecars: Sidecars) -> None:
     closed = free_port()  # nothing listens: every connect is refused and retried with backoff
-    settings = parse_settings(
-        [
-            *("--source", f"http://127.0.0.1:{closed}/m.safetensors"),
-            *("--segment", str(shm_dir / "model.seg"), "--host", "127.0.0.1", "--port", "0"),
-        ],
-        environ={},
-    )
-    sidecar = Sidecar(settings)
-    sidecar.start()
+    sidecar = sidecars.start(f"http://127.0.0.1:{closed}/m.safetensors", shm_dir / "model.seg")
     try:
-        deadline = time.monotonic() + 20
-        while sidecar.tracker.snapshot().retries < 3:
-            assert time.monotonic() < deadline, "the sidecar never retried"
-            time.sleep(0.02)
+        wait_for(lambda: sidecar.tracker.snapshot().retries >= 3, timeout=20, what="three retries")
     finally:
         started = time.monotonic()
         status = sidecar.stop()

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import socket
-import time
+
+from tests.support.waiting import wait_for
 
 __all__ = ["free_port", "wait_for_port"]
 
@@ -23,13 +24,19 @@ def wait_for_port(port: int, *, timeout: float = 10.0, alive: object = None) -> 
 
     ``alive``, when given, is a ``subprocess.Popen``: the wait stops early (False) if it exits.
     """
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def accepting() -> bool:
         if alive is not None and alive.poll() is not None:  # type: ignore[attr-defined]
-            return False
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return True
-        except OSError:
-            time.sleep(0.02)
-    return False
+            raise _Exited
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+
+    try:
+        wait_for(accepting, timeout=timeout, what=f"port {port}", interval=0.02, ignoring=(OSError,))
+    except (AssertionError, _Exited):
+        return False
+    return True
+
+
+class _Exited(Exception):
+    """The server's process exited while the port was awaited."""

@@ -11,7 +11,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -25,6 +24,7 @@ from modelload.loader.formats import open_reader
 from modelload.loader.segment import SegmentReader, TensorState
 from tests.support.fault_proxy import Stall
 from tests.support.ports import free_port
+from tests.support.waiting import wait_for
 from tests.vllm.conftest import Baseline
 from tests.vllm.engine import Engine
 
@@ -55,18 +55,14 @@ def sidecar(source: str, shm_dir: Path, *flags: str) -> Iterator[tuple[Path, Pat
 
 
 def _wait_started(port: int, process: subprocess.Popen[str]) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+    def published() -> bool:
         if process.poll() is not None:
             raise AssertionError(f"the sidecar exited ({process.returncode}): {process.stderr.read()}")  # type: ignore[union-attr]
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/startupz", timeout=2) as answer:
-                if answer.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError):
-            pass
-        time.sleep(0.1)
-    raise AssertionError("the sidecar did not publish its segment in 30 s")
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/startupz", timeout=2) as answer:
+            return answer.status == 200
+
+    not_yet = (urllib.error.URLError, ConnectionError)
+    wait_for(published, timeout=30, what="the sidecar to publish its segment", interval=0.1, ignoring=not_yet)
 
 
 def serve(model_dir: Path, segment: Path) -> Engine:
@@ -109,15 +105,15 @@ def test_llama_from_an_s3_prefix_through_the_sidecar_gives_pages_back(
         assert (model / "config.json").read_bytes() == (model_dirs["llama"] / "config.json").read_bytes()
         assert serve(model, segment).result() == baseline("llama").tokens
         # vLLM's worker consumed every tensor as it copied it, so the sidecar gave every page back.
-        deadline = time.monotonic() + 10
         with SegmentReader.open(segment) as reader:
-            states = {reader.state(i) for i in range(len(reader.slots))}
-            while states != {TensorState.RELEASED} and time.monotonic() < deadline:
-                time.sleep(0.1)
-                states = {reader.state(i) for i in range(len(reader.slots))}
+            wait_for(
+                lambda: {reader.state(i) for i in range(len(reader.slots))} == {TensorState.RELEASED},
+                timeout=10,
+                what="every tensor released",
+                interval=0.1,
+            )
             if mode == "ring":
                 assert 0 < reader.header.ring_size < sum(slot.nbytes for slot in reader.slots)
-        assert states == {TensorState.RELEASED}
 
 
 def test_qwen_from_an_http_directory_through_the_sidecar_while_a_shard_is_still_on_the_wire(

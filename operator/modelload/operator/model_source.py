@@ -21,6 +21,7 @@ from typing import Any, Literal
 from modelload.loader.errors import ConfigError
 from modelload.loader.formats import ModelIndex
 from modelload.loader.segment import ALIGNMENT, TensorSpec, plan_layout
+from modelload.loader.segment.layout import align
 from modelload.operator.schema import ModelLoadSpec
 from modelload.sidecar.sources import RequestHeaders, S3Credentials, parse_headers
 
@@ -86,7 +87,7 @@ def read_summary(
 
 def _small_files_bound(small: dict[str, int]) -> int:
     """The volume's pages the model directory takes: each file rounded up to a page, and the directory."""
-    return sum(-(-size // ALIGNMENT) * ALIGNMENT for size in small.values()) + ALIGNMENT * (1 + bool(small))
+    return sum(align(size) for size in small.values()) + ALIGNMENT * (1 + bool(small))
 
 
 def check_priority(index: ModelIndex, priority: list[str]) -> None:
@@ -112,7 +113,7 @@ def segment_bound(index: ModelIndex, *, source: str) -> int:
     room_for = {"source_etag": 80, "source_size": 20, "notify": 200, "writer": 64, "model_dir": 4096}
     metadata = {"format": index.format, "source": source, **{k: "x" * n for k, n in room_for.items()}}
     planned = plan_layout(specs, metadata=metadata, files=index.files).segment_length
-    room = sum(-(-(t.data_offset - t.record_offset) // ALIGNMENT) * ALIGNMENT for t in index.tensors)
+    room = sum(align(t.header_length) for t in index.tensors)
     return planned + room + ALIGNMENT * len(index.tensors)
 
 

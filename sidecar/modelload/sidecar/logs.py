@@ -13,7 +13,7 @@ import argparse
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from modelload.loader._logjson import LogFormat, parse_log_format, use_log_format
@@ -73,11 +73,19 @@ class LoggingObserver:
     Sources are shown without user info or query strings (:func:`display_url`), and the engine's
     messages never hold credentials (the error tree's rule). Retries are logged at most once per
     ``retry_interval`` seconds, with a count of those left out, so a flapping source cannot flood the log.
+    ``clock`` (monotonic seconds) times that interval; tests pass their own.
     """
 
-    def __init__(self, *, logger: logging.Logger = log, retry_interval: float = 1.0) -> None:
+    def __init__(
+        self,
+        *,
+        logger: logging.Logger = log,
+        retry_interval: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._log = logger
         self._interval = retry_interval
+        self._clock = clock
         self._lock = threading.Lock()
         self._last_retry = float("-inf")
         self._quiet = 0
@@ -97,7 +105,7 @@ class LoggingObserver:
         self._log.debug("tensor %d ready: %s (%d bytes)", index, name, nbytes)
 
     def retried(self, *, kind: str, message: str) -> None:
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             if now - self._last_retry < self._interval:
                 self._quiet += 1

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram
 
@@ -46,11 +47,15 @@ class MetricsObserver:
     """A :class:`~modelload.sidecar.progress.LoadObserver` that keeps Prometheus metrics of the load.
 
     ``registry``: where the metrics are registered; a new one by default. Read it with
-    ``prometheus_client.generate_latest(observer.registry)``.
+    ``prometheus_client.generate_latest(observer.registry)``. ``clock`` (monotonic seconds) times the load
+    for the durations and the throughput; tests pass their own.
     """
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self, registry: CollectorRegistry | None = None, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self._clock = clock
         r = self.registry
         self._lock = threading.Lock()
         self._started: float | None = None
@@ -108,7 +113,7 @@ class MetricsObserver:
 
     def load_started(self, *, source: str, segment: str) -> None:
         with self._lock:
-            self._started = time.monotonic()
+            self._started = self._clock()
         self.phase.state("starting")
 
     def manifest_published(self, *, model_format: str, tensors: int, nbytes: int, notify: str | None) -> None:
@@ -135,13 +140,13 @@ class MetricsObserver:
 
     def load_finished(self, *, seconds: float, nbytes: int) -> None:
         with self._lock:
-            self._finished = time.monotonic()
+            self._finished = self._clock()
         self.duration.observe(seconds)
         self.phase.state("complete")
 
     def load_failed(self, *, kind: str, reason: str) -> None:
         with self._lock:
-            self._finished = time.monotonic()
+            self._finished = self._clock()
         self.errors.labels(kind=kind).inc()
         self.phase.state("stopped" if kind == "stopped" else "failed")
 
@@ -155,13 +160,13 @@ class MetricsObserver:
     def _since_start(self) -> float:
         with self._lock:
             started = self._started
-        return time.monotonic() - started if started is not None else 0.0
+        return self._clock() - started if started is not None else 0.0
 
     def _throughput(self) -> float:
         """Evaluated at scrape time, so the rate is current without a timer thread."""
         with self._lock:
             if self._started is None:
                 return 0.0
-            end = self._finished if self._finished is not None else time.monotonic()
+            end = self._finished if self._finished is not None else self._clock()
             elapsed = end - self._started
             return self._bytes / elapsed if elapsed > 0 else 0.0

@@ -4,7 +4,8 @@ A plan is pure arithmetic over the index; nothing is read or allocated here. Its
 
 - the segment :class:`~modelload.loader.segment.Layout`, in file order, each slot with a *lead*: room in the
   padding before the slot for the tensor's record header (tensorizer), so one range request lands the
-  header and the start of the data contiguously, with no copy;
+  header and the start of the data contiguously, with no copy (:meth:`LoadPlan.record` says where each
+  record lies: :mod:`modelload.loader.segment.geometry`);
 - the :class:`Chunk` list in load order: tensors in priority order, each tensor's bytes cut into pieces of at
   most ``chunk_size`` so that several readers share a large tensor, and a small tensor costs one request.
 """
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from modelload.loader.errors import ConfigError
 from modelload.loader.formats import ModelIndex, TensorEntry
 from modelload.loader.segment import Layout, TensorSpec, plan_layout
+from modelload.loader.segment.geometry import Record, place
 
 __all__ = ["Chunk", "LoadPlan", "load_order", "plan_load"]
 
@@ -37,6 +39,11 @@ class Chunk:
     """Bytes of tensor data in this chunk (``length`` less the record header bytes)."""
     file: int = 0
     """Which of the model's weight files ``src_offset`` is in (:attr:`ModelIndex.files`)."""
+
+    @property
+    def header_bytes(self) -> int:
+        """Bytes of record header this chunk starts with (the first chunk of a tensorizer tensor), else 0."""
+        return self.length - self.data_bytes
 
 
 @dataclass(frozen=True)
@@ -59,11 +66,9 @@ class LoadPlan:
             grouped[chunk.tensor].append(chunk)
         return tuple(tuple(group) for group in grouped)
 
-    def header_span(self, tensor: int) -> tuple[int, int]:
-        """``(segment offset, length)`` of the tensor's record header once fetched; length 0: none."""
-        entry = self.index.tensors[tensor]
-        length = entry.data_offset - entry.record_offset
-        return self.layout.slots[tensor].offset - length, length
+    def record(self, tensor: int) -> Record:
+        """Where tensor ``tensor``'s record lies in the segment: its header in the lead, then the slot."""
+        return place(self.layout.slots[tensor], self.index.tensors[tensor])
 
 
 def load_order(index: ModelIndex, priority: Sequence[str] = ()) -> tuple[int, ...]:
@@ -105,28 +110,27 @@ def plan_load(
     chunks: list[Chunk] = []
     counts = [0] * len(index.tensors)
     for i in order:
-        pieces = _cut(i, index.tensors[i], layout.slots[i].offset, chunk_size)
+        pieces = _cut(i, index.tensors[i], place(layout.slots[i], index.tensors[i]), chunk_size)
         counts[i] = len(pieces)
         chunks.extend(pieces)
     return LoadPlan(index=index, layout=layout, chunks=tuple(chunks), chunk_counts=tuple(counts), order=order)
 
 
 def _spec(entry: TensorEntry, *, several: bool) -> TensorSpec:
-    lead = entry.data_offset - entry.record_offset
-    return TensorSpec(entry.name, entry.dtype, entry.shape, lead=lead, file=entry.file if several else None)
+    file = entry.file if several else None
+    return TensorSpec(entry.name, entry.dtype, entry.shape, lead=entry.header_length, file=file)
 
 
-def _cut(tensor: int, entry: TensorEntry, slot_offset: int, chunk_size: int) -> list[Chunk]:
-    header = entry.data_offset - entry.record_offset
-    data = entry.data_length
+def _cut(tensor: int, entry: TensorEntry, record: Record, chunk_size: int) -> list[Chunk]:
+    header, data = record.header, record.data
     if header + data == 0:
         return []
     pieces = []
     # The first piece carries the header and up to a chunk of data; the rest are plain data.
     first = min(data, chunk_size)
     file = entry.file
-    pieces.append(Chunk(tensor, entry.record_offset, slot_offset - header, header + first, first, file))
+    pieces.append(Chunk(tensor, entry.record_offset, record.start, header + first, first, file))
     for start in range(first, data, chunk_size):
         length = min(chunk_size, data - start)
-        pieces.append(Chunk(tensor, entry.data_offset + start, slot_offset + start, length, length, file))
+        pieces.append(Chunk(tensor, entry.data_offset + start, record.slot + start, length, length, file))
     return pieces

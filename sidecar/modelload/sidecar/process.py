@@ -30,7 +30,9 @@ from modelload.sidecar.settings import SidecarSettings
 
 if TYPE_CHECKING:
     from modelload.sidecar.api import ApiServer
+    from modelload.sidecar.load.engine import PeerHook
     from modelload.sidecar.notify import Notifier
+    from modelload.sidecar.peers.hook import Peers
     from modelload.sidecar.progress import LoadObserver, LoadTracker
 
 __all__ = ["EngineFactory", "LoadEngine", "Sidecar", "default_engine", "run_sidecar"]
@@ -59,7 +61,9 @@ class LoadEngine(Protocol):
 EngineFactory = Callable[[SidecarSettings, "LoadObserver"], LoadEngine]
 
 
-def default_engine(settings: SidecarSettings, observer: LoadObserver, *, peers: Any = None) -> LoadEngine:
+def default_engine(
+    settings: SidecarSettings, observer: LoadObserver, *, peers: PeerHook | None = None
+) -> LoadEngine:
     """The streaming engine of ``modelload.sidecar.load.engine``, built from the sidecar's settings (and this
     sidecar's :class:`~modelload.sidecar.peers.hook.Peers` when peers are on)."""
     from modelload.sidecar.load.engine import Engine
@@ -129,7 +133,7 @@ class Sidecar:
             except BaseException:
                 self.api.stop()
                 raise
-        self.peers: Any = None
+        self.peers: Peers | None = None
         if settings.peers.enabled:
             from modelload.sidecar.peers.hook import Peers
 

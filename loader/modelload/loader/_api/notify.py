@@ -26,10 +26,11 @@ class Subscriber:
         self._socket = socket
         self._poller = _poller(socket)
 
-    def wait(self, timeout: float) -> None:
-        """Block up to ``timeout`` seconds for a message, then drain every message already queued."""
+    def wait(self, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds for a message, then drain every message already queued. True when
+        a message came (the caller looks at the segment again), False when the time ran out."""
         if self._poller is None or not self._poller.poll(max(int(timeout * 1000), 0)):
-            return
+            return False
         import zmq
 
         try:
@@ -37,6 +38,7 @@ class Subscriber:
                 pass
         except zmq.Again:
             pass
+        return True
 
     def close(self) -> None:
         if self._socket is not None:

@@ -40,6 +40,7 @@ from modelload.loader.formats import (
 from modelload.loader.formats._atomic import atomic_file
 from modelload.loader.formats.tensorizer import DecryptionKey
 from modelload.loader.segment.layout import MAGIC as SEGMENT_MAGIC
+from modelload.loader.segment.volume import FULL
 from modelload.loader.sizes import format_bytes
 
 __all__ = [
@@ -283,14 +284,16 @@ def atomic_output(target: Path, *, force: bool) -> Iterator[IO[bytes]]:
         raise
 
 
-_OUTPUT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+_NO_ROOM = FULL | {errno.EFBIG}
+"""A full volume, or a file larger than the file system takes."""
+_OUTPUT_ERRNOS = _NO_ROOM | {errno.EROFS}
 """What a write can fail with that is the destination's fault (an input's errors are translated apart)."""
 
 
 def output_error(exc: OSError, target: Path) -> ConfigError:
     """An OSError while writing ``target`` as a clear error: a full disk or a read-only volume is an ordinary
     mistake, not a traceback. The partial file is already gone when this is raised."""
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+    if exc.errno in _NO_ROOM:
         return ConfigError(
             f"no room for {target} in {target.parent} ({exc.strerror}); nothing was written: free space"
             " there or write somewhere else"

@@ -47,7 +47,6 @@ from modelload.loader.cli.progress import ProgressBar
 from modelload.loader.errors import (
     ConfigError,
     ModelloadError,
-    SegmentSpaceError,
     SourceError,
     TruncatedError,
 )
@@ -69,6 +68,7 @@ from modelload.loader.segment import (
 )
 from modelload.loader.segment.layout import MAGIC
 from modelload.loader.segment.modeldir import write_model_dir
+from modelload.loader.segment.volume import full_volume
 
 __all__ = ["register", "run"]
 
@@ -331,10 +331,9 @@ class _KernelCopy:
 
 
 def _translate(exc: OSError, tensor: str, reader: ModelReader) -> ModelloadError:
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return SegmentSpaceError(
-            exc.errno, f"no room in the segment's volume while loading tensor {tensor!r}: {exc.strerror}"
-        )
+    full = full_volume(exc, f"no room in the segment's volume while loading tensor {tensor!r}")
+    if full is not None:
+        return full
     source = reader.path
     return SourceError(f"loading tensor {tensor!r} from {source} failed: {exc.strerror or exc}", uri=source)
 

@@ -74,8 +74,13 @@ class TensorEntry:
         return self.dtype.nbytes(self.shape)
 
     @property
+    def header_length(self) -> int:
+        """Bytes of the record's header before the data: tensorizer's per-tensor header, 0 for safetensors."""
+        return self.data_offset - self.record_offset
+
+    @property
     def record_length(self) -> int:
-        return self.data_offset + self.data_length - self.record_offset
+        return self.header_length + self.data_length
 
     @property
     def is_meta(self) -> bool:

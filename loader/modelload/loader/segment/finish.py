@@ -27,9 +27,10 @@ import numpy as np
 
 from modelload.loader.errors import WrongKeyError
 from modelload.loader.formats._index import TensorEntry
-from modelload.loader.formats.tensorizer.hashes import crc32
+from modelload.loader.formats.tensorizer.hashes import crc32 as crc32_of
 from modelload.loader.formats.tensorizer.keys import DecryptionKey
 from modelload.loader.formats.tensorizer.record import KeyState, open_record
+from modelload.loader.segment.geometry import place
 from modelload.loader.segment.layout import MemoryMode
 from modelload.loader.segment.writer import SegmentWriter
 
@@ -63,18 +64,28 @@ class TensorFinisher:
         header: bytes | bytearray | memoryview | None,
         source: str,
         check: Callable[[bool], None] | None = None,
+        crc32: int | None = None,
     ) -> bool:
         """Finish slot ``tensor``, whose ``entry.data_length`` bytes are landed at its start.
 
         ``header`` is a tensorizer record's header bytes (None for a format without one: nothing to
         decrypt or verify); ``check(verified)`` runs last before publishing and may raise to refuse. True
         when the tensor is READY, False when held (its verdict waits for another encrypted tensor).
+
+        ``crc32`` is the CRC-32 of the slot's bytes when the caller computed it already (the peers' check
+        does): recorded as is, instead of a second pass over the bytes. Only for a tensor this method leaves
+        as landed: one without a record header (nothing to decrypt) and no zeros to write.
         """
         writer = self.writer
+        if crc32 is not None and (
+            header is not None or entry.data_length != writer.layout.slots[tensor].nbytes
+        ):
+            raise ValueError(f"a CRC-32 given for tensor {entry.name!r}, whose bytes this finish changes")
         verified = decrypted = False
-        if self._ring and writer.layout.slots[tensor].nbytes > entry.data_length:
-            zeros = np.frombuffer(writer.slot(tensor), dtype=np.uint8)
-            zeros[entry.data_length :] = 0
+        unlanded = place(writer.layout.slots[tensor], entry).unlanded
+        if self._ring and unlanded[1] > 0:
+            zeros = np.frombuffer(writer.region(*unlanded), dtype=np.uint8)
+            zeros[:] = 0
             del zeros  # no export of the mapping left behind
         if header is not None:
             data = writer.slot(tensor)[: entry.data_length]
@@ -97,7 +108,9 @@ class TensorFinisher:
         if check is not None:
             check(verified)
         # The CRC-32 of the bytes as they lie in the segment: what `inspect --verify` checks later.
-        writer.mark_ready(tensor, verified=verified, decrypted=decrypted, crc32=crc32(writer.slot(tensor)))
+        if crc32 is None:
+            crc32 = crc32_of(writer.slot(tensor))
+        writer.mark_ready(tensor, verified=verified, decrypted=decrypted, crc32=crc32)
         return True
 
     def settle(self) -> None:

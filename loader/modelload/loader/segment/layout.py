@@ -17,6 +17,7 @@ from typing import Any
 
 from modelload.loader.dtypes import DType
 from modelload.loader.errors import SegmentLayoutError
+from modelload.loader.segment.geometry import Ring
 
 __all__ = [
     "ALIGNMENT",
@@ -248,12 +249,10 @@ class Layout:
             return self.data_offset + self.ring_size
         return self.data_offset + self.data_length
 
-    def file_offset(self, offset: int) -> int:
-        """Where the byte at segment offset ``offset`` (manifest arithmetic) lives in the file: the same
-        offset, except in ring mode, where the data region wraps around the ring."""
-        if self.memory_mode != MemoryMode.RING or offset < self.data_offset:
-            return offset
-        return self.data_offset + (offset - self.data_offset) % self.ring_size
+    @property
+    def ring(self) -> Ring | None:
+        """Ring mode: the data region's ring, where offsets past it wrap around; None in other modes."""
+        return Ring(self.data_offset, self.ring_size) if self.memory_mode == MemoryMode.RING else None
 
     @property
     def nbytes(self) -> int:

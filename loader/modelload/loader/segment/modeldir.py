@@ -19,7 +19,8 @@ from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from modelload.loader.errors import ConfigError, SegmentError, SegmentSpaceError
+from modelload.loader.errors import ConfigError, SegmentError
+from modelload.loader.segment.volume import full_volume
 
 __all__ = ["write_model_dir"]
 
@@ -65,12 +66,13 @@ def write_model_dir(
 
 
 def _translate(exc: OSError, target: Path) -> SegmentError:
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return SegmentSpaceError(
-            exc.errno,
-            f"no room for the model's small files in {target.parent}: {exc.strerror} (size the volume for "
-            "the weights and the small files)",
-        )
+    full = full_volume(
+        exc,
+        f"no room for the model's small files in {target.parent}",
+        advice="size the volume for the weights and the small files",
+    )
+    if full is not None:
+        return full
     if exc.errno == errno.EROFS:
         return SegmentError(f"cannot write the model directory {target}: the file system is read-only")
     return SegmentError(f"cannot write the model directory {target}: {exc.strerror or exc}")

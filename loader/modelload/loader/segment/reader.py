@@ -35,6 +35,7 @@ from modelload.loader.errors import (
     TensorReleasedError,
 )
 from modelload.loader.segment import _memory, _ring
+from modelload.loader.segment.geometry import Ring
 from modelload.loader.segment.layout import (
     ENTRY_CRC32,
     ENTRY_FLAGS,
@@ -96,7 +97,7 @@ class SegmentReader:
         self._data = data
         self._data_base = data_base
         self._data_view = memoryview(data) if data is not None else memoryview(b"")
-        self._ring = header.ring_size if header.ring else 0
+        self._ring = Ring(header.data_offset, header.ring_size) if header.ring else None
         self._u32: npt.NDArray[np.uint32] = np.frombuffer(control, dtype="<u4")
         first = header.state_offset // 4
         self._states = self._u32[
@@ -214,9 +215,8 @@ class SegmentReader:
         """The bytes of tensor ``index``: meaningful only once it is READY (see :meth:`wait`), and in ring
         mode only until it is RELEASED (the writer then reuses its bytes for newer tensors)."""
         slot = self.slots[index]
-        start = slot.offset - self._data_base
-        if self._ring:
-            start %= self._ring
+        offset = slot.offset if self._ring is None else self._ring.file_offset(slot.offset)
+        start = offset - self._data_base
         return self._data_view[start : start + slot.nbytes]
 
     # --- waiting --------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import numpy as np
 
 from modelload.loader.errors import SegmentError
 from modelload.loader.segment import _memory
+from modelload.loader.segment.geometry import Record
 from modelload.loader.segment.layout import ALIGNMENT, STATE_ENTRY_LENGTH, Layout, TensorState
 
 __all__ = ["Releaser", "page_span", "punch_hole"]
@@ -76,10 +77,7 @@ class Releaser:
             first : first + len(layout.slots) * (STATE_ENTRY_LENGTH // 4) : STATE_ENTRY_LENGTH // 4
         ]
         self.spans = [
-            page_span(
-                s.offset - (leads[s.index] if s.index < len(leads) else 0),
-                s.nbytes + (leads[s.index] if s.index < len(leads) else 0),
-            )
+            page_span(*Record.in_slot(s, header=leads[s.index] if s.index < len(leads) else 0).footprint)
             for s in layout.slots
         ]
         touches: Counter[int] = Counter()

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from modelload.loader.errors import SegmentError, SegmentSpaceError
+from modelload.loader.errors import SegmentError
 from modelload.loader.segment import _memory, _ring
 from modelload.loader.segment.consumers import create_table
 from modelload.loader.segment.layout import (
@@ -62,6 +62,7 @@ from modelload.loader.segment.layout import (
     WriterState,
     entry_offset,
 )
+from modelload.loader.segment.volume import FULL, full_volume, volume_full
 
 __all__ = ["SegmentWriter"]
 
@@ -93,6 +94,7 @@ class SegmentWriter:
         self.load_id = load_id
         self._fd = fd
         self._mm = mm
+        self._ring = layout.ring
         self._view = memoryview(mm)
         self._u32 = np.frombuffer(mm, dtype="<u4")
         self._u64 = np.frombuffer(mm, dtype="<u8")
@@ -214,26 +216,12 @@ class SegmentWriter:
     def file_ranges(self, offset: int, length: int) -> list[tuple[int, int]]:
         """``(file offset, length)`` of the pieces of the file that hold segment bytes ``[offset, offset +
         length)``, in order: the range itself, except where a ring wraps (two pieces)."""
-        layout = self.layout
-        start = layout.file_offset(offset)
-        if layout.memory_mode != MemoryMode.RING:
-            return [(start, length)]
-        self._check_ring_span(offset, length)
-        first = min(length, layout.segment_length - start)
-        return [(start, first)] if first == length else [(start, first), (layout.data_offset, length - first)]
+        return [(offset, length)] if self._ring is None else self._ring.file_ranges(offset, length)
 
     def _at(self, offset: int, length: int) -> memoryview:
-        if self.layout.memory_mode == MemoryMode.RING:
-            self._check_ring_span(offset, length)
-            offset = self.layout.file_offset(offset)  # and on through the ring's second mapping
+        if self._ring is not None:  # one piece of the file, or on through the ring's second mapping
+            offset = self._ring.file_ranges(offset, length)[0][0]
         return self._view[offset : offset + length]
-
-    def _check_ring_span(self, offset: int, length: int) -> None:
-        layout = self.layout
-        if offset + length - max(offset, layout.data_offset) > layout.ring_size:
-            raise IndexError(
-                f"bytes [{offset}, {offset + length}) are more than the ring of {layout.ring_size} holds"
-            )
 
     def state(self, index: int) -> TensorState:
         return TensorState(int(self._u32[self._state_word(index)]))
@@ -387,17 +375,15 @@ def _check_space(directory: Path, layout: Layout) -> None:
         ) from None
     needed = layout.segment_length
     if needed > available and layout.memory_mode == MemoryMode.RING:
-        raise SegmentSpaceError(
-            errno.ENOSPC,
+        raise volume_full(
             f"ring mode needs {needed} bytes in {directory} (the ring of {layout.ring_size} and the "
             f"segment's header and tables) and the volume has {available} free: raise the volume's "
-            "sizeLimit or lower --ring-size",
+            "sizeLimit or lower --ring-size"
         )
     if needed > available:
-        raise SegmentSpaceError(
-            errno.ENOSPC,
+        raise volume_full(
             f"the segment needs {needed} bytes and {directory} has {available} free; "
-            "raise the volume's sizeLimit (emptyDir medium: Memory) or free space",
+            "raise the volume's sizeLimit (emptyDir medium: Memory) or free space"
         )
 
 
@@ -405,12 +391,12 @@ def _reserve(fd: int, length: int, target: Path, *, offset: int = 0) -> None:
     try:
         os.posix_fallocate(fd, offset, length)
     except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
-            raise SegmentSpaceError(
-                exc.errno,
-                f"no room for a {length}-byte segment at {target}: {os.strerror(exc.errno)}; raise the "
-                "volume's sizeLimit and the writer's memory limit (tmpfs pages count against it)",
-            ) from exc
+        # Reserving tmpfs pages past the writer's memory limit fails with ENOMEM: the volume is full too.
+        full = full_volume(
+            exc, f"no room for a {length}-byte segment at {target}", codes=FULL | {errno.ENOMEM}
+        )
+        if full is not None:
+            raise full from exc
         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise
         log.debug("posix_fallocate is not supported at %s; pages are allocated on first write", target)

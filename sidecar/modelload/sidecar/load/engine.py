@@ -31,11 +31,11 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from modelload.loader.errors import (
     MissingKeyError,
@@ -63,6 +63,7 @@ from modelload.sidecar.progress import LoadObserver
 from modelload.sidecar.sources import (
     OpenedModel,
     RetryEvent,
+    RetryPolicy,
     Source,
     SourceSettings,
     display_url,
@@ -84,15 +85,37 @@ class LoadStopped(ModelloadError):
 
 
 class PeerHook(Protocol):
-    """Other sidecars as sources (``modelload.sidecar.peers.hook.Peers``): ``begin`` may wrap
-    ``model.sources`` and reorder the plan; ``finish`` checks a tensor before it is published and returns a
-    CRC-32 to record."""
+    """Other sidecars as sources (``modelload.sidecar.peers.hook.Peers``): everything the engine asks of
+    them."""
+
+    @property
+    def verified_by_peers(self) -> Collection[int]:
+        """Tensors whose bytes came from peers and matched the CRC-32 the peers listed for them: checked
+        already, so neither re-sampled from the origin before publishing nor at the end of the load."""
 
     def begin(
-        self, *, model: OpenedModel, plan: LoadPlan, writer: Any, segment: Path, share: bool = True
-    ) -> LoadPlan: ...
+        self, *, model: OpenedModel, plan: LoadPlan, writer: SegmentWriter, segment: Path, share: bool = True
+    ) -> LoadPlan:
+        """Once the segment exists: may wrap ``model.sources`` to ask peers first, and returns the plan to
+        load (the same chunks, perhaps reordered). ``share`` false: this load will not keep its tensors."""
 
-    def finish(self, tensor: int) -> int | None: ...
+    def finish(self, tensor: int) -> int | None:
+        """Check tensor ``tensor``, whose bytes are all in, before it is published (bytes from a peer that
+        fail are read again from the origin). Returns the CRC-32 of the tensor's slot when the check
+        computed exactly that (the engine records it instead of computing it again), else None."""
+
+
+@dataclass(frozen=True)
+class _LoadContext:
+    """What one load's readers share with the engine that runs them, handed over explicitly."""
+
+    settings: LoadSettings
+    observer: LoadObserver
+    stop: threading.Event
+    """Set by :meth:`Engine.stop`: the readers stop at their next chunk."""
+    retry: RetryPolicy
+    on_retry: Callable[[RetryEvent], None]
+    peers: PeerHook | None
 
 
 class Engine:
@@ -180,7 +203,7 @@ class Engine:
         )
         memory = None
         if settings.memory.mode != "full":
-            report = getattr(observer, "memory_changed", None)
+            report = observer.memory_changed
             memory = MemoryManager(settings.memory, writer=writer, plan=plan, stop=self._stop, report=report)
         observer.manifest_published(
             model_format=index.format, tensors=len(index), nbytes=index.nbytes, notify=settings.notify
@@ -195,7 +218,7 @@ class Engine:
             # file descriptor a full volume is an ordinary ENOSPC, and reserving would cost a pass of zeroing
             # (0.15 s per 2 GiB here) for pages the data overwrites anyway.
             writer.reserve()
-        _Load(self, model, plan, writer, key, use_fd=use_fd, memory=memory).run()
+        _Load(self._context(), model, plan, writer, key, use_fd=use_fd, memory=memory).run()
         if self._stop.is_set():
             raise LoadStopped("stopped before the load finished")
         integrity.check_unchanged(
@@ -206,10 +229,20 @@ class Engine:
             readers=settings.readers,
             on_retry=self._retried,
             sample=settings.memory.mode == "full",
-            skip=getattr(self._peers, "verified_by_peers", ()),
+            skip=self._peers.verified_by_peers if self._peers is not None else (),
         )
         writer.mark_complete()
         observer.load_finished(seconds=time.monotonic() - started, nbytes=index.nbytes)
+
+    def _context(self) -> _LoadContext:
+        return _LoadContext(
+            settings=self.settings,
+            observer=self._observer,
+            stop=self._stop,
+            retry=self._sources.retry,
+            on_retry=self._retried,
+            peers=self._peers,
+        )
 
     def _fail(self, exc: BaseException) -> None:
         kind = error_kind(exc)
@@ -290,7 +323,7 @@ class _Load:
 
     def __init__(
         self,
-        engine: Engine,
+        context: _LoadContext,
         model: OpenedModel,
         plan: LoadPlan,
         writer: SegmentWriter,
@@ -299,22 +332,22 @@ class _Load:
         use_fd: bool,
         memory: MemoryManager | None = None,
     ) -> None:
-        self.engine = engine
+        self.context = context
         self.memory = memory
         self.sources: list[Source] = model.sources
         self.model = model
         self.plan = plan
         self.writer = writer
-        self.settings = engine.settings
-        self.observer = engine._observer
-        self.stop = engine._stop
+        self.settings = context.settings
+        self.observer = context.observer
+        self.stop = context.stop
         self._lock = threading.Lock()
         self._remaining = list(plan.chunk_counts)
         # Tensors without a stored hash are re-sampled before they are published (integrity.check_tensor).
         sampled_files = [integrity.needs_samples(model, f) for f in range(len(model.sources))]
         self._sampled = [sampled_files[t.file] for t in plan.index.tensors]
         self.finisher = TensorFinisher(
-            writer, key=key, encrypted=plan.index.encrypted, verify=engine.settings.verify
+            writer, key=key, encrypted=plan.index.encrypted, verify=context.settings.verify
         )
         self._land: Callable[[Chunk], None] = self._land_fd if use_fd else self._land_view
 
@@ -351,8 +384,8 @@ class _Load:
                 length,
                 self.writer.fileno(),
                 file_offset,
-                policy=self.engine._sources.retry,
-                on_retry=self.engine._retried,
+                policy=self.context.retry,
+                on_retry=self.context.on_retry,
             )
             src_offset += length
 
@@ -362,20 +395,20 @@ class _Load:
             self.sources[chunk.file],
             chunk.src_offset,
             view,
-            policy=self.engine._sources.retry,
-            on_retry=self.engine._retried,
+            policy=self.context.retry,
+            on_retry=self.context.on_retry,
         )
 
     def _publish(self, tensor: int) -> None:
         """Finish a tensor whose bytes are all in (the shared :class:`TensorFinisher`), then tell."""
         entry = self.plan.index.tensors[tensor]
-        peers = self.engine._peers
-        if peers is not None:
-            peers.finish(tensor)  # bytes from a peer checked (and re-read from the origin if bad)
+        peers = self.context.peers
+        # Bytes from a peer are checked (and read again from the origin if bad), which may give the CRC-32.
+        crc = peers.finish(tensor) if peers is not None else None
         header = None
         if self.plan.index.format == "tensorizer":  # the record's header landed in the slot's lead
-            header = self.writer.region(*self.plan.header_span(tensor))
-        from_peers = peers is not None and tensor in getattr(peers, "verified_by_peers", ())
+            header = self.writer.region(*self.plan.record(tensor).header_span)
+        from_peers = peers is not None and tensor in peers.verified_by_peers
 
         def check(verified: bool) -> None:
             if not verified and not from_peers and self._sampled[tensor]:
@@ -384,12 +417,12 @@ class _Load:
                     self.plan,
                     self.writer,
                     self.plan.chunks_by_tensor[tensor],
-                    policy=self.engine._sources.retry,
-                    on_retry=self.engine._retried,
+                    policy=self.context.retry,
+                    on_retry=self.context.on_retry,
                 )
 
         uri = self.model.display(entry.file)
-        if self.finisher.finish(tensor, entry=entry, header=header, source=uri, check=check):
+        if self.finisher.finish(tensor, entry=entry, header=header, source=uri, check=check, crc32=crc):
             slot = self.plan.layout.slots[tensor]
             self.observer.tensor_ready(index=tensor, name=slot.name, nbytes=slot.nbytes)
 

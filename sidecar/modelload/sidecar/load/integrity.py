@@ -62,12 +62,8 @@ def validator_strength(info: ObjectInfo) -> str:
 def unlanded_ranges(plan: LoadPlan) -> list[tuple[int, int]]:
     """``(offset, length)`` of the slot bytes no chunk writes (a meta tensor's zeros): reserved up front,
     since a reader faulting them in on a full volume would die of SIGBUS."""
-    ranges = []
-    for entry, slot in zip(plan.index.tensors, plan.layout.slots, strict=True):
-        missing = slot.nbytes - entry.data_length
-        if missing > 0:
-            ranges.append((slot.offset + entry.data_length, missing))
-    return ranges
+    unlanded = (plan.record(tensor).unlanded for tensor in range(len(plan.layout.slots)))
+    return [(offset, length) for offset, length in unlanded if length > 0]
 
 
 @dataclass(frozen=True)
@@ -97,7 +93,7 @@ def _samples(plan: LoadPlan, model: OpenedModel, chunks: Sequence[Chunk] | None 
         if skip[chunk.file]:
             continue
         entry = plan.index.tensors[chunk.tensor]
-        header = chunk.length - chunk.data_bytes
+        header = chunk.header_bytes
         if header:  # a tensorizer record header, in the slot's lead: it names the tensor's hashes or MACs
             samples.append(_Sample(chunk.file, chunk.src_offset, chunk.dst_offset, header))
         if chunk.data_bytes and not entry.encrypted:  # encrypted bytes were decrypted in place

@@ -41,6 +41,7 @@ import numpy as np
 from modelload.loader.errors import ConfigError, MemoryWaitError
 from modelload.loader.segment import ALIGNMENT, MemoryMode, SegmentWriter, TensorState
 from modelload.loader.segment.consumers import ConsumerEntry, ConsumerTable
+from modelload.loader.segment.geometry import Ring
 from modelload.loader.segment.layout import align
 from modelload.loader.segment.release import Releaser, punch_hole, resident_bytes
 from modelload.sidecar.memory.ring import RingSpace
@@ -59,12 +60,6 @@ STATUS_INTERVAL = 1.0
 """Seconds between status reports while nothing changes (so a wait's duration shows as it grows)."""
 
 
-def ring_span(plan: LoadPlan, tensor: int) -> tuple[int, int]:
-    """``(segment offset, length)`` of what tensor ``tensor`` takes in a ring: its record header (in the
-    padding before the slot) and its whole slot, zeros a meta tensor's file lacks included."""
-    slot = plan.layout.slots[tensor]
-    start = min(plan.header_span(tensor)[0], slot.offset)
-    return start, slot.offset + slot.nbytes - start
 
 
 def plan_memory(plan: LoadPlan, settings: MemorySettings) -> LoadPlan:
@@ -73,11 +68,8 @@ def plan_memory(plan: LoadPlan, settings: MemorySettings) -> LoadPlan:
         return plan
     ring_size = 0
     if settings.mode == "ring":
-        data_offset = plan.layout.data_offset
-        needs = [
-            offset + length - max(offset, data_offset)  # the first header sits before the ring
-            for offset, length in (ring_span(plan, i) for i in range(len(plan.layout.slots)))
-        ]
+        ring = Ring(plan.layout.data_offset, settings.ring_size)
+        needs = [ring.taken(*plan.record(i).footprint) for i in range(len(plan.layout.slots))]
         largest = max(range(len(needs)), key=needs.__getitem__, default=None)
         if largest is not None and needs[largest] > settings.ring_size:
             need = needs[largest]
@@ -118,10 +110,10 @@ class MemoryManager:
         self._table = ConsumerTable.open(
             writer.path, load_id=writer.load_id, tensor_count=len(layout.slots), write=False
         )
-        leads = [plan.header_span(i)[1] for i in range(len(layout.slots))]
+        leads = [plan.record(i).header for i in range(len(layout.slots))]
         self._ring = layout.ring_size if layout.memory_mode == MemoryMode.RING else 0
         self._releaser = Releaser(writer.fileno(), layout, leads=leads, punch=not self._ring)
-        self._space = RingSpace(data_offset=layout.data_offset, size=self._ring or ALIGNMENT)
+        self._space = RingSpace(layout.ring or Ring(layout.data_offset, ALIGNMENT))
         self._cond = threading.Condition()
         self._next_grant = 0
         self._released = np.zeros(len(layout.slots), dtype=bool)
@@ -177,10 +169,10 @@ class MemoryManager:
     def _claim(self, chunk: Chunk) -> tuple[int, int]:
         """The segment bytes ``chunk`` takes in the ring: its own, and for the chunk that lands a tensor's
         last data byte, the rest of the slot too (a meta tensor's zeros, which the engine writes)."""
-        slot = self.plan.layout.slots[chunk.tensor]
+        record = self.plan.record(chunk.tensor)
         stop = chunk.dst_offset + chunk.length
-        if stop >= slot.offset + self.plan.index.tensors[chunk.tensor].data_length:
-            stop = max(stop, slot.offset + slot.nbytes)
+        if stop >= record.data_end:
+            stop = max(stop, record.end)
         return chunk.dst_offset, stop - chunk.dst_offset
 
     def _start_wait(self) -> float:

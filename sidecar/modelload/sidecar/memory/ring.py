@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import bisect
 
+from modelload.loader.segment.geometry import Ring
+
 __all__ = ["RingSpace"]
 
 
 class RingSpace:
     """The ring's taken intervals, by owner. Not thread-safe: the caller holds its own lock."""
 
-    def __init__(self, *, data_offset: int, size: int) -> None:
-        if size <= 0:
-            raise ValueError(f"a ring needs a positive size, got {size}")
-        self.data_offset = data_offset
-        self.size = size
+    def __init__(self, ring: Ring) -> None:
+        if ring.size <= 0:
+            raise ValueError(f"a ring needs a positive size, got {ring.size}")
+        self.ring = ring
         self._starts: list[int] = []
         self._stops: list[int] = []
         self._owners: list[int] = []
@@ -29,26 +30,10 @@ class RingSpace:
         self.used = 0
         """Bytes taken."""
 
-    def pieces(self, offset: int, length: int) -> list[tuple[int, int]]:
-        """The ring intervals ``[start, stop)`` that segment bytes ``[offset, offset + length)`` occupy: one,
-        or two where they wrap; none for bytes before the data region (the first slot's record header lies in
-        the tables' padding, outside the ring)."""
-        stop = offset + length
-        offset = max(offset, self.data_offset)
-        if stop <= offset:
-            return []
-        if stop - offset > self.size:
-            raise ValueError(f"{stop - offset} bytes do not fit in a ring of {self.size}")
-        start = (offset - self.data_offset) % self.size
-        end = start + stop - offset
-        if end <= self.size:
-            return [(start, end)]
-        return [(start, self.size), (0, end - self.size)]
-
     def holder(self, offset: int, length: int) -> int | None:
         """The owner of a taken byte among segment bytes ``[offset, offset + length)``; None when all are
         free."""
-        for start, stop in self.pieces(offset, length):
+        for start, stop in self.ring.positions(offset, length):
             i = bisect.bisect_left(self._starts, stop)  # intervals before i start below stop
             if i and self._stops[i - 1] > start:  # disjoint and sorted: the last of them ends last
                 return self._owners[i - 1]
@@ -56,7 +41,7 @@ class RingSpace:
 
     def take(self, owner: int, offset: int, length: int) -> None:
         """Mark segment bytes ``[offset, offset + length)`` taken by ``owner``; they must be free."""
-        for start, stop in self.pieces(offset, length):
+        for start, stop in self.ring.positions(offset, length):
             i = bisect.bisect_left(self._starts, stop)
             if i and self._stops[i - 1] > start:
                 raise ValueError(f"ring bytes [{start}, {stop}) are taken by {self._owners[i - 1]}")

@@ -7,16 +7,42 @@ from typing import Literal, get_args
 
 from modelload.loader.errors import ConfigError
 from modelload.loader.rules import Between, OneOf, Positive, check_fields, rule
-from modelload.loader.segment import MemoryMode
+from modelload.loader.segment import MemoryMode, consumers
 from modelload.loader.segment.consumers import EXPIRY
 
-__all__ = ["MemorySettings", "Mode"]
+__all__ = ["EXPIRY_HEARTBEATS", "MemorySettings", "Mode"]
 
 Mode = Literal["full", "release", "ring"]
+
+EXPIRY_HEARTBEATS = 2.5
+"""The shortest consumer expiry, in the consumers' heartbeat intervals (``consumers.HEARTBEAT_INTERVAL``)."""
 
 
 def _seconds(value: float) -> str:
     return f"{value:g} seconds"
+
+
+class _OutlastsHeartbeats:
+    """An expiry of at least :data:`EXPIRY_HEARTBEATS` of the consumers' heartbeat intervals (5 s), read when
+    checked: a live consumer never counts as gone between two of its beats, and code whose consumers beat
+    faster (a test) may set it that much lower."""
+
+    def _floor(self) -> float:
+        return EXPIRY_HEARTBEATS * consumers.HEARTBEAT_INTERVAL
+
+    def problem(self, value: float) -> str | None:
+        if value >= self._floor():
+            return None
+        return (
+            f"the consumer expiry must be at least {self._floor():g} seconds ({EXPIRY_HEARTBEATS:g} of the "
+            f"consumers' heartbeats), got {value:g}"
+        )
+
+    def describe(self) -> str:
+        return f"at least {_seconds(self._floor())}"
+
+    def show(self, value: float) -> str:
+        return _seconds(value)
 
 
 @dataclass(frozen=True)
@@ -43,10 +69,9 @@ class MemorySettings:
     consumer has consumed it: one that left (``Model.close()``) or whose heartbeat expired (it died) needs
     nothing more."""
 
-    expiry: float = field(
-        default=EXPIRY, metadata=rule(Between(5, what="the consumer expiry", show=_seconds))
-    )
-    """Seconds without a heartbeat after which a consumer counts as gone. Default 30."""
+    expiry: float = field(default=EXPIRY, metadata=rule(_OutlastsHeartbeats()))
+    """Seconds without a heartbeat after which a consumer counts as gone. Default 30; at least
+    :data:`EXPIRY_HEARTBEATS` heartbeat intervals (5 s)."""
 
     def __post_init__(self) -> None:
         check_fields(self)

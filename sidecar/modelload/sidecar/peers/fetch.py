@@ -445,6 +445,15 @@ class Ledger:
         with self._lock:
             self.waits += 1
 
+    def mismatched(self) -> None:
+        """A tensor from peers failed verification."""
+        with self._lock:
+            self.mismatches += 1
+
+    def excluded_peer(self) -> None:
+        with self._lock:
+            self.excluded += 1
+
     def claim(self, tensor: int) -> dict[str, int] | None:
         with self._lock:
             return self.claims.pop(tensor, None)

@@ -32,12 +32,13 @@ from pathlib import Path
 from typing import Any
 
 from modelload.loader.formats.tensorizer.hashes import crc32
+from modelload.loader.segment import SegmentWriter
 from modelload.sidecar.peers.fetch import Fleet, Ledger, Peer, PeerSource
 from modelload.sidecar.peers.ranges import RangeMap
 from modelload.sidecar.peers.server import PeerServer, Slice, bitmap
 from modelload.sidecar.peers.settings import PeerSettings
 from modelload.sidecar.planner import Chunk, LoadPlan
-from modelload.sidecar.sources import OpenedModel, RetryPolicy, read_range
+from modelload.sidecar.sources import OpenedModel, RetryPolicy, Source, read_range
 
 __all__ = ["Peers"]
 
@@ -70,10 +71,9 @@ class Peers:
         self._phase = "starting"
         self._bytes_done = 0
         self._fd: int | None = None
-        self._origins: list[Any] = []
-        self._format = ""
+        self._origins: list[Source] = []
         self._chunks: tuple[tuple[Chunk, ...], ...] = ()
-        self._writer: Any = None
+        self._writer: SegmentWriter | None = None
         self.server = PeerServer(
             self, token=settings.token, host=host, port=settings.port, max_uploads=settings.max_uploads
         )
@@ -95,7 +95,7 @@ class Peers:
     # --- the engine's hooks ------------------------------------------------------------------------------
 
     def begin(
-        self, *, model: OpenedModel, plan: LoadPlan, writer: Any, segment: Path, share: bool = True
+        self, *, model: OpenedModel, plan: LoadPlan, writer: SegmentWriter, segment: Path, share: bool = True
     ) -> LoadPlan:
         """Wrap ``model``'s sources to ask peers first and return the plan to load, own tensors first.
 
@@ -121,7 +121,6 @@ class Peers:
             self._files = [(info.etag or "", info.size) for info in model.infos]
             self._ready = [False] * len(index.tensors)
             self._crc = [0] * len(index.tensors)
-            self._format = index.format
             self._origins = list(model.sources)
             self._phase = "loading"
         self._chunks = plan.chunks_by_tensor
@@ -147,13 +146,14 @@ class Peers:
     def finish(self, tensor: int) -> int | None:
         """Check a tensor whose bytes are all in; re-read it from the origin when a peer's bytes are wrong.
 
-        Returns the CRC-32 to record in the segment's state table (safetensors tensors; tensorizer tensors
-        have their own hashes), or None."""
-        ranges = self._ranges
-        if ranges is None:
+        The CRC-32 of the whole record (header and data) is what the manifest lists for other peers. Where
+        the record is exactly the slot (safetensors), it is also the slot's checksum, which is returned for
+        the segment's state table; otherwise None."""
+        ranges, writer = self._ranges, self._writer
+        if ranges is None or writer is None:
             return None
-        offset, length = ranges.record(tensor)
-        region = self._writer.region(offset, length)
+        record = ranges.plan.record(tensor)
+        region = writer.region(*record.landed)
         crc = crc32(region)
         claims = self.ledger.claim(tensor)
         if claims:
@@ -162,8 +162,7 @@ class Peers:
                 with self._lock:
                     self.verified_by_peers.add(tensor)
             if bad:
-                with self.ledger._lock:
-                    self.ledger.mismatches += 1
+                self.ledger.mismatched()
                 for peer in bad:
                     self.fleet.exclude(peer, "its bytes failed verification")
                 log.warning(
@@ -172,15 +171,13 @@ class Peers:
                     tensor, crc, ", ".join(f"{c & 0xFFFFFFFF:08x}" for c in claims.values()),
                 )  # fmt: skip
                 for chunk in self._chunks[tensor]:
-                    view = self._writer.region(chunk.dst_offset, chunk.length)
+                    view = writer.region(chunk.dst_offset, chunk.length)
                     read_range(self._origins[chunk.file], chunk.src_offset, view, policy=self._retry)
                     self.ledger.origin(chunk.length)
                 crc = crc32(region)
         with self._lock:
             self._crc[tensor] = crc
-        if self._format == "safetensors":
-            return crc
-        return None
+        return crc if record.header == 0 and record.data == record.nbytes else None
 
     def register_metrics(self, registry: Any) -> None:
         """Expose the ledger on the sidecar's ``/metrics`` (read at each scrape, nothing on the hot path)."""
@@ -214,8 +211,7 @@ class Peers:
         registry.register(_Collector())
 
     def _excluded(self, peer: Peer, why: str) -> None:
-        with self.ledger._lock:
-            self.ledger.excluded += 1
+        self.ledger.excluded_peer()
 
     # --- observer: what this sidecar holds ---------------------------------------------------------------
 

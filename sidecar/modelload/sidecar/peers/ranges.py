@@ -41,9 +41,10 @@ class RangeMap:
         files = max((t.file for t in plan.index.tensors), default=0) + 1
         records: list[list[tuple[int, int, int]]] = [[] for _ in range(files)]
         for i, entry in enumerate(plan.index.tensors):
-            end = entry.data_offset + entry.data_length
-            if end > entry.record_offset:
-                records[entry.file].append((entry.record_offset, end, i))
+            if entry.record_length > 0:
+                records[entry.file].append(
+                    (entry.record_offset, entry.record_offset + entry.record_length, i)
+                )
         for row in records:
             row.sort()
         self._starts = [[start for start, _, _ in row] for row in records]
@@ -61,16 +62,7 @@ class RangeMap:
         start, end, tensor = row[at]
         if offset + length > end:
             return None
-        entry = self.plan.index.tensors[tensor]
-        lead = entry.data_offset - entry.record_offset
-        record_in_segment = self.plan.layout.slots[tensor].offset - lead
-        return Span(tensor=tensor, segment_offset=record_in_segment + (offset - start))
-
-    def record(self, tensor: int) -> tuple[int, int]:
-        """``(segment offset, length)`` of tensor's whole record as landed: lead header then data."""
-        entry = self.plan.index.tensors[tensor]
-        lead = entry.data_offset - entry.record_offset
-        return self.plan.layout.slots[tensor].offset - lead, lead + entry.data_length
+        return Span(tensor=tensor, segment_offset=self.plan.record(tensor).start + (offset - start))
 
 
 def rank(tensor: int, member: str, *, salt: str) -> int:

@@ -13,7 +13,6 @@ how many bytes landed (:class:`InterruptedReadError`), so the retry layer resume
 from __future__ import annotations
 
 import base64
-import errno
 import http.client
 import logging
 import socket
@@ -32,6 +31,7 @@ from modelload.loader.errors import (
     SourceChangedError,
     SourceError,
 )
+from modelload.loader.segment.volume import full_volume
 
 from ._base import InterruptedReadError, ObjectInfo, SourceBase, byte_view
 from ._body import Body
@@ -304,11 +304,13 @@ class HttpObject(SourceBase):
                 f"{uri}: the server's TLS certificate cannot be verified ({exc.verify_message});"
                 " set the CA bundle for a private CA"
             )
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            return SegmentSpaceError(
-                f"no room left in the destination while reading {uri}: the volume is full; raise its "
-                "sizeLimit (emptyDir medium: Memory) and the sidecar's memory limit"
-            )
+        full = (
+            full_volume(exc, f"no room left in the destination while reading {uri}")
+            if isinstance(exc, OSError)
+            else None
+        )
+        if full is not None:
+            return full
         if connecting is not None:
             if isinstance(exc, socket.gaierror):
                 reason = f"cannot resolve {connecting.host}"

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from modelload.loader.errors import SegmentSpaceError
+from modelload.loader.segment.volume import full_volume
 
 __all__ = [
     "HAVE_SPLICE",
@@ -150,12 +150,11 @@ def _drain(pipe: _Pipe, count: int, dst_fd: int, dst_offset: int, progress: Prog
         except OSError as exc:
             # The pipe now holds bytes that belong nowhere: replace it so the next transfer starts empty.
             _local.pipe = None
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise SegmentSpaceError(
-                    f"no room left to write {count} bytes at offset {dst_offset} of the destination file: "
-                    "the volume is full; raise its sizeLimit (emptyDir medium: Memory) and the sidecar's "
-                    "memory limit"
-                ) from exc
+            full = full_volume(
+                exc, f"no room left to write {count} bytes at offset {dst_offset} of the destination file"
+            )
+            if full is not None:
+                raise full from exc
             raise
         if moved == 0:  # pragma: no cover - a pipe with bytes in it never reads as empty
             raise OSError(errno.EIO, "splice moved nothing out of a non-empty pipe")

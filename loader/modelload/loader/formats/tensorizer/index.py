@@ -226,7 +226,7 @@ def _check_layout(
             "must follow each other in index order with no gap, so the index is corrupt",
             source=source,
         )
-    header_size = entry.data_offset - start
+    header_size = entry.header_length
     # The header repeats the entry's name, dtype and dims (the entry's bytes less its 5 length/type bytes),
     # and in an encrypted file carries at least an empty crypt_info block (10 bytes).
     minimum = _MIN_HEADER + raw_length - 5 + (10 if header.has_crypt_info else 0)

@@ -143,7 +143,7 @@ class TensorizerReader:
         """The parsed per-tensor header (module index, hashes, encryption parameters), checked against
         its index entry."""
         entry = self.entry(tensor)
-        buf = bytearray(entry.data_offset - entry.record_offset)
+        buf = bytearray(entry.header_length)
         self._readinto([memoryview(buf)], entry.record_offset)
         return self._parse(buf, entry)
 
@@ -159,7 +159,7 @@ class TensorizerReader:
         """
         entry = self.entry(tensor)
         view = _writable(out, entry)
-        header = bytearray(entry.data_offset - entry.record_offset)
+        header = bytearray(entry.header_length)
         views = [memoryview(header), view[: entry.data_length]] if entry.data_length else [memoryview(header)]
         self._readinto(views, entry.record_offset)
         return header

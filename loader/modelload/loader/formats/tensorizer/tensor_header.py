@@ -271,7 +271,7 @@ def _parse_hashes(
 
 
 def _check_against_entry(header: TensorHeader, entry: TensorEntry, *, what: str, source: str | None) -> None:
-    expected_size = entry.data_offset - entry.record_offset
+    expected_size = entry.header_length
     pairs = (
         ("header size", header.size, expected_size),
         ("name", header.name, entry.name),
