@@ -60,8 +60,6 @@ STATUS_INTERVAL = 1.0
 """Seconds between status reports while nothing changes (so a wait's duration shows as it grows)."""
 
 
-
-
 def plan_memory(plan: LoadPlan, settings: MemorySettings) -> LoadPlan:
     """Mark ``plan``'s segment with the memory mode, and refuse a ring too small for a tensor."""
     if settings.mode == "full":
