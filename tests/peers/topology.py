@@ -24,6 +24,7 @@ from pathlib import Path
 
 from modelload.loader.segment import SegmentReader, WriterState
 from tests.conftest import find_executable
+from tests.support.peer_client import peer_stats
 from tests.support.waiting import wait_for
 
 __all__ = ["Host", "Sidecar", "Topology", "can_make_namespaces"]
@@ -96,12 +97,7 @@ class Sidecar:
             return reader.finished_ns
 
     def stats(self, token: str) -> dict[str, int]:
-        request = urllib.request.Request(
-            f"{self.peer_url}/peer/v1/stats", headers={"Authorization": f"Bearer {token}"}
-        )
-        with urllib.request.urlopen(request, timeout=5) as response:
-            doc: dict[str, int] = json.loads(response.read())
-        return doc
+        return peer_stats(self.peer_url, token)
 
     def stop(self) -> None:
         if self.process.poll() is None:

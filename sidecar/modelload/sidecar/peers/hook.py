@@ -8,13 +8,14 @@
 - a load observer (it learns which tensors are READY and how far the load is, for its manifest);
 - what the :class:`~modelload.sidecar.peers.server.PeerServer` serves.
 
-Trust. A peer is trusted no more than the origin: every tensor with bytes from a peer is checked against
-the CRC-32 of its whole record (record header and data) that the peer lists for it, which the first sidecar
-that read the tensor from the origin computed there and every later holder re-checked. A mismatch drops the
-peer's bytes, reads the tensor again from the origin, excludes that peer for the rest of the load and counts
-it. Tensorizer tensors are in addition checked against their stored hashes, as always. The peer token (a
-per-ModelLoad Secret) keeps other workloads from reading the weights and from posing as peers; a holder of
-the token is trusted to report the checksums of what it read from the origin (see docs/peers.md).
+Trust. Only a holder of the ModelLoad's peer token is a peer, and it proves that on every answer without
+the token ever crossing the wire (:mod:`modelload.loader.peerwire`); each chunk from a peer is checked
+against the SHA-256 its answer proves before it counts. Every tensor with bytes from a peer is then checked
+against the CRC-32 of its whole record (record header and data) that the peer lists for it, which the first
+sidecar that read the tensor from the origin computed there and every later holder re-checked. A mismatch
+drops the peer's bytes, reads the tensor again from the origin, excludes that peer for the rest of the load
+and counts it. Tensorizer tensors are in addition checked against their stored hashes, as always. A holder
+of the token is trusted to report the checksums of what it read from the origin (see docs/peers.md).
 
 Encrypted models do not use peers: their tensors are decrypted in place in the segment, so what a sidecar
 holds is plaintext that the origin never served, and serving it would hand decrypted weights to anything with
@@ -32,10 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from modelload.loader.formats.tensorizer.hashes import crc32
+from modelload.loader.peerwire import PeerKey
 from modelload.loader.segment import SegmentWriter
-from modelload.sidecar.peers.fetch import Fleet, Ledger, Peer, PeerSource
+from modelload.sidecar.peers.fetch import Ledger, PeerSource
+from modelload.sidecar.peers.fleet import Fleet, Peer
+from modelload.sidecar.peers.manifest import bitmap
 from modelload.sidecar.peers.ranges import RangeMap
-from modelload.sidecar.peers.server import PeerServer, Slice, bitmap
+from modelload.sidecar.peers.server import PeerServer, Slice
 from modelload.sidecar.peers.settings import PeerSettings
 from modelload.sidecar.planner import Chunk, LoadPlan
 from modelload.sidecar.sources import OpenedModel, RetryPolicy, Source, read_range
@@ -58,7 +62,8 @@ class Peers:
         self.settings = settings
         self.id = secrets.token_hex(8)
         self.ledger = Ledger()
-        self.fleet = Fleet(settings, self_id=self.id)
+        key = PeerKey(settings.token)
+        self.fleet = Fleet(settings, self_id=self.id, key=key)
         self.fleet.on_exclude = self._excluded
         self._retry = retry or RetryPolicy()
         self._lock = threading.Lock()
@@ -75,7 +80,7 @@ class Peers:
         self._chunks: tuple[tuple[Chunk, ...], ...] = ()
         self._writer: SegmentWriter | None = None
         self.server = PeerServer(
-            self, token=settings.token, host=host, port=settings.port, max_uploads=settings.max_uploads
+            self, key=key, host=host, port=settings.port, max_uploads=settings.max_uploads
         )
 
     # --- the process -------------------------------------------------------------------------------------
@@ -163,8 +168,8 @@ class Peers:
                     self.verified_by_peers.add(tensor)
             if bad:
                 self.ledger.mismatched()
-                for peer in bad:
-                    self.fleet.exclude(peer, "its bytes failed verification")
+                for url in bad:
+                    self.fleet.exclude_url(url, "its bytes failed verification")
                 log.warning(
                     "tensor %d from peers failed verification (CRC-32 %08x, listed %s): reading it again from"
                     " the origin",
@@ -219,6 +224,7 @@ class Peers:
         with self._lock:
             if index < len(self._ready):
                 self._ready[index] = True
+        self.fleet.progressed()
 
     def bytes_loaded(self, count: int) -> None:
         with self._lock:

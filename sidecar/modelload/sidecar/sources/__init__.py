@@ -30,7 +30,7 @@ from __future__ import annotations
 from ._base import InterruptedReadError, ObjectInfo, Source, SourceBase, check_range
 from ._file import FileSource
 from ._headers import RequestHeaders, parse_headers, read_header_file
-from ._http import HttpSource
+from ._http import Exchange, HttpSource, Target
 from ._listing import Directory, is_directory, list_directory
 from ._model import OpenedModel, fetch_small_file, open_model
 from ._proxy import ProxySettings, proxy_from_environ
@@ -52,6 +52,7 @@ from ._store import ListedFile, Opener, Store, join_uri
 
 __all__ = [
     "Directory",
+    "Exchange",
     "FileSource",
     "HttpSettings",
     "HttpSource",
@@ -75,6 +76,7 @@ __all__ = [
     "SourceFactory",
     "SourceSettings",
     "Store",
+    "Target",
     "check_range",
     "check_scheme",
     "display_url",
