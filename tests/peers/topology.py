@@ -297,10 +297,22 @@ http {{
 
     # --- sidecars ----------------------------------------------------------------------------------------
 
+    @property
+    def test_ip(self) -> str:
+        """The test process's own address on the bridge (where a fake peer it runs listens)."""
+        return f"{self._subnet}.254"
+
     def start_sidecar(
-        self, host: Host, source: str, *, peers: list[Host] | None, extra: tuple[str, ...] = ()
+        self,
+        host: Host,
+        source: str,
+        *,
+        peers: list[Host] | None,
+        extra: tuple[str, ...] = (),
+        extra_peers: tuple[str, ...] = (),
     ) -> Sidecar:
-        """Start ``modelload sidecar`` in ``host``, with a static peer list (None: peers off)."""
+        """Start ``modelload sidecar`` in ``host``, with a static peer list (None: peers off) and
+        ``extra_peers`` (URLs, such as a fake peer's) in it."""
         self._started += 1
         folder = self.work / host.name / str(self._started)
         folder.mkdir(parents=True)
@@ -311,7 +323,7 @@ http {{
             "--host", host.ip, *extra,
         ]  # fmt: skip
         if peers is not None:
-            urls = ",".join(f"http://{p.ip}:{PEER_PORT}" for p in peers if p is not host)
+            urls = ",".join([*(f"http://{p.ip}:{PEER_PORT}" for p in peers if p is not host), *extra_peers])
             args += [
                 "--peers",
                 urls or f"http://{host.ip}:{PEER_PORT}",

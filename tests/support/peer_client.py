@@ -1,4 +1,4 @@
-"""Asking a real sidecar's peer port as a peer would: signed requests, proven answers (modelload.loader.peerwire).
+"""Asking a real sidecar's peer port as a peer would: signed requests, proven answers (loader/peerwire.py).
 
 For tests and benchmarks that read a sidecar's stats or manifest, or probe what its server refuses.
 """
@@ -46,9 +46,9 @@ def peer_get(
     if token is not None and "Authorization" not in sent:
         signed = PeerKey(token).sign(Request("GET", path, sent.get("Range"), sent.get("If-Match")))
         sent["Authorization"], nonce = signed.authorization, signed.nonce
-    conn = http.client.HTTPConnection(
-        parts.hostname or "", parts.port or 80, timeout=timeout, source_address=(source, 0) if source else None
-    )
+    bind = (source, 0) if source else None
+    host, port = parts.hostname or "", parts.port or 80
+    conn = http.client.HTTPConnection(host, port, timeout=timeout, source_address=bind)
     try:
         conn.request("GET", path, headers=sent)
         response = conn.getresponse()

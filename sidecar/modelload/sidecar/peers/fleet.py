@@ -16,7 +16,7 @@ origin told this sidecar); a peer of another version is ignored.
   third failure;
 - one that answers busy (429) for longer than ``stall_timeout`` without serving anything is dropped;
 - an owner this sidecar waits on that completes no tensor for ``stall_timeout`` (plus the time an honest
-  owner takes to read the awaited tensor, at this sidecar's own origin rate) after the rest of the fleet did
+  owner takes to read the awaited tensor, at this sidecar's own origin rate) after most of the fleet did
   (a squatter whose progress grows but who never holds anything) stops being waited on: its tensors go to
   the next owner, possibly this sidecar. A member that answers no manifest for ``stall_timeout`` (killed,
   frozen) stops counting sooner.
@@ -81,8 +81,10 @@ class Peer:
     served: bool = False
     """It served this sidecar a proven range: still asked once the wait budget is spent."""
     busy_since: float | None = None
+    passed_by: set[str] = field(default_factory=set)
+    """Members (this sidecar as ``""``) that completed a tensor since this peer last did."""
     behind_since: float | None = None
-    """When the fleet last completed a tensor while this peer, loading, did not."""
+    """When most of the other members had completed a tensor since this peer last did."""
     polling: bool = False
     files: dict[int, PeerFile] = field(default_factory=dict)
 
@@ -253,10 +255,18 @@ class Fleet:
             self._progressed(None, time.monotonic())
 
     def _progressed(self, mover: Peer | None, now: float) -> None:
-        for peer in self._peers.values():
+        """``mover`` (None: this sidecar) completed a tensor: every other peer is that much behind, and once
+        most members passed one (this sidecar counted), its lag starts to count (:meth:`waiting_on`)."""
+        members = [p for p in self._peers.values() if p.id and p.excluded is None]
+        quorum = (len(members) + 1) // 2  # of the others: the members but the one behind, and this sidecar
+        name = "" if mover is None else mover.url
+        for peer in members:
             if peer is mover:
+                peer.passed_by.clear()
                 peer.behind_since = None
-            elif peer.behind_since is None:
+                continue
+            peer.passed_by.add(name)
+            if peer.behind_since is None and len(peer.passed_by) >= max(quorum, 1):
                 peer.behind_since = now
 
     # --- choosing ----------------------------------------------------------------------------------------
@@ -305,8 +315,9 @@ class Fleet:
     def waiting_on(self, peer: Peer, *, expected: float) -> None:
         """A reader waits for ``peer`` to hold a tensor it owns, which an honest owner reads in about
         ``expected`` seconds. Give up on it as an owner once it completed nothing for ``stall_timeout`` plus
-        that, counted from when the rest of the fleet (this sidecar included) last completed a tensor: a slow
-        origin delays every owner alike, a squatter only itself."""
+        that, counted from when most of the other members (this sidecar included) completed a tensor since
+        it last did: a slow origin delays every owner alike, a squatter only itself, and a majority keeps one
+        fast member from making every other one look late."""
         with self._lock:
             behind = peer.behind_since
             if peer.demoted is not None or behind is None:
