@@ -38,6 +38,7 @@ import logging
 import os
 import re
 import socket
+import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -68,6 +69,8 @@ _HEADER_LINE = re.compile(rb"^([!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}):[ \t]*(.*?)[ \t
 _SINGLE = ("authorization", "range", "if-match", "host", "content-length")
 _PIECE = 1 << 20
 """Bytes per ``sendfile`` call of an upload: the unit of the idle timeout and rate checks."""
+_RESET = struct.pack("ii", 1, 0)
+"""SO_LINGER on, 0 seconds: close() resets the connection and drops what was not sent."""
 _DIGESTS = 4096
 """Range digests kept (one per chunk a fleet asks for: every asker cuts the same chunks)."""
 
@@ -212,8 +215,10 @@ class PeerServer:
             return
         self._writers.add(writer)
         self._open[address] += 1
+        dropped = True
         try:
             await self._serve(reader, writer, address)
+            dropped = False
         except _BadRequest as exc:
             self._drop(address, f"bad request: {exc}")
             with contextlib.suppress(OSError, TimeoutError):
@@ -227,6 +232,9 @@ class PeerServer:
             self._open[address] -= 1
             if not self._open[address]:
                 del self._open[address]
+            if dropped:  # a reset, not a close: unsent bytes must not keep the asker's buffers in the kernel
+                with contextlib.suppress(OSError):
+                    writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
             writer.transport.abort()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, address: str) -> None:
@@ -445,7 +453,7 @@ def _listen(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-        sock.listen(512)
+        sock.listen(1024)  # a burst the caps then close must not overflow the queue and reset honest askers
         sock.setblocking(False)
     except OSError as exc:
         sock.close()
