@@ -238,7 +238,7 @@ def test_an_entry_whose_heartbeat_expired_is_claimed_again(
             ConsumerTable.open(path, load_id=LOAD_ID, tensor_count=2, write=True).register()
         dead._stop.set()  # the process died: no more heartbeats
         stale = time.time_ns() - int((consumers_module.EXPIRY + 1) * 1e9)
-        struct.pack_into("<Q", dead.table._mm, dead._at + 16, stale)
+        dead.table._write(dead._at + 16, "<Q", stale)
         fresh = ConsumerTable.open(path, load_id=LOAD_ID, tensor_count=2, write=True).register(label="new")
         assert fresh.slot == 0
         fresh.leave()
