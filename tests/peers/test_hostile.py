@@ -36,6 +36,7 @@ DROPPED = {
     "slow": "a transfer stalled or crawled",
     "stall": "a transfer stalled or crawled",
     "short_206": "answered the range request for bytes",
+    "absurd_range": "an answer that broke the client",
     "wrong_etag": "changed while it was being read",
     "busy": r"answered only busy \(429\)",
     "redirect": "redirects elsewhere",

@@ -11,6 +11,7 @@ read once from the origin), holds the peer token or not, and misbehaves in one o
 ``slow``             sends every range at a trickle (a few KiB/s)
 ``stall``            sends a range's head, then nothing
 ``short_206``        answers each range with one byte less than asked (a proven 206 of the wrong range)
+``absurd_range``     answers each range with a Content-Range of 5,000 digits (more than Python converts)
 ``wrong_etag``       answers ranges with another version's ETag
 ``busy``             answers every range 429, forever
 ``redirect``         answers every range with a redirect to the origin
@@ -49,7 +50,8 @@ from modelload.sidecar.sources import SourceSettings, open_model
 __all__ = ["MODES", "FakePeer"]
 
 MODES = (
-    "wrong_bytes", "consistent_lie", "relay", "reset", "slow", "stall", "short_206", "wrong_etag", "busy",
+    "wrong_bytes", "consistent_lie", "relay", "reset", "slow", "stall", "short_206", "absurd_range",
+    "wrong_etag", "busy",
     "redirect", "malformed", "huge", "deep", "squatter", "no_token",
 )  # fmt: skip
 _NO_TOKEN = ("consistent_lie", "relay", "no_token")
@@ -259,6 +261,8 @@ class FakePeer:
         if mode == "short_206":
             data, end = data[:-1], end - 1
         head = {"Content-Range": f"bytes {start}-{end}/{model.size}", "ETag": etag}
+        if mode == "absurd_range":
+            head["Content-Range"] = f"bytes {start}-{'9' * 5000}/{model.size}"
         if mode in ("reset", "slow", "stall"):
             proven = self._proof(206, target, head, data, nonce)
             self._send(sock, 206, {**proven, "Content-Length": str(len(data))})

@@ -24,7 +24,7 @@ from modelload.loader.errors import PeerAnswerError
 from modelload.loader.peerwire import DIGEST_HEADER, PROOF_HEADER, Answer, PeerKey, Request, parse_digest
 from modelload.sidecar.sources import Exchange, HttpSettings, HttpSource, ObjectInfo, Target
 
-__all__ = ["NotListening", "PeerFile", "get_document"]
+__all__ = ["NotListening", "PeerFile", "get_document", "sha256_range"]
 
 _PIECE = 1 << 20
 
@@ -66,14 +66,16 @@ class PeerFile(HttpSource):
 
     def read_into_fd(self, offset: int, length: int, fd: int, fd_offset: int) -> None:
         super().read_into_fd(offset, length, fd, fd_offset)
-        self._check_digest(_sha256_of(fd, fd_offset, length))
+        self._check_digest(sha256_range(fd, fd_offset, length))
 
     def _check_digest(self, landed: str) -> None:
         if landed != getattr(self._local, "digest", None):
             raise PeerAnswerError(f"{self.display_uri} sent bytes that differ from the digest it proved")
 
 
-def _sha256_of(fd: int, offset: int, length: int) -> str:
+def sha256_range(fd: int, offset: int, length: int) -> str:
+    """The SHA-256 (hex) of ``length`` bytes of the file ``fd`` at ``offset``, read in pieces (hashlib
+    releases the GIL on each), for what a peer sent (here) and what a peer serves (the server)."""
     digest = hashlib.sha256()
     buffer = bytearray(min(_PIECE, length) or 1)
     view = memoryview(buffer)
@@ -81,7 +83,7 @@ def _sha256_of(fd: int, offset: int, length: int) -> str:
     while done < length:
         n = os.preadv(fd, [view[: min(len(buffer), length - done)]], offset + done)
         if n <= 0:
-            raise PeerAnswerError("the segment ended before the range a peer sent")
+            raise OSError(f"the file ends before byte {offset + length}")
         digest.update(view[:n])
         done += n
     return digest.hexdigest()

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from modelload.loader.errors import (
     ModelloadError,
     PeerAnswerError,
+    SegmentSpaceError,
     SourceAccessDeniedError,
     SourceChangedError,
     SourceError,
@@ -140,8 +141,13 @@ class PeerSource:
         except (PeerAnswerError, SourceChangedError, SourceAccessDeniedError, SourceError) as exc:
             fleet.drop(peer, str(exc))
             return "failed"
+        except SegmentSpaceError:
+            raise  # no room for the chunk: the origin would meet the same, and the load must say so
         except ModelloadError as exc:
             fleet.drop(peer, f"an unusable answer ({exc})")
+            return "failed"
+        except Exception as exc:  # anything else a hostile answer provokes: the peer's fault, not the load's
+            fleet.drop(peer, f"an answer that broke the client ({type(exc).__name__})")
             return "failed"
         fleet.served(peer)
         self._ledger.took(tensor, peer, length)

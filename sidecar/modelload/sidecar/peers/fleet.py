@@ -208,18 +208,23 @@ class Fleet:
             log.debug("peer %s is not listening (yet): %s", peer.url, exc)
             self._done_polling(peer)
         except (PeerAnswerError, ValueError) as exc:
-            with self._changed:
-                peer.polling, peer.answered = False, True
-                self._exclude(peer, f"its manifest cannot be used: {exc}")
-                self._changed.notify_all()
+            self._unusable(peer, str(exc))
         except OSError as exc:  # a timeout, a reset, another status: try again at the next poll
             log.debug("no manifest from peer %s: %s", peer.url, exc)
             self._done_polling(peer, answered=isinstance(exc, TimeoutError))
+        except Exception as exc:  # anything else a hostile answer provokes: the peer's fault, not the load's
+            self._unusable(peer, f"it broke the client ({type(exc).__name__})")
         else:
             with self._changed:
                 peer.polling, peer.answered = False, True
                 self._update(peer, manifest, time.monotonic())
                 self._changed.notify_all()
+
+    def _unusable(self, peer: Peer, why: str) -> None:
+        with self._changed:
+            peer.polling, peer.answered = False, True
+            self._exclude(peer, f"its manifest cannot be used: {why}")
+            self._changed.notify_all()
 
     def _done_polling(self, peer: Peer, *, answered: bool = False) -> None:
         with self._lock:
@@ -227,6 +232,11 @@ class Fleet:
             peer.answered = peer.answered or answered
 
     def _update(self, peer: Peer, manifest: Manifest, now: float) -> None:
+        if peer.id is not None and manifest.id != peer.id:  # restarted at the same address: a new load
+            log.info("peer %s restarted (id %s, was %s)", peer.url, manifest.id, peer.id)
+            peer.ready, peer.crc, peer.ready_count, peer.strikes = (), (), 0, 0
+            peer.demoted, peer.behind_since, peer.same_version = None, None, None
+            peer.passed_by.clear()
         peer.id, peer.seen_at, peer.phase = manifest.id, now, manifest.phase
         if manifest.id == self.self_id:
             peer.excluded = "this sidecar itself"

@@ -56,6 +56,7 @@ from modelload.loader.peerwire import (
     digest_header,
 )
 from modelload.loader.wiring import PEER_STATS_PATH
+from modelload.sidecar.peers.client import sha256_range
 
 __all__ = ["MANIFEST_PATH", "PeerServer", "Servable", "ServerLimits", "Slice"]
 
@@ -330,7 +331,8 @@ class PeerServer:
         found = self._digests.get(key)
         if found is None:
             loop = asyncio.get_running_loop()
-            found = await loop.run_in_executor(self._hasher, _sha256, where)
+            hashed = loop.run_in_executor(self._hasher, sha256_range, where.fd, where.offset, where.length)
+            found = await hashed
             self._digests[key] = found
             while len(self._digests) > _DIGESTS:
                 self._digests.popitem(last=False)
@@ -430,21 +432,6 @@ class _Descriptor:
 
     def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
         return offset
-
-
-def _sha256(where: Slice) -> str:
-    """The SHA-256 of a slice of the segment, read in pieces (hashlib releases the GIL on each)."""
-    digest = hashlib.sha256()
-    buffer = bytearray(min(_PIECE, where.length) or 1)
-    view = memoryview(buffer)
-    done = 0
-    while done < where.length:
-        n = os.preadv(where.fd, [view[: min(len(buffer), where.length - done)]], where.offset + done)
-        if n <= 0:
-            raise OSError("the segment file ended early")
-        digest.update(view[:n])
-        done += n
-    return digest.hexdigest()
 
 
 def _listen(host: str, port: int) -> socket.socket:
