@@ -163,7 +163,7 @@ def server(tmp_path: Path) -> Iterator[PeerServer]:
     path = tmp_path / "weights"
     path.write_bytes(os.urandom(1 << 20) * 64)
     state = _File(path)
-    limits = ServerLimits(idle_timeout=1.0, rate_window=1.0, min_rate=1 << 20)
+    limits = ServerLimits(idle_timeout=1.0, rate_window=1.0)
     peer_server = PeerServer(
         state, key=PeerKey(TOKEN), host="127.0.0.1", port=0, max_uploads=2, limits=limits
     )

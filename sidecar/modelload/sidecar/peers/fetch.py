@@ -120,7 +120,8 @@ class PeerSource:
         return False
 
     def _from_peer(self, peer: Peer, tensor: int, offset: int, length: int, land: Land) -> str:
-        """Land the whole chunk from ``peer``: ``ok``, ``busy`` (429) or ``failed`` (told to the fleet)."""
+        """Land the whole chunk from ``peer``: ``ok``, ``busy`` (429), ``retry`` (a congested stream of a peer
+        that delivers) or ``failed`` (told to the fleet)."""
         fleet = self._fleet
         source = fleet.file(peer, self._file)
         started = time.monotonic()
@@ -130,6 +131,8 @@ class PeerSource:
             if exc.retry_after is not None and exc.landed == 0:
                 fleet.busy(peer)
                 return "busy"
+            if fleet.moving(peer):
+                return "retry"  # one broken or congested stream of a peer that delivers: ask again, afresh
             if isinstance(exc.__cause__, TimeoutError):  # silent, or under the rate floor
                 fleet.drop(peer, f"a transfer stalled or crawled ({exc})", cost=time.monotonic() - started)
             else:
@@ -149,7 +152,7 @@ class PeerSource:
         except Exception as exc:  # anything else a hostile answer provokes: the peer's fault, not the load's
             fleet.drop(peer, f"an answer that broke the client ({type(exc).__name__})")
             return "failed"
-        fleet.served(peer)
+        fleet.served(peer, length)
         self._ledger.took(tensor, peer, length)
         return "ok"
 

@@ -11,7 +11,9 @@ origin told this sidecar); a peer of another version is ignored.
 - a peer whose answer is wrong in any way (no proof, bytes unlike its digest or its checksum, a malformed or
   oversized manifest, a redirect, another ETag, a short answer) is dropped for the rest of the load at once;
 - one that stalls a transfer (``stall_timeout`` without a byte) or sends under the rate floor is dropped
-  when that transfer gives up;
+  when that transfer gives up, unless its other transfers delivered at the floor's rate meanwhile: one stream
+  of an honest peer whose link is congested can sit seconds in TCP's retransmission backoff, and its chunk
+  is then simply asked again on a fresh connection;
 - one that errs (a reset, a 5xx, a 404 for what it listed) is left alone for a while, and dropped at its
   third failure;
 - one that answers busy (429) for longer than ``stall_timeout`` without serving anything is dropped;
@@ -22,12 +24,13 @@ origin told this sidecar); a peer of another version is ignored.
   frozen) stops counting sooner.
 
 And in total: once the peers dropped or given up on have cost this load ``wait_budget`` seconds, it waits
-on no peer any more (no busy holder, no owner) and asks only peers that already served it well; the rest
-comes from the origin.
+on no peer any more (no busy holder, no owner) and asks only peers whose tensors already passed its check;
+the rest comes from the origin.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import socket
 import threading
@@ -55,8 +58,16 @@ MANIFEST_TIMEOUT = 1.0
 """Seconds a peer has to send its whole manifest."""
 STRIKES = 3
 """Failed transfers (resets, errors) after which a peer is dropped for the load."""
-MIN_PEER_RATE = 512 * 1024
-"""Bytes per second a transfer from a peer must keep up, over ``stall_timeout`` windows."""
+RETRIES = 16
+"""Transfers that broke or stalled while the peer delivered others, after which it is dropped all the same
+(a peer that serves some askers to keep its place and holds the others)."""
+MIN_PEER_RATE = 64 * 1024
+"""Bytes per second a transfer from a peer must keep up, over ``stall_timeout`` windows: low, since a holder's
+uplink is shared by every asker (a holder on a 40 Mbit/s link serving 8 readers gives each about 600 KiB/s),
+yet far above a peer that trickles to keep its askers."""
+SLOW_WINDOW = 5.0
+"""Seconds over which a transfer's rate is measured, at least: shorter windows catch honest streams in a
+congestion's retransmission backoff (a holder's link that new askers share at once dips for a second)."""
 
 
 @dataclass
@@ -78,14 +89,18 @@ class Peer:
     """Why it is no longer waited on as an owner (it may still serve what it holds)."""
     cool_until: float = 0.0
     strikes: int = 0
-    served: bool = False
-    """It served this sidecar a proven range: still asked once the wait budget is spent."""
+    retries: int = 0
+    verified: bool = False
+    """A tensor it served this sidecar matched the CRC-32 it listed: still asked once the wait budget is
+    spent."""
     busy_since: float | None = None
     passed_by: set[str] = field(default_factory=set)
     """Members (this sidecar as ``""``) that completed a tensor since this peer last did."""
     behind_since: float | None = None
     """When most of the other members had completed a tensor since this peer last did."""
     polling: bool = False
+    delivered: collections.deque[tuple[float, int]] = field(default_factory=collections.deque)
+    """(when, bytes) of the transfers it completed lately, proven."""
     files: dict[int, PeerFile] = field(default_factory=dict)
 
     def usable(self, now: float) -> bool:
@@ -114,7 +129,7 @@ class Fleet:
             connect_timeout=min(2.0, settings.stall_timeout),
             stall_timeout=settings.stall_timeout,
             min_rate=MIN_PEER_RATE,
-            slow_window=settings.stall_timeout,
+            slow_window=max(settings.stall_timeout, SLOW_WINDOW),
             max_redirects=0,
         )
         self.on_exclude: Callable[[Peer, str], None] = lambda peer, why: None
@@ -282,8 +297,8 @@ class Fleet:
     # --- choosing ----------------------------------------------------------------------------------------
 
     def holders(self, tensor: int) -> list[Peer]:
-        """Usable peers holding ``tensor`` READY, best first for this tensor (rendezvous weight). Once the
-        wait budget is spent, only those that already served this sidecar well."""
+        """Usable peers holding ``tensor`` READY, best first for this tensor (rendezvous weight); once the
+        wait budget is spent, only verified peers."""
         now = time.monotonic()
         spent = self.spent
         with self._lock:
@@ -295,9 +310,21 @@ class Fleet:
                 and p.id
                 and len(p.ready) > tensor
                 and p.ready[tensor]
-                and (p.served or not spent)
+                and (p.verified or not spent)
             ]
         return sorted(found, key=lambda p: rank(tensor, p.id or "", salt=self.salt), reverse=True)
+
+    def checked(self, verdicts: dict[str, bool]) -> None:
+        """A tensor was checked whole: each peer (by URL) that sent bytes of it passed or is dropped."""
+        with self._lock:
+            for url, good in verdicts.items():
+                peer = self._peers.get(url)
+                if peer is None:
+                    continue
+                if good:
+                    peer.verified = True
+                else:
+                    self._exclude(peer, "its bytes failed verification")
 
     def owner(self, tensor: int) -> Peer | None:
         """The loading peer that reads ``tensor`` from the origin, or None when that is this sidecar (or
@@ -355,9 +382,29 @@ class Fleet:
 
     # --- how a peer did ----------------------------------------------------------------------------------
 
-    def served(self, peer: Peer) -> None:
+    def served(self, peer: Peer, nbytes: int) -> None:
+        now = time.monotonic()
         with self._lock:
-            peer.served, peer.strikes, peer.busy_since = True, 0, None
+            peer.strikes, peer.busy_since = 0, None
+            peer.delivered.append((now, nbytes))
+            while peer.delivered and peer.delivered[0][0] < now - self.http.slow_window:
+                peer.delivered.popleft()
+
+    def moving(self, peer: Peer) -> bool:
+        """Whether a transfer of ``peer`` that broke or stalled may be asked again of it at once: it completed
+        others at the rate floor over the last rate window (one congested or broken stream, not a peer that
+        keeps its askers), and has not had :data:`RETRIES` of those this load."""
+        window = self.http.slow_window
+        since = time.monotonic() - window
+        with self._lock:
+            recent = sum(n for at, n in peer.delivered if at >= since)
+            if recent < MIN_PEER_RATE * window or peer.excluded is not None:
+                return False
+            peer.retries += 1
+            if peer.retries > RETRIES:
+                self._exclude(peer, f"{peer.retries} transfers broke or stalled while it served others")
+                return False
+            return True
 
     def busy(self, peer: Peer) -> None:
         """``peer`` answered 429: drop it once it has done nothing else for ``stall_timeout``."""
@@ -400,7 +447,7 @@ class Fleet:
         if self.spent and not was_spent:
             log.warning(
                 "peers have cost this load %.1f s of waiting (--peer-wait-budget %g s): from now on it waits"
-                " on no peer and asks only those that served it well; the rest comes from the origin",
+                " on no peer and asks only those whose tensors passed; the rest comes from the origin",
                 self.wasted, self.settings.wait_budget,
             )  # fmt: skip
 

@@ -77,6 +77,8 @@ class Peers:
         self._bytes_done = 0
         self._fd: int | None = None
         self._origins: list[Source] = []
+        self._sources: list[Source] = []
+        """The peer-aware sources that wrap ``_origins`` (what the engine reads through)."""
         self._chunks: tuple[tuple[Chunk, ...], ...] = ()
         self._writer: SegmentWriter | None = None
         self.server = PeerServer(
@@ -130,10 +132,11 @@ class Peers:
             self._phase = "loading"
         self._chunks = plan.chunks_by_tensor
         self.fleet.start(infos=model.infos, tensors=len(index.tensors), salt=model.fingerprint or "")
-        model.sources[:] = [
+        self._sources = [
             PeerSource(origin, file=i, fleet=self.fleet, ranges=ranges, ledger=self.ledger)
             for i, origin in enumerate(model.sources)
         ]
+        model.sources[:] = self._sources
         return replace(plan, chunks=self._own_first(plan))
 
     def _own_first(self, plan: LoadPlan) -> tuple[Chunk, ...]:
@@ -149,7 +152,9 @@ class Peers:
         return (*own, *other)
 
     def finish(self, tensor: int) -> int | None:
-        """Check a tensor whose bytes are all in; re-read it from the origin when a peer's bytes are wrong.
+        """Check a tensor whose bytes are all in; when a peer's bytes are wrong, read it again: from the
+        other peers (the one that sent them is dropped), and should those fail the check too, from the
+        origin.
 
         The CRC-32 of the whole record (header and data) is what the manifest lists for other peers. Where
         the record is exactly the slot (safetensors), it is also the slot's checksum, which is returned for
@@ -161,28 +166,41 @@ class Peers:
         region = writer.region(*record.landed)
         crc = crc32(region)
         claims = self.ledger.claim(tensor)
-        if claims:
-            bad = [peer for peer, listed in claims.items() if listed != crc]
-            if not bad:
-                with self._lock:
-                    self.verified_by_peers.add(tensor)
-            if bad:
-                self.ledger.mismatched()
-                for url in bad:
-                    self.fleet.exclude_url(url, "its bytes failed verification")
-                log.warning(
-                    "tensor %d from peers failed verification (CRC-32 %08x, listed %s): reading it again from"
-                    " the origin",
-                    tensor, crc, ", ".join(f"{c & 0xFFFFFFFF:08x}" for c in claims.values()),
-                )  # fmt: skip
-                for chunk in self._chunks[tensor]:
-                    view = writer.region(chunk.dst_offset, chunk.length)
-                    read_range(self._origins[chunk.file], chunk.src_offset, view, policy=self._retry)
-                    self.ledger.origin(chunk.length)
+        if claims and not self._passed(tensor, claims, crc):
+            for sources in (self._sources, self._origins):
+                self._reland(tensor, sources)
                 crc = crc32(region)
+                again = self.ledger.claim(tensor)
+                if not again or self._passed(tensor, again, crc):
+                    break
         with self._lock:
             self._crc[tensor] = crc
         return crc if record.header == 0 and record.data == record.nbytes else None
+
+    def _passed(self, tensor: int, claims: dict[str, int], crc: int) -> bool:
+        """Whether every peer that sent bytes of ``tensor`` listed its CRC-32 as landed; drops the others."""
+        self.fleet.checked({url: listed == crc for url, listed in claims.items()})
+        if all(listed == crc for listed in claims.values()):
+            with self._lock:
+                self.verified_by_peers.add(tensor)
+            return True
+        self.ledger.mismatched()
+        log.warning(
+            "tensor %d from peers failed verification (CRC-32 %08x, listed %s): reading it again from other"
+            " peers or the origin",
+            tensor, crc, ", ".join(f"{c & 0xFFFFFFFF:08x}" for c in claims.values()),
+        )  # fmt: skip
+        return False
+
+    def _reland(self, tensor: int, sources: list[Source]) -> None:
+        """Land ``tensor``'s chunks again from ``sources`` (the peer-aware ones, or the origin's)."""
+        writer = self._writer
+        assert writer is not None
+        for chunk in self._chunks[tensor]:
+            view = writer.region(chunk.dst_offset, chunk.length)
+            read_range(sources[chunk.file], chunk.src_offset, view, policy=self._retry)
+            if sources is self._origins:
+                self.ledger.origin(chunk.length)
 
     def register_metrics(self, registry: Any) -> None:
         """Expose the ledger on the sidecar's ``/metrics`` (read at each scrape, nothing on the hot path)."""

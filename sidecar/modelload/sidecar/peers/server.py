@@ -110,8 +110,10 @@ class ServerLimits:
     """An honest asker opens one connection per reader and one for manifests."""
     idle_timeout: float = 10.0
     header_bytes: int = 16384
-    min_rate: float = 1 << 20
-    """Bytes per second an upload must keep up over ``rate_window``: a peer's link is the cluster's fabric."""
+    min_rate: float = 16 << 10
+    """Bytes per second an upload must keep up over ``rate_window``: low, as this port's uplink is shared by
+    every upload at once and one stream of a congested link can sit seconds in TCP's retransmission backoff,
+    yet a reader that takes a few KiB a second to keep its slot is cut."""
     rate_window: float = 5.0
 
 
