@@ -212,6 +212,7 @@ def main() -> int:
     parser.add_argument("--bad-peers", default=BAD_PEERS, help="fake peer modes to run a fleet beside")
     parser.add_argument("--bad-count", type=int, default=8, help="sidecars in the fleet beside a bad peer")
     parser.add_argument("--bad-only", action="store_true", help="only the bad-peer rounds; no plot")
+    parser.add_argument("--stall-timeout", type=int, default=2, help="the sidecars' --peer-stall-timeout")
     parser.add_argument("--out", type=Path, default=Path("peer-fleet.json"))
     args = parser.parse_args()
     why = can_make_namespaces()
@@ -224,7 +225,12 @@ def main() -> int:
     (root / "model.safetensors").write_bytes(_model(args.size_mib))
     size = (root / "model.safetensors").stat().st_size
     topology = Topology(
-        root=root, work=work, origin_rate=args.origin_rate, pod_rate=args.pod_rate, delay=args.delay
+        root=root,
+        work=work,
+        origin_rate=args.origin_rate,
+        pod_rate=args.pod_rate,
+        delay=args.delay,
+        stall_timeout=args.stall_timeout,
     )
     results = []
     single: dict[str, object] = {}
@@ -265,6 +271,7 @@ def main() -> int:
         "origin_rate": args.origin_rate,
         "pod_rate": args.pod_rate,
         "delay": args.delay if topology.delayed else "none (no sch_netem)",
+        "peer_stall_timeout_s": args.stall_timeout,
     }
     document = {"setup": setup, "results": results, "single": single, "bad_peer": bad}
     args.out.write_text(json.dumps(document, indent=2) + "\n")

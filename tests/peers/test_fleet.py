@@ -41,7 +41,9 @@ def test_sidecars_started_together_read_the_model_from_the_origin_about_once(
 ) -> None:
     hosts = [h for h in fleet.hosts if h.name.endswith(tuple(f"pod{i}" for i in range(count)))]
     assert len(hosts) == count
-    sidecars = [fleet.start_sidecar(h, fleet.url(MODEL), peers=hosts) for h in hosts]
+    # The default stall timeout (5 s): on a busy machine an honest owner can lag the fleet by 2 s, and would
+    # then be given up on, its tensors read again from the origin (never wrong bytes, but more origin reads).
+    sidecars = [fleet.start_sidecar(h, fleet.url(MODEL), peers=hosts, stall_timeout=5) for h in hosts]
     fleet.wait_complete(sidecars, timeout=150)
     origin = fleet.origin_bytes()
     for sidecar in sidecars:

@@ -122,6 +122,8 @@ class Topology:
     tag: str = field(default_factory=lambda: secrets.token_hex(2))
     hosts: list[Host] = field(default_factory=list)
     sidecars: list[Sidecar] = field(default_factory=list)
+    stall_timeout: int = 2
+    """The sidecars' ``--peer-stall-timeout``: short, so that the fault tests see a bad peer dropped soon."""
     delayed: bool = False
     """Whether netem's delay is in place (the kernel has sch_netem)."""
     _nginx: subprocess.Popen[bytes] | None = None
@@ -310,9 +312,10 @@ http {{
         peers: list[Host] | None,
         extra: tuple[str, ...] = (),
         extra_peers: tuple[str, ...] = (),
+        stall_timeout: int | None = None,
     ) -> Sidecar:
         """Start ``modelload sidecar`` in ``host``, with a static peer list (None: peers off) and
-        ``extra_peers`` (URLs, such as a fake peer's) in it."""
+        ``extra_peers`` (URLs, such as a fake peer's) in it; ``stall_timeout`` instead of the topology's."""
         self._started += 1
         folder = self.work / host.name / str(self._started)
         folder.mkdir(parents=True)
@@ -329,8 +332,10 @@ http {{
                 urls or f"http://{host.ip}:{PEER_PORT}",
                 "--peer-token-file",
                 str(self.token_file),
+                "--peer-stall-timeout",
+                str(stall_timeout or self.stall_timeout),
             ]
-            args += ["--peer-stall-timeout", "2"]
+
         log = folder / "sidecar.log"
         with open(log, "wb") as out:
             process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
