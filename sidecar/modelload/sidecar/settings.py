@@ -331,7 +331,7 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "peers.wait_budget", "--peer-wait-budget", "MODELLOAD_PEER_WAIT_BUDGET",
-        "seconds dropped peers may cost a load in all before it waits on none", "SECONDS",
+        "seconds dropped peers may cost a load in all before it waits on no busy or lagging one", "SECONDS",
         parse=_whole_seconds,
     ),
     Option("log_level", "--log-level", "MODELLOAD_LOG_LEVEL", "modelload's log level", parse=parse_word),

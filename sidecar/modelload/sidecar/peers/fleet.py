@@ -24,8 +24,8 @@ origin told this sidecar); a peer of another version is ignored.
   frozen) stops counting sooner.
 
 And in total: once the peers dropped or given up on have cost this load ``wait_budget`` seconds, it waits
-on no peer any more (no busy holder, no owner) and asks only peers whose tensors already passed its check;
-the rest comes from the origin.
+on no busy holder and no owner that lags the fleet any more, and asks only peers whose tensors already
+passed its check; the rest comes from the origin.
 """
 
 from __future__ import annotations
@@ -65,9 +65,6 @@ MIN_PEER_RATE = 64 * 1024
 """Bytes per second a transfer from a peer must keep up, over ``stall_timeout`` windows: low, since a holder's
 uplink is shared by every asker (a holder on a 40 Mbit/s link serving 8 readers gives each about 600 KiB/s),
 yet far above a peer that trickles to keep its askers."""
-SLOW_WINDOW = 5.0
-"""Seconds over which a transfer's rate is measured, at least: shorter windows catch honest streams in a
-congestion's retransmission backoff (a holder's link that new askers share at once dips for a second)."""
 
 
 @dataclass
@@ -129,7 +126,7 @@ class Fleet:
             connect_timeout=min(2.0, settings.stall_timeout),
             stall_timeout=settings.stall_timeout,
             min_rate=MIN_PEER_RATE,
-            slow_window=max(settings.stall_timeout, SLOW_WINDOW),
+            slow_window=settings.stall_timeout,
             max_redirects=0,
         )
         self.on_exclude: Callable[[Peer, str], None] = lambda peer, why: None
@@ -327,15 +324,14 @@ class Fleet:
                     self._exclude(peer, "its bytes failed verification")
 
     def owner(self, tensor: int) -> Peer | None:
-        """The loading peer that reads ``tensor`` from the origin, or None when that is this sidecar (or
-        when no peer may be waited on any more).
+        """The loading peer that reads ``tensor`` from the origin, or None when that is this sidecar.
 
         A member answers its manifest (within ``stall_timeout``: a killed or frozen peer stops counting) and
-        was not given up on as an owner (:meth:`waiting_on`)."""
-        if self.spent:
-            return None
+        was not given up on as an owner (:meth:`waiting_on`). Once the wait budget is spent, only members
+        that keep pace with the fleet (none behind it) are waited on."""
         now = time.monotonic()
         limit = self.settings.stall_timeout
+        spent = self.spent
         with self._lock:
             members = {
                 p.id: p
@@ -345,6 +341,7 @@ class Fleet:
                 and p.demoted is None
                 and p.phase in ("starting", "loading")
                 and now - p.seen_at < limit
+                and not (spent and p.behind_since is not None)
             }
         chosen = owner(tensor, [self.self_id, *members], salt=self.salt)
         return members.get(chosen or "")
@@ -447,7 +444,7 @@ class Fleet:
         if self.spent and not was_spent:
             log.warning(
                 "peers have cost this load %.1f s of waiting (--peer-wait-budget %g s): from now on it waits"
-                " on no peer and asks only those whose tensors passed; the rest comes from the origin",
+                " on no busy peer and no owner that lags, and asks only peers whose tensors passed",
                 self.wasted, self.settings.wait_budget,
             )  # fmt: skip
 

@@ -44,8 +44,8 @@ class PeerSettings:
 
     wait_budget: float = field(default=10.0, metadata=rule(Between(1, 3600)))
     """Seconds of waiting that peers which were then dropped may cost one load in total; once spent, the
-    load waits on no peer any more (no busy holder, no owner) and asks only peers that already served it
-    well. Default 10."""
+    load waits on no busy holder and no owner that lags the fleet any more, and asks only peers whose
+    tensors already passed its check. Default 10."""
 
     settle: float = 5.0
     """Seconds to wait at the start of a load for every peer address to answer, so that sidecars started
