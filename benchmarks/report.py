@@ -149,6 +149,91 @@ def main_table(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+HUGE_VOLUMES = {
+    "tmpfs": "4 KiB pages (tmpfs, `medium: Memory`)",
+    "tmpfs-huge": "tmpfs mounted `huge=always`",
+    "hugetlbfs": "hugetlbfs, 2 MiB pages (`medium: HugePages-2Mi`)",
+}
+CHOSEN = {"tmpfs": "splice", "tmpfs-huge": "mapping", "hugetlbfs": "mapping"}
+"""The landing path the sidecar's ``auto`` takes on each volume (``modelload.loader.segment.pages``)."""
+HUGE_GOALS = (0.35, 0.5)
+"""On huge pages from nginx: at most 0.35 CPU-s per GiB, and at most 0.5 x the same load on 4 KiB pages."""
+
+
+def huge_cases(records: list[dict[str, Any]]) -> dict[str, Case]:
+    """label ("hugetlbfs auto", "curl -> tmpfs", ...) → Case, for the hugepages section."""
+    raw: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        if r.get("section") == "hugepages" and "label" in r:
+            raw[r["label"]].append(r)
+    return {label: Case(rs) for label, rs in raw.items()}
+
+
+def huge_pages_table(records: list[dict[str, Any]]) -> str:
+    """The sidecar from nginx onto 4 KiB pages and onto huge pages, each landing path, in the same rounds."""
+    cases = huge_cases(records)
+    skipped = {
+        r["volume"]: r["skipped"] for r in records if r.get("section") == "hugepages" and "skipped" in r
+    }
+    if not cases:
+        return "(not measured" + (f": {'; '.join(skipped.values())})" if skipped else ")")
+    base, curl = cases.get("tmpfs auto"), cases.get("curl -> tmpfs")
+    lines = [
+        "| segment on | landing | GiB/s | CPU-s per GiB | CPU / 4 KiB pages' (per round) | CPU / curl's | peak RSS |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for volume, title in HUGE_VOLUMES.items():
+        if volume in skipped:
+            lines.append(f"| {title} | — | not measured: {skipped[volume]} | | | | |")
+            continue
+        for label, case in sorted((k, v) for k, v in cases.items() if k.split()[0] == volume):
+            landing = label.split()[1]
+            how = f"**{CHOSEN[volume]}** (auto)" if landing == "auto" else f"{landing} (forced)"
+            if not case.ok:
+                lines.append(
+                    f"| {title} | {how} | — (failed: {case.errors[0] if case.errors else '?'}) | | | | |"
+                )
+                continue
+            versus = "" if base is None or case is base else f"{ratio(case, base, 'cpu_s_per_gib'):.2f}x"
+            over_curl = "" if curl is None or not curl.ok else f"{ratio(case, curl, 'cpu_s_per_gib'):.2f}x"
+            rate = f"**{case.gib_s:.2f}**" if landing == "auto" else f"{case.gib_s:.2f}"
+            rss = f"{case.rss / MIB:.0f} MiB + segment"
+            lines.append(f"| {title} | {how} | {rate} | {case.cpu:.2f} | {versus} | {over_curl} | {rss} |")
+    if curl is not None and curl.ok:
+        lines.append(f"| 4 KiB pages (tmpfs) | curl (floor) | {curl.gib_s:.2f} | {curl.cpu:.2f} | | | |")
+    return "\n".join(lines)
+
+
+def huge_pages_caption(records: list[dict[str, Any]]) -> str:
+    meta = next((r for r in records if r.get("section_meta") == "hugepages"), {})
+    size = next((r["size"] for r in records if r.get("section") == "hugepages" and "size" in r), 0)
+    return (
+        f"**Huge pages** (measured {meta.get('date', '?')}, load average {meta.get('load_avg', 0):.1f} at the "
+        f"start, median of {meta.get('runs', '?')} rounds): the sidecar loading a {size / GIB:.2f} GiB "
+        "safetensors file from nginx on loopback into a segment on each kind of volume, with the landing path "
+        "it chooses (auto) and the other one where the volume takes it; ratios are taken within rounds."
+    )
+
+
+def huge_pages_goals(records: list[dict[str, Any]]) -> list[str]:
+    cases = huge_cases(records)
+    base = cases.get("tmpfs auto")
+    lines = []
+    for volume in ("tmpfs-huge", "hugetlbfs"):
+        case = cases.get(f"{volume} auto")
+        if case is None or not case.ok:
+            continue
+        cpu_goal, ratio_goal = HUGE_GOALS
+        reached = "reached" if case.cpu <= cpu_goal else "not reached"
+        line = f"- HTTP onto {HUGE_VOLUMES[volume]}: {case.cpu:.2f} CPU-s per GiB ({reached}; goal <= {cpu_goal})"
+        if base is not None and base.ok:
+            value = ratio(case, base, "cpu_s_per_gib")
+            reached = "reached" if value <= ratio_goal else "not reached"
+            line += f", {value:.2f}x the 4 KiB-page load's ({reached}; goal <= {ratio_goal})"
+        lines.append(line)
+    return lines
+
+
 def curve_table(records: list[dict[str, Any]], section: str, x_name: str) -> str:
     grouped = group(records, section)
     if not grouped:
@@ -210,6 +295,7 @@ def targets(records: list[dict[str, Any]]) -> str:
                 f"CPU / curl's {verdict(ratio(sidecar, curl, 'cpu_s_per_gib'), 1.1, at_most=True)} (goal <= 1.1)"
             )
         lines.append(f"- {title}: sidecar " + "; ".join(parts))
+    lines += huge_pages_goals(records)
     curve = group(records, "readers")
     if curve:
         link, cap = _link_and_cap()
@@ -258,6 +344,7 @@ def setup(meta: dict[str, Any], records: list[dict[str, Any]]) -> str:
 
 def markdown(meta: dict[str, Any], records: list[dict[str, Any]], *, full: bool) -> str:
     parts = [setup(meta, records), "", main_table(records), ""]
+    parts += [huge_pages_caption(records), "", huge_pages_table(records), ""]
     parts += [
         "![throughput](docs/bench-throughput.png)" if not full else "![throughput](bench-throughput.png)"
     ]

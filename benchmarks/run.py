@@ -15,6 +15,11 @@ Sections (``--sections``):
 - ``size``: model size 0.25 → 8 GiB on the local file (sizes the free memory cannot hold are skipped, with
   the reason recorded).
 - ``chunk``: range size 4 → 64 MiB on the S3-like origin over S3.
+- ``hugepages``: the sidecar loading from nginx on loopback into a segment on 4 KiB pages (a tmpfs, as an
+  ``emptyDir`` with ``medium: Memory``), on a tmpfs mounted ``huge=always`` and on hugetlbfs (2 MiB pages, as
+  ``medium: HugePages-2Mi``), each with the landing path it chooses and, where the volume takes it, the other
+  one, with curl as the floor: CPU-seconds per GiB on huge pages against 4 KiB pages, same origin, same rounds.
+  The volumes are mounted for the run (root); where they cannot be, the section is skipped with the reason.
 
 Raw results go to ``benchmarks/results/bench-TIMESTAMP.jsonl`` (one JSON object a line: a ``meta`` line with
 the machine and versions, then one per measurement or skip); ``--publish`` also copies them to
@@ -45,6 +50,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
 from harness import make_model, make_safetensors  # noqa: E402
+from hugepages_cases import huge_page_cases, huge_page_volumes  # noqa: E402
 from origins import S3RVER_KEY, S3RVER_SECRET, Origin, Unavailable, s3_like, s3rver, upload  # noqa: E402
 from scratch import scratch  # noqa: E402
 
@@ -312,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--readers", type=int, default=8, help="readers on loopback origins")
     parser.add_argument("--remote-readers", type=int, default=16, help="readers on the S3-like origin")
     parser.add_argument("--origins", default="file,http,s3,s3like-http,s3like-s3,s3rver")
-    parser.add_argument("--sections", default="table,readers,size,chunk")
+    parser.add_argument("--sections", default="table,readers,size,chunk,hugepages")
     parser.add_argument(
         "--curve-size", type=float, default=1.0, help="model size of the readers/chunk curves"
     )
@@ -352,13 +358,60 @@ def main(argv: list[str] | None = None) -> int:
                 curves(recorder, work, args, env, sections)
             if "size" in sections:
                 size_curve(recorder, work, args, env)
+            if "hugepages" in sections:
+                huge_pages(recorder, work, args, env)
     finally:
         recorder.close()
     print(f"results: {out} ({(time.monotonic() - started) / 60:.1f} min)")
     if args.publish:
-        shutil.copyfile(out, ROOT / "docs" / "bench-results.jsonl")
+        publish(out, sections)
         subprocess.run([sys.executable, str(HERE / "report.py")], check=True)
     return 0
+
+
+ALL_SECTIONS = ("table", "readers", "size", "chunk", "hugepages")
+
+
+def publish(out: Path, sections: set[str], published: Path = ROOT / "docs" / "bench-results.jsonl") -> None:
+    """Copy the results to docs/bench-results.jsonl. A run of some sections only keeps the published records
+    of the others, so one section can be measured again alone; the main meta line (the machine, the versions)
+    is this run's only when it measured a section of the main table or curves."""
+    if set(ALL_SECTIONS) <= sections or not published.exists():
+        shutil.copyfile(out, published)
+        return
+    main = bool(sections & {"table", "readers", "size", "chunk"})
+
+    def ours(record: dict[str, Any]) -> bool:
+        if record.get("meta"):
+            return main
+        return record.get("section", record.get("section_meta")) in sections
+
+    old = [json.loads(line) for line in published.read_text().splitlines() if line.strip()]
+    new = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    merged = [r for r in old if not ours(r)] + [r for r in new if ours(r)]
+    published.write_text("".join(json.dumps(r) + "\n" for r in merged))
+
+
+def huge_pages(recorder: Recorder, work: Path, args: argparse.Namespace, env: dict[str, str]) -> None:
+    """The sidecar from nginx into segments on 4 KiB pages and on huge pages, rounds rotating the cases."""
+    recorder.write({"section_meta": "hugepages", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                    "load_avg": os.getloadavg()[0], "runs": args.runs})  # fmt: skip
+    folder = work / "huge-model"
+    folder.mkdir()
+    make_safetensors(folder / "st", int(args.size * GIB), shards=1)
+    size = (folder / ST).stat().st_size
+    server = NginxServer(folder, bucket="bench", workers=2)
+    try:
+        with huge_page_volumes(work / "volumes", size) as (volumes, skipped):
+            for kind, reason in skipped.items():
+                print(f"  [hugepages {kind}] skipped: {reason}")
+                recorder.write({"section": "hugepages", "origin": "http", "volume": kind, "skipped": reason})
+            url = f"http://127.0.0.1:{server.port}/{ST}"
+            cases = [Case(**fields) for fields in huge_page_cases(url, size, volumes, readers=args.readers)]
+            run_rounds(recorder, "hugepages", "http", cases, args.runs, env, size=size)
+    finally:
+        server.stop()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def curves(

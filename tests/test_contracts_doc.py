@@ -116,8 +116,26 @@ def _everything_the_webhook_sets() -> tuple[dict[str, dict[str, Any]], dict[str,
         {"source": "s3://models/m.tensors", "passwordSecretRef": {"name": "pw"}, "s3": {"unsigned": True}},
         {"source": "https://models.example.com/m.tensors", "headersSecretRef": {"name": "token"}},
         {
+            "source": "hf://org/model",
+            "hub": {"endpoint": "https://mirror.internal", "tokenSecretRef": {"name": "hf"}},
+        },
+        {
+            "source": "oci://registry.internal:5000/models/m:v1",
+            "registry": {"credentialsSecretRef": {"name": "pull"}, "plainHttp": True},
+        },
+        {
             "source": "s3://models/m.tensors",
-            "memory": {"mode": "ring", "ringSize": "256Mi", "waitTimeoutSeconds": 60},
+            "memory": {"mode": "ring", "ringSize": "256Mi", "waitTimeoutSeconds": 60, "hugePages": "2Mi"},
+        },
+        {
+            "source": "gs://models/m.tensors",
+            "credentialsSecretRef": {"name": "gcs"},
+            "gcs": {"endpoint": "http://gcs:4443"},
+        },
+        {
+            "source": "az://acct01/models/m.tensors",
+            "credentialsSecretRef": {"name": "az"},
+            "azure": {"endpoint": "http://azurite:10000/acct01"},
         },
     ):
         sidecar.update(_env_of(spec))
@@ -184,6 +202,7 @@ def test_the_paths_and_names_of_the_pod_are_those_of_the_webhook() -> None:
         "KEY_VOLUME",
         "PASSWORD_VOLUME",
         "HEADERS_VOLUME",
+        "HUGE_PAGES_VOLUME",
         "SIDECAR_NAME",
         "CONTAINERS_ANNOTATION",
         "INJECTED_ANNOTATION",

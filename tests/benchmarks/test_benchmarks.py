@@ -4,6 +4,9 @@ mounted into images that lack modelload), and the report's ratios are taken with
 
 from __future__ import annotations
 
+import json
+import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -113,3 +116,71 @@ def test_the_memory_modes_benchmark_names_a_refused_load_in_one_line() -> None:
     assert done.returncode != 0
     assert "Traceback" not in done.stderr
     assert "set --ring-size" in done.stderr
+
+
+@pytest.mark.slow
+def test_the_gpu_benchmark_runs_dry_on_the_cpu_and_says_what_it_skipped(tmp_path: Path) -> None:
+    # The GPU check (make gpu-check) runs it on a GPU machine that CI never sees: a dry run with a tiny
+    # model drives the same sidecars, segments, memory modes and bitwise checks here, so it cannot rot.
+    out = tmp_path / "gpu.jsonl"
+    argv = [sys.executable, "benchmarks/gpu_copy.py", "--dry", "--out", str(out)]
+    done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "CUDA: skipped (--dry)" in done.stdout
+    assert "handoff: skipped, it needs a CUDA device" in done.stdout
+    assert "all equal" in done.stdout
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    cases = {(r["section"], r.get("case")) for r in records}
+    for mode in ("full", "release", "ring"):
+        assert ("copy", f"{mode} host") in cases
+        assert ("overlap", f"{mode} streamed") in cases
+        assert ("bitwise", f"{mode} streamed") in cases
+    bitwise = [r for r in records if r["section"] == "bitwise"]
+    assert bitwise and all(r["equal"] == r["tensors"] > 0 for r in bitwise)
+    assert records[0]["section"] == "env" and records[0]["dry"] is True
+
+
+def _gpu_wheels() -> Any:
+    sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
+    import wheels
+
+    return wheels
+
+
+def test_the_gpu_wheels_carry_what_modelload_needs_beyond_the_image_and_never_torch() -> None:
+    wheels = _gpu_wheels()
+    download, installed_only = wheels.requirements()
+    names = {wheels._name(r) for r in download}
+    assert {"pynacl", "pyzmq", "fastapi", "uvicorn", "isal", "pytest-asyncio", "transformers"} <= names
+    assert not names & {"torch", "accelerate", "boto3", "modelload"}
+    assert "transformers==5.23.0" in download  # the version the tests ran against, not the extra's range
+    assert [wheels._name(r) for r in installed_only] == ["accelerate"]
+
+
+def test_the_source_digest_changes_with_the_sources_and_not_with_caches(tmp_path: Path) -> None:
+    wheels = _gpu_wheels()
+    (tmp_path / "pyproject.toml").write_text("[project]\n")
+    for top in ("loader", "sidecar", "operator"):
+        (tmp_path / top).mkdir()
+    (tmp_path / "loader" / "a.py").write_text("x = 1\n")
+    before = wheels.source_digest(tmp_path)
+    (tmp_path / "loader" / "__pycache__").mkdir()
+    (tmp_path / "loader" / "__pycache__" / "a.pyc").write_bytes(b"cache")
+    assert wheels.source_digest(tmp_path) == before
+    (tmp_path / "loader" / "a.py").write_text("x = 2\n")
+    assert wheels.source_digest(tmp_path) != before
+
+
+def test_the_gpu_check_without_wheels_says_how_to_make_them_and_skips_the_rest(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    env = os.environ | {"GPU_CHECK_PYTHON": sys.executable, "GPU_CHECK_BUDGET": "120"}
+    argv = ["bash", "benchmarks/gpu/check.sh", str(out), str(tmp_path / "no-wheels")]
+    done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=180, cwd=ROOT, env=env)
+    assert done.returncode == 1, done.stdout + done.stderr
+    steps = [json.loads(line) for line in (out / "summary.jsonl").read_text().splitlines()]
+    assert [(s["step"], s["status"]) for s in steps] == [
+        ("env", "ok"), ("install", "failed"), ("tests", "skipped"), ("bench", "skipped"),
+    ]  # fmt: skip
+    assert "make gpu-wheels GPU_PYTHON=X.Y" in (out / "install.log").read_text()
+    assert json.loads((out / "env.json").read_text())["python"] == platform.python_version()
+    assert len(list(out.iterdir())) <= 8  # what the device tool brings back

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.fixtures import moto_s3  # noqa: F401 - a fixture
+from tests.support.fixtures import hub, moto_s3, token_registry  # noqa: F401 - fixtures
 from tests.support.waiting import wait_for_async
 
 NAMESPACE = "serving"

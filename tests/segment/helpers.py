@@ -7,13 +7,27 @@ from pathlib import Path
 import numpy as np
 
 from modelload.loader.dtypes import by_name
-from modelload.loader.segment import SegmentWriter, TensorSpec, plan_layout
+from modelload.loader.segment import MemoryMode, SegmentWriter, TensorSpec, plan_layout
 from modelload.loader.segment.layout import Layout
 
 
 def expected_bytes(seed: int, index: int, nbytes: int) -> bytes:
     """Deterministic content for tensor ``index`` of a test segment, reproducible in another process."""
     return np.random.default_rng([seed, index]).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+
+
+def uint8_segment(
+    path: Path, sizes: list[int], mode: MemoryMode = MemoryMode.FULL, seed: int = 5
+) -> SegmentWriter:
+    """A complete segment of uint8 tensors ``t0``, ``t1``, ... of ``sizes`` bytes, each holding
+    :func:`expected_bytes` of ``seed``."""
+    specs = [TensorSpec(f"t{i}", by_name("uint8"), (n,)) for i, n in enumerate(sizes)]
+    writer = SegmentWriter.create(path, plan_layout(specs, memory_mode=mode), heartbeat=False)
+    for slot in writer.layout.slots:
+        writer.slot(slot.index)[:] = expected_bytes(seed, slot.index, slot.nbytes)
+        writer.mark_ready(slot.index)
+    writer.mark_complete()
+    return writer
 
 
 def small_layout() -> Layout:

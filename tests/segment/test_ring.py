@@ -234,7 +234,9 @@ def test_a_gpu_copy_by_a_process_that_did_not_register_is_checked_against_a_rele
         writer.mark_ready(slot.index)
     releaser = Releaser(writer.fileno(), layout, punch=False)
 
-    def racing_copy(items: Any, device: Any, *, on_done: Any = None) -> Any:
+    def racing_copy(
+        items: Any, device: Any, *, on_done: Any = None, region: Any = None, pin_in_place: bool = True
+    ) -> Any:
         """A device copy that the sidecar overtakes: t0 is released and its bytes reused mid-copy."""
         results = []
         for name, host in items:

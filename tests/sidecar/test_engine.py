@@ -256,9 +256,9 @@ def test_a_local_file_loads_through_splice_and_through_the_mapping(tmp_path: Pat
     tensors = models.state_dict(seed=11)
     path = tmp_path / "model.safetensors"
     path.write_bytes(models.safetensors_bytes(tensors))
-    for splice in (True, False):
-        segment = shm_dir / f"model-{splice}.seg"
-        load(str(path), segment, splice=splice, chunk_size=32 << 10)
+    for landing in ("splice", "mapping"):
+        segment = shm_dir / f"model-{landing}.seg"
+        load(str(path), segment, landing=landing, chunk_size=32 << 10)
         models.assert_segment_matches(segment, tensors)
     load(f"file://{path}", shm_dir / "uri.seg")
     models.assert_segment_matches(shm_dir / "uri.seg", tensors)

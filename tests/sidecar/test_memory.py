@@ -31,6 +31,7 @@ from modelload.sidecar.memory import MemorySettings
 from modelload.sidecar.metrics import MetricsObserver
 from modelload.sidecar.settings import parse_settings
 from tests.sidecar import models
+from tests.support import fake_gpu
 from tests.support.sidecars import BackgroundLoad
 from tests.support.waiting import wait_for
 
@@ -85,8 +86,8 @@ def _resident(segment: Path) -> int:
     [
         ("tensorizer", {}),  # spliced through the descriptor, split where the ring wraps
         ("safetensors", {}),
-        ("tensorizer", {"splice": False}),  # read into the writer's double mapping
-        ("safetensors", {"splice": False, "priority": ("layers.5.", "layers.2.mlp.")}),  # not file order
+        ("tensorizer", {"landing": "mapping"}),  # read into the writer's double mapping
+        ("safetensors", {"landing": "mapping", "priority": ("layers.5.", "layers.2.mlp.")}),  # not file order
     ],
     ids=["tensorizer", "safetensors", "tensorizer-mapping", "safetensors-mapping-priority"],
 )
@@ -319,7 +320,7 @@ def test_a_reader_that_died_holding_tensors_stops_counting_when_its_heartbeat_ex
 def test_the_consumer_expiry_outlasts_a_few_heartbeats_and_follows_a_faster_one(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    floor = r"at least 5 seconds \(2.5 of the consumers' heartbeats\), got 4.9"
+    floor = r"the consumer expiry must be at least 5 seconds, got 4.9 seconds"
     with pytest.raises(ConfigError, match=floor):
         MemorySettings(mode="release", expiry=4.9)
     assert MemorySettings(mode="release", expiry=5.0).expiry == 5.0
@@ -440,21 +441,9 @@ class _Tied(torch.nn.Module):
         self.head.weight = self.embed.weight
 
 
-def _copy_all_on_the_host(items: Any, device: Any, *, on_done: Any = None) -> Any:
-    """A device copy without a device: each tensor is copied, then marked consumed, as a GPU's is."""
-    results = []
-    for name, host in items:
-        results.append((name, host.clone()))
-        if on_done is not None:
-            on_done(name)
-    yield from results
-
-
 def test_a_module_with_tied_weights_loads_into_a_ring_smaller_than_the_span_between_the_twins(
     tmp_path: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from modelload.loader._api import torch as torch_api
-
     torch.manual_seed(11)
     tensors = {name: t.detach().clone() for name, t in _Tied().state_dict().items()}
     assert "embed.weight" in tensors and "head.weight" in tensors, "the file stores both names of the tie"
@@ -464,7 +453,7 @@ def test_a_module_with_tied_weights_loads_into_a_ring_smaller_than_the_span_betw
     ring = 1536 << 10  # holds the embedding (1 MiB), not the embedding and every layer after it
     load = Load(source, segment, MemorySettings(mode="ring", ring_size=ring, wait_timeout=10), readers=2)
 
-    monkeypatch.setattr(torch_api, "copy_all", _copy_all_on_the_host)
+    fake_gpu.install(monkeypatch)  # the copier's own logic, on a stand-in of the device
     with torch.device("meta"):
         module = _Tied()
     with attach(segment, timeout=30, notify=False) as model:
@@ -479,8 +468,6 @@ def test_a_module_with_tied_weights_loads_into_a_ring_smaller_than_the_span_betw
 def test_a_module_that_takes_not_every_tensor_of_the_file_loads_through_a_ring(
     tmp_path: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from modelload.loader._api import torch as torch_api
-
     torch.manual_seed(12)
     tensors = {name: t.detach().clone() for name, t in _Tied().state_dict().items()}
     tensors = {"attn.rotary.inv_freq": torch.rand(128), **tensors}  # older checkpoints hold such leftovers
@@ -489,7 +476,7 @@ def test_a_module_that_takes_not_every_tensor_of_the_file_loads_through_a_ring(
     segment = shm_dir / "extra.seg"
     load = Load(source, segment, MemorySettings(mode="ring", ring_size=1536 << 10, wait_timeout=10))
 
-    monkeypatch.setattr(torch_api, "copy_all", _copy_all_on_the_host)
+    fake_gpu.install(monkeypatch)  # the copier's own logic, on a stand-in of the device
     with torch.device("meta"):
         module = _Tied()
     with attach(segment, timeout=30, notify=False) as model:

@@ -322,3 +322,46 @@ def test_a_flag_and_code_are_refused_by_the_one_rule_in_the_same_words(
         built_in_code()
     assert from_flag.value.setting == flag
     assert from_flag.value.detail == from_code.value.detail
+
+
+def test_the_hub_token_and_endpoint_come_from_the_flags_else_the_hubs_own_variables(tmp_path: Path) -> None:
+    hub_env = {"HF_TOKEN": "hf_from-env-EXAMPLE", "HF_ENDPOINT": "https://mirror.example"}
+    settings = parse_settings(["--source", "hf://org/model"], environ=hub_env)
+    assert (settings.sources.hub.token, settings.sources.hub.endpoint) == (
+        hub_env["HF_TOKEN"],
+        hub_env["HF_ENDPOINT"],
+    )
+    token = tmp_path / "token"
+    token.write_text("hf_from-file-EXAMPLE\n")
+    flags = [
+        "--source",
+        "hf://org/model",
+        "--hf-token-file",
+        str(token),
+        "--hf-endpoint",
+        "http://hub.internal",
+    ]
+    settings = parse_settings(flags, environ=hub_env)
+    assert (settings.sources.hub.token, settings.sources.hub.endpoint) == (
+        "hf_from-file-EXAMPLE",
+        "http://hub.internal",
+    )
+    assert "hf_from-file-EXAMPLE" not in repr(settings)
+    with pytest.raises(ConfigError, match="--hf-endpoint"):
+        parse_settings(["--source", "hf://org/model", "--hf-endpoint", "hub.internal"], environ={})
+
+
+def test_registry_credentials_and_plain_http_registries_are_read_at_start(tmp_path: Path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text('{"auths": {"registry.internal:5000": {"auth": "dXNlcjpwdw=="}}}')
+    env = {
+        "MODELLOAD_REGISTRY_AUTH_FILE": str(config),
+        "MODELLOAD_REGISTRY_PLAIN_HTTP": "registry.internal:5000",
+    }
+    settings = parse_settings(["--source", "oci://registry.internal:5000/m:v1"], environ=env)
+    assert settings.sources.registry.auths == {"registry.internal:5000": {"auth": "dXNlcjpwdw=="}}
+    assert settings.sources.registry.uses_plain_http("registry.internal:5000")
+    assert "dXNlcjpwdw" not in repr(settings)
+    config.write_text("not json")
+    with pytest.raises(ConfigError, match=r"MODELLOAD_REGISTRY_AUTH_FILE.*not JSON"):
+        parse_settings(["--source", "oci://registry.internal:5000/m:v1"], environ=env)

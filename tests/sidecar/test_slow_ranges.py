@@ -21,9 +21,9 @@ from tests.support.fault_proxy import Stall, Trickle
 PASS = Stall(after=0, seconds=0.0)
 
 
-@pytest.mark.parametrize("splice", [True, False], ids=["splice", "readinto"])
+@pytest.mark.parametrize("landing", ["splice", "mapping"])
 def test_a_trickling_range_moves_to_another_connection_and_resumes_where_it_stopped(
-    splice: bool, nginx: Any, nginx_proxy: Any, shm_dir: Path
+    landing: str, nginx: Any, nginx_proxy: Any, shm_dir: Path
 ) -> None:
     tensors = models.state_dict(seed=50, width=256, layers=1)
     nginx.put("trickle.bin", models.tensorizer_bytes(tensors))
@@ -41,7 +41,7 @@ def test_a_trickling_range_moves_to_another_connection_and_resumes_where_it_stop
             segment=shm_dir / "model.seg",
             readers=1,
             chunk_size=1 << 20,
-            splice=splice,
+            landing=landing,
         ),
         sources=sources,
         observer=tracker,

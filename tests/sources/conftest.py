@@ -7,9 +7,29 @@ import random
 import pytest
 
 from modelload.sidecar.sources import HttpSettings, RetryPolicy, SourceSettings
-from tests.support.fixtures import aws_env, moto_proxy, moto_s3, nginx, nginx_proxy
+from tests.support.fixtures import (
+    aws_env,
+    hub,
+    moto_proxy,
+    moto_s3,
+    nginx,
+    nginx_proxy,
+    registry,
+    s3_registry,
+    token_registry,
+)
 
-__all__ = ["aws_env", "moto_proxy", "moto_s3", "nginx", "nginx_proxy"]
+__all__ = [
+    "aws_env",
+    "hub",
+    "moto_proxy",
+    "moto_s3",
+    "nginx",
+    "nginx_proxy",
+    "registry",
+    "s3_registry",
+    "token_registry",
+]
 
 
 def payload(size: int, seed: int = 0) -> bytes:

@@ -48,7 +48,7 @@ def test_production_registers_no_in_memory_scheme() -> None:
 
     code = "from modelload.sidecar.sources import registered_schemes; print(','.join(registered_schemes()))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip().split(",") == ["file", "http", "https", "s3"]
+    assert out.strip().split(",") == ["az", "file", "gs", "hf", "http", "https", "oci", "s3"]
 
 
 def test_plain_paths_and_file_uris_open_file_sources(tmp_path: Path) -> None:
@@ -70,8 +70,8 @@ def test_http_and_s3_uris_open_without_network_io(aws_env: object) -> None:
 
 
 def test_an_unknown_scheme_is_a_config_error_listing_the_known_ones() -> None:
-    with pytest.raises(ConfigError, match=r"gs://.*file://, http://"):
-        open_source("gs://bucket/key")
+    with pytest.raises(ConfigError, match=r"ftp://.*az://, file://, gs://, hf://, http://"):
+        open_source("ftp://bucket/key")
 
 
 def test_a_registered_factory_serves_its_scheme() -> None:

@@ -185,7 +185,8 @@ def test_the_session_token_is_sent_with_every_request(
     monkeypatch.setenv("AWS_SESSION_TOKEN", "session-token-value")
     with open_source(URI, _settings(moto_proxy.endpoint)) as source:
         source.read_bytes(0, 10)
-    assert [r.headers.get("x-amz-security-token") for r in moto_proxy.requests] == ["session-token-value"] * 2
+    # the look-up, the checksums' HEAD, the read
+    assert [r.headers.get("x-amz-security-token") for r in moto_proxy.requests] == ["session-token-value"] * 3
 
 
 def test_no_credentials_anywhere_is_access_denied_naming_the_chain(

@@ -9,4 +9,14 @@
 - ``processes``: stopping a child process, gracefully then by force (:mod:`tests.support.processes`).
 - ``fixtures``: the pytest fixtures over these (:mod:`tests.support.fixtures`): import them into your
   area's conftest.py.
+
+And what tests do with them:
+
+- ``waiting``: :func:`~tests.support.waiting.wait_for` (and ``wait_for_async``), the one way a test waits:
+  on something observable, with a deadline, never a sleep before an assert.
+- ``sidecars``: the ``sidecars`` fixture (sidecars in this process, stopped after the test),
+  ``wait_for_phase``, and ``BackgroundLoad`` (the engine loading in a thread).
+- ``subscriptions``: probing a pyzmq subscription until it reaches its publisher.
+- ``clock``: ``FakeClock``, for the components that take ``clock=``.
+- ``tmpfs``: small tmpfs volumes of their own (root needed; fails under ``make test`` without it).
 """

@@ -18,6 +18,10 @@ back, unless a *fault* applies to that request. Faults:
   one without gets the response with its ETag replaced.
 - :class:`RewriteETag` ``(etag)``: a server that ignores If-Match: drop it on the way up and replace the
   response's ETag.
+- :class:`FlipBit` ``(at=N)``: pass the answer through with one bit of its body's byte N flipped (a
+  corruption in transit that TCP's checksum missed): for the stores' checksums. A queued flip skips answers
+  shorter than N+1 bytes, or to ranges starting before ``from_offset`` (look-ups, index reads), and
+  applies to the next one that fits.
 
 Which request gets which fault (first match wins): :meth:`FaultProxy.push` queues faults consumed one per
 matching request, in order; :meth:`FaultProxy.always` adds a standing rule; :meth:`FaultProxy.randomly`
@@ -56,6 +60,7 @@ from typing import BinaryIO
 __all__ = [
     "Fault",
     "FaultProxy",
+    "FlipBit",
     "IgnoreRange",
     "Recorded",
     "ReplaceObject",
@@ -116,7 +121,13 @@ class RewriteETag:
     etag: str = '"rewritten-etag"'
 
 
-Fault = Reset | Truncate | Stall | Trickle | Respond | IgnoreRange | ReplaceObject | RewriteETag
+@dataclass(frozen=True)
+class FlipBit:
+    at: int = 0
+    from_offset: int = 0
+
+
+Fault = Reset | Truncate | Stall | Trickle | Respond | IgnoreRange | ReplaceObject | RewriteETag | FlipBit
 
 
 def s3_error(status: int, code: str, *, message: str = "", retry_after: float | None = None) -> Respond:
@@ -303,6 +314,8 @@ class FaultProxy:
                     continue
                 upstream, answer = self._forward(upstream, method, path, _outgoing(headers, fault), body)
                 status, reason, response_headers, response_body = answer
+                if isinstance(fault, FlipBit):
+                    response_body = self._flip(fault, method, path, headers, response_body)
                 if isinstance(fault, (ReplaceObject, RewriteETag)):
                     response_headers = [
                         (k, fault.etag if k.lower() == "etag" else v) for k, v in response_headers
@@ -351,6 +364,24 @@ class FaultProxy:
                 kept.append(("Content-Length", str(len(data))))
             return upstream, (response.status, response.reason, kept, data)
         raise AssertionError("unreachable")
+
+    def _flip(
+        self, fault: FlipBit, method: str, path: str, headers: list[tuple[str, str]], body: bytes
+    ) -> bytes:
+        """Flip a bit of byte ``fault.at``; an answer too short for it, or to a range starting before
+        ``fault.from_offset`` (a look-up, an index read), passes untouched, and a queued flip waits for the
+        next matching answer."""
+        lowered = dict(_lower(headers))
+        lowered.setdefault("range", lowered.get("x-ms-range", ""))  # Azure's spelling
+        asked = Recorded(0, method, path, lowered).range
+        if fault.at >= len(body) or (asked[0] if asked else 0) < fault.from_offset:
+            with self._lock:
+                if not any(f is fault for _, f in self._rules):
+                    self._queue.insert(0, (_Match(method, None), fault))
+            return body
+        flipped = bytearray(body)
+        flipped[fault.at] ^= 0x10
+        return bytes(flipped)
 
     @staticmethod
     def _send_with_fault(

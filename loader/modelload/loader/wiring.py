@@ -10,6 +10,10 @@ them from one place instead of repeating them. Standard library only.
 from __future__ import annotations
 
 __all__ = [
+    "HUGE_PAGES_MOUNT_PATH",
+    "HUGE_PAGES_SEGMENT_PATH",
+    "KEEPER_ENV",
+    "KEEPER_SOCKET",
     "MODEL_DIR_ENV",
     "MODEL_DIR_PATH",
     "MOUNT_PATH",
@@ -35,6 +39,9 @@ MODEL_DIR_ENV = "MODELLOAD_MODEL_DIR"
 """Where a directory model's small files go (``--model-dir``), for the app to pass to its engine."""
 STATUS_URL_ENV = "MODELLOAD_STATUS_URL"
 """The sidecar's status API as an app container reaches it (``attach()``, ``modelload monitor``)."""
+KEEPER_ENV = "MODELLOAD_KEEPER"
+"""The keeper's Unix socket (the opt-in CUDA hand-off, docs/handoff.md): ``modelload keeper --socket`` and
+``modelload.loader.handoff.connect()`` read it. The webhook does not set it."""
 
 # --- paths -------------------------------------------------------------------------------------------------
 
@@ -47,6 +54,13 @@ NOTIFY_ENDPOINT = f"ipc://{MOUNT_PATH}/notify.sock"
 MODEL_DIR_PATH = f"{MOUNT_PATH}/model"
 """A directory model's config and tokenizer in a pod (the sidecar's default: ``model/`` beside the
 segment)."""
+HUGE_PAGES_MOUNT_PATH = "/run/modelload-hugepages"
+"""Where the huge-page volume is mounted (``spec.memory.hugePages``), beside the memory volume: hugetlbfs
+holds only mapped files, so the model directory and the notify socket stay at :data:`MOUNT_PATH`."""
+HUGE_PAGES_SEGMENT_PATH = f"{HUGE_PAGES_MOUNT_PATH}/model.seg"
+"""The segment in a pod with huge pages."""
+KEEPER_SOCKET = f"{MOUNT_PATH}/keeper.sock"
+"""Where the keeper listens and the app connects when ``MODELLOAD_KEEPER`` is not set."""
 
 # --- ports -------------------------------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import kopf
@@ -38,6 +38,7 @@ from modelload.operator.peers import ensure_peer_objects
 from modelload.operator.pods import PodLoad, aggregate, classify
 from modelload.operator.resolve import classify_failure, failure_status, resolve, success_status
 from modelload.operator.resource import label_value
+from modelload.operator.scheduling import write_condition
 from modelload.operator.schema import GROUP, MODEL_LABEL, PLURAL, VERSION, PodsStatus, parse_spec
 from modelload.operator.settings import OperatorSettings
 
@@ -85,6 +86,7 @@ def pods_body(status: PodsStatus) -> dict[str, Any]:
         "loading": status.loading,
         "ready": status.ready,
         "failed": status.failed,
+        "unschedulable": status.unschedulable,
         "lastLoadSeconds": status.last_load_seconds,
         "medianLoadSeconds": status.median_load_seconds,
         "lastThroughputBytesPerSecond": status.last_throughput_bytes_per_second,
@@ -104,6 +106,8 @@ class PodAggregator:
             asyncio.Lock
         )
         self._written: dict[tuple[str, str], dict[str, Any]] = {}
+        self._flagged: set[tuple[str, str]] = set()
+        """ModelLoads whose PodsScheduled condition may say False (:func:`scheduling.write_condition`)."""
 
     async def refresh(
         self,
@@ -112,14 +116,24 @@ class PodAggregator:
         loads: Callable[[], Iterable[PodLoad]],
         *,
         model_bytes: int | None,
+        conditions: Sequence[Mapping[str, Any]] | None = None,
         force: bool = False,
     ) -> None:
         key = (namespace, name)
         async with self._locks[key]:
-            body = pods_body(aggregate(loads(), model_bytes=model_bytes))
-            if not force and self._written.get(key) == body:
-                return
+            items = list(loads())
+            body = pods_body(aggregate(items, model_bytes=model_bytes))
             try:
+                flagged = await write_condition(
+                    self._kube, namespace, name, [(p.unschedulable, p.huge_pages) for p in items],
+                    shown=conditions, flagged=key in self._flagged,
+                )  # fmt: skip
+                if flagged:
+                    self._flagged.add(key)
+                else:
+                    self._flagged.discard(key)
+                if not force and self._written.get(key) == body:
+                    return
                 await self._kube.patch_modelload_status(namespace, name, {"pods": body})
             except KubeNotFoundError:
                 self._written.pop(key, None)  # deleted meanwhile: nothing to report to
@@ -130,11 +144,14 @@ class PodAggregator:
 def modelloads_by_label(
     *, namespace: str | None, name: str, body: kopf.Body, status: kopf.Status, **_: Any
 ) -> Any:
-    """Index: the ModelLoad (its model's bytes, whether it has peers) that each pod label value in a
-    namespace selects."""
+    """Index: the ModelLoad (its model's bytes, whether it has peers, its conditions) that each pod label
+    value in a namespace selects."""
     nbytes = status.get("bytes")
     peers = (body.get("spec") or {}).get("peers") is True
-    return {(namespace, label_value(body)): (name, nbytes if isinstance(nbytes, int) else None, peers)}
+    conditions = [dict(c) for c in status.get("conditions") or ()]
+    return {
+        (namespace, label_value(body)): (name, nbytes if isinstance(nbytes, int) else None, peers, conditions)
+    }
 
 
 def pod_loads(*, namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> Any:
@@ -209,7 +226,12 @@ class Handlers:
         kopf.info(body, reason="Resolved", message=new_status["conditions"][-1]["message"])
         selector, index = (namespace, label_value(body)), kwargs["pod_loads"]
         await self._aggregator.refresh(
-            namespace, name, lambda: index.get(selector, []), model_bytes=resolution.summary.bytes, force=True
+            namespace,
+            name,
+            lambda: index.get(selector, []),
+            model_bytes=resolution.summary.bytes,
+            conditions=new_status["conditions"],
+            force=True,
         )
 
     async def pod_changed(self, *, namespace: str | None, labels: Mapping[str, str], **kwargs: Any) -> None:
@@ -219,10 +241,10 @@ class Handlers:
         owners = list(kwargs["modelloads_by_label"].get(selector, []))
         if len(owners) != 1:
             return  # no ModelLoad (the webhook refused such pods), or an ambiguous label: nothing to report
-        name, model_bytes, _ = owners[0]
+        name, model_bytes, _, conditions = owners[0]
         index = kwargs["pod_loads"]
         await self._aggregator.refresh(
-            namespace, name, lambda: index.get(selector, []), model_bytes=model_bytes
+            namespace, name, lambda: index.get(selector, []), model_bytes=model_bytes, conditions=conditions
         )
 
 

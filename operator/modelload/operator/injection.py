@@ -7,12 +7,17 @@ strips ``restartPolicy`` from native sidecars, KEP-753's first rollout hazard).
 What a pod gets (docs/contracts.md, "Pod wiring"):
 
 * volume ``modelload``: ``emptyDir{medium: Memory, sizeLimit}`` sized from the model (:mod:`sizing`);
+* with ``spec.memory.hugePages``, volume ``modelload-hugepages``: ``emptyDir{medium: HugePages-<size>}``
+  at /run/modelload-hugepages in the sidecar and the targets, holding the segment (``MODELLOAD_SEGMENT``
+  points there); the sidecar requests and limits ``hugepages-<size>`` for it (it takes every page), and the
+  memory volume keeps the model directory and the notify socket, which hugetlbfs cannot hold;
 * the sidecar ``modelload``: an init container with ``restartPolicy: Always`` (a native sidecar) or, where
   the cluster lacks them, a regular container that never exits; probes on /startupz, /readyz, /healthz;
   its status port is declared as ``metrics`` (what a PodMonitor scrapes: ``/metrics``). KNative's rule of
   one port across containers is checked on the Revision's template, never on the pods its Deployment makes,
   which is where this injection happens (as a service mesh's proxy declares its own port there);
-* S3 credentials as the sidecar's env from the Secret (``secretKeyRef``); the decryption key or password,
+* S3 and Azure credentials as the sidecar's env from the Secret (``secretKeyRef``), a GCS service-account key
+  as a file (:mod:`cloud_sources`); the decryption key or password,
   and an HTTP(S) source's token or header lines (``MODELLOAD_HEADER_FILE``), as files mounted read-only in
   the sidecar only (a Secret volume holding the one key): no other container can read them;
 * target containers (all of them, or those the pod's ``modelload.dev/containers`` annotation or the spec
@@ -40,6 +45,8 @@ from typing import Any
 from modelload.loader.errors import ModelloadError
 from modelload.loader.sizes import parse_size
 from modelload.loader.wiring import (
+    HUGE_PAGES_MOUNT_PATH,
+    HUGE_PAGES_SEGMENT_PATH,
     MODEL_DIR_ENV,
     MODEL_DIR_PATH,
     MOUNT_PATH,
@@ -51,12 +58,14 @@ from modelload.loader.wiring import (
     STATUS_URL_ENV,
     status_url,
 )
+from modelload.operator import hubs
+from modelload.operator.cloud_sources import cloud_env, cloud_mounts, cloud_volumes, scheme_of
 from modelload.operator.peers import PEER_DIR, PEER_VOLUME, peer_env, peer_volume
 from modelload.operator.quantity import parse_bytes
 from modelload.operator.resource import ResolvedModel
 from modelload.operator.schema import MODEL_LABEL, ModelLoadSpec
 from modelload.operator.settings import InjectedSidecar
-from modelload.operator.sizing import plan_sizing
+from modelload.operator.sizing import Sizing, plan_sizing
 
 __all__ = [
     "CONTAINERS_ANNOTATION",
@@ -71,6 +80,7 @@ __all__ = [
 
 SIDECAR_NAME = "modelload"
 VOLUME_NAME = "modelload"
+HUGE_PAGES_VOLUME = "modelload-hugepages"
 KEY_VOLUME = "modelload-key"
 PASSWORD_VOLUME = "modelload-password"  # noqa: S105 - a volume name
 HEADERS_VOLUME = "modelload-headers"
@@ -144,7 +154,7 @@ def build_patch(
             segment=model.segment_bytes,
         )
         present = {v.get("name") for v in spec.get("volumes") or ()}  # a memory volume the pod already names
-        volumes = [v for v in _volumes(model, sizing.volume_size_limit) if v["name"] not in present]
+        volumes = [v for v in _volumes(model, sizing) if v["name"] not in present]
         ops += _append(("spec", "volumes"), spec.get("volumes"), volumes)
         group = _segment_group(spec, sidecar)
         container = _sidecar_container(model, sidecar, sizing.resources, native=native, group=group)
@@ -153,9 +163,20 @@ def build_patch(
         ops += _annotations(pod, {INJECTED_ANNOTATION: model.name, MODE_ANNOTATION: _mode(native)})
         if group is not None:
             ops += _supplemental_group(spec, group)
+    huge = _huge_pages(model.spec)
     for index in targets:
-        ops += _wire_target(index, containers[index])
+        ops += _wire_target(index, containers[index], huge=huge)
     return ops
+
+
+def _huge_pages(spec: ModelLoadSpec) -> str | None:
+    """The huge page size of the model's segment (``spec.memory.hugePages``), or None."""
+    return spec.memory.huge_pages if spec.memory is not None else None
+
+
+def segment_path(spec: ModelLoadSpec) -> str:
+    """Where the segment is in a pod: on the huge-page volume when the spec asks for huge pages."""
+    return HUGE_PAGES_SEGMENT_PATH if _huge_pages(spec) else SEGMENT_PATH
 
 
 def _mode(native: bool) -> str:
@@ -229,10 +250,12 @@ def _annotations(pod: Mapping[str, Any], values: Mapping[str, str]) -> list[Op]:
     ]
 
 
-def _volumes(model: ResolvedModel, size_limit: str) -> list[dict[str, Any]]:
+def _volumes(model: ResolvedModel, sizing: Sizing) -> list[dict[str, Any]]:
     volumes: list[dict[str, Any]] = [
-        {"name": VOLUME_NAME, "emptyDir": {"medium": "Memory", "sizeLimit": size_limit}}
+        {"name": VOLUME_NAME, "emptyDir": {"medium": "Memory", "sizeLimit": sizing.volume_size_limit}}
     ]
+    if sizing.huge_pages is not None:  # bounded by the pod's hugepages request, which takes no sizeLimit
+        volumes.append({"name": HUGE_PAGES_VOLUME, "emptyDir": {"medium": sizing.huge_pages.medium}})
     key_ref = model.spec.decryption_key_secret_ref
     if key_ref is not None:
         volumes.append(_secret_volume(KEY_VOLUME, key_ref.name, key_ref.key))
@@ -242,8 +265,10 @@ def _volumes(model: ResolvedModel, size_limit: str) -> list[dict[str, Any]]:
     headers_ref = model.spec.headers_secret_ref
     if headers_ref is not None:
         volumes.append(_secret_volume(HEADERS_VOLUME, headers_ref.name, headers_ref.key))
+    volumes += hubs.volumes(model.spec, mode=SECRET_FILE_MODE)
     if model.spec.peers:
         volumes.append(peer_volume(name=model.name, mode=SECRET_FILE_MODE))
+    volumes += cloud_volumes(model.spec, mode=SECRET_FILE_MODE)
     return volumes
 
 
@@ -267,15 +292,17 @@ def _sidecar_container(
     group: int | None,
 ) -> dict[str, Any]:
     options = model.spec.sidecar
-    mounts: list[dict[str, Any]] = [{"name": VOLUME_NAME, "mountPath": MOUNT_PATH}]
+    mounts = _model_mounts(huge=_huge_pages(model.spec))
     if model.spec.decryption_key_secret_ref is not None:
         mounts.append({"name": KEY_VOLUME, "mountPath": KEY_DIR, "readOnly": True})
     if model.spec.password_secret_ref is not None:
         mounts.append({"name": PASSWORD_VOLUME, "mountPath": PASSWORD_DIR, "readOnly": True})
     if model.spec.headers_secret_ref is not None:
         mounts.append({"name": HEADERS_VOLUME, "mountPath": HEADERS_DIR, "readOnly": True})
+    mounts += hubs.sidecar_mounts(model.spec)
     if model.spec.peers:
         mounts.append({"name": PEER_VOLUME, "mountPath": PEER_DIR, "readOnly": True})
+    mounts += cloud_mounts(model.spec)
     probe = {"port": sidecar.port, "scheme": "HTTP"}
     container: dict[str, Any] = {
         "name": SIDECAR_NAME,
@@ -350,7 +377,7 @@ def sidecar_env(model: ResolvedModel, *, port: int) -> list[dict[str, Any]]:
     spec = model.spec
     env: list[dict[str, Any]] = [
         {"name": "MODELLOAD_SOURCE", "value": spec.source},
-        {"name": SEGMENT_ENV, "value": SEGMENT_PATH},
+        {"name": SEGMENT_ENV, "value": segment_path(spec)},
         {"name": NOTIFY_ENV, "value": NOTIFY_ENDPOINT},
         {"name": MODEL_DIR_ENV, "value": MODEL_DIR_PATH},
         {"name": "MODELLOAD_FORMAT", "value": spec.format},
@@ -375,8 +402,9 @@ def sidecar_env(model: ResolvedModel, *, port: int) -> list[dict[str, Any]]:
             env.append({"name": "MODELLOAD_S3_ADDRESSING", "value": s3.addressing})
         if s3.unsigned:
             env.append({"name": "MODELLOAD_S3_UNSIGNED", "value": "true"})
+    env += cloud_env(spec)
     creds = spec.credentials_secret_ref
-    if creds is not None and not (s3 is not None and s3.unsigned):
+    if creds is not None and scheme_of(spec.source) == "s3" and not (s3 is not None and s3.unsigned):
         env += [
             _secret_env("AWS_ACCESS_KEY_ID", creds.name, creds.access_key_id_key, optional=False),
             _secret_env("AWS_SECRET_ACCESS_KEY", creds.name, creds.secret_access_key_key, optional=False),
@@ -390,6 +418,7 @@ def sidecar_env(model: ResolvedModel, *, port: int) -> list[dict[str, Any]]:
     if spec.headers_secret_ref is not None:
         path = f"{HEADERS_DIR}/{spec.headers_secret_ref.key}"
         env.append({"name": "MODELLOAD_HEADER_FILE", "value": path})
+    env += hubs.sidecar_env(spec)
     if spec.peers:
         env += peer_env(name=model.name, namespace=model.namespace)
     return env
@@ -399,30 +428,35 @@ def _secret_env(name: str, secret: str, key: str, *, optional: bool) -> dict[str
     return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key, "optional": optional}}}
 
 
-def target_env(port: int = STATUS_PORT) -> list[dict[str, str]]:
+def target_env(port: int = STATUS_PORT, *, segment: str = SEGMENT_PATH) -> list[dict[str, str]]:
     """What the loader library in an inference container reads (docs/contracts.md, "Variables")."""
     return [
-        {"name": SEGMENT_ENV, "value": SEGMENT_PATH},
+        {"name": SEGMENT_ENV, "value": segment},
         {"name": NOTIFY_ENV, "value": NOTIFY_ENDPOINT},
         {"name": STATUS_URL_ENV, "value": status_url(port)},
         {"name": MODEL_DIR_ENV, "value": MODEL_DIR_PATH},
     ]
 
 
-def _wire_target(index: int, container: Mapping[str, Any]) -> list[Op]:
+def _model_mounts(*, huge: str | None) -> list[dict[str, Any]]:
+    """The model's volumes as the sidecar and the targets mount them."""
+    mounts: list[dict[str, Any]] = [{"name": VOLUME_NAME, "mountPath": MOUNT_PATH}]
+    if huge is not None:
+        mounts.append({"name": HUGE_PAGES_VOLUME, "mountPath": HUGE_PAGES_MOUNT_PATH})
+    return mounts
+
+
+def _wire_target(index: int, container: Mapping[str, Any], *, huge: str | None) -> list[Op]:
     mounts = container.get("volumeMounts")
     ops: list[Op] = []
-    if not any(m.get("name") == VOLUME_NAME for m in mounts or ()):
-        ops += _append(
-            ("spec", "containers", index, "volumeMounts"),
-            mounts,
-            [{"name": VOLUME_NAME, "mountPath": MOUNT_PATH}],
-        )
+    present = {m.get("name") for m in mounts or ()}
+    missing = [m for m in _model_mounts(huge=huge) if m["name"] not in present]
+    ops += _append(("spec", "containers", index, "volumeMounts"), mounts, missing)
     env = container.get("env")
     defined = {e.get("name") for e in env or ()}
-    ops += _append(
-        ("spec", "containers", index, "env"), env, [e for e in target_env() if e["name"] not in defined]
-    )
+    segment = HUGE_PAGES_SEGMENT_PATH if huge else SEGMENT_PATH
+    wanted = [e for e in target_env(segment=segment) if e["name"] not in defined]
+    ops += _append(("spec", "containers", index, "env"), env, wanted)
     return ops
 
 
@@ -455,17 +489,25 @@ def _check_clashes(
     spec: Mapping[str, Any], containers: Sequence[Mapping[str, Any]], targets: Sequence[int]
 ) -> None:
     for volume in spec.get("volumes") or ():
-        if volume.get("name") == VOLUME_NAME and (volume.get("emptyDir") or {}).get("medium") != "Memory":
+        medium = str((volume.get("emptyDir") or {}).get("medium"))
+        if volume.get("name") == VOLUME_NAME and medium != "Memory":
             raise InjectionError(
                 f"the pod already has a volume named {VOLUME_NAME!r} that is not a memory emptyDir; rename it"
             )
+        if volume.get("name") == HUGE_PAGES_VOLUME and not medium.startswith("HugePages"):
+            raise InjectionError(
+                f"the pod already has a volume named {HUGE_PAGES_VOLUME!r} that is not a huge-page emptyDir; "
+                "rename it"
+            )
+    ours = {MOUNT_PATH: VOLUME_NAME, HUGE_PAGES_MOUNT_PATH: HUGE_PAGES_VOLUME}
     for index in targets:
         container = containers[index]
         for mount in container.get("volumeMounts") or ():
-            if mount.get("mountPath") == MOUNT_PATH and mount.get("name") != VOLUME_NAME:
+            path = mount.get("mountPath")
+            if path in ours and mount.get("name") != ours[path]:
                 raise InjectionError(
                     f"container {container.get('name')!r} already mounts {mount.get('name')!r} at "
-                    f"{MOUNT_PATH}, where the model's volume goes; move that mount"
+                    f"{path}, where the model's volume goes; move that mount"
                 )
 
 

@@ -159,7 +159,26 @@ class Kube:
         items: list[dict[str, Any]] = result.get("items") or []
         return [i for i in items if (i.get("metadata") or {}).get("namespace", namespace) == namespace]
 
-    async def patch_modelload_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+    async def read_modelload(self, namespace: str, name: str) -> dict[str, Any]:
+        return await self._call(
+            f"read ModelLoad {namespace}/{name}",
+            self._custom.get_namespaced_custom_object,
+            GROUP,
+            VERSION,
+            namespace,
+            PLURAL,
+            name,
+        )
+
+    async def patch_modelload_status(
+        self, namespace: str, name: str, status: Mapping[str, Any], *, resource_version: str | None = None
+    ) -> None:
+        """Merge ``status`` into the ModelLoad's status; with ``resource_version``, only if the object is
+        still that version (:class:`KubeConflictError` otherwise): a list such as ``conditions`` is replaced
+        whole by a merge patch, so one computed from an older read must not land."""
+        body: dict[str, Any] = {"status": dict(status)}
+        if resource_version is not None:
+            body["metadata"] = {"resourceVersion": resource_version}
         await self._call(
             f"patch ModelLoad {namespace}/{name} status",
             self._custom.patch_namespaced_custom_object_status,
@@ -168,7 +187,7 @@ class Kube:
             namespace,
             PLURAL,
             name,
-            {"status": dict(status)},
+            body,
             _content_type=MERGE_PATCH,
         )
 

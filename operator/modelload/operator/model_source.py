@@ -7,7 +7,8 @@ sidecar reads it (its listing, every shard's header, the sizes of its small file
 Everything that ties the operator to those two layers' APIs is in this module, so aligning with a change there
 is a change here only.
 
-Credentials (S3 keys, or an HTTP server's token or header lines) come from the ModelLoad's Secrets, read
+Credentials (S3 keys, a GCS service-account key, an Azure connection string, SAS token or account key, or
+an HTTP server's token or header lines) come from the ModelLoad's Secrets, read
 through the Kubernetes API, and are handed to the source as explicit settings: the operator's own
 environment is never changed (it serves many namespaces at once, each with its own Secret). The call is
 blocking; the handlers run it in a thread.
@@ -22,8 +23,11 @@ from modelload.loader.errors import ConfigError
 from modelload.loader.formats import ModelIndex
 from modelload.loader.segment import ALIGNMENT, TensorSpec, plan_layout
 from modelload.loader.segment.layout import align
+from modelload.operator import hubs
+from modelload.operator.cloud_sources import GcsKey
+from modelload.operator.hubs import HubAccess
 from modelload.operator.schema import ModelLoadSpec
-from modelload.sidecar.sources import RequestHeaders, S3Credentials, parse_headers
+from modelload.sidecar.sources import AzureCredentials, RequestHeaders, S3Credentials, parse_headers
 
 __all__ = [
     "ModelSummary",
@@ -56,17 +60,23 @@ class ModelSummary:
 
 
 def read_summary(
-    spec: ModelLoadSpec, *, credentials: S3Credentials | None, headers: RequestHeaders | None = None
+    spec: ModelLoadSpec,
+    *,
+    credentials: S3Credentials | None,
+    headers: RequestHeaders | None = None,
+    cloud: GcsKey | AzureCredentials | None = None,
+    access: HubAccess | None = None,
 ) -> ModelSummary:
     """Read the model's index at ``spec.source`` and summarise it, with the S3 ``credentials`` or the HTTP
-    ``headers`` (a private server's token) from the ModelLoad's Secret.
+    ``headers`` (a private server's token) from the ModelLoad's Secret, or the Hub's token and the registry's
+    credentials (``access``, see :mod:`.hubs`).
 
     Raises the loader's error tree: ConfigError (a bad URI or setting), the SourceError branches (not found,
     access denied, transient), FormatError (not a model file, or a corrupt one).
     """
     from modelload.sidecar.sources import open_model
 
-    settings = _source_settings(spec, credentials, headers)
+    settings = _source_settings(spec, credentials, headers, cloud, access)
     model = open_model(spec.source, settings, format=_format_name(spec.format), files=spec.files)
     try:
         index = model.index
@@ -110,7 +120,14 @@ def segment_bound(index: ModelIndex, *, source: str) -> int:
     several = bool(index.files)
     specs = [TensorSpec(t.name, t.dtype, t.shape, file=t.file if several else None) for t in index.tensors]
     # The manifest's metadata as the sidecar writes it, with room for the values known only then.
-    room_for = {"source_etag": 80, "source_size": 20, "notify": 200, "writer": 64, "model_dir": 4096}
+    room_for = {
+        "source_etag": 80,
+        "source_size": 20,
+        "source_version": 80,
+        "notify": 200,
+        "writer": 64,
+        "model_dir": 4096,
+    }
     metadata = {"format": index.format, "source": source, **{k: "x" * n for k, n in room_for.items()}}
     planned = plan_layout(specs, metadata=metadata, files=index.files).segment_length
     room = sum(align(t.header_length) for t in index.tensors)
@@ -124,9 +141,20 @@ def _format_name(name: str) -> Literal["auto", "tensorizer", "safetensors"]:
 
 
 def _source_settings(
-    spec: ModelLoadSpec, credentials: S3Credentials | None, headers: RequestHeaders | None
+    spec: ModelLoadSpec,
+    credentials: S3Credentials | None,
+    headers: RequestHeaders | None,
+    cloud: GcsKey | AzureCredentials | None = None,
+    access: HubAccess | None = None,
 ) -> Any:
-    from modelload.sidecar.sources import HttpSettings, RetryPolicy, S3Settings, SourceSettings
+    from modelload.sidecar.sources import (
+        AzureSettings,
+        GcsSettings,
+        HttpSettings,
+        RetryPolicy,
+        S3Settings,
+        SourceSettings,
+    )
 
     s3 = spec.s3
     s3_settings = S3Settings(
@@ -139,4 +167,20 @@ def _source_settings(
     # A short retry of the first look-up (a throttled store): the handler's own retry, with kopf's backoff,
     # covers longer outages, and a handler must not sit in a thread for a minute of in-source backoff.
     retry = RetryPolicy(attempts=2, initial_backoff=0.2, max_backoff=1.0, deadline=30.0)
-    return SourceSettings(http=HttpSettings(headers=headers), s3=s3_settings, retry=retry)
+    # gs:// and az://: the Secret's key when there is one, else the operator's own workload identity.
+    gcs = GcsSettings(
+        endpoint_url=spec.gcs.endpoint if spec.gcs else None,
+        credentials_json=str(cloud) if isinstance(cloud, GcsKey) else None,
+    )
+    azure = AzureSettings(
+        endpoint_url=spec.azure.endpoint if spec.azure else None,
+        credentials=cloud if isinstance(cloud, AzureCredentials) else None,
+    )
+    return SourceSettings(
+        http=HttpSettings(headers=headers),
+        s3=s3_settings,
+        retry=retry,
+        gcs=gcs,
+        azure=azure,
+        **hubs.source_settings(spec, access),
+    )

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from modelload.loader.wiring import PEER_PORT
 from modelload.operator.peers import PEER_DNS_ENV, PEER_PORT_ENV
+from modelload.operator.scheduling import huge_page_request, unschedulable
 from modelload.operator.schema import PodsStatus
 
 __all__ = ["PodLoad", "aggregate", "classify"]
@@ -57,6 +58,10 @@ class PodLoad:
     address: str | None = None
     """``host:port`` of the sidecar's peer server (the pod's IP and its MODELLOAD_PEER_PORT), once the pod
     has an IP; None without peers."""
+    unschedulable: str | None = None
+    """The scheduler's message for a pending pod no node can take (:mod:`.scheduling`)."""
+    huge_pages: str | None = None
+    """The huge pages the sidecar asks for (``hugepages-2Mi: 1030Mi``), or None."""
 
     @property
     def serving(self) -> bool:
@@ -74,6 +79,10 @@ def classify(pod: Mapping[str, Any]) -> PodLoad | None:
         return None
     env = {e.get("name"): e.get("value") for e in sidecars[0].get("env") or ()}
     load = _classify(meta, status)
+    if load is not None and load.state == "pending":
+        stuck = unschedulable(status)
+        if stuck is not None:
+            load = replace(load, unschedulable=stuck, huge_pages=huge_page_request(sidecars[0]))
     if load is None or PEER_DNS_ENV not in env:
         return load
     return replace(load, peers=True, pod=str(meta.get("name") or ""), address=_address(status, env))
@@ -164,6 +173,7 @@ def aggregate(loads: Iterable[PodLoad], *, model_bytes: int | None) -> PodsStatu
         loading=counts["loading"],
         ready=counts["ready"],
         failed=counts["failed"],
+        unschedulable=sum(1 for p in items if p.unschedulable is not None),
         last_load_seconds=last_seconds,
         median_load_seconds=median,
         last_throughput_bytes_per_second=throughput,

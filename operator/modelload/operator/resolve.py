@@ -39,7 +39,15 @@ from typing import Any, Literal
 
 from modelload.loader.errors import ConfigError, ModelloadError, SourceUriError, TransientSourceError
 from modelload.loader.sizes import format_bytes
+from modelload.operator import hubs
+from modelload.operator.cloud_sources import (
+    CloudCredentials,
+    CloudSecretError,
+    read_cloud_credentials,
+    scheme_of,
+)
 from modelload.operator.conditions import set_condition
+from modelload.operator.hubs import HubAccess
 from modelload.operator.injection import source_query_problem
 from modelload.operator.kube import Kube, KubeNotFoundError
 from modelload.operator.model_source import (
@@ -96,9 +104,13 @@ async def resolve(*, kube: Kube, namespace: str, spec: ModelLoadSpec, sizing: Si
     if problem is not None:
         raise SourceUriError(problem, setting="spec.source")
     credentials = await read_credentials(kube, namespace, spec)
+    cloud = await read_cloud_secret(kube, namespace, spec)
     headers = await read_headers(kube, namespace, spec)
+    access = await read_hub_access(kube, namespace, spec)
     await check_decryption_secret(kube, namespace, spec)
-    summary = await asyncio.to_thread(read_summary, spec, credentials=credentials, headers=headers)
+    summary = await asyncio.to_thread(
+        read_summary, spec, credentials=credentials, headers=headers, cloud=cloud, access=access
+    )
     has_key = spec.decryption_key_secret_ref is not None or spec.password_secret_ref is not None
     if summary.encrypted and not has_key:
         raise SecretProblemError(
@@ -142,10 +154,22 @@ def _key(data: Mapping[str, bytes], secret: str, key: str, purpose: str) -> byte
     return data[key]
 
 
+async def read_cloud_secret(kube: Kube, namespace: str, spec: ModelLoadSpec) -> CloudCredentials | None:
+    """A gs:// or az:// source's credentials from ``spec.credentialsSecretRef`` (:mod:`.cloud_sources`)."""
+    ref = spec.credentials_secret_ref
+    if ref is None or scheme_of(spec.source) not in ("gs", "az"):
+        return None
+    data = await _secret(kube, namespace, ref.name, f"{scheme_of(spec.source)}:// credentials")
+    try:
+        return read_cloud_credentials(spec, data, secret=ref.name)
+    except CloudSecretError as exc:
+        raise SecretProblemError(exc.reason, str(exc)) from None
+
+
 async def read_credentials(kube: Kube, namespace: str, spec: ModelLoadSpec) -> S3Credentials | None:
     """The S3 keys of ``spec.credentialsSecretRef``, or None (unsigned, or the sidecar's own identity)."""
     ref = spec.credentials_secret_ref
-    if ref is None or (spec.s3 is not None and spec.s3.unsigned):
+    if ref is None or (spec.s3 is not None and spec.s3.unsigned) or scheme_of(spec.source) != "s3":
         return None
     data = await _secret(kube, namespace, ref.name, "S3 credentials")
     access = _key(data, ref.name, ref.access_key_id_key, "the access key id")
@@ -180,6 +204,34 @@ async def read_headers(kube: Kube, namespace: str, spec: ModelLoadSpec) -> Reque
             f"{exc}. It must hold a token (one line) or header lines ('Name: value'): "
             f"kubectl create secret generic {ref.name} --from-literal={ref.key}=<token>",
         ) from None
+
+
+async def read_hub_access(kube: Kube, namespace: str, spec: ModelLoadSpec) -> HubAccess | None:
+    """The hub token or the registry's Docker config a spec references (see :mod:`.hubs`), checked."""
+    token, auths = None, {}
+    if spec.hub is not None and spec.hub.token_secret_ref is not None:
+        ref = spec.hub.token_secret_ref
+        purpose = "the Hugging Face token"
+        value = _key(await _secret(kube, namespace, ref.name, purpose), ref.name, ref.key, purpose)
+        try:
+            token = hubs.hub_token(value, where=f"the Secret {ref.name!r} key {ref.key!r}")
+        except ConfigError as exc:
+            raise SecretProblemError(
+                "BadToken", f"{exc}: kubectl create secret generic {ref.name} --from-literal={ref.key}=hf_..."
+            ) from None
+    if spec.registry is not None and spec.registry.credentials_secret_ref is not None:
+        auth = spec.registry.credentials_secret_ref
+        purpose = "the registry's credentials"
+        value = _key(await _secret(kube, namespace, auth.name, purpose), auth.name, auth.key, purpose)
+        try:
+            auths = hubs.registry_auths(
+                value, where=f"the Secret {auth.name!r} key {auth.key!r}", source=spec.source
+            )
+        except ConfigError as exc:
+            raise SecretProblemError("BadCredentials", str(exc)) from None
+    if token is None and not auths:
+        return None
+    return HubAccess(hub_token=token, registry_auths=auths)
 
 
 async def check_decryption_secret(kube: Kube, namespace: str, spec: ModelLoadSpec) -> None:

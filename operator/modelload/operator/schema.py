@@ -37,15 +37,21 @@ __all__ = [
     "PLURAL",
     "VERSION",
     "Condition",
+    "AzureOptions",
     "CredentialsSecretRef",
+    "GcsOptions",
     "FleetStatus",
     "HeadersSecretRef",
+    "HubOptions",
+    "HubTokenSecretRef",
     "KeySecretRef",
     "MemoryOptions",
     "ModelLoadSpec",
     "ModelLoadStatus",
     "PasswordSecretRef",
     "PodsStatus",
+    "RegistryCredentialsSecretRef",
+    "RegistryOptions",
     "S3Options",
     "SidecarOptions",
     "SidecarResources",
@@ -66,10 +72,17 @@ MODEL_LABEL = "modelload.dev/model"
 
 SOURCE_PATTERN = (
     r"^(s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]/\S+"
+    r"|gs://[a-z0-9][a-z0-9._\-]{1,220}[a-z0-9]/\S*"
+    r"|az://[a-z0-9]{3,24}/(\$root|[a-z0-9](-?[a-z0-9])*)/\S*"
     r"|https?://[^\s/@?#]+/\S*"
+    r"|hf://[A-Za-z0-9][A-Za-z0-9._\-]*/[A-Za-z0-9][A-Za-z0-9._\-]*(@[^\s/?#]+)?(/[^\s?#]*)?"
+    r"|oci://[^\s/@?#]+/[a-z0-9][^\s?#]*"
     r"|file:///\S+)$"
 )
-"""s3://bucket/key, http(s)://host/path (no user:password@: credentials belong in a Secret), file:///path."""
+"""s3://bucket/key, gs://bucket/object, az://account/container/blob (a prefix ending in / for a directory),
+http(s)://host/path (no user:password@: credentials belong in a Secret), hf://ORG/NAME[@REVISION][/PATH],
+oci://REGISTRY/REPOSITORY[:TAG][@DIGEST], file:///path. The sources layer's parsers accept the same forms
+(tests/operator/test_cloud_sources.py and test_hub_and_registry_sources.py check both agree)."""
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 SECRET_KEY = r"^[-._a-zA-Z0-9]+$"  # noqa: S105 - the pattern of a Secret key name
@@ -86,10 +99,13 @@ MAX_CHUNK = 1 << 30
 
 @dataclass(frozen=True)
 class CredentialsSecretRef:
-    """A Secret in the ModelLoad's namespace holding S3 credentials.
+    """A Secret in the ModelLoad's namespace holding the store's credentials, under each cloud's key names:
+    S3 keys for s3://, a service-account key (JSON) for gs://, a connection string, SAS token or account
+    key for az://. Workload identity (IRSA, GKE Workload Identity, Entra Workload ID) needs no Secret.
 
     The operator reads it to fetch the model's index; the sidecar gets its keys as environment variables
-    (secretKeyRef), so the values never enter the pod spec, the status or an Event.
+    (secretKeyRef) or, for a GCS key, as a file mounted in the sidecar only, so the values never enter the
+    pod spec, the status or an Event.
     """
 
     name: str = prop(doc="Name of the Secret.", pattern=DNS_SUBDOMAIN, max_length=253)
@@ -102,6 +118,25 @@ class CredentialsSecretRef:
     session_token_key: str = prop(
         doc="Key of the optional session token in the Secret (used when present).",
         default="AWS_SESSION_TOKEN",
+        pattern=SECRET_KEY,
+    )
+    service_account_key_key: str = prop(
+        doc="gs://: key of the service-account key (the JSON file) in the Secret.",
+        default="key.json",
+        pattern=SECRET_KEY,
+    )
+    connection_string_key: str = prop(
+        doc="az://: key of a storage connection string in the Secret (the first of the three present is "
+        "used).",
+        default="AZURE_STORAGE_CONNECTION_STRING",
+        pattern=SECRET_KEY,
+    )
+    sas_token_key: str = prop(
+        doc="az://: key of a SAS token in the Secret.", default="AZURE_STORAGE_SAS_TOKEN", pattern=SECRET_KEY
+    )
+    account_key_key: str = prop(
+        doc="az://: key of the storage account key in the Secret.",
+        default="AZURE_STORAGE_KEY",
         pattern=SECRET_KEY,
     )
 
@@ -158,6 +193,78 @@ class S3Options:
 
 
 @dataclass(frozen=True)
+class HubTokenSecretRef:
+    """A Secret key holding a Hugging Face user access token, for private and gated ``hf://`` repositories.
+
+    The operator reads it to list the repository; the webhook mounts the key as a file in the sidecar only.
+    """
+
+    name: str = prop(doc="Name of the Secret.", pattern=DNS_SUBDOMAIN, max_length=253)
+    key: str = prop(doc="Key in the Secret holding the token.", default="token", pattern=SECRET_KEY)
+
+
+@dataclass(frozen=True)
+class HubOptions:
+    """How an ``hf://`` source reaches the Hugging Face Hub."""
+
+    endpoint: str | None = prop(
+        doc="The Hub, or a mirror of its API (what HF_ENDPOINT names). Empty: https://huggingface.co.",
+        default=None,
+        pattern=r"^https?://[^\s@/?#]+(/[^\s?#]*)?$",
+    )
+    token_secret_ref: HubTokenSecretRef | None = prop(
+        doc="A token for private and gated repositories, sent to the Hub only (never to its download CDN).",
+        default=None,
+    )
+
+
+@dataclass(frozen=True)
+class RegistryCredentialsSecretRef:
+    """A ``kubernetes.io/dockerconfigjson`` Secret (the kind a pod's ``imagePullSecrets`` names) with
+    credentials for the ``oci://`` source's registry. The operator reads it to resolve the artifact; the
+    webhook mounts the key as a file in the sidecar only."""
+
+    name: str = prop(doc="Name of the Secret.", pattern=DNS_SUBDOMAIN, max_length=253)
+    key: str = prop(
+        doc="Key in the Secret holding the Docker config.", default=".dockerconfigjson", pattern=SECRET_KEY
+    )
+
+
+@dataclass(frozen=True)
+class RegistryOptions:
+    """How an ``oci://`` source reaches its registry."""
+
+    credentials_secret_ref: RegistryCredentialsSecretRef | None = prop(
+        doc="Registry credentials (a dockerconfigjson Secret). Empty: anonymous pulls.", default=None
+    )
+    plain_http: bool = prop(
+        doc="Reach the registry over plain HTTP (an in-cluster registry without TLS).", default=False
+    )
+
+
+@dataclass(frozen=True)
+class GcsOptions:
+    """How to reach Google Cloud Storage; empty uses Google's endpoint."""
+
+    endpoint: str | None = prop(
+        doc="JSON API endpoint URL (a private endpoint or an emulator). Empty means Google's.",
+        default=None,
+        pattern=r"^https?://[^\s@/]+(/\S*)?$",
+    )
+
+
+@dataclass(frozen=True)
+class AzureOptions:
+    """How to reach Azure Blob Storage; empty uses https://ACCOUNT.blob.core.windows.net."""
+
+    endpoint: str | None = prop(
+        doc="The account's blob endpoint URL (a sovereign cloud, a private endpoint, Azurite).",
+        default=None,
+        pattern=r"^https?://[^\s@/]+(/\S*)?$",
+    )
+
+
+@dataclass(frozen=True)
 class SidecarResources:
     """Overrides of the sidecar's computed resources, by resource name (cpu, memory...)."""
 
@@ -210,6 +317,15 @@ class MemoryOptions:
         minimum=1,
         maximum=64,
     )
+    huge_pages: str | None = prop(
+        doc="Put the segment on huge pages of this size (2Mi or 1Gi) from the node's pre-allocated pool: an "
+        "emptyDir with medium HugePages-<size> and a hugepages-<size> request and limit on the sidecar, "
+        "sized from the model (or the ring). Bytes land faster and at about half the CPU, and the GPU copy "
+        "pins them whole. Nodes must pre-allocate them (vm.nr_hugepages, shown in node allocatable); pods "
+        "no node can take are reported in the status. Empty: 4 KiB pages (medium Memory).",
+        default=None,
+        enum=("2Mi", "1Gi"),
+    )
 
 
 @dataclass(frozen=True)
@@ -217,15 +333,19 @@ class ModelLoadSpec:
     """Where a model's weights live, how to read them, and which pods get them."""
 
     source: str = prop(
-        doc="The model: a weight file (s3://bucket/key, http(s)://host/path or file:///path) or a model "
-        "directory of shards with its config and tokenizer (an S3 prefix or HTTP(S) base URL ending in /, "
-        "or a local directory). file:// is read by the operator from its own filesystem, and by the sidecar "
-        "from its own.",
+        doc="The model: a weight file (s3://bucket/key, gs://bucket/object, az://account/container/blob, "
+        "http(s)://host/path or file:///path) or a model directory of shards with its config and tokenizer "
+        "(an S3, GCS or Azure prefix or an HTTP(S) base URL ending in /, a Hugging Face repository "
+        "hf://ORG/NAME[@REVISION], an OCI artifact oci://REGISTRY/REPOSITORY:TAG or @sha256:DIGEST, or a "
+        "local directory). file:// is read by the operator from its own filesystem, and by the sidecar from "
+        "its own.",
         pattern=SOURCE_PATTERN,
         max_length=2048,
         error=SourceUriError,
-        hint="s3://bucket/key (bucket: 3-63 lower-case letters, digits, dots, dashes), http(s)://host/path "
-        "without user:password@ (credentials belong in a Secret), or file:///path",
+        hint="s3://bucket/key (bucket: 3-63 lower-case letters, digits, dots, dashes), gs://bucket/object, "
+        "az://account/container/blob (account: 3-24 lower-case letters and digits), http(s)://host/path "
+        "without user:password@ (credentials belong in a Secret), hf://ORG/NAME[@REVISION], "
+        "oci://REGISTRY/REPOSITORY:TAG, or file:///path",
     )
     format: str = prop(
         doc="File format; auto detects tensorizer or safetensors from the first bytes.",
@@ -233,8 +353,9 @@ class ModelLoadSpec:
         enum=("auto", "tensorizer", "safetensors"),
     )
     credentials_secret_ref: CredentialsSecretRef | None = prop(
-        doc="S3 credentials. Leave empty to use the pod's identity (IRSA, pod identity) or a public bucket. "
-        "An http(s):// source takes headersSecretRef instead.",
+        doc="The store's credentials (S3 keys, a GCS service-account key, an Azure connection string, SAS "
+        "token or account key). Leave empty to use the pod's identity (IRSA, GKE Workload Identity, Entra "
+        "Workload ID) or a public bucket. An http(s):// source takes headersSecretRef instead.",
         default=None,
     )
     headers_secret_ref: HeadersSecretRef | None = prop(
@@ -250,6 +371,14 @@ class ModelLoadSpec:
         default=None,
     )
     s3: S3Options | None = prop(doc="S3 endpoint, region and addressing.", default=None)
+    gcs: GcsOptions | None = prop(doc="gs:// only: the GCS endpoint.", default=None)
+    azure: AzureOptions | None = prop(doc="az:// only: the blob endpoint.", default=None)
+    hub: HubOptions | None = prop(
+        doc="Hugging Face Hub endpoint and token, for an hf:// source.", default=None
+    )
+    registry: RegistryOptions | None = prop(
+        doc="Registry credentials and transport, for an oci:// source.", default=None
+    )
     readers: int = prop(doc="Parallel range readers in the sidecar.", default=8, minimum=1, maximum=256)
     chunk_size: str = prop(
         doc="Bytes per range request, 1Mi to 1Gi: a number with an optional Ki, Mi or Gi suffix, as ringSize "
@@ -311,6 +440,13 @@ class ModelLoadSpec:
 
 
 _HTTP_SOURCE = "(self.source.startsWith('http://') || self.source.startsWith('https://'))"
+_HUB_OR_REGISTRY = "(self.source.startsWith('hf://') || self.source.startsWith('oci://'))"
+CREDENTIALS_ON_HUB = (
+    "credentialsSecretRef holds S3 keys: an hf:// source takes hub.tokenSecretRef, an oci:// source "
+    "registry.credentialsSecretRef (a dockerconfigjson Secret)"
+)
+HUB_OFF_HF = "hub is for hf:// sources"
+REGISTRY_OFF_OCI = "registry is for oci:// sources"
 CREDENTIALS_ON_HTTP = (
     "credentialsSecretRef holds S3 keys and an http(s):// source does not use them: put the token (or header "
     "lines) in a Secret and reference it with headersSecretRef"
@@ -326,6 +462,11 @@ SPEC_RULES: tuple[tuple[str, str], ...] = (
     ),
     (f"!(has(self.credentialsSecretRef) && {_HTTP_SOURCE})", CREDENTIALS_ON_HTTP),
     (f"!has(self.headersSecretRef) || {_HTTP_SOURCE}", HEADERS_OFF_HTTP),
+    ("!has(self.gcs) || self.source.startsWith('gs://')", "gcs options are for gs:// sources"),
+    ("!has(self.azure) || self.source.startsWith('az://')", "azure options are for az:// sources"),
+    (f"!(has(self.credentialsSecretRef) && {_HUB_OR_REGISTRY})", CREDENTIALS_ON_HUB),
+    ("!has(self.hub) || self.source.startsWith('hf://')", HUB_OFF_HF),
+    ("!has(self.registry) || self.source.startsWith('oci://')", REGISTRY_OFF_OCI),
     (
         "!has(self.memory) || "
         "(has(self.memory.mode) && self.memory.mode == 'ring') == has(self.memory.ringSize)",
@@ -351,6 +492,11 @@ def parse_spec(data: Any) -> ModelLoadSpec:
         raise ConfigError(f"spec.credentialsSecretRef: {CREDENTIALS_ON_HTTP}")
     if not http and spec.headers_secret_ref is not None:
         raise ConfigError(f"spec.headersSecretRef: {HEADERS_OFF_HTTP}")
+    if spec.gcs is not None and not spec.source.startswith("gs://"):
+        raise ConfigError("spec.gcs: gcs options are for gs:// sources")
+    if spec.azure is not None and not spec.source.startswith("az://"):
+        raise ConfigError("spec.azure: azure options are for az:// sources")
+    _check_hub_or_registry(spec)
     memory = spec.memory
     if memory is not None:
         if (memory.mode == "ring") != (memory.ring_size is not None):
@@ -360,6 +506,27 @@ def parse_spec(data: Any) -> ModelLoadSpec:
                 f"spec.memory.ringSize: {memory.ring_size} is below 1Mi; it must hold the largest tensor"
             )
     return spec
+
+
+def _check_hub_or_registry(spec: ModelLoadSpec) -> None:
+    """The hf:// and oci:// rules, and their URIs parsed by the sidecar's own parsers (what the pattern
+    cannot say: a tag's characters, a digest's length, a revision's encoding)."""
+    from modelload.sidecar.sources import parse_hub_uri, parse_oci_uri
+
+    hub, oci = spec.source.startswith("hf://"), spec.source.startswith("oci://")
+    if (hub or oci) and spec.credentials_secret_ref is not None:
+        raise ConfigError(f"spec.credentialsSecretRef: {CREDENTIALS_ON_HUB}")
+    if spec.hub is not None and not hub:
+        raise ConfigError(f"spec.hub: {HUB_OFF_HF}")
+    if spec.registry is not None and not oci:
+        raise ConfigError(f"spec.registry: {REGISTRY_OFF_OCI}")
+    try:
+        if hub:
+            parse_hub_uri(spec.source)
+        if oci:
+            parse_oci_uri(spec.source)
+    except SourceUriError as exc:
+        raise SourceUriError(str(exc), setting="spec.source") from None
 
 
 def spec_schema() -> dict[str, Any]:
@@ -375,7 +542,10 @@ def spec_schema() -> dict[str, Any]:
 class Condition:
     """One observation about the resource, in the Kubernetes convention (metav1.Condition)."""
 
-    type: str = prop(doc="Ready (the model's index was read) or PodsReady (every injected pod loaded it).")
+    type: str = prop(
+        doc="Ready (the model's index was read), PodsReady (every injected pod loaded it) or PodsScheduled "
+        "(False while injected pods wait for a node that can take them)."
+    )
     status: str = prop(doc="True, False or Unknown.", enum=("True", "False", "Unknown"))
     reason: str = prop(doc="A CamelCase reason: Resolved, BadSource, SecretNotFound, SourceUnreadable...")
     last_transition_time: str = prop(doc="When the status last changed.", format="date-time")
@@ -400,6 +570,12 @@ class PodsStatus:
     ready: int = prop(doc="Pods whose sidecar reports every tensor in.", default=0, minimum=0)
     failed: int = prop(
         doc="Pods whose sidecar crashed, cannot start, or whose pod failed.", default=0, minimum=0
+    )
+    unschedulable: int = prop(
+        doc="Pending pods no node can take (for example none with enough free huge pages); the "
+        "PodsScheduled condition says why.",
+        default=0,
+        minimum=0,
     )
     last_load_seconds: float | None = prop(
         doc="Seconds from sidecar start to pod Ready for the most recent pod that got ready.", default=None
@@ -443,7 +619,7 @@ class ModelLoadStatus:
         enum=("Pending", "Ready", "Retrying", "Failed"),
     )
     observed_generation: int | None = prop(doc="The spec generation the status describes.", default=None)
-    conditions: list[Condition] | None = prop(doc="Ready and PodsReady.", default=None)
+    conditions: list[Condition] | None = prop(doc="Ready, PodsReady and PodsScheduled.", default=None)
     format: str | None = prop(doc="The detected format.", default=None, enum=("tensorizer", "safetensors"))
     format_version: int | None = prop(doc="The format's data version.", default=None)
     tensors: int | None = prop(doc="Number of tensors.", default=None, minimum=0)

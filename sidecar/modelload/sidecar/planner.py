@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from modelload.loader.errors import ConfigError
 from modelload.loader.formats import ModelIndex, TensorEntry
-from modelload.loader.segment import Layout, TensorSpec, plan_layout
+from modelload.loader.segment import ALIGNMENT, Layout, TensorSpec, plan_layout
 from modelload.loader.segment.geometry import Record, place
 
 __all__ = ["Chunk", "LoadPlan", "load_order", "plan_load"]
@@ -97,14 +97,17 @@ def plan_load(
     chunk_size: int,
     priority: Sequence[str] = (),
     metadata: Mapping[str, str] | None = None,
+    page_size: int = ALIGNMENT,
 ) -> LoadPlan:
-    """Plan the segment and the range requests for loading ``index``'s model."""
+    """Plan the segment and the range requests for loading ``index``'s model, for a volume of
+    ``page_size``-byte pages (``modelload.loader.segment.pages``)."""
     if chunk_size < 4096:
         raise ConfigError(f"chunk size must be at least 4096 bytes, got {chunk_size}")
     layout = plan_layout(
         [_spec(entry, several=bool(index.files)) for entry in index.tensors],
         metadata={"format": index.format, **(metadata or {})},
         files=index.files,
+        page_size=page_size,
     )
     order = load_order(index, priority)
     chunks: list[Chunk] = []

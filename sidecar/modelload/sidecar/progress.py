@@ -50,6 +50,10 @@ class LoadObserver(Protocol):
     def memory_changed(self, status: dict[str, Any]) -> None:
         """Release or ring mode: resident and released bytes, and what a waiting ring waits for, changed."""
 
+    def file_proof(self, *, file: str, proof: str, state: str) -> None:
+        """What proves weight file ``file``'s bytes (``proof``: the store's checksum, samples...), and how far
+        it got (``state``: pending, proven, sampled, pinned, failed)."""
+
 
 EVENTS = frozenset(name for name in vars(LoadObserver) if not name.startswith("_"))
 """The events an observer can receive: :class:`Observers` refuses any other name, so a misspelled event
@@ -80,6 +84,8 @@ class LoadStatus:
     notify: str | None = None
     memory: dict[str, Any] | None = None
     """Memory modes release and ring: what is held, released, and what the load waits for (memory.py)."""
+    proofs: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Per weight file: what proves its bytes (``proof``) and how far it got (``state``)."""
 
     @property
     def published(self) -> bool:
@@ -137,6 +143,7 @@ class LoadStatus:
             "error": self.error,
             "notify": self.notify,
             "memory": self.memory,
+            "proofs": {file: dict(entry) for file, entry in self.proofs.items()},
         }
 
 
@@ -233,6 +240,11 @@ class LoadTracker:
     def memory_changed(self, status: dict[str, Any]) -> None:
         with self._lock:
             self._status = _replace(self._status, memory=status)
+
+    def file_proof(self, *, file: str, proof: str, state: str) -> None:
+        with self._lock:
+            proofs = {**self._status.proofs, file: {"proof": proof, "state": state}}
+            self._status = _replace(self._status, proofs=proofs)
 
     def load_failed(self, *, kind: str, reason: str) -> None:
         with self._lock:

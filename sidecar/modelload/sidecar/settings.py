@@ -57,12 +57,18 @@ from modelload.sidecar.load import DEFAULT_SEGMENT, MAX_CHUNK, MIN_CHUNK, LoadSe
 from modelload.sidecar.memory import MemorySettings
 from modelload.sidecar.peers import PeerSettings
 from modelload.sidecar.sources import (
+    AzureSettings,
+    GcsSettings,
     HttpSettings,
+    HubSettings,
+    RegistrySettings,
     S3Settings,
     SourceSettings,
+    auths_from_docker_config,
     display_url,
     proxy_from_environ,
     read_header_file,
+    read_token_file,
 )
 
 __all__ = [
@@ -88,6 +94,8 @@ DEFAULT_PORT = wiring.STATUS_PORT
 NOTIFY_OFF = ("none", "off", "false", "")
 _NOTIFY_SCHEMES = ("ipc://", "tcp://", "inproc://")
 AWS_REGION_ENV = "AWS_REGION"  # botocore reads AWS_DEFAULT_REGION only
+HF_TOKEN_ENV = "HF_TOKEN"  # noqa: S105 - the Hub's own variables, read as its client reads them
+HF_ENDPOINT_ENV = "HF_ENDPOINT"
 
 
 # --- the settings ------------------------------------------------------------------------------------------
@@ -190,6 +198,24 @@ def _token_file(text: str) -> str:
     return token
 
 
+def _hub_token(text: str) -> str:
+    """The Hugging Face token, read now so a missing or malformed file fails before the load; never shown."""
+    return read_token_file(_path(text), what="Hugging Face token")
+
+
+def _registry_auths(text: str) -> dict[str, dict[str, str]]:
+    """The ``auths`` of a Docker config file (a dockerconfigjson Secret's), read now; never shown."""
+    path = _path(text)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(
+            f"the registry credentials file {path} cannot be read ({exc.strerror or type(exc).__name__}): "
+            "mount the dockerconfigjson Secret there"
+        ) from None
+    return auths_from_docker_config(data, where=f"the registry credentials file {path}")
+
+
 def _endpoint(text: str) -> str | None:
     """A pyzmq endpoint, or None for 'none' (notifications off: loaders poll the segment)."""
     value = text.strip()
@@ -199,7 +225,8 @@ def _endpoint(text: str) -> str | None:
 OPTIONS: tuple[Option, ...] = (
     Option(
         "engine.source", "--source", "MODELLOAD_SOURCE",
-        "model URI: s3://bucket/key, http(s)://..., file:///path or a path", "URI", parse=parse_text,
+        "model URI: s3://bucket/key, http(s)://..., hf://ORG/NAME[@REV], oci://REGISTRY/REPO:TAG, file:///path"
+        " or a path", "URI", parse=parse_text,
     ),
     Option("engine.segment", "--segment", wiring.SEGMENT_ENV, "segment file", "PATH", parse=_path),
     Option(
@@ -246,6 +273,26 @@ OPTIONS: tuple[Option, ...] = (
         parse=_path,
     ),
     Option(
+        "sources.hub.token", "--hf-token-file", "MODELLOAD_HF_TOKEN_FILE",
+        "file holding a Hugging Face token, for private and gated hf:// repositories", "FILE",
+        parse=_hub_token, unset="HF_TOKEN",
+    ),
+    Option(
+        "sources.hub.endpoint", "--hf-endpoint", "MODELLOAD_HF_ENDPOINT",
+        "the Hugging Face Hub or a mirror of it, for hf:// sources", "URL", parse=parse_text,
+        unset="HF_ENDPOINT, else https://huggingface.co",
+    ),
+    Option(
+        "sources.registry.auths", "--registry-auth-file", "MODELLOAD_REGISTRY_AUTH_FILE",
+        "a Docker config (a dockerconfigjson Secret's file) with credentials for oci:// registries", "FILE",
+        parse=_registry_auths, unset="anonymous pulls",
+    ),
+    Option(
+        "sources.registry.plain_http", "--registry-plain-http", "MODELLOAD_REGISTRY_PLAIN_HTTP",
+        "oci:// registries (host:port, comma-separated, or *) reached over plain HTTP", "HOSTS",
+        parse=parse_list, unset="none: HTTPS",
+    ),
+    Option(
         "engine.priority", "--priority", "MODELLOAD_PRIORITY",
         "comma-separated tensor names or prefixes to load first", "NAMES", parse=parse_list,
         unset="file order",
@@ -277,6 +324,19 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "sources.s3.unsigned", "--s3-unsigned", "MODELLOAD_S3_UNSIGNED",
         "anonymous S3 requests, for public buckets", boolean=True, parse=parse_bool,
+    ),
+    Option(
+        "sources.gcs.endpoint_url", "--gcs-endpoint", "MODELLOAD_GCS_ENDPOINT", "GCS JSON API endpoint URL",
+        "URL", parse=parse_text, unset="STORAGE_EMULATOR_HOST, else Google's",
+    ),
+    Option(
+        "sources.azure.endpoint_url", "--azure-endpoint", "MODELLOAD_AZURE_ENDPOINT", "Azure blob endpoint",
+        "URL", parse=parse_text, unset="a connection string's, else https://ACCOUNT.blob.core.windows.net",
+    ),
+    Option(
+        "engine.landing", "--landing", "MODELLOAD_LANDING",
+        "how bytes reach the segment: auto (splice on 4 KiB pages, the segment's mapping on huge pages),"
+        " splice or mapping", parse=parse_word,
     ),
     Option(
         "engine.memory.mode", "--memory-mode", "MODELLOAD_MEMORY_MODE",
@@ -339,7 +399,7 @@ OPTIONS: tuple[Option, ...] = (
 """One row per flag, in the order of docs/contracts.md's table; ``dest`` is the field under
 :class:`SidecarSettings` that the value fills."""
 
-ENVIRONMENT = (*(option.env for option in OPTIONS), AWS_REGION_ENV)
+ENVIRONMENT = (*(option.env for option in OPTIONS), AWS_REGION_ENV, HF_TOKEN_ENV, HF_ENDPOINT_ENV)
 """Every variable the sidecar reads, for documentation and for the operator's tests."""
 
 
@@ -407,8 +467,19 @@ def _source_settings(given: Given, environ: Mapping[str, str], *, source: str) -
     if headers is not None and not source.startswith(("http://", "https://")):
         raise ConfigError(
             "a header file (--header-file/MODELLOAD_HEADER_FILE) is for http(s):// sources, and the source"
-            f" is {display_url(source)}: S3 takes AWS credentials, a file needs none"
+            f" is {display_url(source)}: S3, GCS and Azure take their own credentials"
         )
     proxy = proxy_from_environ(environ, override=given.get("sources.http.proxy"))
     http = given.build(HttpSettings, "sources.http", headers=headers, proxy=proxy)
-    return given.build(SourceSettings, "sources", http=http, s3=s3)
+    gcs = given.build(GcsSettings, "sources.gcs")
+    azure = given.build(AzureSettings, "sources.azure")
+    # The Hub's own variables come after the flags, as its client reads them.
+    hub_fallback = {
+        "endpoint": environ.get(HF_ENDPOINT_ENV, "").strip() or None,
+        "token": environ.get(HF_TOKEN_ENV, "").strip() or None,
+    }
+    hub = given.build(HubSettings, "sources.hub", defaults={k: v for k, v in hub_fallback.items() if v})
+    registry = given.build(RegistrySettings, "sources.registry")
+    return given.build(
+        SourceSettings, "sources", http=http, s3=s3, gcs=gcs, azure=azure, hub=hub, registry=registry
+    )

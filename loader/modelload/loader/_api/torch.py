@@ -3,34 +3,42 @@
 torch is optional; this module imports it only inside its functions, so ``import modelload.loader`` works in
 an image without it.
 
-The copy to a GPU pins the tensor's pages where they are: ``cudaHostRegister`` on the segment's own mapping
-with the read-only flag, then an asynchronous host-to-device copy on a side stream. The data is mapped
+The copy to a GPU pins the host pages where they are: a read-only registration (``cuMemHostRegister``) of the
+segment's own mapping, then asynchronous host-to-device copies on a side stream. The data is mapped
 copy-on-write, and pinning it writable would make the kernel copy every page (doubling the memory and cutting
-the view off from the segment), so only read-only registration is used. Where the driver refuses it (old
-drivers, some platforms), the copy goes through two pinned staging buffers instead: one CPU memcpy more, the
-same overlap of copying with loading.
+the view off from the segment), so only read-only registration is used. Pinning costs per page (on 4 KiB
+pages, more than the copy itself), so what can be pinned once is: a complete full-mode segment's whole data
+mapping, or a ring (its pages are reused lap after lap, never freed while the load runs). In memory mode
+release each tensor is pinned on its own, since a pinned page could not go back to the volume when its
+tensor is released. Where the driver refuses to pin (old drivers, some platforms), the copy goes through two
+pinned staging buffers instead: one CPU memcpy more, the same overlap of copying with loading. The CUDA calls
+themselves are in :mod:`.cuda`.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
+import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import suppress
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from modelload.loader.dtypes import DType
-from modelload.loader.errors import ConfigError
+from modelload.loader.errors import ConfigError, DeviceError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DeviceCopier", "as_tensor"]
+    from modelload.loader._api.cuda import Event
+
+__all__ = ["DeviceCopier", "Region", "as_tensor"]
 
 log = logging.getLogger(__name__)
 
-_HOST_REGISTER_PORTABLE = 1
-_HOST_REGISTER_READ_ONLY = 8
 _STAGING_BYTES = 64 << 20
 
 
@@ -59,105 +67,298 @@ def as_tensor(view: memoryview, dtype: DType, shape: tuple[int, ...]) -> torch.T
 
 
 class DeviceCopier:
-    """Copies host tensors to one CUDA device as they are handed in, overlapping copies with loading."""
+    """Copies host tensors to one CUDA device as they are handed in, overlapping copies with loading.
 
-    def __init__(self, device: str | torch.device) -> None:
+    Host bytes are read where they are wherever they can be pinned there: inside a region pinned once for the
+    copier's life (:meth:`pin`: a segment's whole data mapping, or its ring), else each tensor's own bytes,
+    pinned for its copy; where the driver refuses, through two pinned staging buffers. Pinning costs per
+    page, not per call, so a region is pinned once rather than tensor by tensor.
+
+    Copies are queued on a side stream and never waited for one by one: each one's ``on_done`` is called
+    from the copier's completion thread once its copy is done, in the order of the copies, so the caller
+    may block waiting for the next tensor (which a ring lands only once earlier ones are consumed) while
+    earlier copies finish and get consumed. :meth:`finish` must be called at the end, also after an error.
+
+    ``pin_in_place=False`` skips registration and copies through the staging buffers from the start (the
+    GPU benchmark measures both ways; registration is otherwise always tried first).
+    """
+
+    def __init__(self, device: str | torch.device, *, pin_in_place: bool = True) -> None:
         import torch
+
+        from modelload.loader._api import cuda
 
         self.device = torch.device(device)
         if self.device.type != "cuda":
             raise ConfigError(f"DeviceCopier copies to CUDA devices, not {self.device}")
         self._torch = torch
-        self._stream = torch.cuda.Stream(self.device)
-        self._registered: list[tuple[Any, int, torch.Tensor, Callable[[], None] | None]] = []
-        """(event, pointer, keep-alive, what to call once the copy has left the host bytes)"""
-        self._staging: list[tuple[torch.Tensor, Any]] | None = None
+        self._gpu = cuda.open_gpu(self.device)
+        self._pin_in_place = pin_in_place
+        self._regions: list[_Pinned] = []
+        self._completions = _Completions(self._unregister)
+        self._staging: list[tuple[torch.Tensor, Event | None]] | None = None
         self._next_stage = 0
-        self._pin_in_place = True
+        self._clock = threading.Lock()
+        self.register_seconds = 0.0
+        """Seconds spent pinning host memory so far (the benchmark reports them apart from the copies)."""
+        self.unregister_seconds = 0.0
+        """Seconds spent unpinning it."""
 
-    def copy(self, host: torch.Tensor, *, on_done: Callable[[], None] | None = None) -> torch.Tensor:
+    @property
+    def pins_in_place(self) -> bool:
+        """Whether copies still pin the host pages in place (False once registration was refused)."""
+        return self._pin_in_place
+
+    def pin(self, region: Region) -> bool:
+        """Pin ``region`` until :meth:`finish`: copies of tensors inside it then need no pinning of their own.
+
+        Returns False when the driver refused (or ``pin_in_place`` is off); tensors are then pinned one by
+        one, or staged, as without it.
+        """
+        if not self._pin_in_place or not region.bytes.numel():
+            return False
+        length = region.ring or region.bytes.numel()
+        try:
+            self._register(region.bytes.data_ptr(), length)
+        except DeviceError as exc:
+            log.info(
+                "pinning the segment's %d mapped bytes was refused (%s); pinning each tensor", length, exc
+            )
+            return False
+        self._regions.append(_Pinned(region, region.bytes.data_ptr()))
+        return True
+
+    def copy(
+        self,
+        host: torch.Tensor,
+        *,
+        into: torch.Tensor | None = None,
+        on_done: Callable[[], None] | None = None,
+    ) -> torch.Tensor:
         """Start copying ``host`` to the device. The result may be used once :meth:`finish` returns.
 
-        ``on_done`` is called once the host bytes are no longer needed (the copy has read them): the
-        loader then marks the tensor consumed, so the sidecar may give its pages back (memory modes).
+        ``into`` is a device tensor of the same dtype and shape to copy into (the hand-off keeper's memory);
+        by default a new one is allocated. ``on_done`` is called once the host bytes are no longer needed
+        (the copy has read them), from the copier's completion thread: the loader then marks the tensor
+        consumed, so the sidecar may give its pages back (memory modes). An error raised by an earlier
+        ``on_done`` is raised here.
         """
-        torch = self._torch
-        target = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+        self._completions.raise_error()
+        target = self._target(host, into)
         if not host.numel():
-            if on_done is not None:
-                on_done()
+            self._completions.put(None, None, None, on_done)
             return target
-        if self._pin_in_place and self._register(host):
-            with torch.cuda.stream(self._stream):
-                target.copy_(host, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self._stream)
+        spans = self._inside_region(host)
+        if spans is not None:
+            region, pieces = spans
+            destination, done = _as_bytes(target), 0
+            for offset, length in pieces:  # two where a ring's tensor runs past the ring's end
+                self._gpu.copy(destination[done : done + length], region[offset : offset + length])
+                done += length
             if on_done is not None:
-                # Someone waits for these host bytes to be released (memory modes release and ring): the
-                # next tensor may only land once they are, so finish this copy now rather than at the next.
-                event.synchronize()
-                _unregister(host.data_ptr())
-                on_done()
-            else:
-                self._registered.append((event, host.data_ptr(), host, on_done))
-            self._release_finished()
+                self._completions.put(self._gpu.record(), host, None, on_done)
+        elif self._pin_in_place and host.is_contiguous() and self._pin_tensor(host):
+            try:
+                self._gpu.copy(target, host)
+            except BaseException:
+                with suppress(Exception):  # nothing may still read the pages once they are unpinned
+                    self._gpu.finish()
+                self._unregister(host.data_ptr())
+                raise
+            self._completions.put(self._gpu.record(), host, host.data_ptr(), on_done)
         else:
             self._copy_staged(host, target)
             if on_done is not None:  # the bytes are in a staging buffer now
-                on_done()
+                self._completions.put(None, None, None, on_done)
         return target
 
+    def _target(self, host: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
+        if into is None:
+            return self._gpu.empty(tuple(host.shape), host.dtype)
+        if (
+            into.shape != host.shape
+            or into.dtype != host.dtype
+            or not self._gpu.holds(into)  # "cuda" names the current device
+            or not into.is_contiguous()
+        ):
+            raise ConfigError(
+                f"cannot copy a {host.dtype} tensor of shape {tuple(host.shape)} into a {into.dtype} "
+                f"tensor of shape {tuple(into.shape)} on {into.device} (copying to {self.device}; it must be "
+                "contiguous)"
+            )
+        return into
+
     def finish(self) -> None:
-        """Wait for every copy, release the pinned pages, and order the current stream after the copies."""
-        torch = self._torch
-        self._stream.synchronize()
-        torch.cuda.current_stream(self.device).wait_stream(self._stream)
-        for _, pointer, _, on_done in self._registered:
-            _unregister(pointer)
-            if on_done is not None:
-                on_done()
-        self._registered.clear()
+        """Wait for every copy, call what is left of the ``on_done``s, release the pinned pages, and order the
+        current stream after the copies. Raises the first error an ``on_done`` raised."""
+        try:
+            self._gpu.finish()
+            self._completions.join()
+        finally:
+            regions, self._regions = self._regions, []
+            for pinned in regions:
+                self._unregister(pinned.address)
+        self._completions.raise_error()
 
-    def _register(self, host: torch.Tensor) -> bool:
-        cudart = self._torch.cuda.cudart()
-        nbytes = host.nbytes
-        flags = _HOST_REGISTER_PORTABLE | _HOST_REGISTER_READ_ONLY
-        status = cudart.cudaHostRegister(host.data_ptr(), nbytes, flags)
-        if int(status) == 0:
-            return True
-        self._pin_in_place = False
-        log.info("cudaHostRegister(read-only) failed (%s); copying through pinned staging buffers", status)
-        return False
+    def _inside_region(self, host: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int]]] | None:
+        if not self._regions or not host.is_contiguous():
+            return None
+        for pinned in self._regions:
+            pieces = pinned.pieces(host.data_ptr(), host.nbytes)
+            if pieces is not None:
+                return pinned.region.bytes, pieces
+        return None
 
-    def _release_finished(self) -> None:
-        keep = []
-        for entry in self._registered:
-            if entry[0].query():
-                _unregister(entry[1])
-                if entry[3] is not None:
-                    entry[3]()
-            else:
-                keep.append(entry)
-        self._registered = keep
+    def _pin_tensor(self, host: torch.Tensor) -> bool:
+        try:
+            self._register(host.data_ptr(), host.nbytes)
+        except DeviceError as exc:
+            self._pin_in_place = False
+            log.info(
+                "pinning a tensor in place was refused (%s); copying through pinned staging buffers", exc
+            )
+            return False
+        return True
+
+    def _register(self, address: int, nbytes: int) -> None:
+        started = time.perf_counter()
+        try:
+            self._gpu.register(address, nbytes)
+        finally:
+            with self._clock:
+                self.register_seconds += time.perf_counter() - started
+
+    def _unregister(self, address: int) -> None:
+        """Unpin; a refusal is logged (the pages stay pinned until the process ends), never left behind."""
+        started = time.perf_counter()
+        try:
+            self._gpu.unregister(address)
+        except DeviceError as exc:
+            log.warning("unpinning host memory at %#x was refused (%s); it stays pinned", address, exc)
+        finally:
+            with self._clock:
+                self.unregister_seconds += time.perf_counter() - started
 
     def _copy_staged(self, host: torch.Tensor, target: torch.Tensor) -> None:
-        torch = self._torch
         if self._staging is None:
-            self._staging = [
-                (torch.empty(_STAGING_BYTES, dtype=torch.uint8, pin_memory=True), torch.cuda.Event())
-                for _ in range(2)
-            ]
-        source = host.reshape(-1).view(torch.uint8)
-        destination = target.reshape(-1).view(torch.uint8)
+            self._staging = [(self._gpu.pinned(_STAGING_BYTES), None) for _ in range(2)]
+        source, destination = _as_bytes(host), _as_bytes(target)
         for start in range(0, source.numel(), _STAGING_BYTES):
             stop = min(start + _STAGING_BYTES, source.numel())
             buffer, event = self._staging[self._next_stage]
-            self._next_stage ^= 1
-            event.synchronize()  # the buffer's previous copy has left it
+            if event is not None:
+                event.synchronize()  # the buffer's previous copy has left it
             buffer[: stop - start].copy_(source[start:stop])
-            with torch.cuda.stream(self._stream):
-                destination[start:stop].copy_(buffer[: stop - start], non_blocking=True)
-                event.record(self._stream)
+            self._gpu.copy(destination[start:stop], buffer[: stop - start])
+            self._staging[self._next_stage] = (buffer, self._gpu.record())
+            self._next_stage ^= 1
+
+
+@dataclass(frozen=True)
+class Region:
+    """Host memory a :class:`DeviceCopier` may pin once for its life: a segment's data mapping.
+
+    ``bytes`` is the mapping as a flat uint8 tensor (it keeps the mapping alive while pinned). ``ring``: the
+    mapping is a ring of that many bytes mapped twice back to back (memory mode ring); only its first copy
+    is pinned, the same pages as the second, and a tensor that runs past the ring's end is copied in two
+    pieces from the first (a copy must read from inside one registration).
+    """
+
+    bytes: torch.Tensor
+    ring: int = 0
+
+
+@dataclass(frozen=True)
+class _Pinned:
+    region: Region
+    address: int
+
+    def pieces(self, pointer: int, nbytes: int) -> list[tuple[int, int]] | None:
+        """Where host bytes ``[pointer, pointer + nbytes)`` are in the pinned bytes: ``(offset, length)``
+        pieces, or None when they are not all inside the region."""
+        offset = pointer - self.address
+        if offset < 0 or offset + nbytes > self.region.bytes.numel():
+            return None
+        ring = self.region.ring
+        if not ring:
+            return [(offset, nbytes)]
+        offset %= ring
+        first = min(nbytes, ring - offset)
+        return [(offset, first)] + ([(0, nbytes - first)] if nbytes > first else [])
+
+
+class _Completions:
+    """What follows each copy, once its event completed: giving back its own pin, then its ``on_done``.
+
+    Unpinned first: the bytes are handed back unpinned, so the pages a released tensor leaves really go
+    back to the volume (memory mode release), and the pages a ring reuses are never pinned by two
+    registrations at once. A thread of its own waits on the events in the order of the copies, so nothing
+    waits for a copy on the caller's thread, and a caller blocked on the next tensor still gets earlier
+    copies consumed. The first error an ``on_done`` raises is kept for the caller; the later ``on_done``s
+    are still called, so that a ring is not left waiting for tensors that were copied.
+    """
+
+    def __init__(self, unpin: Callable[[int], None]) -> None:
+        self._unpin = unpin
+        self._queue: queue.SimpleQueue[_Done | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def put(
+        self,
+        event: Event | None,
+        keep: Any,
+        pinned: int | None,
+        on_done: Callable[[], None] | None,
+    ) -> None:
+        """After ``event`` (None: at once, after those before it): unpin ``pinned``, then ``on_done``.
+        ``keep`` (the host tensor) stays referenced until then: its mapping must outlive the copy."""
+        if on_done is None and pinned is None:
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="modelload-gpu-copies", daemon=True)
+            self._thread.start()
+        self._queue.put(_Done(event, keep, pinned, on_done))
+
+    def join(self) -> None:
+        """Wait until everything put so far is done."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def raise_error(self) -> None:
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def _run(self) -> None:
+        while (done := self._queue.get()) is not None:
+            try:
+                if done.event is not None:
+                    done.event.synchronize()
+                if done.pinned is not None:
+                    self._unpin(done.pinned)
+                if done.on_done is not None:
+                    done.on_done()
+            except BaseException as exc:  # for the caller: raised by its next copy() or finish()
+                if self._error is None:
+                    self._error = exc
+
+
+@dataclass
+class _Done:
+    event: Event | None
+    keep: Any
+    pinned: int | None
+    on_done: Callable[[], None] | None
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 view (a 0-dim tensor too: reshape first)."""
+    import torch
+
+    return tensor.reshape(-1).view(torch.uint8)
 
 
 def copy_all(
@@ -165,24 +366,28 @@ def copy_all(
     device: str | torch.device,
     *,
     on_done: Callable[[str], None] | None = None,
+    region: Region | None = None,
+    pin_in_place: bool = True,
 ) -> Iterator[tuple[str, Any]]:
     """Copy each ``(name, host tensor)`` to ``device`` as it comes; yield the device tensors at the end.
 
     ``on_done(name)`` is called for each tensor once its host bytes have been read (see
-    :meth:`DeviceCopier.copy`), in the course of the copies rather than at the end.
+    :meth:`DeviceCopier.copy`), in the course of the copies rather than at the end. ``region``: the segment's
+    mapping, pinned once for all the copies (:meth:`DeviceCopier.pin`). ``pin_in_place=False`` copies
+    through the staging buffers only (``region`` is then not pinned).
     """
-    copier = DeviceCopier(device)
+    copier = DeviceCopier(device, pin_in_place=pin_in_place)
 
     def done(name: str) -> Callable[[], None] | None:
         return None if on_done is None else (lambda: on_done(name))
 
-    results = [(name, copier.copy(host, on_done=done(name))) for name, host in items]
+    try:
+        if region is not None:
+            copier.pin(region)
+        results = [(name, copier.copy(host, on_done=done(name))) for name, host in items]
+    except BaseException:
+        with suppress(Exception):  # the copies queued are waited for and the pins given back; this error wins
+            copier.finish()
+        raise
     copier.finish()
     yield from results
-
-
-def _unregister(pointer: int) -> None:
-    import torch
-
-    with suppress(RuntimeError):
-        torch.cuda.cudart().cudaHostUnregister(pointer)

@@ -19,7 +19,7 @@ from modelload.loader.errors import ModelloadError
 
 __all__ = ["build_parser", "main"]
 
-_EXTRAS = {"sidecar": "sidecar", "monitor": "sidecar", "operator": "operator"}
+_EXTRAS = {"sidecar": "sidecar", "monitor": "sidecar", "push": "sidecar", "operator": "operator"}
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:

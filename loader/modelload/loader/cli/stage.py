@@ -15,6 +15,9 @@ the finishing of a tensor (decrypt, verify, publish) are the sidecar engine's ow
 - Safetensors tensors need neither, so the kernel copies them from the file into the segment
   (``copy_file_range``), without passing through this process or faulting in the mapping; where the kernel
   cannot, they are read into the slot like tensorizer's.
+- On huge pages (a segment on hugetlbfs, or a tmpfs mounted ``huge=always``; ``segment.pages``) every
+  tensor is read into its slot of the mapping: hugetlbfs takes nothing else, and a huge-page mapping faults
+  512 times fewer pages than 4 KiB ones. The segment is planned for the volume's page size.
 
 Any error marks the segment FAILED with the reason, so processes already attached stop waiting and see why.
 """
@@ -68,6 +71,7 @@ from modelload.loader.segment import (
 )
 from modelload.loader.segment.layout import MAGIC
 from modelload.loader.segment.modeldir import write_model_dir
+from modelload.loader.segment.pages import Volume, prefers_mapping, volume_of
 from modelload.loader.segment.volume import full_volume
 
 __all__ = ["register", "run"]
@@ -142,11 +146,13 @@ def run(args: argparse.Namespace) -> int:
         if model.small is not None:
             target = args.model_dir or args.segment.parent / "model"
             model_dir = write_model_dir(target, model.small, lambda name: (source / name).read_bytes())
-        writer = SegmentWriter.create(args.segment, _layout(source, model, model_dir))
+        volume = _volume(args.segment)
+        writer = SegmentWriter.create(args.segment, _layout(source, model, model_dir, volume.page_size))
         try:
             with ProgressBar(index.nbytes, "stage", enabled=not args.no_progress) as bar:
                 finisher = TensorFinisher(writer, key=key, encrypted=index.encrypted, verify=args.verify)
-                _fill(model.readers, writer, finisher, threads=args.threads, bar=bar)
+                kernel_copy = not prefers_mapping(volume)
+                _fill(model.readers, writer, finisher, threads=args.threads, bar=bar, kernel_copy=kernel_copy)
             writer.mark_complete()
         except BaseException as exc:
             writer.mark_failed(_reason(exc))
@@ -223,7 +229,15 @@ def _check_target(source: Path, segment: Path, *, force: bool) -> None:
         print(f"modelload stage: replacing the segment at {segment}", file=sys.stderr)
 
 
-def _layout(source: Path, model: _Model, model_dir: Path | None) -> Layout:
+def _volume(segment: Path) -> Volume:
+    """The memory under the segment's folder (4 KiB pages when it does not exist: create() says so)."""
+    try:
+        return volume_of(segment.parent)
+    except OSError:
+        return Volume("small")
+
+
+def _layout(source: Path, model: _Model, model_dir: Path | None, page_size: int) -> Layout:
     index = model.index
     several = bool(index.files)
     specs = [TensorSpec(t.name, t.dtype, t.shape, file=t.file if several else None) for t in index.tensors]
@@ -236,7 +250,7 @@ def _layout(source: Path, model: _Model, model_dir: Path | None) -> Layout:
     }
     if model_dir is not None:
         metadata[MODEL_DIR_KEY] = str(model_dir)
-    return plan_layout(specs, metadata=metadata, files=index.files)
+    return plan_layout(specs, metadata=metadata, files=index.files, page_size=page_size)
 
 
 def _fill(
@@ -246,6 +260,7 @@ def _fill(
     *,
     threads: int,
     bar: ProgressBar,
+    kernel_copy: bool = True,
 ) -> None:
     """Land and finish every slot with ``threads`` threads, tensors handed out in file order.
 
@@ -257,7 +272,7 @@ def _fill(
     copiers: list[_KernelCopy] = []
     for reader in readers:
         copier = None
-        if reader.index.format == "safetensors":  # stored as it loads: no header to open
+        if kernel_copy and reader.index.format == "safetensors":  # stored as it loads: no header to open
             copier = _KernelCopy(reader, writer)
             copiers.append(copier)
         jobs.extend((reader, entry, copier) for entry in reader.index.tensors)

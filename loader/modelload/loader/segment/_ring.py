@@ -11,6 +11,11 @@ Python's :mod:`mmap` cannot place a mapping at a chosen address, so this module 
 ctypes: reserve the whole stretch of address space (``PROT_NONE``, no memory), then map the file over it
 with ``MAP_FIXED``. The memoryview returned keeps the mapping alive; it is unmapped once the last view,
 array or tensor taken from it is gone. Linux only, as the memory-backed volumes it serves are.
+
+On huge pages (``segment.pages``) the ring works the same with pages of 2 MiB or 1 GiB: the layout starts the
+ring on a page boundary and makes it whole pages, and the reserved stretch is aligned to the page size (a
+hugetlbfs file can only be mapped at an address and a file offset that are multiples of its page size; on a
+huge tmpfs the alignment lets the kernel map each 2 MiB page with one entry).
 """
 
 from __future__ import annotations
@@ -60,27 +65,44 @@ def _unmap(address: int, length: int) -> None:
     _libc.munmap(address, length)
 
 
-def map_ring(fd: int, *, start: int, ring_offset: int, ring_size: int, writable: bool) -> memoryview:
+def _reserve_aligned(length: int, alignment: int) -> int:
+    """Reserve ``length`` bytes of address space (no memory) starting at a multiple of ``alignment``."""
+    flags = mmap.MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE
+    if alignment <= mmap.PAGESIZE:
+        return _mmap(None, length, _PROT_NONE, flags, -1, 0)
+    base = _mmap(None, length + alignment, _PROT_NONE, flags, -1, 0)
+    aligned = -(-base // alignment) * alignment
+    if aligned > base:
+        _unmap(base, aligned - base)  # give back the slack before and after the aligned stretch
+    if base + alignment > aligned:
+        _unmap(aligned + length, base + alignment - aligned)
+    return aligned
+
+
+def map_ring(
+    fd: int, *, start: int, ring_offset: int, ring_size: int, writable: bool, page_size: int = mmap.PAGESIZE
+) -> memoryview:
     """Map file bytes ``[start, ring_offset + ring_size)``, then the ring ``[ring_offset, ring_offset +
     ring_size)`` once more right after them, shared; return a byte view of the whole stretch.
 
     Byte ``ring_offset + k`` of the file then shows at view offsets ``ring_offset - start + k`` and
     ``ring_offset - start + ring_size + k``. ``start``, ``ring_offset`` and ``ring_size`` are multiples of
-    the page size (the second mapping starts where the first ends). The view is read-only unless
-    ``writable``: readers of a ring must not keep private copies of pages the writer reuses for newer
-    tensors.
+    ``page_size``, the volume's page size (the second mapping starts where the first ends). The view is
+    read-only unless ``writable``: readers of a ring must not keep private copies of pages the writer reuses
+    for newer tensors.
     """
-    page = mmap.PAGESIZE
+    page = max(page_size, mmap.PAGESIZE)
     if start % page or ring_offset % page or ring_size % page or ring_size <= 0 or start > ring_offset:
         raise SegmentError(
             f"cannot map a ring of {ring_size} bytes at offset {ring_offset} (from {start}) with pages of "
-            f"{page} bytes: ring segments need the ring to start and end on page boundaries (hosts of 4 KiB "
-            "pages; elsewhere use memory mode full or release)"
+            f"{page} bytes: ring segments need the ring to start and end on page boundaries of the volume "
+            "(a ring written for 4 KiB pages cannot be mapped on huge pages; elsewhere use memory mode full "
+            "or release)"
         )
     first = ring_offset + ring_size - start
     total = first + ring_size
     prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-    base = _mmap(None, total, _PROT_NONE, mmap.MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+    base = _reserve_aligned(total, page)
     try:
         _mmap(base, first, prot, mmap.MAP_SHARED | _MAP_FIXED, fd, start)
         _mmap(base + first, ring_size, prot, mmap.MAP_SHARED | _MAP_FIXED, fd, ring_offset)

@@ -22,14 +22,17 @@ truncated file must never make a consumer use wrong bytes, nor crash anyone:
   copy: SPEC.md, consumer table rule 5). A bit someone else set in its entry makes the writer release the
   tensor early, and the consumer's next copy of it then fails with TensorReleasedError instead of being
   taken for data; the state table is the writer's own (the segment is not writable by consumers);
-- nobody maps the table: the writer and the consumers read and write it with ``pread``/``pwrite``, so a
-  file truncated under them reads as free entries instead of killing the process with SIGBUS.
+- the writer never maps the table: it reads it with ``pread``, so a file truncated under it reads as free
+  entries instead of killing the sidecar with SIGBUS; consumers write with ``pwrite`` too, except beside a
+  segment on hugetlbfs, which takes no ``write()``: there they write through a mapping, and a truncated
+  table can stop them (SIGBUS), never make them read wrong bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import mmap
 import os
 import socket
 import struct
@@ -42,6 +45,7 @@ import numpy as np
 import numpy.typing as npt
 
 from modelload.loader.errors import SegmentError, SegmentLayoutError
+from modelload.loader.segment.pages import mapped_length, round_up, volume_of
 
 __all__ = [
     "CAPACITY",
@@ -93,17 +97,23 @@ def create_table(segment: Path, *, load_id: int, tensor_count: int, capacity: in
 
     The writer calls this before it publishes the segment, so that a reader that finds a version-3 segment
     also finds its table (with the same load id).
+
+    The header is written through a mapping and the file is whole pages of its volume: beside a segment on
+    hugetlbfs (``segment.pages``) the table is on hugetlbfs too, which takes no ``write()`` and no other size.
     """
     final = table_path(segment)
     temp = final.with_name(f".{final.name}.{load_id:016x}.tmp")
     fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
     try:
         os.fchmod(fd, 0o666)  # the umask would take write access from the app's containers
-        os.ftruncate(fd, table_length(tensor_count, capacity))
+        volume = volume_of(fd)
+        length = table_length(tensor_count, capacity)
+        os.ftruncate(fd, mapped_length(length, volume))
         header = _HEADER.pack(
             MAGIC, TABLE_VERSION, capacity, load_id, tensor_count, entry_length(tensor_count), 0
         )
-        os.pwrite(fd, header, 0)
+        with mmap.mmap(fd, mapped_length(HEADER_LENGTH, volume), flags=mmap.MAP_SHARED) as mm:
+            mm[: len(header)] = header
         temp.rename(final)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -136,9 +146,13 @@ class ConsumerEntry:
 class ConsumerTable:
     """One consumer table, checked against the segment it belongs to, read and written by offset."""
 
-    def __init__(self, path: Path, fd: int, capacity: int, tensor_count: int) -> None:
+    def __init__(
+        self, path: Path, fd: int, capacity: int, tensor_count: int, mm: mmap.mmap | None = None
+    ) -> None:
         self.path = path
         self._fd = fd
+        self._mm = mm
+        """A consumer's writable mapping, only where the volume takes no ``write()`` (hugetlbfs)."""
         self.capacity = capacity
         self.tensor_count = tensor_count
         self.entry_length = entry_length(tensor_count)
@@ -175,16 +189,21 @@ class ConsumerTable:
                     f"consumer table {path} belongs to another load ({table_load:016x}, not {load_id:016x}); "
                     "the sidecar replaced the load: attach again"
                 )
+            expected = table_length(count, capacity)
+            volume = volume_of(fd)
             if (
                 not 1 <= capacity <= 4096
                 or length != entry_length(count)
-                or size != table_length(count, capacity)
+                or size not in (expected, round_up(expected, volume.page_size))
             ):
                 raise SegmentLayoutError(f"consumer table {path} has an impossible geometry")
+            mm = None
+            if write and volume.mapping_only:
+                mm = mmap.mmap(fd, mapped_length(expected, volume), flags=mmap.MAP_SHARED)
         except BaseException:
             os.close(fd)
             raise
-        return cls(path, fd, capacity, count)
+        return cls(path, fd, capacity, count, mm)
 
     def _read(self, offset: int, length: int) -> bytes:
         """``length`` bytes at ``offset``; zeros (free entries) for what a truncated file no longer holds."""
@@ -230,7 +249,7 @@ class ConsumerTable:
             at = self._at(slot)
             text = (label or f"{socket.gethostname()}/{os.getpid()}").encode()[:LABEL_LENGTH]
             entry = _ENTRY.pack(FREE, os.getpid() & 0xFFFFFFFF, now, now, 0, text)
-            os.pwrite(self._fd, entry.ljust(self.entry_length, b"\0"), at)  # the bitmap zeroed
+            self._put(at, entry.ljust(self.entry_length, b"\0"))  # the bitmap zeroed
             self._write(at, "<I", ACTIVE)  # the state word last: the entry is whole now
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
@@ -239,14 +258,23 @@ class ConsumerTable:
     def _at(self, slot: int) -> int:
         return HEADER_LENGTH + slot * self.entry_length
 
+    def _put(self, offset: int, data: bytes | bytearray) -> None:
+        if self._mm is not None:
+            self._mm[offset : offset + len(data)] = data
+        else:
+            os.pwrite(self._fd, data, offset)
+
     def _write(self, offset: int, fmt: str, value: int) -> None:
-        os.pwrite(self._fd, struct.pack(fmt, value), offset)
+        self._put(offset, struct.pack(fmt, value))
 
     def _read_u64(self, offset: int) -> int:
         value: int = struct.unpack("<Q", self._read(offset, 8))[0]
         return value
 
     def close(self) -> None:
+        if self._mm is not None:
+            with contextlib.suppress(BufferError):
+                self._mm.close()
         os.close(self._fd)
 
 
@@ -283,7 +311,7 @@ class Registration:
                 if not self._bits[byte] & bit:
                     self._bits[byte] |= bit
                     self._count += 1
-                    os.pwrite(self.table._fd, self._bits[byte : byte + 1], base + byte)
+                    self.table._put(base + byte, self._bits[byte : byte + 1])
             self.table._write(self._at + 24, "<Q", self._count)
 
     def vouched(self, index: int) -> bool:

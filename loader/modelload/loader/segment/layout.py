@@ -232,7 +232,12 @@ class Layout:
     memory_mode: MemoryMode = MemoryMode.FULL
     """RELEASE makes the segment layout version 3, RING version 4 (both with a consumer table beside it)."""
     ring_size: int = 0
-    """Ring mode: the bytes of the ring, the file's data region (a multiple of 4096)."""
+    """Ring mode: the bytes of the ring, the file's data region (a multiple of ``page_size``)."""
+    page_size: int = ALIGNMENT
+    """The page size of the volume the segment is planned for (``segment.pages``): on huge pages (2 MiB or
+    1 GiB) the data region and the ring start on a page boundary and the file is a whole number of pages
+    (hugetlbfs takes no other size). Not recorded in the header: readers see it in the offsets and the file's
+    size."""
 
     @property
     def layout_version(self) -> int:
@@ -247,7 +252,7 @@ class Layout:
         """The file's size: the data region after the tables, or in ring mode the ring instead."""
         if self.memory_mode == MemoryMode.RING:
             return self.data_offset + self.ring_size
-        return self.data_offset + self.data_length
+        return align(self.data_offset + self.data_length, self.page_size)
 
     @property
     def ring(self) -> Ring | None:
@@ -283,6 +288,7 @@ def plan_layout(
     files: Sequence[str] = (),
     memory_mode: MemoryMode = MemoryMode.FULL,
     ring_size: int = 0,
+    page_size: int = ALIGNMENT,
 ) -> Layout:
     """Place ``tensors`` in a segment, in the given order, each slot on a 4096-byte boundary.
 
@@ -294,10 +300,20 @@ def plan_layout(
     ``files`` names the weight files of a model of several (a directory's shards); every spec then says its
     ``file``, and the segment is written as layout version 2. Memory mode RELEASE makes it version 3, RING
     version 4; ``ring_size`` (ring mode only) is rounded up to a multiple of 4096.
+
+    ``page_size``, the page size of the segment's volume (:func:`.pages.volume_of`), aligns more where it is
+    larger than 4096 (huge pages): the data region and the ring start on a page boundary, the ring and the
+    file are whole pages.
+
+    >>> huge = plan_layout([TensorSpec("w", by_name("float32"), (2, 3))], page_size=2 << 20)
+    >>> huge.slots[0].offset, huge.segment_length
+    (2097152, 4194304)
     """
     if (memory_mode == MemoryMode.RING) != (ring_size > 0):
         raise SegmentLayoutError("a ring size is given exactly when the memory mode is ring")
-    ring_size = align(ring_size)
+    if page_size < ALIGNMENT or page_size % ALIGNMENT:
+        raise SegmentLayoutError(f"a page size must be a multiple of {ALIGNMENT}, got {page_size}")
+    ring_size = align(ring_size, page_size)
     specs = list(tensors)
     meta = dict(metadata or {})
     files = tuple(files)
@@ -326,14 +342,16 @@ def plan_layout(
     data_offset = align(HEADER_LENGTH + 1) + align(STATE_ENTRY_LENGTH * max(len(specs), 1))
     if specs:
         data_offset += align(specs[0].lead)
+    data_offset = align(data_offset, page_size)
     while True:
         slots = _place(specs, data_offset)
         manifest = _encode_manifest(slots, meta, files)
         if len(manifest) > MAX_MANIFEST_LENGTH:
             raise SegmentLayoutError(f"manifest of {len(manifest)} bytes exceeds {MAX_MANIFEST_LENGTH}")
         state_offset = align(HEADER_LENGTH + len(manifest))
-        needed = align(state_offset + STATE_ENTRY_LENGTH * len(specs)) + (
-            align(specs[0].lead) if specs else 0
+        needed = align(
+            align(state_offset + STATE_ENTRY_LENGTH * len(specs)) + (align(specs[0].lead) if specs else 0),
+            page_size,
         )
         if needed == data_offset:
             break
@@ -350,6 +368,7 @@ def plan_layout(
         files=files,
         memory_mode=memory_mode,
         ring_size=ring_size,
+        page_size=page_size,
     )
 
 

@@ -8,6 +8,10 @@ the directory, so an app that attaches finds both.
 The directory is replaced whole: the files land in a hidden directory beside it, which is renamed into
 place, so a reader never finds a mix of two loads' files. Files are world-readable (0644): they are the
 model's configuration, and the app's container may run as another user.
+
+A segment on hugetlbfs (huge pages) cannot have its model directory beside it: hugetlbfs files are written
+through mappings only, in whole pages, so ``config.json`` could not be written there (and would not read back
+as JSON). The model directory then goes on another volume (``--model-dir``), and one beside it is refused.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from modelload.loader.errors import ConfigError, SegmentError
+from modelload.loader.segment.pages import volume_of
 from modelload.loader.segment.volume import full_volume
 
 __all__ = ["write_model_dir"]
@@ -48,6 +53,12 @@ def write_model_dir(
 
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
+        if volume_of(target.parent).mapping_only:
+            raise ConfigError(
+                f"the model directory {target} is on hugetlbfs, which holds only mapped, page-sized files: "
+                "put the model directory on another volume (--model-dir / MODELLOAD_MODEL_DIR; the operator "
+                "does this for spec.memory.hugePages)"
+            )
         staging.mkdir(mode=0o755)
         staging.chmod(0o755)
         with ThreadPoolExecutor(

@@ -9,6 +9,11 @@ A ring segment (layout version 4, memory mode ring) is mapped differently: its d
 writer reuses, mapped twice back to back, shared and read-only (:mod:`._ring`). A private copy of a page
 would hide the newer tensors the writer lands there later, so arrays over a ring are read-only.
 
+A segment on hugetlbfs (``segment.pages``) is mapped shared and read-only too, from a page boundary: a
+private mapping of a hugetlbfs file reserves a page of the pool for every page it might copy on write,
+which a pool sized for the model does not have (the mapping fails with ENOMEM), and a write into such a
+page would take a page no one accounted for. Its arrays are read-only, as a ring's.
+
 Waiting polls the state table. A caller that has a faster way to learn of progress (the loader's pyzmq
 subscription) passes it as ``waiter``, which blocks until something happens or its timeout passes; the state
 table stays the truth either way, so a missed message costs at most one wait.
@@ -59,6 +64,7 @@ from modelload.loader.segment.layout import (
     WriterState,
     entry_offset,
 )
+from modelload.loader.segment.pages import SMALL_PAGE, Volume, mapped_length, volume_of
 from modelload.loader.segment.validate import parse_header, parse_manifest
 
 __all__ = ["SegmentReader", "Waiter"]
@@ -85,8 +91,11 @@ class SegmentReader:
         data: mmap.mmap | memoryview | None,
         data_base: int,
         files: tuple[str, ...] = (),
+        volume: Volume | None = None,
     ) -> None:
         self.path = path
+        self.volume = volume or Volume("small")
+        """The kind of memory under the segment (huge pages or not): the GPU copy registers whole pages."""
         self.files = files
         """The model's weight files (layout version 2), indexed by :attr:`Slot.file`; empty for one file."""
         self.header = header
@@ -132,11 +141,13 @@ class SegmentReader:
             if len(manifest) != header.manifest_length:
                 raise SegmentLayoutError(f"segment {target} is truncated inside its manifest")
             slots, metadata, files = parse_manifest(manifest, header)
-            control = mmap.mmap(fd, header.data_offset, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-            data, base = _map_data(fd, header)
+            volume = volume_of(fd)
+            control_length = min(mapped_length(header.data_offset, volume), size)
+            control = mmap.mmap(fd, control_length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            data, base = _map_data(fd, header, volume, size)
         finally:
             os.close(fd)
-        return cls(target, header, slots, metadata, control, data, base, files)
+        return cls(target, header, slots, metadata, control, data, base, files, volume)
 
     # --- state ----------------------------------------------------------------------------------------------
 
@@ -218,6 +229,11 @@ class SegmentReader:
         offset = slot.offset if self._ring is None else self._ring.file_offset(slot.offset)
         start = offset - self._data_base
         return self._data_view[start : start + slot.nbytes]
+
+    def data(self) -> memoryview:
+        """This process's whole mapping of the data region, as bytes (a ring's twice over, back to back): what
+        the GPU copy may pin in one piece rather than tensor by tensor."""
+        return self._data_view
 
     # --- waiting --------------------------------------------------------------------------------------------
 
@@ -342,18 +358,34 @@ class SegmentReader:
         return f"<SegmentReader {self.path} tensors={len(self.slots)} state={self.writer_state.name}>"
 
 
-def _map_data(fd: int, header: Header) -> tuple[mmap.mmap | memoryview | None, int]:
-    """Map the data region copy-on-write, from the allocation boundary at or below data_offset; a ring twice
-    over, shared and read-only."""
+def _map_data(
+    fd: int, header: Header, volume: Volume, size: int
+) -> tuple[mmap.mmap | memoryview | None, int]:
+    """Map the data region copy-on-write, from the page boundary at or below data_offset; a ring twice over,
+    and any segment on hugetlbfs, shared and read-only."""
+    page = _mapping_page(header, volume)
     if header.ring:
         ring = _ring.map_ring(
             fd, start=header.data_offset, ring_offset=header.data_offset, ring_size=header.ring_size,
-            writable=False,
+            writable=False, page_size=page,
         )  # fmt: skip
         return ring, header.data_offset
     if header.data_length == 0:
         return None, header.data_offset
-    base = header.data_offset - header.data_offset % mmap.ALLOCATIONGRANULARITY
-    length = header.data_offset + header.data_length - base
-    data = mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=base)
+    base = header.data_offset - header.data_offset % max(page, mmap.ALLOCATIONGRANULARITY)
+    length = min(mapped_length(header.data_offset + header.data_length - base, volume), size - base)
+    if volume.mapping_only:
+        data = mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=base)
+    else:
+        prot = mmap.PROT_READ | mmap.PROT_WRITE
+        data = mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=prot, offset=base)
     return data, base
+
+
+def _mapping_page(header: Header, volume: Volume) -> int:
+    """The page the data mapping starts on: hugetlbfs's own (it maps nothing else); on a huge tmpfs its page
+    where the writer aligned the data region to it (every address then maps whole huge pages); else 4 KiB."""
+    if volume.mapping_only:
+        return volume.page_size
+    aligned = header.data_offset % volume.page_size == 0 and header.ring_size % volume.page_size == 0
+    return volume.page_size if volume.huge and aligned else SMALL_PAGE

@@ -9,6 +9,11 @@ Neighbouring tensors can share a page: the tail of one slot and the lead (scratc
 or start of the next. Such a page is punched only once every tensor touching it is released, so punching
 never takes bytes from a tensor still in use or still landing.
 
+Pages are the volume's (the layout's ``page_size``): on huge pages a page is 2 MiB (or 1 GiB) and many small
+tensors share one. hugetlbfs frees only whole huge pages (a partial punch merely zeroes the bytes), and a
+partial punch of a huge tmpfs page splits it, so a huge page is punched whole, once every tensor on it is
+released.
+
 In ring mode (layout version 4) a released tensor's bytes are not punched but reused for newer tensors: the
 releaser only stores the state word, and the whole ring is punched once every tensor is released.
 """
@@ -29,7 +34,7 @@ import numpy as np
 from modelload.loader.errors import SegmentError
 from modelload.loader.segment import _memory
 from modelload.loader.segment.geometry import Record
-from modelload.loader.segment.layout import ALIGNMENT, STATE_ENTRY_LENGTH, Layout, TensorState
+from modelload.loader.segment.layout import ALIGNMENT, STATE_ENTRY_LENGTH, Layout, TensorState, align
 
 __all__ = ["Releaser", "page_span", "punch_hole"]
 
@@ -52,11 +57,12 @@ def punch_hole(fd: int, offset: int, length: int) -> None:
         ) from OSError(code, os.strerror(code))
 
 
-def page_span(offset: int, length: int) -> tuple[int, int]:
-    """The first page and the page past the last that bytes ``[offset, offset + length)`` touch."""
+def page_span(offset: int, length: int, page: int = ALIGNMENT) -> tuple[int, int]:
+    """The first page and the page past the last that bytes ``[offset, offset + length)`` touch, for pages of
+    ``page`` bytes."""
     if length <= 0:
-        return offset // ALIGNMENT, offset // ALIGNMENT
-    return offset // ALIGNMENT, -(-(offset + length) // ALIGNMENT)
+        return offset // page, offset // page
+    return offset // page, -(-(offset + length) // page)
 
 
 class Releaser:
@@ -70,14 +76,18 @@ class Releaser:
         self._punch = punch
         self._fd = os.dup(fd)
         self.layout = layout
-        self._mm = mmap.mmap(self._fd, layout.data_offset, flags=mmap.MAP_SHARED)
+        self._page = layout.page_size
+        # Whole pages: a partial huge page of hugetlbfs would never be unmapped (segment.pages.mapped_length).
+        self._mm = mmap.mmap(self._fd, align(layout.data_offset, self._page), flags=mmap.MAP_SHARED)
         self._u32 = np.frombuffer(self._mm, dtype="<u4")
         first = layout.state_offset // 4
         self.states = self._u32[
             first : first + len(layout.slots) * (STATE_ENTRY_LENGTH // 4) : STATE_ENTRY_LENGTH // 4
         ]
         self.spans = [
-            page_span(*Record.in_slot(s, header=leads[s.index] if s.index < len(leads) else 0).footprint)
+            page_span(
+                *Record.in_slot(s, header=leads[s.index] if s.index < len(leads) else 0).footprint, self._page
+            )
             for s in layout.slots
         ]
         touches: Counter[int] = Counter()
@@ -112,8 +122,8 @@ class Releaser:
             high -= 1
         if high <= low:
             return 0
-        punch_hole(self._fd, low * ALIGNMENT, (high - low) * ALIGNMENT)
-        return (high - low) * ALIGNMENT
+        punch_hole(self._fd, low * self._page, (high - low) * self._page)
+        return (high - low) * self._page
 
     def close(self) -> None:
         self.states = self._u32 = np.empty(0, dtype="<u4")

@@ -19,6 +19,12 @@ A ring segment (layout version 4) holds only ``ring_size`` bytes of data after i
 bytes wrap around the ring's end. The writer maps the ring a second time right after the file
 (:mod:`._ring`), so :meth:`SegmentWriter.slot` and :meth:`SegmentWriter.region` still give one contiguous
 view; landing through the descriptor takes :meth:`SegmentWriter.file_ranges`, one or two pieces of the file.
+
+On huge pages (:mod:`.pages`) the layout is planned for the volume's page size (``plan_layout(page_size=)``),
+so the file is whole pages, which hugetlbfs requires. A hugetlbfs file is filled only through the mapping:
+its pages are reserved by ``posix_fallocate`` (or by the shared mapping itself, which the kernel refuses
+with ENOMEM when the pool has too few free pages: both are a :class:`SegmentSpaceError` here, never a
+SIGBUS later).
 """
 
 from __future__ import annotations
@@ -62,6 +68,14 @@ from modelload.loader.segment.layout import (
     WriterState,
     entry_offset,
 )
+from modelload.loader.segment.pages import (
+    Volume,
+    available_bytes,
+    check_page_size,
+    full_volume_advice,
+    mapped_length,
+    volume_of,
+)
 from modelload.loader.segment.volume import FULL, full_volume, volume_full
 
 __all__ = ["SegmentWriter"]
@@ -88,9 +102,19 @@ class SegmentWriter:
     ...     writer.mark_complete()
     """
 
-    def __init__(self, path: Path, layout: Layout, fd: int, mm: mmap.mmap | memoryview, load_id: int) -> None:
+    def __init__(
+        self,
+        path: Path,
+        layout: Layout,
+        fd: int,
+        mm: mmap.mmap | memoryview,
+        load_id: int,
+        volume: Volume | None = None,
+    ) -> None:
         self.path = path
         self.layout = layout
+        self.volume = volume or Volume("small")
+        """The kind of memory under the segment: on hugetlbfs only the mapping can write it."""
         self.load_id = load_id
         self._fd = fd
         self._mm = mm
@@ -135,6 +159,7 @@ class SegmentWriter:
         load_id = load_id or (secrets.randbits(64) | 1)
         created_ns = created_ns or time.time_ns()
         _check_writable(target.parent)
+        volume = check_page_size(target.parent, layout.page_size)
         _make_room(target, layout.segment_length, load_id)
         _check_space(target.parent, layout)
         temp = target.with_name(f".{target.name}.{load_id:016x}.tmp")
@@ -155,13 +180,8 @@ class SegmentWriter:
                     if length > 0:
                         _reserve(fd, length, target, offset=offset)
             mm: mmap.mmap | memoryview
-            if layout.memory_mode == MemoryMode.RING:
-                mm = _ring.map_ring(
-                    fd, start=0, ring_offset=layout.data_offset, ring_size=layout.ring_size, writable=True
-                )
-            else:
-                mm = mmap.mmap(fd, layout.segment_length, flags=mmap.MAP_SHARED)
-            writer = cls(target, layout, fd, mm, load_id)
+            mm = _map(fd, layout, target)
+            writer = cls(target, layout, fd, mm, load_id, volume)
             writer._write_prologue(created_ns)
             if layout.layout_version >= 3:  # the consumer table first: a version-3 or -4 reader looks for it
                 create_table(target, load_id=load_id, tensor_count=len(layout.slots))
@@ -366,6 +386,29 @@ def _check_writable(directory: Path) -> None:
         )
 
 
+def _map(fd: int, layout: Layout, target: Path) -> mmap.mmap | memoryview:
+    """Map the new segment shared and writable (a ring twice over). On hugetlbfs the kernel reserves the
+    mapping's pages from its pool now, and refuses with ENOMEM when too few are free."""
+    try:
+        if layout.memory_mode == MemoryMode.RING:
+            return _ring.map_ring(
+                fd, start=0, ring_offset=layout.data_offset, ring_size=layout.ring_size, writable=True,
+                page_size=layout.page_size,
+            )  # fmt: skip
+        return mmap.mmap(fd, layout.segment_length, flags=mmap.MAP_SHARED)
+    except OSError as exc:
+        full = full_volume(
+            exc,
+            f"cannot map the {layout.segment_length}-byte segment at {target}: too few free huge pages",
+            advice="raise the node's huge pages (nr_hugepages) or the pod's hugepages limit "
+            "(spec.memory.hugePages)",
+            codes=frozenset({errno.ENOMEM}),
+        )
+        if full is None:
+            raise
+        raise full from exc
+
+
 def _check_space(directory: Path, layout: Layout) -> None:
     try:
         available = _available(directory)
@@ -383,7 +426,7 @@ def _check_space(directory: Path, layout: Layout) -> None:
     if needed > available:
         raise volume_full(
             f"the segment needs {needed} bytes and {directory} has {available} free; "
-            "raise the volume's sizeLimit (emptyDir medium: Memory) or free space"
+            + full_volume_advice(directory)
         )
 
 
@@ -423,8 +466,7 @@ def _make_room(target: Path, needed: int, load_id: int) -> None:
 
 
 def _available(directory: Path) -> int:
-    stats = os.statvfs(directory)
-    return stats.f_bavail * stats.f_frsize
+    return available_bytes(directory)
 
 
 def _writer_state(target: Path) -> int | None:
@@ -450,7 +492,8 @@ def _supersede(target: Path, load_id: int) -> None:
         size = os.fstat(fd).st_size
         if size < HEADER_LENGTH:
             return
-        with mmap.mmap(fd, HEADER_LENGTH, flags=mmap.MAP_SHARED) as old:
+        length = min(mapped_length(HEADER_LENGTH, volume_of(fd)), size)
+        with mmap.mmap(fd, length, flags=mmap.MAP_SHARED) as old:
             loading = struct.unpack_from("<I", old, OFF_WRITER_STATE)[0] == WriterState.LOADING
             if old[: len(MAGIC)] != MAGIC or not loading:
                 return

@@ -11,8 +11,9 @@ One run is one load:
 3. read each weight file's index with one small range, plan the segment (a slot per tensor, across files)
    and the range chunks, publish the segment's header and manifest at once (an app can attach now);
 4. N reader threads take chunks in load order and land them straight in the segment: ``os.splice`` from the
-   socket or file into the segment's file where the source supports it (no user-space copy, no page faults
-   in this process), ``readinto`` a slice of the mapping otherwise;
+   socket or file into the segment's file on 4 KiB pages where the source supports it (no user-space copy,
+   no page faults in this process), ``readinto`` a slice of the mapping on huge pages and otherwise
+   (:mod:`modelload.sidecar.load.landing` chooses);
 5. the thread that lands a tensor's last chunk decrypts it in place, checks its hash when asked, and
    publishes it READY;
 6. every tensor in, and the weight files still the ones the load started with (a fresh look-up of their
@@ -28,6 +29,7 @@ Retries, resume after a broken stream, ETag checks and stall timeouts happen in 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
 import time
@@ -38,6 +40,7 @@ from pathlib import Path
 from typing import Protocol
 
 from modelload.loader.errors import (
+    HashMismatchError,
     MissingKeyError,
     ModelloadError,
     NotEncryptedError,
@@ -53,7 +56,9 @@ from modelload.loader.segment import (
     WriterState,
     run_in_order,
 )
-from modelload.sidecar.load import integrity
+from modelload.sidecar.load import integrity, proof
+from modelload.sidecar.load.digests import FileDigests
+from modelload.sidecar.load.landing import choose_landing
 from modelload.sidecar.load.meter import ChunkMeter
 from modelload.sidecar.load.modeldir import write_model_dir
 from modelload.sidecar.load.settings import LoadSettings
@@ -186,14 +191,22 @@ class Engine:
             return
         index = model.index
         key = self._key(index, uri)
+        landing = choose_landing(settings.landing, settings.segment, model.sources)
+        proofs = _decide_proofs(model, settings, encrypted=index.encrypted)
+        metadata = _metadata(uri, model.fingerprint, model.size, settings.notify, model_dir)
         plan = plan_load(
             index,
             chunk_size=settings.chunk_size,
             priority=settings.priority,
-            metadata=_metadata(uri, model.fingerprint, model.size, settings.notify, model_dir),
+            metadata={
+                **metadata,
+                **_pinned_version(model),
+                PROOFS_KEY: json.dumps({p.uri: p.label for p in proofs}, sort_keys=True),
+            },
+            page_size=landing.page_size,
         )
         plan = plan_memory(plan, settings.memory)
-        use_fd = settings.splice and all(source.supports_fd for source in model.sources)
+        use_fd = landing.through_fd
         # Through the file descriptor nothing writes a meta tensor's slot: reserve it before publishing.
         unlanded = integrity.unlanded_ranges(plan) if use_fd else []
         # A ring's pages are taken once, now, and reused lap after lap (a full volume fails here).
@@ -201,13 +214,22 @@ class Engine:
         self._writer = writer = SegmentWriter.create(
             settings.segment, plan.layout, reserve=ring, reserve_ranges=unlanded
         )
+        checking: list[FileDigests] = []  # set below, before any tensor is ready to release
         memory = None
         if settings.memory.mode != "full":
-            report = observer.memory_changed
-            memory = MemoryManager(settings.memory, writer=writer, plan=plan, stop=self._stop, report=report)
+            memory = MemoryManager(
+                settings.memory,
+                writer=writer,
+                plan=plan,
+                stop=self._stop,
+                report=observer.memory_changed,
+                hold=lambda: checking[0].releasable() if checking else None,
+            )
         observer.manifest_published(
             model_format=index.format, tensors=len(index), nbytes=index.nbytes, notify=settings.notify
         )
+        for each in proofs:
+            observer.file_proof(file=each.uri, proof=each.label, state=each.state)
         if self._peers is not None:  # shared only in full mode: released pages cannot be served
             share = settings.memory.mode == "full"
             plan = self._peers.begin(
@@ -218,7 +240,14 @@ class Engine:
             # file descriptor a full volume is an ordinary ENOSPC, and reserving would cost a pass of zeroing
             # (0.15 s per 2 GiB here) for pages the data overwrites anyway.
             writer.reserve()
-        _Load(self._context(), model, plan, writer, key, use_fd=use_fd, memory=memory).run()
+        digests = self._digests(model, plan, writer)  # on the plan the readers follow (peers reorder it)
+        checking.extend([digests] if digests is not None else [])
+        _Load(
+            self._context(), model, plan, writer, key, use_fd=use_fd, memory=memory, proofs=proofs,
+            digests=digests,
+        ).run()  # fmt: skip
+        if digests is not None and (digests.failure is not None or not self._stop.is_set()):
+            self._finish_digests(digests, proofs)
         if self._stop.is_set():
             raise LoadStopped("stopped before the load finished")
         integrity.check_unchanged(
@@ -230,7 +259,11 @@ class Engine:
             on_retry=self._retried,
             sample=settings.memory.mode == "full",
             skip=self._peers.verified_by_peers if self._peers is not None else (),
+            proven=[p.file for p in proofs if p.method != "samples"],
         )
+        for each in proofs:
+            if each.method in _UNPROVEN_STATE:
+                observer.file_proof(file=each.uri, proof=each.label, state=_UNPROVEN_STATE[each.method])
         writer.mark_complete()
         observer.load_finished(seconds=time.monotonic() - started, nbytes=index.nbytes)
 
@@ -243,6 +276,38 @@ class Engine:
             on_retry=self._retried,
             peers=self._peers,
         )
+
+    def _finish_digests(self, digests: FileDigests, proofs: list[proof.FileProof]) -> None:
+        """Wait for every ``digest`` proof (raises the first mismatch) and say each file is proven."""
+        try:
+            digests.finish()
+        except BaseException:
+            for each in proofs:
+                if each.method == "digest":
+                    self._observer.file_proof(file=each.uri, proof=each.label, state="failed")
+            raise
+        for each in proofs:
+            if each.method == "digest":
+                each.state = "proven"
+                self._observer.file_proof(file=each.uri, proof=each.label, state="proven")
+
+    def _digests(self, model: OpenedModel, plan: LoadPlan, writer: SegmentWriter) -> FileDigests | None:
+        """The hashing of each weight file against its origin's digest (``hf://``, ``oci://``), started."""
+        settings = self.settings
+        if settings.memory.mode == "ring" and settings.priority:
+            log.warning(
+                "ring mode with a priority order: the origin's file digests are not checked (a whole-file "
+                "hash "
+                "follows file order, which the ring would have to hold back); drop --priority to check them"
+            )
+            return None
+        digests = FileDigests(
+            model, plan, writer, policy=self._sources.retry, stop=self._stop, on_retry=self._retried
+        )
+        if not digests.active:
+            return None
+        digests.start(threads=max(1, settings.readers // 4))
+        return digests
 
     def _fail(self, exc: BaseException) -> None:
         kind = error_kind(exc)
@@ -331,9 +396,12 @@ class _Load:
         *,
         use_fd: bool,
         memory: MemoryManager | None = None,
+        proofs: list[proof.FileProof] | None = None,
+        digests: FileDigests | None = None,
     ) -> None:
         self.context = context
         self.memory = memory
+        self.digests = digests
         self.sources: list[Source] = model.sources
         self.model = model
         self.plan = plan
@@ -343,9 +411,18 @@ class _Load:
         self.stop = context.stop
         self._lock = threading.Lock()
         self._remaining = list(plan.chunk_counts)
-        # Tensors without a stored hash are re-sampled before they are published (integrity.check_tensor).
-        sampled_files = [integrity.needs_samples(model, f) for f in range(len(model.sources))]
-        self._sampled = [sampled_files[t.file] for t in plan.index.tensors]
+        proofs = proofs or []
+        self.prover = proof.Prover(proofs, plan, model.sources, [info.size for info in model.infos])
+        self._proofs = proofs
+        # Tensors without a stored hash are re-sampled before they are published (integrity.check_tensor),
+        # unless the store's checksum proves their file.
+        sampled_files = {p.file for p in proofs if p.method == "samples"}
+        self._sampled = [t.file in sampled_files for t in plan.index.tensors]
+        # A file proven by the store's checksum keeps its tensors back until it is proven (in memory modes
+        # that can hold them, and unless the file's own hashes prove each tensor as it lands).
+        own_hashes = plan.index.format == "tensorizer" and context.settings.verify
+        hold = context.settings.memory.mode != "ring" and not own_hashes
+        self._held: dict[int, list[int]] = {p.file: [] for p in proofs if hold and self.prover.proves(p.file)}
         self.finisher = TensorFinisher(
             writer, key=key, encrypted=plan.index.encrypted, verify=context.settings.verify
         )
@@ -355,6 +432,9 @@ class _Load:
         for tensor in self.plan.order:
             if self._remaining[tensor] == 0:  # nothing to fetch: an empty tensor
                 self._publish(tensor)
+        for each in self._proofs:
+            if self.prover.no_chunks(each.file):
+                self._prove(each.file)
         chunks = len(self.plan.chunks)
         run_in_order(chunks, self._read, threads=self.settings.readers, stop=self.stop, name="reader")
         self.finisher.settle()  # the only encrypted tensor, and it failed: nothing proves the key
@@ -368,11 +448,46 @@ class _Load:
         with metered(meter):  # progress moves as bytes land, not only per chunk
             self._land(chunk)
         meter.finish()
+        if self.digests is not None:
+            self.digests.landed(seq)
+        file_done = self.prover.landed(chunk, self.writer.region)
         with self._lock:
             self._remaining[chunk.tensor] -= 1
             complete = self._remaining[chunk.tensor] == 0
-        if complete:
+            held = self._held.get(chunk.file)
+            if complete and held is not None:
+                held.append(chunk.tensor)
+        if complete and held is None:
             self._publish(chunk.tensor)
+        if file_done:
+            self._prove(chunk.file)
+
+    def _prove(self, file: int) -> None:
+        """Check a complete file against the store's checksum (once more, from the origin, when none of its
+        tensors is out yet), then publish the tensors it held back."""
+        policy = self.context.retry
+        each = self._proofs[file]
+        try:
+            self.prover.prove(file, self.writer.region, policy=policy)
+        except HashMismatchError as exc:
+            if file not in self._held:
+                self.observer.file_proof(file=each.uri, proof=each.label, state="failed")
+                raise
+            log.warning("%s; reading the file again", exc)
+            self.observer.retried(kind="checksum", message=str(exc))
+            for chunk in self.prover.reset(file):
+                self._land(chunk)
+                self.prover.landed(chunk, self.writer.region)
+            try:
+                self.prover.prove(file, self.writer.region, policy=policy)
+            except HashMismatchError:
+                self.observer.file_proof(file=each.uri, proof=each.label, state="failed")
+                raise
+        self.observer.file_proof(file=each.uri, proof=each.label, state="proven")
+        with self._lock:
+            held = self._held.pop(file, [])
+        for tensor in held:
+            self._publish(tensor)
 
     def _land_fd(self, chunk: Chunk) -> None:
         src_offset = chunk.src_offset
@@ -441,6 +556,21 @@ def _warn_without_validator(model: OpenedModel) -> None:
             )
 
 
+PROOFS_KEY = "proofs"
+"""The segment metadata key recording, per weight file, what its bytes were proven against (JSON)."""
+_UNPROVEN_STATE = {"samples": "sampled", "validator": "pinned"}
+
+
+def _decide_proofs(model: OpenedModel, settings: LoadSettings, *, encrypted: bool) -> list[proof.FileProof]:
+    """The one place a load decides each file's proof (:func:`proof.decide`), given what sampling needs."""
+    return proof.decide(
+        model,
+        memory_mode=settings.memory.mode,
+        encrypted=encrypted,
+        needs_samples=lambda file: integrity.needs_samples(model, file),
+    )
+
+
 def _metadata(
     uri: str, etag: str | None, size: int, notify: str | None, model_dir: Path | None
 ) -> dict[str, str]:
@@ -456,6 +586,19 @@ def _metadata(
     if model_dir is not None:
         meta[MODEL_DIR_KEY] = str(model_dir)
     return meta
+
+
+def _pinned_version(model: OpenedModel) -> dict[str, str]:
+    """``source_version``: the one version every weight file was listed at (a Hub commit, an OCI manifest
+    digest), when the origin pins one: what the segment was loaded from, whatever the branch or tag says
+    now."""
+    if model.directory is None:
+        return {}
+    versions = {
+        model.directory.files[name].version for name in model.weights if name in model.directory.files
+    }
+    version = versions.pop() if len(versions) == 1 else None
+    return {"source_version": version} if version else {}
 
 
 def error_kind(exc: BaseException) -> str:

@@ -36,7 +36,6 @@ from modelload.sidecar.sources import (
     OpenedModel,
     RetryEvent,
     RetryPolicy,
-    S3Source,
     Source,
     read_range,
     stat_source,
@@ -81,9 +80,11 @@ def _origin(source: Source) -> Source:
 
 
 def needs_samples(model: OpenedModel, file: int) -> bool:
-    """Whether sampled bytes of ``file`` are worth re-reading: S3's ETag follows the content, and a server
-    without Range support would send the whole object per sample."""
-    return not isinstance(_origin(model.sources[file]), S3Source) and model.infos[file].accepts_ranges
+    """Whether sampled bytes of ``file`` are worth re-reading: not where the store's validator changes with
+    every write (S3's ETag follows the content, a GCS generation or an Azure ETag every upload), and not
+    from a server without Range support (it would send the whole object per sample)."""
+    origin = _origin(model.sources[file])
+    return not getattr(origin, "pins_version", False) and model.infos[file].accepts_ranges
 
 
 def _samples(plan: LoadPlan, model: OpenedModel, chunks: Sequence[Chunk] | None = None) -> list[_Sample]:
@@ -143,6 +144,7 @@ def check_unchanged(
     on_retry: Callable[[RetryEvent], None] | None = None,
     sample: bool = True,
     skip: Collection[int] = (),
+    proven: Collection[int] = (),
 ) -> int:
     """Raise :class:`SourceChangedError` when a weight file is no longer the one the segment was loaded
     from (see the module's docstring); return how many samples were compared.
@@ -150,7 +152,8 @@ def check_unchanged(
     ``sample=False`` re-checks the validators only: in the release and ring memory modes the pages of
     consumed tensors are gone by the end of the load, so there is nothing left to compare them with.
     ``skip`` names tensors checked otherwise (bytes from peers, matched against the checksums they listed
-    for the same ETag), whose samples the origin need not serve again.
+    for the same ETag), whose samples the origin need not serve again; ``proven`` names files whose bytes
+    the store's checksum proved (:mod:`.proof`), which need no samples at all.
     """
     for source, info in zip(model.sources, model.infos, strict=True):
         fresh = stat_source(source, policy=policy, on_retry=on_retry, fresh=True)
@@ -163,7 +166,10 @@ def check_unchanged(
             )
     if not sample:
         return 0
-    samples = _samples(plan, model, [c for c in plan.chunks if c.tensor not in skip] if skip else None)
+    chunks = (
+        [c for c in plan.chunks if c.tensor not in skip and c.file not in proven] if skip or proven else None
+    )
+    samples = _samples(plan, model, chunks)
     log.info("re-reading %d samples of the landed ranges to check the model did not change", len(samples))
 
     def compare(sample: _Sample) -> _Sample | None:

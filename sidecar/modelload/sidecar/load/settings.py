@@ -10,6 +10,7 @@ from modelload.loader import wiring
 from modelload.loader.errors import ConfigError
 from modelload.loader.rules import Between, OneOf, check_fields, rule
 from modelload.loader.sizes import format_size
+from modelload.sidecar.load.landing import LANDINGS, Landing
 from modelload.sidecar.memory.settings import MemorySettings
 from modelload.sidecar.sources import display_url
 
@@ -89,9 +90,11 @@ class LoadSettings:
     """The pyzmq endpoint recorded in the segment for loaders to subscribe to (the sidecar's ``--notify``,
     ``NotifySettings.endpoint``). Default none."""
 
-    splice: bool = True
-    """Land bytes with ``os.splice`` where the source supports it (plain HTTP, S3 over HTTP, files). Default
-    on; off only to compare the two paths."""
+    landing: Landing = field(default="auto", metadata=rule(OneOf(LANDINGS)))
+    """How bytes reach the segment (:mod:`modelload.sidecar.load.landing`): ``auto`` picks by the segment's
+    volume (``os.splice`` through the file descriptor on 4 KiB pages, where the source supports it; the
+    segment's mapping on huge pages), ``splice`` and ``mapping`` force a path, to compare them. Default
+    ``auto``."""
 
     memory: MemorySettings = field(default_factory=MemorySettings)
     """Memory modes full, release and ring (``modelload.sidecar.memory``)."""

@@ -77,8 +77,10 @@ def plan_memory(plan: LoadPlan, settings: MemorySettings) -> LoadPlan:
                 f"ring size of {settings.ring_size} bytes: set --ring-size (ModelLoad spec.memory.ringSize) "
                 f"to at least {-(-need // 2**20)}MiB"
             )
-        # A ring larger than the model's data would only hold pages nothing uses.
-        ring_size = min(align(settings.ring_size), max(align(plan.layout.data_length), ALIGNMENT))
+        # A ring larger than the model's data would only hold pages nothing uses. Whole pages of the volume:
+        # on huge pages the ring is mapped twice at page boundaries (segment/_ring.py).
+        page = plan.layout.page_size
+        ring_size = min(align(settings.ring_size, page), max(align(plan.layout.data_length, page), page))
     layout = replace(plan.layout, memory_mode=settings.layout_mode, ring_size=ring_size)
     return replace(plan, layout=layout)
 
@@ -99,8 +101,11 @@ class MemoryManager:
         plan: LoadPlan,
         stop: threading.Event,
         report: Callable[[dict[str, Any]], None] | None = None,
+        hold: Callable[[], np.ndarray | None] | None = None,
     ) -> None:
         self.settings = settings
+        self._hold = hold
+        """Per tensor, whether it may be released yet (the load's digest check has hashed its bytes)."""
         self.plan = plan
         self._stop = stop
         self._report = report
@@ -229,7 +234,11 @@ class MemoryManager:
         for entry in live:
             bits = np.unpackbits(self._table.consumed_bits(entry.slot), bitorder="little", count=count)
             consumed &= bits.astype(bool)
-        todo = np.flatnonzero(consumed & ready & ~self._released)
+        releasable = consumed & ready & ~self._released
+        held = self._hold() if self._hold is not None else None
+        if held is not None:
+            releasable &= held
+        todo = np.flatnonzero(releasable)
         for index in todo:
             punched = self._releaser.release(int(index))
             self._released_bytes += punched if not self._ring else self.plan.layout.slots[index].nbytes

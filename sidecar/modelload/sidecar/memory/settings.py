@@ -10,36 +10,33 @@ from modelload.loader.rules import Between, OneOf, Positive, check_fields, rule
 from modelload.loader.segment import MemoryMode, consumers
 from modelload.loader.segment.consumers import EXPIRY
 
-__all__ = ["EXPIRY_HEARTBEATS", "MemorySettings", "Mode"]
+__all__ = ["MemorySettings", "Mode"]
 
 Mode = Literal["full", "release", "ring"]
-
-EXPIRY_HEARTBEATS = 2.5
-"""The shortest consumer expiry, in the consumers' heartbeat intervals (``consumers.HEARTBEAT_INTERVAL``)."""
 
 
 def _seconds(value: float) -> str:
     return f"{value:g} seconds"
 
 
-class _OutlastsHeartbeats:
-    """An expiry of at least :data:`EXPIRY_HEARTBEATS` of the consumers' heartbeat intervals (5 s), read when
-    checked: a live consumer never counts as gone between two of its beats, and code whose consumers beat
-    faster (a test) may set it that much lower."""
+EXPIRY_HEARTBEATS = 2.5
+"""The shortest consumer expiry, in the consumers' heartbeat intervals (``consumers.HEARTBEAT_INTERVAL``)."""
 
-    def _floor(self) -> float:
-        return EXPIRY_HEARTBEATS * consumers.HEARTBEAT_INTERVAL
+
+class _OutlastsHeartbeats:
+    """The consumer expiry's rule: at least :data:`EXPIRY_HEARTBEATS` of the consumers' heartbeat intervals
+    (5 s with their 2 s beat), so a live consumer never counts as gone between two of its beats. The floor
+    follows the interval: code whose consumers beat faster (a test) may set a sub-second expiry."""
+
+    def _rule(self) -> Between:
+        floor = EXPIRY_HEARTBEATS * consumers.HEARTBEAT_INTERVAL
+        return Between(floor, what="the consumer expiry", show=_seconds)
 
     def problem(self, value: float) -> str | None:
-        if value >= self._floor():
-            return None
-        return (
-            f"the consumer expiry must be at least {self._floor():g} seconds ({EXPIRY_HEARTBEATS:g} of the "
-            f"consumers' heartbeats), got {value:g}"
-        )
+        return self._rule().problem(value)
 
     def describe(self) -> str:
-        return f"at least {_seconds(self._floor())}"
+        return self._rule().describe()
 
     def show(self, value: float) -> str:
         return _seconds(value)
@@ -55,9 +52,10 @@ class MemorySettings:
     go once every consumer copied the tensor) or ``ring`` (at most ``ring_size`` bytes at once)."""
 
     ring_size: int = 0
-    """Ring mode's bound on tensor data in memory, bytes, rounded up to 4096 (and down to the model's data,
-    when that is smaller); set exactly in ring mode. It must hold the largest tensor with its record header;
-    a few times the chunk size keeps the readers busy while the app copies."""
+    """Ring mode's bound on tensor data in memory, bytes, rounded up to a page of the volume (4096, or 2 MiB
+    on huge pages; and down to the model's data, when that is smaller); set exactly in ring mode. It must
+    hold the largest tensor with its record header; a few times the chunk size keeps the readers busy while
+    the app copies."""
 
     wait_timeout: float | None = field(default=None, metadata=rule(Positive("a positive number of seconds")))
     """Seconds ring mode may wait for room before failing the load; None waits as long as it takes (the
@@ -70,8 +68,8 @@ class MemorySettings:
     nothing more."""
 
     expiry: float = field(default=EXPIRY, metadata=rule(_OutlastsHeartbeats()))
-    """Seconds without a heartbeat after which a consumer counts as gone. Default 30; at least
-    :data:`EXPIRY_HEARTBEATS` heartbeat intervals (5 s)."""
+    """Seconds without a heartbeat after which a consumer counts as gone. Default 30; at least 5 (2.5 of the
+    consumers' 2 s heartbeats)."""
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -1,4 +1,4 @@
-"""Model sources: read byte ranges of a file, an HTTP(S) URL or an S3 object into a caller's buffer.
+"""Model sources: read byte ranges of a file, an HTTP(S) URL, an S3, GCS or Azure Blob object into a buffer.
 
 This layer stands alone: it imports the error tree of ``modelload.loader`` and the standard library, and
 botocore lazily inside the S3 source. The operator imports it to read a model's index; the engine to stream.
@@ -27,9 +27,21 @@ into :class:`RequestHeaders` for ``HttpSettings(headers=...)``, sent to the sour
 
 from __future__ import annotations
 
+from . import hub, oci
 from ._base import InterruptedReadError, ObjectInfo, Source, SourceBase, check_range
+from ._checksum import Checksum, checksum_of, new_hasher, verify_bytes
+from ._checksums import (
+    COMPOSABLE,
+    STREAMED,
+    StoreChecksum,
+    crc,
+    crc_available,
+    crc_combine,
+    crc_width,
+    new_hash,
+)
 from ._file import FileSource
-from ._headers import RequestHeaders, parse_headers, read_header_file
+from ._headers import RequestHeaders, parse_headers, read_header_file, read_token_file
 from ._http import Exchange, HttpSource, Target
 from ._listing import Directory, is_directory, list_directory
 from ._model import OpenedModel, fetch_small_file, open_model
@@ -46,22 +58,45 @@ from ._registry import (
 from ._responses import display_url
 from ._retry import RetryCancelled, RetryEvent, read_range, read_range_into_fd, stat_source
 from ._s3 import S3Location, S3Source, plan_s3_location
-from ._settings import HttpSettings, RetryPolicy, S3Addressing, S3Credentials, S3Settings, SourceSettings
+from ._settings import (
+    DEFAULT_HUB_ENDPOINT,
+    AzureCredentials,
+    AzureSettings,
+    GcsSettings,
+    HttpSettings,
+    HubSettings,
+    RegistrySettings,
+    RetryPolicy,
+    S3Addressing,
+    S3Credentials,
+    S3Settings,
+    SourceSettings,
+)
 from ._splice import metered
 from ._store import ListedFile, Opener, Store, join_uri
+from .hub import parse_hub_uri
+from .oci import auths_from_docker_config, parse_oci_uri
 
 __all__ = [
+    "AzureCredentials",
+    "AzureSettings",
+    "COMPOSABLE",
+    "Checksum",
+    "DEFAULT_HUB_ENDPOINT",
     "Directory",
     "Exchange",
     "FileSource",
+    "GcsSettings",
     "HttpSettings",
     "HttpSource",
+    "HubSettings",
     "InterruptedReadError",
     "ListedFile",
     "ObjectInfo",
     "OpenedModel",
     "Opener",
     "ProxySettings",
+    "RegistrySettings",
     "RequestHeaders",
     "RetryCancelled",
     "RetryEvent",
@@ -71,31 +106,47 @@ __all__ = [
     "S3Location",
     "S3Settings",
     "S3Source",
+    "STREAMED",
     "Source",
     "SourceBase",
     "SourceFactory",
     "SourceSettings",
     "Store",
+    "StoreChecksum",
     "Target",
+    "auths_from_docker_config",
     "check_range",
     "check_scheme",
+    "checksum_of",
+    "crc",
+    "crc_available",
+    "crc_combine",
+    "crc_width",
     "display_url",
     "fetch_small_file",
+    "hub",
     "is_directory",
     "join_uri",
     "list_directory",
     "metered",
+    "new_hash",
+    "new_hasher",
+    "oci",
     "open_model",
     "open_source",
     "parse_headers",
+    "parse_hub_uri",
+    "parse_oci_uri",
     "plan_s3_location",
     "proxy_from_environ",
     "read_header_file",
     "read_range",
     "read_range_into_fd",
+    "read_token_file",
     "register_source",
     "register_store",
     "registered_schemes",
     "stat_source",
     "store_for",
+    "verify_bytes",
 ]

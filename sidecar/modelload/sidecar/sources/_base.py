@@ -9,11 +9,14 @@ above this protocol, so a new backend is one small class.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Protocol, runtime_checkable
 
 from modelload.loader.errors import TransientSourceError, TruncatedError
+
+from ._checksums import StoreChecksum
 
 __all__ = ["InterruptedReadError", "ObjectInfo", "Source", "SourceBase", "byte_view", "check_range"]
 
@@ -26,12 +29,15 @@ class ObjectInfo:
     one for files; ``last_modified`` the server's Last-Modified header, when sent. Either is used to notice
     that the object changed during the load. ``accepts_ranges`` is False when the server answered a
     range request with the whole object: such a source can only be read from its start, in one stream.
+    ``checksums`` are the ones the store keeps of this version of the whole object
+    (:class:`~._checksums.StoreChecksum`), best first; empty when it keeps none or did not say.
     """
 
     size: int
     etag: str | None = None
     last_modified: str | None = None
     accepts_ranges: bool = True
+    checksums: Sequence[StoreChecksum] = ()
 
 
 class InterruptedReadError(TransientSourceError):

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from modelload.loader.errors import ConfigError
 
-__all__ = ["MAX_HEADER_BYTES", "RequestHeaders", "parse_headers", "read_header_file"]
+__all__ = ["MAX_HEADER_BYTES", "RequestHeaders", "parse_headers", "read_header_file", "read_token_file"]
 
 MAX_HEADER_BYTES = 64 * 1024
 """The largest header file accepted: far above any token (JWTs are a few KiB), far below what a server takes
@@ -212,3 +212,28 @@ def _check_value(number: int, what: str, value: str, *, where: str) -> None:
             f"{where}, line {number}: {what} holds a character that cannot be sent in a header{detail}: "
             "only printable ASCII is allowed"
         )
+
+
+def read_token_file(path: Path, *, what: str, origin: str | None = None) -> str:
+    """The one token a file holds (a Secret's key mounted as a file), for a store that sends it itself.
+
+    Raises :class:`ConfigError` naming the file, never the value, when it is missing, too large, empty or
+    holds more than one word.
+    """
+    where = f"the {what} file {path}" + (f" ({origin})" if origin else "")
+    try:
+        with path.open("rb") as handle:
+            data = handle.read(MAX_HEADER_BYTES + 1)
+    except FileNotFoundError:
+        raise ConfigError(f"{where} does not exist: mount the Secret that holds the token there") from None
+    except OSError as exc:
+        raise ConfigError(f"{where} cannot be read: {exc.strerror or type(exc).__name__}") from None
+    if len(data) > MAX_HEADER_BYTES:
+        raise ConfigError(f"{where} holds over {MAX_HEADER_BYTES} bytes: is it the right file?")
+    try:
+        token = data.decode("utf-8").removeprefix("\ufeff").strip()
+    except UnicodeDecodeError:
+        raise ConfigError(f"{where} is not text: it must hold one token") from None
+    if not token or any(c.isspace() for c in token) or not _VISIBLE.match(token):
+        raise ConfigError(f"{where} must hold one token: one word of printable ASCII, nothing else")
+    return token

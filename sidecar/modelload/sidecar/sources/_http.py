@@ -108,6 +108,22 @@ class HttpObject(SourceBase):
         """Point later requests at ``location`` and return True, or return False to treat it as an error."""
         return False
 
+    def _pin(self, info: ObjectInfo) -> dict[str, str]:
+        """Headers that make the server refuse a read of another version than ``info`` (``If-Match``)."""
+        if info.etag and not info.etag.startswith("W/"):
+            return {"If-Match": info.etag}
+        return {}
+
+    def _change(self, exchange: _Exchange, info: ObjectInfo) -> str | None:
+        """How an answer's validators differ from ``info``'s (the object was replaced), or None."""
+        etag = exchange.header("ETag")
+        if not same_etag(info.etag, etag):
+            return f"ETag {info.etag} -> {etag}"
+        modified = exchange.header("Last-Modified")
+        if info.etag is None and info.last_modified and modified and modified != info.last_modified:
+            return f"Last-Modified {info.last_modified} -> {modified}"
+        return None
+
     # --- requests ----------------------------------------------------------------------------------------
 
     def _open(self, method: str, headers: Mapping[str, str], *, accept: frozenset[int]) -> _Exchange:
@@ -221,9 +237,7 @@ class HttpObject(SourceBase):
     def _transfer(
         self, info: ObjectInfo, offset: int, length: int, progress: Progress, land: Callable[[Body], None]
     ) -> None:
-        headers = {"Range": f"bytes={offset}-{offset + length - 1}"}
-        if info.etag and not info.etag.startswith("W/"):
-            headers["If-Match"] = info.etag
+        headers = {"Range": f"bytes={offset}-{offset + length - 1}", **self._pin(info)}
         exchange = self._open("GET", headers, accept=frozenset({200, 206}))
         reusable = False
         try:
@@ -249,17 +263,9 @@ class HttpObject(SourceBase):
         range, False for a 200 whose first ``offset`` bytes must be skipped (the single-stream fallback).
         """
         uri = self.display_uri
-        etag = exchange.header("ETag")
-        if not same_etag(info.etag, etag):
-            raise SourceChangedError(
-                f"{uri} changed while it was being read (ETag {info.etag} -> {etag})", uri=uri
-            )
-        modified = exchange.header("Last-Modified")
-        if info.etag is None and info.last_modified and modified and modified != info.last_modified:
-            raise SourceChangedError(
-                f"{uri} changed while it was being read (Last-Modified {info.last_modified} -> {modified})",
-                uri=uri,
-            )
+        change = self._change(exchange, info)
+        if change is not None:
+            raise SourceChangedError(f"{uri} changed while it was being read ({change})", uri=uri)
         declared = exchange.response.length
         if exchange.status == 206:
             first, last, total = parse_content_range(exchange.header("Content-Range"))

@@ -29,6 +29,7 @@ from modelload.loader.formats import (
 )
 
 from ._base import ObjectInfo, Source
+from ._checksum import checksum_of, verify_bytes
 from ._listing import Directory, is_directory, list_directory
 from ._registry import open_source, store_for
 from ._retry import RetryEvent, read_range, stat_source
@@ -58,6 +59,8 @@ class OpenedModel:
     opener: Opener | None = None
     """How this model's files are opened (sharing their store's set-up); None: :func:`open_source`."""
     _index: ModelIndex | None = None
+    _kept: dict[int, list[tuple[int, bytes]]] = field(default_factory=dict)
+    """The bytes each weight file's index was read from, by file: what a digest check hashes for them."""
 
     @property
     def size(self) -> int:
@@ -87,7 +90,7 @@ class OpenedModel:
         if self._index is None:
             workers = min(_WORKERS, len(self.sources))
             with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="index") as pool:
-                indexes = list(pool.map(self._read_index, self.sources, self.infos))
+                indexes = list(pool.map(self._read_index, range(len(self.sources)), self.sources, self.infos))
             if self.directory is None:
                 self._index = indexes[0]
             else:
@@ -95,15 +98,34 @@ class OpenedModel:
                 self._index = merge_indexes(named, where=self.directory.display)
         return self._index
 
-    def _read_index(self, source: Source, info: ObjectInfo) -> ModelIndex:
+    def _read_index(self, file: int, source: Source, info: ObjectInfo) -> ModelIndex:
         uri = source.display_uri
-        index = read_index(source.read_bytes, format=self.format, source=uri, size=info.size)
+        kept = self._kept.setdefault(file, [])
+
+        def read(offset: int, length: int) -> bytes:
+            data = source.read_bytes(offset, length)
+            kept.append((offset, data))
+            return data
+
+        index = read_index(read, format=self.format, source=uri, size=info.size)
         if index.data_end > info.size:
             raise TruncatedError(
                 f"the index needs {index.data_end} bytes and the object has {info.size}: it is truncated",
                 source=uri,
             )
         return index
+
+    def kept_bytes(self, file: int, offset: int, length: int) -> bytes | None:
+        """Bytes ``[offset, offset + length)`` of weight file ``file`` as its index read them, when it did."""
+        out = bytearray(length)
+        covered = 0  # bytes of [offset, offset + covered) assembled so far
+        for start, data in sorted(self._kept.get(file, ()), key=lambda read: read[0]):
+            at = offset + covered
+            if start <= at < start + len(data):
+                take = min(start + len(data), offset + length) - at
+                out[covered : covered + take] = data[at - start : at - start + take]
+                covered += take
+        return bytes(out) if covered == length else None
 
     def display(self, file: int) -> str:
         """The URI of weight file ``file``, for messages."""
@@ -202,6 +224,9 @@ def fetch_small_file(
         check_small_files({name: info.size}, where=directory.display)
         buf = bytearray(min(info.size, SMALL_FILE_LIMIT))
         read_range(source, 0, memoryview(buf), policy=settings.retry, on_retry=on_retry)
+        checksum = checksum_of(source)
+        if checksum is not None and checksum.covers_file(len(buf)):
+            verify_bytes(bytes(buf), checksum)  # the Hub's git blob id or SHA-256, a registry blob's digest
         return bytes(buf)
     finally:
         source.close()

@@ -1,6 +1,8 @@
 """Open a source from its URI: a registry of stores keyed by URI scheme.
 
-Built in: ``file://`` and plain paths, ``http://``, ``https://``, ``s3://``. A new origin registers a
+Built in: ``file://`` and plain paths, ``http://``, ``https://``, ``s3://``, ``gs://``, ``az://`` (and
+``gcs://``, ``abfs[s]://``, ``wasb[s]://``, refused with the URI they mean), ``hf://`` (the Hugging Face
+Hub, :mod:`.hub`), ``oci://`` (OCI registries, :mod:`.oci`). A new origin registers a
 :class:`~._store.Store`, which opens its files and lists its directories::
 
     register_store(GcsStore())          # serves every scheme in GcsStore.schemes
@@ -17,10 +19,14 @@ from collections.abc import Callable
 
 from modelload.loader.errors import ConfigError, SourceUriError
 
+from ._azure import AzureStore, OtherAzureSchemes
 from ._base import Source
+from ._gcs import GcsSpelling, GcsStore
 from ._settings import SourceSettings
 from ._store import Store
 from ._stores import FactoryStore, FileStore, HttpStore, S3Store
+from .hub import HubStore
+from .oci import OciStore
 
 __all__ = [
     "SourceFactory",
@@ -57,14 +63,24 @@ def register_source(scheme: str, factory: SourceFactory) -> None:
     register_store(FactoryStore(scheme, factory))
 
 
-for _store in (_FILES, HttpStore(), S3Store()):
+for _store in (
+    _FILES,
+    HttpStore(),
+    S3Store(),
+    GcsStore(),
+    GcsSpelling(),
+    AzureStore(),
+    OtherAzureSchemes(),
+    HubStore(),
+    OciStore(),
+):
     register_store(_store)
 
 
 def registered_schemes() -> tuple[str, ...]:
     """The schemes :func:`open_source` accepts, sorted."""
     with _lock:
-        return tuple(sorted(_stores))
+        return tuple(sorted(scheme for scheme, store in _stores.items() if store.listed))
 
 
 def open_source(uri: str, settings: SourceSettings | None = None) -> Source:

@@ -16,13 +16,21 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from modelload.loader.errors import ModelloadError, TransientSourceError
 
 from ._base import InterruptedReadError, ObjectInfo, Source, byte_view
 from ._settings import RetryPolicy
 
-__all__ = ["RetryCancelled", "RetryEvent", "read_range", "read_range_into_fd", "stat_source"]
+__all__ = [
+    "RetryCancelled",
+    "RetryEvent",
+    "read_range",
+    "read_range_into_fd",
+    "retrying",
+    "stat_source",
+]
 
 _log = logging.getLogger("modelload.sidecar.sources")
 
@@ -58,6 +66,7 @@ class RetryEvent:
 
 
 RetryCallback = Callable[[RetryEvent], None]
+_T = TypeVar("_T")
 
 
 def read_range(
@@ -217,3 +226,21 @@ def _delay(policy: RetryPolicy, failures: int, retry_after: float | None) -> flo
     base = policy.backoff(failures)
     jittered = base * (1.0 - policy.jitter * random.random())
     return max(jittered, retry_after or 0.0)
+
+
+def retrying(call: Callable[[], _T], *, policy: RetryPolicy, what: str) -> _T:
+    """``call()``, retrying transient source errors under ``policy``: a listing, a manifest, a token. ``what``
+    names the request in the log line and in the error that gives up."""
+    budget = _Budget(policy)
+    while True:
+        try:
+            return call()
+        except TransientSourceError as exc:
+            delay = budget.delay_after(exc, progressed=False)
+            if delay is None:
+                raise InterruptedReadError(
+                    f"gave up on the {what} after {budget.why()} ({budget.retries} retries): {exc}",
+                    uri=exc.uri,
+                ) from exc
+            _log.warning("retrying the %s in %.2f s (retry %d): %s", what, delay, budget.retries, exc)
+            _pause(policy, delay, what)

@@ -22,7 +22,7 @@ import logging
 import re
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import quote, urlsplit
 
@@ -34,7 +34,8 @@ from modelload.loader.errors import (
     SourceUriError,
 )
 
-from ._base import InterruptedReadError
+from ._base import InterruptedReadError, ObjectInfo
+from ._checksums import StoreChecksum
 from ._connections import Origin
 from ._http import HttpObject, Target, _Exchange
 from ._s3_errors import s3_error
@@ -43,6 +44,7 @@ from ._splice import HAVE_SPLICE
 
 __all__ = ["S3Location", "S3Source", "list_s3_prefix", "open_s3", "plan_s3_location"]
 
+_log = logging.getLogger("modelload.sidecar.sources")
 _BUCKET_DNS = re.compile(r"^[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
 _AWS_HOST = re.compile(r"(^|\.)amazonaws\.com(\.cn)?$")
 # Connection-level failures while fetching credentials (STS, instance metadata) are worth a retry; every
@@ -170,6 +172,9 @@ def _resolve_access(s3: S3Settings, display: str) -> _Access:
 class S3Source(HttpObject):
     """One S3 object, read by signed range GETs over persistent ``http.client`` connections."""
 
+    pins_version = True
+    """Its validator changes with every write: no sampled re-reads are needed (``load/integrity.py``)."""
+
     def __init__(
         self, bucket: str, key: str, settings: SourceSettings, *, access: _Access | None = None
     ) -> None:
@@ -260,6 +265,91 @@ class S3Source(HttpObject):
 
     def __repr__(self) -> str:
         return f"S3Source({self.display_uri!r}, endpoint={self._location.origin.netloc!r})"
+
+    def _stat(self) -> ObjectInfo:
+        info = super()._stat()
+        return replace(info, checksums=self._checksums(info))
+
+    def _checksums(self, info: ObjectInfo) -> tuple[StoreChecksum, ...]:
+        """The checksums S3 keeps of this version (HEAD with ``x-amz-checksum-mode: ENABLED``, which
+        s3:GetObject allows); for a multipart upload's composite, the parts from GetObjectAttributes."""
+        headers = {"x-amz-checksum-mode": "ENABLED", **self._pin(info)}
+        try:
+            exchange = self._open("HEAD", headers, accept=frozenset({200}))
+            exchange.response.read()
+        except SourceError as exc:
+            if exc.transient:
+                raise
+            _log.info(
+                "%s: the store's checksums could not be read (%s)", self.display_uri, type(exc).__name__
+            )
+            return ()
+        kind = (exchange.header("x-amz-checksum-type") or "").upper()
+        multipart = bool(re.search(r'-\d+"?$', info.etag or ""))
+        found = []
+        for algorithm in _S3_CHECKSUMS:
+            text = exchange.header(f"x-amz-checksum-{algorithm}")
+            if not text:
+                continue
+            value = text.split("-")[0]
+            composite = kind == "COMPOSITE" or (
+                multipart and kind != "FULL_OBJECT" and algorithm != "crc64nvme"
+            )
+            parts: tuple[tuple[int, bytes], ...] = ()
+            if composite:
+                parts = _S3Attributes(self).parts(algorithm)
+                if not parts:
+                    _log.info(
+                        "%s: a composite %s checksum without the parts' list (GetObjectAttributes): unused",
+                        self.display_uri,
+                        algorithm,
+                    )
+                    continue
+            checksum = StoreChecksum.from_base64(algorithm, value, parts=parts)
+            if checksum is not None:
+                found.append(checksum)
+        return tuple(found)
+
+
+_S3_CHECKSUMS = ("crc64nvme", "crc32c", "crc32", "sha256", "sha1")
+
+
+class _S3Attributes(S3Source):
+    """GetObjectAttributes of one object (``?attributes``): the sizes and checksums of its parts."""
+
+    def __init__(self, source: S3Source) -> None:
+        super().__init__(source._bucket, source._key, source._settings_all, access=source._access)
+        self._location = replace(self._location, path=self._location.path + "?attributes")
+
+    def parts(self, algorithm: str) -> tuple[tuple[int, bytes], ...]:
+        headers = {"x-amz-object-attributes": "ObjectParts", "x-amz-max-parts": "10000"}
+        try:
+            exchange = self._open("GET", headers, accept=frozenset({200}))
+            body = exchange.response.read(_LIST_PAGE_MAX)
+        except (SourceError, OSError):
+            return ()
+        finally:
+            self.close()
+        import xml.etree.ElementTree as ET  # our own request's answer
+
+        try:
+            root = ET.fromstring(body)  # noqa: S314 - expat refuses entity expansion bombs
+        except ET.ParseError:
+            return ()
+        ns = root.tag[: root.tag.index("}") + 1] if root.tag.startswith("{") else ""
+        tag = {"crc32": "CRC32", "crc32c": "CRC32C", "sha1": "SHA1", "sha256": "SHA256"}.get(algorithm)
+        parts = []
+        for part in root.iter(f"{ns}Part"):
+            number, size = part.findtext(f"{ns}PartNumber"), part.findtext(f"{ns}Size")
+            text = part.findtext(f"{ns}Checksum{tag}") if tag else None
+            checksum = StoreChecksum.from_base64(algorithm, text) if text else None
+            if not (number and number.isdigit() and size and size.isdigit()) or checksum is None:
+                return ()
+            parts.append((int(number), int(size), checksum.value))
+        truncated = (root.findtext(f"{ns}ObjectParts/{ns}IsTruncated") or "").strip() == "true"
+        if truncated or not parts:
+            return ()
+        return tuple((size, value) for _, size, value in sorted(parts))
 
 
 _LIST_PAGE_MAX = 16 << 20

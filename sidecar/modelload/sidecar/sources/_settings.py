@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -19,7 +20,20 @@ from modelload.loader.rules import OneOf, Prefixed, check_fields, rule
 from ._headers import RequestHeaders
 from ._proxy import ProxySettings
 
-__all__ = ["HttpSettings", "RetryPolicy", "S3Addressing", "S3Credentials", "S3Settings", "SourceSettings"]
+__all__ = [
+    "AzureCredentials",
+    "AzureSettings",
+    "DEFAULT_HUB_ENDPOINT",
+    "GcsSettings",
+    "HttpSettings",
+    "HubSettings",
+    "RegistrySettings",
+    "RetryPolicy",
+    "S3Addressing",
+    "S3Credentials",
+    "S3Settings",
+    "SourceSettings",
+]
 
 S3Addressing = Literal["auto", "path", "virtual"]
 
@@ -196,6 +210,133 @@ class S3Settings:
         check_fields(self)
 
 
+DEFAULT_HUB_ENDPOINT = "https://huggingface.co"
+
+
+@dataclass(frozen=True)
+class HubSettings:
+    """How ``hf://`` sources reach the Hugging Face Hub (or a mirror of its API).
+
+    ``endpoint``: the Hub's base URL, ``https://huggingface.co`` by default; a mirror or a private Hub sets it
+    (the sidecar reads ``HF_ENDPOINT``, as the Hub's own client does).
+
+    ``token``: a user access token for private and gated repositories (``HF_TOKEN``, or the file a ModelLoad's
+    token Secret is mounted at). It is sent to ``endpoint``'s origin only: a download the Hub redirects to
+    its CDN or storage bridge is followed without it. Never shown by ``repr``.
+    """
+
+    endpoint: str = field(
+        default=DEFAULT_HUB_ENDPOINT,
+        metadata=rule(Prefixed(("http://", "https://"), "an http:// or https:// URL for the Hub")),
+    )
+    token: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.token is not None and (not self.token or any(c.isspace() for c in self.token)):
+            raise ConfigError(
+                "the Hugging Face token is empty or holds a space: give one token", setting="token"
+            )
+        check_fields(self)
+
+
+@dataclass(frozen=True)
+class RegistrySettings:
+    """How ``oci://`` sources reach OCI registries.
+
+    ``auths``: the ``auths`` section of a Docker config (``~/.docker/config.json``, or a
+    ``kubernetes.io/dockerconfigjson`` Secret, the one a pod's ``imagePullSecrets`` names): per registry host,
+    ``{"auth": base64("user:password")}`` or ``{"username", "password"}`` or ``{"identitytoken"}``. A
+    registry without an entry is pulled anonymously. Never shown by ``repr``.
+
+    ``plain_http``: registry hosts (``host`` or ``host:port``) reached over plain HTTP instead of HTTPS, for
+    an in-cluster registry without TLS; ``*`` means every registry. Credentials are still sent to them.
+    """
+
+    auths: Mapping[str, Mapping[str, str]] = field(default_factory=dict, repr=False)
+    plain_http: tuple[str, ...] = ()
+
+    def uses_plain_http(self, host: str) -> bool:
+        """Whether ``host`` (as written in the reference, with its port) is reached over plain HTTP."""
+        return "*" in self.plain_http or host.lower() in (h.lower() for h in self.plain_http)
+
+
+@dataclass(frozen=True)
+class GcsSettings:
+    """Where and how to reach Google Cloud Storage (``gs://``).
+
+    ``endpoint_url``: the JSON API's base URL (``http(s)://host[:port]``). ``None``: ``STORAGE_EMULATOR_HOST``
+    when it is set (as Google's own clients do; an emulator is then read without credentials), else
+    ``https://storage.googleapis.com``.
+
+    ``credentials_json``: a service-account key or a workload identity federation (``external_account``)
+    configuration, the JSON text itself, instead of Application Default Credentials: the operator's copy
+    of a ModelLoad's Secret (never in ``repr``); only a service-account key is accepted there. ``None``:
+    google-auth's Application Default Credentials (``GOOGLE_APPLICATION_CREDENTIALS``, the GKE metadata
+    server for Workload Identity, gcloud's user credentials), refreshed by google-auth.
+
+    ``anonymous``: send no credentials (public objects).
+    """
+
+    endpoint_url: str | None = field(
+        default=None, metadata=rule(Prefixed(("http://", "https://"), "an http:// or https:// URL"))
+    )
+    credentials_json: str | None = field(default=None, repr=False)
+    anonymous: bool = False
+
+    def __post_init__(self) -> None:
+        if self.anonymous and self.credentials_json is not None:
+            raise ConfigError("GCS access is either anonymous or with a credentials file, not both")
+        check_fields(self)
+
+
+@dataclass(frozen=True)
+class AzureCredentials:
+    """Azure Blob credentials given explicitly (the operator's copy of a ModelLoad's Secret): a connection
+    string, a SAS token or an account key. None of them appears in ``repr``."""
+
+    connection_string: str | None = field(default=None, repr=False)
+    sas_token: str | None = field(default=None, repr=False)
+    account_key: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        given = [v for v in (self.connection_string, self.sas_token, self.account_key) if v]
+        if len(given) != 1:
+            raise ConfigError(
+                "Azure credentials are one of a connection string, a SAS token or an account key"
+                f" ({len(given)} given)"
+            )
+
+
+@dataclass(frozen=True)
+class AzureSettings:
+    """Where and how to reach Azure Blob Storage (``az://ACCOUNT/CONTAINER/PATH``).
+
+    ``endpoint_url``: the account's blob endpoint (``https://ACCOUNT.blob.core.windows.net``, or an
+    emulator's ``http://127.0.0.1:10000/devstoreaccount1``). ``None``: the connection string's
+    ``BlobEndpoint`` (or the one its protocol, account and suffix make), else
+    ``https://ACCOUNT.blob.core.windows.net``.
+
+    ``credentials``: explicit credentials (:class:`AzureCredentials`). ``None``: the environment, as
+    Azure's tools read it: ``AZURE_STORAGE_CONNECTION_STRING``, then ``AZURE_STORAGE_SAS_TOKEN``, then
+    ``AZURE_STORAGE_KEY``, else azure-identity's ``DefaultAzureCredential`` (Entra Workload ID from the
+    federated token file the AKS webhook injects, a service principal's ``AZURE_CLIENT_SECRET``, managed
+    identity), whose tokens azure-identity refreshes.
+
+    ``anonymous``: send no credentials (a container with public read access).
+    """
+
+    endpoint_url: str | None = field(
+        default=None, metadata=rule(Prefixed(("http://", "https://"), "an http:// or https:// URL"))
+    )
+    credentials: AzureCredentials | None = None
+    anonymous: bool = False
+
+    def __post_init__(self) -> None:
+        if self.anonymous and self.credentials is not None:
+            raise ConfigError("Azure Blob access is either anonymous or with credentials, not both")
+        check_fields(self)
+
+
 @dataclass(frozen=True)
 class SourceSettings:
     """Everything :func:`open_source` and :func:`read_range` need, grouped by concern."""
@@ -203,3 +344,7 @@ class SourceSettings:
     http: HttpSettings = field(default_factory=HttpSettings)
     s3: S3Settings = field(default_factory=S3Settings)
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    gcs: GcsSettings = field(default_factory=GcsSettings)
+    azure: AzureSettings = field(default_factory=AzureSettings)
+    hub: HubSettings = field(default_factory=HubSettings)
+    registry: RegistrySettings = field(default_factory=RegistrySettings)

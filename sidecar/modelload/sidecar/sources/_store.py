@@ -16,9 +16,11 @@ so a new origin is one module that implements it and one line in :mod:`._registr
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 from urllib.parse import quote
 
 from modelload.loader.errors import ConfigError, SourceNotFoundError
@@ -27,7 +29,9 @@ from ._base import Source
 from ._responses import display_url
 from ._settings import SourceSettings
 
-__all__ = ["Directory", "ListedFile", "Opener", "Store", "join_uri"]
+__all__ = ["Directory", "ListedFile", "Opener", "Store", "join_uri", "shared_opener"]
+
+S = TypeVar("S", bound=Source)
 
 Opener = Callable[[str], Source]
 """Opens one file of a model by its URI (as :meth:`Directory.file_uri` gives it)."""
@@ -102,6 +106,22 @@ class Directory:
         return join_uri(self.uri, name)
 
 
+def shared_opener(first: Callable[[str], S], sibling: Callable[[S, str], S]) -> Callable[[str], S]:
+    """An opener whose first file is opened with ``first`` and every later one as ``sibling(first, uri)``:
+    the files of one model share one credential chain and endpoint resolution."""
+    opened: list[S] = []
+    lock = threading.Lock()
+
+    def open_one(uri: str) -> S:
+        with lock:
+            if opened:
+                return sibling(opened[0], uri)
+            opened.append(first(uri))
+            return opened[0]
+
+    return open_one
+
+
 def join_uri(base: str, name: str) -> str:
     """A file's URI under a directory URI ending in ``/`` (the name percent-encoded as a path segment)."""
     return base + quote(name, safe="~@!$&'()*+,;=:")
@@ -113,6 +133,9 @@ class Store:
 
     schemes: tuple[str, ...] = ()
     """The URI schemes served, lower case, without ``://``."""
+    listed: bool = True
+    """False for a store that only refuses other spellings with the right one (``abfss://`` -> ``az://``):
+    not named among the supported schemes."""
 
     def open(self, uri: str, settings: SourceSettings) -> Source:
         """One file at ``uri``, read by ranges. No network I/O yet: the first stat or read does it."""
