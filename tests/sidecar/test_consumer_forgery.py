@@ -61,7 +61,10 @@ def test_a_truncated_consumer_table_crashes_neither_the_sidecar_nor_the_consumer
     copies: dict[str, bytes] = {}
     refused: list[str] = []
     with attach(segment, timeout=30, notify=False) as model:
-        # Another container truncates the table: mapped, it would kill both processes with SIGBUS.
+        # Once the sidecar counts the consumer, another container truncates the table: mapped, it would
+        # kill both processes with SIGBUS. (Truncated before the sidecar ever saw a consumer, the ring waits
+        # for one to attach, as for an app not yet started: what /status says and wait_timeout bounds.)
+        wait_for(lambda: load.memory().get("consumers"), timeout=30, what="the sidecar to count the consumer")
         os.truncate(table_path(segment), 0)
         for name in model.names:
             try:

@@ -205,6 +205,15 @@ class ConsumerTable:
             raise
         return cls(path, fd, capacity, count, mm)
 
+    @classmethod
+    def for_writer(cls, segment: str | os.PathLike[str], *, tensor_count: int) -> ConsumerTable:
+        """The writer's read-only view of the table it created for ``segment``: it checks nothing in the file,
+        since it knows the geometry (anyone may have scribbled on the header since, or truncated the file,
+        and a refusal would let them fail the load), and reads every entry as untrusted."""
+        path = table_path(segment)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        return cls(path, fd, CAPACITY, tensor_count)
+
     def _read(self, offset: int, length: int) -> bytes:
         """``length`` bytes at ``offset``; zeros (free entries) for what a truncated file no longer holds."""
         data = os.pread(self._fd, length, offset)
