@@ -110,6 +110,7 @@ test: test-vllm
 
 bench: venv $(BENCH_STAMP) $(S3RVER) $(AZURITE)
 	$(BIN)/python benchmarks/run.py --publish
+	$(BIN)/python benchmarks/tensor_count.py --publish
 	$(BIN)/python benchmarks/cloud_origins.py
 	$(BIN)/python benchmarks/memory_modes.py
 	$(BIN)/python benchmarks/peer_fleet.py --out docs/peer-fleet.json

@@ -68,7 +68,7 @@ pid {state}/nginx.pid;
 error_log {state}/error.log warn;
 events {{ worker_connections 4096; }}
 http {{
-    access_log off;
+    access_log {access_log};
     default_type application/octet-stream;
     sendfile on;
     tcp_nopush on;
@@ -103,9 +103,11 @@ def s3_like(
     delay_ms: float = DELAY_MS,
     link_gbit: float = LINK_GBIT,
     name: str = "mlbench",
+    access_log: Path | None = None,
 ) -> Iterator[Origin]:
     """nginx in namespace ``name`` at 10.231.0.2, behind a veth with ``delay_ms`` each way (so a round trip
-    of twice that) and ``link_gbit`` of bandwidth each way, each response capped at ``rate_mb_s`` MB/s."""
+    of twice that) and ``link_gbit`` of bandwidth each way, each response capped at ``rate_mb_s`` MB/s.
+    ``access_log``: where nginx writes a line per request (off by default), to count a load's requests."""
     if os.geteuid() != 0:
         raise Unavailable("a network namespace needs root (run as root, or skip the S3-like origin)")
     for tool in ("ip", "tc", "nginx"):
@@ -153,6 +155,7 @@ def s3_like(
                 root=root.resolve(),
                 bucket=bucket,
                 limit_rate=int(rate_mb_s * 1e6),
+                access_log=access_log or "off",
             )
         )
         binary = shutil.which("nginx") or "/usr/sbin/nginx"
@@ -187,8 +190,9 @@ def s3_like(
 
 
 @contextlib.contextmanager
-def s3rver(data: Path, *, bucket: str = "bench") -> Iterator[Origin]:
-    """npm's s3rver on loopback, storing in ``data``, with ``bucket`` created."""
+def s3rver(data: Path, *, bucket: str = "bench", log: Path | None = None) -> Iterator[Origin]:
+    """npm's s3rver on loopback, storing in ``data``, with ``bucket`` created; with ``log``, its own log
+    there (a line per request answered, which counts a load's requests), silent otherwise."""
     if shutil.which("node") is None:
         raise Unavailable("Node.js is not installed, and s3rver runs on it (apt-get install nodejs npm)")
     if not S3RVER.exists():
@@ -197,16 +201,19 @@ def s3rver(data: Path, *, bucket: str = "bench") -> Iterator[Origin]:
         probe.bind(("127.0.0.1", 0))
         port = int(probe.getsockname()[1])
     data.mkdir(parents=True, exist_ok=True)
+    logged = log.open("ab") if log is not None else None
     process = subprocess.Popen(
-        [str(S3RVER), "--directory", str(data), "--address", "127.0.0.1", "--port", str(port), "--silent",
-         "--configure-bucket", bucket],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        [str(S3RVER), "--directory", str(data), "--address", "127.0.0.1", "--port", str(port),
+         *(() if logged else ("--silent",)), "--configure-bucket", bucket],
+        stdout=logged or subprocess.DEVNULL, stderr=subprocess.PIPE,
     )  # fmt: skip
     try:
         _wait_port("127.0.0.1", port, process)
         yield Origin(base=f"http://127.0.0.1:{port}", bucket=bucket, description="s3rver 3.7 (Node)")
     finally:
         stop_process(process, timeout=10)
+        if logged is not None:
+            logged.close()
 
 
 def upload(origin: Origin, files: dict[str, Path]) -> None:

@@ -21,6 +21,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 DOCS = ROOT / "docs"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+TENSOR_COUNT = ("<!-- tensor-count:begin -->", "<!-- tensor-count:end -->")
 GIB, MIB = 1 << 30, 1 << 20
 
 ORIGINS = {
@@ -362,13 +363,67 @@ def markdown(meta: dict[str, Any], records: list[dict[str, Any]], *, full: bool)
     return "\n".join(parts)
 
 
-def rewrite(path: Path, block: str) -> None:
+def rewrite(path: Path, block: str, markers: tuple[str, str] = (BEGIN, END)) -> None:
+    begin, end = markers
     text = path.read_text()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{path} has no {BEGIN} ... {END} block to rewrite")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    path.write_text(f"{head}{BEGIN}\n{block}\n{END}{tail}")
+    if begin not in text or end not in text:
+        raise SystemExit(f"{path} has no {begin} ... {end} block to rewrite")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(f"{head}{begin}\n{block}\n{end}{tail}")
+
+
+TC_ORIGINS = {
+    "file": "local directory",
+    "http": "nginx (HTTP)",
+    "s3like": "S3-like origin (S3)",
+    "s3rver": "s3rver (S3)",
+}
+
+
+def tensor_count_table(meta: dict[str, Any], records: list[dict[str, Any]]) -> str:
+    """``tensor_count.py``'s results: per tensor count and origin, the MoE-shaped directory against its big
+    twin (medians over rounds; the CPU ratio is the median of the ratios within rounds)."""
+    rows: dict[tuple[int, str], dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    for record in records:
+        if "cpu_s" in record:
+            rows[(record["count"], record["origin"])][record["shape"]].append(record)
+    lines = [
+        f"Measured {meta.get('date', '?')} at commit {meta.get('commit', '?')} on {meta.get('cpus')} CPUs shared "
+        f"with other work (load average {meta.get('load_avg', 0):.1f} at the start; each row gives its own). "
+        "Small: 4-16 KiB float16 tensors (two of 32 MiB) in the shard counts below; big: the same bytes as "
+        f"32 MiB tensors in 4 shards. `--chunk-size` {meta.get('args', {}).get('chunk_mib', 32)} MiB. Requests "
+        "are counted at the server (an HTTP directory's 404 probes of absent small-file names apart); the "
+        "bound is 4 per file + 2 per chunk of weights.",
+        "",
+        "| tensors / shards | origin | CPU-s/GiB small | big | small / big (goal <= 1.5) | requests (bound) "
+        "| manifest after | sidecar RSS | attach + state_dict CPU-s | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (count, origin), shapes in sorted(
+        rows.items(), key=lambda item: (item[0][0], list(TC_ORIGINS).index(item[0][1]))
+    ):
+        small, big = shapes.get("small", []), shapes.get("big", [])
+        if not small:
+            continue
+        ratios = [
+            s["cpu_s_per_gib"] / b["cpu_s_per_gib"] for s in small for b in big if s["round"] == b["round"]
+        ]
+        requests = _median(
+            [s["requests"] - (s.get("not_found") or 0) for s in small if s["requests"] is not None]
+        )
+        absent = _median([s.get("not_found") or 0 for s in small if s["requests"] is not None])
+        shown = "—" if requests != requests else f"{requests:.0f}" + (f" +{absent:.0f} 404" if absent else "")
+        attach = _median([s["attach_state_dict_cpu_s"] for s in small if "attach_state_dict_cpu_s" in s])
+        lines.append(
+            f"| {count:,} / {small[0]['files'] - 2} | {TC_ORIGINS.get(origin, origin)} "
+            f"| {_median([s['cpu_s_per_gib'] for s in small]):.2f} "
+            f"| {_median([b['cpu_s_per_gib'] for b in big]):.2f} | {_median(ratios):.2f} "
+            f"| {shown} ({small[0]['request_bound']}) | {_median([s['manifest_s'] for s in small]):.2f} s "
+            f"| {_median([s['peak_rss'] for s in small]) / MIB:.0f} MiB | {attach:.2f} "
+            f"| {_median([s['load_avg'] for s in small]):.1f} |"
+        )
+    return "\n".join(lines)
 
 
 def plots(records: list[dict[str, Any]]) -> None:
@@ -446,6 +501,11 @@ def main(argv: list[str] | None = None) -> int:
     plots(records)
     rewrite(ROOT / "README.md", markdown(meta, records, full=False))
     rewrite(DOCS / "benchmarks.md", markdown(meta, records, full=True))
+    counts = DOCS / "tensor-count.jsonl"
+    if counts.exists():
+        table = tensor_count_table(*load(counts))
+        rewrite(ROOT / "README.md", table, TENSOR_COUNT)
+        rewrite(DOCS / "benchmarks.md", table, TENSOR_COUNT)
     print(f"wrote docs/bench-*.png, README.md and docs/benchmarks.md from {path}")
     return 0
 

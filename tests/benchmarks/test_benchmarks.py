@@ -184,3 +184,23 @@ def test_the_gpu_check_without_wheels_says_how_to_make_them_and_skips_the_rest(t
     assert "make gpu-wheels GPU_PYTHON=X.Y" in (out / "install.log").read_text()
     assert json.loads((out / "env.json").read_text())["python"] == platform.python_version()
     assert len(list(out.iterdir())) <= 8  # what the device tool brings back
+
+
+@pytest.mark.slow
+def test_the_tensor_count_benchmark_measures_each_origin_and_reports_its_goals(tmp_path: Path) -> None:
+    # make bench runs it on 1k to 100k tensors; a few hundred, from a local directory and nginx, prove it
+    # still drives the sidecar, counts requests at the server and checks its goals.
+    out = tmp_path / "tensor-count.jsonl"
+    argv = [sys.executable, "benchmarks/tensor_count.py", "--counts", "300", "--origins", "file,http",
+            "--large-mib", "1", "--chunk-mib", "1", "--out", str(out)]  # fmt: skip
+    done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = [json.loads(line) for line in out.read_text().splitlines()[1:]]
+    measured = {(r["origin"], r["shape"]) for r in records if "cpu_s" in r}
+    assert measured == {("file", "small"), ("file", "big"), ("http", "small"), ("http", "big")}
+    http = next(r for r in records if (r["origin"], r["shape"]) == ("http", "small"))
+    assert 0 < http["requests"] - http["not_found"] <= http["request_bound"]
+    assert http["attach_state_dict_cpu_s"] >= 0 and http["peak_rss"] > 0
+    assert "goals:" in done.stdout and "CPU/GiB" in done.stdout
+    table = report.tensor_count_table(json.loads(out.read_text().splitlines()[0]), records)
+    assert "| 300 / 1 | nginx (HTTP) |" in table

@@ -53,6 +53,11 @@ class Recorder:
 
         return record
 
+    def tensors_published(self, *, indices: Any, names: Any, nbytes: Any) -> None:
+        """The tensors of one range, recorded (and passed to a subclass's ``tensor_ready``) one by one."""
+        for index, name, size in zip(indices, names, nbytes, strict=True):
+            self.tensor_ready(index=index, name=name, nbytes=size)
+
     def named(self, event: str) -> list[dict[str, Any]]:
         return [kwargs for name, kwargs in self.events if name == event]
 

@@ -17,7 +17,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +49,12 @@ class _OnFirstData(LoadTracker):
         super().__init__()
         self._action: Callable[[], None] | None = action
 
-    def tensor_ready(self, *, index: int, name: str, nbytes: int) -> None:
-        super().tensor_ready(index=index, name=name, nbytes=nbytes)
+    def tensors_published(
+        self, *, indices: Sequence[int], names: Sequence[str], nbytes: Sequence[int]
+    ) -> None:
+        super().tensors_published(indices=indices, names=names, nbytes=nbytes)
         action = self._action
-        if action is not None and nbytes:
+        if action is not None and any(nbytes):
             self._action = None
             action()
 

@@ -33,7 +33,7 @@ from modelload.sidecar.sources import (
 )
 from tests.sources.conftest import FAST_SETTINGS, payload
 from tests.support.fault_proxy import FaultProxy, Respond
-from tests.support.fixtures import cloud_env, fake_gcs
+from tests.support.fixtures import cloud_env, fake_gcs, point_metadata_server
 from tests.support.token_endpoints import SERVICE_ACCOUNT, TokenEndpoints
 
 __all__ = ["cloud_env", "fake_gcs"]
@@ -176,8 +176,7 @@ def test_the_gke_metadata_server_gives_the_token(
     data = payload(4096, seed=6)
     uri = fake_gcs.put(BUCKET, "metadata.bin", data)
     host = endpoints.url.removeprefix("http://")
-    monkeypatch.setenv("GCE_METADATA_HOST", host)
-    monkeypatch.setenv("GCE_METADATA_IP", host)
+    point_metadata_server(monkeypatch, host)
     monkeypatch.delenv("NO_GCE_CHECK")
     with FaultProxy(fake_gcs.port) as proxy, open_source(uri, settings(proxy.endpoint)) as source:
         assert source.read_bytes(0, 4096) == data

@@ -46,6 +46,7 @@ __all__ = [
     "moto_s3",
     "nginx",
     "nginx_proxy",
+    "point_metadata_server",
     "registry",
     "s3_registry",
     "token_registry",
@@ -164,9 +165,21 @@ def cloud_env(monkeypatch: pytest.MonkeyPatch, tmp_path: os.PathLike[str]) -> No
     for name in _CLOUD_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("CLOUDSDK_CONFIG", os.path.join(tmp_path, "no-gcloud"))
-    monkeypatch.setenv("GCE_METADATA_HOST", "127.0.0.1:9")
-    monkeypatch.setenv("GCE_METADATA_IP", "127.0.0.1:9")
+    point_metadata_server(monkeypatch, "127.0.0.1:9")
     monkeypatch.setenv("NO_GCE_CHECK", "True")
+
+
+def point_metadata_server(monkeypatch: pytest.MonkeyPatch, host: str) -> None:
+    """Send google-auth's GCE metadata requests to ``host``. google-auth reads GCE_METADATA_HOST once, when
+    its metadata module is first imported, so a test that runs after that import must also set the module's
+    copy; otherwise the host depends on which test imported it first."""
+    monkeypatch.setenv("GCE_METADATA_HOST", host)
+    monkeypatch.setenv("GCE_METADATA_IP", host)
+    try:
+        from google.auth.compute_engine import _metadata
+    except ImportError:  # the gcs extra is not installed: nothing has read the variables
+        return
+    monkeypatch.setattr(_metadata, "_GCE_METADATA_HOST", host)
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,9 @@ One process listens on two ports:
 - ``tls_port`` (when started with ``tls=(cert, key)``, see ``tests/support/tls.py``): the folder over
   HTTPS (``/private/`` included); ``https_url(name)``; trust it with ``ca_bundle=cert``.
 
+Started with ``access_log=PATH``, nginx writes a line per request it answered there (off by default): what
+counts the requests of a load at the server.
+
 Use the pytest fixtures in ``tests.support.fixtures`` (``nginx``: one server per session over a fresh folder),
 or start one yourself, for example over a folder in /dev/shm for a benchmark::
 
@@ -54,7 +57,7 @@ pid {state}/nginx.pid;
 error_log {state}/error.log warn;
 events {{ worker_connections 1024; }}
 http {{
-    access_log off;
+    access_log {access_log};
     default_type application/octet-stream;
     sendfile on;
     tcp_nopush on;
@@ -108,7 +111,13 @@ class NginxServer:
     """A running nginx (see the module docstring). Stop it with :meth:`stop` or use :func:`start_nginx`."""
 
     def __init__(
-        self, root: Path, *, bucket: str = "bucket", workers: int = 1, tls: tuple[Path, Path] | None = None
+        self,
+        root: Path,
+        *,
+        bucket: str = "bucket",
+        workers: int = 1,
+        tls: tuple[Path, Path] | None = None,
+        access_log: Path | None = None,
     ) -> None:
         binary = find_nginx()
         if binary is None:
@@ -132,6 +141,7 @@ class NginxServer:
             config.write_text(
                 _CONFIG.format(
                     user="user root root;" if os.geteuid() == 0 else "",
+                    access_log=access_log or "off",
                     workers=workers,
                     state=self._state,
                     root=self.root.resolve(),

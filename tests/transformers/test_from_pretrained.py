@@ -74,6 +74,17 @@ def outputs(net: Any) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
+def mappings_of(path: str) -> list[tuple[int, int]]:
+    """The address ranges where this process maps the file at ``path``."""
+    spans = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and fields[5] == path:
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            spans.append((start, end))
+    return spans
+
+
 def tensors_of(net: Any) -> dict[str, Any]:
     return dict(net.state_dict(keep_vars=True)) | dict(net.named_buffers())
 
@@ -100,8 +111,37 @@ def test_outputs_are_bitwise_those_of_transformers_loading_the_directory(
         assert shared, "the segment's names are the module's"
         for name in shared:
             assert got[name].data_ptr() == model.tensor(name).data_ptr(), f"{name} is a view of the segment"
+        spans = mappings_of(model.path)
+        for name, parameter in net.named_parameters():  # renamed or tied ones too: none is a private copy
+            assert any(a <= parameter.data_ptr() < b for a, b in spans), f"{name} is not in the segment"
         if arch != "bert":
             assert net.get_output_embeddings().weight is net.get_input_embeddings().weight, "still tied"
+
+
+def test_a_mixture_of_experts_is_views_but_for_the_experts_transformers_fuses(
+    tmp_path: Path, stage_dir: StageDir
+) -> None:
+    # The checkpoint keeps each expert apart (experts.N.w1/w2/w3); transformers 5 keeps one fused
+    # gate_up_proj and down_proj per layer, concatenated at load: new memory for its own load too
+    # (docs/loader.md). Everything else stays in the segment.
+    config = transformers.MixtralConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+    )  # fmt: skip
+    directory = save(config, transformers.AutoModelForCausalLM, tmp_path / "mixtral")
+    with attach(stage_dir(directory), notify=False) as model:
+        assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in model, "per-expert checkpoint tensors"
+        net = from_pretrained(transformers.AutoModelForCausalLM, segment=model)
+        spans = mappings_of(model.path)
+        copies = {
+            name
+            for name, parameter in net.named_parameters()
+            if not any(a <= parameter.data_ptr() < b for a, b in spans)
+        }
+        expected = transformers.AutoModelForCausalLM.from_pretrained(directory)
+        assert torch.equal(outputs(net), outputs(expected))
+    fused = {f"model.layers.{i}.mlp.experts.{w}" for i in range(2) for w in ("gate_up_proj", "down_proj")}
+    assert copies == fused
 
 
 def test_a_model_class_works_as_well_as_an_auto_class(tmp_path: Path, stage_dir: StageDir) -> None:

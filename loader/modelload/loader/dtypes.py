@@ -76,6 +76,11 @@ class DType:
     def __str__(self) -> str:
         return self.name
 
+    def __hash__(self) -> int:
+        # Interned, and the name is unique: hashing it alone keeps dicts and sets of dtypes cheap (the
+        # generated hash would hash all five fields, for each of 100,000 tensors).
+        return hash(self.name)
+
 
 def _plain(name: str, numpy_str: str, safetensors: str | None) -> DType:
     return DType(name, np.dtype(numpy_str).itemsize, np.dtype(numpy_str).str, False, safetensors)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram
 
@@ -128,7 +128,15 @@ class MetricsObserver:
             self._bytes += count
 
     def tensor_ready(self, *, index: int, name: str, nbytes: int) -> None:
-        self.tensors_ready.inc()
+        self._count_ready(1)
+
+    def tensors_published(
+        self, *, indices: Sequence[int], names: Sequence[str], nbytes: Sequence[int]
+    ) -> None:
+        self._count_ready(len(indices))
+
+    def _count_ready(self, count: int) -> None:
+        self.tensors_ready.inc(count)
         with self._lock:
             first, self._first_tensor_seen = not self._first_tensor_seen, True
         if first:

@@ -2,7 +2,7 @@
 
 The messages are those of docs/contracts.md ("Notifications"), two frames each::
 
-    [b"ready",  <u32 tensor index, little-endian>]
+    [b"ready",  <u32 tensor index, little-endian> ...]   (the tensors published together: one range's)
     [b"done",   b""]
     [b"failed", <UTF-8 reason>]
 
@@ -32,8 +32,11 @@ import socket
 import stat
 import struct
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from modelload.loader.errors import ConfigError
 
@@ -100,6 +103,12 @@ class Notifier:
 
     def tensor_ready(self, *, index: int, name: str, nbytes: int) -> None:
         self._send(b"ready", _INDEX.pack(index))
+
+    def tensors_published(
+        self, *, indices: Sequence[int], names: Sequence[str], nbytes: Sequence[int]
+    ) -> None:
+        """One message for the tensors of one range: their indices, u32 each (docs/contracts.md)."""
+        self._send(b"ready", np.asarray(indices, dtype="<u4").tobytes())
 
     def load_finished(self, *, seconds: float, nbytes: int) -> None:
         self._send(b"done", b"")

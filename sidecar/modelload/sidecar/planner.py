@@ -6,44 +6,87 @@ A plan is pure arithmetic over the index; nothing is read or allocated here. Its
   padding before the slot for the tensor's record header (tensorizer), so one range request lands the
   header and the start of the data contiguously, with no copy (:meth:`LoadPlan.record` says where each
   record lies: :mod:`modelload.loader.segment.geometry`);
-- the :class:`Chunk` list in load order: tensors in priority order, each tensor's bytes cut into pieces of at
-  most ``chunk_size`` so that several readers share a large tensor, and a small tensor costs one request.
+- the :class:`Chunk` list in load order: the range requests. A chunk covers neighbouring tensors of one
+  weight file, up to ``chunk_size`` bytes, so a checkpoint of 100,000 small tensors (a mixture of experts)
+  costs about as many requests as its bytes in big tensors would; a tensor larger than a chunk is cut into
+  pieces of at most ``chunk_size`` (several readers share it). Each chunk lands as *pieces*, one per tensor
+  it holds: the bytes are contiguous in the file, while each tensor's slot starts on its own 4096-byte
+  boundary in the segment, so the pieces are landed one after the other from the same response.
+
+Per-tensor and per-piece facts are numpy arrays (:class:`Pieces`), not objects: a plan of 100,000 tensors
+is a few arrays and a few hundred chunks.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 from modelload.loader.errors import ConfigError
-from modelload.loader.formats import ModelIndex, TensorEntry
-from modelload.loader.segment import ALIGNMENT, Layout, TensorSpec, plan_layout
+from modelload.loader.formats import ModelIndex
+from modelload.loader.segment import ALIGNMENT, Layout, TensorSpecs, plan_layout
 from modelload.loader.segment.geometry import Record, place
 
-__all__ = ["Chunk", "LoadPlan", "load_order", "plan_load"]
+__all__ = ["Chunk", "LoadPlan", "Pieces", "load_order", "plan_load"]
+
+Ints = npt.NDArray[np.int64]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Chunk:
-    """One range request: ``length`` bytes from ``src_offset`` in the source to ``dst_offset`` in the segment.
+    """One range request: ``length`` bytes of weight file ``file`` from ``src_offset``, landing as pieces
+    ``first`` to ``first + count - 1`` of the plan (:class:`Pieces`), in that order.
 
-    The first chunk of a tensorizer tensor starts with its record header, which lands in the slot's lead.
+    ``dst_offset`` is where the first piece lands in the segment (the whole chunk, when it has one piece);
+    ``tensor`` is the first piece's tensor (the chunk's only one, when it has one piece). The first piece of
+    a tensorizer tensor starts with its record header, which lands in the slot's lead.
     """
 
-    tensor: int
+    file: int
     src_offset: int
-    dst_offset: int
     length: int
     data_bytes: int
     """Bytes of tensor data in this chunk (``length`` less the record header bytes)."""
-    file: int = 0
-    """Which of the model's weight files ``src_offset`` is in (:attr:`ModelIndex.files`)."""
+    first: int
+    count: int
+    dst_offset: int
+    tensor: int
 
     @property
     def header_bytes(self) -> int:
-        """Bytes of record header this chunk starts with (the first chunk of a tensorizer tensor), else 0."""
+        """Bytes of record header among this chunk's bytes (tensorizer: one header before each tensor's data
+        it starts), else 0."""
         return self.length - self.data_bytes
+
+    @property
+    def pieces(self) -> range:
+        """The indices of this chunk's pieces in :attr:`LoadPlan.pieces`."""
+        return range(self.first, self.first + self.count)
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """What each tensor contributes to each chunk, in chunk order: the columns of one table.
+
+    Piece ``i`` is ``length[i]`` bytes of tensor ``tensor[i]``'s record, from ``src[i]`` in its weight file
+    to ``dst[i]`` in the segment, ``data[i]`` of them tensor data (the rest a record header).
+    """
+
+    tensor: npt.NDArray[np.int32]
+    src: Ints
+    dst: Ints
+    length: Ints
+    data: Ints
+    chunk: npt.NDArray[np.int32]
+    """The chunk each piece belongs to."""
+
+    def __len__(self) -> int:
+        return len(self.tensor)
 
 
 @dataclass(frozen=True)
@@ -52,9 +95,10 @@ class LoadPlan:
     layout: Layout
     chunks: tuple[Chunk, ...]
     """Every range to fetch, in load order."""
-    chunk_counts: tuple[int, ...]
-    """How many chunks each tensor (by index) is split into; 0 for a tensor with nothing to fetch."""
-    order: tuple[int, ...]
+    pieces: Pieces
+    chunk_counts: npt.NDArray[np.int32]
+    """How many chunks each tensor (by index) is in; 0 for a tensor with nothing to fetch."""
+    order: npt.NDArray[np.int32]
     """Tensor indices in load order."""
 
     @functools.cached_property
@@ -62,13 +106,50 @@ class LoadPlan:
         """Each tensor's chunks (by tensor index), in load order: what re-reading or checking one tensor
         touches."""
         grouped: list[list[Chunk]] = [[] for _ in self.index.tensors]
-        for chunk in self.chunks:
-            grouped[chunk.tensor].append(chunk)
+        for tensor, chunk in zip(self.pieces.tensor.tolist(), self.pieces.chunk.tolist(), strict=True):
+            grouped[tensor].append(self.chunks[chunk])
         return tuple(tuple(group) for group in grouped)
 
     def record(self, tensor: int) -> Record:
         """Where tensor ``tensor``'s record lies in the segment: its header in the lead, then the slot."""
         return place(self.layout.slots[tensor], self.index.tensors[tensor])
+
+    def tensors_of(self, chunk: Chunk) -> npt.NDArray[np.int32]:
+        """The tensors ``chunk`` lands bytes of, in source order."""
+        return self.pieces.tensor[chunk.first : chunk.first + chunk.count]
+
+    def reordered(self, chunks: Sequence[Chunk]) -> LoadPlan:
+        """This plan with its chunks (the same ones) loaded in the order of ``chunks``."""
+        if sorted(map(id, chunks)) != sorted(map(id, self.chunks)):
+            raise ValueError("a reordered plan must load the same chunks")
+        owner = np.empty(len(self.pieces), dtype=np.int32)
+        for seq, chunk in enumerate(chunks):
+            owner[chunk.first : chunk.first + chunk.count] = seq
+        return replace(self, chunks=tuple(chunks), pieces=replace(self.pieces, chunk=owner))
+
+    def per_tensor(self) -> LoadPlan:
+        """This plan with every chunk cut at its tensors' edges: one tensor (or one piece of a big one) per
+        range, each landing contiguously. What peers exchange: a peer serves a range that lies inside one
+        tensor's record (:mod:`modelload.sidecar.peers.ranges`)."""
+        if all(chunk.count == 1 for chunk in self.chunks):
+            return self
+        pieces = self.pieces
+        chunks = tuple(
+            Chunk(
+                file=self.chunks[int(pieces.chunk[i])].file,
+                src_offset=int(pieces.src[i]),
+                length=int(pieces.length[i]),
+                data_bytes=int(pieces.data[i]),
+                first=i,
+                count=1,
+                dst_offset=int(pieces.dst[i]),
+                tensor=int(pieces.tensor[i]),
+            )
+            for i in range(len(pieces))
+        )
+        cut = replace(pieces, chunk=np.arange(len(pieces), dtype=np.int32))
+        counts = np.bincount(cut.tensor, minlength=len(self.index.tensors)).astype(np.int32)
+        return replace(self, chunks=chunks, pieces=cut, chunk_counts=counts)
 
 
 def load_order(index: ModelIndex, priority: Sequence[str] = ()) -> tuple[int, ...]:
@@ -77,6 +158,8 @@ def load_order(index: ModelIndex, priority: Sequence[str] = ()) -> tuple[int, ..
     ``("model.embed_tokens.", "model.layers.0.")`` loads the embeddings, then layer 0, then the rest in file
     order. A priority entry that matches nothing is an error: it is almost always a typo.
     """
+    if not priority:
+        return tuple(range(len(index.tensors)))
     names = [t.name for t in index.tensors]
     first: list[int] = []
     seen: set[int] = set()
@@ -97,43 +180,151 @@ def plan_load(
     chunk_size: int,
     priority: Sequence[str] = (),
     metadata: Mapping[str, str] | None = None,
+    span_limit: int | None = None,
     page_size: int = ALIGNMENT,
 ) -> LoadPlan:
     """Plan the segment and the range requests for loading ``index``'s model, for a volume of
-    ``page_size``-byte pages (``modelload.loader.segment.pages``)."""
+    ``page_size``-byte pages (``modelload.loader.segment.pages``).
+
+    A chunk holds whole tensors that are neighbours in their file and in load order, as long as it stays
+    within ``chunk_size`` bytes of the file and, when given, ``span_limit`` bytes of the segment (its slots
+    with their padding: ring mode passes its ring size, so a chunk always fits in the ring).
+    """
     if chunk_size < 4096:
         raise ConfigError(f"chunk size must be at least 4096 bytes, got {chunk_size}")
     layout = plan_layout(
-        [_spec(entry, several=bool(index.files)) for entry in index.tensors],
+        _specs(index),
         metadata={"format": index.format, **(metadata or {})},
         files=index.files,
         page_size=page_size,
     )
-    order = load_order(index, priority)
-    chunks: list[Chunk] = []
-    counts = [0] * len(index.tensors)
-    for i in order:
-        pieces = _cut(i, index.tensors[i], place(layout.slots[i], index.tensors[i]), chunk_size)
-        counts[i] = len(pieces)
-        chunks.extend(pieces)
-    return LoadPlan(index=index, layout=layout, chunks=tuple(chunks), chunk_counts=tuple(counts), order=order)
+    order = np.asarray(load_order(index, priority), dtype=np.int32)
+    span = _UNLIMITED if span_limit is None else span_limit
+    return _Cutter(index, layout, chunk_size, span).plan(order)
 
 
-def _spec(entry: TensorEntry, *, several: bool) -> TensorSpec:
-    file = entry.file if several else None
-    return TensorSpec(entry.name, entry.dtype, entry.shape, lead=entry.header_length, file=file)
+_UNLIMITED = 1 << 62
 
 
-def _cut(tensor: int, entry: TensorEntry, record: Record, chunk_size: int) -> list[Chunk]:
-    header, data = record.header, record.data
-    if header + data == 0:
-        return []
-    pieces = []
-    # The first piece carries the header and up to a chunk of data; the rest are plain data.
-    first = min(data, chunk_size)
-    file = entry.file
-    pieces.append(Chunk(tensor, entry.record_offset, record.start, header + first, first, file))
-    for start in range(first, data, chunk_size):
-        length = min(chunk_size, data - start)
-        pieces.append(Chunk(tensor, entry.data_offset + start, record.slot + start, length, length, file))
-    return pieces
+def _specs(index: ModelIndex) -> TensorSpecs:
+    """The index's tensors as the layout's columns, each slot with a lead for its record header."""
+    tensors = index.tensors
+    return TensorSpecs(
+        names=[t.name for t in tensors],
+        dtypes=[t.dtype for t in tensors],
+        shapes=[t.shape for t in tensors],
+        leads=[t.header_length for t in tensors],
+        files=[t.file for t in tensors] if index.files else [None] * len(tensors),
+        sha256=[None] * len(tensors),
+    )
+
+
+class _Cutter:
+    """Cuts the tensors' records, in load order, into chunks (see :func:`plan_load`), a run at a time.
+
+    A *run* is tensors that follow each other in load order and in their file, each at most a chunk: a run
+    is cut greedily into chunks within both bounds, each cut found by a binary search over the run's running
+    ends. A tensor larger than a chunk is a run of its own, cut into pieces. The work is per run and per
+    chunk, plus numpy over the tensors: a plan of 100,000 tensors in 160 files is a few hundred steps.
+    """
+
+    def __init__(self, index: ModelIndex, layout: Layout, chunk_size: int, span: int) -> None:
+        self.index, self.layout, self.chunk_size, self.span = index, layout, chunk_size, span
+        self.step = min(chunk_size, span)
+        self.parts: dict[str, list[npt.NDArray[Any]]] = {
+            k: [] for k in ("tensor", "src", "dst", "length", "data")
+        }
+        self.chunks: list[Chunk] = []
+        self.chunk_of: list[npt.NDArray[np.int32]] = []
+        self.pieces = 0
+
+    def plan(self, order: npt.NDArray[np.int32]) -> LoadPlan:
+        tensors = self.index.tensors
+        count = len(tensors)
+        record = np.fromiter((t.record_offset for t in tensors), dtype=np.int64, count=count)
+        header = np.fromiter((t.data_offset for t in tensors), dtype=np.int64, count=count) - record
+        data = np.fromiter((t.data_length for t in tensors), dtype=np.int64, count=count)
+        file = np.fromiter((t.file for t in tensors), dtype=np.int64, count=count)
+        slot = np.fromiter((s.offset for s in self.layout.slots), dtype=np.int64, count=count)
+        counts = np.zeros(count, dtype=np.int32)
+        live = order[(header + data)[order] > 0]  # an empty tensor has nothing to fetch
+        t = live.astype(np.int64)
+        src, length, dst, end = record[t], header[t] + data[t], slot[t] - header[t], slot[t] + data[t]
+        big = data[t] > self.step
+        joins = np.zeros(len(t), dtype=bool)
+        joins[1:] = ~big[1:] & ~big[:-1] & (file[t][1:] == file[t][:-1]) & (src[1:] == src[:-1] + length[:-1])
+        starts = np.flatnonzero(~joins).tolist()
+        for a, b in zip(starts, [*starts[1:], len(t)], strict=True):
+            if big[a]:
+                tensor = int(t[a])
+                counts[tensor] = self._cut_big(tensor, int(src[a]), int(header[tensor]), int(data[tensor]),
+                                               int(slot[tensor]), int(file[tensor]))  # fmt: skip
+                continue
+            counts[t[a:b]] = 1
+            self._cut_run(t[a:b], src[a:b], length[a:b], dst[a:b], end[a:b], data[t[a:b]], int(file[t[a]]))
+        parts = self.parts
+        pieces = Pieces(
+            tensor=_joined(parts["tensor"], np.int32),
+            src=_joined(parts["src"], np.int64),
+            dst=_joined(parts["dst"], np.int64),
+            length=_joined(parts["length"], np.int64),
+            data=_joined(parts["data"], np.int64),
+            chunk=_joined(self.chunk_of, np.int32),
+        )
+        return LoadPlan(self.index, self.layout, tuple(self.chunks), pieces, counts, order)
+
+    def _cut_run(
+        self, tensors: Ints, src: Ints, length: Ints, dst: Ints, end: Ints, data: Ints, file: int
+    ) -> None:
+        """Neighbouring small tensors: chunks of whole tensors, each within ``chunk_size`` of the file and
+        ``span`` of the segment (the ends only grow along a run, so each cut is a binary search)."""
+        src_end = src + length
+        first = 0
+        while first < len(tensors):
+            by_file = np.searchsorted(src_end, src[first] + self.chunk_size, side="right")
+            by_span = np.searchsorted(end, dst[first] + self.span, side="right")
+            last = max(int(min(by_file, by_span)), first + 1)
+            self._add(tensors[first:last], src[first:last], dst[first:last], length[first:last],
+                      data[first:last], file)  # fmt: skip
+            first = last
+
+    def _cut_big(self, tensor: int, start: int, header: int, data: int, slot: int, file: int) -> int:
+        """A tensor larger than a chunk: its header and a step of data, then steps of data, one chunk each.
+        Returns how many."""
+        step = self.step
+        cuts = np.arange(step, data, step, dtype=np.int64)
+        sizes = np.minimum(step, data - cuts)
+        src = np.concatenate(([start], start + header + cuts))
+        dst = np.concatenate(([slot - header], slot + cuts))
+        length = np.concatenate(([header + step], sizes))
+        datas = np.concatenate(([step], sizes))
+        for i in range(len(src)):
+            self._add(
+                np.array([tensor]), src[i : i + 1], dst[i : i + 1], length[i : i + 1], datas[i : i + 1], file
+            )
+        return len(src)
+
+    def _add(self, tensors: Ints, src: Ints, dst: Ints, length: Ints, data: Ints, file: int) -> None:
+        """One chunk: these pieces, contiguous in ``file``."""
+        for name, column in zip(("tensor", "src", "dst", "length", "data"), (tensors, src, dst, length, data),
+                                strict=True):  # fmt: skip
+            self.parts[name].append(column)
+        count = len(tensors)
+        self.chunk_of.append(np.full(count, len(self.chunks), dtype=np.int32))
+        self.chunks.append(
+            Chunk(
+                file=file,
+                src_offset=int(src[0]),
+                length=int(src[-1] + length[-1] - src[0]),
+                data_bytes=int(data.sum()),
+                first=self.pieces,
+                count=count,
+                dst_offset=int(dst[0]),
+                tensor=int(tensors[0]),
+            )
+        )
+        self.pieces += count
+
+
+def _joined(parts: list[npt.NDArray[Any]], dtype: type) -> npt.NDArray[Any]:
+    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)

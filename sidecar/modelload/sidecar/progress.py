@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
@@ -37,6 +37,12 @@ class LoadObserver(Protocol):
 
     def tensor_ready(self, *, index: int, name: str, nbytes: int) -> None:
         """Tensor ``index`` is published READY in the segment."""
+
+    def tensors_published(
+        self, *, indices: Sequence[int], names: Sequence[str], nbytes: Sequence[int]
+    ) -> None:
+        """Tensors ``indices`` (with their ``names`` and ``nbytes``) are published READY together: the
+        tensors of one landed range. An observer without this event gets :meth:`tensor_ready` for each."""
 
     def retried(self, *, kind: str, message: str) -> None:
         """A range request failed transiently and is retried (``kind``: reset, timeout, 5xx, throttled...)."""
@@ -223,8 +229,16 @@ class LoadTracker:
         return (self._bytes - before) / (now - start)
 
     def tensor_ready(self, *, index: int, name: str, nbytes: int) -> None:
+        self._count_ready(1)
+
+    def tensors_published(
+        self, *, indices: Sequence[int], names: Sequence[str], nbytes: Sequence[int]
+    ) -> None:
+        self._count_ready(len(indices))
+
+    def _count_ready(self, count: int) -> None:
         with self._lock:
-            self._ready += 1
+            self._ready += count
             if self._status.first_tensor_at is None:
                 self._status = _replace(self._status, first_tensor_at=time.time())
 
@@ -262,7 +276,12 @@ class Observers:
     def __getattr__(self, event: str) -> object:
         if event not in EVENTS:
             raise AttributeError(f"{event!r} is not a load event (known: {', '.join(sorted(EVENTS))})")
-        methods = [getattr(o, event) for o in self._observers if hasattr(o, event)]
+        if event == "tensors_published":
+            methods = [
+                _batch_of(o) for o in self._observers if hasattr(o, event) or hasattr(o, "tensor_ready")
+            ]
+        else:
+            methods = [getattr(o, event) for o in self._observers if hasattr(o, event)]
 
         def fan_out(*args: object, **kwargs: object) -> None:
             for method in methods:
@@ -273,6 +292,20 @@ class Observers:
 
         self.__dict__[event] = fan_out  # built once per event: this runs on the readers' hot path
         return fan_out
+
+
+def _batch_of(observer: object) -> Callable[..., None]:
+    """``observer``'s ``tensors_published``, or one that calls its ``tensor_ready`` for each tensor."""
+    batch = getattr(observer, "tensors_published", None)
+    if batch is not None:
+        return batch
+    single = observer.tensor_ready  # type: ignore[attr-defined]
+
+    def each(*, indices: Sequence[int], names: Sequence[str], nbytes: Sequence[int]) -> None:
+        for index, name, size in zip(indices, names, nbytes, strict=True):
+            single(index=index, name=name, nbytes=size)
+
+    return each
 
 
 def _replace(status: LoadStatus, **changes: object) -> LoadStatus:

@@ -30,6 +30,7 @@ from modelload.loader.segment import (
     TensorState,
     WriterState,
 )
+from modelload.loader.segment.collector import paused_collector
 from modelload.loader.segment.consumers import Registration
 
 if TYPE_CHECKING:
@@ -58,8 +59,8 @@ class Progress:
         self.state = reader.writer_state.name.lower()
         self.tensors_ready = int(mask.sum())
         self.tensors_total = len(reader.slots)
-        self.bytes_total = sum(s.nbytes for s in reader.slots)
-        self.bytes_ready = sum(s.nbytes for s, ready in zip(reader.slots, mask, strict=True) if ready)
+        self.bytes_total = int(reader.nbytes.sum())
+        self.bytes_ready = int(reader.nbytes[mask].sum())
 
     def __repr__(self) -> str:
         return (
@@ -92,6 +93,7 @@ class Model:
         self._reader = reader
         self._subscriber = subscriber
         self._registration = registration
+        self._views_of_data: torch_api.Views | None = None
         self.timeout = timeout
         """Default seconds to wait for tensors (None waits as long as the writer lives)."""
 
@@ -123,7 +125,7 @@ class Model:
 
     @property
     def nbytes(self) -> int:
-        return sum(s.nbytes for s in self._reader.slots)
+        return int(self._reader.nbytes.sum())
 
     def progress(self) -> Progress:
         return Progress(self._reader)
@@ -154,7 +156,7 @@ class Model:
     # --- waiting --------------------------------------------------------------------------------------------
 
     def is_ready(self, name: str) -> bool:
-        return bool(self._reader.ready_mask([self._slot(name).index])[0])
+        return self._reader.is_ready(self._slot(name).index)
 
     def wait(
         self,
@@ -180,15 +182,22 @@ class Model:
 
         ``timeout`` bounds the whole iteration.
         """
-        pending = np.asarray(self._indices(names, None), dtype=np.intp)
+        slots = self._reader.slots
+        for batch in self._ready_batches(self._indices(names, None), timeout):
+            for index in batch.tolist():
+                yield slots[index].name
+
+    def _ready_batches(
+        self, indices: list[int], timeout: float | _Default | None
+    ) -> Iterator[npt.NDArray[np.intp]]:
+        """``indices`` in batches as they become ready (each in segment order); ``timeout`` bounds all."""
+        pending = np.asarray(indices, dtype=np.intp)
         limit = self._timeout(timeout)
         deadline = None if limit is None else time.monotonic() + limit
         while len(pending):
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            ready = self._reader.wait_any(pending, timeout=remaining, waiter=self._waiter)
-            for index in ready:
-                yield self._reader.slots[int(index)].name
-            pending = pending[~np.isin(pending, ready)]
+            ready, pending = self._reader.wait_split(pending, timeout=remaining, waiter=self._waiter)
+            yield ready
 
     # --- consumption (memory modes release and ring) -----------------------------------------------------
 
@@ -217,12 +226,10 @@ class Model:
             names = [names]
         indices = [self._slot(name).index for name in names]
         registration = self._registration
-        for index in indices:
+        for index in self._reader.released_among(indices):
             # Released before this call: only this process's own earlier mark may vouch for a whole copy
             # (its memory of it, never the consumer table, which any container can write).
-            if self._reader.state(index) == TensorState.RELEASED and not (
-                registration is not None and registration.vouched(index)
-            ):
+            if not (registration is not None and registration.vouched(index)):
                 raise self._reader.released(index)
         if registration is not None:
             registration.mark(indices)
@@ -240,7 +247,9 @@ class Model:
     def tensor(self, name: str, *, wait: bool = True) -> torch.Tensor:
         """Tensor ``name`` as a torch tensor over the segment, with its real dtype (bfloat16, float8, ...)."""
         slot = self._ready_slot(name, wait)
-        return torch_api.as_tensor(self._reader.view(slot.index), slot.dtype, slot.shape)
+        views = self._tensor_views()
+        with views.quiet():
+            return views(self._reader.start(slot), slot.dtype, slot.shape, slot.nbytes)
 
     def state_dict(
         self,
@@ -256,16 +265,19 @@ class Model:
         the rest of the load, and marked consumed once copied (see :meth:`consumed`).
         """
         wanted = list(self.names if names is None else names)
-        order = self.iter_ready(wanted, timeout=timeout)
-        host = ((name, self.tensor(name, wait=False)) for name in order)
+        batches = self._ready_batches(self._indices(wanted, None), timeout)
         if device is None or _is_cpu(device):
-            result = dict(host)
+            result = dict(self._views(batches))
         else:
             on_done = self.consumed if self._registration is not None else None
             region = self._pinnable(wanted)
             result = dict(
                 torch_api.copy_all(
-                    host, device, on_done=on_done, region=region, pin_in_place=self._pins_in_place()
+                    self._views(batches),
+                    device,
+                    on_done=on_done,
+                    region=region,
+                    pin_in_place=self._pins_in_place(),
                 )
             )
             if on_done is None and self._reader.memory_mode != MemoryMode.FULL:
@@ -273,6 +285,19 @@ class Model:
                 # release under it (SPEC.md, consumer table rule 5); consumed() only checks here.
                 self.consumed(wanted)
         return {name: result[name] for name in wanted}
+
+    def _views(self, batches: Iterable[npt.NDArray[np.intp]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, zero-copy torch tensor)`` of each index in ``batches`` (indices known READY)."""
+        reader = self._reader
+        slots = reader.slots
+        views = self._tensor_views()
+        for batch in batches:  # the collector paused per batch, never across a wait for the next one
+            with views.quiet(), paused_collector():
+                made = [
+                    (slot.name, views(reader.start(slot), slot.dtype, slot.shape, slot.nbytes))
+                    for slot in map(slots.__getitem__, batch.tolist())
+                ]
+            yield from made
 
     def _pins_in_place(self) -> bool:
         """Whether a copy to a GPU pins the segment's own pages, or goes through pinned staging buffers.
@@ -385,11 +410,16 @@ class Model:
         except KeyError:
             raise KeyError(f"no tensor named {name!r} in {self.path}") from None
 
+    def _tensor_views(self) -> torch_api.Views:
+        if self._views_of_data is None:
+            self._views_of_data = torch_api.Views(self._reader.shared_data())
+        return self._views_of_data
+
     def _ready_slot(self, name: str, wait: bool) -> Slot:
         slot = self._slot(name)
         if wait:
             self._reader.wait([slot.index], timeout=self.timeout, waiter=self._waiter)
-        elif not self._reader.ready_mask([slot.index])[0]:
+        elif not self._reader.is_ready(slot.index):
             self._reader.check()
             if self._reader.state(slot.index) == TensorState.RELEASED:
                 raise self._reader.released(slot.index)
@@ -425,6 +455,7 @@ class Model:
         if self._subscriber is not None:
             self._subscriber.close()
             self._subscriber = None
+        self._views_of_data = None
         self._reader.close()
 
     def __enter__(self) -> Model:

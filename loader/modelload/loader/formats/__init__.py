@@ -6,7 +6,7 @@ its byte ranges from one small read, and reads or writes tensors from byte range
 Local files open as one :class:`ModelReader`, whichever the format (:func:`open_reader`).
 """
 
-from modelload.loader.formats._detect import PrefixedRead, detect_format, read_index
+from modelload.loader.formats._detect import PREFIX_LENGTH, PrefixedRead, detect_format, read_index
 from modelload.loader.formats._directory import (
     SAFETENSORS_INDEX,
     SMALL_FILE_LIMIT,
@@ -22,6 +22,7 @@ from modelload.loader.formats._index import FormatName, ModelIndex, RangeRead, T
 from modelload.loader.formats._reader import ModelReader, open_reader
 
 __all__ = [
+    "PREFIX_LENGTH",
     "SAFETENSORS_INDEX",
     "SMALL_FILES_LIMIT",
     "SMALL_FILE_LIMIT",

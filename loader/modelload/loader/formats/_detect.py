@@ -12,6 +12,7 @@ sources pay per request: a model whose index fits in the prefix costs one reques
 from __future__ import annotations
 
 import struct
+from dataclasses import replace
 from typing import Literal
 
 from modelload.loader.errors import BadMagicError, ConfigError, TruncatedError
@@ -104,12 +105,14 @@ def read_index(
     format: Literal["auto", "tensorizer", "safetensors"] = "auto",  # noqa: A002 - the CLI's word for it
     source: str | None = None,
     size: int | None = None,
+    file: int = 0,
 ) -> ModelIndex:
     """Read the index of a model file of either format through ``read(offset, length)``.
 
     ``format`` names the format or asks to detect it. ``source`` names the file in error messages. ``size``
     is the file's size when the caller knows it (a ``Content-Length``); then the index is also checked
-    against it, so a truncated file fails here rather than after the load starts.
+    against it, so a truncated file fails here rather than after the load starts. ``file`` is the file's
+    number among a model's weight files, recorded in each entry (:attr:`TensorEntry.file`).
     """
     if format not in _FORMATS:
         raise ConfigError(f"unknown model format {format!r}; use one of {', '.join(_FORMATS)}")
@@ -129,12 +132,14 @@ def read_index(
         )
     known = size if size is not None else cached.size
     if (found or format) == "safetensors":
-        return safetensors.read_index(cached, source=source, size=known)
+        return safetensors.read_index(cached, source=source, size=known, file=file)
     # Imported here: the tensorizer reader is the larger module (and pulls in its crypto), and a
     # safetensors-only caller never needs it.
     from modelload.loader.formats import tensorizer
 
     index = tensorizer.read_index(cached, source=source, size=known)
+    if file:
+        index = replace(index, tensors=tuple(entry.in_file(file) for entry in index.tensors))
     if known is not None and index.data_end > known:
         raise TruncatedError(
             f"the file is {known} bytes, but its index places data up to byte {index.data_end}; the file was "

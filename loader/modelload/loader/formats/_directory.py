@@ -27,11 +27,11 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal
 
 from modelload.loader.errors import ConfigError, DuplicateNameError, FormatError, SourceNotFoundError
-from modelload.loader.formats._index import ModelIndex
+from modelload.loader.formats._index import ModelIndex, TensorEntry
 
 __all__ = [
     "SAFETENSORS_INDEX",
@@ -104,12 +104,13 @@ def weight_shards(index_json: bytes, *, where: str) -> tuple[str, ...]:
     weight_map = document.get("weight_map") if isinstance(document, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise FormatError(f"{where} has no weight_map naming the shard of each tensor", source=where)
-    shards: dict[str, None] = {}
-    for tensor, shard in weight_map.items():
-        if not isinstance(shard, str):
-            raise FormatError(f"{where} maps tensor {tensor!r} to {shard!r}, not a file name", source=where)
-        shards.setdefault(check_file_name(shard, where=where), None)
-    return tuple(shards)
+    if set(map(type, weight_map.values())) != {str}:
+        tensor, shard = next((t, s) for t, s in weight_map.items() if not isinstance(s, str))
+        raise FormatError(f"{where} maps tensor {tensor!r} to {shard!r}, not a file name", source=where)
+    shards = tuple(dict.fromkeys(weight_map.values()))  # in order of first appearance, each checked once
+    for shard in shards:
+        check_file_name(shard, where=where)
+    return shards
 
 
 def select_model_files(
@@ -187,6 +188,20 @@ def check_small_files(sizes: Mapping[str, int], *, where: str) -> None:
         )
 
 
+def _refuse_repeated_name(indexes: Sequence[tuple[str, ModelIndex]], where: str) -> None:
+    seen: dict[str, str] = {}
+    for name, index in indexes:
+        for entry in index.tensors:
+            other = seen.setdefault(entry.name, name)
+            if other != name:
+                raise DuplicateNameError(
+                    f"tensor {entry.name!r} is in both {other} and {name} in {where}: shards must not "
+                    "overlap (is an old shard left beside new ones?)",
+                    source=f"{where}{name}",
+                )
+    raise DuplicateNameError(f"{where} names a tensor twice in one weight file", source=where)
+
+
 def merge_indexes(indexes: Sequence[tuple[str, ModelIndex]], *, where: str) -> ModelIndex:
     """One index over several weight files: each tensor remembers its file (``TensorEntry.file``).
 
@@ -198,8 +213,7 @@ def merge_indexes(indexes: Sequence[tuple[str, ModelIndex]], *, where: str) -> M
     if len(indexes) == 1 and not indexes[0][0]:
         return indexes[0][1]
     first = indexes[0][1]
-    seen: dict[str, str] = {}
-    tensors = []
+    tensors: list[TensorEntry] = []
     for number, (name, index) in enumerate(indexes):
         if index.format != first.format:
             raise FormatError(
@@ -212,16 +226,12 @@ def merge_indexes(indexes: Sequence[tuple[str, ModelIndex]], *, where: str) -> M
                 f"{where}{name} and {where}{indexes[0][0]} differ in encryption: encrypt every shard or none",
                 source=f"{where}{name}",
             )
-        for entry in index.tensors:
-            other = seen.get(entry.name)
-            if other is not None:
-                raise DuplicateNameError(
-                    f"tensor {entry.name!r} is in both {other} and {name} in {where}: shards must not "
-                    "overlap (is an old shard left beside new ones?)",
-                    source=f"{where}{name}",
-                )
-            seen[entry.name] = name
-            tensors.append(replace(entry, file=number))
+        if all(entry.file == number for entry in index.tensors):
+            tensors.extend(index.tensors)
+        else:
+            tensors.extend(entry.in_file(number) for entry in index.tensors)
+    if len({entry.name for entry in tensors}) != len(tensors):
+        _refuse_repeated_name(indexes, where)
     return ModelIndex(
         format=first.format,
         version=max(i.version for _, i in indexes),

@@ -10,8 +10,12 @@ from peers), a tensor is finished by :meth:`TensorFinisher.finish`:
 3. an encrypted tensor is decrypted in place in its slot, and proves the key right (one
    :class:`~modelload.loader.formats.tensorizer.record.KeyState` per load, shared by its threads);
 4. its fastest stored hash is checked when the load verifies (CRC32 with ISA-L where installed);
-5. the caller's own last check runs (the sidecar re-reads samples of a tensor nothing else verified);
+5. the caller's own last check runs (the sidecar re-reads samples of a range nothing else verified);
 6. the slot's CRC-32 is recorded and the tensor published READY, with its verified and decrypted flags.
+
+Tensors landed together (the tensors of one range) are finished together by
+:meth:`TensorFinisher.finish_many`: steps 1-4 per tensor, the caller's check once, and one write of their
+state entries.
 
 A tensor that fails authentication before any other proved the key is held, neither READY nor failed,
 until a second encrypted tensor decides between a wrong key and corrupt bytes; :meth:`TensorFinisher.settle`
@@ -21,7 +25,7 @@ raises instead.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -76,42 +80,82 @@ class TensorFinisher:
         does): recorded as is, instead of a second pass over the bytes. Only for a tensor this method leaves
         as landed: one without a record header (nothing to decrypt) and no zeros to write.
         """
+        headers = None if header is None else [header]
+        crcs = None if crc32 is None else [crc32]
+        done = self.finish_many(
+            [tensor], entries=[entry], headers=headers, source=source, check=check, crcs=crcs
+        )
+        return bool(done)
+
+    def finish_many(
+        self,
+        tensors: Sequence[int],
+        *,
+        entries: Sequence[TensorEntry],
+        headers: Sequence[bytes | bytearray | memoryview] | None,
+        source: str,
+        check: Callable[[bool], None] | None = None,
+        crcs: Sequence[int | None] | None = None,
+    ) -> list[int]:
+        """:meth:`finish` for tensors landed together (the tensors of one range, of one weight file
+        ``source``), published together: steps 1-5 per tensor, then one :meth:`SegmentWriter.mark_ready_many`.
+
+        ``headers`` and ``crcs`` pair with ``tensors`` (None: a format without record headers; CRCs to take
+        here, all of them or those given as None). ``check(verified)`` runs once, before anything is
+        published, with whether every one of them was verified by its stored hash. Returns the tensors
+        published (in order): all of them, less any held for a key verdict.
+        """
         writer = self.writer
-        if crc32 is not None and (
-            header is not None or entry.data_length != writer.layout.slots[tensor].nbytes
+        slots = writer.layout.slots
+        if crcs is not None and any(
+            crc is not None and (headers is not None or e.data_length != slots[t].nbytes)
+            for t, e, crc in zip(tensors, entries, crcs, strict=True)
         ):
-            raise ValueError(f"a CRC-32 given for tensor {entry.name!r}, whose bytes this finish changes")
-        verified = decrypted = False
-        unlanded = place(writer.layout.slots[tensor], entry).unlanded
-        if self._ring and unlanded[1] > 0:
-            zeros = np.frombuffer(writer.region(*unlanded), dtype=np.uint8)
-            zeros[:] = 0
-            del zeros  # no export of the mapping left behind
-        if header is not None:
-            data = writer.slot(tensor)[: entry.data_length]
-            try:
-                parsed = open_record(
-                    header,
-                    data,
-                    entry=entry,
-                    encrypted_file=self._encrypted,
-                    keys=self.keys,
-                    hashes="fastest" if self._verify else "none",
-                    source=source,
-                )
-            except WrongKeyError as exc:
-                if self.keys.doubt(entry.name, source, exc):
-                    return False
-                raise
-            decrypted = parsed.encrypted
-            verified = self._verify and bool(parsed.hashes)
-        if check is not None:
-            check(verified)
+            raise ValueError("CRC-32s given for tensors whose bytes this finish changes")
+        published: list[int] = []
+        verified: list[bool] = []
+        decrypted: list[bool] = []
+        given: list[int | None] = []
+        for number, (tensor, entry) in enumerate(zip(tensors, entries, strict=True)):
+            unlanded = place(slots[tensor], entry).unlanded
+            if self._ring and unlanded[1] > 0:
+                zeros = np.frombuffer(writer.region(*unlanded), dtype=np.uint8)
+                zeros[:] = 0
+                del zeros  # no export of the mapping left behind
+            checked = opened = False
+            if headers is not None:
+                data = writer.slot(tensor)[: entry.data_length]
+                try:
+                    parsed = open_record(
+                        headers[number],
+                        data,
+                        entry=entry,
+                        encrypted_file=self._encrypted,
+                        keys=self.keys,
+                        hashes="fastest" if self._verify else "none",
+                        source=source,
+                    )
+                except WrongKeyError as exc:
+                    if self.keys.doubt(entry.name, source, exc):
+                        continue
+                    raise
+                opened = parsed.encrypted
+                checked = self._verify and bool(parsed.hashes)
+            published.append(tensor)
+            verified.append(checked)
+            decrypted.append(opened)
+            if crcs is not None:
+                given.append(crcs[number])
+        if check is not None and published:
+            check(all(verified))
         # The CRC-32 of the bytes as they lie in the segment: what `inspect --verify` checks later.
-        if crc32 is None:
-            crc32 = crc32_of(writer.slot(tensor))
-        writer.mark_ready(tensor, verified=verified, decrypted=decrypted, crc32=crc32)
-        return True
+        if crcs is None:
+            recorded = list(map(crc32_of, writer.slots(published)))
+        else:
+            pairs = zip(published, given, strict=True)
+            recorded = [crc32_of(writer.slot(tensor)) if crc is None else crc for tensor, crc in pairs]
+        writer.mark_ready_many(published, crc32=recorded, verified=verified, decrypted=decrypted)
+        return published
 
     def settle(self) -> None:
         """After the last tensor: a tensor still held was the only encrypted one, so its wrong key stands."""

@@ -7,13 +7,18 @@ itself is in ``reader`` and ``writer``.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
+import math
 import struct
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum, IntFlag
 from typing import Any
+
+import numpy as np
 
 from modelload.loader.dtypes import DType
 from modelload.loader.errors import SegmentLayoutError
@@ -40,6 +45,7 @@ __all__ = [
     "Slot",
     "TensorFlags",
     "TensorSpec",
+    "TensorSpecs",
     "TensorState",
     "WriterState",
     "align",
@@ -138,7 +144,7 @@ def align(value: int, to: int = ALIGNMENT) -> int:
     return -(-value // to) * to
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorSpec:
     """A tensor to place in a segment: what the writer knows before any byte arrives."""
 
@@ -157,7 +163,7 @@ class TensorSpec:
         return self.dtype.nbytes(self.shape)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Slot:
     """A tensor's place in a segment: its spec and the absolute offset of its bytes."""
 
@@ -218,11 +224,16 @@ class Header:
 
 @dataclass(frozen=True)
 class Layout:
-    """A complete plan for a segment: every region's place, every slot, and the manifest bytes."""
+    """A complete plan for a segment: every region's place, every slot, and the manifest's length.
+
+    The manifest's bytes are made from the slots when asked for (:attr:`manifest`), or written straight into
+    a segment (:meth:`write_manifest`): a segment of 100,000 tensors has a 14 MB manifest, which a writer
+    need not hold in memory besides the segment.
+    """
 
     slots: tuple[Slot, ...]
     metadata: Mapping[str, str]
-    manifest: bytes
+    manifest_length: int
     state_offset: int
     data_offset: int
     data_length: int
@@ -264,11 +275,31 @@ class Layout:
         """Bytes of tensor data (without padding)."""
         return sum(s.nbytes for s in self.slots)
 
-    def header(self, *, load_id: int, created_ns: int) -> Header:
+    @functools.cached_property
+    def manifest(self) -> bytes:
+        """The manifest's bytes (SPEC.md, "Manifest")."""
+        out = bytearray()
+        for piece in _manifest_pieces(self.slots, self.metadata, self.files):
+            out += piece
+        return bytes(out)
+
+    def write_manifest(self, view: memoryview) -> int:
+        """Write the manifest into ``view`` (:attr:`manifest_length` bytes) a piece at a time; its CRC-32."""
+        checksum, at = 0, 0
+        for piece in _manifest_pieces(self.slots, self.metadata, self.files):
+            view[at : at + len(piece)] = piece
+            checksum = zlib.crc32(piece, checksum)
+            at += len(piece)
+        if at != self.manifest_length:
+            raise SegmentLayoutError(f"the manifest took {at} bytes, its length says {self.manifest_length}")
+        return checksum
+
+    def header(self, *, load_id: int, created_ns: int, manifest_crc32: int | None = None) -> Header:
+        """The header's write-once fields; ``manifest_crc32`` when the caller has it (else computed)."""
         return Header(
             segment_length=self.segment_length,
-            manifest_length=len(self.manifest),
-            manifest_crc32=zlib.crc32(self.manifest),
+            manifest_length=self.manifest_length,
+            manifest_crc32=zlib.crc32(self.manifest) if manifest_crc32 is None else manifest_crc32,
             state_offset=self.state_offset,
             tensor_count=len(self.slots),
             data_offset=self.data_offset,
@@ -281,8 +312,36 @@ class Layout:
         )
 
 
+@dataclass(frozen=True)
+class TensorSpecs:
+    """Tensors to place, as columns (one sequence per :class:`TensorSpec` field, all of one length): what
+    :func:`plan_layout` takes for 100,000 tensors without an object for each."""
+
+    names: Sequence[str]
+    dtypes: Sequence[DType]
+    shapes: Sequence[tuple[int, ...]]
+    leads: Sequence[int]
+    files: Sequence[int | None]
+    sha256: Sequence[str | None]
+
+    @classmethod
+    def of(cls, specs: Iterable[TensorSpec]) -> TensorSpecs:
+        listed = list(specs)
+        return cls(
+            names=[s.name for s in listed],
+            dtypes=[s.dtype for s in listed],
+            shapes=[tuple(s.shape) for s in listed],
+            leads=[s.lead for s in listed],
+            files=[s.file for s in listed],
+            sha256=[s.sha256 for s in listed],
+        )
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
 def plan_layout(
-    tensors: Iterable[TensorSpec],
+    tensors: Iterable[TensorSpec] | TensorSpecs,
     *,
     metadata: Mapping[str, str] | None = None,
     files: Sequence[str] = (),
@@ -299,7 +358,8 @@ def plan_layout(
 
     ``files`` names the weight files of a model of several (a directory's shards); every spec then says its
     ``file``, and the segment is written as layout version 2. Memory mode RELEASE makes it version 3, RING
-    version 4; ``ring_size`` (ring mode only) is rounded up to a multiple of 4096.
+    version 4; ``ring_size`` (ring mode only) is rounded up to a multiple of 4096. Many tensors are best
+    given as :class:`TensorSpecs` (columns); the rules are checked a column at a time either way.
 
     ``page_size``, the page size of the segment's volume (:func:`.pages.volume_of`), aligns more where it is
     larger than 4096 (huge pages): the data region and the ring start on a page boundary, the ring and the
@@ -314,53 +374,52 @@ def plan_layout(
     if page_size < ALIGNMENT or page_size % ALIGNMENT:
         raise SegmentLayoutError(f"a page size must be a multiple of {ALIGNMENT}, got {page_size}")
     ring_size = align(ring_size, page_size)
-    specs = list(tensors)
+    specs = tensors if isinstance(tensors, TensorSpecs) else TensorSpecs.of(tensors)
+    count = len(specs)
     meta = dict(metadata or {})
     files = tuple(files)
     _check_files(files, specs)
-    if len(specs) > MAX_TENSORS:
-        raise SegmentLayoutError(f"{len(specs)} tensors is more than a segment holds ({MAX_TENSORS})")
+    if count > MAX_TENSORS:
+        raise SegmentLayoutError(f"{count} tensors is more than a segment holds ({MAX_TENSORS})")
     for key, value in meta.items():
         if not isinstance(key, str) or not isinstance(value, str):
             raise SegmentLayoutError(f"segment metadata must map strings to strings, got {key!r}: {value!r}")
-    by_name: dict[str, int] = {}
-    for i, spec in enumerate(specs):
-        if spec.name in by_name:
-            raise SegmentLayoutError(f"tensor name {spec.name!r} appears twice")
-        if len(spec.shape) > MAX_NDIM or any(d < 0 for d in spec.shape):
-            raise SegmentLayoutError(f"tensor {spec.name!r} has an invalid shape {spec.shape}")
-        if spec.lead < 0:
-            raise SegmentLayoutError(f"tensor {spec.name!r} asks for a negative lead {spec.lead}")
-        if memory_mode == MemoryMode.RING and spec.nbytes > ring_size:
-            raise SegmentLayoutError(
-                f"tensor {spec.name!r}: {spec.nbytes} bytes do not fit in the ring of {ring_size}"
-            )
-        by_name[spec.name] = i
+    by_name = dict(zip(specs.names, range(count), strict=True))
+    if len(by_name) != count:
+        first = {name: i for i, name in reversed(list(enumerate(specs.names)))}
+        twice = next(name for i, name in enumerate(specs.names) if first[name] != i)
+        raise SegmentLayoutError(f"tensor name {twice!r} appears twice")
+    nbytes = [d.itemsize * math.prod(shape) for d, shape in zip(specs.dtypes, specs.shapes, strict=True)]
+    _check_specs(specs, nbytes, ring_size if memory_mode == MemoryMode.RING else None)
 
     # The manifest holds the slot offsets, which depend on where the data starts, which depends on the
-    # manifest's length: plan with the offsets of a first guess, and re-plan until the length is stable.
-    data_offset = align(HEADER_LENGTH + 1) + align(STATE_ENTRY_LENGTH * max(len(specs), 1))
-    if specs:
-        data_offset += align(specs[0].lead)
-    data_offset = align(data_offset, page_size)
+    # manifest's length. The slots keep their distances whatever the start (every start is aligned), so the
+    # length is arithmetic over the offsets' digit counts: find the stable start, then encode once.
+    lead = align(specs.leads[0]) if count else 0
+    relative = _relative_offsets(nbytes, specs.leads)
+    manifest = _Manifest(specs, nbytes, meta, files)
+    data_offset = align(
+        align(HEADER_LENGTH + 1) + align(STATE_ENTRY_LENGTH * max(count, 1)) + lead, page_size
+    )
     while True:
-        slots = _place(specs, data_offset)
-        manifest = _encode_manifest(slots, meta, files)
-        if len(manifest) > MAX_MANIFEST_LENGTH:
-            raise SegmentLayoutError(f"manifest of {len(manifest)} bytes exceeds {MAX_MANIFEST_LENGTH}")
-        state_offset = align(HEADER_LENGTH + len(manifest))
-        needed = align(
-            align(state_offset + STATE_ENTRY_LENGTH * len(specs)) + (align(specs[0].lead) if specs else 0),
-            page_size,
-        )
+        length = manifest.length(relative + (data_offset - lead))
+        if length > MAX_MANIFEST_LENGTH:
+            raise SegmentLayoutError(f"manifest of {length} bytes exceeds {MAX_MANIFEST_LENGTH}")
+        state_offset = align(HEADER_LENGTH + length)
+        needed = align(align(state_offset + STATE_ENTRY_LENGTH * count) + lead, page_size)
         if needed == data_offset:
             break
         data_offset = needed
-    data_end = max((align(s.offset + s.nbytes) for s in slots), default=data_offset)
+    placed = relative + (data_offset - lead)
+    offsets = placed.tolist()
+    names, dtypes, shapes, shas, numbers = specs.names, specs.dtypes, specs.shapes, specs.sha256, specs.files
+    slots = tuple(map(Slot, range(count), names, dtypes, shapes, offsets, nbytes, shas, numbers))
+    ends = placed + np.asarray(nbytes, dtype=np.int64)
+    data_end = align(int(ends.max())) if count else data_offset
     return Layout(
-        slots=tuple(slots),
+        slots=slots,
         metadata=meta,
-        manifest=manifest,
+        manifest_length=length,
         state_offset=state_offset,
         data_offset=data_offset,
         data_length=max(data_end - data_offset, 0),
@@ -372,44 +431,137 @@ def plan_layout(
     )
 
 
-def _check_files(files: tuple[str, ...], specs: list[TensorSpec]) -> None:
+def _check_files(files: tuple[str, ...], specs: TensorSpecs) -> None:
     if len(files) > MAX_FILES or len(set(files)) != len(files) or not all(files):
         raise SegmentLayoutError(f"a segment's files must be at most {MAX_FILES} distinct non-empty names")
-    for spec in specs:
-        if files and (spec.file is None or not 0 <= spec.file < len(files)):
-            raise SegmentLayoutError(f"tensor {spec.name!r} names no file of the {len(files)} given")
-        if not files and spec.file is not None:
-            raise SegmentLayoutError(f"tensor {spec.name!r} names a file, but the layout has no files")
-
-
-def _place(specs: list[TensorSpec], data_offset: int) -> list[Slot]:
-    slots = []
-    end = data_offset - (align(specs[0].lead) if specs else 0)  # where the first slot's lead may begin
-    for i, spec in enumerate(specs):
-        offset = align(end + spec.lead)
-        slots.append(
-            Slot(i, spec.name, spec.dtype, tuple(spec.shape), offset, spec.nbytes, spec.sha256, spec.file)
-        )
-        end = offset + spec.nbytes
-    return slots
-
-
-def _encode_manifest(slots: Iterable[Slot], metadata: Mapping[str, str], files: tuple[str, ...]) -> bytes:
-    tensors = []
-    for s in slots:
-        entry: dict[str, Any] = {
-            "name": s.name,
-            "dtype": s.dtype.name,
-            "shape": list(s.shape),
-            "offset": s.offset,
-            "nbytes": s.nbytes,
-        }
-        if s.sha256 is not None:
-            entry["sha256"] = s.sha256
-        if s.file is not None:
-            entry["file"] = s.file
-        tensors.append(entry)
-    document: dict[str, Any] = {"tensors": tensors, "metadata": dict(metadata)}
+    numbers = specs.files
     if files:
-        document["files"] = list(files)
-    return json.dumps(document, separators=(",", ":"), ensure_ascii=False).encode()
+        named = [f for f in numbers if type(f) is int and 0 <= f < len(files)]
+        if len(named) != len(numbers):
+            bad = next(i for i, f in enumerate(numbers) if type(f) is not int or not 0 <= f < len(files))
+            raise SegmentLayoutError(f"tensor {specs.names[bad]!r} names no file of the {len(files)} given")
+    elif any(f is not None for f in numbers):
+        bad = next(i for i, f in enumerate(numbers) if f is not None)
+        raise SegmentLayoutError(f"tensor {specs.names[bad]!r} names a file, but the layout has no files")
+
+
+def _check_specs(specs: TensorSpecs, nbytes: list[int], ring_size: int | None) -> None:
+    """Shapes, leads and (in ring mode) sizes, a column at a time, naming the first tensor that breaks one."""
+    shapes = specs.shapes
+    dims = [d for shape in shapes for d in shape]
+    if (shapes and max(map(len, shapes)) > MAX_NDIM) or (dims and min(dims) < 0):
+        bad = next(i for i, shape in enumerate(shapes) if len(shape) > MAX_NDIM or any(d < 0 for d in shape))
+        raise SegmentLayoutError(f"tensor {specs.names[bad]!r} has an invalid shape {shapes[bad]}")
+    if specs.leads and min(specs.leads) < 0:
+        bad = next(i for i, lead in enumerate(specs.leads) if lead < 0)
+        raise SegmentLayoutError(f"tensor {specs.names[bad]!r} asks for a negative lead {specs.leads[bad]}")
+    if ring_size is not None and nbytes and max(nbytes) > ring_size:
+        bad = next(i for i, size in enumerate(nbytes) if size > ring_size)
+        raise SegmentLayoutError(
+            f"tensor {specs.names[bad]!r}: {nbytes[bad]} bytes do not fit in the ring of {ring_size}"
+        )
+
+
+def _relative_offsets(nbytes: list[int], leads: Sequence[int]) -> np.ndarray[Any, np.dtype[np.int64]]:
+    """Each slot's offset from the (aligned) start of the first slot's lead: each slot on the first 4096-byte
+    boundary that leaves room for its lead after the slot before it."""
+    if not nbytes:
+        return np.zeros(0, dtype=np.int64)
+    sizes = np.asarray(nbytes, dtype=np.int64)
+    room = np.asarray(leads, dtype=np.int64)
+    steps = -(-(sizes[:-1] + room[1:]) // ALIGNMENT) * ALIGNMENT
+    relative = np.empty(len(sizes), dtype=np.int64)
+    relative[0] = align(int(room[0]))
+    np.cumsum(steps, out=relative[1:])
+    relative[1:] += relative[0]
+    return relative
+
+
+_POWERS = np.array([10**k for k in range(1, 19)], dtype=np.int64)
+
+
+class _Manifest:
+    """The manifest's length for any slot offsets, without encoding it (see :func:`_manifest_pieces`).
+
+    The bytes are exactly ``json.dumps(document, separators=(",", ":"), ensure_ascii=False)`` of
+    ``{"tensors": [...], "metadata": ..., "files": ...}`` (each tensor's members in the order name, dtype,
+    shape, offset, nbytes, sha256, file), as every earlier writer wrote them.
+    """
+
+    def __init__(
+        self, specs: TensorSpecs, nbytes: list[int], metadata: Mapping[str, str], files: tuple[str, ...]
+    ) -> None:
+        shapes = _shape_texts(specs.shapes)
+        extras = sum(map(len, _extra_parts(specs.sha256, specs.files)))
+        count = len(specs)
+        self._fixed = (
+            len(_HEAD) + max(count - 1, 0) + len(_tail(metadata, files))
+            + count * len(_ENTRY % (b"", b"", b"", 0, 0, b"")) - count * 2  # the two zeros' digits
+            + _text_bytes(specs.names)
+            + sum(len(dtype.name) for dtype in specs.dtypes)
+            + sum(map(len, map(shapes.__getitem__, specs.shapes)))
+            + _digits(np.asarray(nbytes, dtype=np.int64))
+            + extras
+        )  # fmt: skip
+
+    def length(self, offsets: np.ndarray[Any, np.dtype[np.int64]]) -> int:
+        """The manifest's length in bytes with the slots at ``offsets`` (non-negative)."""
+        return self._fixed + _digits(offsets)
+
+
+def _manifest_pieces(
+    slots: Sequence[Slot], metadata: Mapping[str, str], files: tuple[str, ...]
+) -> Iterator[bytes]:
+    """The manifest's bytes, in pieces of a tensor or so each."""
+    shapes = _shape_texts([s.shape for s in slots])
+    yield _HEAD
+    extras = _extra_parts([s.sha256 for s in slots], [s.file for s in slots])
+    for number, (slot, extra) in enumerate(zip(slots, extras, strict=True)):
+        entry = _ENTRY % (
+            _encode_text(slot.name).encode(), slot.dtype.name.encode(), shapes[slot.shape], slot.offset,
+            slot.nbytes, extra,
+        )  # fmt: skip
+        yield b"," + entry if number else entry
+    yield _tail(metadata, files)
+
+
+def _shape_texts(shapes: Iterable[tuple[int, ...]]) -> dict[tuple[int, ...], bytes]:
+    return {shape: ("[" + ",".join(str(int(d)) for d in shape) + "]").encode() for shape in set(shapes)}
+
+
+def _extra_parts(shas: Sequence[str | None], files: Sequence[int | None]) -> Iterator[bytes]:
+    """Each tensor's optional members (``sha256``, ``file``), empty for a model of one file without hashes."""
+    if all(sha is None for sha in shas) and all(f is None for f in files):
+        yield from itertools.repeat(b"", len(shas))
+        return
+    for sha, file in zip(shas, files, strict=True):
+        yield (b',"sha256":' + _encode_text(sha).encode() if sha is not None else b"") + (
+            b',"file":%d' % file if file is not None else b""
+        )
+
+
+def _tail(metadata: Mapping[str, str], files: tuple[str, ...]) -> bytes:
+    document = json.dumps(dict(metadata), separators=(",", ":"), ensure_ascii=False)
+    listed = json.dumps(list(files), separators=(",", ":"), ensure_ascii=False)
+    return b'],"metadata":' + document.encode() + (b',"files":' + listed.encode() if files else b"") + b"}"
+
+
+_HEAD = b'{"tensors":['
+_ENTRY = b'{"name":%s,"dtype":"%s","shape":%s,"offset":%d,"nbytes":%d%s}'
+
+
+def _digits(values: np.ndarray[Any, np.dtype[np.int64]]) -> int:
+    """The decimal digits of all ``values`` (non-negative) together."""
+    return int((np.searchsorted(_POWERS, values, side="right") + 1).sum())
+
+
+def _text_bytes(texts: Sequence[str]) -> int:
+    """The UTF-8 bytes of all ``texts`` as JSON strings, quotes included."""
+    joined = "".join(texts)
+    if joined.isascii() and joined.isprintable() and '"' not in joined and "\\" not in joined:
+        return len(joined) + 2 * len(texts)  # nothing to escape: each is itself in quotes
+    return sum(len(_encode_text(text).encode()) for text in texts)
+
+
+_encode_text = json.encoder.encode_basestring
+"""A JSON string as ``json.dumps(..., ensure_ascii=False)`` writes it, quotes included."""

@@ -22,6 +22,7 @@ table stays the truth either way, so a missed message costs at most one wait.
 from __future__ import annotations
 
 import contextlib
+import functools
 import mmap
 import os
 import struct
@@ -40,6 +41,7 @@ from modelload.loader.errors import (
     TensorReleasedError,
 )
 from modelload.loader.segment import _memory, _ring
+from modelload.loader.segment.collector import paused_collector
 from modelload.loader.segment.geometry import Ring
 from modelload.loader.segment.layout import (
     ENTRY_CRC32,
@@ -76,6 +78,7 @@ STALE_AFTER = 60.0
 """Seconds without a heartbeat after which a LOADING writer is taken for dead (SPEC.md reader rule 5)."""
 
 _POLL_MIN, _POLL_MAX = 0.0005, 0.02
+_RESCAN = 0.25
 
 
 class SegmentReader:
@@ -101,11 +104,13 @@ class SegmentReader:
         self.header = header
         self.slots = slots
         self.metadata: Mapping[str, str] = metadata
-        self.by_name = {s.name: s.index for s in slots}
+        with paused_collector():
+            self.by_name = {s.name: s.index for s in slots}
         self._control = control
         self._data = data
         self._data_base = data_base
         self._data_view = memoryview(data) if data is not None else memoryview(b"")
+        self._shared_view: memoryview | None = None
         self._ring = Ring(header.data_offset, header.ring_size) if header.ring else None
         self._u32: npt.NDArray[np.uint32] = np.frombuffer(control, dtype="<u4")
         first = header.state_offset // 4
@@ -140,7 +145,9 @@ class SegmentReader:
             manifest = os.pread(fd, header.manifest_length, header.manifest_offset)
             if len(manifest) != header.manifest_length:
                 raise SegmentLayoutError(f"segment {target} is truncated inside its manifest")
-            slots, metadata, files = parse_manifest(manifest, header)
+            with paused_collector():
+                slots, metadata, files = parse_manifest(manifest, header)
+                del manifest
             volume = volume_of(fd)
             control_length = min(mapped_length(header.data_offset, volume), size)
             control = mmap.mmap(fd, control_length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
@@ -222,18 +229,47 @@ class SegmentReader:
         _memory.acquire_fence()
         return mask
 
+    def is_ready(self, index: int) -> bool:
+        """Whether tensor ``index`` is READY (its bytes may then be read)."""
+        if self._states[index] != TensorState.READY:
+            return False
+        _memory.acquire_fence()
+        return True
+
+    def released_among(self, indices: Sequence[int]) -> list[int]:
+        """Which of ``indices`` are RELEASED, in one pass over the state table."""
+        picked = np.asarray(indices, dtype=np.intp)
+        released: list[int] = picked[self._states[picked] == TensorState.RELEASED].tolist()
+        return released
+
     def view(self, index: int) -> memoryview:
         """The bytes of tensor ``index``: meaningful only once it is READY (see :meth:`wait`), and in ring
         mode only until it is RELEASED (the writer then reuses its bytes for newer tensors)."""
         slot = self.slots[index]
-        offset = slot.offset if self._ring is None else self._ring.file_offset(slot.offset)
-        start = offset - self._data_base
+        start = self.start(slot)
         return self._data_view[start : start + slot.nbytes]
+
+    def start(self, slot: Slot) -> int:
+        """Where ``slot``'s bytes start in :meth:`data` and :meth:`shared_data`."""
+        offset = slot.offset if self._ring is None else self._ring.file_offset(slot.offset)
+        return offset - self._data_base
 
     def data(self) -> memoryview:
         """This process's whole mapping of the data region, as bytes (a ring's twice over, back to back): what
         the GPU copy may pin in one piece rather than tensor by tensor."""
         return self._data_view
+
+    def shared_data(self) -> memoryview:
+        """The whole data mapping, for making many tensors from it (each at :meth:`start` of its slot) without
+        a slice per tensor. Views taken from it keep the mapping alive after :meth:`close`."""
+        if self._shared_view is None:
+            self._shared_view = self._data_view[:]  # its own exports: close() can still release _data_view
+        return self._shared_view
+
+    @functools.cached_property
+    def nbytes(self) -> npt.NDArray[np.int64]:
+        """Every tensor's bytes, in manifest order."""
+        return np.fromiter((s.nbytes for s in self.slots), dtype=np.int64, count=len(self.slots))
 
     # --- waiting --------------------------------------------------------------------------------------------
 
@@ -264,24 +300,35 @@ class SegmentReader:
         failed, and :class:`LoadTimeoutError` naming the missing tensors when ``timeout`` seconds pass first.
         An empty ``indices`` returns at once.
         """
-        pending = np.fromiter(indices, dtype=np.intp)
+        return self.wait_split(np.fromiter(indices, dtype=np.intp), timeout=timeout, waiter=waiter)[0]
+
+    def wait_split(
+        self,
+        pending: npt.NDArray[np.intp],
+        *,
+        timeout: float | None = None,
+        waiter: Waiter | None = None,
+    ) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]:
+        """:meth:`wait_any` for an array of indices, returning ``(ready, still pending)``: one pass over the
+        state table per wake-up, so waiting for 100,000 tensors in batches costs their count, not its
+        square. While the writer's count of ready tensors stays the same, the table is looked at again only
+        every :data:`_RESCAN` seconds (the count is advisory; the table stays the truth)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = _POLL_MIN
+        seen, scanned = -1, 0.0
         while len(pending):
-            states = self._states[pending]
-            ready = pending[states == TensorState.READY]
-            if len(ready):
-                _memory.acquire_fence()
-                return ready
-            self.check()
-            if (states > TensorState.RELEASED).any():
-                self.state(int(pending[states > TensorState.RELEASED][0]))  # raises, naming the tensor
-            if (states == TensorState.RELEASED).any():
-                raise self.released(int(pending[states == TensorState.RELEASED][0]))
-            if (states == TensorState.FAILED).any():
-                name = self.slots[int(pending[states == TensorState.FAILED][0])].name
-                reason = self.error or "see the sidecar's log"
-                raise LoadFailedError(f"tensor {name!r} failed: {reason}", path=str(self.path))
+            count, now = self.tensors_ready, time.monotonic()
+            if count != seen or now - scanned >= _RESCAN:
+                seen, scanned = count, now
+                states = self._states[pending]
+                ready = states == TensorState.READY
+                if ready.any():
+                    _memory.acquire_fence()
+                    return pending[ready], pending[~ready]
+                self.check()
+                self._check_states(pending, states)
+            else:
+                self.check()
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise self._timed_out(pending, timeout)
@@ -290,7 +337,18 @@ class SegmentReader:
             else:
                 time.sleep(pause if remaining is None else min(pause, remaining))
                 pause = min(pause * 2, _POLL_MAX)
-        return pending
+        return pending, pending
+
+    def _check_states(self, pending: npt.NDArray[np.intp], states: npt.NDArray[np.uint32]) -> None:
+        """Raise for a tensor among ``pending`` that is FAILED, RELEASED or in an unknown state."""
+        if (states > TensorState.RELEASED).any():
+            self.state(int(pending[states > TensorState.RELEASED][0]))  # raises, naming the tensor
+        if (states == TensorState.RELEASED).any():
+            raise self.released(int(pending[states == TensorState.RELEASED][0]))
+        if (states == TensorState.FAILED).any():
+            name = self.slots[int(pending[states == TensorState.FAILED][0])].name
+            reason = self.error or "see the sidecar's log"
+            raise LoadFailedError(f"tensor {name!r} failed: {reason}", path=str(self.path))
 
     def wait(
         self,
@@ -307,10 +365,9 @@ class SegmentReader:
         while len(pending):
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
             try:
-                ready = self.wait_any(pending, timeout=remaining, waiter=waiter)
+                _, pending = self.wait_split(pending, timeout=remaining, waiter=waiter)
             except LoadTimeoutError:
                 raise self._timed_out(pending, timeout) from None
-            pending = pending[~np.isin(pending, ready)]
 
     def released(self, index: int) -> TensorReleasedError:
         """The error for reading tensor ``index`` after the writer gave its pages back."""
@@ -341,6 +398,7 @@ class SegmentReader:
     def close(self) -> None:
         """Unmap what no array still uses. Arrays handed out keep their mapping alive until they are freed."""
         self._data_view.release()
+        self._shared_view = None  # tensors made from it hold their own references
         self._states = self._u32 = np.empty(0, dtype="<u4")
         for mm in (self._data, self._control):
             if isinstance(mm, mmap.mmap):

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import struct
 import zlib
+from typing import Any
+
+import numpy as np
 
 from modelload.loader import dtypes
 from modelload.loader.errors import ModelloadError, SegmentLayoutError, SegmentVersionError
@@ -185,9 +189,97 @@ def parse_manifest(
     if not isinstance(entries, list) or len(entries) != header.tensor_count:
         count = len(entries) if isinstance(entries, list) else "no"
         raise _fail(f"manifest lists {count} tensors, the header says {header.tensor_count}")
-    slots = tuple(_parse_slot(i, entry, header, len(files)) for i, entry in enumerate(entries))
-    _check_disjoint(slots)
+    slots = _parse_slots_at_once(entries, header, len(files))
+    if slots is None:  # something is off: the rule-by-rule pass says precisely what
+        slots = tuple(_parse_slot(i, entry, header, len(files)) for i, entry in enumerate(entries))
+        _check_disjoint(slots)
     return slots, metadata, files
+
+
+_DTYPES = {**{name: dtypes.by_name(name) for name in dtypes.names()},
+           **{f"torch.{name}": dtypes.by_name(name) for name in dtypes.names()}}  # fmt: skip
+_SHA_KEY = frozenset({"sha256"})
+
+
+def _parse_slots_at_once(entries: list[Any], header: Header, file_count: int) -> tuple[Slot, ...] | None:
+    """Every manifest rule of :func:`_parse_slot` and :func:`_check_disjoint`, checked column by column
+    (a pass of C-level maps and numpy per rule, not Python statements per tensor): what a segment of 100,000
+    tensors can afford on every attach. None when any rule may fail, or the input is unusual (a JSON
+    ``null`` where a key is optional, numbers past 64 bits): the caller then checks tensor by tensor, which
+    names the offending one."""
+    count = len(entries)
+    if not count:
+        return ()
+    if set(map(type, entries)) != {dict}:
+        return None
+    allowed = _TENSOR_KEYS[header.layout_version]
+    keysets = set(map(frozenset, entries))
+    file_key = frozenset({"file"})
+    for keys in keysets:
+        if not (allowed >= keys >= _REQUIRED_KEYS) or bool(keys & file_key) != bool(file_count):
+            return None
+    try:
+        names = [e["name"] for e in entries]
+        types = set(map(type, names))
+        found = [_DTYPES[e["dtype"]] for e in entries]  # a non-string is unhashable or unknown: KeyError
+        shapes = [e["shape"] for e in entries]
+        offsets = [e["offset"] for e in entries]
+        sizes = [e["nbytes"] for e in entries]
+    except (KeyError, TypeError):
+        return None
+    if (
+        types != {str}
+        or set(map(type, shapes)) != {list}
+        or set(map(type, offsets)) | set(map(type, sizes)) != {int}
+    ):
+        return None
+    try:
+        "\0".join(names).encode("utf-8")  # an unpaired surrogate fails here
+    except UnicodeEncodeError:
+        return None
+    if len(set(names)) != count or max(map(len, shapes)) > MAX_NDIM:
+        return None
+    dims = list(itertools.chain.from_iterable(shapes))
+    if dims and (set(map(type, dims)) != {int} or min(dims) < 0 or max(dims) > _MAX_FIELD):
+        return None
+    itemsizes = [d.itemsize for d in found]
+    if any(
+        math.prod(shape) * item != size for shape, item, size in zip(shapes, itemsizes, sizes, strict=True)
+    ):
+        return None
+    try:
+        offset = np.array(offsets, dtype=np.int64)
+        nbytes = np.array(sizes, dtype=np.int64)
+    except OverflowError:
+        return None
+    data_end = header.data_offset + header.data_length
+    if (
+        (offset < header.data_offset).any()
+        or (nbytes < 0).any()
+        or (offset % ALIGNMENT).any()
+        or (nbytes > data_end - offset).any()
+        or (header.ring and (nbytes > header.ring_size).any())
+    ):
+        return None
+    shas: list[str | None] = [None] * count
+    if any(keys & _SHA_KEY for keys in keysets):
+        shas = [e.get("sha256") for e in entries]
+        if any(
+            sha is not None and (type(sha) is not str or len(sha) != 64 or not _HEX.issuperset(sha))
+            for sha in shas
+        ):
+            return None
+    files: list[int | None] = [None] * count
+    if file_count:
+        numbers: list[int] = [e["file"] for e in entries]
+        if set(map(type, numbers)) != {int} or min(numbers) < 0 or max(numbers) >= file_count:
+            return None
+        files = list(numbers)
+    placed = np.flatnonzero(nbytes)
+    order = placed[np.argsort(offset[placed], kind="stable")]
+    if (offset[order[:-1]] + nbytes[order[:-1]] > offset[order[1:]]).any():
+        return None
+    return tuple(map(Slot, range(count), names, found, map(tuple, shapes), offsets, sizes, shas, files))
 
 
 def _parse_files(files: object) -> tuple[str, ...]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import mmap
 import os
@@ -42,6 +43,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 
 from modelload.loader.errors import SegmentError
 from modelload.loader.segment import _memory, _ring
@@ -61,6 +63,7 @@ from modelload.loader.segment.layout import (
     OFF_TENSORS_READY,
     OFF_WRITER_PID,
     OFF_WRITER_STATE,
+    STATE_ENTRY_LENGTH,
     Layout,
     MemoryMode,
     TensorFlags,
@@ -201,13 +204,22 @@ class SegmentWriter:
         if self.layout.segment_length:
             _reserve(self._fd, self.layout.segment_length, self.path)
 
+    def reserve_range(self, offset: int, length: int) -> None:
+        """Allocate the pages of segment bytes ``[offset, offset + length)`` now, before writing them through
+        a view (:class:`SegmentSpaceError` when the volume is full, instead of a SIGBUS)."""
+        for file_offset, count in self.file_ranges(offset, length):
+            _reserve(self._fd, count, self.path, offset=file_offset)
+
     def _write_prologue(self, created_ns: int) -> None:
-        header = self.layout.header(load_id=self.load_id, created_ns=created_ns).pack()
-        self._view[: len(header)] = header
+        # The manifest straight into the file (never whole in memory), then the header with its CRC; the
+        # file is published by its rename, so the order inside it does not matter to readers.
+        length = self.layout.manifest_length
+        checksum = self.layout.write_manifest(self._view[HEADER_LENGTH : HEADER_LENGTH + length])
+        header = self.layout.header(load_id=self.load_id, created_ns=created_ns, manifest_crc32=checksum)
+        packed = header.pack()
+        self._view[: len(packed)] = packed
         struct.pack_into("<I", self._view, OFF_WRITER_PID, os.getpid() & 0xFFFFFFFF)
         struct.pack_into("<Q", self._view, OFF_HEARTBEAT_NS, time.time_ns())
-        manifest = self.layout.manifest
-        self._view[HEADER_LENGTH : HEADER_LENGTH + len(manifest)] = manifest
         # The state table is zero (PENDING) from ftruncate. LOADING last: the file is then complete.
         self._u32[OFF_WRITER_STATE // 4] = WriterState.LOADING
 
@@ -222,6 +234,24 @@ class SegmentWriter:
         """A writable view of slot ``index``'s bytes. Fill it completely, then :meth:`mark_ready`."""
         s = self.layout.slots[index]
         return self._at(s.offset, s.nbytes)
+
+    def slots(self, indices: Sequence[int]) -> list[memoryview]:
+        """:meth:`slot` of each of ``indices``, at a fraction of the cost of one call each."""
+        if self.layout.memory_mode == MemoryMode.RING:
+            return [self.slot(index) for index in indices]
+        slots, view = self.layout.slots, self._view
+        return [view[s.offset : s.offset + s.nbytes] for s in map(slots.__getitem__, indices)]
+
+    def regions(self, offsets: Sequence[int], lengths: Sequence[int]) -> list[memoryview]:
+        """:meth:`region` of each ``(offset, length)``, bounds checked once for all of them."""
+        layout = self.layout
+        if layout.memory_mode == MemoryMode.RING or not offsets:
+            return [self.region(o, n) for o, n in zip(offsets, lengths, strict=True)]
+        low, high = min(offsets), max(o + n for o, n in zip(offsets, lengths, strict=True))
+        if low < layout.state_offset or high > layout.data_offset + layout.data_length:
+            raise IndexError(f"bytes [{low}, {high}) are outside the writable part of the segment")
+        view = self._view
+        return [view[o : o + n] for o, n in zip(offsets, lengths, strict=True)]
 
     def region(self, offset: int, length: int) -> memoryview:
         """A writable view of bytes ``[offset, offset + length)`` of the segment: a slot, or padding used as
@@ -276,6 +306,59 @@ class SegmentWriter:
             self._bytes_ready += slot.nbytes
             self._u64[OFF_TENSORS_READY // 8] = self._ready
             self._u64[OFF_BYTES_READY // 8] = self._bytes_ready
+
+    def mark_ready_many(
+        self,
+        indices: Sequence[int],
+        *,
+        crc32: Sequence[int] | None = None,
+        verified: Sequence[bool] | None = None,
+        decrypted: Sequence[bool] | None = None,
+    ) -> None:
+        """:meth:`mark_ready` for many tensors at once (the tensors of one landed range), in a few array
+        operations over the state table: their bytes first, then their entries, then their state words.
+        ``crc32``, ``verified`` and ``decrypted`` are per tensor, in the order of ``indices``."""
+        picked = np.asarray(indices, dtype=np.intp)
+        if not len(picked):
+            return
+        count = len(self.layout.slots)
+        if picked.min() < 0 or picked.max() >= count:
+            raise IndexError(f"tensor indices out of range 0..{count - 1}")
+        flags = np.zeros(len(picked), dtype=np.uint32)
+        for values, flag in ((verified, TensorFlags.VERIFIED), (decrypted, TensorFlags.DECRYPTED)):
+            if values is not None:
+                flags |= np.asarray(values, dtype=bool).astype(np.uint32) * np.uint32(flag)
+        crcs = np.zeros(len(picked), dtype=np.uint32)
+        if crc32 is not None:
+            flags |= np.uint32(TensorFlags.CRC32)
+            crcs[:] = np.asarray(crc32, dtype=np.int64) & 0xFFFFFFFF
+        words = (self.layout.state_offset // 4) + picked * (STATE_ENTRY_LENGTH // 4)
+        nbytes = int(self._slot_nbytes[picked].sum())
+        with self._lock:
+            self._check_open()
+            marked = picked[self._u32[words] != TensorState.PENDING]
+            if len(marked):
+                index = int(marked[0])
+                raise SegmentError(
+                    f"tensor {self.layout.slots[index].name!r} was already marked {self.state(index).name}"
+                )
+            if len(np.unique(picked)) != len(picked):
+                raise SegmentError("a tensor is listed twice among those to mark ready")
+            self._u64[(words * 4 + ENTRY_READY_NS) // 8] = time.time_ns()
+            self._u32[words + ENTRY_FLAGS // 4] = flags
+            self._u32[words + ENTRY_CRC32 // 4] = crcs
+            # SPEC.md, writer rule 2: the slots' bytes, then the entries, then the state words last.
+            _memory.release_fence()
+            self._u32[words] = TensorState.READY
+            self._ready += len(picked)
+            self._bytes_ready += nbytes
+            self._u64[OFF_TENSORS_READY // 8] = self._ready
+            self._u64[OFF_BYTES_READY // 8] = self._bytes_ready
+
+    @functools.cached_property
+    def _slot_nbytes(self) -> npt.NDArray[np.int64]:
+        slots = self.layout.slots
+        return np.fromiter((s.nbytes for s in slots), dtype=np.int64, count=len(slots))
 
     def mark_tensor_failed(self, index: int) -> None:
         """Mark one tensor FAILED, so a reader waiting for it stops. Follow with :meth:`mark_failed`."""

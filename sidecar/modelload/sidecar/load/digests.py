@@ -24,6 +24,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -94,10 +95,11 @@ class FileDigests:
         self._threads: list[threading.Thread] = []
         self.objects = self._objects()
         self.checked: list[str] = []
-        checked_tensors = {
-            plan.chunks[p.chunk].tensor for o in self.objects for p in o.pieces if p.chunk >= 0
-        }
-        self._hashed[[t for t in range(len(self._hashed)) if t not in checked_tensors]] = True
+        hashed_chunks = np.zeros(len(plan.chunks), dtype=bool)
+        hashed_chunks[[p.chunk for o in self.objects for p in o.pieces if p.chunk >= 0]] = True
+        checked = np.zeros(len(self._hashed), dtype=bool)
+        checked[plan.pieces.tensor[hashed_chunks[plan.pieces.chunk]]] = True
+        self._hashed[~checked] = True
 
     @property
     def active(self) -> bool:
@@ -187,7 +189,7 @@ class FileDigests:
                 continue
             if not self._wait(piece.chunk):
                 return  # the load stopped
-            hasher.update(self._writer.region(piece.dst_offset, piece.length))
+            self._update(hasher, piece)
             self._mark(piece.chunk)
         actual = hasher.hexdigest()
         if actual != checksum.expected:
@@ -204,12 +206,26 @@ class FileDigests:
                 self._cond.wait(0.1)
         return True
 
+    def _update(self, hasher: Any, piece: _Piece) -> None:
+        """Hash a landed chunk's bytes, in the order the object holds them: its pieces, each at its slot."""
+        plan = self._plan
+        chunk = plan.chunks[piece.chunk]
+        if chunk.count == 1:
+            hasher.update(self._writer.region(piece.dst_offset, piece.length))
+            return
+        span = slice(chunk.first, chunk.first + chunk.count)
+        for dst, length in zip(
+            plan.pieces.dst[span].tolist(), plan.pieces.length[span].tolist(), strict=True
+        ):
+            hasher.update(self._writer.region(dst, length))
+
     def _mark(self, seq: int) -> None:
-        tensor = self._plan.chunks[seq].tensor
+        plan = self._plan
+        tensors = plan.tensors_of(plan.chunks[seq])
         with self._cond:
-            self._hashed_chunks[tensor] += 1
-            if self._hashed_chunks[tensor] >= self._plan.chunk_counts[tensor]:
-                self._hashed[tensor] = True
+            self._hashed_chunks[tensors] += 1
+            done = tensors[self._hashed_chunks[tensors] >= plan.chunk_counts[tensors]]
+            self._hashed[done] = True
 
     def _gap(self, item: _Object, piece: _Piece) -> bytes:
         kept = (

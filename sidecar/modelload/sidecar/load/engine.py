@@ -39,6 +39,9 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
+import numpy.typing as npt
+
 from modelload.loader.errors import (
     HashMismatchError,
     MissingKeyError,
@@ -56,6 +59,7 @@ from modelload.loader.segment import (
     WriterState,
     run_in_order,
 )
+from modelload.loader.segment.collector import paused_collector
 from modelload.sidecar.load import integrity, proof
 from modelload.sidecar.load.digests import FileDigests
 from modelload.sidecar.load.landing import choose_landing
@@ -76,6 +80,8 @@ from modelload.sidecar.sources import (
     open_model,
     read_range,
     read_range_into_fd,
+    read_range_pieces,
+    read_range_pieces_into_fd,
 )
 
 __all__ = ["Engine", "LoadStopped", "error_kind"]
@@ -194,18 +200,9 @@ class Engine:
         landing = choose_landing(settings.landing, settings.segment, model.sources)
         proofs = _decide_proofs(model, settings, encrypted=index.encrypted)
         metadata = _metadata(uri, model.fingerprint, model.size, settings.notify, model_dir)
-        plan = plan_load(
-            index,
-            chunk_size=settings.chunk_size,
-            priority=settings.priority,
-            metadata={
-                **metadata,
-                **_pinned_version(model),
-                PROOFS_KEY: json.dumps({p.uri: p.label for p in proofs}, sort_keys=True),
-            },
-            page_size=landing.page_size,
-        )
-        plan = plan_memory(plan, settings.memory)
+        proofs_text = json.dumps({p.uri: p.label for p in proofs}, sort_keys=True)
+        metadata = {**metadata, **_pinned_version(model), PROOFS_KEY: proofs_text}
+        plan = self._plan(index, metadata, page_size=landing.page_size)
         use_fd = landing.through_fd
         # Through the file descriptor nothing writes a meta tensor's slot: reserve it before publishing.
         unlanded = integrity.unlanded_ranges(plan) if use_fd else []
@@ -266,6 +263,21 @@ class Engine:
                 observer.file_proof(file=each.uri, proof=each.label, state=_UNPROVEN_STATE[each.method])
         writer.mark_complete()
         observer.load_finished(seconds=time.monotonic() - started, nbytes=index.nbytes)
+
+    def _plan(self, index: ModelIndex, metadata: dict[str, str], *, page_size: int) -> LoadPlan:
+        """The segment's layout and the chunks: a few objects per tensor that live as long as the load, so
+        the collector is held off while they are made (it would look at each of them again and again)."""
+        settings = self.settings
+        with paused_collector():
+            plan = plan_load(
+                index,
+                chunk_size=settings.chunk_size,
+                priority=settings.priority,
+                metadata=metadata,
+                span_limit=settings.memory.ring_size or None,  # ring mode: a chunk always fits in the ring
+                page_size=page_size,
+            )
+            return plan_memory(plan, settings.memory)
 
     def _context(self) -> _LoadContext:
         return _LoadContext(
@@ -355,9 +367,11 @@ class Engine:
                     nbytes=nbytes,
                     notify=meta.get("notify"),
                 )
-                for slot in old.slots:
-                    self._observer.bytes_loaded(slot.nbytes)
-                    self._observer.tensor_ready(index=slot.index, name=slot.name, nbytes=slot.nbytes)
+                sizes = [slot.nbytes for slot in old.slots]
+                self._observer.bytes_loaded(sum(sizes))
+                self._observer.tensors_published(
+                    indices=list(range(len(sizes))), names=[slot.name for slot in old.slots], nbytes=sizes
+                )
         except ModelloadError as exc:
             log.info("not reusing the segment at %s: %s", path, exc)
             return False
@@ -381,6 +395,11 @@ class Engine:
                 "(a ModelLoad's decryptionKeySecretRef)"
             )
         return key
+
+
+SPLICE_PIECE = 1 << 20
+"""The smallest mean piece a chunk lands through the file descriptor: below it, the two system calls a
+piece costs to splice outweigh the page faults a read into the mapping takes."""
 
 
 class _Load:
@@ -410,28 +429,31 @@ class _Load:
         self.observer = context.observer
         self.stop = context.stop
         self._lock = threading.Lock()
-        self._remaining = list(plan.chunk_counts)
+        self._remaining = plan.chunk_counts.copy()
+        self._spread = _chunks_of_cut_tensors(plan)
         proofs = proofs or []
         self.prover = proof.Prover(proofs, plan, model.sources, [info.size for info in model.infos])
         self._proofs = proofs
-        # Tensors without a stored hash are re-sampled before they are published (integrity.check_tensor),
-        # unless the store's checksum proves their file.
-        sampled_files = {p.file for p in proofs if p.method == "samples"}
-        self._sampled = [t.file in sampled_files for t in plan.index.tensors]
+        # Ranges of files without a checksum are re-sampled before their tensors are published
+        # (integrity.check_chunks), unless the store's checksum or validator proves their file.
+        self._sampled = {p.file for p in proofs if p.method == "samples"}
         # A file proven by the store's checksum keeps its tensors back until it is proven (in memory modes
         # that can hold them, and unless the file's own hashes prove each tensor as it lands).
         own_hashes = plan.index.format == "tensorizer" and context.settings.verify
         hold = context.settings.memory.mode != "ring" and not own_hashes
-        self._held: dict[int, list[int]] = {p.file: [] for p in proofs if hold and self.prover.proves(p.file)}
+        self._held: dict[int, list[npt.NDArray[np.int32]]] = {
+            p.file: [] for p in proofs if hold and self.prover.proves(p.file)
+        }
         self.finisher = TensorFinisher(
             writer, key=key, encrypted=plan.index.encrypted, verify=context.settings.verify
         )
-        self._land: Callable[[Chunk], None] = self._land_fd if use_fd else self._land_view
+        self._use_fd = use_fd
 
     def run(self) -> None:
-        for tensor in self.plan.order:
-            if self._remaining[tensor] == 0:  # nothing to fetch: an empty tensor
-                self._publish(tensor)
+        order = self.plan.order
+        empty = order[self._remaining[order] == 0]  # nothing to fetch: an empty tensor
+        if len(empty):
+            self._publish(empty, None)
         for each in self._proofs:
             if self.prover.no_chunks(each.file):
                 self._prove(each.file)
@@ -440,7 +462,7 @@ class _Load:
         self.finisher.settle()  # the only encrypted tensor, and it failed: nothing proves the key
 
     def _read(self, seq: int) -> None:
-        """Land chunk ``seq`` (a reader thread of the shared pool); finish its tensor if it is the last."""
+        """Land chunk ``seq`` (a reader thread of the shared pool); publish the tensors it completes."""
         chunk = self.plan.chunks[seq]
         if self.memory is not None and not self.memory.admit(seq, chunk):
             return  # stopped while waiting for room in the ring
@@ -451,16 +473,32 @@ class _Load:
         if self.digests is not None:
             self.digests.landed(seq)
         file_done = self.prover.landed(chunk, self.writer.region)
+        tensors = self.plan.tensors_of(chunk)
         with self._lock:
-            self._remaining[chunk.tensor] -= 1
-            complete = self._remaining[chunk.tensor] == 0
+            self._remaining[tensors] -= 1
+            complete = tensors[self._remaining[tensors] == 0]
             held = self._held.get(chunk.file)
-            if complete and held is not None:
-                held.append(chunk.tensor)
-        if complete and held is None:
-            self._publish(chunk.tensor)
+            if len(complete) and held is not None:
+                held.append(complete)
+        if len(complete) and held is None:
+            self._publish(complete, seq)
         if file_done:
             self._prove(chunk.file)
+
+    def _land(self, chunk: Chunk) -> None:
+        """Through the file descriptor (``os.splice``: no copy through this process, no page faults in it)
+        where the landing goes that way and the chunk's pieces are big; through the mapping otherwise: a
+        range of a thousand small tensors lands with a few scattering reads (``preadv``, ``recvmsg_into``)
+        rather than two splices per tensor, its pages taken first (a full volume is then an error, not a
+        SIGBUS)."""
+        if self._use_fd and chunk.length >= SPLICE_PIECE * chunk.count:
+            self._land_fd(chunk)
+            return
+        if self._use_fd:  # the segment's pages are taken as the descriptor writes them: take these now
+            last = chunk.first + chunk.count - 1
+            end = int(self.plan.pieces.dst[last] + self.plan.pieces.length[last])
+            self.writer.reserve_range(chunk.dst_offset, end - chunk.dst_offset)
+        self._land_view(chunk)
 
     def _prove(self, file: int) -> None:
         """Check a complete file against the store's checksum (once more, from the origin, when none of its
@@ -486,60 +524,80 @@ class _Load:
         self.observer.file_proof(file=each.uri, proof=each.label, state="proven")
         with self._lock:
             held = self._held.pop(file, [])
-        for tensor in held:
-            self._publish(tensor)
+        if held:
+            self._publish(np.concatenate(held), None)
 
     def _land_fd(self, chunk: Chunk) -> None:
-        src_offset = chunk.src_offset
-        # One piece of the file, or two where a ring segment's ring wraps (one more request per lap).
-        for file_offset, length in self.writer.file_ranges(chunk.dst_offset, chunk.length):
-            read_range_into_fd(
-                self.sources[chunk.file],
-                src_offset,
-                length,
-                self.writer.fileno(),
-                file_offset,
-                policy=self.context.retry,
-                on_retry=self.context.on_retry,
-            )
-            src_offset += length
+        pieces = self.plan.pieces
+        # Each piece is one piece of the file, or two where a ring segment's ring wraps.
+        targets = [
+            target
+            for at in chunk.pieces
+            for target in self.writer.file_ranges(int(pieces.dst[at]), int(pieces.length[at]))
+        ]
+        source, context = self.sources[chunk.file], self.context
+        if len(targets) == 1:
+            file_offset, length = targets[0]
+            read_range_into_fd(source, chunk.src_offset, length, self.writer.fileno(), file_offset,
+                               policy=context.retry, on_retry=context.on_retry)  # fmt: skip
+            return
+        read_range_pieces_into_fd(source, chunk.src_offset, self.writer.fileno(), targets,
+                                  policy=context.retry, on_retry=context.on_retry)  # fmt: skip
 
     def _land_view(self, chunk: Chunk) -> None:
-        view = self.writer.region(chunk.dst_offset, chunk.length)
-        read_range(
-            self.sources[chunk.file],
-            chunk.src_offset,
-            view,
-            policy=self.context.retry,
-            on_retry=self.context.on_retry,
-        )
+        source, context = self.sources[chunk.file], self.context
+        if chunk.count == 1:
+            view = self.writer.region(chunk.dst_offset, chunk.length)
+            read_range(source, chunk.src_offset, view, policy=context.retry, on_retry=context.on_retry)
+            return
+        pieces, span = self.plan.pieces, slice(chunk.first, chunk.first + chunk.count)
+        views = self.writer.regions(pieces.dst[span].tolist(), pieces.length[span].tolist())
+        read_range_pieces(source, chunk.src_offset, views, policy=context.retry, on_retry=context.on_retry)
 
-    def _publish(self, tensor: int) -> None:
-        """Finish a tensor whose bytes are all in (the shared :class:`TensorFinisher`), then tell."""
-        entry = self.plan.index.tensors[tensor]
-        peers = self.context.peers
-        # Bytes from a peer are checked (and read again from the origin if bad), which may give the CRC-32.
-        crc = peers.finish(tensor) if peers is not None else None
-        header = None
-        if self.plan.index.format == "tensorizer":  # the record's header landed in the slot's lead
-            header = self.writer.region(*self.plan.record(tensor).header_span)
-        from_peers = peers is not None and tensor in peers.verified_by_peers
+    def _publish(self, tensors: npt.NDArray[np.int32], seq: int | None) -> None:
+        """Finish tensors whose bytes are all in (the ones chunk ``seq`` completed, or the empty ones, or a
+        proven file's held ones), with the shared :class:`TensorFinisher`, then tell."""
+        plan, peers = self.plan, self.context.peers
+        chosen = tensors.tolist()
+        # Bytes from a peer are checked (and re-read from the origin if bad), which may give the CRC-32.
+        crcs = [peers.finish(tensor) for tensor in chosen] if peers is not None else None
+        entries = list(map(plan.index.tensors.__getitem__, chosen))
+        headers = None
+        if plan.index.format == "tensorizer":  # the record's header landed in the slot's lead
+            headers = [self.writer.region(*plan.record(t).header_span) for t in chosen]
+            crcs = None  # finishing a record may change its slot's bytes (decryption)
+        from_peers = peers.verified_by_peers if peers is not None else ()
 
         def check(verified: bool) -> None:
-            if not verified and not from_peers and self._sampled[tensor]:
-                integrity.check_tensor(
-                    self.model,
-                    self.plan,
-                    self.writer,
-                    self.plan.chunks_by_tensor[tensor],
-                    policy=self.context.retry,
-                    on_retry=self.context.on_retry,
-                )
+            if verified or seq is None or (from_peers and all(t in from_peers for t in chosen)):
+                return
+            spread = [c for t in chosen for c in self._spread.get(t, ())]
+            chunks = [plan.chunks[c] for c in sorted({seq, *spread}) if plan.chunks[c].file in self._sampled]
+            context = self.context
+            integrity.check_chunks(
+                self.model, plan, self.writer, chunks, policy=context.retry, on_retry=context.on_retry
+            )
 
-        uri = self.model.display(entry.file)
-        if self.finisher.finish(tensor, entry=entry, header=header, source=uri, check=check, crc32=crc):
-            slot = self.plan.layout.slots[tensor]
-            self.observer.tensor_ready(index=tensor, name=slot.name, nbytes=slot.nbytes)
+        uri = self.model.display(entries[0].file)
+        done = self.finisher.finish_many(
+            chosen, entries=entries, headers=headers, source=uri, check=check, crcs=crcs
+        )
+        if done:
+            slots = plan.layout.slots
+            self.observer.tensors_published(
+                indices=done, names=[slots[t].name for t in done], nbytes=[slots[t].nbytes for t in done]
+            )
+
+
+def _chunks_of_cut_tensors(plan: LoadPlan) -> dict[int, list[int]]:
+    """The chunks of each tensor that is cut across several (a tensor larger than a chunk), by load order:
+    publishing it re-checks them all."""
+    pieces = plan.pieces
+    cut = np.flatnonzero(plan.chunk_counts[pieces.tensor] > 1)
+    spread: dict[int, list[int]] = {}
+    for tensor, chunk in zip(pieces.tensor[cut].tolist(), pieces.chunk[cut].tolist(), strict=True):
+        spread.setdefault(tensor, []).append(chunk)
+    return spread
 
 
 def _warn_without_validator(model: OpenedModel) -> None:

@@ -1,20 +1,26 @@
 """Evidence that a loaded segment holds one version of the model, and the checksums recorded as it fills.
 
 Every range request carries the object's validator (``If-Match`` and an ETag comparison; for files, size
-and mtime), so a replacement the origin signals stops the load at once. Not every origin signals one: nginx's
-ETag is the mtime in seconds and the size, so a same-size file replaced within a second (or copied with its
-mtime kept) keeps its ETag, and some servers send no validator at all. Each tensor is then self-consistent
-(a tensorizer hash passes) while the model mixes two versions. Before the segment is published COMPLETE,
-:func:`check_unchanged` therefore asks again:
+and mtime before and after every read), so a replacement the origin signals stops the load at once. Not
+every origin signals one: nginx's ETag is the mtime in seconds and the size, so a same-size file replaced
+within a second (or copied with its mtime kept) keeps its ETag, and some servers send no validator at all.
+Each tensor is then self-consistent (a tensorizer hash passes) while the model mixes two versions. On such
+origins every landed range (a chunk: neighbouring tensors, or a piece of a big one) has one *sample*: the
+last :data:`SAMPLE_BYTES` of its last piece (or, where those bytes were decrypted in place, that piece's
+record header, which carries the tensor's MACs). Samples are re-read from the origin and compared with the
+segment:
 
-1. a fresh (uncached) look-up of every weight file: size and validators as at the start;
-2. unless the origin's validator is derived from the content (S3's ETag is the object's MD5, or the MD5 of
-   its parts), a re-read of a small sample of every range the load landed, compared byte for byte with what
-   is in the segment: each tensorizer record header (it carries the tensor's hashes or MACs, so it stands
-   for the whole tensor), and the last :data:`SAMPLE_BYTES` of every plain chunk.
+1. before the tensors a range completes are published (:func:`check_chunks`): that range's sample, and for
+   a tensor cut across several ranges, the samples of all of them, so a tensor assembled across a
+   replacement is never handed to an app;
+2. before the segment is published COMPLETE (:func:`check_unchanged`): a fresh (uncached) look-up of every
+   weight file (size and validators as at the start), then every range's sample again, one pass per file.
 
-A mismatch is a :class:`SourceChangedError`: the load fails, never COMPLETE. What is left (docs/sidecar.md):
-a replacement that keeps the size and validator and changes no sampled byte of a range landed before it.
+Origins whose validator is derived from the content (S3's ETag is the object's MD5, or the MD5 of its parts)
+and local files (size and mtime are compared before and after every read) need no samples: their own
+validators prove the bytes. A mismatch is a :class:`SourceChangedError`: the load fails, never COMPLETE.
+What is left (docs/sidecar.md): a replacement that keeps the size and validator and changes no sampled byte
+of a range landed before it.
 
 :func:`crc32` is the checksum each tensor's state entry records when it is published, so ``modelload
 inspect --verify`` can check a segment later.
@@ -27,11 +33,12 @@ from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from modelload.loader.errors import SourceChangedError
+from modelload.loader.errors import SourceChangedError, TransientSourceError
 from modelload.loader.formats.tensorizer.hashes import crc32
 from modelload.loader.segment import SegmentWriter
 from modelload.sidecar.planner import Chunk, LoadPlan
 from modelload.sidecar.sources import (
+    FileSource,
     ObjectInfo,
     OpenedModel,
     RetryEvent,
@@ -41,7 +48,16 @@ from modelload.sidecar.sources import (
     stat_source,
 )
 
-__all__ = ["SAMPLE_BYTES", "check_unchanged", "crc32", "unlanded_ranges", "validator_strength"]
+__all__ = [
+    "SAMPLE_BYTES",
+    "check_chunks",
+    "check_unchanged",
+    "chunk_sample",
+    "crc32",
+    "needs_samples",
+    "unlanded_ranges",
+    "validator_strength",
+]
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +77,12 @@ def validator_strength(info: ObjectInfo) -> str:
 def unlanded_ranges(plan: LoadPlan) -> list[tuple[int, int]]:
     """``(offset, length)`` of the slot bytes no chunk writes (a meta tensor's zeros): reserved up front,
     since a reader faulting them in on a full volume would die of SIGBUS."""
-    unlanded = (plan.record(tensor).unlanded for tensor in range(len(plan.layout.slots)))
-    return [(offset, length) for offset, length in unlanded if length > 0]
+    short = (
+        tensor
+        for tensor, (entry, slot) in enumerate(zip(plan.index.tensors, plan.layout.slots, strict=True))
+        if slot.nbytes > entry.data_length
+    )
+    return [plan.record(tensor).unlanded for tensor in short]
 
 
 @dataclass(frozen=True)
@@ -81,30 +101,40 @@ def _origin(source: Source) -> Source:
 
 def needs_samples(model: OpenedModel, file: int) -> bool:
     """Whether sampled bytes of ``file`` are worth re-reading: not where the store's validator changes with
-    every write (S3's ETag follows the content, a GCS generation or an Azure ETag every upload), and not
-    from a server without Range support (it would send the whole object per sample)."""
+    every write (S3's ETag follows the content, a GCS generation or an Azure ETag every upload), nor for a
+    local file (its size and mtime are checked around every read), and not from a server without Range
+    support (it would send the whole object per sample)."""
     origin = _origin(model.sources[file])
-    return not getattr(origin, "pins_version", False) and model.infos[file].accepts_ranges
+    pinned = getattr(origin, "pins_version", False) or isinstance(origin, FileSource)
+    return not pinned and model.infos[file].accepts_ranges
 
 
-def _samples(plan: LoadPlan, model: OpenedModel, chunks: Sequence[Chunk] | None = None) -> list[_Sample]:
-    skip = [not needs_samples(model, file) for file in range(len(model.sources))]
-    samples = []
-    for chunk in plan.chunks if chunks is None else chunks:
-        if skip[chunk.file]:
-            continue
-        entry = plan.index.tensors[chunk.tensor]
-        header = chunk.header_bytes
-        if header:  # a tensorizer record header, in the slot's lead: it names the tensor's hashes or MACs
-            samples.append(_Sample(chunk.file, chunk.src_offset, chunk.dst_offset, header))
-        if chunk.data_bytes and not entry.encrypted:  # encrypted bytes were decrypted in place
-            length = min(SAMPLE_BYTES, chunk.data_bytes)
-            end = chunk.length - length
-            samples.append(_Sample(chunk.file, chunk.src_offset + end, chunk.dst_offset + end, length))
-    return samples
+def chunk_sample(plan: LoadPlan, chunk: Chunk) -> _Sample | None:
+    """The sample that stands for ``chunk`` (see the module's docstring); None when it has none (a piece of
+    an encrypted tensor without its header: decrypted bytes cannot be compared with the origin's)."""
+    pieces = plan.pieces
+    for at in reversed(chunk.pieces):
+        length, data = int(pieces.length[at]), int(pieces.data[at])
+        src, dst = int(pieces.src[at]), int(pieces.dst[at])
+        encrypted = plan.index.tensors[int(pieces.tensor[at])].encrypted
+        if data and not encrypted:  # the piece's last bytes, as they came (with header bytes when short)
+            tail = min(SAMPLE_BYTES, length)
+            return _Sample(chunk.file, src + length - tail, dst + length - tail, tail)
+        if length > data:  # a record header, which lands as it came even when its data is decrypted
+            return _Sample(chunk.file, src, dst, length - data)
+    return None
 
 
-def check_tensor(
+def _compare(model: OpenedModel, writer: SegmentWriter, sample: _Sample, policy: RetryPolicy,
+             on_retry: Callable[[RetryEvent], None] | None) -> None:  # fmt: skip
+    buf = bytearray(sample.length)
+    source = _origin(model.sources[sample.file])
+    read_range(source, sample.src_offset, memoryview(buf), policy=policy, on_retry=on_retry)
+    if writer.region(sample.dst_offset, sample.length) != buf:
+        raise _changed(model.display(sample.file), sample)
+
+
+def check_chunks(
     model: OpenedModel,
     plan: LoadPlan,
     writer: SegmentWriter,
@@ -113,15 +143,13 @@ def check_tensor(
     policy: RetryPolicy,
     on_retry: Callable[[RetryEvent], None] | None = None,
 ) -> None:
-    """Before an unverified tensor (safetensors has no stored hash) is published: re-read the samples of
-    its chunks and compare them with the segment, so a tensor assembled across a replacement that kept its
-    validator is never handed to an app. Raises :class:`SourceChangedError`."""
-    for sample in _samples(plan, model, chunks):
-        buf = bytearray(sample.length)
-        source = _origin(model.sources[sample.file])
-        read_range(source, sample.src_offset, memoryview(buf), policy=policy, on_retry=on_retry)
-        if writer.region(sample.dst_offset, sample.length) != buf:
-            raise _changed(model.display(sample.file), sample)
+    """Before the tensors landed in ``chunks`` are published: re-read each chunk's sample and compare it
+    with the segment (the caller passes the chunks of files proven by samples). Raises
+    :class:`SourceChangedError`."""
+    for chunk in chunks:
+        sample = chunk_sample(plan, chunk)
+        if sample is not None:
+            _compare(model, writer, sample, policy, on_retry)
 
 
 def _changed(uri: str, sample: _Sample) -> SourceChangedError:
@@ -152,10 +180,12 @@ def check_unchanged(
     ``sample=False`` re-checks the validators only: in the release and ring memory modes the pages of
     consumed tensors are gone by the end of the load, so there is nothing left to compare them with.
     ``skip`` names tensors checked otherwise (bytes from peers, matched against the checksums they listed
-    for the same ETag), whose samples the origin need not serve again; ``proven`` names files whose bytes
-    the store's checksum proved (:mod:`.proof`), which need no samples at all.
+    for the same ETag): a chunk holding only such tensors is not sampled again; ``proven`` names files whose
+    bytes the store's checksum proved (:mod:`.proof`), which need no samples at all.
     """
     for source, info in zip(model.sources, model.infos, strict=True):
+        if getattr(source, "every_read_validated", False):
+            continue  # each read was checked against these validators: a look-up now proves nothing more
         fresh = stat_source(source, policy=policy, on_retry=on_retry, fresh=True)
         if (fresh.size, fresh.etag, fresh.last_modified) != (info.size, info.etag, info.last_modified):
             raise SourceChangedError(
@@ -166,21 +196,37 @@ def check_unchanged(
             )
     if not sample:
         return 0
-    chunks = (
-        [c for c in plan.chunks if c.tensor not in skip and c.file not in proven] if skip or proven else None
-    )
-    samples = _samples(plan, model, chunks)
-    log.info("re-reading %d samples of the landed ranges to check the model did not change", len(samples))
+    by_file: dict[int, list[_Sample]] = {}
+    sampled = [needs_samples(model, f) and f not in proven for f in range(len(model.sources))]
+    skipped = set(skip)
+    for chunk in plan.chunks:
+        if not sampled[chunk.file] or (skipped and set(plan.tensors_of(chunk).tolist()) <= skipped):
+            continue
+        found = chunk_sample(plan, chunk)
+        if found is not None:
+            by_file.setdefault(chunk.file, []).append(found)
+    count = sum(map(len, by_file.values()))
+    log.info("re-reading %d samples of the landed ranges to check the model did not change", count)
 
-    def compare(sample: _Sample) -> _Sample | None:
-        buf = bytearray(sample.length)
-        source = _origin(model.sources[sample.file])
-        read_range(source, sample.src_offset, memoryview(buf), policy=policy, on_retry=on_retry)
-        return None if writer.region(sample.dst_offset, sample.length) == buf else sample
+    def one_file(samples: list[_Sample]) -> None:
+        """One multi-range request for all of a file's samples where its server answers them so; one
+        request a sample otherwise."""
+        source = _origin(model.sources[samples[0].file])
+        several = getattr(source, "read_ranges", None)
+        if several is not None and len(samples) > 1:
+            try:
+                got = several([(s.src_offset, s.length) for s in samples])
+            except TransientSourceError:
+                got = None  # the samples one by one, each with its retries
+            if got is not None:
+                for found, data in zip(samples, got, strict=True):
+                    if writer.region(found.dst_offset, found.length) != data:
+                        raise _changed(model.display(found.file), found)
+                return
+        for found in samples:
+            _compare(model, writer, found, policy, on_retry)
 
-    workers = max(1, min(readers, len(samples)))
+    workers = max(1, min(readers, len(by_file)))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="recheck") as pool:
-        for differs in pool.map(compare, samples):
-            if differs is not None:
-                raise _changed(model.display(differs.file), differs)
-    return len(samples)
+        list(pool.map(one_file, by_file.values()))  # one pass per file; the first mismatch raises here
+    return count

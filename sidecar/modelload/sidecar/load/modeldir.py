@@ -27,8 +27,11 @@ def write_model_dir(
     assert directory is not None
 
     def fetch(name: str) -> bytes:
+        if name in model.fetched:  # read already while opening the model (the safetensors index)
+            return model.fetched[name]
         return fetch_small_file(directory, name, settings, on_retry=on_retry, opener=model.opener)
 
     written = _write(target, list(model.small), fetch)
+    model.fetched.clear()  # in the model directory now: 8 MiB for the index of 100,000 tensors
     log.info("model directory %s: %d files, %d bytes", written, len(model.small), model.small_bytes)
     return written

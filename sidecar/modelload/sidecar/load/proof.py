@@ -150,6 +150,7 @@ class Prover:
     ) -> None:
         self.proofs = proofs
         self._sources = sources
+        self._pieces = plan.pieces
         self._files: dict[int, _FileState] = {}
         by_file: dict[int, list[Chunk]] = {}
         for chunk in plan.chunks:
@@ -177,11 +178,14 @@ class Prover:
         checksum = state.proof.checksum
         assert checksum is not None
         pieces = []
-        for offset, length in _split(chunk.src_offset, chunk.length, state.cuts):
-            piece = _Piece(offset, length, dst=chunk.dst_offset + offset - chunk.src_offset)
-            if checksum.composable:
-                piece.crc = crc(checksum.algorithm, region(piece.dst or 0, length))
-            pieces.append(piece)
+        landed = self._pieces
+        for at in chunk.pieces:  # the chunk's bytes are contiguous in the file, each piece at its own slot
+            src, dst = int(landed.src[at]), int(landed.dst[at])
+            for offset, length in _split(src, int(landed.length[at]), state.cuts):
+                piece = _Piece(offset, length, dst=dst + offset - src)
+                if checksum.composable:
+                    piece.crc = crc(checksum.algorithm, region(piece.dst or 0, length))
+                pieces.append(piece)
         with state.lock:
             state.pieces.extend(pieces)
             state.left -= 1

@@ -142,15 +142,15 @@ class MemoryManager:
         """
         if not self._ring:
             return not self._stop.is_set()
-        offset, length = self._claim(chunk)
+        claims = self._claims(chunk)
         with self._cond:
-            while seq != self._next_grant or self._space.holder(offset, length) is not None:
+            while seq != self._next_grant or self._holder(claims) is not None:
                 if self._stop.is_set():
                     if seq == self._next_grant:
                         self._end_wait()  # nothing waits any more: /status and the metrics say so
                     return False
                 if seq == self._next_grant:
-                    self._blocker = self._space.holder(offset, length)
+                    self._blocker = self._holder(claims)
                     waited = self._start_wait()
                     limit = self.settings.wait_timeout
                     if limit is not None and waited > limit:
@@ -162,19 +162,33 @@ class MemoryManager:
                         raise error
                 self._cond.wait(0.05)
             self._end_wait()
-            self._space.take(chunk.tensor, offset, length)
+            for tensor, offset, length in claims:
+                self._space.take(tensor, offset, length)
             self._next_grant += 1
             self._cond.notify_all()
         return True
 
-    def _claim(self, chunk: Chunk) -> tuple[int, int]:
-        """The segment bytes ``chunk`` takes in the ring: its own, and for the chunk that lands a tensor's
-        last data byte, the rest of the slot too (a meta tensor's zeros, which the engine writes)."""
-        record = self.plan.record(chunk.tensor)
-        stop = chunk.dst_offset + chunk.length
-        if stop >= record.data_end:
-            stop = max(stop, record.end)
-        return chunk.dst_offset, stop - chunk.dst_offset
+    def _holder(self, claims: list[tuple[int, int, int]]) -> int | None:
+        for _, offset, length in claims:
+            holder = self._space.holder(offset, length)
+            if holder is not None:
+                return holder
+        return None
+
+    def _claims(self, chunk: Chunk) -> list[tuple[int, int, int]]:
+        """``(tensor, segment offset, length)`` of the bytes each piece of ``chunk`` takes in the ring: its
+        own, and for the piece that lands a tensor's last data byte, the rest of the slot too (a meta
+        tensor's zeros, which the engine writes)."""
+        pieces = self.plan.pieces
+        claims = []
+        for at in chunk.pieces:
+            tensor, offset = int(pieces.tensor[at]), int(pieces.dst[at])
+            stop = offset + int(pieces.length[at])
+            record = self.plan.record(tensor)
+            if stop >= record.data_end:
+                stop = max(stop, record.end)
+            claims.append((tensor, offset, stop - offset))
+        return claims
 
     def _start_wait(self) -> float:
         now = time.monotonic()

@@ -28,7 +28,6 @@ import logging
 import os
 import secrets
 import threading
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +120,7 @@ class Peers:
             with self._lock:
                 self._phase = "unshared"
             return plan
+        plan = plan.per_tensor()  # a peer serves ranges inside one tensor's record (ranges.py)
         ranges = RangeMap(plan)
         fd = os.open(segment, os.O_RDONLY)
         with self._lock:
@@ -137,7 +137,7 @@ class Peers:
             for i, origin in enumerate(model.sources)
         ]
         model.sources[:] = self._sources
-        return replace(plan, chunks=self._own_first(plan))
+        return plan.reordered(self._own_first(plan))
 
     def _own_first(self, plan: LoadPlan) -> tuple[Chunk, ...]:
         """Chunks of the tensors this sidecar would read from the origin first, then the rest, each in load

@@ -56,7 +56,16 @@ from ._registry import (
     store_for,
 )
 from ._responses import display_url
-from ._retry import RetryCancelled, RetryEvent, read_range, read_range_into_fd, stat_source
+from ._retry import (
+    RetryCancelled,
+    RetryEvent,
+    read_range,
+    read_range_into_fd,
+    read_range_pieces,
+    read_range_pieces_into_fd,
+    stat_source,
+    stat_with_prefix,
+)
 from ._s3 import S3Location, S3Source, plan_s3_location
 from ._settings import (
     DEFAULT_HUB_ENDPOINT,
@@ -142,11 +151,14 @@ __all__ = [
     "read_header_file",
     "read_range",
     "read_range_into_fd",
+    "read_range_pieces",
+    "read_range_pieces_into_fd",
     "read_token_file",
     "register_source",
     "register_store",
     "registered_schemes",
     "stat_source",
+    "stat_with_prefix",
     "store_for",
     "verify_bytes",
 ]

@@ -8,6 +8,7 @@ above this protocol, so a new backend is one small class.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,7 +19,15 @@ from modelload.loader.errors import TransientSourceError, TruncatedError
 
 from ._checksums import StoreChecksum
 
-__all__ = ["InterruptedReadError", "ObjectInfo", "Source", "SourceBase", "byte_view", "check_range"]
+__all__ = [
+    "InterruptedReadError",
+    "ObjectInfo",
+    "Source",
+    "SourceBase",
+    "byte_view",
+    "check_range",
+    "views_after",
+]
 
 
 @dataclass(frozen=True)
@@ -127,6 +136,28 @@ class SourceBase:
                 info = self._info
         return info
 
+    def stat_with_prefix(self, length: int) -> tuple[ObjectInfo, bytes]:
+        """The object's size and validators, and its first ``length`` bytes (all of it when shorter): one
+        request where the source can answer both at once (a ranged GET does), which a model's index and a
+        small file need. The first call caches the stat, as :meth:`stat` does."""
+        with self._stat_lock:
+            if self._info is None:
+                info, head = self._stat_prefix(length)
+                self._info = info
+                if head is not None:
+                    return info, head
+        info = self.stat()
+        return info, self.read_bytes(0, min(length, info.size))
+
+    def _stat_prefix(self, length: int) -> tuple[ObjectInfo, bytes | None]:
+        """One uncached look-up that may bring the first ``length`` bytes too (None: it does not)."""
+        return self._stat(), None
+
+    every_read_validated: bool = False
+    """Whether every read so far was checked against the validators of the first look-up (a file's size
+    and mtime around it, an HTTP response's ETag): then a fresh look-up at the end of a load proves
+    nothing more (:func:`modelload.sidecar.load.integrity.check_unchanged`)."""
+
     def restat(self) -> ObjectInfo:
         """A fresh look-up of the size and validators, bypassing the cache: the end-of-load check that the
         object is still the one the load started with. The cached :meth:`stat` is left as it was."""
@@ -146,6 +177,31 @@ class SourceBase:
     def read_into_fd(self, offset: int, length: int, fd: int, fd_offset: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} cannot write into a file descriptor")
 
+    def read_into_pieces(self, offset: int, bufs: Sequence[memoryview]) -> None:
+        """Fill ``bufs`` in turn with the bytes from ``offset`` on: one range, landed in several places (a
+        chunk of neighbouring tensors, each in its own slot). ``landed`` on an interruption counts bytes of
+        the whole range. This default reads the range once into a buffer of its own and copies from there;
+        sources that can scatter a response themselves (HTTP, files) override it."""
+        total = sum(len(buf) for buf in bufs)
+        bounce = memoryview(bytearray(total))
+        try:
+            self.read_into(offset, bounce)
+        except InterruptedReadError as exc:
+            _scatter(bounce[: exc.landed], bufs)
+            raise
+        _scatter(bounce, bufs)
+
+    def read_into_fd_pieces(self, offset: int, fd: int, pieces: Sequence[tuple[int, int]]) -> None:
+        """Like :meth:`read_into_pieces`, writing each ``(fd_offset, length)`` piece into file ``fd``. This
+        default reads the range once into a buffer and writes the pieces from there."""
+        bounce = memoryview(bytearray(sum(length for _, length in pieces)))
+        try:
+            self.read_into(offset, bounce)
+        except InterruptedReadError as exc:
+            _write_pieces(bounce[: exc.landed], fd, pieces)
+            raise
+        _write_pieces(bounce, fd, pieces)
+
     def close(self) -> None:
         """Nothing to release by default."""
 
@@ -162,6 +218,42 @@ class SourceBase:
         info = self.stat()
         check_range(offset, length, info.size, uri=self._display_uri)
         return info
+
+
+def views_after(views: Sequence[memoryview], done: int) -> list[memoryview]:
+    """The parts of ``views`` (taken in turn, as one range) after the range's first ``done`` bytes."""
+    if not done:
+        return list(views)
+    rest = []
+    for view in views:
+        if done < len(view):
+            rest.append(view[done:] if done else view)
+        done = max(done - len(view), 0)
+    return rest
+
+
+def _scatter(data: memoryview, bufs: Sequence[memoryview]) -> None:
+    """Copy ``data`` into ``bufs`` in turn, as far as it goes."""
+    at = 0
+    for buf in bufs:
+        n = min(len(buf), len(data) - at)
+        if n <= 0:
+            return
+        buf[:n] = data[at : at + n]
+        at += n
+
+
+def _write_pieces(data: memoryview, fd: int, pieces: Sequence[tuple[int, int]]) -> None:
+    """Write ``data`` into file ``fd`` as the ``(fd_offset, length)`` pieces in turn, as far as it goes."""
+    at = 0
+    for fd_offset, length in pieces:
+        piece = data[at : at + length]
+        if not piece:
+            return
+        written = 0
+        while written < len(piece):
+            written += os.pwrite(fd, piece[written:], fd_offset + written)
+        at += length
 
 
 def check_range(offset: int, length: int, size: int, *, uri: str) -> None:
@@ -182,6 +274,8 @@ def byte_view(buf: memoryview | bytearray) -> memoryview:
 
     Raises TypeError for a read-only or non-contiguous buffer: bytes can only land in writable memory.
     """
+    if type(buf) is memoryview and buf.format == "B" and buf.ndim == 1 and not buf.readonly:
+        return buf  # the usual case, a slice of the segment: nothing to make (a range of 1,000 tensors)
     view = memoryview(buf)
     if view.readonly:
         raise TypeError("the destination buffer is read-only")

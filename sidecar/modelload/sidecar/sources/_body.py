@@ -16,7 +16,9 @@ import http.client
 import io
 import os
 import socket
+from collections.abc import Sequence
 
+from ._base import views_after
 from ._splice import HAVE_SPLICE, Progress, RateFloor, splice_socket
 
 __all__ = ["Body"]
@@ -24,6 +26,8 @@ __all__ = ["Body"]
 # The buffer of the reader http.client parses headers with (socket.makefile("rb") uses this size).
 _READER_BUFFER = io.DEFAULT_BUFFER_SIZE
 _BOUNCE_SIZE = 1 << 20
+_IOV_MAX = 1024
+"""The most buffers one ``recvmsg_into`` takes (Linux's IOV_MAX)."""
 
 
 class Body:
@@ -70,6 +74,42 @@ class Body:
             progress.done += self.readinto(view[progress.done :])
             if self._floor is not None:
                 self._floor.check(progress.done)
+
+    def fill_pieces(self, views: Sequence[memoryview], progress: Progress) -> None:
+        """Fill ``views`` in turn (one range landed in several places); ``progress.done`` counts the bytes
+        of the whole range already in. From a plain socket one ``recvmsg_into`` fills as many pieces as the
+        socket holds bytes for (a range of a thousand small tensors is not a thousand system calls)."""
+        scatter = not self._chunked and not hasattr(self._sock, "cipher")
+        rest = views_after(views, progress.done)
+        at = 0  # rest[at] is the first view not yet full
+        while at < len(rest):
+            if scatter and self._buffer_drained:
+                got = self._sock.recvmsg_into(rest[at : at + _IOV_MAX])[0]
+                if got == 0:
+                    raise EOFError("the server closed the connection before the body was complete")
+            else:
+                got = self.readinto(rest[at])
+            progress.done += got
+            while got:  # step past what landed: whole views, then into the one it stopped in
+                size = len(rest[at])
+                if got < size:
+                    rest[at] = rest[at][got:]
+                    break
+                got -= size
+                at += 1
+            if self._floor is not None:
+                self._floor.check(progress.done)
+
+    def splice_pieces(self, fd: int, pieces: Sequence[tuple[int, int]], progress: Progress) -> None:
+        """Write the body into file ``fd`` as the ``(fd_offset, length)`` pieces in turn; ``progress.done``
+        counts the bytes of the whole range already in."""
+        before = 0
+        for fd_offset, length in pieces:
+            if progress.done < before + length:
+                # splice_into counts from the start of its own range: shift the piece back by what the
+                # pieces before it took, so one Progress counts the whole response.
+                self.splice_into(fd, fd_offset - before, before + length, progress)
+            before += length
 
     def skip(self, count: int) -> None:
         """Read and drop ``count`` bytes (single-stream fallback for servers that ignore Range)."""

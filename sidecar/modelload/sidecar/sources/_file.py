@@ -1,8 +1,9 @@
 """A local file (``file:///path`` or a plain path): positional reads into the caller's buffer.
 
 ``os.preadv`` reads straight into the memoryview and takes the offset, so one descriptor serves every thread
-with no seek and no lock. Each read compares the file's size and modification time with the first stat, so
-an in-place rewrite during a load is reported as a change rather than mixed into the segment.
+with no seek and no lock. Each read compares the file's size and modification time with the first stat,
+before and after it, so an in-place rewrite during a load is reported as a change rather than mixed into the
+segment.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import stat as stat_module
+from collections.abc import Sequence
 from urllib.parse import unquote, urlsplit
 
 from modelload.loader.errors import (
@@ -22,17 +24,21 @@ from modelload.loader.errors import (
     SourceUriError,
 )
 
-from ._base import InterruptedReadError, ObjectInfo, SourceBase, byte_view
+from ._base import InterruptedReadError, ObjectInfo, SourceBase, byte_view, views_after
 from ._settings import SourceSettings
 from ._splice import HAVE_SPLICE, Progress, splice_file
 
 __all__ = ["FileSource", "open_file"]
+
+_IOV_MAX = 1024
+"""The most buffers one ``preadv`` takes (Linux's IOV_MAX)."""
 
 
 class FileSource(SourceBase):
     """A regular file, opened read-only at construction (so a missing file fails at once)."""
 
     supports_fd = HAVE_SPLICE
+    every_read_validated = True  # size and mtime are compared before and after every read
 
     def __init__(self, path: str) -> None:
         super().__init__(path)
@@ -65,13 +71,20 @@ class FileSource(SourceBase):
             )
 
     def read_into(self, offset: int, buf: memoryview) -> None:
-        buf = byte_view(buf)
-        info = self._checked_range(offset, len(buf))
+        self.read_into_pieces(offset, [buf])
+
+    def read_into_pieces(self, offset: int, bufs: Sequence[memoryview]) -> None:
+        """``preadv`` straight into ``bufs`` in turn (one range, several places), with the file's size and
+        mtime checked before and after: bytes read between two equal looks are the version the load
+        started with, so a file needs no sample re-read (``integrity.needs_samples``)."""
+        views = [byte_view(buf) for buf in bufs]
+        length = sum(len(view) for view in views)
+        info = self._checked_range(offset, length)
         self._check_unchanged(info)
-        progress, length = Progress(), len(buf)
+        progress = Progress()
         while (done := progress.done) < length:
             try:
-                got = os.preadv(self._fd, [buf[done:]], offset + done)
+                got = os.preadv(self._fd, views_after(views, done)[:_IOV_MAX], offset + done)
             except OSError as exc:
                 raise _translate(exc, self._path, "read", landed=done) from exc
             if got == 0:
@@ -81,22 +94,32 @@ class FileSource(SourceBase):
                     uri=self._path,
                 )
             progress.done += got
+        self._check_unchanged(info)
 
     def read_into_fd(self, offset: int, length: int, fd: int, fd_offset: int) -> None:
-        info = self._checked_range(offset, length)
+        self.read_into_fd_pieces(offset, fd, [(fd_offset, length)])
+
+    def read_into_fd_pieces(self, offset: int, fd: int, pieces: Sequence[tuple[int, int]]) -> None:
+        """Splice each ``(fd_offset, length)`` piece of the range into file ``fd`` in turn, size and mtime
+        checked before and after (see :meth:`read_into_pieces`)."""
+        info = self._checked_range(offset, sum(length for _, length in pieces))
         self._check_unchanged(info)
-        progress = Progress()
-        try:
-            splice_file(self._fd, offset, length, fd, fd_offset, progress=progress)
-        except EOFError as exc:
-            raise SourceChangedError(
-                f"{self._path} ended before offset {offset + length}: it shrank during the load",
-                uri=self._path,
-            ) from exc
-        except SegmentSpaceError:
-            raise
-        except OSError as exc:
-            raise _translate(exc, self._path, "read", landed=progress.done) from exc
+        landed = 0
+        for fd_offset, length in pieces:
+            progress = Progress()
+            try:
+                splice_file(self._fd, offset + landed, length, fd, fd_offset, progress=progress)
+            except EOFError as exc:
+                raise SourceChangedError(
+                    f"{self._path} ended before offset {offset + landed + length}: it shrank during the load",
+                    uri=self._path,
+                ) from exc
+            except SegmentSpaceError:
+                raise
+            except OSError as exc:
+                raise _translate(exc, self._path, "read", landed=landed + progress.done) from exc
+            landed += length
+        self._check_unchanged(info)
 
     def close(self) -> None:
         fd, self._fd = self._fd, -1

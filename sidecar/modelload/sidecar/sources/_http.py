@@ -18,7 +18,7 @@ import logging
 import socket
 import ssl
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import unquote, urljoin, urlsplit
 
@@ -33,10 +33,10 @@ from modelload.loader.errors import (
 )
 from modelload.loader.segment.volume import full_volume
 
-from ._base import InterruptedReadError, ObjectInfo, SourceBase, byte_view
+from ._base import InterruptedReadError, ObjectInfo, SourceBase, byte_view, check_range
 from ._body import Body
 from ._connections import ConnectionPool, Origin, socket_of
-from ._responses import display_url, error_for_status, parse_content_range, same_etag
+from ._responses import display_url, error_for_status, parse_byteranges, parse_content_range, same_etag
 from ._settings import HttpSettings, SourceSettings
 from ._splice import HAVE_SPLICE, Progress, RateFloor, SlowTransferError
 
@@ -88,6 +88,7 @@ class HttpObject(SourceBase):
         self._settings = settings
         self._pool = ConnectionPool(settings, ca_bundle=ca_bundle)
         self._fallback_warned = False
+        self.every_read_validated = True
 
     @property
     def connections_opened(self) -> int:
@@ -182,9 +183,20 @@ class HttpObject(SourceBase):
     # --- the Source protocol -----------------------------------------------------------------------------
 
     def _stat(self) -> ObjectInfo:
-        # A one-byte range GET rather than HEAD: presigned URLs are signed for GET only, it tells whether
-        # ranges work, and S3 answers it with an XML error body that names the problem.
-        exchange = self._open("GET", {"Range": "bytes=0-0"}, accept=frozenset({200, 206, 416}))
+        return self._range_stat(1)[0]
+
+    def _stat_prefix(self, length: int) -> tuple[ObjectInfo, bytes | None]:
+        if type(self)._stat is not HttpObject._stat:  # a store's own look-up (a metadata API): keep it
+            return self._stat(), None
+        return self._range_stat(length)
+
+    def _range_stat(self, length: int) -> tuple[ObjectInfo, bytes | None]:
+        """The look-up as a ranged GET of the first ``length`` bytes: the size, the validators, and the
+        bytes (None when the answer is not exactly them)."""
+        # A range GET rather than HEAD: presigned URLs are signed for GET only, it tells whether ranges
+        # work, S3 answers it with an XML error body that names the problem, and its body is the object's
+        # first bytes, which a model's index or a small file needs next.
+        exchange = self._open("GET", {"Range": f"bytes=0-{length - 1}"}, accept=frozenset({200, 206, 416}))
         status = exchange.status
         etag, last_modified = exchange.header("ETag"), exchange.header("Last-Modified")
         if status == 200:
@@ -195,22 +207,41 @@ class HttpObject(SourceBase):
                     f"{self.display_uri}: the server ignores Range requests and does not give the size",
                     uri=self.display_uri,
                 )
-            return ObjectInfo(size=size, etag=etag, last_modified=last_modified, accepts_ranges=size == 0)
-        self._small_body(exchange)
-        _, _, total = parse_content_range(exchange.header("Content-Range"))
+            return ObjectInfo(
+                size=size, etag=etag, last_modified=last_modified, accepts_ranges=size == 0
+            ), None
+        first, last, total = parse_content_range(exchange.header("Content-Range"))
+        head = (
+            self._prefix_body(exchange, first, last, length) if status == 206 else self._small_body(exchange)
+        )
         if total is None and status == 416:
             # An empty object cannot serve byte 0; not every server says its size in Content-Range then.
-            head = self._open("HEAD", {}, accept=frozenset({200}))
-            declared = head.header("Content-Length")
+            answer = self._open("HEAD", {}, accept=frozenset({200}))
+            declared = answer.header("Content-Length")
             total = int(declared) if declared and declared.isdigit() else None
-            etag, last_modified = head.header("ETag"), head.header("Last-Modified")
-            head.response.close()
+            etag, last_modified = answer.header("ETag"), answer.header("Last-Modified")
+            answer.response.close()
         if total is None:
             raise SourceError(
                 f"{self.display_uri}: HTTP {status} without a usable Content-Range: the size is unknown",
                 uri=self.display_uri,
             )
-        return ObjectInfo(size=total, etag=etag, last_modified=last_modified, accepts_ranges=True)
+        info = ObjectInfo(size=total, etag=etag, last_modified=last_modified, accepts_ranges=True)
+        return info, (head if status == 206 and len(head) == min(length, total) else None)
+
+    def _prefix_body(self, exchange: _Exchange, first: int | None, last: int | None, length: int) -> bytes:
+        """The body of a 206 answering ``bytes=0-(length - 1)``: the object's first bytes; empty (and the
+        connection dropped) when it is not exactly what was asked."""
+        if first != 0 or last is None or last >= length or exchange.response.length not in (None, last + 1):
+            self._small_body(exchange)
+            return b""
+        try:
+            body = exchange.response.read(last + 1)
+            exchange.response.close()
+        except (OSError, http.client.HTTPException) as exc:
+            self._pool.discard(exchange.origin, exchange.conn)
+            raise self._translate(exc) from exc
+        return body
 
     def read_into(self, offset: int, buf: memoryview) -> None:
         buf = byte_view(buf)
@@ -228,6 +259,58 @@ class HttpObject(SourceBase):
         self._transfer(
             info, offset, length, progress, lambda body: body.splice_into(fd, fd_offset, length, progress)
         )
+
+    def read_into_pieces(self, offset: int, bufs: Sequence[memoryview]) -> None:
+        """One ranged GET whose body fills ``bufs`` in turn (see :meth:`SourceBase.read_into_pieces`)."""
+        views = [byte_view(buf) for buf in bufs]
+        total = sum(len(view) for view in views)
+        info = self._checked_range(offset, total)
+        if not total:
+            return
+        progress = Progress()
+        self._transfer(info, offset, total, progress, lambda body: body.fill_pieces(views, progress))
+
+    def read_into_fd_pieces(self, offset: int, fd: int, pieces: Sequence[tuple[int, int]]) -> None:
+        """One ranged GET whose body is spliced into file ``fd`` as the ``(fd_offset, length)`` pieces."""
+        total = sum(length for _, length in pieces)
+        info = self._checked_range(offset, total)
+        if not total:
+            return
+        progress = Progress()
+        self._transfer(info, offset, total, progress, lambda body: body.splice_pieces(fd, pieces, progress))
+
+    def read_ranges(self, ranges: Sequence[tuple[int, int]]) -> list[bytes] | None:
+        """The bytes of several small ``(offset, length)`` ranges in one request (a multi-range GET: the
+        end-of-load samples of a file); None when the server does not answer with exactly those ranges
+        (it ignores multiple ranges, or merges them): the caller then reads them one by one."""
+        info = self.stat()
+        for offset, length in ranges:
+            check_range(offset, length, info.size, uri=self.display_uri)
+        spec = ",".join(f"{offset}-{offset + length - 1}" for offset, length in ranges)
+        exchange = self._open(
+            "GET", {"Range": f"bytes={spec}", **self._pin(info)}, accept=frozenset({200, 206})
+        )
+        change = self._change(exchange, info)
+        expected = sum(length for _, length in ranges)
+        declared = exchange.response.length
+        if exchange.status != 206 or (declared is not None and declared > 2 * expected + 256 * len(ranges)):
+            self._pool.discard(exchange.origin, exchange.conn)  # the whole object, or far more than asked
+            return None
+        try:
+            body = exchange.response.read(2 * expected + 256 * len(ranges))
+            exchange.response.close()
+        except (OSError, http.client.HTTPException) as exc:
+            self._pool.discard(exchange.origin, exchange.conn)
+            raise self._translate(exc) from exc
+        if change is not None:
+            raise SourceChangedError(
+                f"{self.display_uri} changed while it was being read ({change})", uri=self.display_uri
+            )
+        parts = parse_byteranges(exchange.header("Content-Type"), body)
+        wanted = [(offset, offset + length - 1) for offset, length in ranges]
+        if parts is None or any(key not in parts for key in wanted):
+            return None
+        return [parts[key] for key in wanted]
 
     def close(self) -> None:
         self._pool.close()
@@ -263,6 +346,10 @@ class HttpObject(SourceBase):
         range, False for a 200 whose first ``offset`` bytes must be skipped (the single-stream fallback).
         """
         uri = self.display_uri
+        if (info.etag and not exchange.header("ETag")) or (
+            not info.etag and info.last_modified and not exchange.header("Last-Modified")
+        ):
+            self.every_read_validated = False  # an answer without the validator: nothing proved it
         change = self._change(exchange, info)
         if change is not None:
             raise SourceChangedError(f"{uri} changed while it was being read ({change})", uri=uri)

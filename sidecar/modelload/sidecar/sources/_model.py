@@ -18,6 +18,7 @@ from typing import Literal
 
 from modelload.loader.errors import TruncatedError
 from modelload.loader.formats import (
+    PREFIX_LENGTH,
     SAFETENSORS_INDEX,
     SMALL_FILE_LIMIT,
     ModelIndex,
@@ -32,7 +33,7 @@ from ._base import ObjectInfo, Source
 from ._checksum import checksum_of, verify_bytes
 from ._listing import Directory, is_directory, list_directory
 from ._registry import open_source, store_for
-from ._retry import RetryEvent, read_range, stat_source
+from ._retry import RetryEvent, stat_with_prefix
 from ._settings import SourceSettings
 from ._store import Opener
 
@@ -58,6 +59,9 @@ class OpenedModel:
     """The small files to copy into the model directory, with their sizes."""
     opener: Opener | None = None
     """How this model's files are opened (sharing their store's set-up); None: :func:`open_source`."""
+    fetched: dict[str, bytes] = field(default_factory=dict)
+    """Small files already read while opening (the safetensors index), so they are not read again."""
+    _indexes: list[ModelIndex] = field(default_factory=list)
     _index: ModelIndex | None = None
     _kept: dict[int, list[tuple[int, bytes]]] = field(default_factory=dict)
     """The bytes each weight file's index was read from, by file: what a digest check hashes for them."""
@@ -85,35 +89,16 @@ class OpenedModel:
 
     @property
     def index(self) -> ModelIndex:
-        """The model's index (every weight file's, merged): read on first use, with one or two small reads
-        per weight file, in parallel."""
+        """The model's index (every weight file's, merged): read when the model is opened, from the bytes
+        its look-up brought (one request a file, a second one only for an index longer than that)."""
         if self._index is None:
-            workers = min(_WORKERS, len(self.sources))
-            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="index") as pool:
-                indexes = list(pool.map(self._read_index, range(len(self.sources)), self.sources, self.infos))
             if self.directory is None:
-                self._index = indexes[0]
+                self._index = self._indexes[0]
             else:
-                named = list(zip(self.weights, indexes, strict=True))
+                named = list(zip(self.weights, self._indexes, strict=True))
                 self._index = merge_indexes(named, where=self.directory.display)
+            self._indexes = []
         return self._index
-
-    def _read_index(self, file: int, source: Source, info: ObjectInfo) -> ModelIndex:
-        uri = source.display_uri
-        kept = self._kept.setdefault(file, [])
-
-        def read(offset: int, length: int) -> bytes:
-            data = source.read_bytes(offset, length)
-            kept.append((offset, data))
-            return data
-
-        index = read_index(read, format=self.format, source=uri, size=info.size)
-        if index.data_end > info.size:
-            raise TruncatedError(
-                f"the index needs {index.data_end} bytes and the object has {info.size}: it is truncated",
-                source=uri,
-            )
-        return index
 
     def kept_bytes(self, file: int, offset: int, length: int) -> bytes | None:
         """Bytes ``[offset, offset + length)`` of weight file ``file`` as its index read them, when it did."""
@@ -153,11 +138,51 @@ def open_model(
         return _open_directory(uri, settings, format=format, files=files, on_retry=on_retry)
     source = open_source(uri, settings)
     try:
-        info = stat_source(source, policy=settings.retry, on_retry=on_retry)
+        info, index, kept = _stat_and_index(source, 0, format, settings, on_retry)
     except BaseException:
         source.close()
         raise
-    return OpenedModel(uri=source.display_uri, sources=[source], infos=[info], format=format)
+    return OpenedModel(
+        uri=source.display_uri,
+        sources=[source],
+        infos=[info],
+        format=format,
+        _indexes=[index],
+        _kept={0: kept},
+    )
+
+
+def _stat_and_index(
+    source: Source,
+    file: int,
+    format: Literal["auto", "tensorizer", "safetensors"],  # noqa: A002 - the CLI's word for it
+    settings: SourceSettings,
+    on_retry: Callable[[RetryEvent], None] | None,
+) -> tuple[ObjectInfo, ModelIndex, list[tuple[int, bytes]]]:
+    """Weight file ``file``'s size and validators, its index, read from the bytes the same request brought
+    (a second read only for an index longer than :data:`PREFIX_LENGTH`), and the index's bytes, kept: a
+    digest of the whole file hashes them, as they are not landed (:meth:`OpenedModel.kept_bytes`)."""
+    info, head = stat_with_prefix(source, PREFIX_LENGTH, policy=settings.retry, on_retry=on_retry)
+    more: list[tuple[int, bytes]] = []
+
+    def read(offset: int, length: int) -> bytes:
+        if offset + length <= len(head) or len(head) >= info.size:
+            return head[offset : offset + length]
+        data = source.read_bytes(offset, min(length, info.size - offset))
+        more.append((offset, data))
+        return data
+
+    uri = source.display_uri
+    index = read_index(read, format=format, source=uri, size=info.size, file=file)
+    if index.data_end > info.size:
+        raise TruncatedError(
+            f"the index needs {index.data_end} bytes and the object has {info.size}: it is truncated",
+            source=uri,
+        )
+    # Only the index's own bytes: the rest of the first read is landed as tensors (160 shards x 512 KiB
+    # kept whole would be 80 MiB held for the whole load).
+    kept = [(0, head[: index.index_length])] + [(o, d[: max(index.index_length - o, 0)]) for o, d in more]
+    return info, index, [(o, d) for o, d in kept if d]
 
 
 def _open_directory(
@@ -184,14 +209,14 @@ def _open_directory(
     check_small_files(small_sizes, where=where)
     sources: list[Source] = []
 
-    def stat(source: Source) -> ObjectInfo:
-        return stat_source(source, policy=settings.retry, on_retry=on_retry)
+    def stat(source: Source, file: int) -> tuple[ObjectInfo, ModelIndex, list[tuple[int, bytes]]]:
+        return _stat_and_index(source, file, chosen.format, settings, on_retry)
 
     try:
         for name in chosen.weights:
             sources.append(opener(directory.file_uri(name)))
         with ThreadPoolExecutor(max_workers=min(_WORKERS, len(sources)), thread_name_prefix="stat") as pool:
-            infos = list(pool.map(stat, sources))
+            found = list(pool.map(stat, sources, range(len(sources))))
     except BaseException:
         for source in sources:
             source.close()
@@ -199,12 +224,15 @@ def _open_directory(
     return OpenedModel(
         uri=directory.display,
         sources=sources,
-        infos=infos,
+        infos=[info for info, _, _ in found],
         format=chosen.format,
         weights=chosen.weights,
         directory=directory,
         small=small_sizes,
         opener=opener,
+        fetched={SAFETENSORS_INDEX: index_json} if index_json is not None else {},
+        _indexes=[index for _, index, _ in found],
+        _kept={file: kept for file, (_, _, kept) in enumerate(found)},
     )
 
 
@@ -220,13 +248,13 @@ def fetch_small_file(
     uri = directory.file_uri(name)
     source = opener(uri) if opener is not None else open_source(uri, settings)
     try:
-        info = stat_source(source, policy=settings.retry, on_retry=on_retry)
+        # One request: the look-up brings the whole file (a small file is at most SMALL_FILE_LIMIT bytes;
+        # a larger one is refused before the rest of it is read).
+        info, head = stat_with_prefix(source, SMALL_FILE_LIMIT, policy=settings.retry, on_retry=on_retry)
         check_small_files({name: info.size}, where=directory.display)
-        buf = bytearray(min(info.size, SMALL_FILE_LIMIT))
-        read_range(source, 0, memoryview(buf), policy=settings.retry, on_retry=on_retry)
         checksum = checksum_of(source)
-        if checksum is not None and checksum.covers_file(len(buf)):
-            verify_bytes(bytes(buf), checksum)  # the Hub's git blob id or SHA-256, a registry blob's digest
-        return bytes(buf)
+        if checksum is not None and checksum.covers_file(len(head)):
+            verify_bytes(head, checksum)  # the Hub's git blob id or SHA-256, a registry blob's digest
+        return head
     finally:
         source.close()

@@ -122,3 +122,41 @@ def error_for_status(
             f"{uri} failed with {what}", uri=uri, retry_after=parse_retry_after(headers.get("Retry-After"))
         )
     return SourceError(f"{uri} answered {what}, which this loader does not know how to handle", uri=uri)
+
+
+def parse_byteranges(content_type: str | None, body: bytes) -> dict[tuple[int, int], bytes] | None:
+    """The parts of a ``multipart/byteranges`` body (RFC 9110, 14.6) by ``(first, last)`` byte, or None when
+    the body is not one, or a part is not whole (a part's length must be what its Content-Range says)."""
+    kind, _, parameters = (content_type or "").partition(";")
+    if kind.strip().lower() != "multipart/byteranges":
+        return None
+    boundary = next(
+        (value.strip().strip('"') for key, _, value in (p.partition("=") for p in parameters.split(";"))
+         if key.strip().lower() == "boundary"),
+        "",
+    )  # fmt: skip
+    if not boundary:
+        return None
+    parts: dict[tuple[int, int], bytes] = {}
+    delimiter = b"--" + boundary.encode("latin-1")
+    for part in body.split(delimiter)[1:]:
+        if part.startswith(b"--"):
+            break  # the closing delimiter
+        head, separator, data = part.partition(b"\r\n\r\n")
+        if not separator:
+            return None
+        ranged = next(
+            (
+                line.split(b":", 1)[1]
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-range:")
+            ),
+            None,
+        )
+        first, last, _ = parse_content_range(ranged.decode("latin-1").strip() if ranged else None)
+        if first is None or last is None:
+            return None
+        if len(data) != last - first + 3 or not data.endswith(b"\r\n"):  # the part, then the CRLF before
+            return None  # the next delimiter: anything else is a part cut short or overlong
+        parts[(first, last)] = data[:-2]
+    return parts

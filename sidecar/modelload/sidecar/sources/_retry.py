@@ -14,13 +14,13 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from modelload.loader.errors import ModelloadError, TransientSourceError
 
-from ._base import InterruptedReadError, ObjectInfo, Source, byte_view
+from ._base import InterruptedReadError, ObjectInfo, Source, SourceBase, byte_view, views_after
 from ._settings import RetryPolicy
 
 __all__ = [
@@ -28,8 +28,11 @@ __all__ = [
     "RetryEvent",
     "read_range",
     "read_range_into_fd",
+    "read_range_pieces",
+    "read_range_pieces_into_fd",
     "retrying",
     "stat_source",
+    "stat_with_prefix",
 ]
 
 _log = logging.getLogger("modelload.sidecar.sources")
@@ -114,6 +117,63 @@ def read_range_into_fd(
     _retrying(source.display_uri, offset, length, step, policy, on_retry)
 
 
+def read_range_pieces(
+    source: Source,
+    offset: int,
+    bufs: Sequence[memoryview],
+    *,
+    policy: RetryPolicy,
+    on_retry: RetryCallback | None = None,
+) -> None:
+    """Like :func:`read_range` for one range landed in several buffers in turn (a chunk of neighbouring
+    tensors, each in its own slot): one request, and a retry resumes at the byte where the stream broke,
+    in whichever buffer that is."""
+    views = [byte_view(buf) for buf in bufs]
+    scatter = getattr(source, "read_into_pieces", None)
+
+    def step(done: int) -> None:
+        rest = views_after(views, done)
+        if scatter is not None:
+            scatter(offset + done, rest)
+        else:  # a source of another shape: one read into a buffer of its own, then copied
+            SourceBase.read_into_pieces(source, offset + done, rest)  # type: ignore[arg-type]
+
+    _retrying(source.display_uri, offset, sum(len(v) for v in views), step, policy, on_retry)
+
+
+def read_range_pieces_into_fd(
+    source: Source,
+    offset: int,
+    fd: int,
+    pieces: Sequence[tuple[int, int]],
+    *,
+    policy: RetryPolicy,
+    on_retry: RetryCallback | None = None,
+) -> None:
+    """Like :func:`read_range_into_fd` for one range written as the ``(fd_offset, length)`` pieces in turn."""
+    scatter = getattr(source, "read_into_fd_pieces", None)
+
+    def step(done: int) -> None:
+        rest = _after_pieces(pieces, done)
+        if scatter is not None:
+            scatter(offset + done, fd, rest)
+        else:
+            SourceBase.read_into_fd_pieces(source, offset + done, fd, rest)  # type: ignore[arg-type]
+
+    _retrying(source.display_uri, offset, sum(n for _, n in pieces), step, policy, on_retry)
+
+
+def _after_pieces(pieces: Sequence[tuple[int, int]], done: int) -> list[tuple[int, int]]:
+    rest: list[tuple[int, int]] = []
+    for at, length in pieces:
+        if done >= length:
+            done -= length
+            continue
+        rest.append((at + done, length - done))
+        done = 0
+    return rest
+
+
 class _Budget:
     """The retry bookkeeping of one operation: consecutive failures without progress, retries, time."""
 
@@ -187,6 +247,21 @@ def _retrying(
             _pause(policy, delay, uri)
 
 
+def stat_with_prefix(
+    source: Source, length: int, *, policy: RetryPolicy, on_retry: RetryCallback | None = None
+) -> tuple[ObjectInfo, bytes]:
+    """The source's size and validators and its first ``length`` bytes, retrying transient errors under
+    ``policy``: one request where the source answers both at once (``SourceBase.stat_with_prefix``)."""
+    combined = getattr(source, "stat_with_prefix", None)
+    if combined is None:  # a source of another shape: look it up, then read
+        info = stat_source(source, policy=policy, on_retry=on_retry)
+        head = bytearray(min(length, info.size))
+        read_range(source, 0, memoryview(head), policy=policy, on_retry=on_retry)
+        return info, bytes(head)
+    found: tuple[ObjectInfo, bytes] = _looking_up(source, lambda: combined(length), policy, on_retry)
+    return found
+
+
 def stat_source(
     source: Source, *, policy: RetryPolicy, on_retry: RetryCallback | None = None, fresh: bool = False
 ) -> ObjectInfo:
@@ -196,11 +271,20 @@ def stat_source(
     (not found, denied) propagate at once. ``fresh`` bypasses the cached answer (``restat``): the end-of-load
     look-up that checks the object did not change, which a single 500 must not fail either.
     """
+    restat = getattr(source, "restat", None)
+    look = restat if fresh and restat is not None else source.stat
+    info: ObjectInfo = _looking_up(source, look, policy, on_retry)
+    return info
+
+
+def _looking_up(
+    source: Source, look: Callable[[], Any], policy: RetryPolicy, on_retry: RetryCallback | None
+) -> Any:
+    """``look()``, a look-up of ``source``, retried under ``policy`` while it fails transiently."""
     budget = _Budget(policy)
     while True:
         try:
-            restat = getattr(source, "restat", None)
-            return restat() if fresh and restat is not None else source.stat()
+            return look()
         except TransientSourceError as exc:
             delay = budget.delay_after(exc, progressed=False)
             if delay is None:

@@ -270,6 +270,10 @@ class S3Source(HttpObject):
         info = super()._stat()
         return replace(info, checksums=self._checksums(info))
 
+    def _stat_prefix(self, length: int) -> tuple[ObjectInfo, bytes | None]:
+        info, head = self._range_stat(length)
+        return replace(info, checksums=self._checksums(info)), head
+
     def _checksums(self, info: ObjectInfo) -> tuple[StoreChecksum, ...]:
         """The checksums S3 keeps of this version (HEAD with ``x-amz-checksum-mode: ENABLED``, which
         s3:GetObject allows); for a multipart upload's composite, the parts from GetObjectAttributes."""

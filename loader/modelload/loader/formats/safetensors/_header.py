@@ -35,9 +35,14 @@ floats where integers are due, integers up to 2**64 - 1, no unpaired UTF-16 surr
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
+import operator
 import struct
 from typing import Any
+
+import numpy as np
 
 from modelload.loader import dtypes
 from modelload.loader.errors import (
@@ -67,12 +72,15 @@ _U64_MAX = 2**64 - 1
 _REWRITE = "re-export the file (safetensors' save_file, or modelload's writer)"
 
 
-def read_index(read: RangeRead, *, source: str | None = None, size: int | None = None) -> ModelIndex:
+def read_index(
+    read: RangeRead, *, source: str | None = None, size: int | None = None, file: int = 0
+) -> ModelIndex:
     """Read and check the header of a safetensors file through ``read(offset, length)``.
 
     At most two reads: :data:`FIRST_READ_LENGTH` bytes from offset 0, then the rest of the header when it is
     longer. ``size`` is the file's size when the caller knows it (a local ``fstat``, an HTTP
-    ``Content-Length``); with it, the data ranges are checked against the file too.
+    ``Content-Length``); with it, the data ranges are checked against the file too. ``file`` is the file's
+    number among a model's weight files (:attr:`TensorEntry.file`).
 
     >>> from modelload.loader.formats.safetensors import serialize
     >>> import numpy as np
@@ -116,21 +124,25 @@ def read_index(read: RangeRead, *, source: str | None = None, size: int | None =
                 source=source,
             )
         header = b"".join((view[8:], rest))
-    return parse_header(header, size=size, source=source)
+    return parse_header(header, size=size, source=source, file=file)
 
 
 def parse_header(
-    header: bytes | memoryview, *, size: int | None = None, source: str | None = None
+    header: bytes | memoryview, *, size: int | None = None, source: str | None = None, file: int = 0
 ) -> ModelIndex:
     """Check the ``N`` header bytes (without the 8-byte size) and build the index, tensors in file order."""
     base = 8 + len(header)
     top = _load_json(header, source)
     metadata = _metadata(top.pop(METADATA_KEY, None), source)
-    entries = sorted(
-        (_entry(name, raw, base, source) for name, raw in top.items()),
-        key=lambda e: (e.data_offset, e.data_length),
-    )
-    buffer_end = _check_layout(entries, base=base, size=size, source=source)
+    found = _entries_at_once(top, base=base, size=size, file=file)
+    if found is not None:
+        entries, buffer_end = found
+    else:  # something may be wrong: the rule-by-rule pass says precisely what
+        entries = sorted(
+            (_entry(name, raw, base, source).in_file(file) for name, raw in top.items()),
+            key=lambda e: (e.data_offset, e.data_length),
+        )
+        buffer_end = _check_layout(entries, base=base, size=size, source=source)
     return ModelIndex(
         format="safetensors",
         version=1,
@@ -185,7 +197,7 @@ def _load_json(header: bytes | memoryview, source: str | None) -> dict[str, Any]
             f"the header is not valid UTF-8 (byte {exc.start}: {exc.reason}); {_REWRITE}", source=source
         ) from exc
     try:
-        top = json.loads(text, object_pairs_hook=_object, parse_constant=_no_constant)
+        top = _load_plain(text) or json.loads(text, object_pairs_hook=_object, parse_constant=_no_constant)
     except HeaderError as exc:
         raise HeaderError(str(exc), source=source) from None
     except json.JSONDecodeError as exc:
@@ -208,6 +220,34 @@ def _load_json(header: bytes | memoryview, source: str | None) -> dict[str, Any]
             "with unique names",
             source=source,
         )
+    return top
+
+
+def _load_plain(text: str) -> dict[str, Any] | None:
+    """The header parsed without a Python call per object, when that provably lost no repeated key; None
+    otherwise (the caller then parses with :func:`_object`, which sees every repeat).
+
+    Plain ``json.loads`` keeps the last of repeated keys silently. A header whose tensor objects are exactly
+    ``dtype``, ``shape`` and ``data_offsets`` repeated nothing when each of those quoted words occurs in the
+    text once per tensor (a repeat, of a tensor or inside one, would leave an occurrence more: inside a
+    string a quote is escaped, so ``"dtype"`` cannot hide in a name), and each metadata key once.
+    """
+    try:
+        top = json.loads(text, parse_constant=_no_constant)
+    except ValueError:  # the hooked parse raises it again, with the caller's translation
+        return None
+    if not isinstance(top, dict):
+        return None
+    count = len(top) - (METADATA_KEY in top)
+    if any(text.count(key) != count for key in ('"dtype"', '"shape"', '"data_offsets"')):
+        return None
+    if text.count(f'"{METADATA_KEY}"') != (METADATA_KEY in top):
+        return None
+    metadata = top.get(METADATA_KEY)
+    if isinstance(metadata, dict) and any(
+        text.count(json.dumps(key, ensure_ascii=False)) != 1 for key in metadata
+    ):
+        return None
     return top
 
 
@@ -301,6 +341,65 @@ def _entry(name: str, raw: Any, base: int, source: str | None) -> TensorEntry:
 
 
 _SUPPORTED = tuple(code for code in (dtypes.by_name(n).safetensors for n in dtypes.names()) if code)
+_BY_CODE = {code: dtypes.from_safetensors(code) for code in _SUPPORTED}
+_KEYS = frozenset({"dtype", "shape", "data_offsets"})
+
+
+def _entries_at_once(
+    top: dict[str, Any], *, base: int, size: int | None, file: int
+) -> tuple[list[TensorEntry], int] | None:
+    """Every entry rule and the layout rule of :func:`_entry` and :func:`_check_layout`, checked column by
+    column (C-level maps and numpy, not Python statements per tensor: a shard of a mixture of experts lists
+    thousands of tensors). Returns the entries in file order and the data buffer's length, or None when a
+    rule may be broken: the caller then checks entry by entry, which names what is wrong."""
+    names, raws = list(top), list(top.values())
+    if not names or set(map(type, raws)) != {dict} or set(map(frozenset, raws)) != {_KEYS}:
+        return None
+    try:
+        found = [_BY_CODE[raw["dtype"]] for raw in raws]
+    except (KeyError, TypeError):  # an unknown dtype, or not a string
+        return None
+    shapes = [raw["shape"] for raw in raws]
+    offsets = [raw["data_offsets"] for raw in raws]
+    if set(map(type, shapes)) != {list} or set(map(type, offsets)) != {list} or set(map(len, offsets)) != {2}:
+        return None
+    if max(map(len, shapes)) > MAX_NDIM:
+        return None
+    joined = "".join(names)
+    if not joined.isascii():
+        try:
+            joined.encode("utf-8")  # an unpaired surrogate fails here
+        except UnicodeEncodeError:
+            return None
+    numbers = list(
+        itertools.chain(itertools.chain.from_iterable(shapes), itertools.chain.from_iterable(offsets))
+    )
+    if set(map(type, numbers)) != {int} or min(numbers) < 0 or max(numbers) > _U64_MAX:
+        return None
+    begins, ends = [o[0] for o in offsets], [o[1] for o in offsets]
+    lengths = list(map(operator.sub, ends, begins))
+    if min(lengths) < 0 or any(
+        math.prod(shape) * dtype.itemsize != length
+        for shape, dtype, length in zip(shapes, found, lengths, strict=True)
+    ):
+        return None
+    start = np.array(begins, dtype=np.uint64)
+    span = np.array(lengths, dtype=np.uint64)
+    order = np.lexsort((span, start))  # by (begin, length), ties in the header's order, as sorted() puts them
+    first, last = start[order], start[order] + span[order]
+    if first[0] != 0 or (first[1:] != last[:-1]).any():  # a hole or an overlap
+        return None
+    buffer_end = int(last[-1])
+    if size is not None and buffer_end != size - base:  # cut short, or bytes after the last tensor
+        return None
+    make = TensorEntry
+    entries = []
+    for i in order.tolist():
+        at = base + begins[i]  # one int for both offsets: the record is the data
+        entries.append(
+            make(names[i], found[i], tuple(shapes[i]), at, at, lengths[i], None, "state_dict", False, file)
+        )
+    return entries, buffer_end
 
 
 def _nbytes_up_to(shape: tuple[int, ...], itemsize: int, limit: int) -> int:

@@ -1,0 +1,162 @@
+"""The load plan as arithmetic: which ranges are fetched, where each byte lands, in which order."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from modelload.loader.dtypes import by_name
+from modelload.loader.formats import ModelIndex, TensorEntry, merge_indexes
+from modelload.sidecar.planner import LoadPlan, plan_load
+
+KIB = 1 << 10
+
+
+def index_of(sizes: list[int], *, start: int = 64, header: int = 0, name: str = "t") -> ModelIndex:
+    """A file whose tensors follow each other from ``start``: uint8 tensors of ``sizes`` bytes, each record
+    ``header`` bytes of header then its data (a tensorizer record; 0 for safetensors)."""
+    tensors, at = [], start
+    for i, size in enumerate(sizes):
+        tensors.append(TensorEntry(f"{name}{i}", by_name("uint8"), (size,), at, at + header, size))
+        at += header + size
+    fmt = "tensorizer" if header else "safetensors"
+    return ModelIndex(format=fmt, version=1, tensors=tuple(tensors), index_length=start, data_end=at)
+
+
+def covered(plan: LoadPlan) -> dict[int, list[tuple[int, int, int]]]:
+    """Per tensor, the ``(source offset, segment offset, length)`` of its pieces, in load order."""
+    pieces = plan.pieces
+    found: dict[int, list[tuple[int, int, int]]] = {}
+    for i in range(len(pieces)):
+        found.setdefault(int(pieces.tensor[i]), []).append(
+            (int(pieces.src[i]), int(pieces.dst[i]), int(pieces.length[i]))
+        )
+    return found
+
+
+def check_every_byte_once(plan: LoadPlan) -> None:
+    """Every tensor's record is fetched exactly once and lands at its slot (header in the lead before it)."""
+    pieces = covered(plan)
+    for i, entry in enumerate(plan.index.tensors):
+        header = entry.data_offset - entry.record_offset
+        got = sorted(pieces.get(i, []))
+        length = header + entry.data_length
+        if not length:
+            assert not got and plan.chunk_counts[i] == 0
+            continue
+        assert got[0][0] == entry.record_offset
+        assert got[0][1] == plan.layout.slots[i].offset - header
+        at = entry.record_offset
+        for src, dst, size in got:  # contiguous in the file and in the segment
+            assert src == at and dst - got[0][1] == src - entry.record_offset
+            at += size
+        assert at == entry.record_offset + length
+        assert plan.chunk_counts[i] == len(got)
+
+
+def check_chunks(plan: LoadPlan, chunk_size: int) -> None:
+    """A chunk is one range of one file: its pieces follow each other in the file, within the chunk size
+    (a big tensor's first piece may add its record header), their segment span within it too."""
+    pieces = plan.pieces
+    for seq, chunk in enumerate(plan.chunks):
+        span = slice(chunk.first, chunk.first + chunk.count)
+        src, length, dst = pieces.src[span], pieces.length[span], pieces.dst[span]
+        assert (pieces.chunk[span] == seq).all()
+        assert src[0] == chunk.src_offset and dst[0] == chunk.dst_offset
+        assert (src[1:] == src[:-1] + length[:-1]).all(), "the pieces are one range of the file"
+        assert chunk.length == int(length.sum()) and chunk.data_bytes == int(pieces.data[span].sum())
+        header = int(length[0] - pieces.data[chunk.first])
+        assert chunk.length <= chunk_size + header
+        assert {plan.index.tensors[int(t)].file for t in pieces.tensor[span]} == {chunk.file}
+
+
+def test_neighbouring_small_tensors_share_ranges_up_to_the_chunk_size() -> None:
+    index = index_of([3000, 5000, 100, 9000, 4096, 7] * 50)
+    plan = plan_load(index, chunk_size=64 * KIB)
+    check_every_byte_once(plan)
+    check_chunks(plan, 64 * KIB)
+    total = sum(t.data_length for t in index.tensors)
+    assert len(plan.chunks) <= -(-total // (64 * KIB)) * 2, "about one request per chunk of bytes"
+    assert len(plan.chunks) < len(index.tensors) // 10
+
+
+def test_a_tensor_larger_than_a_chunk_is_cut_and_its_neighbours_still_share() -> None:
+    index = index_of([100, 200, 300 * KIB, 50, 60, 70])
+    plan = plan_load(index, chunk_size=64 * KIB)
+    check_every_byte_once(plan)
+    check_chunks(plan, 64 * KIB)
+    assert plan.chunk_counts[2] == 5  # 300 KiB in pieces of 64 KiB
+    assert [c.count for c in plan.chunks] == [2, 1, 1, 1, 1, 1, 3]
+
+
+def test_a_tensorizer_header_lands_in_the_lead_and_counts_as_no_data() -> None:
+    index = index_of([10, 20 * KIB, 5 * KIB], header=300)
+    plan = plan_load(index, chunk_size=16 * KIB)
+    check_every_byte_once(plan)
+    assert sum(c.data_bytes for c in plan.chunks) == sum(t.data_length for t in index.tensors)
+    assert sum(c.length for c in plan.chunks) == sum(t.record_length for t in index.tensors)
+
+
+def test_ranges_never_cross_files_or_gaps() -> None:
+    first, second = index_of([1000] * 20, name="a"), index_of([1000] * 20, name="b")
+    merged = merge_indexes([("a.safetensors", first), ("b.safetensors", second)], where="dir/")
+    plan = plan_load(merged, chunk_size=1 << 20)
+    check_every_byte_once(plan)
+    assert len(plan.chunks) == 2 and {c.file for c in plan.chunks} == {0, 1}
+    gapped = index_of([100, 100, 100])
+    entries = list(gapped.tensors)
+    moved = entries[2]
+    entries[2] = TensorEntry(moved.name, moved.dtype, moved.shape, moved.record_offset + 8,
+                             moved.data_offset + 8, moved.data_length)  # fmt: skip
+    plan = plan_load(ModelIndex("safetensors", 1, tuple(entries), 64, 400), chunk_size=1 << 20)
+    assert [c.count for c in plan.chunks] == [2, 1], "bytes between two records are never fetched"
+
+
+def test_priority_tensors_come_first_and_file_order_follows() -> None:
+    index = index_of([1000] * 30)
+    plan = plan_load(index, chunk_size=4 * KIB, priority=["t20", "t5"])
+    check_every_byte_once(plan)
+    first_tensors = [int(t) for c in plan.chunks for t in plan.tensors_of(c)]
+    assert first_tensors[:2] == [20, 5]
+    assert first_tensors[2:] == [i for i in range(30) if i not in (20, 5)]
+    assert list(plan.order[:2]) == [20, 5]
+
+
+def test_a_span_limit_keeps_every_chunk_inside_it() -> None:
+    index = index_of([1000] * 200)  # each tensor takes a 4 KiB slot: the segment span grows 4x the bytes
+    plan = plan_load(index, chunk_size=1 << 20, span_limit=64 * KIB)
+    check_every_byte_once(plan)
+    for chunk in plan.chunks:
+        last = chunk.first + chunk.count - 1
+        assert int(plan.pieces.dst[last] + plan.pieces.length[last]) - chunk.dst_offset <= 64 * KIB
+
+
+def test_empty_tensors_have_no_chunk() -> None:
+    index = index_of([100, 0, 100, 0])
+    plan = plan_load(index, chunk_size=64 * KIB)
+    check_every_byte_once(plan)
+    assert list(plan.chunk_counts) == [1, 0, 1, 0]
+
+
+def test_cut_per_tensor_and_reordered_plans_land_the_same_bytes() -> None:
+    index = index_of([3000, 200 * KIB, 40, 40, 40])
+    plan = plan_load(index, chunk_size=64 * KIB)
+    cut = plan.per_tensor()
+    check_every_byte_once(cut)
+    assert all(c.count == 1 for c in cut.chunks) and len(cut.chunks) == len(cut.pieces)
+    assert list(cut.chunk_counts) == list(plan.chunk_counts)
+    reordered = cut.reordered(list(reversed(cut.chunks)))
+    check_every_byte_once(reordered)
+    for seq, chunk in enumerate(reordered.chunks):
+        assert (reordered.pieces.chunk[chunk.first : chunk.first + chunk.count] == seq).all()
+    with pytest.raises(ValueError, match="same chunks"):
+        cut.reordered(cut.chunks[1:])
+
+
+def test_a_plan_of_many_tensors_is_arrays_not_objects() -> None:
+    index = index_of([2000 + i % 7 for i in range(20_000)])
+    plan = plan_load(index, chunk_size=1 << 20)
+    check_chunks(plan, 1 << 20)
+    assert len(plan.chunks) < 200
+    for column in (plan.pieces.tensor, plan.pieces.src, plan.pieces.dst, plan.chunk_counts, plan.order):
+        assert isinstance(column, np.ndarray)

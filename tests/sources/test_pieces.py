@@ -1,0 +1,168 @@
+"""One range, several destinations: a chunk of neighbouring tensors lands each tensor at its own slot from
+one request (HTTP, S3 through nginx) or one system call (files); a look-up brings the first bytes with it;
+the samples of a file come back in one multi-range request where the server answers one."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from modelload.sidecar.sources import (
+    FileSource,
+    HttpSource,
+    open_source,
+    read_range_pieces,
+    read_range_pieces_into_fd,
+    stat_with_prefix,
+)
+from modelload.sidecar.sources._responses import parse_byteranges
+from tests.support.fault_proxy import FaultProxy, Reset
+from tests.support.memory_source import Interrupt, MemorySource
+from tests.support.nginx import NginxServer
+
+from .conftest import FAST_SETTINGS, payload
+
+DATA = payload(300_001, seed=7)
+SIZES = [1, 4095, 4096, 7000, 100, 50_000, 3, 100_000]  # pieces of one range, in turn
+
+
+def places(base: int = 0) -> list[tuple[int, int]]:
+    """Each piece at its own 4096-aligned place, gaps between them (as slots in a segment)."""
+    out, at = [], base
+    for size in SIZES:
+        out.append((at, size))
+        at = -(-(at + size + 1) // 4096) * 4096
+    return out
+
+
+def scattered(buffer: bytearray, start: int) -> bytes:
+    return b"".join(bytes(buffer[at : at + size]) for at, size in places(start))
+
+
+def expected(offset: int) -> bytes:
+    return DATA[offset : offset + sum(SIZES)]
+
+
+@pytest.fixture(scope="module")
+def url(nginx: NginxServer) -> str:
+    return nginx.put("pieces/model.bin", DATA)
+
+
+def test_one_request_lands_every_piece_at_its_place(
+    nginx_proxy: FaultProxy, nginx: NginxServer, url: str
+) -> None:
+    source = HttpSource(nginx_proxy.url("pieces/model.bin"), FAST_SETTINGS.http)
+    source.stat()
+    before = len(nginx_proxy.requests)
+    out = bytearray(600_000)
+    views = [memoryview(out)[at : at + size] for at, size in places()]
+    read_range_pieces(source, 123, views, policy=FAST_SETTINGS.retry)
+    assert scattered(out, 0) == expected(123)
+    assert len(nginx_proxy.requests) - before == 1
+    assert out[1:4096] == bytes(4095), "the gaps between the places are left alone"
+
+
+def test_a_broken_stream_resumes_in_the_piece_where_it_broke(nginx_proxy: FaultProxy) -> None:
+    source = HttpSource(nginx_proxy.url("pieces/model.bin"), FAST_SETTINGS.http)
+    source.stat()
+    nginx_proxy.push(Reset(after=20_000))  # inside the sixth piece
+    out = bytearray(600_000)
+    read_range_pieces(
+        source, 5, [memoryview(out)[at : at + size] for at, size in places()], policy=FAST_SETTINGS.retry
+    )
+    assert scattered(out, 0) == expected(5)
+    assert nginx_proxy.ranges()[-1][0] == 5 + 20_000, "the retry asks only for the rest"
+
+
+def test_pieces_spliced_into_a_file_from_one_response(nginx_proxy: FaultProxy, tmp_path: Path) -> None:
+    source = HttpSource(nginx_proxy.url("pieces/model.bin"), FAST_SETTINGS.http)
+    source.stat()
+    before = len(nginx_proxy.requests)
+    fd = os.open(tmp_path / "segment", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        read_range_pieces_into_fd(source, 77, fd, places(8192), policy=FAST_SETTINGS.retry)
+        landed = bytearray(os.pread(fd, 700_000, 0))
+    finally:
+        os.close(fd)
+    assert scattered(landed, 8192) == expected(77)
+    assert len(nginx_proxy.requests) - before == 1
+
+
+@pytest.mark.parametrize("into_fd", [False, True])
+def test_a_file_scatters_one_range_with_its_size_and_mtime_checked_around_it(
+    into_fd: bool, tmp_path: Path
+) -> None:
+    path = tmp_path / "model.bin"
+    path.write_bytes(DATA)
+    with FileSource(str(path)) as source:
+        assert source.every_read_validated, "a file's reads prove its version: no samples, no end look-up"
+        if into_fd:
+            fd = os.open(tmp_path / "segment", os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                read_range_pieces_into_fd(source, 9, fd, places(4096), policy=FAST_SETTINGS.retry)
+                landed = bytearray(os.pread(fd, 700_000, 0))
+            finally:
+                os.close(fd)
+            assert scattered(landed, 4096) == expected(9)
+        else:
+            out = bytearray(600_000)
+            read_range_pieces(
+                source, 9, [memoryview(out)[a : a + n] for a, n in places()], policy=FAST_SETTINGS.retry
+            )
+            assert scattered(out, 0) == expected(9)
+
+
+def test_a_source_of_another_shape_lands_pieces_from_one_read_of_its_own() -> None:
+    source = MemorySource(DATA, faults=[Interrupt(landed=9_000), None])
+    out = bytearray(600_000)
+    read_range_pieces(
+        source, 11, [memoryview(out)[a : a + n] for a, n in places()], policy=FAST_SETTINGS.retry
+    )
+    assert scattered(out, 0) == expected(11)
+    assert source.calls == [(11, sum(SIZES)), (11 + 9_000, sum(SIZES) - 9_000)], "one read, resumed once"
+
+
+def test_a_look_up_brings_the_first_bytes_in_the_same_request(nginx_proxy: FaultProxy) -> None:
+    source = HttpSource(nginx_proxy.url("pieces/model.bin"), FAST_SETTINGS.http)
+    info, head = stat_with_prefix(source, 65_536, policy=FAST_SETTINGS.retry)
+    assert (info.size, head) == (len(DATA), DATA[:65_536])
+    assert len(nginx_proxy.requests) == 1 and nginx_proxy.requests[0].range == (0, 65_535)
+    assert source.stat() == info, "the look-up is the source's cached stat"
+    small = HttpSource(nginx_proxy.url("pieces/small.bin"), FAST_SETTINGS.http)
+    nginx_proxy.push()  # nothing scripted: what the server answers
+    assert stat_with_prefix(small, 1 << 20, policy=FAST_SETTINGS.retry)[1] == SMALL
+
+
+SMALL = b"a small file, asked for with a range past its end"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def small_file(nginx: NginxServer) -> None:
+    nginx.put("pieces/small.bin", SMALL)
+
+
+def test_several_samples_come_back_in_one_multi_range_request(
+    nginx_proxy: FaultProxy, nginx: NginxServer
+) -> None:
+    source = HttpSource(nginx_proxy.url("pieces/model.bin"), FAST_SETTINGS.http)
+    source.stat()
+    ranges = [(0, 10), (4096, 4096), (299_990, 11), (1000, 1)]
+    got = source.read_ranges(ranges)
+    assert got == [DATA[o : o + n] for o, n in ranges]
+    assert len(nginx_proxy.requests) == 2
+    ignoring = open_source(nginx.norange_url("pieces/model.bin"), FAST_SETTINGS)
+    assert isinstance(ignoring, HttpSource)
+    assert ignoring.read_ranges(ranges) is None, "a server that answers 200 leaves the samples to one by one"
+
+
+def test_a_multipart_body_is_parsed_only_when_every_part_is_whole() -> None:
+    body = (
+        b"\r\n--B\r\nContent-Type: application/octet-stream\r\nContent-Range: bytes 0-2/10\r\n\r\nabc"
+        b"\r\n--B\r\nContent-Range: bytes 5-6/10\r\n\r\nfg\r\n--B--\r\n"
+    )
+    assert parse_byteranges("multipart/byteranges; boundary=B", body) == {(0, 2): b"abc", (5, 6): b"fg"}
+    assert parse_byteranges("application/octet-stream", body) is None
+    assert parse_byteranges("multipart/byteranges; boundary=B", body.replace(b"fg\r\n", b"f\r\n")) is None
+    assert parse_byteranges("multipart/byteranges", body) is None
