@@ -40,6 +40,7 @@ from tests.operator.conftest import (
     wait_for,
 )
 from tests.operator.test_pod_status import Kubelet, injected_pod, sidecar_status
+from tests.support.peer_client import peer_stats
 from tests.support.ports import free_port
 
 pytestmark = [pytest.mark.usefixtures("no_aws_env"), pytest.mark.timeout(180)]
@@ -56,12 +57,7 @@ class RealSidecar:
     log: Path
 
     def stats(self, token: str) -> dict[str, Any]:
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{self.peer_port}/peer/v1/stats", headers={"Authorization": f"Bearer {token}"}
-        )
-        with urllib.request.urlopen(request, timeout=5) as response:
-            doc: dict[str, Any] = json.loads(response.read())
-        return doc
+        return peer_stats(f"http://127.0.0.1:{self.peer_port}", token)
 
     def ready(self) -> bool:
         try:

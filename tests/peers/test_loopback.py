@@ -6,7 +6,6 @@ and are served from there), the server's answers to bad askers, and the settings
 
 from __future__ import annotations
 
-import http.client
 import zlib
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from modelload.sidecar.settings import parse_settings
 from tests.sidecar.models import assert_segment_matches, safetensors_bytes, tensorizer_bytes
 from tests.support.fixtures import nginx  # noqa: F401 - the fixture
 from tests.support.nginx import NginxServer
+from tests.support.peer_client import PeerAnswer, peer_get
 from tests.support.ports import free_port
 from tests.support.sidecars import Sidecars, wait_for_phase
 
@@ -108,14 +108,8 @@ def test_a_safetensors_tensor_from_a_peer_records_the_checksum_its_check_compute
             assert segment.crc32(i) == zlib.crc32(segment.view(i)) == listed[i]
 
 
-def _get(port: int, path: str, headers: dict[str, str]) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-    try:
-        conn.request("GET", path, headers=headers)
-        response = conn.getresponse()
-        return response.status, response.read()
-    finally:
-        conn.close()
+def _get(port: int, path: str, token: str | None = TOKEN, **headers: str) -> PeerAnswer:
+    return peer_get(f"http://127.0.0.1:{port}", path, token, headers=headers)
 
 
 def test_the_peer_server_answers_only_token_holders_and_only_with_ready_tensor_ranges(
@@ -130,31 +124,29 @@ def test_the_peer_server_answers_only_token_holders_and_only_with_ready_tensor_r
         nginx.url("peers-model.safetensors"), tmp_path / "a.seg", peer_port=port, peers=[]
     )
     wait_for_phase(sidecar, "complete")
-    auth = {"Authorization": f"Bearer {TOKEN}"}
-    assert _get(port, "/peer/v1/manifest", {})[0] == 401
-    assert _get(port, "/peer/v1/manifest", {"Authorization": "Bearer wrong"})[0] == 401
-    status, body = _get(port, "/peer/v1/manifest", auth)
-    assert status == 200
-    assert TOKEN.encode() not in body
+    assert _get(port, "/peer/v1/manifest", None).status == 401
+    assert _get(port, "/peer/v1/manifest", None, Authorization=f"Bearer {TOKEN}").status == 401
+    assert _get(port, "/peer/v1/manifest", "another-token").status == 401
+    answer = _get(port, "/peer/v1/manifest")
+    assert answer.status == 200 and answer.proven
+    assert TOKEN.encode() not in answer.body
+    assert not peer_get(f"http://127.0.0.1:{port}", "/peer/v1/manifest", "another-token").proven
     first = sidecar.peers._ranges.plan.index.tensors[0]
     start, end = first.data_offset, first.data_offset + first.data_length - 1
-    status, body = _get(port, "/peer/v1/files/0", {**auth, "Range": f"bytes={start}-{end}"})
-    assert status == 206
-    assert body == (nginx.root / "peers-model.safetensors").read_bytes()[start : end + 1]
-    assert _get(port, "/peer/v1/files/0", {**auth, "Range": "bytes=0-99"})[0] == 404  # the header
-    assert _get(port, "/peer/v1/files/0", {**auth, "Range": f"bytes={start}-{end + 5}"})[0] == 404
-    assert _get(port, "/peer/v1/files/1", {**auth, "Range": "bytes=0-9"})[0] == 404
-    other = {**auth, "Range": f"bytes={start}-{end}", "If-Match": '"another-version"'}
-    assert _get(port, "/peer/v1/files/0", other)[0] == 412
+    answer = _get(port, "/peer/v1/files/0", Range=f"bytes={start}-{end}")
+    assert answer.status == 206 and answer.proven
+    assert answer.body == (nginx.root / "peers-model.safetensors").read_bytes()[start : end + 1]
+    assert _get(port, "/peer/v1/files/0", Range="bytes=0-99").status == 404  # the header
+    assert _get(port, "/peer/v1/files/0", Range=f"bytes={start}-{end + 5}").status == 404
+    assert _get(port, "/peer/v1/files/1", Range="bytes=0-9").status == 404
+    other = _get(port, "/peer/v1/files/0", Range=f"bytes={start}-{end}", **{"If-Match": '"another-version"'})
+    assert other.status == 412
     server = sidecar.peers.server
-    for _ in range(sidecar.settings.peers.max_uploads):  # every upload slot taken
-        server._uploads.acquire()
+    server._uploads = sidecar.settings.peers.max_uploads  # every upload slot taken
     try:
-        status, _ = _get(port, "/peer/v1/files/0", {**auth, "Range": f"bytes={start}-{end}"})
-        assert status == 429
+        assert _get(port, "/peer/v1/files/0", Range=f"bytes={start}-{end}").status == 429
     finally:
-        for _ in range(sidecar.settings.peers.max_uploads):
-            server._uploads.release()
+        server._uploads = 0
 
 
 def test_peers_need_a_token_and_never_show_it(tmp_path: Path) -> None:

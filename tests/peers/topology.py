@@ -24,6 +24,7 @@ from pathlib import Path
 
 from modelload.loader.segment import SegmentReader, WriterState
 from tests.conftest import find_executable
+from tests.support.peer_client import peer_stats
 from tests.support.waiting import wait_for
 
 __all__ = ["Host", "Sidecar", "Topology", "can_make_namespaces"]
@@ -96,12 +97,7 @@ class Sidecar:
             return reader.finished_ns
 
     def stats(self, token: str) -> dict[str, int]:
-        request = urllib.request.Request(
-            f"{self.peer_url}/peer/v1/stats", headers={"Authorization": f"Bearer {token}"}
-        )
-        with urllib.request.urlopen(request, timeout=5) as response:
-            doc: dict[str, int] = json.loads(response.read())
-        return doc
+        return peer_stats(self.peer_url, token)
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -126,6 +122,8 @@ class Topology:
     tag: str = field(default_factory=lambda: secrets.token_hex(2))
     hosts: list[Host] = field(default_factory=list)
     sidecars: list[Sidecar] = field(default_factory=list)
+    stall_timeout: int = 2
+    """The sidecars' ``--peer-stall-timeout``: short, so that the fault tests see a bad peer dropped soon."""
     delayed: bool = False
     """Whether netem's delay is in place (the kernel has sch_netem)."""
     _nginx: subprocess.Popen[bytes] | None = None
@@ -301,10 +299,23 @@ http {{
 
     # --- sidecars ----------------------------------------------------------------------------------------
 
+    @property
+    def test_ip(self) -> str:
+        """The test process's own address on the bridge (where a fake peer it runs listens)."""
+        return f"{self._subnet}.254"
+
     def start_sidecar(
-        self, host: Host, source: str, *, peers: list[Host] | None, extra: tuple[str, ...] = ()
+        self,
+        host: Host,
+        source: str,
+        *,
+        peers: list[Host] | None,
+        extra: tuple[str, ...] = (),
+        extra_peers: tuple[str, ...] = (),
+        stall_timeout: int | None = None,
     ) -> Sidecar:
-        """Start ``modelload sidecar`` in ``host``, with a static peer list (None: peers off)."""
+        """Start ``modelload sidecar`` in ``host``, with a static peer list (None: peers off) and
+        ``extra_peers`` (URLs, such as a fake peer's) in it; ``stall_timeout`` instead of the topology's."""
         self._started += 1
         folder = self.work / host.name / str(self._started)
         folder.mkdir(parents=True)
@@ -315,14 +326,16 @@ http {{
             "--host", host.ip, *extra,
         ]  # fmt: skip
         if peers is not None:
-            urls = ",".join(f"http://{p.ip}:{PEER_PORT}" for p in peers if p is not host)
+            urls = ",".join([*(f"http://{p.ip}:{PEER_PORT}" for p in peers if p is not host), *extra_peers])
             args += [
                 "--peers",
                 urls or f"http://{host.ip}:{PEER_PORT}",
                 "--peer-token-file",
                 str(self.token_file),
+                "--peer-stall-timeout",
+                str(stall_timeout or self.stall_timeout),
             ]
-            args += ["--peer-stall-timeout", "2"]
+
         log = folder / "sidecar.log"
         with open(log, "wb") as out:
             process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)

@@ -238,7 +238,7 @@ def test_an_entry_whose_heartbeat_expired_is_claimed_again(
             ConsumerTable.open(path, load_id=LOAD_ID, tensor_count=2, write=True).register()
         dead._stop.set()  # the process died: no more heartbeats
         stale = time.time_ns() - int((consumers_module.EXPIRY + 1) * 1e9)
-        struct.pack_into("<Q", dead.table._mm, dead._at + 16, stale)
+        dead.table._write(dead._at + 16, "<Q", stale)
         fresh = ConsumerTable.open(path, load_id=LOAD_ID, tensor_count=2, write=True).register(label="new")
         assert fresh.slot == 0
         fresh.leave()
@@ -252,6 +252,24 @@ def test_a_consumer_table_of_another_load_or_none_at_all_is_a_clear_error(shm_di
         table_path(path).unlink()
         with pytest.raises(SegmentLayoutError, match=r"consumer table .* is missing"):
             attach(path, timeout=1, notify=False)
+
+
+def test_the_writers_view_survives_a_scribbled_header_that_a_consumer_refuses(shm_dir: Path) -> None:
+    path = shm_dir / "scribbled.seg"
+    with SegmentWriter.create(path, ring_layout(), load_id=LOAD_ID, heartbeat=False):
+        one = ConsumerTable.open(path, load_id=LOAD_ID, tensor_count=2, write=True).register(label="rank0")
+        one.mark([1])
+        # Any container of the pod may overwrite the header after the segment is published: the writer,
+        # which knows the geometry it created, must still read the entries rather than fail the load.
+        with open(table_path(path), "r+b") as scribbler:
+            scribbler.write(b"\xff" * 64)
+        with pytest.raises(SegmentLayoutError, match="not a version-1 modelload consumer table"):
+            ConsumerTable.open(path, load_id=LOAD_ID, tensor_count=2, write=True)
+        view = ConsumerTable.for_writer(path, tensor_count=2)
+        assert [(e.slot, e.label, e.consumed) for e in view.entries()] == [(0, "rank0", 1)]
+        assert list(view.consumed_bits(0)) == [0b10]
+        one.leave()
+        view.close()
 
 
 # --- releasing ------------------------------------------------------------------------------------------

@@ -268,7 +268,7 @@ def test_a_consumer_whose_entry_was_taken_over_after_it_expired_marks_nothing_in
         table = ConsumerTable.open(path, load_id=writer.load_id, tensor_count=2, write=True)
         stalled = table.register(label="stalled")
         # It stops beating for longer than the expiry (a stopped container, a host under pressure) ...
-        struct.pack_into("<Q", table._mm, table._at(stalled.slot) + 16, 1)
+        table._write(table._at(stalled.slot) + 16, "<Q", 1)
         other = ConsumerTable.open(path, load_id=writer.load_id, tensor_count=2, write=True)
         newcomer = other.register(label="newcomer")
         assert newcomer.slot == stalled.slot, "the expired entry is the one a newcomer takes"

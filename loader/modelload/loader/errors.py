@@ -26,6 +26,8 @@ you can do about it::
     │   ├── SourceAccessDeniedError    credentials were refused (check the Secret or role)
     │   ├── SourceChangedError         the object changed while it was being read
     │   ├── RangeNotSupportedError     the server cannot serve byte ranges
+    │   ├── PeerAnswerError            a peer's answer failed its proof or the protocol (the sidecar drops
+    │   │                              that peer and reads elsewhere: it never reaches an app)
     │   └── TransientSourceError       worth retrying, after ``retry_after`` seconds when known
     ├── SegmentError                   the shared-memory segment cannot be used
     │   ├── SegmentLayoutError         the segment breaks its layout's rules (see segment/SPEC.md)
@@ -94,6 +96,7 @@ __all__ = [
     "ModuleMismatchError",
     "NotEncryptedError",
     "OverlapError",
+    "PeerAnswerError",
     "RangeNotSupportedError",
     "SegmentError",
     "SegmentLayoutError",
@@ -274,6 +277,14 @@ class RangeNotSupportedError(SourceError):
 
     kind = "range_unsupported"
     condition = "BadSource"
+
+
+class PeerAnswerError(SourceError):
+    """Another sidecar's answer cannot be used: it does not prove the peer token, its bytes differ from the
+    digest it proved, or it breaks the peer protocol. The peer is dropped for the rest of the load and the
+    chunk is read from another peer or the origin, so this never fails a load (docs/peers.md)."""
+
+    kind = "peer"
 
 
 class TransientSourceError(SourceError):

@@ -15,8 +15,12 @@ the bytes a pod moved between its last poll and its deletion, and it would resta
 Failures are never the ModelLoad's: a pod that does not answer in ``timeout`` seconds, refuses the token or
 answers something that is not a peer's stats is counted in ``pods`` and not in ``reporting``, and named
 in a log line when the set of silent pods changes. No condition, no Event, no retry. The token is read from
-the ModelLoad's peer Secret at each poll (only when there are pods to ask), sent in one header, and never
-logged, stored or put in an exception.
+the ModelLoad's peer Secret at each poll (only when there are pods to ask) and never sent: each request is
+signed with it and each answer must prove it (:mod:`modelload.loader.peerwire`, as between sidecars), so a
+process posing as a pod's sidecar can neither learn the token nor feed the status figures. An answer is
+used only within bounds: no redirect followed, at most :data:`MAX_BODY` bytes nested at most
+:data:`MAX_DEPTH` deep, and every figure a whole number from 0 to 2^63 - 1. The token is never logged,
+stored or put in an exception.
 
 Cheap at rest: no pods, no connection and no Secret read; and the status is written only when a figure
 changed.
@@ -25,7 +29,7 @@ changed.
 from __future__ import annotations
 
 import asyncio
-import json
+import hashlib
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -33,6 +37,15 @@ from typing import Any
 
 import aiohttp
 
+from modelload.loader.peerwire import (
+    DIGEST_HEADER,
+    PROOF_HEADER,
+    Answer,
+    PeerKey,
+    Request,
+    load_json,
+    parse_digest,
+)
 from modelload.loader.wiring import PEER_STATS_PATH
 from modelload.operator.conditions import now_rfc3339
 from modelload.operator.kube import Kube, KubeError, KubeNotFoundError
@@ -49,6 +62,10 @@ TIMEOUT = 2.0
 CONCURRENCY = 16
 """Stats requests in flight at once, over every ModelLoad."""
 MAX_BODY = 1 << 16
+"""Bytes of a stats answer read at most: a sidecar's is a few hundred."""
+MAX_DEPTH = 2
+"""A stats document is one flat object (a value may be a list at most)."""
+MAX_FIGURE = (1 << 63) - 1
 FIGURES: tuple[tuple[str, str], ...] = (
     ("origin_bytes", "originBytes"),
     ("peer_bytes", "peerBytes"),
@@ -74,7 +91,7 @@ def _figures(doc: Any) -> dict[str, int] | None:
     out = {}
     for key, _ in FIGURES:
         value = doc.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        if type(value) is not int or not 0 <= value <= MAX_FIGURE:
             return None
         out[key] = value
     return out
@@ -83,20 +100,31 @@ def _figures(doc: Any) -> dict[str, int] | None:
 async def fetch(session: aiohttp.ClientSession, load: PodLoad, token: str, *, timeout: float) -> PodStats:
     """Ask one pod's sidecar for its stats. Never raises for the pod's faults: they become ``error``."""
     url = f"http://{load.address}{PEER_STATS_PATH}"
+    key = PeerKey(token)
+    signed = key.sign(Request("GET", PEER_STATS_PATH))
+    headers = {"Authorization": signed.authorization}
     try:
-        async with session.get(url, headers={"Authorization": f"Bearer {token}"}) as response:
-            body = await response.content.read(MAX_BODY)
+        async with session.get(url, headers=headers, allow_redirects=False) as response:
             if response.status == 401:
                 return PodStats(load.pod, error="refused the peer token (HTTP 401): is the Secret the pod's?")
             if response.status != 200:
                 return PodStats(load.pod, error=f"answered HTTP {response.status}")
+            if (response.content_length or 0) > MAX_BODY:
+                return PodStats(load.pod, error=f"answered over {MAX_BODY} bytes")
+            body = await response.content.read(MAX_BODY + 1)
+            proof, claimed = response.headers.get(PROOF_HEADER), response.headers.get(DIGEST_HEADER)
     except asyncio.TimeoutError:
         return PodStats(load.pod, error=f"no answer in {timeout:g} s")
     except (aiohttp.ClientError, OSError) as exc:
         # The class name only: an exception's text may quote the request, and so the header.
         return PodStats(load.pod, error=f"unreachable ({type(exc).__name__})")
+    digest = hashlib.sha256(body).hexdigest()
+    if parse_digest(claimed) != digest or not key.proven(
+        proof, signed.nonce, Answer(200, PEER_STATS_PATH), digest
+    ):
+        return PodStats(load.pod, error="answered without proving the peer token: not the pod's sidecar?")
     try:
-        figures = _figures(json.loads(body))
+        figures = _figures(load_json(body, max_bytes=MAX_BODY, max_depth=MAX_DEPTH))
     except ValueError:
         figures = None
     if figures is None:

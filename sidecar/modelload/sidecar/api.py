@@ -15,10 +15,19 @@ Every answer comes from one :meth:`LoadTracker.snapshot`, so the handlers never 
 failed load keeps the process up: liveness stays green while readiness is red, so the pod shows the reason
 (``kubectl describe`` lists the probe's failures, ``/status`` holds the message) instead of restarting into
 the same failure.
+
+The port is reachable from the pod network (the kubelet's probes come from the node), so no client may hold
+it: at most :data:`MAX_CONNECTIONS` connections at once and :data:`PER_ADDRESS` from one address (more are
+closed as they come), a connection must send a complete request head within :data:`REQUEST_TIMEOUT` seconds
+of opening or of its last answer (uvicorn's keep-alive timeout only starts after an answer, so an idle new
+connection, or one that trickles its headers, would otherwise stay forever), heads are capped at
+:data:`HEAD_BYTES`, and :data:`MAX_CONNECTIONS` requests in flight at once (uvicorn answers 503 beyond). A
+dropped connection is one debug line, never a traceback.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import threading
@@ -35,6 +44,20 @@ from modelload.sidecar.progress import LoadStatus
 __all__ = ["ApiServer", "StatusSource", "create_app", "status_body"]
 
 log = logging.getLogger(__name__)
+
+MAX_CONNECTIONS = 128
+"""Connections the status API holds at once (probes, scrapes and a few ``/status`` readers need a handful)."""
+PER_ADDRESS = 32
+"""... from one client address, so one misbehaving client cannot take them all."""
+REQUEST_TIMEOUT = 5.0
+"""Seconds a connection has to send a whole request head, from its opening or from its last answer."""
+KEEP_ALIVE = 5
+"""Seconds an idle kept-alive connection stays open after an answer (uvicorn's ``timeout_keep_alive``)."""
+HEAD_BYTES = 16384
+"""The largest request head accepted (h11's incomplete event size)."""
+BACKLOG = 1024
+"""Connections the kernel queues before they are accepted: a burst (of probes, or of a flood that the caps
+then close) must not overflow it and reset an honest connection."""
 
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 """The classic text format, which every Prometheus and scraper reads. Newer prometheus_client versions
@@ -125,6 +148,10 @@ class ApiServer:
             access_log=False,  # probes every few seconds would drown the load's own lines
             lifespan="off",
             timeout_graceful_shutdown=graceful_timeout,
+            http=_guarded_protocol(),
+            limit_concurrency=MAX_CONNECTIONS,
+            timeout_keep_alive=KEEP_ALIVE,
+            h11_max_incomplete_event_size=HEAD_BYTES,
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._serve, name="modelload-api", daemon=True)
@@ -168,6 +195,61 @@ class ApiServer:
             log.exception("the status API stopped")
 
 
+def _guarded_protocol() -> type[asyncio.Protocol]:
+    """uvicorn's h11 protocol, with the connection caps and the request deadline of the module docstring."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class GuardedH11Protocol(H11Protocol):
+        _deadline: asyncio.TimerHandle | None = None
+        _address = "?"
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            peer = transport.get_extra_info("peername")
+            self._address = str(peer[0]) if peer else "?"
+            same = sum(1 for c in self.connections if getattr(c, "_address", None) == self._address)
+            over = len(self.connections) >= MAX_CONNECTIONS or same >= PER_ADDRESS
+            super().connection_made(transport)
+            if over:
+                log.debug("status API: dropped a connection from %s (over the connection cap)", self._address)
+                transport.abort()
+                return
+            self._arm()
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._deadline = self.loop.call_later(REQUEST_TIMEOUT, self._expire)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _expire(self) -> None:
+            self._deadline = None
+            if self.cycle is not None and not self.cycle.response_complete:
+                return  # a request is being answered: its answer re-arms the deadline
+            if not self.transport.is_closing():
+                log.debug("status API: dropped a connection from %s (no request in time)", self._address)
+                self.transport.abort()
+
+        def handle_events(self) -> None:
+            before = self.cycle
+            super().handle_events()
+            if self.cycle is not before:  # a whole request head arrived
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return GuardedH11Protocol
+
+
 def _listen(host: str, port: int) -> socket.socket:
     """A listening TCP socket on ``host``:``port``; ConfigError naming the setting when that fails."""
     try:
@@ -180,7 +262,7 @@ def _listen(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
-        sock.listen(128)
+        sock.listen(BACKLOG)
     except OSError as exc:
         sock.close()
         raise ConfigError(

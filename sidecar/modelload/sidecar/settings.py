@@ -387,8 +387,13 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "peers.stall_timeout", "--peer-stall-timeout", "MODELLOAD_PEER_STALL_TIMEOUT",
-        "seconds a silent peer keeps a chunk before it moves elsewhere", "SECONDS", parse=_whole_seconds,
-        rule=Between(1, 3600),
+        "seconds one peer may keep the load waiting for nothing before it is dropped", "SECONDS",
+        parse=_whole_seconds,
+    ),
+    Option(
+        "peers.wait_budget", "--peer-wait-budget", "MODELLOAD_PEER_WAIT_BUDGET",
+        "seconds dropped peers may cost a load in all before it waits on no busy or lagging one", "SECONDS",
+        parse=_whole_seconds,
     ),
     Option("log_level", "--log-level", "MODELLOAD_LOG_LEVEL", "modelload's log level", parse=parse_word),
 )  # fmt: skip

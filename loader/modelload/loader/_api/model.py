@@ -227,7 +227,9 @@ class Model:
         indices = [self._slot(name).index for name in names]
         registration = self._registration
         for index in self._reader.released_among(indices):
-            if not (registration is not None and registration.has(index)):
+            # Released before this call: only this process's own earlier mark may vouch for a whole copy
+            # (its memory of it, never the consumer table, which any container can write).
+            if not (registration is not None and registration.vouched(index)):
                 raise self._reader.released(index)
         if registration is not None:
             registration.mark(indices)
@@ -389,7 +391,7 @@ class Model:
         if plan.unexpected and self._registration is not None:
             # Tensors the module does not take (strict=False) are never copied: consume them now, or the
             # sidecar would keep them, and a ring would wait for their bytes, as long as this process lives.
-            self._registration.mark([self._slot(name).index for name in plan.unexpected])
+            self._registration.mark([self._slot(name).index for name in plan.unexpected], copied=False)
         tensors = self.state_dict(device=device, names=names, timeout=timeout)
         if plan.twins and streamed:
             modules.check_twins(plan, tensors.__getitem__)

@@ -13,6 +13,19 @@ heartbeat and set one bit per tensor they have copied. That bookkeeping lives in
 Each consumer owns one entry and is its entry's only writer; claiming an entry is serialised with ``flock``
 on the table. The writer only reads the table. Torn reads are harmless: an entry counts only once its state
 word says ACTIVE, and a bit once set is never cleared while the entry lives.
+
+**The table is not trusted.** Any container of the pod can write it, so a forged entry, a forged bit or a
+truncated file must never make a consumer use wrong bytes, nor crash anyone:
+
+- a consumer vouches for a tensor only from its own memory (:meth:`Registration.vouched`): the tensors it
+  marked itself, each after its copy passed the check against the writer's state table (READY after the
+  copy: SPEC.md, consumer table rule 5). A bit someone else set in its entry makes the writer release the
+  tensor early, and the consumer's next copy of it then fails with TensorReleasedError instead of being
+  taken for data; the state table is the writer's own (the segment is not writable by consumers);
+- the writer never maps the table: it reads it with ``pread``, so a file truncated under it reads as free
+  entries instead of killing the sidecar with SIGBUS; consumers write with ``pwrite`` too, except beside a
+  segment on hugetlbfs, which takes no ``write()``: there they write through a mapping, and a truncated
+  table can stop them (SIGBUS), never make them read wrong bytes.
 """
 
 from __future__ import annotations
@@ -131,16 +144,18 @@ class ConsumerEntry:
 
 
 class ConsumerTable:
-    """A mapping of one consumer table, checked against the segment it belongs to."""
+    """One consumer table, checked against the segment it belongs to, read and written by offset."""
 
-    def __init__(self, path: Path, fd: int, mm: mmap.mmap, capacity: int, tensor_count: int) -> None:
+    def __init__(
+        self, path: Path, fd: int, capacity: int, tensor_count: int, mm: mmap.mmap | None = None
+    ) -> None:
         self.path = path
         self._fd = fd
         self._mm = mm
+        """A consumer's writable mapping, only where the volume takes no ``write()`` (hugetlbfs)."""
         self.capacity = capacity
         self.tensor_count = tensor_count
         self.entry_length = entry_length(tensor_count)
-        self._bytes: npt.NDArray[np.uint8] = np.frombuffer(mm, dtype=np.uint8)
 
     @classmethod
     def open(
@@ -175,26 +190,44 @@ class ConsumerTable:
                     "the sidecar replaced the load: attach again"
                 )
             expected = table_length(count, capacity)
+            volume = volume_of(fd)
             if (
                 not 1 <= capacity <= 4096
                 or length != entry_length(count)
-                or size not in (expected, round_up(expected, volume_of(fd).page_size))
+                or size not in (expected, round_up(expected, volume.page_size))
             ):
                 raise SegmentLayoutError(f"consumer table {path} has an impossible geometry")
-            prot = mmap.PROT_READ | (mmap.PROT_WRITE if write else 0)
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
+            mm = None
+            if write and volume.mapping_only:
+                mm = mmap.mmap(fd, mapped_length(expected, volume), flags=mmap.MAP_SHARED)
         except BaseException:
             os.close(fd)
             raise
-        return cls(path, fd, mm, capacity, count)
+        return cls(path, fd, capacity, count, mm)
+
+    @classmethod
+    def for_writer(cls, segment: str | os.PathLike[str], *, tensor_count: int) -> ConsumerTable:
+        """The writer's read-only view of the table it created for ``segment``: it checks nothing in the file,
+        since it knows the geometry (anyone may have scribbled on the header since, or truncated the file,
+        and a refusal would let them fail the load), and reads every entry as untrusted."""
+        path = table_path(segment)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        return cls(path, fd, CAPACITY, tensor_count)
+
+    def _read(self, offset: int, length: int) -> bytes:
+        """``length`` bytes at ``offset``; zeros (free entries) for what a truncated file no longer holds."""
+        data = os.pread(self._fd, length, offset)
+        return data + bytes(length - len(data))
 
     # --- the writer's view ----------------------------------------------------------------------------------
 
     def entries(self) -> list[ConsumerEntry]:
-        """Every entry ACTIVE (stale or not: the caller judges heartbeats) or LEFT."""
+        """Every entry ACTIVE (stale or not: the caller judges heartbeats) or LEFT, read in one pass."""
+        table = self._read(HEADER_LENGTH, self.capacity * self.entry_length)
         found = []
         for slot in range(self.capacity):
-            state, pid, registered, heartbeat, consumed, label = _ENTRY.unpack_from(self._mm, self._at(slot))
+            at = slot * self.entry_length
+            state, pid, registered, heartbeat, consumed, label = _ENTRY.unpack_from(table, at)
             if state in (ACTIVE, LEFT):
                 text = label.rstrip(b"\0").decode("utf-8", errors="replace")
                 entry = ConsumerEntry(slot, pid, text, registered, heartbeat, consumed, state == ACTIVE)
@@ -202,9 +235,9 @@ class ConsumerTable:
         return found
 
     def consumed_bits(self, slot: int) -> npt.NDArray[np.uint8]:
-        """The packed bitmap of entry ``slot`` (bit i, least significant first, is tensor i): a copy."""
-        start = self._at(slot) + ENTRY_HEADER
-        return self._bytes[start : start + -(-self.tensor_count // 8)].copy()
+        """The packed bitmap of entry ``slot`` (bit i, least significant first, is tensor i)."""
+        data = self._read(self._at(slot) + ENTRY_HEADER, -(-self.tensor_count // 8))
+        return np.frombuffer(data, dtype=np.uint8).copy()
 
     # --- the consumer's side --------------------------------------------------------------------------------
 
@@ -214,7 +247,7 @@ class ConsumerTable:
         fcntl.flock(self._fd, fcntl.LOCK_EX)
         try:
             for slot in range(self.capacity):
-                state, _, _, heartbeat, _, _ = _ENTRY.unpack_from(self._mm, self._at(slot))
+                state, _, _, heartbeat, _, _ = _ENTRY.unpack(self._read(self._at(slot), _ENTRY.size))
                 if state != ACTIVE or (now - heartbeat) / 1e9 > EXPIRY:
                     break
             else:
@@ -223,11 +256,10 @@ class ConsumerTable:
                     "detach processes that no longer read the model (Model.close())"
                 )
             at = self._at(slot)
-            start = at + ENTRY_HEADER
-            self._bytes[start : at + self.entry_length] = 0
             text = (label or f"{socket.gethostname()}/{os.getpid()}").encode()[:LABEL_LENGTH]
-            _ENTRY.pack_into(self._mm, at, FREE, os.getpid() & 0xFFFFFFFF, now, now, 0, text)
-            struct.pack_into("<I", self._mm, at, ACTIVE)  # the state word last: the entry is whole now
+            entry = _ENTRY.pack(FREE, os.getpid() & 0xFFFFFFFF, now, now, 0, text)
+            self._put(at, entry.ljust(self.entry_length, b"\0"))  # the bitmap zeroed
+            self._write(at, "<I", ACTIVE)  # the state word last: the entry is whole now
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
         return Registration(self, slot, now)
@@ -235,15 +267,31 @@ class ConsumerTable:
     def _at(self, slot: int) -> int:
         return HEADER_LENGTH + slot * self.entry_length
 
+    def _put(self, offset: int, data: bytes | bytearray) -> None:
+        if self._mm is not None:
+            self._mm[offset : offset + len(data)] = data
+        else:
+            os.pwrite(self._fd, data, offset)
+
+    def _write(self, offset: int, fmt: str, value: int) -> None:
+        self._put(offset, struct.pack(fmt, value))
+
+    def _read_u64(self, offset: int) -> int:
+        value: int = struct.unpack("<Q", self._read(offset, 8))[0]
+        return value
+
     def close(self) -> None:
-        self._bytes = np.empty(0, dtype=np.uint8)
-        with contextlib.suppress(BufferError):
-            self._mm.close()
+        if self._mm is not None:
+            with contextlib.suppress(BufferError):
+                self._mm.close()
         os.close(self._fd)
 
 
 class Registration:
-    """This process's entry in a consumer table: mark tensors consumed; a thread keeps the heartbeat."""
+    """This process's entry in a consumer table: mark tensors consumed; a thread keeps the heartbeat.
+
+    What it marked is kept here too: the table is writable by every container of the pod, so only this
+    process's own memory says which tensors it vouched for (:meth:`vouched`)."""
 
     def __init__(self, table: ConsumerTable, slot: int, registered_ns: int) -> None:
         self.table = table
@@ -251,44 +299,52 @@ class Registration:
         self.registered_ns = registered_ns
         self._at = table._at(slot)
         self._lock = threading.Lock()
+        self._bits = bytearray(-(-table.tensor_count // 8))
         self._count = 0
+        self._marked: set[int] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="modelload-consumer-heartbeat", daemon=True)
         self._thread.start()
 
-    def mark(self, indices: list[int]) -> None:
-        """Record that this consumer is done with tensors ``indices`` (its copy is complete)."""
-        bits = self.table._bytes
+    def mark(self, indices: list[int], *, copied: bool = True) -> None:
+        """Record that this consumer is done with tensors ``indices``: its copy is complete and checked, or
+        (``copied`` false) it will never copy them, which vouches for nothing."""
         base = self._at + ENTRY_HEADER
         with self._lock:
             if self._stop.is_set() or not self.owns():
                 return
             for index in indices:
-                byte, bit = base + index // 8, 1 << (index % 8)
-                if not bits[byte] & bit:
-                    bits[byte] |= bit
+                byte, bit = index // 8, 1 << (index % 8)
+                if copied:
+                    self._marked.add(index)
+                if not self._bits[byte] & bit:
+                    self._bits[byte] |= bit
                     self._count += 1
-            struct.pack_into("<Q", self.table._mm, self._at + 24, self._count)
+                    self.table._put(base + byte, self._bits[byte : byte + 1])
+            self.table._write(self._at + 24, "<Q", self._count)
+
+    def vouched(self, index: int) -> bool:
+        """Whether this consumer itself marked tensor ``index`` consumed while it held its entry: never what
+        the table says (anyone may have set the bit there)."""
+        with self._lock:
+            return index in self._marked
 
     def has(self, index: int) -> bool:
-        """Whether this consumer marked tensor ``index`` consumed (False once it lost its entry)."""
-        return self.owns() and bool(
-            self.table._bytes[self._at + ENTRY_HEADER + index // 8] & (1 << (index % 8))
-        )
+        """Whether this consumer vouched for tensor ``index`` and still holds its entry."""
+        return self.vouched(index) and self.owns()
 
     def owns(self) -> bool:
         """Whether the entry is still this consumer's. One that stopped beating past the expiry may find its
         entry taken by a newer consumer (rule 1): it must then write nothing there, neither bits the
         newcomer has not earned (the writer would release tensors the newcomer still copies) nor LEFT."""
-        registered: int = struct.unpack_from("<Q", self.table._mm, self._at + 8)[0]
-        return registered == self.registered_ns
+        return self.table._read_u64(self._at + 8) == self.registered_ns
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_INTERVAL):
             with self._lock:
                 if self._stop.is_set() or not self.owns():
                     return
-                struct.pack_into("<Q", self.table._mm, self._at + 16, time.time_ns())
+                self.table._write(self._at + 16, "<Q", time.time_ns())
 
     def leave(self) -> None:
         """Give the entry up: the writer stops waiting for this consumer."""
@@ -297,6 +353,6 @@ class Registration:
                 return
             self._stop.set()
             if self.owns():
-                struct.pack_into("<I", self.table._mm, self._at, LEFT)
+                self.table._write(self._at, "<I", LEFT)
         self._thread.join()
         self.table.close()

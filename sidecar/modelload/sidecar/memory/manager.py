@@ -110,9 +110,7 @@ class MemoryManager:
         self._stop = stop
         self._report = report
         layout = plan.layout
-        self._table = ConsumerTable.open(
-            writer.path, load_id=writer.load_id, tensor_count=len(layout.slots), write=False
-        )
+        self._table = ConsumerTable.for_writer(writer.path, tensor_count=len(layout.slots))
         leads = [plan.record(i).header for i in range(len(layout.slots))]
         self._ring = layout.ring_size if layout.memory_mode == MemoryMode.RING else 0
         self._releaser = Releaser(writer.fileno(), layout, leads=leads, punch=not self._ring)

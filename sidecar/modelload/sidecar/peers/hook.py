@@ -8,13 +8,14 @@
 - a load observer (it learns which tensors are READY and how far the load is, for its manifest);
 - what the :class:`~modelload.sidecar.peers.server.PeerServer` serves.
 
-Trust. A peer is trusted no more than the origin: every tensor with bytes from a peer is checked against
-the CRC-32 of its whole record (record header and data) that the peer lists for it, which the first sidecar
-that read the tensor from the origin computed there and every later holder re-checked. A mismatch drops the
-peer's bytes, reads the tensor again from the origin, excludes that peer for the rest of the load and counts
-it. Tensorizer tensors are in addition checked against their stored hashes, as always. The peer token (a
-per-ModelLoad Secret) keeps other workloads from reading the weights and from posing as peers; a holder of
-the token is trusted to report the checksums of what it read from the origin (see docs/peers.md).
+Trust. Only a holder of the ModelLoad's peer token is a peer, and it proves that on every answer without
+the token ever crossing the wire (:mod:`modelload.loader.peerwire`); each chunk from a peer is checked
+against the SHA-256 its answer proves before it counts. Every tensor with bytes from a peer is then checked
+against the CRC-32 of its whole record (record header and data) that the peer lists for it, which the first
+sidecar that read the tensor from the origin computed there and every later holder re-checked. A mismatch
+drops the peer's bytes, reads the tensor again from the origin, excludes that peer for the rest of the load
+and counts it. Tensorizer tensors are in addition checked against their stored hashes, as always. A holder
+of the token is trusted to report the checksums of what it read from the origin (see docs/peers.md).
 
 Encrypted models do not use peers: their tensors are decrypted in place in the segment, so what a sidecar
 holds is plaintext that the origin never served, and serving it would hand decrypted weights to anything with
@@ -31,10 +32,13 @@ from pathlib import Path
 from typing import Any
 
 from modelload.loader.formats.tensorizer.hashes import crc32
+from modelload.loader.peerwire import PeerKey
 from modelload.loader.segment import SegmentWriter
-from modelload.sidecar.peers.fetch import Fleet, Ledger, Peer, PeerSource
+from modelload.sidecar.peers.fetch import Ledger, PeerSource
+from modelload.sidecar.peers.fleet import Fleet, Peer
+from modelload.sidecar.peers.manifest import bitmap
 from modelload.sidecar.peers.ranges import RangeMap
-from modelload.sidecar.peers.server import PeerServer, Slice, bitmap
+from modelload.sidecar.peers.server import PeerServer, Slice
 from modelload.sidecar.peers.settings import PeerSettings
 from modelload.sidecar.planner import Chunk, LoadPlan
 from modelload.sidecar.sources import OpenedModel, RetryPolicy, Source, read_range
@@ -57,7 +61,8 @@ class Peers:
         self.settings = settings
         self.id = secrets.token_hex(8)
         self.ledger = Ledger()
-        self.fleet = Fleet(settings, self_id=self.id)
+        key = PeerKey(settings.token)
+        self.fleet = Fleet(settings, self_id=self.id, key=key)
         self.fleet.on_exclude = self._excluded
         self._retry = retry or RetryPolicy()
         self._lock = threading.Lock()
@@ -71,10 +76,12 @@ class Peers:
         self._bytes_done = 0
         self._fd: int | None = None
         self._origins: list[Source] = []
+        self._sources: list[Source] = []
+        """The peer-aware sources that wrap ``_origins`` (what the engine reads through)."""
         self._chunks: tuple[tuple[Chunk, ...], ...] = ()
         self._writer: SegmentWriter | None = None
         self.server = PeerServer(
-            self, token=settings.token, host=host, port=settings.port, max_uploads=settings.max_uploads
+            self, key=key, host=host, port=settings.port, max_uploads=settings.max_uploads
         )
 
     # --- the process -------------------------------------------------------------------------------------
@@ -125,10 +132,11 @@ class Peers:
             self._phase = "loading"
         self._chunks = plan.chunks_by_tensor
         self.fleet.start(infos=model.infos, tensors=len(index.tensors), salt=model.fingerprint or "")
-        model.sources[:] = [
+        self._sources = [
             PeerSource(origin, file=i, fleet=self.fleet, ranges=ranges, ledger=self.ledger)
             for i, origin in enumerate(model.sources)
         ]
+        model.sources[:] = self._sources
         return plan.reordered(self._own_first(plan))
 
     def _own_first(self, plan: LoadPlan) -> tuple[Chunk, ...]:
@@ -144,7 +152,9 @@ class Peers:
         return (*own, *other)
 
     def finish(self, tensor: int) -> int | None:
-        """Check a tensor whose bytes are all in; re-read it from the origin when a peer's bytes are wrong.
+        """Check a tensor whose bytes are all in; when a peer's bytes are wrong, read it again: from the
+        other peers (the one that sent them is dropped), and should those fail the check too, from the
+        origin.
 
         The CRC-32 of the whole record (header and data) is what the manifest lists for other peers. Where
         the record is exactly the slot (safetensors), it is also the slot's checksum, which is returned for
@@ -156,28 +166,41 @@ class Peers:
         region = writer.region(*record.landed)
         crc = crc32(region)
         claims = self.ledger.claim(tensor)
-        if claims:
-            bad = [peer for peer, listed in claims.items() if listed != crc]
-            if not bad:
-                with self._lock:
-                    self.verified_by_peers.add(tensor)
-            if bad:
-                self.ledger.mismatched()
-                for peer in bad:
-                    self.fleet.exclude(peer, "its bytes failed verification")
-                log.warning(
-                    "tensor %d from peers failed verification (CRC-32 %08x, listed %s): reading it again from"
-                    " the origin",
-                    tensor, crc, ", ".join(f"{c & 0xFFFFFFFF:08x}" for c in claims.values()),
-                )  # fmt: skip
-                for chunk in self._chunks[tensor]:
-                    view = writer.region(chunk.dst_offset, chunk.length)
-                    read_range(self._origins[chunk.file], chunk.src_offset, view, policy=self._retry)
-                    self.ledger.origin(chunk.length)
+        if claims and not self._passed(tensor, claims, crc):
+            for sources in (self._sources, self._origins):
+                self._reland(tensor, sources)
                 crc = crc32(region)
+                again = self.ledger.claim(tensor)
+                if not again or self._passed(tensor, again, crc):
+                    break
         with self._lock:
             self._crc[tensor] = crc
         return crc if record.header == 0 and record.data == record.nbytes else None
+
+    def _passed(self, tensor: int, claims: dict[str, int], crc: int) -> bool:
+        """Whether every peer that sent bytes of ``tensor`` listed its CRC-32 as landed; drops the others."""
+        self.fleet.checked({url: listed == crc for url, listed in claims.items()})
+        if all(listed == crc for listed in claims.values()):
+            with self._lock:
+                self.verified_by_peers.add(tensor)
+            return True
+        self.ledger.mismatched()
+        log.warning(
+            "tensor %d from peers failed verification (CRC-32 %08x, listed %s): reading it again from other"
+            " peers or the origin",
+            tensor, crc, ", ".join(f"{c & 0xFFFFFFFF:08x}" for c in claims.values()),
+        )  # fmt: skip
+        return False
+
+    def _reland(self, tensor: int, sources: list[Source]) -> None:
+        """Land ``tensor``'s chunks again from ``sources`` (the peer-aware ones, or the origin's)."""
+        writer = self._writer
+        assert writer is not None
+        for chunk in self._chunks[tensor]:
+            view = writer.region(chunk.dst_offset, chunk.length)
+            read_range(sources[chunk.file], chunk.src_offset, view, policy=self._retry)
+            if sources is self._origins:
+                self.ledger.origin(chunk.length)
 
     def register_metrics(self, registry: Any) -> None:
         """Expose the ledger on the sidecar's ``/metrics`` (read at each scrape, nothing on the hot path)."""
@@ -219,6 +242,7 @@ class Peers:
         with self._lock:
             if index < len(self._ready):
                 self._ready[index] = True
+        self.fleet.progressed()
 
     def bytes_loaded(self, count: int) -> None:
         with self._lock:

@@ -36,10 +36,16 @@ class PeerSettings:
     """Uploads served at once before answering 429: a busy sidecar sends the asker to another peer or the
     origin at once instead of queueing it. Default 8."""
 
-    stall_timeout: float = 10.0
-    """Seconds a peer may send nothing (or an owner make no progress) before its chunks move elsewhere: it
-    bounds how long a chunk waits on a frozen peer, while a slow but moving peer keeps its chunk. Default
-    10."""
+    stall_timeout: float = field(default=5.0, metadata=rule(Between(1, 3600)))
+    """Seconds one peer may keep this load waiting for nothing before it is dropped for the load: a transfer
+    without a byte (or under the rate floor), answers of busy (429) and nothing else, an owner that
+    completes no tensor while the rest of the fleet does. Default 5: peers share the cluster's fabric, where
+    seconds of silence mean a frozen, overloaded or hostile peer."""
+
+    wait_budget: float = field(default=10.0, metadata=rule(Between(1, 3600)))
+    """Seconds of waiting that peers which were then dropped may cost one load in total; once spent, the
+    load waits on no busy holder and no owner that lags the fleet any more, and asks only peers whose
+    tensors already passed its check. Default 10."""
 
     settle: float = 5.0
     """Seconds to wait at the start of a load for every peer address to answer, so that sidecars started

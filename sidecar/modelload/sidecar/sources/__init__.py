@@ -43,7 +43,7 @@ from ._checksums import (
 )
 from ._file import FileSource
 from ._headers import RequestHeaders, parse_headers, read_header_file, read_token_file
-from ._http import HttpSource
+from ._http import Exchange, HttpSource, Target
 from ._listing import Directory, is_directory, list_directory
 from ._model import OpenedModel, fetch_small_file, open_model
 from ._proxy import ProxySettings, proxy_from_environ
@@ -96,6 +96,7 @@ __all__ = [
     "Checksum",
     "DEFAULT_HUB_ENDPOINT",
     "Directory",
+    "Exchange",
     "FileSource",
     "GcsSettings",
     "HttpSettings",
@@ -125,6 +126,7 @@ __all__ = [
     "SourceSettings",
     "Store",
     "StoreChecksum",
+    "Target",
     "auths_from_docker_config",
     "check_range",
     "check_source_uri",

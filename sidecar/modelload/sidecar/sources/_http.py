@@ -41,7 +41,7 @@ from ._responses import display_url, error_for_status, parse_byteranges, parse_c
 from ._settings import HttpSettings, SourceSettings
 from ._splice import HAVE_SPLICE, Progress, RateFloor, SlowTransferError
 
-__all__ = ["PLAIN_HTTP_REPLIES", "HttpObject", "HttpSource", "Target", "open_http"]
+__all__ = ["PLAIN_HTTP_REPLIES", "Exchange", "HttpObject", "HttpSource", "Target", "open_http"]
 
 _log = logging.getLogger("modelload.sidecar.sources")
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
@@ -76,6 +76,10 @@ class _Exchange:
 
     def header(self, name: str) -> str | None:
         return self.response.getheader(name)
+
+
+Exchange = _Exchange
+"""One request and its answer, as a subclass's :meth:`HttpObject._check_answer` sees it."""
 
 
 class HttpObject(SourceBase):
