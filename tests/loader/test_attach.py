@@ -116,6 +116,56 @@ def test_a_failed_load_reaches_the_waiting_inference_process(shm_dir: Path) -> N
         model.close()
 
 
+def test_the_whole_model_is_handed_over_only_once_the_load_is_proven(shm_dir: Path) -> None:
+    """Every tensor READY, the load not finished (its files' end-of-load proofs still run): a tensor or a
+    subset streams at once, the whole model waits for the end, and a proof that then fails is an error,
+    never weights the sidecar refused."""
+    tensors = {"a": torch.ones(4), "b": torch.zeros(4)}
+    path = shm_dir / "model.seg"
+    with _segment(path, tensors) as writer:
+        for i, tensor in enumerate(tensors.values()):
+            _fill(writer, i, tensor)
+        with attach(path, notify=False, timeout=30) as model:
+            assert model.tensor("a").tolist() == [1.0] * 4  # streaming is not held back
+            assert list(model.state_dict(names=["b"])) == ["b"]
+            outcome: list[object] = []
+            taker = threading.Thread(target=lambda: outcome.append(_outcome(model.state_dict)))
+            taker.start()
+            writer.mark_failed("model.safetensors: its SHA-256 is not the one the origin publishes")
+            taker.join(timeout=30)
+            assert not taker.is_alive()
+            assert isinstance(outcome[0], LoadFailedError) and "SHA-256" in str(outcome[0])
+            with pytest.raises(LoadFailedError, match="SHA-256"):
+                model.wait_complete()
+
+
+def test_a_module_is_filled_once_the_load_completes(shm_dir: Path) -> None:
+    state = {"weight": torch.arange(6, dtype=torch.float32).reshape(2, 3), "bias": torch.ones(2)}
+    path = shm_dir / "model.seg"
+    with _segment(path, state) as writer:
+        for i, tensor in enumerate(state.values()):
+            _fill(writer, i, tensor)
+        with attach(path, notify=False, timeout=30) as model:
+            with torch.device("meta"):
+                net = torch.nn.Linear(3, 2)
+            outcome: list[object] = []
+            taker = threading.Thread(
+                target=lambda: outcome.append(_outcome(lambda: model.load_into_module(net)))
+            )
+            taker.start()
+            writer.mark_complete()
+            taker.join(timeout=30)
+            assert not taker.is_alive() and not isinstance(outcome[0], BaseException), outcome
+            assert torch.equal(net.weight, state["weight"]) and net.weight.device.type == "cpu"
+
+
+def _outcome(call: object) -> object:
+    try:
+        return call()  # type: ignore[operator]
+    except Exception as exc:
+        return exc
+
+
 def test_attach_finds_the_segment_from_the_environment(
     shm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

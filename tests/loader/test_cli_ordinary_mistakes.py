@@ -129,4 +129,6 @@ def test_stage_onto_huge_pages_the_node_lacks_says_to_set_them_aside_not_to_rais
     assert "hugetlbfs" in err and "nr_hugepages" in err and "0 free" in err
     assert "tmpfs pages count" not in err and "sizeLimit" not in err  # the advice of a tmpfs volume
     assert "[Errno" not in err and "Traceback" not in err
-    assert list(hugetlbfs_without_pages.iterdir()) == []
+    # Nothing holding pages stays: only the writers' empty lock file, which outlives writers by design.
+    left = {path.name: path.stat().st_size for path in hugetlbfs_without_pages.iterdir()}
+    assert left in ({}, {"m.seg.lock": 0}), left

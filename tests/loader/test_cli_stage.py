@@ -134,7 +134,7 @@ def test_staging_into_a_missing_directory_is_a_clear_error(
     source = tmp_path / "m.safetensors"
     safetensors_torch.save_file({"w": sample("float32", (2,))}, str(source))
     code, _, err = cli(capsys, source, tmp_path / "nowhere" / "model.seg")
-    assert code == 1
+    assert code == 2  # a configuration error, as every command exits
     assert "does not exist" in err and str(tmp_path / "nowhere") in err
 
 
@@ -150,7 +150,7 @@ def test_stage_refuses_a_missing_folder_as_the_sidecar_does_and_creates_nothing(
     (model / "config.json").write_text("{}")
     target = tmp_path / "volume" / "model.seg"
     code, _, err = cli(capsys, model, target)
-    assert code == 1
+    assert code == 2
     assert f"the segment's folder {target.parent} does not exist" in err
     assert not target.parent.exists(), "stage created neither the folder nor a model directory in it"
     argv = ["--source", str(model), "--segment", str(target), "--port", "0"]

@@ -62,6 +62,7 @@ def test_a_release_mode_hugetlbfs_segment_is_pinned_whole_and_consumed_as_each_c
         for slot in layout.slots:
             writer.slot(slot.index)[:] = expected_bytes(3, slot.index, slot.nbytes)
             writer.mark_ready(slot.index)
+        writer.mark_complete()  # the whole model is handed over once the load is finished
         on_gpu = model.state_dict(device="cuda")
         registration = model._registration
         assert registration is not None and all(registration.has(i) for i in range(len(SIZES)))

@@ -132,6 +132,9 @@ class ModelloadLoader(BaseModelLoader):
             fed = _Feed(segment, timeout=self.settings.load_timeout)
             loaded = model.load_weights(fed)
             fed.finish()
+            # Tensors stream in before their files' end-of-load proofs: vLLM serves nothing from a load
+            # the sidecar then refuses (LoadFailedError names why).
+            segment.wait_complete(timeout=self.settings.load_timeout)
             log.info("modelload: %s", fed.summary())
         finally:
             segment.close()

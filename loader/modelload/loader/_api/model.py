@@ -263,6 +263,11 @@ class Model:
         With no ``device`` (or ``"cpu"``) the tensors are zero-copy views of the segment. With a CUDA
         device, each tensor is copied as soon as it is ready, through pinned memory, so the copies overlap
         the rest of the load, and marked consumed once copied (see :meth:`consumed`).
+
+        The whole model (no ``names``) is returned only once the load is finished (:meth:`wait_complete`):
+        tensors are published as they land, before their file's end-of-load proof, and a load refused then
+        raises :class:`~modelload.loader.errors.LoadFailedError` here rather than leave the app running on
+        those weights. ``timeout`` bounds the wait for the tensors and, again, the wait for that end.
         """
         wanted = list(self.names if names is None else names)
         batches = self._ready_batches(self._indices(wanted, None), timeout)
@@ -284,7 +289,23 @@ class Model:
                 # Not a consumer: nothing waited for these copies, so check now that none was torn by a
                 # release under it (SPEC.md, consumer table rule 5); consumed() only checks here.
                 self.consumed(wanted)
+        if names is None:
+            self.wait_complete(timeout=timeout)
         return {name: result[name] for name in wanted}
+
+    def wait_complete(self, *, timeout: float | _Default | None = DEFAULT) -> None:
+        """Block until the sidecar has finished the load: every tensor landed and every weight file proven
+        (its store's checksum, the digest its origin publishes, or the end-of-load samples; see the
+        sidecar's docs). Returns at once on a finished segment. Raises
+        :class:`~modelload.loader.errors.LoadFailedError` with the sidecar's reason when the load failed
+        (a file that did not match its proof included), or
+        :class:`~modelload.loader.errors.LoadTimeoutError`.
+
+        :meth:`state_dict` of the whole model, :meth:`load_into_module` and the transformers and vLLM
+        integrations call it before they return; an app that streams tensors one by one (:meth:`iter_ready`,
+        :meth:`tensor`) calls it before it serves.
+        """
+        self._reader.wait_finished(timeout=self._timeout(timeout), waiter=self._waiter)
 
     def _views(self, batches: Iterable[npt.NDArray[np.intp]]) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, zero-copy torch tensor)`` of each index in ``batches`` (indices known READY)."""
@@ -398,6 +419,7 @@ class Model:
             for name in seconds:
                 if name not in plan.sources:
                     tensors.pop(name, None)
+        self.wait_complete(timeout=timeout)  # nothing is assigned from a load that is then refused
         if dtype is not None:
             tensors = {n: t.to(dtype) if t.is_floating_point() else t for n, t in tensors.items()}
         return modules.assign(module, plan, tensors, leftover=leftover)

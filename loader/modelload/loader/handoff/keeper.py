@@ -281,6 +281,7 @@ class Keeper:
                 self.progress.tensors_ready += 1
                 self.progress.bytes_ready += by_tensor[name].nbytes
         copier.finish()
+        model.wait_complete()  # no app is handed weights whose files then fail the sidecar's proof
         manifest = protocol.Manifest(
             device=self.memory.device,
             blocks=tuple(sizes),

@@ -384,6 +384,28 @@ class SegmentReader:
             except LoadTimeoutError:
                 raise self._timed_out(pending, timeout) from None
 
+    def wait_finished(self, *, timeout: float | None = None, waiter: Waiter | None = None) -> None:
+        """Block until the writer has finished the load: return once it is COMPLETE (every tensor landed and
+        every file proven: a store checksum, a published digest or the end-of-load samples), raise
+        :class:`LoadFailedError` with its reason when it failed or is gone, :class:`LoadTimeoutError` after
+        ``timeout`` seconds. Tensors are published as they land, before their file's end-of-load proof; an
+        app that takes the whole model waits here so it never runs on weights the load then refuses."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = _POLL_MIN
+        while self.writer_state != WriterState.COMPLETE:
+            self.check()
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise LoadTimeoutError(
+                    f"every tensor is ready but the load is not finished after {timeout or 0:g} s: the "
+                    "sidecar is still proving its files (see its /status)"
+                )
+            if waiter is not None:
+                waiter(0.05 if remaining is None else min(0.05, remaining))
+            else:
+                time.sleep(pause if remaining is None else min(pause, remaining))
+                pause = min(pause * 2, _POLL_MAX)
+
     def released(self, index: int) -> TensorReleasedError:
         """The error for reading tensor ``index`` after the writer gave its pages back."""
         name = self.slots[index].name
