@@ -20,6 +20,7 @@ is a few arrays and a few hundred chunks.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -207,16 +208,28 @@ _UNLIMITED = 1 << 62
 
 
 def _specs(index: ModelIndex) -> TensorSpecs:
-    """The index's tensors as the layout's columns, each slot with a lead for its record header."""
+    """The index's tensors as the layout's columns, each slot with a lead for its record header (C-level
+    maps over the entries: a mixture of experts has 100,000 of them)."""
     tensors = index.tensors
+    count = len(tensors)
     return TensorSpecs(
-        names=[t.name for t in tensors],
-        dtypes=[t.dtype for t in tensors],
-        shapes=[t.shape for t in tensors],
-        leads=[t.header_length for t in tensors],
-        files=[t.file for t in tensors] if index.files else [None] * len(tensors),
-        sha256=[None] * len(tensors),
+        names=list(map(_NAME, tensors)),
+        dtypes=list(map(_DTYPE, tensors)),
+        shapes=list(map(_SHAPE, tensors)),
+        leads=list(map(operator.sub, map(_DATA_OFFSET, tensors), map(_RECORD_OFFSET, tensors))),
+        files=list(map(_FILE, tensors)) if index.files else [None] * count,
+        sha256=[None] * count,
     )
+
+
+_NAME, _DTYPE, _SHAPE = (
+    operator.attrgetter("name"),
+    operator.attrgetter("dtype"),
+    operator.attrgetter("shape"),
+)
+_RECORD_OFFSET, _DATA_OFFSET = operator.attrgetter("record_offset"), operator.attrgetter("data_offset")
+_DATA_LENGTH, _FILE = operator.attrgetter("data_length"), operator.attrgetter("file")
+_OFFSET = operator.attrgetter("offset")
 
 
 class _Cutter:
@@ -241,11 +254,11 @@ class _Cutter:
     def plan(self, order: npt.NDArray[np.int32]) -> LoadPlan:
         tensors = self.index.tensors
         count = len(tensors)
-        record = np.fromiter((t.record_offset for t in tensors), dtype=np.int64, count=count)
-        header = np.fromiter((t.data_offset for t in tensors), dtype=np.int64, count=count) - record
-        data = np.fromiter((t.data_length for t in tensors), dtype=np.int64, count=count)
-        file = np.fromiter((t.file for t in tensors), dtype=np.int64, count=count)
-        slot = np.fromiter((s.offset for s in self.layout.slots), dtype=np.int64, count=count)
+        record = np.fromiter(map(_RECORD_OFFSET, tensors), dtype=np.int64, count=count)
+        header = np.fromiter(map(_DATA_OFFSET, tensors), dtype=np.int64, count=count) - record
+        data = np.fromiter(map(_DATA_LENGTH, tensors), dtype=np.int64, count=count)
+        file = np.fromiter(map(_FILE, tensors), dtype=np.int64, count=count)
+        slot = np.fromiter(map(_OFFSET, self.layout.slots), dtype=np.int64, count=count)
         counts = np.zeros(count, dtype=np.int32)
         live = order[(header + data)[order] > 0]  # an empty tensor has nothing to fetch
         t = live.astype(np.int64)

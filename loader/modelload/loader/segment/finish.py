@@ -117,9 +117,9 @@ class TensorFinisher:
         decrypted: list[bool] = []
         given: list[int | None] = []
         for number, (tensor, entry) in enumerate(zip(tensors, entries, strict=True)):
-            unlanded = place(slots[tensor], entry).unlanded
-            if self._ring and unlanded[1] > 0:
-                zeros = np.frombuffer(writer.region(*unlanded), dtype=np.uint8)
+            # Only a ring reuses pages: elsewhere a slot's bytes past its data are the new file's zeros.
+            if self._ring and slots[tensor].nbytes > entry.data_length:
+                zeros = np.frombuffer(writer.region(*place(slots[tensor], entry).unlanded), dtype=np.uint8)
                 zeros[:] = 0
                 del zeros  # no export of the mapping left behind
             checked = opened = False

@@ -41,7 +41,7 @@ from pathlib import Path
 from modelload.loader.errors import ModelloadError, SegmentError
 from modelload.loader.formats import ModelIndex
 from modelload.loader.segment import MODEL_DIR_KEY, SegmentWriter
-from modelload.loader.segment.collector import paused_collector
+from modelload.loader.segment.collector import LongLived
 from modelload.loader.segment.failure import leave_failed, remove_failure
 from modelload.loader.segment.identity import LoadIdentity
 from modelload.loader.segment.lock import WriterLock
@@ -129,17 +129,20 @@ class Engine:
             # an earlier failure's marker goes too (SPEC.md writer rule 7).
             self._previous = set_aside(settings.segment)
             remove_failure(settings.segment)
-            model = open_model(
-                settings.source,
-                self._sources,
-                format=settings.format,
-                files=settings.files,
-                on_retry=self._retried,
-            )
-            try:
-                self._load_from(model)
-            finally:
-                model.close()
+            # The index, layout and plan are made with the collector off and frozen before the readers
+            # start: its passes then walk only the readers' short-lived objects (collector.LongLived).
+            with LongLived() as kept:
+                model = open_model(
+                    settings.source,
+                    self._sources,
+                    format=settings.format,
+                    files=settings.files,
+                    on_retry=self._retried,
+                )
+                try:
+                    self._load_from(model, kept)
+                finally:
+                    model.close()
         except ModelloadError as exc:
             self._fail(exc)
             raise
@@ -157,7 +160,7 @@ class Engine:
         """Where a directory's small files go."""
         return self.settings.model_dir or self.settings.segment.parent / "model"
 
-    def _load_from(self, model: OpenedModel) -> None:
+    def _load_from(self, model: OpenedModel, kept: LongLived) -> None:
         settings, observer = self.settings, self._observer
         started = time.monotonic()
         uri = model.uri
@@ -217,6 +220,7 @@ class Engine:
             writer.reserve()
         digests = self._digests(model, plan, writer)  # on the plan the readers follow (peers reorder it)
         checking.extend([digests] if digests is not None else [])
+        kept.built()
         Readers(
             self._context(), model, plan, writer, key, use_fd=use_fd, memory=memory, proofs=proofs,
             digests=digests,
@@ -245,19 +249,18 @@ class Engine:
         observer.load_finished(seconds=time.monotonic() - started, nbytes=index.nbytes)
 
     def _plan(self, index: ModelIndex, metadata: dict[str, str], *, page_size: int) -> LoadPlan:
-        """The segment's layout and the chunks: a few objects per tensor that live as long as the load, so
-        the collector is held off while they are made (it would look at each of them again and again)."""
+        """The segment's layout and the chunks: a few objects per tensor that live as long as the load (made
+        while :meth:`run` holds the collector off)."""
         settings = self.settings
-        with paused_collector():
-            plan = plan_load(
-                index,
-                chunk_size=settings.chunk_size,
-                priority=settings.priority,
-                metadata=metadata,
-                span_limit=settings.memory.ring_size or None,  # ring mode: a chunk always fits in the ring
-                page_size=page_size,
-            )
-            return plan_memory(plan, settings.memory)
+        plan = plan_load(
+            index,
+            chunk_size=settings.chunk_size,
+            priority=settings.priority,
+            metadata=metadata,
+            span_limit=settings.memory.ring_size or None,  # ring mode: a chunk always fits in the ring
+            page_size=page_size,
+        )
+        return plan_memory(plan, settings.memory)
 
     def _context(self) -> LoadContext:
         return LoadContext(

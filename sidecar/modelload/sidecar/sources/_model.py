@@ -166,8 +166,9 @@ def _stat_and_index(
     on_retry: Callable[[RetryEvent], None] | None,
 ) -> tuple[ObjectInfo, ModelIndex, list[tuple[int, bytes]]]:
     """Weight file ``file``'s size and validators, its index, read from the bytes the same request brought
-    (a second read only for an index longer than :data:`PREFIX_LENGTH`), and the index's bytes, kept: a
-    digest of the whole file hashes them, as they are not landed (:meth:`OpenedModel.kept_bytes`)."""
+    (a second read only for an index longer than :data:`PREFIX_LENGTH`), and the index's bytes, kept where
+    the source knows a digest of the whole file (``hf://``, ``oci://``): it hashes them, as they are not
+    landed (:meth:`OpenedModel.kept_bytes`)."""
     info, head = stat_with_prefix(source, PREFIX_LENGTH, policy=settings.retry, on_retry=on_retry)
     more: list[tuple[int, bytes]] = []
 
@@ -187,6 +188,8 @@ def _stat_and_index(
             f"the index needs {index.data_end} bytes and the object has {info.size}: it is truncated",
             source=uri,
         )
+    if checksum_of(source) is None:  # no digest of the whole file will hash them (11 MiB at 160 shards)
+        return info, index, []
     # Only the index's own bytes: the rest of the first read is landed as tensors (160 shards x 512 KiB
     # kept whole would be 80 MiB held for the whole load).
     kept = [(0, head[: index.index_length])] + [(o, d[: max(index.index_length - o, 0)]) for o, d in more]
