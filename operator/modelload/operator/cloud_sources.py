@@ -1,6 +1,7 @@
 """What a gs:// or az:// ModelLoad adds: its Secret's keys, read and checked, and the sidecar's wiring.
 
-Each cloud has its own key names in ``spec.credentialsSecretRef`` (:class:`~.schema.CredentialsSecretRef`):
+Each cloud has its own key names in ``spec.credentialsSecretRef``
+(:class:`~.spec_sections.CredentialsSecretRef`):
 
 ======  =====================================================  =============================================
 scheme  keys read (defaults)                                   in the sidecar
@@ -31,7 +32,8 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from modelload.operator.schema import CredentialsSecretRef, ModelLoadSpec
+from modelload.operator.schema import ModelLoadSpec
+from modelload.operator.spec_sections import CredentialsSecretRef
 from modelload.sidecar.sources import AzureCredentials
 
 __all__ = [

@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 
 from modelload.operator import schema
+from modelload.operator.status import status_schema
 
 __all__ = ["CRD_NAME", "build_crd", "generated_files", "main", "render_yaml"]
 
@@ -80,7 +81,7 @@ def _root_schema() -> dict[str, Any]:
             "kind": {"type": "string"},
             "metadata": {"type": "object"},
             "spec": schema.spec_schema(),
-            "status": schema.status_schema(),
+            "status": status_schema(),
         },
     }
 

@@ -40,8 +40,9 @@ from modelload.operator.pods import PodLoad, aggregate, classify
 from modelload.operator.resolve import classify_failure, failure_status, resolve, success_status
 from modelload.operator.resource import label_value
 from modelload.operator.scheduling import write_condition
-from modelload.operator.schema import GROUP, MODEL_LABEL, PLURAL, VERSION, PodsStatus, parse_spec
+from modelload.operator.schema import GROUP, MODEL_LABEL, PLURAL, VERSION, parse_spec
 from modelload.operator.settings import OperatorSettings
+from modelload.operator.status import PodsStatus
 
 __all__ = [
     "Handlers",

@@ -25,7 +25,7 @@ from typing import Any, Literal
 from modelload.loader.wiring import PEER_PORT, STATUS_PORT
 from modelload.operator.peers import PEER_DNS_ENV, PEER_PORT_ENV
 from modelload.operator.scheduling import huge_page_request, unschedulable
-from modelload.operator.schema import PodsStatus
+from modelload.operator.status import PodsStatus
 
 __all__ = ["PodLoad", "aggregate", "classify"]
 

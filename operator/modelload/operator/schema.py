@@ -1,9 +1,11 @@
-"""The ModelLoad resource, declared once: its spec and status as dataclasses that are also its CRD schema.
+"""The ModelLoad resource, declared once: its names and its spec as dataclasses that are also its CRD schema.
 
 ``python -m modelload.operator.crd --write`` renders these classes into the CustomResourceDefinition (in
 ``manifests/crd/`` and the chart); the operator and the webhook parse a resource's ``spec`` with
 :func:`parse_spec`, which applies the same defaults and rules. Change a field here, regenerate, and the
-check in ``make check`` keeps the YAML honest.
+check in ``make check`` keeps the YAML honest. The spec's sub-sections (Secret references, each store's
+options, the sidecar and memory options) are in :mod:`modelload.operator.spec_sections`; the status is
+:mod:`modelload.operator.status`.
 
 A ModelLoad names one model file and says how pods get it::
 
@@ -26,8 +28,21 @@ from typing import Any
 
 from modelload.loader.errors import ConfigError, SourceUriError
 from modelload.loader.sizes import parse_size
-from modelload.operator._dataschema import Quantity, dump, openapi, parse, prop
+from modelload.operator._dataschema import Quantity, openapi, parse, prop
 from modelload.operator.quantity import parse_bytes
+from modelload.operator.spec_sections import (
+    AzureOptions,
+    CredentialsSecretRef,
+    GcsOptions,
+    HeadersSecretRef,
+    HubOptions,
+    KeySecretRef,
+    MemoryOptions,
+    PasswordSecretRef,
+    RegistryOptions,
+    S3Options,
+    SidecarOptions,
+)
 
 __all__ = [
     "API_VERSION",
@@ -36,28 +51,9 @@ __all__ = [
     "MODEL_LABEL",
     "PLURAL",
     "VERSION",
-    "Condition",
-    "AzureOptions",
-    "CredentialsSecretRef",
-    "GcsOptions",
-    "FleetStatus",
-    "HeadersSecretRef",
-    "HubOptions",
-    "HubTokenSecretRef",
-    "KeySecretRef",
-    "MemoryOptions",
     "ModelLoadSpec",
-    "ModelLoadStatus",
-    "PasswordSecretRef",
-    "PodsStatus",
-    "RegistryCredentialsSecretRef",
-    "RegistryOptions",
-    "S3Options",
-    "SidecarOptions",
-    "SidecarResources",
     "parse_spec",
     "spec_schema",
-    "status_schema",
 ]
 
 GROUP = "modelload.dev"
@@ -83,9 +79,7 @@ SOURCE_PATTERN = (
 http(s)://host/path (no user:password@: credentials belong in a Secret), hf://ORG/NAME[@REVISION][/PATH],
 oci://REGISTRY/REPOSITORY[:TAG][@DIGEST], file:///path. The sources layer's parsers accept the same forms
 (tests/operator/test_cloud_sources.py and test_hub_and_registry_sources.py check both agree)."""
-DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
-SECRET_KEY = r"^[-._a-zA-Z0-9]+$"  # noqa: S105 - the pattern of a Secret key name
 LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
 CHUNK_SIZE = r"^[1-9][0-9]*(B|[KMG]i|[KMG]iB)?$"
 """Bytes, or binary units as ``ringSize`` and every Kubernetes quantity write them (``32Mi``); the older
@@ -95,237 +89,6 @@ MAX_CHUNK = 1 << 30
 
 
 # --- spec --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CredentialsSecretRef:
-    """A Secret in the ModelLoad's namespace holding the store's credentials, under each cloud's key names:
-    S3 keys for s3://, a service-account key (JSON) for gs://, a connection string, SAS token or account
-    key for az://. Workload identity (IRSA, GKE Workload Identity, Entra Workload ID) needs no Secret.
-
-    The operator reads it to fetch the model's index; the sidecar gets its keys as environment variables
-    (secretKeyRef) or, for a GCS key, as a file mounted in the sidecar only, so the values never enter the
-    pod spec, the status or an Event.
-    """
-
-    name: str = prop(doc="Name of the Secret.", pattern=DNS_SUBDOMAIN, max_length=253)
-    access_key_id_key: str = prop(
-        doc="Key of the access key id in the Secret.", default="AWS_ACCESS_KEY_ID", pattern=SECRET_KEY
-    )
-    secret_access_key_key: str = prop(
-        doc="Key of the secret access key in the Secret.", default="AWS_SECRET_ACCESS_KEY", pattern=SECRET_KEY
-    )
-    session_token_key: str = prop(
-        doc="Key of the optional session token in the Secret (used when present).",
-        default="AWS_SESSION_TOKEN",
-        pattern=SECRET_KEY,
-    )
-    service_account_key_key: str = prop(
-        doc="gs://: key of the service-account key (the JSON file) in the Secret.",
-        default="key.json",
-        pattern=SECRET_KEY,
-    )
-    connection_string_key: str = prop(
-        doc="az://: key of a storage connection string in the Secret (the first of the three present is "
-        "used).",
-        default="AZURE_STORAGE_CONNECTION_STRING",
-        pattern=SECRET_KEY,
-    )
-    sas_token_key: str = prop(
-        doc="az://: key of a SAS token in the Secret.", default="AZURE_STORAGE_SAS_TOKEN", pattern=SECRET_KEY
-    )
-    account_key_key: str = prop(
-        doc="az://: key of the storage account key in the Secret.",
-        default="AZURE_STORAGE_KEY",
-        pattern=SECRET_KEY,
-    )
-
-
-@dataclass(frozen=True)
-class HeadersSecretRef:
-    """A Secret key holding a bearer token, or HTTP header lines, for a private http(s):// source.
-
-    One line without a colon is a token, sent as ``Authorization: Bearer <token>``; anything else is header
-    lines, ``Name: value`` each. The operator sends them when it reads the model's index; the sidecar gets
-    the key as a file (mounted in the sidecar only). Both send them to the source's own origin only.
-    """
-
-    name: str = prop(doc="Name of the Secret.", pattern=DNS_SUBDOMAIN, max_length=253)
-    key: str = prop(
-        doc="Key in the Secret holding the token or the header lines.", default="token", pattern=SECRET_KEY
-    )
-
-
-@dataclass(frozen=True)
-class KeySecretRef:
-    """A Secret key holding the raw 32-byte decryption key of an encrypted model file."""
-
-    name: str = prop(doc="Name of the Secret.", pattern=DNS_SUBDOMAIN, max_length=253)
-    key: str = prop(doc="Key in the Secret holding the 32 raw bytes.", default="key", pattern=SECRET_KEY)
-
-
-@dataclass(frozen=True)
-class PasswordSecretRef:
-    """A Secret key holding the password an encrypted model file's key is derived from (Argon2id)."""
-
-    name: str = prop(doc="Name of the Secret.", pattern=DNS_SUBDOMAIN, max_length=253)
-    key: str = prop(doc="Key in the Secret holding the password.", default="password", pattern=SECRET_KEY)
-
-
-@dataclass(frozen=True)
-class S3Options:
-    """How to reach an S3-compatible store; every field is optional and AWS's defaults apply."""
-
-    endpoint: str | None = prop(
-        doc="Endpoint URL of an S3-compatible store (MinIO, Ceph, R2...). Empty means AWS.",
-        default=None,
-        pattern=r"^https?://[^\s@/]+(/\S*)?$",
-    )
-    region: str | None = prop(
-        doc="Region; empty uses botocore's chain.", default=None, pattern=r"^[a-z0-9-]+$"
-    )
-    addressing: str = prop(
-        doc="Bucket addressing style: auto, path (bucket in the path) or virtual (bucket in the host).",
-        default="auto",
-        enum=("auto", "path", "virtual"),
-    )
-    unsigned: bool = prop(doc="Anonymous access to a public bucket: no credentials are sent.", default=False)
-
-
-@dataclass(frozen=True)
-class HubTokenSecretRef:
-    """A Secret key holding a Hugging Face user access token, for private and gated ``hf://`` repositories.
-
-    The operator reads it to list the repository; the webhook mounts the key as a file in the sidecar only.
-    """
-
-    name: str = prop(doc="Name of the Secret.", pattern=DNS_SUBDOMAIN, max_length=253)
-    key: str = prop(doc="Key in the Secret holding the token.", default="token", pattern=SECRET_KEY)
-
-
-@dataclass(frozen=True)
-class HubOptions:
-    """How an ``hf://`` source reaches the Hugging Face Hub."""
-
-    endpoint: str | None = prop(
-        doc="The Hub, or a mirror of its API (what HF_ENDPOINT names). Empty: https://huggingface.co.",
-        default=None,
-        pattern=r"^https?://[^\s@/?#]+(/[^\s?#]*)?$",
-    )
-    token_secret_ref: HubTokenSecretRef | None = prop(
-        doc="A token for private and gated repositories, sent to the Hub only (never to its download CDN).",
-        default=None,
-    )
-
-
-@dataclass(frozen=True)
-class RegistryCredentialsSecretRef:
-    """A ``kubernetes.io/dockerconfigjson`` Secret (the kind a pod's ``imagePullSecrets`` names) with
-    credentials for the ``oci://`` source's registry. The operator reads it to resolve the artifact; the
-    webhook mounts the key as a file in the sidecar only."""
-
-    name: str = prop(doc="Name of the Secret.", pattern=DNS_SUBDOMAIN, max_length=253)
-    key: str = prop(
-        doc="Key in the Secret holding the Docker config.", default=".dockerconfigjson", pattern=SECRET_KEY
-    )
-
-
-@dataclass(frozen=True)
-class RegistryOptions:
-    """How an ``oci://`` source reaches its registry."""
-
-    credentials_secret_ref: RegistryCredentialsSecretRef | None = prop(
-        doc="Registry credentials (a dockerconfigjson Secret). Empty: anonymous pulls.", default=None
-    )
-    plain_http: bool = prop(
-        doc="Reach the registry over plain HTTP (an in-cluster registry without TLS).", default=False
-    )
-
-
-@dataclass(frozen=True)
-class GcsOptions:
-    """How to reach Google Cloud Storage; empty uses Google's endpoint."""
-
-    endpoint: str | None = prop(
-        doc="JSON API endpoint URL (a private endpoint or an emulator). Empty means Google's.",
-        default=None,
-        pattern=r"^https?://[^\s@/]+(/\S*)?$",
-    )
-
-
-@dataclass(frozen=True)
-class AzureOptions:
-    """How to reach Azure Blob Storage; empty uses https://ACCOUNT.blob.core.windows.net."""
-
-    endpoint: str | None = prop(
-        doc="The account's blob endpoint URL (a sovereign cloud, a private endpoint, Azurite).",
-        default=None,
-        pattern=r"^https?://[^\s@/]+(/\S*)?$",
-    )
-
-
-@dataclass(frozen=True)
-class SidecarResources:
-    """Overrides of the sidecar's computed resources, by resource name (cpu, memory...)."""
-
-    requests: dict[str, Quantity] = prop(doc="Requests that replace the computed ones.", default={})
-    limits: dict[str, Quantity] = prop(
-        doc="Limits that replace the computed ones. A memory limit must still cover the model (tmpfs pages "
-        "are charged to the sidecar that writes them).",
-        default={},
-    )
-
-
-@dataclass(frozen=True)
-class SidecarOptions:
-    """Per-model overrides of the injected loader sidecar."""
-
-    image: str | None = prop(
-        doc="Sidecar image; empty uses the operator's default.", default=None, max_length=512
-    )
-    image_pull_policy: str | None = prop(
-        doc="Pull policy of the sidecar image.", default=None, enum=("Always", "IfNotPresent", "Never")
-    )
-    resources: SidecarResources | None = prop(doc="Resource overrides.", default=None)
-
-
-@dataclass(frozen=True)
-class MemoryOptions:
-    """How much host memory a pod keeps for the model: all of it, or only what its app has not copied yet."""
-
-    mode: str = prop(
-        doc="full keeps every tensor for the pod's life (CPU apps that use zero-copy views); release gives "
-        "each tensor's pages back once every attached process copied it (GPU servers); ring never holds "
-        "more than ringSize of the model at once, and sizes the pod's memory from the ring.",
-        default="full",
-        enum=("full", "release", "ring"),
-    )
-    ring_size: Quantity | None = prop(
-        doc="Ring mode only, and required there: the most tensor bytes held at once (e.g. 2Gi). It must hold "
-        "the largest tensor; a few chunks more keep the readers busy while the app copies.",
-        default=None,
-    )
-    wait_timeout_seconds: int | None = prop(
-        doc="Ring mode: fail the load when it waits this long for the app to copy tensors and free room. "
-        "Empty: wait (the sidecar's /status says for whom).",
-        default=None,
-        minimum=1,
-    )
-    consumers: int = prop(
-        doc="Processes that must attach before anything is released (tensor-parallel workers).",
-        default=1,
-        minimum=1,
-        maximum=64,
-    )
-    huge_pages: str | None = prop(
-        doc="Put the segment on huge pages of this size (2Mi or 1Gi) from the node's pre-allocated pool: an "
-        "emptyDir with medium HugePages-<size> and a hugepages-<size> request and limit on the sidecar, "
-        "sized from the model (or the ring). Bytes land faster and at about half the CPU, and the GPU copy "
-        "pins them whole. Nodes must pre-allocate them (vm.nr_hugepages, shown in node allocatable); pods "
-        "no node can take are reported in the status. Empty: 4 KiB pages (medium Memory).",
-        default=None,
-        enum=("2Mi", "1Gi"),
-    )
 
 
 @dataclass(frozen=True)
@@ -559,128 +322,3 @@ def spec_schema() -> dict[str, Any]:
     schema = openapi(ModelLoadSpec)
     schema["x-kubernetes-validations"] = [{"rule": rule, "message": msg} for rule, msg in SPEC_RULES]
     return schema
-
-
-# --- status ------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Condition:
-    """One observation about the resource, in the Kubernetes convention (metav1.Condition)."""
-
-    type: str = prop(
-        doc="Ready (the model's index was read), PodsReady (every injected pod loaded it) or PodsScheduled "
-        "(False while injected pods wait for a node that can take them)."
-    )
-    status: str = prop(doc="True, False or Unknown.", enum=("True", "False", "Unknown"))
-    reason: str = prop(doc="A CamelCase reason: Resolved, BadSource, SecretNotFound, SourceUnreadable...")
-    last_transition_time: str = prop(doc="When the status last changed.", format="date-time")
-    message: str = prop(doc="What happened and what to do, for people.", default="", max_length=32768)
-    observed_generation: int | None = prop(doc="The generation this condition describes.", default=None)
-
-
-@dataclass(frozen=True)
-class PodsStatus:
-    """The pods that asked for this model, as their sidecars report through the pods' own status."""
-
-    injected: int = prop(doc="Pods carrying the sidecar and not terminating.", default=0, minimum=0)
-    serving: int = prop(
-        doc="With spec.peers: pods whose sidecar runs and serves what it holds to the other pods (loading "
-        "ones included).",
-        default=0,
-        minimum=0,
-    )
-    loading: int = prop(
-        doc="Pods whose sidecar runs and has not loaded every tensor yet.", default=0, minimum=0
-    )
-    ready: int = prop(doc="Pods whose sidecar reports every tensor in.", default=0, minimum=0)
-    failed: int = prop(
-        doc="Pods whose sidecar crashed, cannot start, or whose pod failed.", default=0, minimum=0
-    )
-    unschedulable: int = prop(
-        doc="Pending pods no node can take (for example none with enough free huge pages); the "
-        "PodsScheduled condition says why.",
-        default=0,
-        minimum=0,
-    )
-    last_load_seconds: float | None = prop(
-        doc="Seconds from sidecar start to pod Ready for the most recent pod that got ready.", default=None
-    )
-    median_load_seconds: float | None = prop(doc="Median of that time over the ready pods.", default=None)
-    last_throughput_bytes_per_second: int | None = prop(
-        doc="Model bytes divided by lastLoadSeconds.", default=None
-    )
-
-
-@dataclass(frozen=True)
-class FleetStatus:
-    """With spec.peers: what the serving pods' sidecars moved, summed over the pods serving now."""
-
-    pods: int = prop(doc="Serving pods with an IP that the operator asked for their peer stats.", minimum=0)
-    reporting: int = prop(
-        doc="Of those, the pods that answered (the others: unreachable, too slow, or refusing the token).",
-        minimum=0,
-    )
-    origin_bytes: int = prop(doc="Tensor bytes the reporting pods read from the origin.", minimum=0)
-    peer_bytes: int = prop(doc="Tensor bytes the reporting pods took from peers.", minimum=0)
-    served_bytes: int = prop(doc="Bytes the reporting pods served to peers.", minimum=0)
-    mismatches: int = prop(
-        doc="Tensors from peers that failed verification and were read again from the origin.", minimum=0
-    )
-    updated: str = prop(
-        doc="When these figures last changed (the operator asks every fleet interval and writes on change). "
-        "They are the live fleet's: a pod that left stops counting, a restarted sidecar starts at zero.",
-        format="date-time",
-    )
-
-
-@dataclass(frozen=True)
-class ModelLoadStatus:
-    """What the operator found out about the model and the pods that use it."""
-
-    phase: str | None = prop(
-        doc="Pending (not read yet), Ready (index read: pods are admitted), Retrying (a transient error, "
-        "retried with backoff) or Failed (fix the spec, the Secret or the file).",
-        default=None,
-        enum=("Pending", "Ready", "Retrying", "Failed"),
-    )
-    observed_generation: int | None = prop(doc="The spec generation the status describes.", default=None)
-    conditions: list[Condition] | None = prop(doc="Ready, PodsReady and PodsScheduled.", default=None)
-    format: str | None = prop(doc="The detected format.", default=None, enum=("tensorizer", "safetensors"))
-    format_version: int | None = prop(doc="The format's data version.", default=None)
-    tensors: int | None = prop(doc="Number of tensors.", default=None, minimum=0)
-    bytes: int | None = prop(doc="Bytes of all tensors in memory.", default=None, minimum=0)
-    size: str | None = prop(doc="bytes, for people (e.g. 15.0 GiB).", default=None)
-    file_bytes: int | None = prop(
-        doc="Size of the model's weight files at the source.", default=None, minimum=0
-    )
-    files: int | None = prop(
-        doc="Number of weight files (1 for a single file, the shards of a directory).",
-        default=None,
-        minimum=0,
-    )
-    encrypted: bool | None = prop(doc="Whether the file's tensors are encrypted.", default=None)
-    segment_bytes: int | None = prop(
-        doc="An upper bound of what the sidecar writes in the pod's volume: the segment (data, alignment, "
-        "manifest) and, for a directory, its small files.",
-        default=None,
-        minimum=0,
-    )
-    volume_size_limit: str | None = prop(
-        doc="The sizeLimit the webhook gives the pods' volume.", default=None
-    )
-    resolved_at: str | None = prop(doc="When the index was last read.", default=None, format="date-time")
-    pods: PodsStatus | None = prop(doc="The pods that asked for this model.", default=None)
-    fleet: FleetStatus | None = prop(
-        doc="With spec.peers: the serving pods' origin bytes against peer bytes.", default=None
-    )
-
-
-def status_schema() -> dict[str, Any]:
-    return openapi(ModelLoadStatus)
-
-
-def dump_status(status: ModelLoadStatus) -> dict[str, Any]:
-    """The status as a JSON merge patch body (unset fields are left as they are)."""
-    out: dict[str, Any] = dump(status)
-    return out

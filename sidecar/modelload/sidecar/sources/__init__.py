@@ -43,7 +43,7 @@ from ._checksums import (
 )
 from ._file import FileSource
 from ._headers import RequestHeaders, parse_headers, read_header_file, read_token_file
-from ._http import Exchange, HttpSource, Target
+from ._http import Exchange, Target
 from ._listing import Directory, is_directory, list_directory
 from ._model import OpenedModel, fetch_small_file, open_model
 from ._proxy import ProxySettings, proxy_from_environ
@@ -85,6 +85,7 @@ from ._settings import (
 )
 from ._splice import metered
 from ._store import ListedFile, Opener, Store, join_uri
+from ._url import HttpSource
 from .hub import parse_hub_uri
 from .oci import auths_from_docker_config, parse_oci_uri
 

@@ -1,4 +1,5 @@
-"""Range reads over HTTP(S): the hot path shared by the HTTP and S3 sources, and the plain HTTP source.
+"""Range reads over HTTP(S): the hot path shared by every store on the HTTP path (a plain URL, S3, GCS, Azure,
+the Hub and registries).
 
 Each read is one ``GET`` with ``Range: bytes=a-b`` on this thread's persistent connection. The answer must be
 ``206`` with exactly the asked ``Content-Range`` and ``Content-Length`` and, once the object's ETag is known,
@@ -7,50 +8,38 @@ catches servers that ignore ``If-Match``). The body goes straight from the socke
 (``recv_into``) or file (``os.splice``), see ``_body.py``.
 
 Every failure becomes a branch of ``modelload.loader.errors`` here, never later: a transient one carries
-how many bytes landed (:class:`InterruptedReadError`), so the retry layer resumes where the stream broke.
+how many bytes landed (:class:`InterruptedReadError`), so the retry layer resumes where the stream broke
+(the socket and TLS errors are translated in ``_transport_errors.py``, status codes in ``_responses.py``).
+A plain ``http(s)://`` URL is :class:`~._url.HttpSource`, this class pointed at one URL.
 """
 
 from __future__ import annotations
 
-import base64
 import http.client
 import logging
 import socket
 import ssl
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from urllib.parse import unquote, urljoin, urlsplit
+from urllib.parse import urljoin
 
-from modelload.loader.errors import (
-    ConfigError,
-    ModelloadError,
-    RangeNotSupportedError,
-    SegmentSpaceError,
-    SourceAccessDeniedError,
-    SourceChangedError,
-    SourceError,
-    SourceUriError,
-)
-from modelload.loader.segment.volume import full_volume
+from modelload.loader.errors import ModelloadError, RangeNotSupportedError, SourceChangedError, SourceError
 
-from ._base import InterruptedReadError, ObjectInfo, SourceBase, byte_view, check_range
+from ._base import ObjectInfo, SourceBase, byte_view, check_range
 from ._body import Body
 from ._connections import ConnectionPool, Origin, socket_of
-from ._responses import display_url, error_for_status, parse_byteranges, parse_content_range, same_etag
-from ._settings import HttpSettings, SourceSettings
-from ._splice import HAVE_SPLICE, Progress, RateFloor, SlowTransferError
+from ._responses import error_for_status, parse_byteranges, parse_content_range, same_etag
+from ._settings import HttpSettings
+from ._splice import Progress, RateFloor
+from ._transport_errors import translate_transport_error
 
-__all__ = ["PLAIN_HTTP_REPLIES", "Exchange", "HttpObject", "HttpSource", "Target", "open_http"]
+__all__ = ["Exchange", "HttpObject", "Target"]
 
 _log = logging.getLogger("modelload.sidecar.sources")
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _ERROR_BODY_MAX = 65536
 # A failure of these kinds before any response byte, on a connection that served earlier requests, most
 # likely means the server closed it while idle: retried once, at once, on a fresh connection.
-PLAIN_HTTP_REPLIES = frozenset({"WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG"})
-"""OpenSSL's reasons for a TLS handshake answered in plain HTTP (a server without TLS at an https:// URL):
-a wrong setting, not worth a retry."""
 _STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
 
 
@@ -403,176 +392,12 @@ class HttpObject(SourceBase):
         self, exc: BaseException, *, landed: int = 0, total: int = 0, connecting: Origin | None = None
     ) -> ModelloadError:
         """Map a socket, TLS, HTTP-parsing or file error to the error tree, with the bytes that landed."""
-        uri = self.display_uri
-        where = f"after {landed} of {total} bytes" if total else "before the response"
-        if isinstance(exc, SegmentSpaceError):
-            return exc
-        if isinstance(exc, ssl.SSLCertVerificationError):
-            return ConfigError(
-                f"{uri}: the server's TLS certificate cannot be verified ({exc.verify_message});"
-                " set the CA bundle for a private CA"
-            )
-        full = (
-            full_volume(exc, f"no room left in the destination while reading {uri}")
-            if isinstance(exc, OSError)
-            else None
+        return translate_transport_error(
+            exc,
+            uri=self.display_uri,
+            settings=self._settings,
+            plain_http_advice=self._plain_http_advice,
+            landed=landed,
+            total=total,
+            connecting=connecting,
         )
-        if full is not None:
-            return full
-        if connecting is not None:
-            if isinstance(exc, ssl.SSLError) and exc.reason in PLAIN_HTTP_REPLIES:
-                return ConfigError(
-                    f"{uri}: {connecting.netloc} answered in plain HTTP, not TLS: "
-                    + self._plain_http_advice(connecting)
-                )
-            if isinstance(exc, socket.gaierror):
-                reason = f"cannot resolve {connecting.host}"
-            elif isinstance(exc, TimeoutError):
-                reason = f"no connection to {connecting.netloc} within {self._settings.connect_timeout:g} s"
-            else:
-                reason = f"cannot connect to {connecting.netloc}: {_describe(exc)}"
-            return InterruptedReadError(f"{uri}: {reason}", uri=uri)
-        if isinstance(exc, SlowTransferError):
-            reason = f"{exc} {where}: resuming on another connection"
-        elif isinstance(exc, TimeoutError):
-            reason = f"the stream stalled (no bytes for {self._settings.stall_timeout:g} s) {where}"
-        elif isinstance(exc, EOFError):
-            reason = f"the server closed the connection {where} (short body)"
-        else:
-            reason = f"the connection broke {where}: {_describe(exc)}"
-        return InterruptedReadError(f"{uri}: {reason}", uri=uri, landed=landed)
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, OSError) and exc.strerror:
-        return f"{type(exc).__name__}: {exc.strerror}"
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-class HttpSource(HttpObject):
-    """A plain ``http://`` or ``https://`` URL, such as a file server, a model hub or a presigned URL.
-
-    Private servers: credentials in the URL (``https://user:password@host/...``) become a Basic
-    Authorization header, and ``settings.headers`` (a bearer token or header lines from a header file or a
-    Secret) are added as they are. Both go to the URL's own origin (scheme, host and port) only: on every
-    request there, retries and same-origin redirects included, and never to another origin. A redirect to
-    another origin (a hub sending a download to its CDN with a signed URL) is followed without them, so a
-    token never reaches a host it was not given for; when that host refuses, the error says so.
-
-    Query strings (presigned signatures) are sent but never shown. Redirects are followed up to
-    ``max_redirects`` and remembered, so range reads go straight to the final location.
-    """
-
-    def __init__(self, url: str, settings: HttpSettings) -> None:
-        parts = urlsplit(url)
-        try:
-            origin = Origin.parse(parts.scheme, parts.hostname, parts.port)
-        except ValueError as exc:
-            raise ConfigError(f"not a usable HTTP(S) URL: {display_url(url)} ({exc})") from exc
-        super().__init__(display_url(url), settings)
-        self.supports_fd = HAVE_SPLICE and not origin.is_tls
-        self._lock = threading.Lock()
-        self._origin = origin
-        self._location = (origin, _request_path(url))
-        self._private: dict[str, str] = dict(settings.headers.items()) if settings.headers else {}
-        self._from_url = not self._private  # what is sent, if anything, is the URL's user and password
-        if parts.username is not None:
-            if settings.headers is not None and settings.headers.has("Authorization"):
-                raise ConfigError(
-                    f"{self.display_uri}: the URL carries a user and password and the configured headers set "
-                    "Authorization too: give the credentials one way"
-                )
-            user_pass = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
-            self._private["Authorization"] = "Basic " + base64.b64encode(user_pass).decode("ascii")
-
-    def _plain_http_advice(self, origin: Origin) -> str:
-        if origin == self._origin and self.display_uri.startswith("https://"):
-            return f"if it serves plain HTTP, use http://{self.display_uri.removeprefix('https://')}"
-        return super()._plain_http_advice(origin)
-
-    def __repr__(self) -> str:
-        return f"HttpSource({self.display_uri!r})"
-
-    def _target(self, method: str, headers: Mapping[str, str]) -> Target:
-        origin, path = self._location
-        if self._private and origin == self._origin:
-            headers = {**headers, **self._private}
-        return Target(origin, path, headers)
-
-    def _redirect(self, location: str) -> bool:
-        parts = urlsplit(location)
-        try:
-            origin = Origin.parse(parts.scheme, parts.hostname, parts.port)
-        except ValueError:
-            return False
-        with self._lock:
-            current, path = self._location
-            if origin == current and _is_directory_redirect(path, _request_path(location)):
-                raise SourceUriError(
-                    f"{self.display_uri} names a directory (the server redirects to {display_url(location)}):"
-                    f" end the source with '/' to load the model in it ({self.display_uri}/)"
-                )
-            self._location = (origin, _request_path(location))
-        if self._private and origin != self._origin:
-            _log.info(
-                "%s redirects to %s, another origin: its credentials and headers are not sent there",
-                self.display_uri,
-                display_url(location),
-            )
-        else:
-            _log.info("%s redirects to %s", self.display_uri, display_url(location))
-        return True
-
-    def _error(self, exchange: _Exchange, body: bytes) -> ModelloadError:
-        status = exchange.status
-        if status not in (401, 403):
-            return super()._error(exchange, body)
-        uri = self.display_uri
-        what = f"HTTP {status} {exchange.response.reason}".rstrip()
-        if exchange.origin != self._origin:
-            where = f"{exchange.origin.scheme}://{exchange.origin.netloc}"
-            if self._private:
-                advice = (
-                    "the source's token and headers go to its own origin only, never to another host; if "
-                    f"{where} needs them, load the file from that origin directly; a signed redirect URL may "
-                    "also have expired (retry)"
-                )
-            else:
-                advice = "a signed redirect URL may have expired (retry), or the file needs a token"
-            return SourceAccessDeniedError(
-                f"{uri} redirected to {where}, which refused access ({what}): {advice}", uri=uri
-            )
-        if self._private and self._from_url:
-            return SourceAccessDeniedError(
-                f"{uri} refused the URL's user and password ({what}): check them and the server's rules",
-                uri=uri,
-            )
-        if self._private:
-            return SourceAccessDeniedError(
-                f"{uri} refused the configured token or headers ({what}): check that the Secret (or header "
-                "file) holds the right token, that it has not expired or been revoked, and that its scope "
-                "grants read access to this file (a gated model's terms accepted, the repository shared)",
-                uri=uri,
-            )
-        return SourceAccessDeniedError(
-            f"{uri} refused access ({what}) and no token was sent: give one with the ModelLoad's "
-            "headersSecretRef (the sidecar's --header-file); a presigned URL may have expired",
-            uri=uri,
-        )
-
-
-def _is_directory_redirect(path: str, target: str) -> bool:
-    """A server's redirect of ``/dir`` to ``/dir/``: the URL names a directory, not a file."""
-    return "?" not in path and not path.endswith("/") and target == path + "/"
-
-
-def _request_path(url: str) -> str:
-    parts = urlsplit(url)
-    path = parts.path or "/"
-    return f"{path}?{parts.query}" if parts.query else path
-
-
-def open_http(uri: str, settings: SourceSettings) -> HttpSource:
-    """The registry's factory for ``http://`` and ``https://`` URLs."""
-    return HttpSource(uri, settings.http)

@@ -27,12 +27,12 @@ from modelload.loader.localdir import list_local_directory
 
 from ._base import Source
 from ._file import open_file
-from ._http import open_http
 from ._responses import display_url
 from ._retry import stat_source
 from ._s3 import S3Source, list_s3_prefix, open_s3, parse_s3_uri
 from ._settings import SourceSettings
 from ._store import Directory, Opener, Store, join_uri
+from ._url import open_http
 
 __all__ = ["FactoryStore", "FileStore", "HttpStore", "S3Store", "local_path"]
 

@@ -36,9 +36,9 @@ from urllib.parse import urljoin, urlsplit
 from modelload.loader.errors import ConfigError, SourceError
 
 from .._connections import Origin
-from .._http import PLAIN_HTTP_REPLIES
 from .._service import origin_of
 from .._settings import SourceSettings
+from .._transport_errors import PLAIN_HTTP_REPLIES
 from ._auth import RegistryAuth
 from ._client import explain
 from ._media import (
