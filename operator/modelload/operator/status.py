@@ -1,7 +1,7 @@
 """The ModelLoad's status, declared once: what the operator found out about the model and its pods.
 
-The same dataclasses give the CRD's ``status`` schema (:func:`status_schema`, rendered by
-:mod:`modelload.operator.crd`) and the merge patches the operator writes (:func:`dump_status`). The spec,
+The dataclasses give the CRD's ``status`` schema (:func:`status_schema`, rendered by
+:mod:`modelload.operator.crd`), so the fields the operator writes are declared and documented once. The spec,
 which people write, is :mod:`modelload.operator.schema`; the status is written by the operator only.
 """
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from modelload.operator._dataschema import dump, openapi, prop
+from modelload.operator._dataschema import openapi, prop
 
-__all__ = ["Condition", "FleetStatus", "ModelLoadStatus", "PodsStatus", "dump_status", "status_schema"]
+__all__ = ["Condition", "FleetStatus", "ModelLoadStatus", "PodsStatus", "status_schema"]
 
 
 @dataclass(frozen=True)
@@ -130,9 +130,3 @@ class ModelLoadStatus:
 
 def status_schema() -> dict[str, Any]:
     return openapi(ModelLoadStatus)
-
-
-def dump_status(status: ModelLoadStatus) -> dict[str, Any]:
-    """The status as a JSON merge patch body (unset fields are left as they are)."""
-    out: dict[str, Any] = dump(status)
-    return out
