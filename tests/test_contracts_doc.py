@@ -90,9 +90,9 @@ def test_the_flag_table_gives_the_default_each_setting_declares() -> None:
 
 
 def _env_of(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    from modelload.operator.injection import sidecar_env
     from modelload.operator.resource import ResolvedModel
     from modelload.operator.schema import parse_spec
+    from modelload.operator.sidecar_env import sidecar_env
 
     model = ResolvedModel(name="m", namespace="ns", spec=parse_spec(spec), bytes=1 << 30, tensors=100)
     return {item["name"]: item for item in sidecar_env(model, port=8479)}
@@ -101,7 +101,7 @@ def _env_of(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def _everything_the_webhook_sets() -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
     """Every variable the sidecar can get (over specs that use every field) and those of a target."""
     pytest.importorskip("modelload.operator.injection")
-    from modelload.operator.injection import target_env
+    from modelload.operator.sidecar_env import target_env
 
     sidecar: dict[str, dict[str, Any]] = {}
     for spec in (

@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 
-from modelload.operator.injection import build_patch, target_env
+from modelload.operator.injection import build_patch
 from modelload.operator.resource import ResolvedModel
 from modelload.operator.schema import parse_spec
 from modelload.operator.settings import InjectedSidecar
+from modelload.operator.sidecar_env import target_env
 
 sidecar_settings = pytest.importorskip("modelload.sidecar.settings")
 

@@ -18,10 +18,11 @@ import kubernetes_validate
 import pytest
 
 from modelload.loader.errors import ConfigError
-from modelload.operator.injection import HEADERS_DIR, build_patch
+from modelload.operator.injection import build_patch
 from modelload.operator.resource import ResolvedModel
 from modelload.operator.schema import SPEC_RULES, parse_spec, spec_schema
 from modelload.operator.settings import InjectedSidecar
+from modelload.operator.sidecar_env import HEADERS_DIR
 from tests.operator.conftest import NAMESPACE, create_modelload, model_bytes, posted_events, resolved, secret
 from tests.operator.test_resolving import failed, ready_condition, settled
 from tests.operator.test_webhook import admit, pod, review
