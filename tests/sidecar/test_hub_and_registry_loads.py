@@ -119,9 +119,14 @@ def test_a_corrupted_file_from_the_cdn_fails_the_load_and_is_never_complete(
     data = models.safetensors_bytes(weights)
     hub.commit("org/bad", {"model.safetensors": data, "config.json": b"{}"})
     hub.cdn.corrupt.add(hashlib.sha256(data).hexdigest())
+    recorder = Recorder()
     with pytest.raises(HashMismatchError, match="sha256 digest the origin publishes"):
-        run("hf://org/bad", shm_dir / "model.seg", hub_settings(hub))
+        run("hf://org/bad", shm_dir / "model.seg", hub_settings(hub), observer=recorder)
     assert_load_failed(shm_dir / "model.seg", match="sha256 digest")
+    # Held back until the digest matched: no app or peer ever saw a tensor of the corrupted file.
+    assert [
+        e["name"] for e in recorder.named("tensor_ready") if e["nbytes"]
+    ] == []  # (an empty one holds no byte)
 
 
 def test_a_branch_moved_during_the_load_does_not_mix_commits(hub: HubServer, shm_dir: Path) -> None:
@@ -184,9 +189,18 @@ def test_a_blob_corrupted_in_the_registrys_storage_is_never_published(
     data = bytearray(stored.read_bytes())
     data[-100] ^= 0xFF  # the last tensor's bytes, same size: only the digest can tell
     stored.write_bytes(bytes(data))
+    recorder = Recorder()
     with pytest.raises(HashMismatchError):
-        run(registry.uri("engine/corrupt", "v1"), shm_dir / "model.seg", registry_settings(registry))
+        run(
+            registry.uri("engine/corrupt", "v1"),
+            shm_dir / "model.seg",
+            registry_settings(registry),
+            observer=recorder,
+        )
     assert_load_failed(shm_dir / "model.seg")
+    assert [e["name"] for e in recorder.named("tensor_ready") if e["nbytes"]] == [], (
+        "a corrupted tensor went out"
+    )
 
 
 @pytest.mark.parametrize("mode", ["release", "ring"])

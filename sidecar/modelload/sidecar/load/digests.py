@@ -10,9 +10,10 @@ moments after its last chunk lands, so a load costs about one extra pass over me
 SHA extensions: see docs/sidecar.md for the measured cost per GiB), taken by threads beside the readers.
 
 A mismatch fails the load with :class:`~modelload.loader.errors.HashMismatchError`: the segment is never
-COMPLETE, so the pod never turns ready on those bytes. Tensors stream to the app as they land, as they do
-from every origin; the digest is what makes the load's end trustworthy, and, in the ``release`` and ``ring``
-memory modes, a tensor's pages are not given back before its bytes are hashed.
+COMPLETE, so the pod never turns ready on those bytes. Where the memory mode can hold a file's tensors back
+(not ``ring``), the readers publish a file's tensors only once its digest matched (:meth:`when_proven`), so
+no app and no peer ever sees a byte of a file that does not match; in ``ring`` mode they stream as they land
+(the ring cannot hold a whole file) and a tensor's pages are not given back before its bytes are hashed.
 
 Encrypted tensorizer files are decrypted in place as their tensors are published, so their landed bytes are
 not the origin's: their tensors are proved by the file's own MACs instead, and the digest is not checked.
@@ -66,6 +67,8 @@ class _Object:
     checksum: Checksum
     pieces: list[_Piece]
     gap_source: Source
+    files: tuple[int, ...]
+    """The weight files the object holds (an OCI layer may hold several)."""
 
 
 class FileDigests:
@@ -93,6 +96,8 @@ class FileDigests:
         self._hashed = np.zeros(len(plan.index.tensors), dtype=bool)
         self._failure: BaseException | None = None
         self._threads: list[threading.Thread] = []
+        self._on_proven: Callable[[Sequence[int]], None] | None = None
+        self._proven: list[int] = []
         self.objects = self._objects()
         self.checked: list[str] = []
         hashed_chunks = np.zeros(len(plan.chunks), dtype=bool)
@@ -104,6 +109,18 @@ class FileDigests:
     @property
     def active(self) -> bool:
         return bool(self.objects)
+
+    @property
+    def files(self) -> frozenset[int]:
+        """The weight files a digest proves."""
+        return frozenset(file for item in self.objects for file in item.files)
+
+    def when_proven(self, callback: Callable[[Sequence[int]], None]) -> list[int]:
+        """Call ``callback(files)`` from a hashing thread as each object's digest matches; returns the files
+        proven before the call (the caller deals with those itself)."""
+        with self._cond:
+            self._on_proven = callback
+            return list(self._proven)
 
     def _objects(self) -> list[_Object]:
         model, plan = self._model, self._plan
@@ -133,7 +150,8 @@ class FileDigests:
             pieces.sort(key=lambda p: p.start)
             pieces = _with_gaps(pieces, checksum, files, model)
             source = checksum.object_source or model.sources[files[0][0]]
-            objects.append(_Object(checksum, pieces, getattr(source, "origin", source)))
+            owned = tuple(file for file, _ in files)
+            objects.append(_Object(checksum, pieces, getattr(source, "origin", source), owned))
         return objects
 
     # --- the readers' side ------------------------------------------------------------------------------
@@ -197,6 +215,10 @@ class FileDigests:
         log.info("%s matches its %s digest", checksum.where, checksum.algorithm)
         with self._cond:
             self.checked.append(checksum.where)
+            self._proven.extend(item.files)
+            callback = self._on_proven
+        if callback is not None:
+            callback(item.files)
 
     def _wait(self, seq: int) -> bool:
         with self._cond:

@@ -7,8 +7,8 @@ each piece at its tensor's slot: ``os.splice`` through the segment's file descri
 (no copy through this process), scattering reads into the mapping (``preadv``, ``recvmsg_into``) when they are
 many and small. The tensors a chunk completes are finished together (:class:`TensorFinisher`: decrypted, their
 hashes checked, a sample of their range re-read when nothing else proves their file) and published with one
-event. A file proven by its store's checksum holds its tensors back until the whole file is proven
-(:mod:`modelload.sidecar.load.proof`).
+event. A file proven by its store's checksum or by the digest its origin publishes holds its tensors back
+until the whole file is proven (:mod:`modelload.sidecar.load.proof`, :mod:`modelload.sidecar.load.digests`).
 
 The engine keeps what outlives the readers: the segment's identity, the writer lock, stop and failure.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -128,15 +128,19 @@ class Readers:
         self._sampled = {p.file for p in proofs if p.method == "samples"}
         # A file proven by the store's checksum keeps its tensors back until it is proven (in memory modes
         # that can hold them, and unless the file's own hashes prove each tensor as it lands).
+        # So does a file proven by the digest its origin publishes (hf://, oci://), until its digest matched.
         own_hashes = plan.index.format == "tensorizer" and context.settings.verify
         hold = context.settings.memory.mode != "ring" and not own_hashes
-        self._held: dict[int, list[npt.NDArray[np.int32]]] = {
-            p.file: [] for p in proofs if hold and self.prover.proves(p.file)
-        }
+        held = {p.file for p in proofs if self.prover.proves(p.file)}
+        if digests is not None:
+            held |= digests.files
+        self._held: dict[int, list[npt.NDArray[np.int32]]] = {file: [] for file in held} if hold else {}
         self.finisher = TensorFinisher(
             writer, key=key, encrypted=plan.index.encrypted, verify=context.settings.verify
         )
         self._use_fd = use_fd
+        if digests is not None and hold:
+            self._release(digests.when_proven(self._release))
 
     def run(self) -> None:
         order = self.plan.order
@@ -213,6 +217,13 @@ class Readers:
         self.observer.file_proof(file=each.uri, proof=each.label, state="proven")
         with self._lock:
             held = self._held.pop(file, [])
+        if held:
+            self._publish(np.concatenate(held), None)
+
+    def _release(self, files: Sequence[int]) -> None:
+        """Publish the tensors held back for ``files``, proven by their digests (a hashing thread)."""
+        with self._lock:
+            held = [part for file in files for part in self._held.pop(file, [])]
         if held:
             self._publish(np.concatenate(held), None)
 
