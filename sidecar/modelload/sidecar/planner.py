@@ -20,7 +20,6 @@ is a few arrays and a few hundred chunks.
 from __future__ import annotations
 
 import functools
-import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -222,9 +221,6 @@ def _specs(index: ModelIndex) -> TensorSpecs:
     )
 
 
-_OFFSET = operator.attrgetter("offset")
-
-
 class _Cutter:
     """Cuts the tensors' records, in load order, into chunks (see :func:`plan_load`), a run at a time.
 
@@ -251,7 +247,7 @@ class _Cutter:
         header = np.asarray(table.data_offsets, dtype=np.int64) - record
         data = np.asarray(table.data_lengths, dtype=np.int64)
         file = table.files.astype(np.int64)
-        slot = np.fromiter(map(_OFFSET, self.layout.slots), dtype=np.int64, count=count)
+        slot = self.layout.table.offsets
         counts = np.zeros(count, dtype=np.int32)
         live = order[(header + data)[order] > 0]  # an empty tensor has nothing to fetch
         t = live.astype(np.int64)
