@@ -20,7 +20,6 @@ is a few arrays and a few hundred chunks.
 from __future__ import annotations
 
 import functools
-import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -161,7 +160,7 @@ def load_order(index: ModelIndex, priority: Sequence[str] = ()) -> tuple[int, ..
     """
     if not priority:
         return tuple(range(len(index.tensors)))
-    names = [t.name for t in index.tensors]
+    names = index.table.names
     first: list[int] = []
     seen: set[int] = set()
     for wanted in priority:
@@ -208,28 +207,18 @@ _UNLIMITED = 1 << 62
 
 
 def _specs(index: ModelIndex) -> TensorSpecs:
-    """The index's tensors as the layout's columns, each slot with a lead for its record header (C-level
-    maps over the entries: a mixture of experts has 100,000 of them)."""
-    tensors = index.tensors
-    count = len(tensors)
+    """The index's tensors as the layout's columns, each slot with a lead for its record header (the index's
+    own columns: a mixture of experts has 100,000 tensors)."""
+    table = index.table
+    count = len(table)
     return TensorSpecs(
-        names=list(map(_NAME, tensors)),
-        dtypes=list(map(_DTYPE, tensors)),
-        shapes=list(map(_SHAPE, tensors)),
-        leads=list(map(operator.sub, map(_DATA_OFFSET, tensors), map(_RECORD_OFFSET, tensors))),
-        files=list(map(_FILE, tensors)) if index.files else [None] * count,
+        names=table.names,
+        dtypes=table.dtypes,
+        shapes=table.shapes,
+        leads=table.leads.tolist(),
+        files=table.files.tolist() if index.files else [None] * count,
         sha256=[None] * count,
     )
-
-
-_NAME, _DTYPE, _SHAPE = (
-    operator.attrgetter("name"),
-    operator.attrgetter("dtype"),
-    operator.attrgetter("shape"),
-)
-_RECORD_OFFSET, _DATA_OFFSET = operator.attrgetter("record_offset"), operator.attrgetter("data_offset")
-_DATA_LENGTH, _FILE = operator.attrgetter("data_length"), operator.attrgetter("file")
-_OFFSET = operator.attrgetter("offset")
 
 
 class _Cutter:
@@ -252,13 +241,13 @@ class _Cutter:
         self.pieces = 0
 
     def plan(self, order: npt.NDArray[np.int32]) -> LoadPlan:
-        tensors = self.index.tensors
-        count = len(tensors)
-        record = np.fromiter(map(_RECORD_OFFSET, tensors), dtype=np.int64, count=count)
-        header = np.fromiter(map(_DATA_OFFSET, tensors), dtype=np.int64, count=count) - record
-        data = np.fromiter(map(_DATA_LENGTH, tensors), dtype=np.int64, count=count)
-        file = np.fromiter(map(_FILE, tensors), dtype=np.int64, count=count)
-        slot = np.fromiter(map(_OFFSET, self.layout.slots), dtype=np.int64, count=count)
+        table = self.index.table
+        count = len(table)
+        record = np.asarray(table.record_offsets, dtype=np.int64)
+        header = np.asarray(table.data_offsets, dtype=np.int64) - record
+        data = np.asarray(table.data_lengths, dtype=np.int64)
+        file = table.files.astype(np.int64)
+        slot = self.layout.table.offsets
         counts = np.zeros(count, dtype=np.int32)
         live = order[(header + data)[order] > 0]  # an empty tensor has nothing to fetch
         t = live.astype(np.int64)

@@ -18,7 +18,7 @@ from modelload.loader.formats._directory import (
     select_model_files,
     weight_shards,
 )
-from modelload.loader.formats._index import FormatName, ModelIndex, RangeRead, TensorEntry
+from modelload.loader.formats._index import FormatName, ModelIndex, RangeRead, TensorEntry, TensorTable
 from modelload.loader.formats._reader import ModelReader, open_reader
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "PrefixedRead",
     "RangeRead",
     "TensorEntry",
+    "TensorTable",
     "check_small_files",
     "detect_format",
     "merge_indexes",

@@ -140,7 +140,7 @@ def read_index(
 
     index = tensorizer.read_index(cached, source=source, size=known)
     if file:
-        index = replace(index, tensors=tuple(entry.in_file(file) for entry in index.tensors))
+        index = replace(index, tensors=index.table.in_file(file))
     if known is not None and index.data_end > known:
         raise TruncatedError(
             f"the file is {known} bytes, but its index places data up to byte {index.data_end}; the file was "

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from modelload.loader.errors import ConfigError, DuplicateNameError, FormatError, SourceNotFoundError
-from modelload.loader.formats._index import ModelIndex, TensorEntry
+from modelload.loader.formats._index import ModelIndex, TensorTable
 
 __all__ = [
     "SAFETENSORS_INDEX",
@@ -191,11 +191,11 @@ def check_small_files(sizes: Mapping[str, int], *, where: str) -> None:
 def _refuse_repeated_name(indexes: Sequence[tuple[str, ModelIndex]], where: str) -> None:
     seen: dict[str, str] = {}
     for name, index in indexes:
-        for entry in index.tensors:
-            other = seen.setdefault(entry.name, name)
+        for tensor in index.table.names:
+            other = seen.setdefault(tensor, name)
             if other != name:
                 raise DuplicateNameError(
-                    f"tensor {entry.name!r} is in both {other} and {name} in {where}: shards must not "
+                    f"tensor {tensor!r} is in both {other} and {name} in {where}: shards must not "
                     "overlap (is an old shard left beside new ones?)",
                     source=f"{where}{name}",
                 )
@@ -203,7 +203,8 @@ def _refuse_repeated_name(indexes: Sequence[tuple[str, ModelIndex]], where: str)
 
 
 def merge_indexes(indexes: Sequence[tuple[str, ModelIndex]], *, where: str) -> ModelIndex:
-    """One index over several weight files: each tensor remembers its file (``TensorEntry.file``).
+    """One index over several weight files: each tensor remembers its file (``TensorEntry.file``), the
+    files' columns joined (no object per tensor).
 
     Tensor names must be unique across files (a name in two shards is an error naming both); every file
     must be of one format, and encrypted or not alike.
@@ -213,8 +214,7 @@ def merge_indexes(indexes: Sequence[tuple[str, ModelIndex]], *, where: str) -> M
     if len(indexes) == 1 and not indexes[0][0]:
         return indexes[0][1]
     first = indexes[0][1]
-    tensors: list[TensorEntry] = []
-    for number, (name, index) in enumerate(indexes):
+    for name, index in indexes:
         if index.format != first.format:
             raise FormatError(
                 f"{where}{name} is {index.format} and {where}{indexes[0][0]} is {first.format}: "
@@ -226,16 +226,13 @@ def merge_indexes(indexes: Sequence[tuple[str, ModelIndex]], *, where: str) -> M
                 f"{where}{name} and {where}{indexes[0][0]} differ in encryption: encrypt every shard or none",
                 source=f"{where}{name}",
             )
-        if all(entry.file == number for entry in index.tensors):
-            tensors.extend(index.tensors)
-        else:
-            tensors.extend(entry.in_file(number) for entry in index.tensors)
-    if len({entry.name for entry in tensors}) != len(tensors):
+    tensors = TensorTable.concat([index.table for _, index in indexes], files=range(len(indexes)))
+    if len(set(tensors.names)) != len(tensors):
         _refuse_repeated_name(indexes, where)
     return ModelIndex(
         format=first.format,
         version=max(i.version for _, i in indexes),
-        tensors=tuple(tensors),
+        tensors=tensors,
         index_length=first.index_length,
         data_end=first.data_end,
         encrypted=first.encrypted,

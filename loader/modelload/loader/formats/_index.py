@@ -11,15 +11,18 @@ from __future__ import annotations
 import functools
 import math
 import mmap
-from collections.abc import Callable
+import operator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 import numpy as np
 
 from modelload.loader.dtypes import DType
 
-__all__ = ["MAX_NDIM", "FormatName", "ModelIndex", "RangeRead", "TensorEntry", "WritableBuffer"]
+__all__ = [
+    "MAX_NDIM", "FormatName", "ModelIndex", "RangeRead", "TensorEntry", "TensorTable", "WritableBuffer",
+]  # fmt: skip
 
 MAX_NDIM = 64
 """The most dimensions a tensor may have: numpy's limit (and torch's), and the segment's. A file that declares
@@ -96,6 +99,175 @@ class TensorEntry:
         )  # fmt: skip
 
 
+Offsets = np.ndarray[Any, np.dtype[Any]]
+"""A column of file offsets or lengths: int64, or Python ints (object) when one does not fit in 63 bits (a
+header checked without the file's size may claim such offsets; whoever plans them refuses it)."""
+
+Kind = Literal["param", "buffer", "state_dict"]
+
+
+def offsets_column(values: Iterable[int] | np.ndarray[Any, Any]) -> Offsets:
+    """``values`` as an int64 column, or an object column when one is past int64."""
+    listed = values if isinstance(values, np.ndarray) else list(values)
+    try:
+        return np.asarray(listed, dtype=np.int64)
+    except OverflowError:
+        return np.array([int(v) for v in listed], dtype=object)
+
+
+class TensorTable(Sequence[TensorEntry]):
+    """The tensors of an index as columns, one entry per position, in file order.
+
+    A mixture of experts lists 100,000 tensors: an object per tensor costs about a microsecond to build and a
+    hundred-odd bytes to keep, for every load, while the load itself reads whole columns (the planner, the
+    layout). The table keeps the columns and makes a :class:`TensorEntry` only when one is asked for
+    (``table[i]``, iteration), so callers that want entries still get them, each made afresh.
+
+    ``paths``, ``kinds`` and ``encrypted`` are None when every tensor has the default (safetensors).
+    """
+
+    __slots__ = ("data_lengths", "data_offsets", "dtypes", "encrypted", "files", "kinds", "names", "paths",
+                 "record_offsets", "shapes")  # fmt: skip
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[DType],
+        shapes: Sequence[tuple[int, ...]],
+        record_offsets: Offsets,
+        data_offsets: Offsets,
+        data_lengths: Offsets,
+        files: np.ndarray[Any, np.dtype[np.int32]],
+        *,
+        paths: Sequence[tuple[str | int, ...] | None] | None = None,
+        kinds: Sequence[Kind] | None = None,
+        encrypted: Sequence[bool] | None = None,
+    ) -> None:
+        count = len(names)
+        columns = (dtypes, shapes, record_offsets, data_offsets, data_lengths, files)
+        if any(len(c) != count for c in (*columns, *(c for c in (paths, kinds, encrypted) if c is not None))):
+            raise ValueError("a tensor table's columns must all have one length")
+        self.names, self.dtypes, self.shapes = names, dtypes, shapes
+        self.record_offsets, self.data_offsets, self.data_lengths = record_offsets, data_offsets, data_lengths
+        self.files = files
+        self.paths, self.kinds, self.encrypted = paths, kinds, encrypted
+
+    @classmethod
+    def of(cls, entries: Iterable[TensorEntry]) -> TensorTable:
+        """The table of ``entries`` (in their order)."""
+        listed = list(entries)
+        paths = [e.path for e in listed]
+        kinds: list[Kind] = [e.kind for e in listed]
+        encrypted = [e.encrypted for e in listed]
+        return cls(
+            [e.name for e in listed],
+            [e.dtype for e in listed],
+            [e.shape for e in listed],
+            offsets_column(e.record_offset for e in listed),
+            offsets_column(e.data_offset for e in listed),
+            offsets_column(e.data_length for e in listed),
+            np.fromiter((e.file for e in listed), dtype=np.int32, count=len(listed)),
+            paths=paths if any(p is not None for p in paths) else None,
+            kinds=kinds if any(k != "state_dict" for k in kinds) else None,
+            encrypted=encrypted if any(encrypted) else None,
+        )
+
+    @classmethod
+    def concat(cls, tables: Sequence[TensorTable], files: Sequence[int]) -> TensorTable:
+        """One table of ``tables`` in order, the tensors of ``tables[i]`` in weight file ``files[i]``."""
+
+        def joined(column: str) -> list[Any]:
+            return [value for table in tables for value in getattr(table, column)]
+
+        def optional(column: str, default: Any) -> list[Any] | None:
+            if all(getattr(table, column) is None for table in tables):
+                return None
+            return [v for t in tables for v in (getattr(t, column) or [default] * len(t))]
+
+        def offsets(column: str) -> Offsets:
+            parts = [getattr(table, column) for table in tables]
+            if all(part.dtype == np.int64 for part in parts):
+                return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+            return np.array([int(v) for part in parts for v in part], dtype=object)
+
+        numbers = [np.full(len(t), file, dtype=np.int32) for t, file in zip(tables, files, strict=True)]
+        return cls(
+            joined("names"),
+            joined("dtypes"),
+            joined("shapes"),
+            offsets("record_offsets"),
+            offsets("data_offsets"),
+            offsets("data_lengths"),
+            np.concatenate(numbers) if numbers else np.zeros(0, dtype=np.int32),
+            paths=optional("paths", None),
+            kinds=optional("kinds", "state_dict"),
+            encrypted=optional("encrypted", False),
+        )
+
+    def in_file(self, file: int) -> TensorTable:
+        """These tensors as tensors of weight file ``file``."""
+        return TensorTable(
+            self.names, self.dtypes, self.shapes, self.record_offsets, self.data_offsets, self.data_lengths,
+            np.full(len(self), file, dtype=np.int32), paths=self.paths, kinds=self.kinds,
+            encrypted=self.encrypted,
+        )  # fmt: skip
+
+    @property
+    def leads(self) -> Offsets:
+        """Bytes of each record before its data (tensorizer's per-tensor header; 0 for safetensors)."""
+        return self.data_offsets - self.record_offsets
+
+    def nbytes(self) -> list[int]:
+        """Each tensor's bytes in memory (C-level maps over the columns)."""
+        return list(map(operator.mul, map(_ITEMSIZE, self.dtypes), map(math.prod, self.shapes)))
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    @overload
+    def __getitem__(self, i: int) -> TensorEntry: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[TensorEntry]: ...
+
+    def __getitem__(self, i: int | slice) -> TensorEntry | Sequence[TensorEntry]:
+        if isinstance(i, slice):
+            return tuple(self._entry(j) for j in range(*i.indices(len(self))))
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"tensor {i} out of range of {len(self)}")
+        return self._entry(i)
+
+    def __iter__(self) -> Iterator[TensorEntry]:
+        return map(self._entry, range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to another table, tuple or list of the same entries in the same order."""
+        if not isinstance(other, TensorTable | tuple | list):
+            return NotImplemented
+        return len(self) == len(other) and all(map(operator.eq, self, other))
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"<TensorTable of {len(self)} tensors>"
+
+    def _entry(self, i: int) -> TensorEntry:
+        return TensorEntry(
+            self.names[i], self.dtypes[i], self.shapes[i], int(self.record_offsets[i]),
+            int(self.data_offsets[i]), int(self.data_lengths[i]),
+            None if self.paths is None else self.paths[i],
+            "state_dict" if self.kinds is None else self.kinds[i],
+            False if self.encrypted is None else self.encrypted[i],
+            int(self.files[i]),
+        )  # fmt: skip
+
+
+_ITEMSIZE = operator.attrgetter("itemsize")
+
+
 @dataclass(frozen=True)
 class ModelIndex:
     """The tensors of one model file, in file order, and what the file says about itself."""
@@ -103,7 +275,8 @@ class ModelIndex:
     format: FormatName
     version: int
     """The format's data version (tensorizer 1-5; safetensors has none and reports 1)."""
-    tensors: tuple[TensorEntry, ...]
+    tensors: Sequence[TensorEntry]
+    """In file order: a :class:`TensorTable` (what is given is made one); :attr:`table` gives its columns."""
     index_length: int
     """Bytes from the start of the file that hold the index (what a remote reader fetches first)."""
     data_end: int
@@ -116,17 +289,27 @@ class ModelIndex:
     indexed by :attr:`TensorEntry.file`. Empty for a single file. ``index_length`` and ``data_end`` then
     describe the first file only; each file's own index checks its own size."""
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.tensors, TensorTable):
+            object.__setattr__(self, "tensors", TensorTable.of(self.tensors))
+
+    @property
+    def table(self) -> TensorTable:
+        """The tensors as columns: what code that reads every tensor uses, rather than an entry each."""
+        assert isinstance(self.tensors, TensorTable)  # made one in __post_init__
+        return self.tensors
+
     @functools.cached_property
     def nbytes(self) -> int:
         """Bytes of all tensors in memory."""
-        return sum(t.nbytes for t in self.tensors)
+        return sum(self.table.nbytes())
 
     def __len__(self) -> int:
         return len(self.tensors)
 
     @functools.cached_property
-    def _by_name(self) -> dict[str, TensorEntry]:
-        return {t.name: t for t in self.tensors}
+    def _by_name(self) -> dict[str, int]:
+        return dict(zip(self.table.names, range(len(self.tensors)), strict=True))
 
     def entry(self, tensor: str | TensorEntry, *, source: str) -> TensorEntry:
         """A tensor's entry by name (an entry is returned as it is); ``KeyError`` naming ``source``, the
@@ -134,6 +317,6 @@ class ModelIndex:
         if isinstance(tensor, TensorEntry):
             return tensor
         try:
-            return self._by_name[tensor]
+            return self.tensors[self._by_name[tensor]]
         except KeyError:
             raise KeyError(f"{source} has no tensor named {tensor!r}") from None

@@ -23,6 +23,7 @@ import numpy as np
 from modelload.loader.dtypes import DType
 from modelload.loader.errors import SegmentLayoutError
 from modelload.loader.segment.geometry import Ring
+from modelload.loader.segment.slots import Slot, SlotTable
 
 __all__ = [
     "ALIGNMENT",
@@ -43,6 +44,7 @@ __all__ = [
     "Layout",
     "MemoryMode",
     "Slot",
+    "SlotTable",
     "TensorFlags",
     "TensorSpec",
     "TensorSpecs",
@@ -173,21 +175,6 @@ class TensorSpec:
         return self.dtype.nbytes(self.shape)
 
 
-@dataclass(frozen=True, slots=True)
-class Slot:
-    """A tensor's place in a segment: its spec and the absolute offset of its bytes."""
-
-    index: int
-    name: str
-    dtype: DType
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-    sha256: str | None = None
-    file: int | None = None
-    """The index of the tensor's weight file in the segment's ``files`` (layout version 2), else None."""
-
-
 @dataclass(frozen=True)
 class Header:
     """The write-once part of a segment header (bytes 0-127)."""
@@ -241,7 +228,8 @@ class Layout:
     need not hold in memory besides the segment.
     """
 
-    slots: tuple[Slot, ...]
+    slots: Sequence[Slot]
+    """By tensor index: a :class:`SlotTable` (what is given is made one); :attr:`table` gives its columns."""
     metadata: Mapping[str, str]
     manifest_length: int
     state_offset: int
@@ -259,6 +247,16 @@ class Layout:
     1 GiB) the data region and the ring start on a page boundary and the file is a whole number of pages
     (hugetlbfs takes no other size). Not recorded in the header: readers see it in the offsets and the file's
     size."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.slots, SlotTable):
+            object.__setattr__(self, "slots", SlotTable.of(tuple(self.slots)))
+
+    @property
+    def table(self) -> SlotTable:
+        """The slots as columns: what code that reads every slot uses, rather than a :class:`Slot` each."""
+        assert isinstance(self.slots, SlotTable)  # made one in __post_init__
+        return self.slots
 
     @property
     def layout_version(self) -> int:
@@ -283,20 +281,20 @@ class Layout:
     @property
     def nbytes(self) -> int:
         """Bytes of tensor data (without padding)."""
-        return sum(s.nbytes for s in self.slots)
+        return int(self.table.nbytes.sum())
 
     @functools.cached_property
     def manifest(self) -> bytes:
         """The manifest's bytes (SPEC.md, "Manifest")."""
         out = bytearray()
-        for piece in _manifest_pieces(self.slots, self.metadata, self.files):
+        for piece in _manifest_pieces(self.table, self.metadata, self.files):
             out += piece
         return bytes(out)
 
     def write_manifest(self, view: memoryview) -> int:
         """Write the manifest into ``view`` (:attr:`manifest_length` bytes) a piece at a time; its CRC-32."""
         checksum, at = 0, 0
-        for piece in _manifest_pieces(self.slots, self.metadata, self.files):
+        for piece in _manifest_pieces(self.table, self.metadata, self.files):
             view[at : at + len(piece)] = piece
             checksum = zlib.crc32(piece, checksum)
             at += len(piece)
@@ -421,10 +419,9 @@ def plan_layout(
             break
         data_offset = needed
     placed = relative + (data_offset - lead)
-    offsets = placed.tolist()
-    names, dtypes, shapes, shas, numbers = specs.names, specs.dtypes, specs.shapes, specs.sha256, specs.files
-    slots = tuple(map(Slot, range(count), names, dtypes, shapes, offsets, nbytes, shas, numbers))
-    ends = placed + np.asarray(nbytes, dtype=np.int64)
+    sizes = np.asarray(nbytes, dtype=np.int64)
+    slots = SlotTable(specs.names, specs.dtypes, specs.shapes, placed, sizes, specs.sha256, specs.files)
+    ends = placed + sizes
     data_end = align(int(ends.max())) if count else data_offset
     return Layout(
         slots=slots,
@@ -519,21 +516,24 @@ class _Manifest:
 
 
 def _manifest_pieces(
-    slots: Sequence[Slot], metadata: Mapping[str, str], files: tuple[str, ...]
+    slots: SlotTable, metadata: Mapping[str, str], files: tuple[str, ...]
 ) -> Iterator[bytes]:
     """The manifest's bytes, in pieces of :data:`_BATCH` tensors or so each: a piece per tensor cost a
-    write and a CRC call per tensor (100,000 of each for a mixture of experts); a batch is made as text and
-    encoded once."""
-    shapes = _shape_texts([s.shape for s in slots])
+    write and a CRC call per tensor (100,000 of each for a mixture of experts); a batch is made as text,
+    from the slots' columns, and encoded once."""
+    shapes = _shape_texts(slots.shapes)
     yield _HEAD
-    extras = _extra_parts([s.sha256 for s in slots], [s.file for s in slots])
-    entry, encode = _ENTRY, _encode_text
+    extras = _extra_parts(slots.sha256, slots.files)
+    names = list(map(_encode_text, slots.names))
+    dtypes = list(map(_NAME, slots.dtypes))
+    shape_texts = list(map(shapes.__getitem__, slots.shapes))
+    offsets, sizes = slots.offsets.tolist(), slots.nbytes.tolist()
+    entry = _ENTRY
     for first in range(0, len(slots), _BATCH):
-        batch = slots[first : first + _BATCH]
-        texts = [
-            entry % (encode(slot.name), slot.dtype.name, shapes[slot.shape], slot.offset, slot.nbytes, extra)
-            for slot, extra in zip(batch, extras[first : first + _BATCH], strict=True)
-        ]
+        end = first + _BATCH
+        texts = list(map(entry.__mod__, zip(names[first:end], dtypes[first:end], shape_texts[first:end],
+                                            offsets[first:end], sizes[first:end], extras[first:end],
+                                            strict=True)))  # fmt: skip
         joined = ",".join(texts).encode()
         yield b"," + joined if first else joined
     yield _tail(metadata, files)

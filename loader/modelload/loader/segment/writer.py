@@ -233,15 +233,18 @@ class SegmentWriter:
 
     def slot(self, index: int) -> memoryview:
         """A writable view of slot ``index``'s bytes. Fill it completely, then :meth:`mark_ready`."""
-        s = self.layout.slots[index]
-        return self._at(s.offset, s.nbytes)
+        table = self.layout.table
+        return self._at(int(table.offsets[index]), int(table.nbytes[index]))
 
     def slots(self, indices: Sequence[int]) -> list[memoryview]:
         """:meth:`slot` of each of ``indices``, at a fraction of the cost of one call each."""
         if self.layout.memory_mode == MemoryMode.RING:
             return [self.slot(index) for index in indices]
-        slots, view = self.layout.slots, self._view
-        return [view[s.offset : s.offset + s.nbytes] for s in map(slots.__getitem__, indices)]
+        table, view = self.layout.table, self._view
+        picked = np.asarray(indices, dtype=np.intp)
+        starts = table.offsets[picked].tolist()
+        return [view[a:b] for a, b in zip(starts, (table.offsets[picked] + table.nbytes[picked]).tolist(),
+                                          strict=True)]  # fmt: skip
 
     def regions(self, offsets: Sequence[int], lengths: Sequence[int]) -> list[memoryview]:
         """:meth:`region` of each ``(offset, length)``, bounds checked once for all of them."""
@@ -286,7 +289,7 @@ class SegmentWriter:
         crc32: int | None = None,
     ) -> None:
         """Publish tensor ``index``: every byte of its slot must be in. A tensor is published once."""
-        slot = self.layout.slots[index]
+        table = self.layout.table
         flags = TensorFlags.NONE
         flags |= TensorFlags.VERIFIED if verified else TensorFlags.NONE
         flags |= TensorFlags.DECRYPTED if decrypted else TensorFlags.NONE
@@ -295,7 +298,9 @@ class SegmentWriter:
         with self._lock:
             self._check_open()
             if self._u32[word] != TensorState.PENDING:
-                raise SegmentError(f"tensor {slot.name!r} was already marked {self.state(index).name}")
+                raise SegmentError(
+                    f"tensor {table.names[index]!r} was already marked {self.state(index).name}"
+                )
             entry = word * 4
             self._u64[(entry + ENTRY_READY_NS) // 8] = time.time_ns()
             self._u32[(entry + ENTRY_FLAGS) // 4] = int(flags)
@@ -304,7 +309,7 @@ class SegmentWriter:
             _memory.release_fence()
             self._u32[word] = TensorState.READY
             self._ready += 1
-            self._bytes_ready += slot.nbytes
+            self._bytes_ready += int(table.nbytes[index])
             self._u64[OFF_TENSORS_READY // 8] = self._ready
             self._u64[OFF_BYTES_READY // 8] = self._bytes_ready
 
@@ -358,8 +363,7 @@ class SegmentWriter:
 
     @functools.cached_property
     def _slot_nbytes(self) -> npt.NDArray[np.int64]:
-        slots = self.layout.slots
-        return np.fromiter((s.nbytes for s in slots), dtype=np.int64, count=len(slots))
+        return self.layout.table.nbytes
 
     def mark_tensor_failed(self, index: int) -> None:
         """Mark one tensor FAILED, so a reader waiting for it stops. Follow with :meth:`mark_failed`."""

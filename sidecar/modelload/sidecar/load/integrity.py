@@ -77,11 +77,9 @@ def validator_strength(info: ObjectInfo) -> str:
 def unlanded_ranges(plan: LoadPlan) -> list[tuple[int, int]]:
     """``(offset, length)`` of the slot bytes no chunk writes (a meta tensor's zeros): reserved up front,
     since a reader faulting them in on a full volume would die of SIGBUS."""
-    short = (
-        tensor
-        for tensor, (entry, slot) in enumerate(zip(plan.index.tensors, plan.layout.slots, strict=True))
-        if slot.nbytes > entry.data_length
-    )
+    table = plan.index.table  # columns: no entry made per tensor
+    pairs = zip(table.nbytes(), table.data_lengths.tolist(), strict=True)
+    short = [tensor for tensor, (nbytes, landed) in enumerate(pairs) if nbytes > landed]
     return [plan.record(tensor).unlanded for tensor in short]
 
 

@@ -253,7 +253,7 @@ class MemoryManager:
         todo = np.flatnonzero(releasable)
         for index in todo:
             punched = self._releaser.release(int(index))
-            self._released_bytes += punched if not self._ring else self.plan.layout.slots[index].nbytes
+            self._released_bytes += punched if not self._ring else int(self.plan.layout.table.nbytes[index])
             self._released[index] = True
         # Who holds the tensor whose bytes the ring waits for (else the oldest one held): what /status shows.
         held = np.flatnonzero(ready & ~self._released & ~consumed)

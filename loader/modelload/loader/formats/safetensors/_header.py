@@ -54,7 +54,7 @@ from modelload.loader.errors import (
     TruncatedError,
     UnsupportedDtypeError,
 )
-from modelload.loader.formats._index import MAX_NDIM, ModelIndex, RangeRead, TensorEntry
+from modelload.loader.formats._index import MAX_NDIM, ModelIndex, RangeRead, TensorEntry, TensorTable
 
 __all__ = ["FIRST_READ_LENGTH", "HEADER_SIZE_CAP", "METADATA_KEY", "read_index"]
 
@@ -136,17 +136,18 @@ def parse_header(
     metadata = _metadata(top.pop(METADATA_KEY, None), source)
     found = _entries_at_once(top, base=base, size=size, file=file)
     if found is not None:
-        entries, buffer_end = found
+        tensors, buffer_end = found
     else:  # something may be wrong: the rule-by-rule pass says precisely what
         entries = sorted(
             (_entry(name, raw, base, source).in_file(file) for name, raw in top.items()),
             key=lambda e: (e.data_offset, e.data_length),
         )
         buffer_end = _check_layout(entries, base=base, size=size, source=source)
+        tensors = TensorTable.of(entries)
     return ModelIndex(
         format="safetensors",
         version=1,
-        tensors=tuple(entries),
+        tensors=tensors,
         index_length=base,
         data_end=base + buffer_end,
         metadata=metadata,
@@ -343,15 +344,18 @@ def _entry(name: str, raw: Any, base: int, source: str | None) -> TensorEntry:
 _SUPPORTED = tuple(code for code in (dtypes.by_name(n).safetensors for n in dtypes.names()) if code)
 _BY_CODE = {code: dtypes.from_safetensors(code) for code in _SUPPORTED}
 _KEYS = frozenset({"dtype", "shape", "data_offsets"})
+_ITEMSIZE = operator.attrgetter("itemsize")
+_I64_MAX = 2**63 - 1
 
 
 def _entries_at_once(
     top: dict[str, Any], *, base: int, size: int | None, file: int
-) -> tuple[list[TensorEntry], int] | None:
+) -> tuple[TensorTable, int] | None:
     """Every entry rule and the layout rule of :func:`_entry` and :func:`_check_layout`, checked column by
     column (C-level maps and numpy, not Python statements per tensor: a shard of a mixture of experts lists
-    thousands of tensors). Returns the entries in file order and the data buffer's length, or None when a
-    rule may be broken: the caller then checks entry by entry, which names what is wrong."""
+    thousands of tensors). Returns the tensors in file order, as columns (no object per tensor), and the
+    data buffer's length, or None when a rule may be broken: the caller then checks entry by entry, which
+    names what is wrong."""
     names, raws = list(top), list(top.values())
     if not names or set(map(type, raws)) != {dict} or set(map(frozenset, raws)) != {_KEYS}:
         return None
@@ -378,10 +382,7 @@ def _entries_at_once(
         return None
     begins, ends = [o[0] for o in offsets], [o[1] for o in offsets]
     lengths = list(map(operator.sub, ends, begins))
-    if min(lengths) < 0 or any(
-        math.prod(shape) * dtype.itemsize != length
-        for shape, dtype, length in zip(shapes, found, lengths, strict=True)
-    ):
+    if min(lengths) < 0 or list(map(operator.mul, map(math.prod, shapes), map(_ITEMSIZE, found))) != lengths:
         return None
     start = np.array(begins, dtype=np.uint64)
     span = np.array(lengths, dtype=np.uint64)
@@ -392,14 +393,20 @@ def _entries_at_once(
     buffer_end = int(last[-1])
     if size is not None and buffer_end != size - base:  # cut short, or bytes after the last tensor
         return None
-    make = TensorEntry
-    entries = []
-    for i in order.tolist():
-        at = base + begins[i]  # one int for both offsets: the record is the data
-        entries.append(
-            make(names[i], found[i], tuple(shapes[i]), at, at, lengths[i], None, "state_dict", False, file)
-        )
-    return entries, buffer_end
+    if base + buffer_end > _I64_MAX:  # offsets past any file (the size unknown yet): kept as Python ints
+        return None
+    picked = order.tolist()
+    at = first.astype(np.int64) + base  # one column for both offsets: the record is the data
+    tensors = TensorTable(
+        list(map(names.__getitem__, picked)),
+        list(map(found.__getitem__, picked)),
+        list(map(tuple, map(shapes.__getitem__, picked))),
+        at,
+        at,
+        span[order].astype(np.int64),
+        np.full(len(picked), file, dtype=np.int32),
+    )
+    return tensors, buffer_end
 
 
 def _nbytes_up_to(shape: tuple[int, ...], itemsize: int, limit: int) -> int:
