@@ -22,6 +22,11 @@ Contenders:
 - ``torch-load``: ``torch.load(weights_only=True)`` of a ``.pt`` file (no mmap).
 - ``curl``: ``curl`` fetching the object as ``readers`` parallel ranges into fresh files in tmpfs: the floor
   of landing bytes in new memory on this machine (and the throughput a raw client reaches).
+- ``mapping``: the floor of landing through a mapping, where curl cannot write (hugetlbfs refuses
+  ``write``): ``readers`` threads, each one HTTP/1.1 connection asking for ``chunk``-sized ranges in turn and
+  reading each body straight into a shared mapping of a new file in ``--segment``'s folder, its pages taken
+  first with ``posix_fallocate`` (hugetlbfs zeroes each page it hands out), as the sidecar does. No checks,
+  no CRCs, no progress: what the sidecar's own work is measured against on huge pages.
 
 For the library contenders the load is timed inside the process, imports excluded; CPU is user + system time of
 the process and of the children it waited for (tensorizer runs curl) over the load; peak RSS is the
@@ -31,7 +36,9 @@ process's maximum resident set (the import of torch included, as it is in a real
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
+import mmap
 import os
 import resource
 import signal
@@ -41,6 +48,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -168,6 +176,66 @@ def load_curl(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def load_mapping(args: argparse.Namespace) -> dict[str, Any]:
+    """``readers`` connections receiving ``chunk``-sized ranges straight into a shared mapping."""
+    if args.size <= 0 or not args.segment:
+        raise SystemExit("mapping needs --size (the object's bytes) and --segment (a file on the volume)")
+    url = urllib.parse.urlsplit(args.source)
+    size, chunk, target = args.size, args.chunk, Path(args.segment)
+    page = os.statvfs(target.parent).f_bsize  # hugetlbfs reports its page size here; files are whole pages
+    length = -(-size // page) * page
+    ranges = iter(range(0, size, chunk))
+    lock = threading.Lock()
+
+    def receive(view: memoryview) -> None:
+        connection = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port or 80)
+        try:
+            while True:
+                with lock:
+                    start = next(ranges, None)
+                if start is None:
+                    return
+                end = min(size, start + chunk)
+                connection.request("GET", url.path, headers={"Range": f"bytes={start}-{end - 1}"})
+                response = connection.getresponse()
+                if response.status != 206:
+                    raise SystemExit(f"the range {start}-{end - 1} got HTTP {response.status}")
+                at = start
+                while at < end:
+                    got = response.readinto(view[at:end])
+                    if not got:
+                        raise SystemExit("the server closed the connection early")
+                    at += got
+                response.read()  # the (empty) rest, so the connection can carry the next request
+        finally:
+            connection.close()
+
+    before, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, length)
+        os.posix_fallocate(fd, 0, length)
+        with mmap.mmap(fd, length, flags=mmap.MAP_SHARED) as mapped:
+            view = memoryview(mapped)
+            threads = [threading.Thread(target=receive, args=(view,)) for _ in range(args.readers)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            view.release()
+        seconds = time.perf_counter() - t0
+        after = resource.getrusage(resource.RUSAGE_SELF)
+    finally:
+        os.close(fd)
+        target.unlink(missing_ok=True)
+    return {
+        "seconds": seconds,
+        "nbytes": size,
+        "cpu_s": (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime),
+        "peak_rss": after.ru_maxrss * 1024,
+    }
+
+
 class ProcSampler:
     """Every 10 ms: the process's CPU ticks (own and reaped children) and its RSS besides shared memory.
 
@@ -283,6 +351,7 @@ CONTENDERS = {
     "st-open": load_st_open,
     "torch-load": load_torch,
     "curl": load_curl,
+    "mapping": load_mapping,
 }
 
 
@@ -293,10 +362,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--readers", type=int, default=8, help="ranges in flight (tensorizer: num_readers)")
     parser.add_argument("--chunk", type=int, default=32 << 20, help="bytes per range request")
     parser.add_argument("--s3-endpoint", default="", help="an S3 endpoint other than AWS's")
-    parser.add_argument("--size", type=int, default=0, help="the object's bytes (curl only)")
+    parser.add_argument("--size", type=int, default=0, help="the object's bytes (curl, mapping)")
     parser.add_argument("--sigv4", default="", help="curl --aws-sigv4 provider, for an S3 origin")
     parser.add_argument("--verify", action="store_true", help="sidecar: check the file's hashes")
-    parser.add_argument("--segment", default=None, help="sidecar: the segment path (default: in /dev/shm)")
+    parser.add_argument(
+        "--segment", default=None, help="sidecar, mapping: the segment path (sidecar default: in /dev/shm)"
+    )
     parser.add_argument(
         "--landing", default="auto", choices=("auto", "splice", "mapping"), help="sidecar: how bytes land"
     )

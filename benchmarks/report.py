@@ -161,6 +161,10 @@ HUGE_GOALS = (0.35, 0.5)
 """On huge pages from nginx: at most 0.35 CPU-s per GiB, and at most 0.5 x the same load on 4 KiB pages."""
 
 
+HUGE_FLOOR = "mapping -> hugetlbfs"
+"""The floor on hugetlbfs (``contenders.py mapping``: ranged GETs straight into a mapping, no checks)."""
+
+
 def huge_cases(records: list[dict[str, Any]]) -> dict[str, Case]:
     """label ("hugetlbfs auto", "curl -> tmpfs", ...) → Case, for the hugepages section."""
     raw: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -202,6 +206,12 @@ def huge_pages_table(records: list[dict[str, Any]]) -> str:
             lines.append(f"| {title} | {how} | {rate} | {case.cpu:.2f} | {versus} | {over_curl} | {rss} |")
     if curl is not None and curl.ok:
         lines.append(f"| 4 KiB pages (tmpfs) | curl (floor) | {curl.gib_s:.2f} | {curl.cpu:.2f} | | | |")
+    floor = cases.get(HUGE_FLOOR)
+    if floor is not None and floor.ok:
+        title = HUGE_VOLUMES["hugetlbfs"]
+        lines.append(
+            f"| {title} | bare ranged GETs into the mapping (floor) | {floor.gib_s:.2f} | {floor.cpu:.2f} | | | |"
+        )
     return "\n".join(lines)
 
 
@@ -231,6 +241,10 @@ def huge_pages_goals(records: list[dict[str, Any]]) -> list[str]:
             value = ratio(case, base, "cpu_s_per_gib")
             reached = "reached" if value <= ratio_goal else "not reached"
             line += f", {value:.2f}x the 4 KiB-page load's ({reached}; goal <= {ratio_goal})"
+        floor = cases.get(HUGE_FLOOR)
+        if volume == "hugetlbfs" and floor is not None and floor.ok:
+            value = ratio(case, floor, "cpu_s_per_gib")
+            line += f"; the bare mapping floor {floor.cpu:.2f} CPU-s per GiB (sidecar {value:.2f}x)"
         lines.append(line)
     return lines
 

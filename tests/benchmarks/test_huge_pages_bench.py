@@ -37,6 +37,7 @@ def test_the_huge_page_table_compares_cpu_with_4k_pages_within_rounds_and_checks
         _huge("tmpfs mapping", 0, 1.5), _huge("tmpfs mapping", 1, 3.0),
         _huge("hugetlbfs auto", 0, 0.4), _huge("hugetlbfs auto", 1, 0.8),
         _huge("curl -> tmpfs", 0, 1.0, "curl"), _huge("curl -> tmpfs", 1, 2.0, "curl"),
+        _huge("mapping -> hugetlbfs", 0, 0.2, "mapping"), _huge("mapping -> hugetlbfs", 1, 0.4, "mapping"),
         {"section": "hugepages", "origin": "http", "volume": "tmpfs-huge", "skipped": "mount refused"},
     ]  # fmt: skip
     table = report.huge_pages_table(records)
@@ -46,10 +47,12 @@ def test_the_huge_page_table_compares_cpu_with_4k_pages_within_rounds_and_checks
     )
     assert "| 4 KiB pages (tmpfs, `medium: Memory`) | mapping (forced) | 1.00 | 2.25 | 1.50x |" in table
     assert "tmpfs mounted `huge=always` | — | not measured: mount refused" in table
+    assert "| bare ranged GETs into the mapping (floor) | 1.00 | 0.30 | | | |" in table
     goals = report.huge_pages_goals(records)
     assert goals == [
         "- HTTP onto hugetlbfs, 2 MiB pages (`medium: HugePages-2Mi`): 0.60 CPU-s per GiB (not reached; goal "
-        "<= 0.35), 0.40x the 4 KiB-page load's (reached; goal <= 0.5)"
+        "<= 0.35), 0.40x the 4 KiB-page load's (reached; goal <= 0.5); the bare mapping floor 0.30 CPU-s per "
+        "GiB (sidecar 2.00x)"
     ]
     assert "load average 0.5" in report.huge_pages_caption(records)
 
@@ -85,7 +88,7 @@ def test_the_huge_page_section_runs_the_sidecar_onto_each_volume(tmp_path: Path)
     require(not skipped, f"a volume could not be mounted: {skipped}")
     measured = {r["label"]: r for r in records if r.get("section") == "hugepages" and "label" in r}
     assert set(measured) == {"tmpfs auto", "tmpfs mapping", "tmpfs-huge auto", "tmpfs-huge splice",
-                             "hugetlbfs auto", "curl -> tmpfs"}  # fmt: skip
+                             "hugetlbfs auto", "mapping -> hugetlbfs", "curl -> tmpfs"}  # fmt: skip
     failed = {label: r["error"] for label, r in measured.items() if "error" in r}
     assert not failed, failed
     assert all(r["nbytes"] > 0 and r["cpu_s_per_gib"] > 0 for r in measured.values())
