@@ -4,6 +4,7 @@ written where another piece might be, and each whole tensor's CRC-32 taken on th
 
 from __future__ import annotations
 
+import itertools
 import os
 import zlib
 from pathlib import Path
@@ -13,7 +14,6 @@ import pytest
 from modelload.loader.errors import SegmentSpaceError
 from modelload.sidecar.load import scatter
 from modelload.sidecar.load.scatter import ChunkScatter
-
 from tests.sources.conftest import payload
 
 SIZES = [4096, 6000, 1, 12_288, 10_000, 4097, 700]
@@ -38,7 +38,7 @@ def segment_file(path: Path, length: int = 1 << 17) -> int:
 def feed(sink: ChunkScatter, data: bytes, cuts: list[int]) -> None:
     """Hand ``data`` to ``sink`` in the pieces between ``cuts``, as a source's windows would."""
     edges = [0, *cuts, len(data)]
-    for low, high in zip(edges, edges[1:], strict=False):
+    for low, high in itertools.pairwise(edges):
         sink(memoryview(data)[low:high], low)
 
 
