@@ -103,7 +103,7 @@ def test_a_local_directory_of_thousands_of_tensors_loads_byte_exact_with_few_rea
 ) -> None:
     directory = hfdir.write(tmp_path / "moe", content)
     reads: list[str] = []
-    for method in ("_stat_prefix", "read_into_pieces", "read_into_fd_pieces"):
+    for method in ("_stat_prefix", "read_into_pieces", "read_into_fd_pieces", "read_into_sink"):
         original = getattr(FileSource, method)
 
         def counted(self: FileSource, *args: Any, _original: Any = original, _name: str = method) -> Any:
@@ -114,6 +114,57 @@ def test_a_local_directory_of_thousands_of_tensors_loads_byte_exact_with_few_rea
     load(str(directory), shm_dir / "moe.seg", readers=4)
     models.assert_segment_matches(shm_dir / "moe.seg", weights)
     assert len(weights) > 2000 and len(reads) <= bound(content), (len(reads), bound(content))
+
+
+@pytest.mark.parametrize("origin", ["file", "nginx"])
+def test_small_tensors_land_through_the_descriptor_a_window_at_a_time_byte_exact(
+    origin: str,
+    weights: dict[str, torch.Tensor],
+    content: dict[str, bytes],
+    tmp_path: Path,
+    shm_dir: Path,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Through the descriptor, a range of many small tensors goes into the segment file with a ``pwritev`` a
+    window, never through the mapping: every tensor byte-exact at its slot, with the CRC-32 its state
+    entry records (taken on the way for whole tensors, from the slot for cut ones)."""
+    import zlib
+
+    from modelload.loader.segment.reader import SegmentReader
+    from modelload.sidecar.load import readers
+
+    writes: list[int] = []
+    real = os.pwritev
+
+    def counted(fd: int, iovs: Sequence[memoryview], offset: int) -> int:
+        writes.append(sum(len(iov) for iov in iovs))
+        return real(fd, iovs, offset)
+
+    def through_mapping(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a range of small tensors went through the mapping")
+
+    monkeypatch.setattr(os, "pwritev", counted)
+    monkeypatch.setattr(readers, "read_range_pieces", through_mapping)
+    if origin == "file":
+        source = str(hfdir.write(tmp_path / "moe", content))
+    else:
+        server, _ = request.getfixturevalue("logged_nginx")
+        for name, data in content.items():
+            server.put(f"window/{name}", data)
+        source = server.url("window/")
+    load(source, shm_dir / "moe.seg", readers=4, landing="splice")
+    models.assert_segment_matches(shm_dir / "moe.seg", weights)
+    reader = SegmentReader.open(shm_dir / "moe.seg")
+    try:
+        recorded = {slot.name: reader.crc32(slot.index) for slot in reader.slots}
+    finally:
+        reader.close()
+    assert recorded == {name: zlib.crc32(models.as_bytes(t)) for name, t in weights.items()}
+    weight_bytes = sum(len(data) for name, data in content.items() if name.endswith(".safetensors"))
+    assert sum(writes) >= sum(t.numel() * t.element_size() for t in weights.values())
+    assert len(writes) <= 2 * -(-weight_bytes // CHUNK) + SHARDS, "a few writes a range, not one a tensor"
+    assert len(weights) > 10 * len(writes)
 
 
 @pytest.fixture(scope="module")

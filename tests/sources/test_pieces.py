@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from modelload.loader.errors import SourceChangedError
 from modelload.sidecar.sources import (
     FileSource,
     HttpSource,
     open_source,
+    read_range_into_sink,
     read_range_pieces,
     read_range_pieces_into_fd,
     stat_with_prefix,
@@ -122,6 +124,68 @@ def test_a_source_of_another_shape_lands_pieces_from_one_read_of_its_own() -> No
     )
     assert scattered(out, 0) == expected(11)
     assert source.calls == [(11, sum(SIZES)), (11 + 9_000, sum(SIZES) - 9_000)], "one read, resumed once"
+
+
+class Collected:
+    """A sink that keeps what it is handed, checking the bytes come in order."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.calls = 0
+
+    def __call__(self, data: memoryview, at: int) -> None:
+        assert at == len(self.data), f"bytes from {at} after {len(self.data)}"
+        self.data += data
+        self.calls += 1
+
+
+def test_a_range_streams_to_a_sink_a_window_at_a_time_from_one_request(
+    nginx_proxy: FaultProxy, nginx: NginxServer
+) -> None:
+    from modelload.sidecar.sources._base import WINDOW
+
+    data = payload(3 * WINDOW + 12_345, seed=11)
+    nginx.put("pieces/window.bin", data)
+    source = HttpSource(nginx_proxy.url("pieces/window.bin"), FAST_SETTINGS.http)
+    source.stat()
+    before = len(nginx_proxy.requests)
+    sink = Collected()
+    read_range_into_sink(source, 99, len(data) - 99, sink, policy=FAST_SETTINGS.retry)
+    assert bytes(sink.data) == data[99:]
+    assert len(nginx_proxy.requests) - before == 1
+    assert sink.calls == 4, "a window at a time"
+
+
+def test_a_broken_stream_hands_over_what_came_and_resumes_at_the_byte_where_it_broke(
+    nginx_proxy: FaultProxy,
+) -> None:
+    source = HttpSource(nginx_proxy.url("pieces/model.bin"), FAST_SETTINGS.http)
+    source.stat()
+    nginx_proxy.push(Reset(after=20_000))
+    sink = Collected()
+    read_range_into_sink(source, 5, 250_000, sink, policy=FAST_SETTINGS.retry)
+    assert bytes(sink.data) == DATA[5:250_005]
+    assert nginx_proxy.ranges()[-1][0] == 5 + 20_000, "the retry asks only for the rest"
+
+
+def test_a_file_streams_to_a_sink_with_its_size_and_mtime_checked_around_it(tmp_path: Path) -> None:
+    path = tmp_path / "model.bin"
+    path.write_bytes(DATA)
+    sink = Collected()
+    with FileSource(str(path)) as source:
+        read_range_into_sink(source, 9, 290_000, sink, policy=FAST_SETTINGS.retry)
+        assert bytes(sink.data) == DATA[9:290_009]
+        os.utime(path, ns=(1, 1))  # the file changed under the load: refused, not mixed in
+        with pytest.raises(SourceChangedError):
+            read_range_into_sink(source, 0, 10, Collected(), policy=FAST_SETTINGS.retry)
+
+
+def test_a_source_of_another_shape_streams_to_a_sink_from_one_read_of_its_own() -> None:
+    source = MemorySource(DATA, faults=[Interrupt(landed=9_000), None])
+    sink = Collected()
+    read_range_into_sink(source, 3, 100_000, sink, policy=FAST_SETTINGS.retry)
+    assert bytes(sink.data) == DATA[3:100_003]
+    assert source.calls == [(3, 100_000), (9_003, 91_000)], "the retry resumes after what the sink had"
 
 
 def test_a_look_up_brings_the_first_bytes_in_the_same_request(nginx_proxy: FaultProxy) -> None:

@@ -14,9 +14,11 @@ segment's volume (:mod:`modelload.loader.segment.pages`):
 
 ``auto`` (the default) picks by the volume, as ``benchmarks/landing.py`` measured (figures in
 :mod:`~modelload.loader.segment.pages`); ``splice`` and ``mapping`` force a path, to compare them. A source
-that cannot splice (HTTPS: its bytes are decrypted in user space) always lands through the mapping, and so
-does a chunk of many small tensors whichever path is chosen (its pieces average under
-``readers.SPLICE_PIECE``: two splices per tensor would cost more than the page faults of one scattering read).
+that cannot splice (HTTPS: its bytes are decrypted in user space) always lands through the mapping. Through
+the descriptor, a chunk of many small tensors (its pieces average under ``readers.SPLICE_PIECE``: two
+splices per tensor would cost more) goes through a reused buffer and one ``pwritev`` a window
+(:mod:`~modelload.sidecar.load.scatter`), except in a ring, whose bytes wrap: it takes the mapping's
+scattering reads.
 """
 
 from __future__ import annotations

@@ -3,12 +3,14 @@
 :class:`~modelload.sidecar.load.engine.Engine` plans a load, creates its segment and then hands the rest to
 :class:`Readers`: N threads of the shared pool (:func:`~modelload.loader.segment.run_in_order`) take chunks in
 load order. A chunk is one range of one weight file covering neighbouring tensors; it lands with one request,
-each piece at its tensor's slot: ``os.splice`` through the segment's file descriptor when its pieces are big
-(no copy through this process), scattering reads into the mapping (``preadv``, ``recvmsg_into``) when they are
-many and small. The tensors a chunk completes are finished together (:class:`TensorFinisher`: decrypted, their
-hashes checked, a sample of their range re-read when nothing else proves their file) and published with one
-event. A file proven by its store's checksum or by the digest its origin publishes holds its tensors back
-until the whole file is proven (:mod:`modelload.sidecar.load.proof`, :mod:`modelload.sidecar.load.digests`).
+each piece at its tensor's slot. Through the segment's file descriptor, big pieces are spliced (no copy
+through this process) and many small ones go through a reused buffer, a ``pwritev`` a window
+(:mod:`~modelload.sidecar.load.scatter`); through the mapping (huge pages, HTTPS, a ring), scattering reads
+land them (``preadv``, ``recvmsg_into``). The tensors a chunk completes are finished together
+(:class:`TensorFinisher`: decrypted, their hashes checked, a sample of their range re-read when nothing else
+proves their file) and published with one event. A file proven by its store's checksum or by the digest its
+origin publishes holds its tensors back until the whole file is proven (:mod:`modelload.sidecar.load.proof`,
+:mod:`modelload.sidecar.load.digests`).
 
 The engine keeps what outlives the readers: the segment's identity, the writer lock, stop and failure.
 """
@@ -27,10 +29,11 @@ import numpy.typing as npt
 
 from modelload.loader.errors import HashMismatchError
 from modelload.loader.formats import tensorizer as tz
-from modelload.loader.segment import SegmentWriter, TensorFinisher, run_in_order
+from modelload.loader.segment import MemoryMode, SegmentWriter, TensorFinisher, run_in_order
 from modelload.sidecar.load import integrity, proof
 from modelload.sidecar.load.digests import FileDigests
 from modelload.sidecar.load.meter import ChunkMeter
+from modelload.sidecar.load.scatter import Neighbours
 from modelload.sidecar.load.settings import LoadSettings
 from modelload.sidecar.memory import MemoryManager
 from modelload.sidecar.planner import Chunk, LoadPlan
@@ -43,6 +46,7 @@ from modelload.sidecar.sources import (
     metered,
     read_range,
     read_range_into_fd,
+    read_range_into_sink,
     read_range_pieces,
     read_range_pieces_into_fd,
 )
@@ -87,8 +91,8 @@ class LoadContext:
 
 
 SPLICE_PIECE = 1 << 20
-"""The smallest mean piece a chunk lands through the file descriptor: below it, the two system calls a
-piece costs to splice outweigh the page faults a read into the mapping takes."""
+"""The smallest mean piece a chunk splices through the file descriptor: below it, the two system calls a
+piece costs to splice outweigh one copy through a buffer and a ``pwritev`` a window."""
 
 
 class Readers:
@@ -139,6 +143,9 @@ class Readers:
             writer, key=key, encrypted=plan.index.encrypted, verify=context.settings.verify
         )
         self._use_fd = use_fd
+        # A ring's bytes wrap around its end: its small pieces keep the mapping's scattering reads.
+        ring = writer.layout.memory_mode == MemoryMode.RING
+        self._neighbours = Neighbours(plan) if use_fd and not ring else None
         if digests is not None and hold:
             self._release(digests.when_proven(self._release))
 
@@ -161,7 +168,7 @@ class Readers:
             return  # stopped while waiting for room in the ring
         meter = ChunkMeter(self.observer.bytes_loaded, data=chunk.data_bytes, length=chunk.length)
         with metered(meter):  # progress moves as bytes land, not only per chunk
-            self._land(chunk)
+            crcs = self._land(chunk)
         meter.finish()
         if self.digests is not None:
             self.digests.landed(seq)
@@ -174,24 +181,38 @@ class Readers:
             if len(complete) and held is not None:
                 held.append(complete)
         if len(complete) and held is None:
-            self._publish(complete, seq)
+            self._publish(complete, seq, crcs)
         if file_done:
             self._prove(chunk.file)
 
-    def _land(self, chunk: Chunk) -> None:
-        """Through the file descriptor (``os.splice``: no copy through this process, no page faults in it)
-        where the landing goes that way and the chunk's pieces are big; through the mapping otherwise: a
-        range of a thousand small tensors lands with a few scattering reads (``preadv``, ``recvmsg_into``)
-        rather than two splices per tensor, its pages taken first (a full volume is then an error, not a
-        SIGBUS)."""
+    def _land(self, chunk: Chunk) -> dict[int, int] | None:
+        """Land ``chunk``; returns the CRC-32 of the tensors it holds whole where it took them on the way.
+
+        Through the file descriptor where the landing goes that way: spliced when the chunk's pieces are big
+        (no copy through this process, no page faults in it), through a reused buffer and a ``pwritev`` a
+        window when they are many and small (:mod:`.scatter`; two splices per tensor would cost more).
+        Through the mapping otherwise: a range of a thousand small tensors lands with a few scattering reads
+        (``preadv``, ``recvmsg_into``), in a ring its pages taken first (a full volume is then an error,
+        not a SIGBUS)."""
         if self._use_fd and chunk.length >= SPLICE_PIECE * chunk.count:
             self._land_fd(chunk)
-            return
+            return None
+        if self._neighbours is not None:
+            return self._land_scattered(chunk, self._neighbours)
         if self._use_fd:  # the segment's pages are taken as the descriptor writes them: take these now
             last = chunk.first + chunk.count - 1
             end = int(self.plan.pieces.dst[last] + self.plan.pieces.length[last])
             self.writer.reserve_range(chunk.dst_offset, end - chunk.dst_offset)
         self._land_view(chunk)
+        return None
+
+    def _land_scattered(self, chunk: Chunk, neighbours: Neighbours) -> dict[int, int]:
+        source, context = self.sources[chunk.file], self.context
+        sink = neighbours.sink(chunk, self.writer.fileno())
+        read_range_into_sink(source, chunk.src_offset, chunk.length, sink,
+                             policy=context.retry, on_retry=context.on_retry)  # fmt: skip
+        tensors = self.plan.tensors_of(chunk).tolist()
+        return {t: crc for t, crc in zip(tensors, sink.crcs(), strict=True) if crc is not None}
 
     def _prove(self, file: int) -> None:
         """Check a complete file against the store's checksum (once more, from the origin, when none of its
@@ -254,13 +275,21 @@ class Readers:
         views = self.writer.regions(pieces.dst[span].tolist(), pieces.length[span].tolist())
         read_range_pieces(source, chunk.src_offset, views, policy=context.retry, on_retry=context.on_retry)
 
-    def _publish(self, tensors: npt.NDArray[np.int32], seq: int | None) -> None:
+    def _publish(
+        self, tensors: npt.NDArray[np.int32], seq: int | None, landed: dict[int, int] | None = None
+    ) -> None:
         """Finish tensors whose bytes are all in (the ones chunk ``seq`` completed, or the empty ones, or a
-        proven file's held ones), with the shared :class:`TensorFinisher`, then tell."""
+        proven file's held ones), with the shared :class:`TensorFinisher`, then tell. ``landed``: CRC-32s
+        the landing took of whole tensors on the way."""
         plan, peers = self.plan, self.context.peers
         chosen = tensors.tolist()
-        # Bytes from a peer are checked (and re-read from the origin if bad), which may give the CRC-32.
-        crcs = [peers.finish(tensor) for tensor in chosen] if peers is not None else None
+        crcs: list[int | None] | None = None
+        if peers is not None:
+            # Bytes from a peer are checked (and re-read from the origin if bad), which may give the CRC-32;
+            # the landing's would be of the bytes before that check.
+            crcs = [peers.finish(tensor) for tensor in chosen]
+        elif landed:
+            crcs = _landed_crcs(plan, chosen, landed)
         entries = list(map(plan.index.tensors.__getitem__, chosen))
         headers = None
         if plan.index.format == "tensorizer":  # the record's header landed in the slot's lead
@@ -287,6 +316,16 @@ class Readers:
             self.observer.tensors_published(
                 indices=done, names=[slots[t].name for t in done], nbytes=[slots[t].nbytes for t in done]
             )
+
+
+def _landed_crcs(plan: LoadPlan, tensors: list[int], landed: dict[int, int]) -> list[int | None]:
+    """The landing's CRC-32 of each of ``tensors`` where it is the CRC of the whole slot (the slot holds
+    exactly the tensor's bytes), else None: the finisher computes those from the slot."""
+    slots, entries = plan.layout.slots, plan.index.tensors
+    return [
+        crc if crc is not None and slots[t].nbytes == entries[t].data_length else None
+        for t, crc in zip(tensors, map(landed.get, tensors), strict=True)
+    ]
 
 
 def _chunks_of_cut_tensors(plan: LoadPlan) -> dict[int, list[int]]:

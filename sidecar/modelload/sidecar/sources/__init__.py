@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from . import hub, oci
 from ._addresses import AddressPolicy, Network, parse_networks
-from ._base import InterruptedReadError, ObjectInfo, Source, SourceBase, check_range, file_version
+from ._base import InterruptedReadError, ObjectInfo, RangeSink, Source, SourceBase, check_range, file_version
 from ._checksum import Checksum, checksum_of, new_hasher, verify_bytes
 from ._checksums import (
     COMPOSABLE,
@@ -63,6 +63,7 @@ from ._retry import (
     read_bytes,
     read_range,
     read_range_into_fd,
+    read_range_into_sink,
     read_range_pieces,
     read_range_pieces_into_fd,
     stat_source,
@@ -110,6 +111,7 @@ __all__ = [
     "OpenedModel",
     "Opener",
     "ProxySettings",
+    "RangeSink",
     "RegistrySettings",
     "RequestHeaders",
     "RetryCancelled",
@@ -159,6 +161,7 @@ __all__ = [
     "read_header_file",
     "read_range",
     "read_range_into_fd",
+    "read_range_into_sink",
     "read_range_pieces",
     "read_range_pieces_into_fd",
     "read_token_file",

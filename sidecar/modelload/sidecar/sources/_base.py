@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Protocol, runtime_checkable
@@ -20,15 +20,36 @@ from modelload.loader.errors import TransientSourceError, TruncatedError
 from ._checksums import StoreChecksum
 
 __all__ = [
+    "WINDOW",
     "InterruptedReadError",
     "ObjectInfo",
+    "RangeSink",
     "Source",
     "SourceBase",
     "byte_view",
     "check_range",
     "file_version",
     "views_after",
+    "window",
 ]
+
+RangeSink = Callable[[memoryview, int], None]
+"""Takes a range's bytes as they arrive, in order: ``sink(data, at)``, ``at`` being where ``data`` starts in
+the range. ``data`` lives only for the call (its buffer is reused for the next bytes)."""
+
+WINDOW = 1 << 20
+"""The bytes a source hands a :data:`RangeSink` at a time (:meth:`SourceBase.read_into_sink`): big enough
+that a window is a few system calls, small enough that every reader thread can keep its own."""
+
+_windows = threading.local()
+
+
+def window() -> memoryview:
+    """This thread's reusable buffer of :data:`WINDOW` bytes, for bytes on their way to a sink."""
+    view: memoryview | None = getattr(_windows, "view", None)
+    if view is None:
+        view = _windows.view = memoryview(bytearray(WINDOW))
+    return view
 
 
 @dataclass(frozen=True)
@@ -212,6 +233,20 @@ class SourceBase:
             _write_pieces(bounce[: exc.landed], fd, pieces)
             raise
         _write_pieces(bounce, fd, pieces)
+
+    def read_into_sink(self, offset: int, length: int, sink: RangeSink) -> None:
+        """Hand the ``length`` bytes from ``offset`` to ``sink`` as they arrive, in order, in one request (a
+        chunk of many small tensors, written on by the sink in a few system calls). ``landed`` on an
+        interruption counts the bytes the sink has had. This default reads the range once into a buffer of
+        its own; sources that stream a response override it to pass a :func:`window` at a time."""
+        bounce = memoryview(bytearray(length))
+        try:
+            self.read_into(offset, bounce)
+        except InterruptedReadError as exc:
+            if exc.landed > 0:
+                sink(bounce[: exc.landed], 0)
+            raise
+        sink(bounce, 0)
 
     def close(self) -> None:
         """Nothing to release by default."""

@@ -18,7 +18,7 @@ import os
 import socket
 from collections.abc import Sequence
 
-from ._base import views_after
+from ._base import RangeSink, views_after
 from ._splice import HAVE_SPLICE, Progress, RateFloor, splice_socket
 
 __all__ = ["Body"]
@@ -99,6 +99,26 @@ class Body:
                 at += 1
             if self._floor is not None:
                 self._floor.check(progress.done)
+
+    def stream(self, buf: memoryview, count: int, sink: RangeSink, progress: Progress) -> None:
+        """Hand ``count`` body bytes to ``sink``, ``buf`` (reused) full at a time; ``progress.done`` counts
+        the bytes the sink has had. When the stream breaks, the sink first gets what had come into ``buf``,
+        so a retry resumes at the byte where it broke."""
+        while (done := progress.done) < count:
+            view = buf[: min(len(buf), count - done)]
+            filled = 0
+            try:
+                while filled < len(view):
+                    filled += self.readinto(view[filled:])
+                    if self._floor is not None:
+                        self._floor.check(done + filled)
+            except BaseException:
+                if filled:
+                    sink(view[:filled], done)
+                    progress.done = done + filled
+                raise
+            sink(view, done)
+            progress.done = done + len(view)
 
     def splice_pieces(self, fd: int, pieces: Sequence[tuple[int, int]], progress: Progress) -> None:
         """Write the body into file ``fd`` as the ``(fd_offset, length)`` pieces in turn; ``progress.done``

@@ -24,7 +24,7 @@ from modelload.loader.errors import (
     SourceUriError,
 )
 
-from ._base import InterruptedReadError, ObjectInfo, SourceBase, byte_view, views_after
+from ._base import InterruptedReadError, ObjectInfo, RangeSink, SourceBase, byte_view, views_after, window
 from ._settings import SourceSettings
 from ._splice import HAVE_SPLICE, Progress, splice_file
 
@@ -94,6 +94,35 @@ class FileSource(SourceBase):
                     uri=self._path,
                 )
             progress.done += got
+        self._check_unchanged(info)
+
+    def read_into_sink(self, offset: int, length: int, sink: RangeSink) -> None:
+        """``pread`` the range a :func:`window` at a time, each handed to ``sink``, with the file's size and
+        mtime checked before and after (see :meth:`read_into_pieces`). A read that fails hands over what
+        came first, so a retry resumes at the byte where it failed."""
+        info = self._checked_range(offset, length)
+        self._check_unchanged(info)
+        buf, progress = window(), Progress()
+        while (done := progress.done) < length:
+            view = buf[: min(len(buf), length - done)]
+            filled = 0
+            while filled < len(view):
+                try:
+                    got = os.preadv(self._fd, [view[filled:]], offset + done + filled)
+                except OSError as exc:
+                    if filled:
+                        sink(view[:filled], done)
+                    raise _translate(exc, self._path, "read", landed=done + filled) from exc
+                if got == 0:
+                    self._check_unchanged(info)
+                    raise SourceChangedError(
+                        f"{self._path} ended at {offset + done + filled} bytes, before the {info.size} it had"
+                        " at first",
+                        uri=self._path,
+                    )
+                filled += got
+            sink(view, done)
+            progress.done += len(view)
         self._check_unchanged(info)
 
     def read_into_fd(self, offset: int, length: int, fd: int, fd_offset: int) -> None:

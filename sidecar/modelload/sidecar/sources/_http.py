@@ -25,7 +25,7 @@ from urllib.parse import urljoin
 
 from modelload.loader.errors import ModelloadError, RangeNotSupportedError, SourceChangedError, SourceError
 
-from ._base import ObjectInfo, SourceBase, byte_view, check_range
+from ._base import ObjectInfo, RangeSink, SourceBase, byte_view, check_range, window
 from ._body import Body
 from ._connections import ConnectionPool, Origin, socket_of
 from ._responses import error_for_status, parse_byteranges, parse_content_range, same_etag
@@ -278,6 +278,15 @@ class HttpObject(SourceBase):
             return
         progress = Progress()
         self._transfer(info, offset, total, progress, lambda body: body.splice_pieces(fd, pieces, progress))
+
+    def read_into_sink(self, offset: int, length: int, sink: RangeSink) -> None:
+        """One ranged GET whose body is handed to ``sink`` a :func:`window` at a time (see
+        :meth:`SourceBase.read_into_sink`)."""
+        info = self._checked_range(offset, length)
+        if not length:
+            return
+        progress, buf = Progress(), window()
+        self._transfer(info, offset, length, progress, lambda body: body.stream(buf, length, sink, progress))
 
     def read_ranges(self, ranges: Sequence[tuple[int, int]]) -> list[bytes] | None:
         """The bytes of several small ``(offset, length)`` ranges in one request (a multi-range GET: the

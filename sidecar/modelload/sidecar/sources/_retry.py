@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from modelload.loader.errors import ModelloadError, TransientSourceError
 
-from ._base import InterruptedReadError, ObjectInfo, Source, SourceBase, byte_view, views_after
+from ._base import InterruptedReadError, ObjectInfo, RangeSink, Source, SourceBase, byte_view, views_after
 from ._settings import RetryPolicy
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "read_bytes",
     "read_range",
     "read_range_into_fd",
+    "read_range_into_sink",
     "read_range_pieces",
     "read_range_pieces_into_fd",
     "retrying",
@@ -177,6 +178,32 @@ def read_range_pieces_into_fd(
             SourceBase.read_into_fd_pieces(source, offset + done, fd, rest)  # type: ignore[arg-type]
 
     _retrying(source.display_uri, offset, sum(n for _, n in pieces), step, policy, on_retry)
+
+
+def read_range_into_sink(
+    source: Source,
+    offset: int,
+    length: int,
+    sink: RangeSink,
+    *,
+    policy: RetryPolicy,
+    on_retry: RetryCallback | None = None,
+) -> None:
+    """Like :func:`read_range`, handing the bytes to ``sink`` as they arrive (``sink(data, at)``, ``at``
+    counted from ``offset`` whatever the retries): one request, and a retry resumes at the first byte the
+    sink has not had."""
+    through = getattr(source, "read_into_sink", None)
+
+    def step(done: int) -> None:
+        def shifted(data: memoryview, at: int) -> None:
+            sink(data, done + at)
+
+        if through is not None:
+            through(offset + done, length - done, shifted)
+        else:  # a source of another shape: one read into a buffer of its own
+            SourceBase.read_into_sink(source, offset + done, length - done, shifted)  # type: ignore[arg-type]
+
+    _retrying(source.display_uri, offset, length, step, policy, on_retry)
 
 
 def _after_pieces(pieces: Sequence[tuple[int, int]], done: int) -> list[tuple[int, int]]:
