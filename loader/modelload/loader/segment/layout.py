@@ -8,12 +8,11 @@ itself is in ``reader`` and ``writer``.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import operator
 import struct
 import zlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum, IntFlag
 from typing import Any
@@ -23,6 +22,7 @@ import numpy as np
 from modelload.loader.dtypes import DType
 from modelload.loader.errors import SegmentLayoutError
 from modelload.loader.segment.geometry import Ring
+from modelload.loader.segment.manifest_bytes import ManifestLength, manifest_pieces
 from modelload.loader.segment.slots import Slot, SlotTable
 
 __all__ = [
@@ -287,14 +287,14 @@ class Layout:
     def manifest(self) -> bytes:
         """The manifest's bytes (SPEC.md, "Manifest")."""
         out = bytearray()
-        for piece in _manifest_pieces(self.table, self.metadata, self.files):
+        for piece in manifest_pieces(self.table, self.metadata, self.files):
             out += piece
         return bytes(out)
 
     def write_manifest(self, view: memoryview) -> int:
         """Write the manifest into ``view`` (:attr:`manifest_length` bytes) a piece at a time; its CRC-32."""
         checksum, at = 0, 0
-        for piece in _manifest_pieces(self.table, self.metadata, self.files):
+        for piece in manifest_pieces(self.table, self.metadata, self.files):
             view[at : at + len(piece)] = piece
             checksum = zlib.crc32(piece, checksum)
             at += len(piece)
@@ -405,7 +405,7 @@ def plan_layout(
     # length is arithmetic over the offsets' digit counts: find the stable start, then encode once.
     lead = align(specs.leads[0]) if count else 0
     relative = _relative_offsets(nbytes, specs.leads)
-    manifest = _Manifest(specs, nbytes, meta, files)
+    manifest = ManifestLength(specs, nbytes, meta, files)
     data_offset = align(
         align(HEADER_LENGTH + 1) + align(STATE_ENTRY_LENGTH * max(count, 1)) + lead, page_size
     )
@@ -483,105 +483,4 @@ def _relative_offsets(nbytes: list[int], leads: Sequence[int]) -> np.ndarray[Any
     return relative
 
 
-_POWERS = np.array([10**k for k in range(1, 19)], dtype=np.int64)
-
-
-class _Manifest:
-    """The manifest's length for any slot offsets, without encoding it (see :func:`_manifest_pieces`).
-
-    The bytes are exactly ``json.dumps(document, separators=(",", ":"), ensure_ascii=False)`` of
-    ``{"tensors": [...], "metadata": ..., "files": ...}`` (each tensor's members in the order name, dtype,
-    shape, offset, nbytes, sha256, file), as every earlier writer wrote them.
-    """
-
-    def __init__(
-        self, specs: TensorSpecs, nbytes: list[int], metadata: Mapping[str, str], files: tuple[str, ...]
-    ) -> None:
-        shapes = _shape_texts(specs.shapes)
-        extras = sum(map(len, _extra_parts(specs.sha256, specs.files)))
-        count = len(specs)
-        self._fixed = (
-            len(_HEAD) + max(count - 1, 0) + len(_tail(metadata, files))
-            + count * len(_ENTRY % ("", "", "", 0, 0, "")) - count * 2  # the two zeros' digits
-            + _text_bytes(specs.names)
-            + sum(map(len, map(_NAME, specs.dtypes)))
-            + sum(map(len, map(shapes.__getitem__, specs.shapes)))
-            + _digits(np.asarray(nbytes, dtype=np.int64))
-            + extras
-        )  # fmt: skip
-
-    def length(self, offsets: np.ndarray[Any, np.dtype[np.int64]]) -> int:
-        """The manifest's length in bytes with the slots at ``offsets`` (non-negative)."""
-        return self._fixed + _digits(offsets)
-
-
-def _manifest_pieces(
-    slots: SlotTable, metadata: Mapping[str, str], files: tuple[str, ...]
-) -> Iterator[bytes]:
-    """The manifest's bytes, in pieces of :data:`_BATCH` tensors or so each: a piece per tensor cost a
-    write and a CRC call per tensor (100,000 of each for a mixture of experts); a batch is made as text,
-    from the slots' columns, and encoded once."""
-    shapes = _shape_texts(slots.shapes)
-    yield _HEAD
-    extras = _extra_parts(slots.sha256, slots.files)
-    names = list(map(_encode_text, slots.names))
-    dtypes = list(map(_NAME, slots.dtypes))
-    shape_texts = list(map(shapes.__getitem__, slots.shapes))
-    offsets, sizes = slots.offsets.tolist(), slots.nbytes.tolist()
-    entry = _ENTRY
-    for first in range(0, len(slots), _BATCH):
-        end = first + _BATCH
-        texts = list(map(entry.__mod__, zip(names[first:end], dtypes[first:end], shape_texts[first:end],
-                                            offsets[first:end], sizes[first:end], extras[first:end],
-                                            strict=True)))  # fmt: skip
-        joined = ",".join(texts).encode()
-        yield b"," + joined if first else joined
-    yield _tail(metadata, files)
-
-
-_BATCH = 4096
-_ITEMSIZE, _NAME = operator.attrgetter("itemsize"), operator.attrgetter("name")
-
-
-def _shape_texts(shapes: Iterable[tuple[int, ...]]) -> dict[tuple[int, ...], str]:
-    return {shape: "[" + ",".join(str(int(d)) for d in shape) + "]" for shape in set(shapes)}
-
-
-def _extra_parts(shas: Sequence[str | None], files: Sequence[int | None]) -> list[str]:
-    """Each tensor's optional members (``sha256``, ``file``), empty for a model of one file without hashes.
-    ASCII (a SHA-256 is hex): as many bytes as characters."""
-    if set(shas) == {None}:  # no hashes (the usual case): one text per file, not one per tensor
-        texts = {file: f',"file":{file}' if file is not None else "" for file in set(files)}
-        return list(map(texts.__getitem__, files))
-    return [
-        (',"sha256":' + _encode_text(sha) if sha is not None else "")
-        + (f',"file":{file}' if file is not None else "")
-        for sha, file in zip(shas, files, strict=True)
-    ]
-
-
-def _tail(metadata: Mapping[str, str], files: tuple[str, ...]) -> bytes:
-    document = json.dumps(dict(metadata), separators=(",", ":"), ensure_ascii=False)
-    listed = json.dumps(list(files), separators=(",", ":"), ensure_ascii=False)
-    return b'],"metadata":' + document.encode() + (b',"files":' + listed.encode() if files else b"") + b"}"
-
-
-_HEAD = b'{"tensors":['
-_ENTRY = '{"name":%s,"dtype":"%s","shape":%s,"offset":%d,"nbytes":%d%s}'
-
-
-def _digits(values: np.ndarray[Any, np.dtype[np.int64]]) -> int:
-    """The decimal digits of all ``values`` (non-negative) together."""
-    return int((np.searchsorted(_POWERS, values, side="right") + 1).sum())
-
-
-def _text_bytes(texts: Sequence[str]) -> int:
-    """The UTF-8 bytes of all ``texts`` as JSON strings, quotes included."""
-    joined = "".join(texts)
-    if joined.isascii() and joined.isprintable() and '"' not in joined and "\\" not in joined:
-        return len(joined) + 2 * len(texts)  # nothing to escape: each is itself in quotes
-    return sum(len(_encode_text(text).encode()) for text in texts)
-
-
-_encode_text = json.encoder.encode_basestring
-"""A JSON string as ``json.dumps(..., ensure_ascii=False)`` writes it, quotes included."""
+_ITEMSIZE = operator.attrgetter("itemsize")
