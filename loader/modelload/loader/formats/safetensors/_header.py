@@ -29,14 +29,14 @@ The file size is needed for the last three rules. It is known when the caller pa
 first read comes back short (a small file); otherwise the caller checks ``data_end`` against the size it
 learns from its source.
 
-The JSON subset is the one the reference implementation (serde_json) accepts: no ``NaN``/``Infinity``, no
-floats where integers are due, integers up to 2**64 - 1, no unpaired UTF-16 surrogates in names.
+The JSON subset is the one the reference implementation (serde_json) accepts (parsed in ``_json``): no
+``NaN``/``Infinity``, no floats where integers are due, integers up to 2**64 - 1, no unpaired UTF-16
+surrogates in names.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import operator
 import struct
@@ -47,7 +47,6 @@ import numpy as np
 from modelload.loader import dtypes
 from modelload.loader.errors import (
     BoundsError,
-    DuplicateNameError,
     HeaderError,
     OverlapError,
     SizeMismatchError,
@@ -55,6 +54,7 @@ from modelload.loader.errors import (
     UnsupportedDtypeError,
 )
 from modelload.loader.formats._index import MAX_NDIM, ModelIndex, RangeRead, TensorEntry, TensorTable
+from modelload.loader.formats.safetensors._json import METADATA_KEY, REWRITE, RepeatedKeys, load_header_json
 
 __all__ = ["FIRST_READ_LENGTH", "HEADER_SIZE_CAP", "METADATA_KEY", "read_index"]
 
@@ -66,10 +66,8 @@ FIRST_READ_LENGTH = 64 * 1024
 """The speculative first read. It holds the whole header of most models (a few hundred tensors), so a remote
 source answers one request; a bigger header costs exactly one more."""
 
-METADATA_KEY = "__metadata__"
-
 _U64_MAX = 2**64 - 1
-_REWRITE = "re-export the file (safetensors' save_file, or modelload's writer)"
+_REWRITE = REWRITE
 
 
 def read_index(
@@ -132,7 +130,7 @@ def parse_header(
 ) -> ModelIndex:
     """Check the ``N`` header bytes (without the 8-byte size) and build the index, tensors in file order."""
     base = 8 + len(header)
-    top = _load_json(header, source)
+    top = load_header_json(header, source)
     metadata = _metadata(top.pop(METADATA_KEY, None), source)
     found = _entries_at_once(top, base=base, size=size, file=file)
     if found is not None:
@@ -157,101 +155,6 @@ def parse_header(
 # --- JSON --------------------------------------------------------------------------------------------------
 
 
-class _Repeated(dict[str, Any]):
-    """A JSON object that repeated a key. ``json.loads`` would keep the last value silently; the parser
-    returns this marker instead, and the caller reports the key where it knows what the object is."""
-
-    def __init__(self, pairs: list[tuple[str, Any]]) -> None:
-        super().__init__(pairs)
-        seen: set[str] = set()
-        self.repeated = ""
-        for key, _ in pairs:
-            if key in seen:
-                self.repeated = key
-                break
-            seen.add(key)
-
-
-def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result = dict(pairs)
-    return result if len(result) == len(pairs) else _Repeated(pairs)
-
-
-def _no_constant(name: str) -> Any:
-    raise HeaderError(
-        f"the header holds the JSON extension {name}, which safetensors does not allow; {_REWRITE}"
-    )
-
-
-def _load_json(header: bytes | memoryview, source: str | None) -> dict[str, Any]:
-    if len(header) == 0 or header[0] != 0x7B:
-        first = f"0x{header[0]:02x}" if len(header) else "nothing"
-        raise HeaderError(
-            f"the header must start with '{{' and starts with {first}; the file is corrupt or not "
-            "a safetensors file",
-            source=source,
-        )
-    try:
-        text = str(header, "utf-8")
-    except UnicodeDecodeError as exc:
-        raise HeaderError(
-            f"the header is not valid UTF-8 (byte {exc.start}: {exc.reason}); {_REWRITE}", source=source
-        ) from exc
-    try:
-        top = _load_plain(text) or json.loads(text, object_pairs_hook=_object, parse_constant=_no_constant)
-    except HeaderError as exc:
-        raise HeaderError(str(exc), source=source) from None
-    except json.JSONDecodeError as exc:
-        raise HeaderError(f"the header is not valid JSON ({exc}); {_REWRITE}", source=source) from exc
-    except ValueError:  # Python's limit on integer digits (4300): no size or offset is that long
-        raise HeaderError(
-            f"the header holds an integer of thousands of digits, far past the 2**64 - 1 that safetensors "
-            f"allows; {_REWRITE}",
-            source=source,
-        ) from None
-    except RecursionError:
-        raise HeaderError(
-            f"the header nests JSON deeper than any safetensors header does; {_REWRITE}", source=source
-        ) from None
-    if not isinstance(top, dict):
-        raise HeaderError(f"the header must be a JSON object; {_REWRITE}", source=source)
-    if isinstance(top, _Repeated):
-        raise DuplicateNameError(
-            f"the header names {top.repeated!r} twice, and readers disagree on which one wins; {_REWRITE} "
-            "with unique names",
-            source=source,
-        )
-    return top
-
-
-def _load_plain(text: str) -> dict[str, Any] | None:
-    """The header parsed without a Python call per object, when that provably lost no repeated key; None
-    otherwise (the caller then parses with :func:`_object`, which sees every repeat).
-
-    Plain ``json.loads`` keeps the last of repeated keys silently. A header whose tensor objects are exactly
-    ``dtype``, ``shape`` and ``data_offsets`` repeated nothing when each of those quoted words occurs in the
-    text once per tensor (a repeat, of a tensor or inside one, would leave an occurrence more: inside a
-    string a quote is escaped, so ``"dtype"`` cannot hide in a name), and each metadata key once.
-    """
-    try:
-        top = json.loads(text, parse_constant=_no_constant)
-    except ValueError:  # the hooked parse raises it again, with the caller's translation
-        return None
-    if not isinstance(top, dict):
-        return None
-    count = len(top) - (METADATA_KEY in top)
-    if any(text.count(key) != count for key in ('"dtype"', '"shape"', '"data_offsets"')):
-        return None
-    if text.count(f'"{METADATA_KEY}"') != (METADATA_KEY in top):
-        return None
-    metadata = top.get(METADATA_KEY)
-    if isinstance(metadata, dict) and any(
-        text.count(json.dumps(key, ensure_ascii=False)) != 1 for key in metadata
-    ):
-        return None
-    return top
-
-
 def _metadata(raw: Any, source: str | None) -> dict[str, str]:
     if raw is None:  # the reference implementation reads null as "no metadata"
         return {}
@@ -259,7 +162,7 @@ def _metadata(raw: Any, source: str | None) -> dict[str, str]:
         raise HeaderError(
             f"{METADATA_KEY} must be an object of strings, not {_json_type(raw)}; {_REWRITE}", source=source
         )
-    if isinstance(raw, _Repeated):
+    if isinstance(raw, RepeatedKeys):
         raise HeaderError(f"{METADATA_KEY} repeats the key {raw.repeated!r}; {_REWRITE}", source=source)
     for key, value in raw.items():
         if not isinstance(value, str):
@@ -281,7 +184,7 @@ def _entry(name: str, raw: Any, base: int, source: str | None) -> TensorEntry:
     where = f"tensor {name!r}"
     if not isinstance(raw, dict):
         raise HeaderError(f"{where} must be an object, not {_json_type(raw)}; {_REWRITE}", source=source)
-    if isinstance(raw, _Repeated):
+    if isinstance(raw, RepeatedKeys):
         raise HeaderError(f"{where} repeats the key {raw.repeated!r}; {_REWRITE}", source=source)
     for key in ("dtype", "shape", "data_offsets"):
         if key not in raw:
@@ -492,7 +395,7 @@ def _json_type(value: Any) -> str:
         return "a boolean"
     return {
         dict: "an object",
-        _Repeated: "an object",
+        RepeatedKeys: "an object",
         list: "a list",
         str: "a string",
         int: "an integer",

@@ -39,7 +39,8 @@ from modelload.loader.errors import (
     UnsupportedDtypeError,
 )
 from modelload.loader.formats._atomic import atomic_file
-from modelload.loader.formats.safetensors._header import HEADER_SIZE_CAP, METADATA_KEY
+from modelload.loader.formats.safetensors._header import HEADER_SIZE_CAP
+from modelload.loader.formats.safetensors._json import METADATA_KEY
 
 __all__ = ["RawTensor", "plan_header", "save_file", "serialize"]
 
