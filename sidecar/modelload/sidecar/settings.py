@@ -336,7 +336,7 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "engine.landing", "--landing", "MODELLOAD_LANDING",
-        "how bytes reach the segment: auto (splice on tmpfs, the segment's mapping on hugetlbfs),"
+        "how bytes reach the segment: auto (splice on 4 KiB pages, the segment's mapping on huge pages),"
         " splice or mapping", parse=parse_word,
     ),
     Option(

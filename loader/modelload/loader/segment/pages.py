@@ -16,13 +16,11 @@ Everything else (a tmpfs of 4 KiB pages, the ``emptyDir`` with ``medium: Memory`
 ``small``. :func:`volume_of` tells them apart in one place, from ``statfs`` (the file system's magic number
 and block size) and, for tmpfs, the mount's own options in ``/proc/self/mountinfo``.
 
-Which landing path is cheaper follows from the volume (:func:`prefers_mapping`), as the sidecar itself
-measured on this project's 2-core machine (``benchmarks/run.py --sections hugepages``: 1 GiB from nginx,
-8 readers, CPU-seconds per GiB, median of 3, load 0.4): on 4 KiB tmpfs ``splice`` through the file
-descriptor costs 1.17 against 1.24 through the mapping; on a huge tmpfs splice costs 0.51 against the
-mapping's 2.28 (its spliced bytes still land in huge pages, PMD-mapped); hugetlbfs takes only the mapping
-(0.62). ``benchmarks/landing.py``'s bare copies from /dev/shm had found the mapping cheaper on a huge tmpfs
-(0.53 against 1.44); the sidecar's loads from a socket, twice, found the opposite, and they decide.
+Which landing path is cheaper follows from the pages (:func:`prefers_mapping`), as ``benchmarks/landing.py``
+measured on this project's 2-core machine (1 GiB from /dev/shm, 8 threads, 32 MiB pieces, CPU-seconds per
+GiB, median of 5): on 4 KiB tmpfs ``splice`` through the file descriptor costs 0.84 against 1.24 through a
+reserved mapping; on huge tmpfs the mapping costs 0.53 against splice's 1.44; hugetlbfs takes only the
+mapping (0.52). The sidecar from nginx: 0.76 on hugetlbfs against 1.13 by splice on 4 KiB pages.
 """
 
 from __future__ import annotations
@@ -110,10 +108,9 @@ def mapped_length(length: int, volume: Volume) -> int:
 
 def prefers_mapping(volume: Volume) -> bool:
     """Whether bytes should land through the segment's mapping (``readinto``/``preadv`` into it) rather than
-    through its file descriptor (``splice``): on hugetlbfs, which takes nothing else. A huge tmpfs takes
-    spliced bytes in huge pages too (its page cache allocates 2 MiB folios), and the sidecar measured splice
-    there at a quarter of the mapping's CPU (see the module's figures)."""
-    return volume.mapping_only
+    through its file descriptor (``splice``): on huge pages, where the mapping faults 512 times fewer pages
+    and is about half the CPU of splice (see the module's figures); hugetlbfs takes nothing else."""
+    return volume.huge
 
 
 # --- detection ---------------------------------------------------------------------------------------------

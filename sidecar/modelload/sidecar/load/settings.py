@@ -92,8 +92,8 @@ class LoadSettings:
 
     landing: Landing = field(default="auto", metadata=rule(OneOf(LANDINGS)))
     """How bytes reach the segment (:mod:`modelload.sidecar.load.landing`): ``auto`` picks by the segment's
-    volume (``os.splice`` through the file descriptor on tmpfs, where the source supports it; the
-    segment's mapping on hugetlbfs), ``splice`` and ``mapping`` force a path, to compare them. Default
+    volume (``os.splice`` through the file descriptor on 4 KiB pages, where the source supports it; the
+    segment's mapping on huge pages), ``splice`` and ``mapping`` force a path, to compare them. Default
     ``auto``."""
 
     memory: MemorySettings = field(default_factory=MemorySettings)
