@@ -23,6 +23,7 @@ from modelload.loader.handoff import keeper as keeper_module
 from modelload.loader.handoff import protocol
 from modelload.loader.handoff.keeper import Keeper
 from tests.handoff.memfd import MemfdMemory
+from tests.support.waiting import wait_for
 
 MiB = 1 << 20
 
@@ -92,10 +93,11 @@ def test_a_request_carrying_descriptors_is_refused_and_the_keeper_keeps_none(kee
     with _connect(keeper) as peer:
         protocol.send(peer, {"op": "status", "versions": [1]}, fds)
         assert _closed_by_keeper(peer)
-    deadline = time.monotonic() + 10
-    while len(os.listdir("/proc/self/fd")) > before and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert len(os.listdir("/proc/self/fd")) <= before
+    wait_for(
+        lambda: len(os.listdir("/proc/self/fd")) <= before,
+        timeout=10,
+        what=f"the descriptors sent closed again (at most {before} open)",
+    )
     for fd in fds:
         os.close(fd)
 

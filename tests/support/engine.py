@@ -4,7 +4,6 @@ segment while it loads (memory modes release and ring) without a sidecar process
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 from modelload.sidecar.load import LoadSettings
@@ -12,6 +11,7 @@ from modelload.sidecar.load.engine import Engine
 from modelload.sidecar.memory import MemorySettings
 from modelload.sidecar.progress import LoadTracker
 from modelload.sidecar.sources import SourceSettings
+from tests.support.waiting import wait_for
 
 
 class EngineThread:
@@ -23,14 +23,17 @@ class EngineThread:
             sources=SourceSettings(),
             observer=LoadTracker(),
         )
+        self.segment = segment
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="test-engine", daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + timeout
-        while not segment.exists():
-            assert self.thread.is_alive(), f"the load ended before its segment appeared: {self.error!r}"
-            assert time.monotonic() < deadline, f"no segment at {segment} after {timeout} s"
-            time.sleep(0.002)
+        wait_for(self._segment_appeared, timeout=timeout, what=f"a segment at {segment}", interval=0.002)
+
+    def _segment_appeared(self) -> bool:
+        assert self.thread.is_alive() or self.segment.exists(), (
+            f"the load ended before its segment appeared: {self.error!r}"
+        )
+        return self.segment.exists()
 
     def _run(self) -> None:
         try:
