@@ -67,7 +67,6 @@ FIRST_READ_LENGTH = 64 * 1024
 source answers one request; a bigger header costs exactly one more."""
 
 _U64_MAX = 2**64 - 1
-_REWRITE = REWRITE
 
 
 def read_index(
@@ -160,10 +159,10 @@ def _metadata(raw: Any, source: str | None) -> dict[str, str]:
         return {}
     if not isinstance(raw, dict):
         raise HeaderError(
-            f"{METADATA_KEY} must be an object of strings, not {_json_type(raw)}; {_REWRITE}", source=source
+            f"{METADATA_KEY} must be an object of strings, not {_json_type(raw)}; {REWRITE}", source=source
         )
     if isinstance(raw, RepeatedKeys):
-        raise HeaderError(f"{METADATA_KEY} repeats the key {raw.repeated!r}; {_REWRITE}", source=source)
+        raise HeaderError(f"{METADATA_KEY} repeats the key {raw.repeated!r}; {REWRITE}", source=source)
     for key, value in raw.items():
         if not isinstance(value, str):
             raise HeaderError(
@@ -183,38 +182,38 @@ def _entry(name: str, raw: Any, base: int, source: str | None) -> TensorEntry:
     _check_text(name, "a tensor name", source)
     where = f"tensor {name!r}"
     if not isinstance(raw, dict):
-        raise HeaderError(f"{where} must be an object, not {_json_type(raw)}; {_REWRITE}", source=source)
+        raise HeaderError(f"{where} must be an object, not {_json_type(raw)}; {REWRITE}", source=source)
     if isinstance(raw, RepeatedKeys):
-        raise HeaderError(f"{where} repeats the key {raw.repeated!r}; {_REWRITE}", source=source)
+        raise HeaderError(f"{where} repeats the key {raw.repeated!r}; {REWRITE}", source=source)
     for key in ("dtype", "shape", "data_offsets"):
         if key not in raw:
-            raise HeaderError(f"{where} has no {key!r}; {_REWRITE}", source=source)
+            raise HeaderError(f"{where} has no {key!r}; {REWRITE}", source=source)
     code, shape_raw, offsets = raw["dtype"], raw["shape"], raw["data_offsets"]
     if not isinstance(code, str):
         raise HeaderError(
-            f"{where}: dtype must be a string, not {_json_type(code)}; {_REWRITE}", source=source
+            f"{where}: dtype must be a string, not {_json_type(code)}; {REWRITE}", source=source
         )
     if not isinstance(shape_raw, list) or not all(_is_u64(d) for d in shape_raw):
         raise HeaderError(
-            f"{where}: shape must be a list of non-negative integers, got {_short(shape_raw)}; {_REWRITE}",
+            f"{where}: shape must be a list of non-negative integers, got {_short(shape_raw)}; {REWRITE}",
             source=source,
         )
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_u64(o) for o in offsets):
         raise HeaderError(
             f"{where}: data_offsets must be two non-negative integers [begin, end], got {_short(offsets)}; "
-            f"{_REWRITE}",
+            f"{REWRITE}",
             source=source,
         )
     if len(shape_raw) > MAX_NDIM:
         raise HeaderError(
             f"{where} has {len(shape_raw)} dimensions; numpy, torch and the segment hold at most {MAX_NDIM}, "
-            f"so it could never be loaded; {_REWRITE}",
+            f"so it could never be loaded; {REWRITE}",
             source=source,
         )
     begin, end = offsets
     if end < begin:
         raise HeaderError(
-            f"{where}: data_offsets [{begin}, {end}] end before they begin; {_REWRITE}", source=source
+            f"{where}: data_offsets [{begin}, {end}] end before they begin; {REWRITE}", source=source
         )
     try:
         dtype = dtypes.from_safetensors(code)
@@ -231,7 +230,7 @@ def _entry(name: str, raw: Any, base: int, source: str | None) -> TensorEntry:
         takes = f"{needed} bytes" if needed <= _U64_MAX else "more than 2**64 bytes"
         raise SizeMismatchError(
             f"{where} is {code} with shape {_short(list(shape))}, which takes {takes}, but its data_offsets "
-            f"[{begin}, {end}] span {length}; {_REWRITE}",
+            f"[{begin}, {end}] span {length}; {REWRITE}",
             source=source,
         )
     return TensorEntry(
@@ -357,7 +356,7 @@ def _check_layout(entries: list[TensorEntry], *, base: int, size: int | None, so
                 raise BoundsError(
                     f"tensor {entry.name!r} claims file bytes [{entry.data_offset}, "
                     f"{entry.data_offset + entry.data_length}), past the end of the {size}-byte file; "
-                    f"{_REWRITE}",
+                    f"{REWRITE}",
                     source=source,
                 )
         if problem is None and cursor < available:
@@ -366,7 +365,7 @@ def _check_layout(entries: list[TensorEntry], *, base: int, size: int | None, so
                 "tensor; safetensors forbids holes"
             )
     if problem is not None:
-        raise OverlapError(f"{problem}; {_REWRITE}", source=source)
+        raise OverlapError(f"{problem}; {REWRITE}", source=source)
     return cursor
 
 
@@ -385,7 +384,7 @@ def _check_text(text: str, what: str, source: str | None) -> None:
         except UnicodeEncodeError:
             raise HeaderError(
                 f"{what} holds an unpaired UTF-16 surrogate escape ({_short(text)}), which is not text; "
-                f"{_REWRITE}",
+                f"{REWRITE}",
                 source=source,
             ) from None
 
