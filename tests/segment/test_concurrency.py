@@ -48,7 +48,9 @@ def _writer(directory: str, torn: bool) -> None:
                 view[:half] = content[:half]
                 if torn:
                     writer.mark_ready(i)  # the bug under test: published before the rest is in
-                time.sleep(0.0005)
+                # The window a torn tensor shows in: wide enough for the negative control's readers to be
+                # scheduled inside it on a busy machine.
+                time.sleep(0.005 if torn else 0.0005)
                 view[half:] = content[half:]
                 if not torn:
                     writer.mark_ready(i)

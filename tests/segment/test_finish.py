@@ -121,6 +121,28 @@ def test_a_checksum_the_caller_computed_is_recorded_without_a_second_pass(
         assert seg.crc32(1) == zlib.crc32(TENSORS["t1"].tobytes())
 
 
+def test_tensors_finished_together_from_the_index_columns_keep_the_given_checksums_and_take_the_rest(
+    segment: tuple[SegmentWriter, Path],
+) -> None:
+    writer, path = segment
+    finisher = TensorFinisher(writer, key=None, encrypted=False, verify=True)
+    with open_reader(safetensors_file(path.parent / "m.safetensors"), "safetensors") as reader:
+        table = reader.index.table
+        for i, entry in enumerate(reader.index.tensors):
+            reader.readinto(entry, writer.slot(i))
+    given = zlib.crc32(writer.slot(1)) ^ 1  # not the bytes' own: proves it is the caller's that is kept
+    checks: list[bool] = []
+    done = finisher.finish_many(
+        np.array([1, 0], dtype=np.int32), entries=table, headers=None, source="m", check=checks.append,
+        crcs=np.array([given, -1], dtype=np.int64),
+    )  # fmt: skip
+    assert done.tolist() == [1, 0] and checks == [False]  # one check for the range, nothing verified by hash
+    with SegmentReader.open(path) as seg:
+        assert seg.crc32(1) == given
+        assert seg.crc32(0) == zlib.crc32(TENSORS["t0"].tobytes())
+        assert [seg.state(i) for i in (0, 1)] == [TensorState.READY] * 2
+
+
 def test_a_checksum_given_for_a_tensor_the_finish_changes_is_refused(
     tmp_path: Path, segment: tuple[SegmentWriter, Path]
 ) -> None:

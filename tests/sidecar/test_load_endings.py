@@ -141,7 +141,9 @@ def test_a_transient_failure_that_outlasts_an_attempt_starts_the_whole_load_agai
     nginx.put("endings-outage.safetensors", models.safetensors_bytes(tensors))
     nginx_proxy.always(server_error())  # an outage longer than an attempt's three tries
     settings = sidecar_settings(nginx_proxy.url("endings-outage.safetensors"), shm_dir / "model.seg")
-    sidecar = sidecars.run(settings, attempts=AttemptPolicy(first_delay=0.5, max_delay=1.0, jitter=0.0))
+    # Seconds between attempts: the checks below read the retrying phase before the next attempt begins, even
+    # on a busy machine.
+    sidecar = sidecars.run(settings, attempts=AttemptPolicy(first_delay=4.0, max_delay=4.0, jitter=0.0))
     wait_for_phase(sidecar, "retrying", timeout=20)  # a retry of the whole load
     status = httpx.get(sidecar.api.url + "/status", timeout=5).json()
     assert status["error"].startswith("gave up") and "500" in status["error"], status

@@ -25,12 +25,13 @@ raises instead.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from modelload.loader.errors import WrongKeyError
-from modelload.loader.formats._index import TensorEntry
+from modelload.loader.formats._index import TensorEntry, TensorTable
 from modelload.loader.formats.tensorizer.hashes import crc32 as crc32_of
 from modelload.loader.formats.tensorizer.keys import DecryptionKey
 from modelload.loader.formats.tensorizer.record import KeyState, open_record
@@ -38,7 +39,10 @@ from modelload.loader.segment.geometry import place
 from modelload.loader.segment.layout import MemoryMode
 from modelload.loader.segment.writer import SegmentWriter
 
-__all__ = ["TensorFinisher"]
+__all__ = ["Entries", "TensorFinisher"]
+
+Entries = TensorTable | Mapping[int, TensorEntry] | Sequence[TensorEntry]
+"""Index entries by tensor number: the index's table, or a mapping of the tensors at hand."""
 
 
 class TensorFinisher:
@@ -81,81 +85,118 @@ class TensorFinisher:
         as landed: one without a record header (nothing to decrypt) and no zeros to write.
         """
         headers = None if header is None else [header]
-        crcs = None if crc32 is None else [crc32]
+        crcs = None if crc32 is None else np.array([crc32], dtype=np.int64)
         done = self.finish_many(
-            [tensor], entries=[entry], headers=headers, source=source, check=check, crcs=crcs
+            [tensor], entries={tensor: entry}, headers=headers, source=source, check=check, crcs=crcs
         )
-        return bool(done)
+        return bool(len(done))
 
     def finish_many(
         self,
-        tensors: Sequence[int],
+        tensors: Sequence[int] | npt.NDArray[np.integer],
         *,
-        entries: Sequence[TensorEntry],
+        entries: Entries,
         headers: Sequence[bytes | bytearray | memoryview] | None,
         source: str,
         check: Callable[[bool], None] | None = None,
-        crcs: Sequence[int | None] | None = None,
-    ) -> list[int]:
+        crcs: npt.NDArray[np.int64] | None = None,
+    ) -> npt.NDArray[np.intp]:
         """:meth:`finish` for tensors landed together (the tensors of one range, of one weight file
         ``source``), published together: steps 1-5 per tensor, then one :meth:`SegmentWriter.mark_ready_many`.
 
-        ``headers`` and ``crcs`` pair with ``tensors`` (None: a format without record headers; CRCs to take
-        here, all of them or those given as None). ``check(verified)`` runs once, before anything is
-        published, with whether every one of them was verified by its stored hash. Returns the tensors
-        published (in order): all of them, less any held for a key verdict.
+        ``entries`` gives each tensor's index entry by tensor number: the index's :class:`TensorTable` (its
+        columns are read, no entry is made unless a record header needs one), or a mapping. ``headers``
+        pairs with ``tensors`` (None: a format without record headers); ``crcs`` too, the CRC-32 of each
+        slot where the caller took it already, ``-1`` where this takes it. ``check(verified)`` runs once,
+        before anything is published, with whether every one of them was verified by its stored hash.
+        Returns the tensors published (in order): all of them, less any held for a key verdict.
         """
-        writer = self.writer
-        slots = writer.layout.slots
-        if crcs is not None and any(
-            crc is not None and (headers is not None or e.data_length != slots[t].nbytes)
-            for t, e, crc in zip(tensors, entries, crcs, strict=True)
+        picked = np.asarray(tensors, dtype=np.intp)
+        slot_nbytes = self.writer.layout.table.nbytes[picked]
+        if isinstance(entries, TensorTable):
+            data_lengths = np.asarray(entries.data_lengths[picked], dtype=np.int64)
+        else:
+            data_lengths = np.fromiter(
+                (entries[t].data_length for t in picked.tolist()), np.int64, len(picked)
+            )
+        if crcs is not None and bool(
+            np.any((crcs >= 0) & ((headers is not None) | (data_lengths != slot_nbytes)))
         ):
             raise ValueError("CRC-32s given for tensors whose bytes this finish changes")
+        if (
+            self._ring
+        ):  # only a ring reuses pages: elsewhere a slot's bytes past its data are the new file's zeros
+            self._zero_tails(picked[slot_nbytes > data_lengths], entries)
+        if (
+            headers is None
+        ):  # nothing to open: every tensor is published as landed, none verified or decrypted
+            published, verified, decrypted, given = picked, None, None, crcs
+            if check is not None and len(published):
+                check(False)
+        else:
+            published, verified, decrypted = self._open_records(picked, entries, headers, source)
+            given = None
+            if check is not None and len(published):
+                check(all(verified))
+        self.writer.mark_ready_many(published, crc32=self._crcs(published, given), verified=verified,
+                                    decrypted=decrypted)  # fmt: skip
+        return published
+
+    def _zero_tails(self, tensors: npt.NDArray[np.intp], entries: Entries) -> None:
+        """Zeros in the slots of ``tensors`` past their data (a ring slot may hold older tensors' bytes)."""
+        writer = self.writer
+        for tensor in tensors.tolist():
+            unlanded = place(writer.layout.slots[tensor], entries[tensor]).unlanded
+            zeros = np.frombuffer(writer.region(*unlanded), dtype=np.uint8)
+            zeros[:] = 0
+            del zeros  # no export of the mapping left behind
+
+    def _open_records(
+        self,
+        tensors: npt.NDArray[np.intp],
+        entries: Entries,
+        headers: Sequence[bytes | bytearray | memoryview],
+        source: str,
+    ) -> tuple[npt.NDArray[np.intp], list[bool], list[bool]]:
+        """Steps 2-4 for tensorizer records: each header parsed and checked against its entry, the data
+        decrypted in place and its hash checked. Returns the tensors to publish (less those held for a key
+        verdict) with whether each was verified and decrypted."""
         published: list[int] = []
         verified: list[bool] = []
         decrypted: list[bool] = []
-        given: list[int | None] = []
-        for number, (tensor, entry) in enumerate(zip(tensors, entries, strict=True)):
-            # Only a ring reuses pages: elsewhere a slot's bytes past its data are the new file's zeros.
-            if self._ring and slots[tensor].nbytes > entry.data_length:
-                zeros = np.frombuffer(writer.region(*place(slots[tensor], entry).unlanded), dtype=np.uint8)
-                zeros[:] = 0
-                del zeros  # no export of the mapping left behind
-            checked = opened = False
-            if headers is not None:
-                data = writer.slot(tensor)[: entry.data_length]
-                try:
-                    parsed = open_record(
-                        headers[number],
-                        data,
-                        entry=entry,
-                        encrypted_file=self._encrypted,
-                        keys=self.keys,
-                        hashes="fastest" if self._verify else "none",
-                        source=source,
-                    )
-                except WrongKeyError as exc:
-                    if self.keys.doubt(entry.name, source, exc):
-                        continue
-                    raise
-                opened = parsed.encrypted
-                checked = self._verify and bool(parsed.hashes)
+        for number, tensor in enumerate(tensors.tolist()):
+            entry = entries[tensor]
+            data = self.writer.slot(tensor)[: entry.data_length]
+            try:
+                parsed = open_record(
+                    headers[number],
+                    data,
+                    entry=entry,
+                    encrypted_file=self._encrypted,
+                    keys=self.keys,
+                    hashes="fastest" if self._verify else "none",
+                    source=source,
+                )
+            except WrongKeyError as exc:
+                if self.keys.doubt(entry.name, source, exc):
+                    continue
+                raise
             published.append(tensor)
-            verified.append(checked)
-            decrypted.append(opened)
-            if crcs is not None:
-                given.append(crcs[number])
-        if check is not None and published:
-            check(all(verified))
-        # The CRC-32 of the bytes as they lie in the segment: what `inspect --verify` checks later.
-        if crcs is None:
-            recorded = list(map(crc32_of, writer.slots(published)))
-        else:
-            pairs = zip(published, given, strict=True)
-            recorded = [crc32_of(writer.slot(tensor)) if crc is None else crc for tensor, crc in pairs]
-        writer.mark_ready_many(published, crc32=recorded, verified=verified, decrypted=decrypted)
-        return published
+            verified.append(self._verify and bool(parsed.hashes))
+            decrypted.append(parsed.encrypted)
+        return np.asarray(published, dtype=np.intp), verified, decrypted
+
+    def _crcs(
+        self, tensors: npt.NDArray[np.intp], given: npt.NDArray[np.int64] | None
+    ) -> npt.NDArray[np.int64]:
+        """The CRC-32 of each slot of ``tensors`` as it lies in the segment (what ``inspect --verify`` checks
+        later): ``given`` where it is not -1, else taken here."""
+        recorded = np.full(len(tensors), -1, dtype=np.int64) if given is None else given.copy()
+        missing = np.flatnonzero(recorded < 0)
+        if len(missing):
+            views = self.writer.slots(tensors[missing].tolist())
+            recorded[missing] = np.fromiter(map(crc32_of, views), dtype=np.int64, count=len(missing))
+        return recorded
 
     def settle(self) -> None:
         """After the last tensor: a tensor still held was the only encrypted one, so its wrong key stands."""

@@ -315,9 +315,9 @@ class SegmentWriter:
 
     def mark_ready_many(
         self,
-        indices: Sequence[int],
+        indices: Sequence[int] | npt.NDArray[np.integer],
         *,
-        crc32: Sequence[int] | None = None,
+        crc32: Sequence[int] | npt.NDArray[np.integer] | None = None,
         verified: Sequence[bool] | None = None,
         decrypted: Sequence[bool] | None = None,
     ) -> None:

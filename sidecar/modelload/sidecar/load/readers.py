@@ -176,17 +176,19 @@ class Readers:
         tensors = self.plan.tensors_of(chunk)
         with self._lock:
             self._remaining[tensors] -= 1
-            complete = tensors[self._remaining[tensors] == 0]
+            finished = self._remaining[tensors] == 0
+            complete = tensors[finished]
             held = self._held.get(chunk.file)
             if len(complete) and held is not None:
                 held.append(complete)
         if len(complete) and held is None:
-            self._publish(complete, seq, crcs)
+            self._publish(complete, seq, None if crcs is None else crcs[finished])
         if file_done:
             self._prove(chunk.file)
 
-    def _land(self, chunk: Chunk) -> dict[int, int] | None:
-        """Land ``chunk``; returns the CRC-32 of the tensors it holds whole where it took them on the way.
+    def _land(self, chunk: Chunk) -> npt.NDArray[np.int64] | None:
+        """Land ``chunk``; returns, per tensor of the chunk (:meth:`LoadPlan.tensors_of`), the CRC-32 of
+        its bytes where the landing took it on the way (-1 where not), or None where it took none.
 
         Through the file descriptor where the landing goes that way: spliced when the chunk's pieces are big
         (no copy through this process, no page faults in it), through a reused buffer and a ``pwritev`` a
@@ -206,13 +208,12 @@ class Readers:
         self._land_view(chunk)
         return None
 
-    def _land_scattered(self, chunk: Chunk, neighbours: Neighbours) -> dict[int, int]:
+    def _land_scattered(self, chunk: Chunk, neighbours: Neighbours) -> npt.NDArray[np.int64]:
         source, context = self.sources[chunk.file], self.context
         sink = neighbours.sink(chunk, self.writer.fileno())
         read_range_into_sink(source, chunk.src_offset, chunk.length, sink,
                              policy=context.retry, on_retry=context.on_retry)  # fmt: skip
-        tensors = self.plan.tensors_of(chunk).tolist()
-        return {t: crc for t, crc in zip(tensors, sink.crcs(), strict=True) if crc is not None}
+        return sink.crc_column()
 
     def _prove(self, file: int) -> None:
         """Check a complete file against the store's checksum (once more, from the origin, when none of its
@@ -276,56 +277,53 @@ class Readers:
         read_range_pieces(source, chunk.src_offset, views, policy=context.retry, on_retry=context.on_retry)
 
     def _publish(
-        self, tensors: npt.NDArray[np.int32], seq: int | None, landed: dict[int, int] | None = None
+        self, tensors: npt.NDArray[np.int32], seq: int | None, landed: npt.NDArray[np.int64] | None = None
     ) -> None:
         """Finish tensors whose bytes are all in (the ones chunk ``seq`` completed, or the empty ones, or a
-        proven file's held ones), with the shared :class:`TensorFinisher`, then tell. ``landed``: CRC-32s
-        the landing took of whole tensors on the way."""
+        proven file's held ones), with the shared :class:`TensorFinisher`, then tell. ``landed``: per tensor,
+        the CRC-32 the landing took of its bytes on the way, -1 where it took none.
+
+        The tensors of a range are handled as columns: a range of a thousand small tensors costs a few
+        array operations here, not an object per tensor."""
         plan, peers = self.plan, self.context.peers
-        chosen = tensors.tolist()
-        crcs: list[int | None] | None = None
+        table = plan.index.table
+        crcs: npt.NDArray[np.int64] | None = None
         if peers is not None:
             # Bytes from a peer are checked (and re-read from the origin if bad), which may give the CRC-32;
             # the landing's would be of the bytes before that check.
-            crcs = [peers.finish(tensor) for tensor in chosen]
-        elif landed:
-            crcs = _landed_crcs(plan, chosen, landed)
-        entries = list(map(plan.index.tensors.__getitem__, chosen))
+            crcs = np.array([-1 if c is None else c for c in map(peers.finish, tensors.tolist())], np.int64)
+        elif landed is not None:
+            # The landing's CRC is the slot's only where the slot holds exactly the tensor's bytes.
+            whole = plan.layout.table.nbytes[tensors] == table.data_lengths[tensors]
+            crcs = np.where(whole, landed, -1)
         headers = None
         if plan.index.format == "tensorizer":  # the record's header landed in the slot's lead
-            headers = [self.writer.region(*plan.record(t).header_span) for t in chosen]
+            headers = [self.writer.region(*plan.record(t).header_span) for t in tensors.tolist()]
             crcs = None  # finishing a record may change its slot's bytes (decryption)
         from_peers = peers.verified_by_peers if peers is not None else ()
 
         def check(verified: bool) -> None:
-            if verified or seq is None or (from_peers and all(t in from_peers for t in chosen)):
+            if verified or seq is None or (from_peers and all(t in from_peers for t in tensors.tolist())):
                 return
-            spread = [c for t in chosen for c in self._spread.get(t, ())]
+            spread = [c for t in tensors.tolist() for c in self._spread.get(t, ())]
             chunks = [plan.chunks[c] for c in sorted({seq, *spread}) if plan.chunks[c].file in self._sampled]
             context = self.context
             integrity.check_chunks(
                 self.model, plan, self.writer, chunks, policy=context.retry, on_retry=context.on_retry
             )
 
-        uri = self.model.display(entries[0].file)
+        uri = self.model.display(int(table.files[tensors[0]]))
         done = self.finisher.finish_many(
-            chosen, entries=entries, headers=headers, source=uri, check=check, crcs=crcs
+            tensors, entries=table, headers=headers, source=uri, check=check, crcs=crcs
         )
-        if done:
-            slots = plan.layout.slots
+        if len(done):
+            slots = plan.layout.table
+            names = slots.names
             self.observer.tensors_published(
-                indices=done, names=[slots[t].name for t in done], nbytes=[slots[t].nbytes for t in done]
+                indices=done.tolist(),
+                names=[names[t] for t in done.tolist()],
+                nbytes=slots.nbytes[done].tolist(),
             )
-
-
-def _landed_crcs(plan: LoadPlan, tensors: list[int], landed: dict[int, int]) -> list[int | None]:
-    """The landing's CRC-32 of each of ``tensors`` where it is the CRC of the whole slot (the slot holds
-    exactly the tensor's bytes), else None: the finisher computes those from the slot."""
-    slots, entries = plan.layout.slots, plan.index.tensors
-    return [
-        crc if crc is not None and slots[t].nbytes == entries[t].data_length else None
-        for t, crc in zip(tensors, map(landed.get, tensors), strict=True)
-    ]
 
 
 def _chunks_of_cut_tensors(plan: LoadPlan) -> dict[int, list[int]]:

@@ -123,9 +123,17 @@ class ChunkScatter:
 
     def crcs(self) -> list[int | None]:
         """Per piece, the CRC-32 of its bytes where the piece is its tensor's whole slot, else None."""
+        self._all_in()
+        return [crc if whole else None for crc, whole in zip(self._crcs, self._whole, strict=True)]
+
+    def crc_column(self) -> npt.NDArray[np.int64]:
+        """:meth:`crcs` as a column for publishing: -1 where a piece is not its tensor's whole slot."""
+        self._all_in()
+        return np.where(np.asarray(self._whole, dtype=bool), np.asarray(self._crcs, dtype=np.int64), -1)
+
+    def _all_in(self) -> None:
         if self._done < (self._ends[-1] if self._ends else 0):
             raise RuntimeError(f"the range is not all in: {self._done} of {self._ends[-1]} bytes")
-        return [crc if whole else None for crc, whole in zip(self._crcs, self._whole, strict=True)]
 
 
 def _write(fd: int, iovs: list[memoryview], offset: int, total: int) -> None:
