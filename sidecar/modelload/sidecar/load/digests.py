@@ -1,7 +1,7 @@
 """Every weight file proved against the digest its origin publishes, over the bytes that landed.
 
 The Hugging Face Hub publishes each LFS file's SHA-256 and an OCI registry names each blob by its digest
-(:class:`~modelload.sidecar.sources.Checksum`). A whole-object hash needs the bytes in order, while the
+(:class:`~modelload.sidecar.sources.PublishedDigest`). A whole-object hash needs the bytes in order, while the
 readers land chunks in any order; so one hashing thread per object follows the landed bytes in object order
 as they arrive, reading them back from the segment (where they already are: nothing is read from the origin
 twice). The few bytes a load does not land (a safetensors header, a tar header, a neighbour in a tar layer)
@@ -32,8 +32,8 @@ import numpy as np
 from modelload.loader.segment import SegmentWriter
 from modelload.sidecar.planner import LoadPlan
 from modelload.sidecar.sources import (
-    Checksum,
     OpenedModel,
+    PublishedDigest,
     RetryEvent,
     RetryPolicy,
     Source,
@@ -64,7 +64,7 @@ class _Piece:
 
 @dataclass
 class _Object:
-    checksum: Checksum
+    checksum: PublishedDigest
     pieces: list[_Piece]
     gap_source: Source
     files: tuple[int, ...]
@@ -124,7 +124,7 @@ class FileDigests:
 
     def _objects(self) -> list[_Object]:
         model, plan = self._model, self._plan
-        found: dict[str, tuple[Checksum, list[tuple[int, Checksum]]]] = {}
+        found: dict[str, tuple[PublishedDigest, list[tuple[int, PublishedDigest]]]] = {}
         for file, source in enumerate(model.sources):
             checksum = checksum_of(source)
             if checksum is None:
@@ -279,7 +279,10 @@ class FileDigests:
 
 
 def _with_gaps(
-    landed: Sequence[_Piece], checksum: Checksum, files: Sequence[tuple[int, Checksum]], model: OpenedModel
+    landed: Sequence[_Piece],
+    checksum: PublishedDigest,
+    files: Sequence[tuple[int, PublishedDigest]],
+    model: OpenedModel,
 ) -> list[_Piece]:
     """``landed`` with the gaps between them (and before and after) filled, as pieces of the object."""
     spans = [(own.offset, own.offset + model.infos[file].size, file) for file, own in files]

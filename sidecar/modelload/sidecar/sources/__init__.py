@@ -30,7 +30,6 @@ from __future__ import annotations
 from . import hub, oci
 from ._addresses import AddressPolicy, Network, parse_networks
 from ._base import InterruptedReadError, ObjectInfo, RangeSink, Source, SourceBase, check_range, file_version
-from ._checksum import Checksum, checksum_of, new_hasher, verify_bytes
 from ._checksums import (
     COMPOSABLE,
     STREAMED,
@@ -47,6 +46,7 @@ from ._http import Exchange, Target
 from ._listing import Directory, is_directory, list_directory
 from ._model import OpenedModel, fetch_small_file, open_model
 from ._proxy import ProxySettings, proxy_from_environ
+from ._published_digest import PublishedDigest, checksum_of, new_hasher, verify_bytes
 from ._registry import (
     SourceFactory,
     check_source_uri,
@@ -95,7 +95,7 @@ __all__ = [
     "AzureCredentials",
     "AzureSettings",
     "COMPOSABLE",
-    "Checksum",
+    "PublishedDigest",
     "DEFAULT_HUB_ENDPOINT",
     "Directory",
     "Exchange",

@@ -30,8 +30,8 @@ from modelload.loader.formats import (
 )
 
 from ._base import ObjectInfo, Source
-from ._checksum import checksum_of, verify_bytes
 from ._listing import Directory, directory_hint, is_directory, list_directory
+from ._published_digest import checksum_of, verify_bytes
 from ._registry import open_source, store_for
 from ._retry import RetryEvent, read_bytes, stat_with_prefix
 from ._settings import SourceSettings

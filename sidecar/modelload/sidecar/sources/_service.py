@@ -28,9 +28,9 @@ from urllib.parse import urljoin, urlsplit
 from modelload.loader.errors import ConfigError, ModelloadError, SourceChangedError, SourceError
 
 from ._base import ObjectInfo
-from ._checksum import Checksum
 from ._connections import Origin
 from ._http import _REDIRECTS, HttpObject, Target, _Exchange
+from ._published_digest import PublishedDigest
 from ._responses import display_url, error_for_status
 from ._retry import retrying
 from ._settings import HttpSettings, RetryPolicy
@@ -96,7 +96,7 @@ class ServiceFile(HttpObject):
         auth: ServiceAuth | None = None,
         explain: Explain | None = None,
         size: int | None = None,
-        checksum: Checksum | None = None,
+        checksum: PublishedDigest | None = None,
         plain_http_advice: str | None = None,
     ) -> None:
         super().__init__(display, settings)
@@ -115,7 +115,7 @@ class ServiceFile(HttpObject):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.display_uri!r})"
 
-    def checksum(self) -> Checksum | None:
+    def checksum(self) -> PublishedDigest | None:
         """The digest the service publishes for this file's object, when known."""
         return self._checksum
 

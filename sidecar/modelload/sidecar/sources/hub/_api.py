@@ -29,8 +29,8 @@ from modelload.loader.errors import (
     SourceUriError,
 )
 
-from .._checksum import Checksum
 from .._connections import Origin
+from .._published_digest import PublishedDigest
 from .._responses import error_for_status, json_body
 from .._service import Explain, fetch_document, origin_of
 from .._settings import HubSettings, SourceSettings
@@ -280,9 +280,9 @@ class HubClient:
         lfs = entry.get("lfs")
         if isinstance(lfs, dict) and isinstance(lfs.get("oid"), str) and isinstance(lfs.get("size"), int):
             size = lfs["size"]
-            checksum = Checksum("sha256", lfs["oid"].lower(), uri, size, where=uri)
+            checksum = PublishedDigest("sha256", lfs["oid"].lower(), uri, size, where=uri)
         elif isinstance(oid, str):
-            checksum = Checksum("git-sha1", oid.lower(), uri, size, where=uri)
+            checksum = PublishedDigest("git-sha1", oid.lower(), uri, size, where=uri)
         else:
             checksum = None
         sums = {checksum.algorithm: checksum.expected} if checksum is not None else {}

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from modelload.loader.errors import SourceNotFoundError
 
 from .._base import Source
-from .._checksum import Checksum
 from .._http import _Exchange
+from .._published_digest import PublishedDigest
 from .._service import ServiceFile
 from .._settings import SourceSettings
 from .._store import Directory, ListedFile, Opener, Store
@@ -54,7 +54,7 @@ class HubFile(ServiceFile):
         checksum = None
         if listed is not None and listed.size is not None:
             for algorithm, expected in listed.checksums.items():
-                checksum = Checksum(algorithm, expected, display, listed.size, where=display)
+                checksum = PublishedDigest(algorithm, expected, display, listed.size, where=display)
         super().__init__(
             client.resolve_url(ref, ref.revision),
             display=display,
@@ -71,16 +71,16 @@ class HubFile(ServiceFile):
             names = ("X-Linked-Etag", "X-Linked-Size", "ETag", "X-Repo-Commit")
             self._headers = {name: value for name in names if (value := exchange.header(name))}
 
-    def checksum(self) -> Checksum | None:
+    def checksum(self) -> PublishedDigest | None:
         if self._checksum is not None:
             return self._checksum
         size = self.stat().size
         linked = self._headers.get("X-Linked-Etag", "").strip('"').removeprefix("W/").strip('"').lower()
         if _SHA256.match(linked):
-            return Checksum("sha256", linked, self.display_uri, size, where=self.display_uri)
+            return PublishedDigest("sha256", linked, self.display_uri, size, where=self.display_uri)
         etag = self._headers.get("ETag", "").removeprefix("W/").strip('"').lower()
         if not linked and _GIT_OID.match(etag):
-            return Checksum("git-sha1", etag, self.display_uri, size, where=self.display_uri)
+            return PublishedDigest("git-sha1", etag, self.display_uri, size, where=self.display_uri)
         return None
 
 

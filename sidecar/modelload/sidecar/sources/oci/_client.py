@@ -22,7 +22,7 @@ from modelload.loader.errors import (
     SourceNotFoundError,
 )
 
-from .._checksum import Checksum
+from .._published_digest import PublishedDigest
 from .._responses import error_for_status, json_body
 from .._service import Explain, ServiceFile, fetch_document
 from .._settings import SourceSettings
@@ -208,7 +208,7 @@ class RegistryClient:
             size=size,
             plain_http_advice=self.plain_http_advice,
         )
-        blob._checksum = Checksum(
+        blob._checksum = PublishedDigest(
             "sha256", digest.removeprefix("sha256:"), digest, size, where=display, object_source=blob
         )
         return blob

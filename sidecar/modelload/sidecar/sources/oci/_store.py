@@ -27,7 +27,7 @@ from typing import Any
 from modelload.loader.errors import ConfigError, SourceError, SourceNotFoundError
 
 from .._base import ObjectInfo, Source, SourceBase, check_range
-from .._checksum import Checksum
+from .._published_digest import PublishedDigest
 from .._retry import read_range
 from .._service import ServiceFile
 from .._settings import SourceSettings
@@ -89,11 +89,11 @@ class _Member(SourceBase):
         self._checked_range(offset, length)
         self._blob.read_into_fd(self._offset + offset, length, fd, fd_offset)
 
-    def checksum(self) -> Checksum | None:
+    def checksum(self) -> PublishedDigest | None:
         whole = self._blob.checksum()
         if whole is None:
             return None
-        return Checksum(
+        return PublishedDigest(
             whole.algorithm,
             whole.expected,
             whole.object_id,

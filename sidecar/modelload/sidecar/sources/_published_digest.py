@@ -1,10 +1,11 @@
-"""The checksum an origin publishes for a whole object, and where a file's bytes sit inside that object.
+"""The digest an origin publishes for a whole object, and where a file's bytes sit inside that object.
 
 The Hugging Face Hub publishes each large file's SHA-256 (and each small file's git blob id), an OCI registry
 names every blob by its SHA-256 digest. A file of a model is either that object itself or, for a file inside
-an
-uncompressed tar layer, a window of it: :class:`Checksum` says which object, which digest, and where the
-file's bytes start in it, so the bytes that land can be proved against the origin's own word.
+an uncompressed tar layer, a window of it: :class:`PublishedDigest` says which object, which digest, and
+where the file's bytes start in it, so the bytes that land can be proved against the origin's own word.
+(A store's own checksum of an object, CRC or MD5 as S3, GCS and Azure report it, is
+:class:`~._checksums.StoreChecksum`.)
 
 Whole-object hashes need the bytes in order; they are computed over the landed bytes
 (:mod:`modelload.sidecar.load.digests`), not by reading the object twice. The few bytes of the object a load
@@ -21,7 +22,7 @@ from modelload.loader.errors import HashMismatchError
 from ._base import Source
 from ._checksums import new_hash
 
-__all__ = ["ALGORITHMS", "Checksum", "checksum_of", "new_hasher", "verify_bytes"]
+__all__ = ["ALGORITHMS", "PublishedDigest", "checksum_of", "new_hasher", "verify_bytes"]
 
 ALGORITHMS = ("sha256", "git-sha1")
 """``sha256``: the object's SHA-256. ``git-sha1``: git's blob id, SHA-1 over ``blob <size>\\0`` and the
@@ -41,7 +42,7 @@ def new_hasher(algorithm: str, size: int) -> Any:
 
 
 @dataclass(frozen=True)
-class Checksum:
+class PublishedDigest:
     """The digest of the object a file belongs to, and the file's place in it."""
 
     algorithm: str
@@ -75,14 +76,14 @@ class Checksum:
         )
 
 
-def checksum_of(source: object) -> Checksum | None:
+def checksum_of(source: object) -> PublishedDigest | None:
     """The checksum a source knows for its object, when it has one (``hf://`` and ``oci://`` sources)."""
     origin = getattr(source, "origin", source)  # a peer-aware wrapper: the origin's word
     known = getattr(origin, "checksum", None)
     return known() if callable(known) else None
 
 
-def verify_bytes(data: bytes, checksum: Checksum) -> None:
+def verify_bytes(data: bytes, checksum: PublishedDigest) -> None:
     """Check a whole object held in memory (a small file) against its checksum."""
     hasher = new_hasher(checksum.algorithm, len(data))
     hasher.update(data)
