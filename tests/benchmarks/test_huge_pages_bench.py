@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import report  # noqa: E402
 import run  # noqa: E402
+from hugepages_cases import round_order  # noqa: E402
 
 
 def _huge(label: str, number: int, cpu: float, contender: str = "sidecar") -> dict[str, Any]:
@@ -55,6 +56,17 @@ def test_the_huge_page_table_compares_cpu_with_4k_pages_within_rounds_and_checks
         "GiB (sidecar 2.00x)"
     ]
     assert "load average 0.5" in report.huge_pages_caption(records)
+
+
+@pytest.mark.parametrize("count", [2, 3, 7])
+def test_every_two_rounds_each_pair_of_huge_page_cases_runs_in_both_orders(count: int) -> None:
+    for pair in range(3):
+        first, second = round_order(count, 2 * pair), round_order(count, 2 * pair + 1)
+        assert sorted(first) == sorted(second) == list(range(count))
+        for a in range(count):
+            for b in range(a + 1, count):
+                assert (first.index(a) < first.index(b)) != (second.index(a) < second.index(b)), (a, b)
+    assert len({round_order(count, 2 * pair)[0] for pair in range(count)}) == count, "who goes first moves on"
 
 
 def test_publishing_one_section_keeps_the_published_records_of_the_others(tmp_path: Path) -> None:
@@ -92,3 +104,4 @@ def test_the_huge_page_section_runs_the_sidecar_onto_each_volume(tmp_path: Path)
     failed = {label: r["error"] for label, r in measured.items() if "error" in r}
     assert not failed, failed
     assert all(r["nbytes"] > 0 and r["cpu_s_per_gib"] > 0 for r in measured.values())
+    assert all(r["origin_cpu_s"] >= 0 and "position" in r for r in measured.values()), "nginx's CPU beside"
