@@ -191,7 +191,9 @@ def load_mapping(args: argparse.Namespace) -> dict[str, Any]:
     lock = threading.Lock()
 
     def receive(view: memoryview) -> None:
-        connection = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port or 80)
+        # A timeout makes each receive a poll, then a receive of all that is queued, as the sidecar's: a
+        # blocking receive that got part of what it asked for would wait for a whole mark more.
+        connection = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port or 80, timeout=60)
         try:
             while True:
                 with lock:
@@ -203,19 +205,23 @@ def load_mapping(args: argparse.Namespace) -> dict[str, Any]:
                 response = connection.getresponse()
                 if response.status != 206:
                     raise SystemExit(f"the range {start}-{end - 1} got HTTP {response.status}")
-                at, mark = start, 1
+                # The bytes the response's reader took in with the headers, then straight from the socket,
+                # the mark set before each receive (a buffered readinto would loop below it, unwoken).
+                head = response.fp.read1(min(end - start, 8192)) if response.fp is not None else b""
+                view[start : start + len(head)] = head
+                at, mark, sock = start + len(head), 1, connection.sock
                 while at < end:
                     wanted = min(args.low_water, end - at) if args.low_water else 1
-                    if wanted != mark and connection.sock is not None:
-                        connection.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, wanted)
+                    if wanted != mark:
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, wanted)
                         mark = wanted
-                    got = response.readinto(view[at:end])
+                    got = sock.recv_into(view[at:end])
                     if not got:
                         raise SystemExit("the server closed the connection early")
                     at += got
-                if mark != 1 and connection.sock is not None:  # the next answer's headers are short
-                    connection.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
-                response.read()  # the (empty) rest, so the connection can carry the next request
+                if mark != 1:  # the next answer's headers are short
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+                response.close()  # the body is in: the connection carries the next request
         finally:
             connection.close()
 
