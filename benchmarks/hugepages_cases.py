@@ -11,12 +11,14 @@ no checks): the sidecar's own work on huge pages is its distance from that one.
 
 Two things make the rounds fair (:func:`huge_page_rounds`):
 
-- **every case starts from the same pages.** The first load onto a huge tmpfs after other work pays for
-  finding free 2 MiB blocks (compaction: 2.3-4.1 CPU-s per GiB measured here, against 0.4-0.9 for the load
-  right after it, whichever landing path either took). So each case's volume has its pages taken and given
-  back just before the case (:func:`~tests.support.hugepages.warm`, outside the measurement), and each odd
-  round runs the cases of the round before in reverse (:func:`round_order`), so that no case always follows
-  the same one.
+- **no case always goes first.** The first load onto a huge tmpfs in a round cost 2.3-4.1 CPU-s per GiB
+  here, the load right after it 0.4-0.9, whichever landing path either took. Each odd round runs the cases
+  of the round before in reverse (:func:`round_order`), and each case's volume has its pages taken and
+  given back just before the case (:func:`~tests.support.hugepages.warm`, outside the measurement). That
+  narrows the gap but does not close it: ``/proc/vmstat`` counts no compaction and no fallback to 4 KiB
+  pages in those loads, and this virtual machine reports freed memory to its host (``virtio_balloon``
+  free page reporting, blocks of 8 MiB and up), so a page touched again a few seconds after it was freed
+  is faulted in by the host first. hugetlbfs keeps its pool and never frees it: its rows do not move.
 - **the origin's CPU is recorded beside the sidecar's.** On loopback, the TCP work of receiving (and some
   of sending) runs in whichever process is on the CPU when a packet moves: a receiver that sleeps longer
   leaves more of it to nginx. ``origin_cpu_s`` (nginx's master and workers over the same load) shows
