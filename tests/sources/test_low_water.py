@@ -101,7 +101,7 @@ def test_the_mark_is_a_batch_of_what_the_body_owes_and_short_bodies_are_read_as_
         low = LowWater(client, STALL)
         low.expect(100 << 20)
         assert _mark(client) == BATCH
-        assert client.gettimeout() == min(PROBE, STALL), "while the mark is up, waits are probes"
+        assert client.gettimeout() == min(PROBE, STALL / 4), "while the mark is up, waits are probes"
         low.expect(1 << 20)
         assert _mark(client) == 1 << 20, "never more than the body still owes"
         low.expect(100 << 10)
@@ -119,7 +119,8 @@ def test_waits_with_nothing_queued_add_up_to_the_stall_timeout() -> None:
         probes = 0
         while low.waited():
             probes += 1
-        assert probes * min(PROBE, STALL * 2) == pytest.approx(STALL * 2 - min(PROBE, STALL * 2))
+        probe = min(PROBE, STALL * 2 / 4)
+        assert (probes + 1) * probe == pytest.approx(STALL * 2), "the waits add up to the stall timeout"
         assert _mark(client) == 1 and client.gettimeout() == STALL * 2
 
 
