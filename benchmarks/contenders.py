@@ -29,7 +29,7 @@ Contenders:
   no CRCs, no progress: what the sidecar's own work is measured against on huge pages. Each socket's
   low-water mark (``SO_RCVLOWAT``) is ``--low-water`` (4 MiB, at most what the body has left; 0 leaves it
   at 1 byte), as the sidecar's: a reader then wakes once per batch, not per packet, the cheapest way found
-  here to receive into a mapping (0.45 CPU-s per GiB without it, 0.35 with it).
+  here to receive into a mapping (0.47 CPU-s per GiB without it, 0.33 with it, 1 GiB on hugetlbfs).
 
 For the library contenders the load is timed inside the process, imports excluded; CPU is user + system time of
 the process and of the children it waited for (tensorizer runs curl) over the load; peak RSS is the
