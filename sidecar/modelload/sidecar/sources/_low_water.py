@@ -5,10 +5,12 @@ few tens of KiB, and each wake-up is a poll, a receive of a small piece and a tr
 socket's low-water mark (``SO_RCVLOWAT``) moves the threshold: poll reports the socket readable, and the
 kernel wakes the reader, only once that many bytes are queued (Linux grows the receive buffer to twice the
 mark, so the sender is not throttled meanwhile, and caps the mark at half of ``net.ipv4.tcp_rmem``'s
-maximum). Measured here (the sidecar from nginx on loopback into a hugetlbfs segment, 8 readers, 2 cores,
-alternating rounds), a 4 MiB mark took the sidecar from 0.60 to 0.46-0.52 CPU-s per GiB; bare ranged GETs
-into a mapping went from 0.48 to 0.30-0.34. Landing by splice on 4 KiB pages gained nothing from it: there the
-cost is the pages, not the wake-ups.
+maximum). Measured here (1 GiB from nginx on loopback into a hugetlbfs segment, 8 readers, 2 cores, the
+code before and after in the same rounds, median of 3, load average 4-6, two runs), a 4 MiB mark took the
+sidecar from 0.52-0.58 to 0.44 CPU-s per GiB, and bare ranged GETs into a mapping from 0.43-0.47 to
+0.30-0.33. The sidecar and nginx together went from 0.77-0.87 to 0.75-0.76: on loopback, part of the gain is
+TCP work done in nginx's turn rather than the sleeping reader's. Landing by splice on 4 KiB pages gained
+nothing from it: there the cost is the pages, not the wake-ups.
 
 Three rules keep it safe:
 
