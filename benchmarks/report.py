@@ -174,6 +174,12 @@ def huge_cases(records: list[dict[str, Any]]) -> dict[str, Case]:
     return {label: Case(rs) for label, rs in raw.items()}
 
 
+def _origin_cpu(case: Case) -> str:
+    """nginx's CPU-s per GiB over the case's loads (median), where the rounds recorded it."""
+    values = [r["origin_cpu_s_per_gib"] for r in case.ok if "origin_cpu_s_per_gib" in r]
+    return f"{_median(values):.2f}" if values else ""
+
+
 def huge_pages_table(records: list[dict[str, Any]]) -> str:
     """The sidecar from nginx onto 4 KiB pages and onto huge pages, each landing path, in the same rounds."""
     cases = huge_cases(records)
@@ -184,33 +190,40 @@ def huge_pages_table(records: list[dict[str, Any]]) -> str:
         return "(not measured" + (f": {'; '.join(skipped.values())})" if skipped else ")")
     base, curl = cases.get("tmpfs auto"), cases.get("curl -> tmpfs")
     lines = [
-        "| segment on | landing | GiB/s | CPU-s per GiB | CPU / 4 KiB pages' (per round) | CPU / curl's | peak RSS |",
-        "|---|---|---|---|---|---|---|",
+        "| segment on | landing | GiB/s | CPU-s per GiB | CPU / 4 KiB pages' (per round) | CPU / curl's | peak RSS "
+        "| nginx's CPU-s per GiB |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for volume, title in HUGE_VOLUMES.items():
         if volume in skipped:
-            lines.append(f"| {title} | — | not measured: {skipped[volume]} | | | | |")
+            lines.append(f"| {title} | — | not measured: {skipped[volume]} | | | | | |")
             continue
         for label, case in sorted((k, v) for k, v in cases.items() if k.split()[0] == volume):
             landing = label.split()[1]
             how = f"**{CHOSEN[volume]}** (auto)" if landing == "auto" else f"{landing} (forced)"
             if not case.ok:
                 lines.append(
-                    f"| {title} | {how} | — (failed: {case.errors[0] if case.errors else '?'}) | | | | |"
+                    f"| {title} | {how} | — (failed: {case.errors[0] if case.errors else '?'}) | | | | | |"
                 )
                 continue
             versus = "" if base is None or case is base else f"{ratio(case, base, 'cpu_s_per_gib'):.2f}x"
             over_curl = "" if curl is None or not curl.ok else f"{ratio(case, curl, 'cpu_s_per_gib'):.2f}x"
             rate = f"**{case.gib_s:.2f}**" if landing == "auto" else f"{case.gib_s:.2f}"
             rss = f"{case.rss / MIB:.0f} MiB + segment"
-            lines.append(f"| {title} | {how} | {rate} | {case.cpu:.2f} | {versus} | {over_curl} | {rss} |")
+            origin = _origin_cpu(case)
+            lines.append(
+                f"| {title} | {how} | {rate} | {case.cpu:.2f} | {versus} | {over_curl} | {rss} | {origin} |"
+            )
     if curl is not None and curl.ok:
-        lines.append(f"| 4 KiB pages (tmpfs) | curl (floor) | {curl.gib_s:.2f} | {curl.cpu:.2f} | | | |")
+        lines.append(
+            f"| 4 KiB pages (tmpfs) | curl (floor) | {curl.gib_s:.2f} | {curl.cpu:.2f} | | | | {_origin_cpu(curl)} |"
+        )
     floor = cases.get(HUGE_FLOOR)
     if floor is not None and floor.ok:
         title = HUGE_VOLUMES["hugetlbfs"]
         lines.append(
-            f"| {title} | bare ranged GETs into the mapping (floor) | {floor.gib_s:.2f} | {floor.cpu:.2f} | | | |"
+            f"| {title} | bare ranged GETs into the mapping (floor) | {floor.gib_s:.2f} | {floor.cpu:.2f} | | | "
+            f"| {_origin_cpu(floor)} |"
         )
     return "\n".join(lines)
 
@@ -222,7 +235,9 @@ def huge_pages_caption(records: list[dict[str, Any]]) -> str:
         f"**Huge pages** (measured {meta.get('date', '?')}, load average {meta.get('load_avg', 0):.1f} at the "
         f"start, median of {meta.get('runs', '?')} rounds): the sidecar loading a {size / GIB:.2f} GiB "
         "safetensors file from nginx on loopback into a segment on each kind of volume, with the landing path "
-        "it chooses (auto) and the other one where the volume takes it; ratios are taken within rounds."
+        "it chooses (auto) and the other one where the volume takes it; ratios are taken within rounds. Each "
+        "case starts with its volume's pages just taken and given back, and odd rounds run in reverse; on "
+        "loopback part of the TCP work lands on whichever side is awake, so nginx's CPU is shown beside."
     )
 
 

@@ -50,7 +50,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
 from harness import make_model, make_safetensors  # noqa: E402
-from hugepages_cases import huge_page_cases, huge_page_volumes  # noqa: E402
+from hugepages_cases import huge_page_cases, huge_page_rounds, huge_page_volumes  # noqa: E402
 from origins import S3RVER_KEY, S3RVER_SECRET, Origin, Unavailable, s3_like, s3rver, upload  # noqa: E402
 from scratch import scratch  # noqa: E402
 
@@ -393,7 +393,7 @@ def publish(out: Path, sections: set[str], published: Path = ROOT / "docs" / "be
 
 
 def huge_pages(recorder: Recorder, work: Path, args: argparse.Namespace, env: dict[str, str]) -> None:
-    """The sidecar from nginx into segments on 4 KiB pages and on huge pages, rounds rotating the cases."""
+    """The sidecar from nginx into segments on 4 KiB pages and on huge pages (``hugepages_cases``)."""
     recorder.write({"section_meta": "hugepages", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                     "load_avg": os.getloadavg()[0], "runs": args.runs})  # fmt: skip
     folder = work / "huge-model"
@@ -407,8 +407,9 @@ def huge_pages(recorder: Recorder, work: Path, args: argparse.Namespace, env: di
                 print(f"  [hugepages {kind}] skipped: {reason}")
                 recorder.write({"section": "hugepages", "origin": "http", "volume": kind, "skipped": reason})
             url = f"http://127.0.0.1:{server.port}/{ST}"
-            cases = [Case(**fields) for fields in huge_page_cases(url, size, volumes, readers=args.readers)]
-            run_rounds(recorder, "hugepages", "http", cases, args.runs, env, size=size)
+            cases = huge_page_cases(url, size, volumes, readers=args.readers)
+            huge_page_rounds(cases, args.runs, measure=lambda fields: measure(Case(**fields), env),
+                             write=recorder.write, origin_pid=server.pid, size=size)  # fmt: skip
     finally:
         server.stop()
         shutil.rmtree(folder, ignore_errors=True)

@@ -22,11 +22,13 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import report  # noqa: E402
 import run  # noqa: E402
+from hugepages_cases import round_order  # noqa: E402
 
 
 def _huge(label: str, number: int, cpu: float, contender: str = "sidecar") -> dict[str, Any]:
     return {"section": "hugepages", "origin": "http", "label": label, "contender": contender, "round": number,
-            "gib_s": 1.0, "cpu_s_per_gib": cpu, "peak_rss": 64 << 20, "size": 1 << 30}  # fmt: skip
+            "gib_s": 1.0, "cpu_s_per_gib": cpu, "peak_rss": 64 << 20, "size": 1 << 30,
+            "origin_cpu_s_per_gib": 0.25 + number}  # fmt: skip
 
 
 def test_the_huge_page_table_compares_cpu_with_4k_pages_within_rounds_and_checks_the_goals() -> None:
@@ -47,7 +49,8 @@ def test_the_huge_page_table_compares_cpu_with_4k_pages_within_rounds_and_checks
     )
     assert "| 4 KiB pages (tmpfs, `medium: Memory`) | mapping (forced) | 1.00 | 2.25 | 1.50x |" in table
     assert "tmpfs mounted `huge=always` | — | not measured: mount refused" in table
-    assert "| bare ranged GETs into the mapping (floor) | 1.00 | 0.30 | | | |" in table
+    assert "| bare ranged GETs into the mapping (floor) | 1.00 | 0.30 | | | | 0.75 |" in table
+    assert table.count("| 64 MiB + segment | 0.75 |") == 3, "nginx's CPU over the same loads, by median"
     goals = report.huge_pages_goals(records)
     assert goals == [
         "- HTTP onto hugetlbfs, 2 MiB pages (`medium: HugePages-2Mi`): 0.60 CPU-s per GiB (not reached; goal "
@@ -55,6 +58,17 @@ def test_the_huge_page_table_compares_cpu_with_4k_pages_within_rounds_and_checks
         "GiB (sidecar 2.00x)"
     ]
     assert "load average 0.5" in report.huge_pages_caption(records)
+
+
+@pytest.mark.parametrize("count", [2, 3, 7])
+def test_every_two_rounds_each_pair_of_huge_page_cases_runs_in_both_orders(count: int) -> None:
+    for pair in range(3):
+        first, second = round_order(count, 2 * pair), round_order(count, 2 * pair + 1)
+        assert sorted(first) == sorted(second) == list(range(count))
+        for a in range(count):
+            for b in range(a + 1, count):
+                assert (first.index(a) < first.index(b)) != (second.index(a) < second.index(b)), (a, b)
+    assert len({round_order(count, 2 * pair)[0] for pair in range(count)}) == count, "who goes first moves on"
 
 
 def test_publishing_one_section_keeps_the_published_records_of_the_others(tmp_path: Path) -> None:
@@ -92,3 +106,4 @@ def test_the_huge_page_section_runs_the_sidecar_onto_each_volume(tmp_path: Path)
     failed = {label: r["error"] for label, r in measured.items() if "error" in r}
     assert not failed, failed
     assert all(r["nbytes"] > 0 and r["cpu_s_per_gib"] > 0 for r in measured.values())
+    assert all(r["origin_cpu_s"] >= 0 and "position" in r for r in measured.values()), "nginx's CPU beside"

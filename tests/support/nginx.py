@@ -182,6 +182,13 @@ class NginxServer:
         raise RuntimeError(f"nginx did not start: {log[-2000:]}")
 
     @property
+    def pid(self) -> int:
+        """The master process's id (its workers are its children): what a benchmark reads nginx's CPU from."""
+        if self._process is None:
+            raise RuntimeError("nginx is not running")
+        return self._process.pid
+
+    @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 

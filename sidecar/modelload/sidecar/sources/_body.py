@@ -19,6 +19,7 @@ import socket
 from collections.abc import Sequence
 
 from ._base import RangeSink, views_after
+from ._low_water import LowWater
 from ._splice import HAVE_SPLICE, Progress, RateFloor, splice_socket
 
 __all__ = ["Body"]
@@ -49,6 +50,8 @@ class Body:
         self._stall_timeout = stall_timeout
         self._buffer_drained = False
         self._chunked = bool(response.chunked)
+        # Long bodies from a plain socket are received in batches (TLS and chunked bodies as they come).
+        self._low = None if self._chunked or hasattr(sock, "cipher") else LowWater(sock, stall_timeout)
 
     def readinto(self, view: memoryview) -> int:
         """Read at least one byte into ``view`` (which must not extend past the body) and return the count."""
@@ -62,15 +65,17 @@ class Body:
             got = len(prefix)
             view[:got] = prefix
         else:
-            got = self._sock.recv_into(view, len(view))
+            got = self._recv_into(view)
         if got == 0:
             raise EOFError("the server closed the connection before the body was complete")
         return got
 
     def fill(self, view: memoryview, progress: Progress) -> None:
         """Fill all of ``view``; ``progress.done`` counts the bytes already in it."""
-        length = len(view)
+        length, low = len(view), self._low
         while progress.done < length:
+            if low is not None and self._buffer_drained:
+                low.expect(length - progress.done)
             progress.done += self.readinto(view[progress.done :])
             if self._floor is not None:
                 self._floor.check(progress.done)
@@ -81,15 +86,19 @@ class Body:
         socket holds bytes for (a range of a thousand small tensors is not a thousand system calls)."""
         scatter = not self._chunked and not hasattr(self._sock, "cipher")
         rest = views_after(views, progress.done)
+        left, low = sum(map(len, rest)), self._low
         at = 0  # rest[at] is the first view not yet full
         while at < len(rest):
+            if low is not None and self._buffer_drained:
+                low.expect(left)
             if scatter and self._buffer_drained:
-                got = self._sock.recvmsg_into(rest[at : at + _IOV_MAX])[0]
+                got = self._recvmsg_into(rest[at : at + _IOV_MAX])
                 if got == 0:
                     raise EOFError("the server closed the connection before the body was complete")
             else:
                 got = self.readinto(rest[at])
             progress.done += got
+            left -= got
             while got:  # step past what landed: whole views, then into the one it stopped in
                 size = len(rest[at])
                 if got < size:
@@ -163,6 +172,24 @@ class Body:
                 floor=self._floor,
             )
 
+    def _recv_into(self, view: memoryview) -> int:
+        """``recv_into`` from the socket, through the waits of a raised low-water mark (``_low_water``)."""
+        while True:
+            try:
+                return self._sock.recv_into(view, len(view))
+            except TimeoutError:
+                if self._low is None or not self._low.waited():
+                    raise
+
+    def _recvmsg_into(self, views: Sequence[memoryview]) -> int:
+        """``recvmsg_into`` (one receive scattered over ``views``), through the same waits."""
+        while True:
+            try:
+                return int(self._sock.recvmsg_into(views)[0])
+            except TimeoutError:
+                if self._low is None or not self._low.waited():
+                    raise
+
     def _take_buffered(self, limit: int) -> bytes:
         """The next body bytes that the response's buffered reader pulled in with the headers.
 
@@ -190,6 +217,8 @@ class Body:
 
     def finish(self) -> None:
         """Mark the response consumed, so its connection can carry the next request."""
+        if self._low is not None:
+            self._low.reset()
         self._response.close()
 
 
