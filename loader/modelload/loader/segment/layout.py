@@ -13,7 +13,7 @@ import operator
 import struct
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import IntEnum, IntFlag
 from typing import Any
 
@@ -235,7 +235,6 @@ class Layout:
     state_offset: int
     data_offset: int
     data_length: int
-    by_name: Mapping[str, int] = field(repr=False)
     files: tuple[str, ...] = ()
     """The model's weight files, for a segment of several (layout version 2)."""
     memory_mode: MemoryMode = MemoryMode.FULL
@@ -257,6 +256,12 @@ class Layout:
         """The slots as columns: what code that reads every slot uses, rather than a :class:`Slot` each."""
         assert isinstance(self.slots, SlotTable)  # made one in __post_init__
         return self.slots
+
+    @functools.cached_property
+    def by_name(self) -> Mapping[str, int]:
+        """Each tensor's index by its name: made on first use (a writer that fills slots by index never asks,
+        and 100,000 names cost a 7 MiB dict)."""
+        return dict(zip(self.table.names, range(len(self.table)), strict=True))
 
     @property
     def layout_version(self) -> int:
@@ -392,8 +397,7 @@ def plan_layout(
     for key, value in meta.items():
         if not isinstance(key, str) or not isinstance(value, str):
             raise SegmentLayoutError(f"segment metadata must map strings to strings, got {key!r}: {value!r}")
-    by_name = dict(zip(specs.names, range(count), strict=True))
-    if len(by_name) != count:
+    if len(set(specs.names)) != count:  # a set for the check only: the layout's by_name is made when asked
         first = {name: i for i, name in reversed(list(enumerate(specs.names)))}
         twice = next(name for i, name in enumerate(specs.names) if first[name] != i)
         raise SegmentLayoutError(f"tensor name {twice!r} appears twice")
@@ -430,7 +434,6 @@ def plan_layout(
         state_offset=state_offset,
         data_offset=data_offset,
         data_length=max(data_end - data_offset, 0),
-        by_name=by_name,
         files=files,
         memory_mode=memory_mode,
         ring_size=ring_size,
