@@ -191,12 +191,15 @@ class TensorTable(Sequence[TensorEntry]):
             return np.array([int(v) for part in parts for v in part], dtype=object)
 
         numbers = [np.full(len(t), file, dtype=np.int32) for t, file in zip(tables, files, strict=True)]
+        records = offsets("record_offsets")
+        # Where every record is its data (safetensors), one column serves both, as in each file's table.
+        same = all(table.record_offsets is table.data_offsets for table in tables)
         return cls(
             joined("names"),
             joined("dtypes"),
             joined("shapes"),
-            offsets("record_offsets"),
-            offsets("data_offsets"),
+            records,
+            records if same else offsets("data_offsets"),
             offsets("data_lengths"),
             np.concatenate(numbers) if numbers else np.zeros(0, dtype=np.int32),
             paths=optional("paths", None),
