@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from modelload.loader.errors import ConfigError, DuplicateNameError, FormatError, SourceNotFoundError
-from modelload.loader.formats._index import ModelIndex, TensorTable
+from modelload.loader.formats._index import ModelIndex, TensorTable, has_repeats
 
 __all__ = [
     "SAFETENSORS_INDEX",
@@ -236,7 +236,7 @@ def merge_indexes(indexes: Sequence[tuple[str, ModelIndex]], *, where: str) -> M
                 source=f"{where}{name}",
             )
     tensors = TensorTable.concat([index.table for _, index in indexes], files=range(len(indexes)))
-    if len(set(tensors.names)) != len(tensors):
+    if has_repeats(tensors.names):
         _refuse_repeated_name(indexes, where)
     return ModelIndex(
         format=first.format,

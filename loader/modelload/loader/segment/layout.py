@@ -7,6 +7,7 @@ itself is in ``reader`` and ``writer``.
 
 from __future__ import annotations
 
+import array
 import functools
 import math
 import operator
@@ -15,15 +16,16 @@ import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum, IntFlag
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from modelload.loader.dtypes import DType
 from modelload.loader.errors import SegmentLayoutError
+from modelload.loader.formats import has_repeats
 from modelload.loader.segment.geometry import Ring
 from modelload.loader.segment.manifest_bytes import ManifestLength, manifest_pieces
-from modelload.loader.segment.slots import Slot, SlotTable
+from modelload.loader.segment.slots import Same, Slot, SlotTable
 
 __all__ = [
     "ALIGNMENT",
@@ -397,7 +399,7 @@ def plan_layout(
     for key, value in meta.items():
         if not isinstance(key, str) or not isinstance(value, str):
             raise SegmentLayoutError(f"segment metadata must map strings to strings, got {key!r}: {value!r}")
-    if len(set(specs.names)) != count:  # a set for the check only: the layout's by_name is made when asked
+    if has_repeats(specs.names):
         first = {name: i for i, name in reversed(list(enumerate(specs.names)))}
         twice = next(name for i, name in enumerate(specs.names) if first[name] != i)
         raise SegmentLayoutError(f"tensor name {twice!r} appears twice")
@@ -424,7 +426,10 @@ def plan_layout(
         data_offset = needed
     placed = relative + (data_offset - lead)
     sizes = np.asarray(nbytes, dtype=np.int64)
-    slots = SlotTable(specs.names, specs.dtypes, specs.shapes, placed, sizes, specs.sha256, specs.files)
+    # Kept for the whole load: one value where every tensor has it (no hash, no file), files as int32.
+    shas = Same(None, count) if specs.sha256.count(None) == count else specs.sha256
+    numbers = array.array("i", cast("Sequence[int]", specs.files)) if files else Same(None, count)
+    slots = SlotTable(specs.names, specs.dtypes, specs.shapes, placed, sizes, shas, numbers)
     ends = placed + sizes
     data_end = align(int(ends.max())) if count else data_offset
     return Layout(

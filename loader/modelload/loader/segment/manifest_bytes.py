@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from modelload.loader.formats import Names
+
 if TYPE_CHECKING:
     from modelload.loader.segment.layout import TensorSpecs
     from modelload.loader.segment.slots import SlotTable
@@ -119,7 +121,7 @@ def _digits(values: np.ndarray[Any, np.dtype[np.int64]]) -> int:
 
 def _text_bytes(texts: Sequence[str]) -> int:
     """The UTF-8 bytes of all ``texts`` as JSON strings, quotes included."""
-    joined = "".join(texts)
+    joined = texts.text if isinstance(texts, Names) else "".join(texts)
     if joined.isascii() and joined.isprintable() and '"' not in joined and "\\" not in joined:
         return len(joined) + 2 * len(texts)  # nothing to escape: each is itself in quotes
     return sum(len(_encode_text(text).encode()) for text in texts)

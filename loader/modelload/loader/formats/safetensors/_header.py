@@ -53,7 +53,7 @@ from modelload.loader.errors import (
     TruncatedError,
     UnsupportedDtypeError,
 )
-from modelload.loader.formats._index import MAX_NDIM, ModelIndex, RangeRead, TensorEntry, TensorTable
+from modelload.loader.formats._index import MAX_NDIM, ModelIndex, Names, RangeRead, TensorEntry, TensorTable
 from modelload.loader.formats.safetensors._json import METADATA_KEY, REWRITE, RepeatedKeys, load_header_json
 
 __all__ = ["FIRST_READ_LENGTH", "HEADER_SIZE_CAP", "METADATA_KEY", "read_index"]
@@ -320,7 +320,7 @@ def _entries_at_once(
     if shapes is not None:
         tuples = list(map(shapes.setdefault, tuples, tuples))
     tensors = TensorTable(
-        list(map(names.__getitem__, picked)),
+        Names(list(map(names.__getitem__, picked))),
         list(map(found.__getitem__, picked)),
         tuples,
         at,
