@@ -289,10 +289,10 @@ def test_opening_with_the_collector_held_off_leaves_no_botocore_session_behind_b
 
     monkeypatch.setenv("AWS_DEFAULT_REGION", "eu-west-3")
     gc.collect()
-    before = sum(isinstance(o, Session) for o in gc.get_objects())
+    before = sum(type(o) is Session for o in gc.get_objects())
     with paused_collector():
         source = open_source("s3://models-bucket/w.bin", SourceSettings())
-        sessions = sum(isinstance(o, Session) for o in gc.get_objects()) - before
+        sessions = sum(type(o) is Session for o in gc.get_objects()) - before
     assert sessions == 1  # the one kept for the credentials, which loads no service model
     assert isinstance(source, S3Source)
     assert source.region == "eu-west-3"
