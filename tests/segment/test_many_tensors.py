@@ -77,6 +77,45 @@ def test_the_manifest_encoded_once_is_byte_for_byte_the_json_of_the_whole_docume
     assert layout.state_offset == -(-(4096 + len(layout.manifest)) // 4096) * 4096
 
 
+def test_a_manifest_of_many_batches_with_hashes_in_some_only_is_the_json_of_the_whole_document() -> None:
+    # The manifest is made a batch of columns at a time: batches with and without hashes, files, odd names
+    # and shapes, and a last batch cut short, must still join into the one document.
+    from modelload.loader.segment.manifest_bytes import _BATCH
+
+    rng = random.Random(7)
+    count = 2 * _BATCH + 123
+    specs = [
+        TensorSpec(
+            f"model.layers.{i}.mlp.experts.{i % 64}.w" if i % 97 else f'é"\\\n{i}',
+            by_name(rng.choice(DTYPES)),
+            tuple(rng.randrange(1, 40) for _ in range(i % 3)),
+            sha256=f"{i:064x}" if _BATCH <= i < _BATCH + 50 else None,
+            file=i % 3,
+        )
+        for i in range(count)
+    ]
+    files = ("a.safetensors", "b.safetensors", "c.safetensors")
+    layout = plan_layout(specs, metadata={"format": "safetensors"}, files=files)
+    assert layout.manifest == json_manifest(layout)
+    assert len(layout.manifest) == layout.manifest_length
+
+
+def test_the_layouts_lookup_by_name_made_on_first_use_answers_every_name() -> None:
+    rng = random.Random(3)
+    specs = random_specs(rng, 3000, 2)
+    layout = plan_layout(specs, files=("a.safetensors", "b.safetensors"))
+    assert "by_name" not in vars(layout)  # nothing on the load path asks for it: not made with the layout
+    assert layout.by_name == {spec.name: i for i, spec in enumerate(specs)}
+    assert all(layout.slots[layout.by_name[spec.name]].name == spec.name for spec in specs)
+    assert layout.by_name is layout.by_name  # made once
+
+
+def test_a_name_given_twice_is_refused_without_the_lookup_by_name() -> None:
+    specs = [TensorSpec(n, by_name("uint8"), (2,)) for n in ("a", "b", "c", "b")]
+    with pytest.raises(SegmentLayoutError, match="'b' appears twice"):
+        plan_layout(specs)
+
+
 def header_of(layout: Any) -> Header:
     return layout.header(load_id=1, created_ns=1)
 

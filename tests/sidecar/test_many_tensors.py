@@ -20,7 +20,14 @@ from modelload.sidecar.load import LoadSettings
 from modelload.sidecar.load.engine import Engine
 from modelload.sidecar.memory import MemorySettings
 from modelload.sidecar.progress import LoadTracker, Observers
-from modelload.sidecar.sources import FileSource, HttpSettings, RetryPolicy, S3Settings, SourceSettings
+from modelload.sidecar.sources import (
+    FileSource,
+    HttpSettings,
+    RetryPolicy,
+    S3Settings,
+    SourceSettings,
+    open_model,
+)
 from tests.conftest import require
 from tests.sidecar import models
 from tests.support import hfdir
@@ -114,6 +121,21 @@ def test_a_local_directory_of_thousands_of_tensors_loads_byte_exact_with_few_rea
     load(str(directory), shm_dir / "moe.seg", readers=4)
     models.assert_segment_matches(shm_dir / "moe.seg", weights)
     assert len(weights) > 2000 and len(reads) <= bound(content), (len(reads), bound(content))
+
+
+def test_the_shards_of_a_directory_share_one_tuple_per_distinct_shape_and_each_tensor_keeps_its_own(
+    weights: dict[str, torch.Tensor], content: dict[str, bytes], tmp_path: Path
+) -> None:
+    # The experts' shapes repeat across shards: one tuple each for the whole model, not one per tensor.
+    directory = hfdir.write(tmp_path / "moe", content)
+    model = open_model(str(directory), FAST)
+    try:
+        table = model.index.table
+    finally:
+        model.close()
+    expected = {name: tuple(tensor.shape) for name, tensor in weights.items()}
+    assert dict(zip(table.names, table.shapes, strict=True)) == expected
+    assert len({id(shape) for shape in table.shapes}) == len(set(table.shapes)) < len(table)
 
 
 @pytest.mark.parametrize("origin", ["file", "nginx"])

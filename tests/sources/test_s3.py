@@ -275,6 +275,30 @@ def test_without_an_endpoint_aws_is_addressed_by_virtual_host(
     assert not source.supports_fd
 
 
+def test_opening_with_the_collector_held_off_leaves_no_botocore_session_behind_but_the_kept_one(
+    aws_env: Credentials, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The sidecar opens a model with the collector held off (segment.collector.LongLived): the session
+    # whose client resolved the endpoint, and the S3 service model it loaded, must not live on as
+    # uncollected cycles.
+    import gc
+
+    from botocore.session import Session
+
+    from modelload.loader.segment.collector import paused_collector
+
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "eu-west-3")
+    gc.collect()
+    before = sum(type(o) is Session for o in gc.get_objects())
+    with paused_collector():
+        source = open_source("s3://models-bucket/w.bin", SourceSettings())
+        sessions = sum(type(o) is Session for o in gc.get_objects()) - before
+    assert sessions == 1  # the one kept for the credentials, which loads no service model
+    assert isinstance(source, S3Source)
+    assert source.region == "eu-west-3"
+    assert source.location.url == "https://models-bucket.s3.eu-west-3.amazonaws.com/w.bin"
+
+
 def test_the_region_setting_is_the_signing_region(
     moto_proxy: FaultProxy, uploaded: str, aws_env: Credentials
 ) -> None:

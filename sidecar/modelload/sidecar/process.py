@@ -25,6 +25,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from modelload.loader.errors import ModelloadError
+from modelload.sidecar.heap import tune_heap
 from modelload.sidecar.load.attempts import AttemptPolicy
 from modelload.sidecar.logs import LoggingObserver, describe_progress
 from modelload.sidecar.settings import SidecarSettings
@@ -90,7 +91,10 @@ def default_engine(
 
 
 def run_sidecar(settings: SidecarSettings, *, engine_factory: EngineFactory = default_engine) -> int:
-    """Run the sidecar until SIGTERM/SIGINT (when called from the main thread); returns the exit status."""
+    """Run the sidecar until SIGTERM/SIGINT (when called from the main thread); returns the exit status.
+
+    The process is the sidecar's own: its C heap is tuned first (:mod:`modelload.sidecar.heap`)."""
+    tune_heap()
     sidecar = Sidecar(settings, engine_factory=engine_factory)
     restore = _install_signals(sidecar) if threading.current_thread() is threading.main_thread() else {}
     try:

@@ -18,7 +18,15 @@ from modelload.loader.formats._directory import (
     select_model_files,
     weight_shards,
 )
-from modelload.loader.formats._index import FormatName, ModelIndex, RangeRead, TensorEntry, TensorTable
+from modelload.loader.formats._index import (
+    FormatName,
+    ModelIndex,
+    Names,
+    RangeRead,
+    TensorEntry,
+    TensorTable,
+    has_repeats,
+)
 from modelload.loader.formats._reader import ModelReader, open_reader
 
 __all__ = [
@@ -31,12 +39,14 @@ __all__ = [
     "ModelFiles",
     "ModelIndex",
     "ModelReader",
+    "Names",
     "PrefixedRead",
     "RangeRead",
     "TensorEntry",
     "TensorTable",
     "check_small_files",
     "detect_format",
+    "has_repeats",
     "merge_indexes",
     "open_reader",
     "read_index",

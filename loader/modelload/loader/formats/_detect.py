@@ -107,13 +107,15 @@ def read_index(
     source: str | None = None,
     size: int | None = None,
     file: int = 0,
+    shapes: dict[tuple[int, ...], tuple[int, ...]] | None = None,
 ) -> ModelIndex:
     """Read the index of a model file of either format through ``read(offset, length)``.
 
     ``format`` names the format or asks to detect it. ``source`` names the file in error messages. ``size``
     is the file's size when the caller knows it (a ``Content-Length``); then the index is also checked
     against it, so a truncated file fails here rather than after the load starts. ``file`` is the file's
-    number among a model's weight files, recorded in each entry (:attr:`TensorEntry.file`).
+    number among a model's weight files, recorded in each entry (:attr:`TensorEntry.file`). ``shapes`` is a
+    dictionary the files of one model share, so that equal shapes are one tuple (safetensors files).
     """
     if format not in _FORMATS:
         raise ConfigError(f"unknown model format {format!r}; use one of {', '.join(_FORMATS)}")
@@ -133,7 +135,7 @@ def read_index(
         )
     known = size if size is not None else cached.size
     if (found or format) == "safetensors":
-        return safetensors.read_index(cached, source=source, size=known, file=file)
+        return safetensors.read_index(cached, source=source, size=known, file=file, shapes=shapes)
     # Imported here: the tensorizer reader is the larger module (and pulls in its crypto), and a
     # safetensors-only caller never needs it.
     from modelload.loader.formats import tensorizer

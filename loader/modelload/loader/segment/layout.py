@@ -7,23 +7,25 @@ itself is in ``reader`` and ``writer``.
 
 from __future__ import annotations
 
+import array
 import functools
 import math
 import operator
 import struct
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import IntEnum, IntFlag
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from modelload.loader.dtypes import DType
 from modelload.loader.errors import SegmentLayoutError
+from modelload.loader.formats import has_repeats
 from modelload.loader.segment.geometry import Ring
 from modelload.loader.segment.manifest_bytes import ManifestLength, manifest_pieces
-from modelload.loader.segment.slots import Slot, SlotTable
+from modelload.loader.segment.slots import Same, Slot, SlotTable
 
 __all__ = [
     "ALIGNMENT",
@@ -235,7 +237,6 @@ class Layout:
     state_offset: int
     data_offset: int
     data_length: int
-    by_name: Mapping[str, int] = field(repr=False)
     files: tuple[str, ...] = ()
     """The model's weight files, for a segment of several (layout version 2)."""
     memory_mode: MemoryMode = MemoryMode.FULL
@@ -257,6 +258,12 @@ class Layout:
         """The slots as columns: what code that reads every slot uses, rather than a :class:`Slot` each."""
         assert isinstance(self.slots, SlotTable)  # made one in __post_init__
         return self.slots
+
+    @functools.cached_property
+    def by_name(self) -> Mapping[str, int]:
+        """Each tensor's index by its name: made on first use (a writer that fills slots by index never asks,
+        and 100,000 names cost a 7 MiB dict)."""
+        return dict(zip(self.table.names, range(len(self.table)), strict=True))
 
     @property
     def layout_version(self) -> int:
@@ -392,8 +399,7 @@ def plan_layout(
     for key, value in meta.items():
         if not isinstance(key, str) or not isinstance(value, str):
             raise SegmentLayoutError(f"segment metadata must map strings to strings, got {key!r}: {value!r}")
-    by_name = dict(zip(specs.names, range(count), strict=True))
-    if len(by_name) != count:
+    if has_repeats(specs.names):
         first = {name: i for i, name in reversed(list(enumerate(specs.names)))}
         twice = next(name for i, name in enumerate(specs.names) if first[name] != i)
         raise SegmentLayoutError(f"tensor name {twice!r} appears twice")
@@ -420,7 +426,10 @@ def plan_layout(
         data_offset = needed
     placed = relative + (data_offset - lead)
     sizes = np.asarray(nbytes, dtype=np.int64)
-    slots = SlotTable(specs.names, specs.dtypes, specs.shapes, placed, sizes, specs.sha256, specs.files)
+    # Kept for the whole load: one value where every tensor has it (no hash, no file), files as int32.
+    shas = Same(None, count) if specs.sha256.count(None) == count else specs.sha256
+    numbers = array.array("i", cast("Sequence[int]", specs.files)) if files else Same(None, count)
+    slots = SlotTable(specs.names, specs.dtypes, specs.shapes, placed, sizes, shas, numbers)
     ends = placed + sizes
     data_end = align(int(ends.max())) if count else data_offset
     return Layout(
@@ -430,7 +439,6 @@ def plan_layout(
         state_offset=state_offset,
         data_offset=data_offset,
         data_length=max(data_end - data_offset, 0),
-        by_name=by_name,
         files=files,
         memory_mode=memory_mode,
         ring_size=ring_size,

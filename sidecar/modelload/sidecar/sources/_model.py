@@ -164,11 +164,13 @@ def _stat_and_index(
     format: Literal["auto", "tensorizer", "safetensors"],  # noqa: A002 - the CLI's word for it
     settings: SourceSettings,
     on_retry: Callable[[RetryEvent], None] | None,
+    shapes: dict[tuple[int, ...], tuple[int, ...]] | None = None,
 ) -> tuple[ObjectInfo, ModelIndex, list[tuple[int, bytes]]]:
     """Weight file ``file``'s size and validators, its index, read from the bytes the same request brought
     (a second read only for an index longer than :data:`PREFIX_LENGTH`), and the index's bytes, kept where
     the source knows a digest of the whole file (``hf://``, ``oci://``): it hashes them, as they are not
-    landed (:meth:`OpenedModel.kept_bytes`)."""
+    landed (:meth:`OpenedModel.kept_bytes`). ``shapes`` is shared by the files of one model (each distinct
+    shape one tuple, see :func:`~modelload.loader.formats.read_index`)."""
     info, head = stat_with_prefix(source, PREFIX_LENGTH, policy=settings.retry, on_retry=on_retry)
     more: list[tuple[int, bytes]] = []
 
@@ -182,7 +184,7 @@ def _stat_and_index(
         return data
 
     uri = source.display_uri
-    index = read_index(read, format=format, source=uri, size=info.size, file=file)
+    index = read_index(read, format=format, source=uri, size=info.size, file=file, shapes=shapes)
     if index.data_end > info.size:
         raise TruncatedError(
             f"the index needs {index.data_end} bytes and the object has {info.size}: it is truncated",
@@ -219,9 +221,10 @@ def _open_directory(
     small_sizes = {name: size for name, size in small.items() if size is not None}
     check_small_files(small_sizes, where=where)
     sources: list[Source] = []
+    shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # the shards' tensors share their shapes' tuples
 
     def stat(source: Source, file: int) -> tuple[ObjectInfo, ModelIndex, list[tuple[int, bytes]]]:
-        return _stat_and_index(source, file, chosen.format, settings, on_retry)
+        return _stat_and_index(source, file, chosen.format, settings, on_retry, shapes)
 
     try:
         for name in chosen.weights:

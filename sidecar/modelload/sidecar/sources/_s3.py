@@ -18,6 +18,7 @@ If-Match, resume. ``unsigned`` sends no Authorization header at all (public buck
 
 from __future__ import annotations
 
+import gc
 import logging
 import re
 import threading
@@ -154,20 +155,33 @@ def _resolve_access(s3: S3Settings, display: str) -> _Access:
         if s3.credentials is not None:  # explicit keys replace the whole chain, never mix with it
             given = s3.credentials
             session.set_credentials(given.access_key_id, given.secret_access_key, given.session_token)
-        client = session.create_client(
-            "s3",
-            region_name=s3.region,
-            endpoint_url=s3.endpoint_url,
-            config=botocore.config.Config(signature_version=botocore.UNSIGNED),
-        )
+        endpoint_url, region = _endpoint(botocore, s3)
         return _Access(
             session=session,
-            endpoint_url=client.meta.endpoint_url,
-            region=client.meta.region_name or "us-east-1",
+            endpoint_url=endpoint_url,
+            region=region,
             ca_bundle=session.get_config_variable("ca_bundle"),
         )
     except (botocore.exceptions.BotoCoreError, ValueError) as exc:
         raise ConfigError(f"cannot set up S3 access for {display}: {type(exc).__name__}: {exc}") from exc
+
+
+def _endpoint(botocore: Any, s3: S3Settings) -> tuple[str, str]:
+    """The endpoint URL and signing region botocore resolves for ``s3``, by a client of a session of its
+    own, dropped at once: a session keeps the S3 service model and endpoint rules its client loaded (about
+    10 MiB), which the session kept for the credentials never needs. That session's objects form cycles,
+    and the sidecar opens a model with the collector held off (``segment.collector``), so they are collected
+    here: the youngest generation only, where everything made since the collector last ran is."""
+    client = botocore.session.Session().create_client(
+        "s3",
+        region_name=s3.region,
+        endpoint_url=s3.endpoint_url,
+        config=botocore.config.Config(signature_version=botocore.UNSIGNED),
+    )
+    resolved = str(client.meta.endpoint_url), str(client.meta.region_name or "us-east-1")
+    del client
+    gc.collect(0)
+    return resolved
 
 
 class S3Source(HttpObject):

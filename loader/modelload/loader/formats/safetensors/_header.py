@@ -53,7 +53,7 @@ from modelload.loader.errors import (
     TruncatedError,
     UnsupportedDtypeError,
 )
-from modelload.loader.formats._index import MAX_NDIM, ModelIndex, RangeRead, TensorEntry, TensorTable
+from modelload.loader.formats._index import MAX_NDIM, ModelIndex, Names, RangeRead, TensorEntry, TensorTable
 from modelload.loader.formats.safetensors._json import METADATA_KEY, REWRITE, RepeatedKeys, load_header_json
 
 __all__ = ["FIRST_READ_LENGTH", "HEADER_SIZE_CAP", "METADATA_KEY", "read_index"]
@@ -68,16 +68,24 @@ source answers one request; a bigger header costs exactly one more."""
 
 _U64_MAX = 2**64 - 1
 
+Shapes = dict[tuple[int, ...], tuple[int, ...]]
+"""Each distinct shape, by itself: what the files of one model share so that each shape is one tuple."""
+
 
 def read_index(
-    read: RangeRead, *, source: str | None = None, size: int | None = None, file: int = 0
+    read: RangeRead,
+    *,
+    source: str | None = None,
+    size: int | None = None,
+    file: int = 0,
+    shapes: Shapes | None = None,
 ) -> ModelIndex:
     """Read and check the header of a safetensors file through ``read(offset, length)``.
 
     At most two reads: :data:`FIRST_READ_LENGTH` bytes from offset 0, then the rest of the header when it is
     longer. ``size`` is the file's size when the caller knows it (a local ``fstat``, an HTTP
     ``Content-Length``); with it, the data ranges are checked against the file too. ``file`` is the file's
-    number among a model's weight files (:attr:`TensorEntry.file`).
+    number among a model's weight files (:attr:`TensorEntry.file`). ``shapes``: see :func:`parse_header`.
 
     >>> from modelload.loader.formats.safetensors import serialize
     >>> import numpy as np
@@ -121,17 +129,26 @@ def read_index(
                 source=source,
             )
         header = b"".join((view[8:], rest))
-    return parse_header(header, size=size, source=source, file=file)
+    return parse_header(header, size=size, source=source, file=file, shapes=shapes)
 
 
 def parse_header(
-    header: bytes | memoryview, *, size: int | None = None, source: str | None = None, file: int = 0
+    header: bytes | memoryview,
+    *,
+    size: int | None = None,
+    source: str | None = None,
+    file: int = 0,
+    shapes: Shapes | None = None,
 ) -> ModelIndex:
-    """Check the ``N`` header bytes (without the 8-byte size) and build the index, tensors in file order."""
+    """Check the ``N`` header bytes (without the 8-byte size) and build the index, tensors in file order.
+
+    ``shapes``, when given, is shared by the files of one model: each tensor's shape is the tuple already
+    there when an equal one is (a mixture of experts repeats a few shapes over 100,000 tensors, whose
+    tuples and dimensions were 8 MiB kept for the whole load), and new ones are added."""
     base = 8 + len(header)
     top = load_header_json(header, source)
     metadata = _metadata(top.pop(METADATA_KEY, None), source)
-    found = _entries_at_once(top, base=base, size=size, file=file)
+    found = _entries_at_once(top, base=base, size=size, file=file, shapes=shapes)
     if found is not None:
         tensors, buffer_end = found
     else:  # something may be wrong: the rule-by-rule pass says precisely what
@@ -251,7 +268,7 @@ _I64_MAX = 2**63 - 1
 
 
 def _entries_at_once(
-    top: dict[str, Any], *, base: int, size: int | None, file: int
+    top: dict[str, Any], *, base: int, size: int | None, file: int, shapes: Shapes | None = None
 ) -> tuple[TensorTable, int] | None:
     """Every entry rule and the layout rule of :func:`_entry` and :func:`_check_layout`, checked column by
     column (C-level maps and numpy, not Python statements per tensor: a shard of a mixture of experts lists
@@ -265,11 +282,11 @@ def _entries_at_once(
         found = [_BY_CODE[raw["dtype"]] for raw in raws]
     except (KeyError, TypeError):  # an unknown dtype, or not a string
         return None
-    shapes = [raw["shape"] for raw in raws]
+    dims = [raw["shape"] for raw in raws]
     offsets = [raw["data_offsets"] for raw in raws]
-    if set(map(type, shapes)) != {list} or set(map(type, offsets)) != {list} or set(map(len, offsets)) != {2}:
+    if set(map(type, dims)) != {list} or set(map(type, offsets)) != {list} or set(map(len, offsets)) != {2}:
         return None
-    if max(map(len, shapes)) > MAX_NDIM:
+    if max(map(len, dims)) > MAX_NDIM:
         return None
     joined = "".join(names)
     if not joined.isascii():
@@ -278,13 +295,13 @@ def _entries_at_once(
         except UnicodeEncodeError:
             return None
     numbers = list(
-        itertools.chain(itertools.chain.from_iterable(shapes), itertools.chain.from_iterable(offsets))
+        itertools.chain(itertools.chain.from_iterable(dims), itertools.chain.from_iterable(offsets))
     )
     if set(map(type, numbers)) != {int} or min(numbers) < 0 or max(numbers) > _U64_MAX:
         return None
     begins, ends = [o[0] for o in offsets], [o[1] for o in offsets]
     lengths = list(map(operator.sub, ends, begins))
-    if min(lengths) < 0 or list(map(operator.mul, map(math.prod, shapes), map(_ITEMSIZE, found))) != lengths:
+    if min(lengths) < 0 or list(map(operator.mul, map(math.prod, dims), map(_ITEMSIZE, found))) != lengths:
         return None
     start = np.array(begins, dtype=np.uint64)
     span = np.array(lengths, dtype=np.uint64)
@@ -299,10 +316,13 @@ def _entries_at_once(
         return None
     picked = order.tolist()
     at = first.astype(np.int64) + base  # one column for both offsets: the record is the data
+    tuples = list(map(tuple, map(dims.__getitem__, picked)))
+    if shapes is not None:
+        tuples = list(map(shapes.setdefault, tuples, tuples))
     tensors = TensorTable(
-        list(map(names.__getitem__, picked)),
+        Names(list(map(names.__getitem__, picked))),
         list(map(found.__getitem__, picked)),
-        list(map(tuple, map(shapes.__getitem__, picked))),
+        tuples,
         at,
         at,
         span[order].astype(np.int64),

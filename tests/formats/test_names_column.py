@@ -1,0 +1,53 @@
+"""Tensor names kept as one text (``formats.Names``): every name is still answered, in order, and repeats
+are still found."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from modelload.loader.formats import Names, has_repeats
+
+
+def some_names(seed: int, count: int) -> list[str]:
+    rng = random.Random(seed)
+    odd = ["", "é", '"', "\\", "\n", "名前", "\U0001f600", "a\x00b"]
+    return [
+        f"layers.{i}.mlp.experts.{rng.randrange(64)}.w" if rng.random() < 0.8 else rng.choice(odd) + str(i)
+        for i in range(count)
+    ]
+
+
+@pytest.mark.parametrize("count", [0, 1, 5, 4095, 4096, 4097, 10_000])
+def test_every_name_is_answered_by_index_slice_and_iteration_in_order(count: int) -> None:
+    listed = some_names(count, count)
+    names = Names(listed)
+    assert len(names) == count
+    assert list(names) == listed
+    assert [names[i] for i in range(count)] == listed
+    assert [names[-i] for i in range(1, count + 1)] == [listed[-i] for i in range(1, count + 1)]
+    assert names[3:4100] == listed[3:4100]
+    assert names[::7] == listed[::7]
+    assert names[5:2] == []
+    assert names == listed and names == tuple(listed) and names == Names(listed)
+    assert names != [*listed, "x"]
+    with pytest.raises(IndexError):
+        names[count]
+    with pytest.raises(IndexError):
+        names[-count - 1]
+
+
+def test_names_of_several_files_join_in_order() -> None:
+    parts = [some_names(seed, count) for seed, count in enumerate([3, 0, 4097, 1])]
+    joined = Names.concat([Names(part) for part in parts])
+    assert list(joined) == [name for part in parts for name in part]
+    assert joined.text == "".join(name for part in parts for name in part)
+
+
+def test_a_repeated_name_is_found_and_distinct_names_are_not_taken_for_repeats() -> None:
+    listed = some_names(1, 20_000)
+    distinct = list(dict.fromkeys(listed))
+    assert not has_repeats(distinct) and not has_repeats(Names(distinct))
+    assert has_repeats([*distinct, distinct[123]]) and has_repeats(Names([distinct[-1], *distinct]))
+    assert not has_repeats([]) and not has_repeats(Names())
