@@ -16,8 +16,8 @@ from modelload.sidecar.heap import tune_heap
 
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
 
-# A freed 8 MiB block raises glibc's mapping threshold past 1 MiB: then a 1 MiB block is mapped only when
-# the threshold is pinned. Prints the blocks mapped for that 1 MiB block (1 or 0).
+# A freed 8 MiB block raises glibc's mapping threshold past 2 MiB: then a 2 MiB block (over the pinned
+# threshold) is mapped only when the threshold is pinned. Prints the blocks mapped for it (1 or 0).
 PROBE = """
 import ctypes, json, sys
 class Info(ctypes.Structure):
@@ -30,7 +30,7 @@ tuned = tune_heap(json.loads(sys.argv[1])) if sys.argv[2] == "tune" else None
 big = bytearray(8 << 20)
 del big
 before = libc.mallinfo2().hblks
-block = bytearray(1 << 20)
+block = bytearray(2 << 20)
 print(json.dumps({"tuned": tuned, "mapped": libc.mallinfo2().hblks - before}))
 """
 
