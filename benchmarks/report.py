@@ -26,6 +26,7 @@ GIB, MIB = 1 << 30, 1 << 20
 
 ORIGINS = {
     "file": "local file (tmpfs)",
+    "file-verify": "local file (tmpfs), tensorizer file, hashes verified",
     "http": "HTTP, nginx on loopback",
     "s3": "S3, nginx stand-in on loopback",
     "s3like-http": "HTTP, S3-like origin",
@@ -311,6 +312,9 @@ def targets(records: list[dict[str, Any]]) -> str:
             )
         lines.append(f"- {title}: sidecar " + "; ".join(parts))
     lines += huge_pages_goals(records)
+    from peer_goals import peer_goals  # it builds on this module's grouping
+
+    lines += peer_goals(records)
     curve = group(records, "readers")
     if curve:
         link, cap = _link_and_cap()
