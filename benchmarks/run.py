@@ -53,8 +53,8 @@ sys.path.insert(0, str(ROOT))
 
 from harness import make_model, make_safetensors  # noqa: E402
 from hugepages_cases import huge_page_cases, huge_page_volumes  # noqa: E402
-from peer_goals import peer_goals  # noqa: E402
 from origins import S3RVER_KEY, S3RVER_SECRET, Origin, Unavailable, s3_like, s3rver, upload  # noqa: E402
+from peer_goals import peer_goals  # noqa: E402
 from scratch import scratch  # noqa: E402
 
 from tests.support.nginx import NginxServer  # noqa: E402
