@@ -32,10 +32,10 @@ def link_and_cap() -> tuple[float, float]:
     return LINK_GBIT * 1e9 / 8 / GIB, RATE_MB_S * 1e6 / GIB
 
 
-def _verdict(value: float, goal: float) -> str:
+def _verdict(value: float, goal: float, *, digits: int = 2) -> str:
     if value != value:  # NaN: nothing to compare
         return "not measured"
-    return f"{value:.2f} ({'reached' if value >= goal else 'NOT reached'}, goal >= {goal:g})"
+    return f"{value:.{digits}f} ({'reached' if value >= goal else 'NOT reached'}, goal >= {goal:g})"
 
 
 def _load(*cases: Case) -> str:
@@ -73,9 +73,9 @@ def peer_goals(records: list[dict[str, Any]]) -> list[str]:
         sidecar, curl = cases.get("sidecar"), cases.get("curl")
         if readers > MAX_READERS or sidecar is None or not sidecar.ok:
             continue
-        beside = f"; curl {_share(curl, readers):.2f}" if curl is not None and curl.ok else ""
+        beside = f"; curl {_share(curl, readers):.3f}" if curl is not None and curl.ok else ""
         lines.append(
             f"- S3-like origin, {readers} readers ({where}): sidecar / min(link, readers x {RATE_MB_S:g} MB/s) "
-            f"{_verdict(_share(sidecar, readers), SHARE_GOAL)}{beside} ({_load(sidecar)})"
+            f"{_verdict(_share(sidecar, readers), SHARE_GOAL, digits=3)}{beside} ({_load(sidecar)})"
         )
     return lines

@@ -127,8 +127,8 @@ def test_the_goals_against_the_peers_are_checked_within_rounds_and_against_the_r
     assert lines[1].startswith(
         "- s3rver: sidecar / tensorizer (tensorizer 1r) 1.10 (NOT reached, goal >= 1.2)"
     )
-    assert "2 readers (readers curve): sidecar / min(link, readers x 90 MB/s) 0.95 (reached" in lines[2]
-    assert "16 readers (readers curve): sidecar / min(link, readers x 90 MB/s) 0.50 (NOT reached" in lines[3]
+    assert "2 readers (readers curve): sidecar / min(link, readers x 90 MB/s) 0.950 (reached" in lines[2]
+    assert "16 readers (readers curve): sidecar / min(link, readers x 90 MB/s) 0.500 (NOT reached" in lines[3]
     assert "load not recorded" in lines[3]
 
 
