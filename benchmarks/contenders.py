@@ -309,6 +309,9 @@ def load_sidecar(args: argparse.Namespace) -> dict[str, Any]:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=30)
         segment.unlink(missing_ok=True)
+        segment.with_name(segment.name + ".lock").unlink(
+            missing_ok=True
+        )  # the writer's lock file, left behind
     started, finished = float(status["started_at"]), float(status["finished_at"])
     return {
         "seconds": finished - started,
