@@ -12,7 +12,8 @@ Contenders:
   engine's start to the last tensor READY. Its CPU is read from ``/proc`` over exactly that interval;
   its peak RSS is what it holds *besides* the segment (anonymous + file pages), since the segment is the
   model itself, shared with the inference process.
-- ``tensorizer``: ``TensorDeserializer(uri, device="cpu", num_readers=N)``, every tensor owned in memory.
+- ``tensorizer``: ``TensorDeserializer(uri, device="cpu", num_readers=N)``, every tensor owned in memory;
+  with ``--verify``, ``verify_hash=True`` (each tensor checked against the file's stored hashes).
 - ``runai``: Run:ai Model Streamer's ``SafetensorsStreamer`` (file or S3), every tensor owned
   (``owned=True``): ``RUNAI_STREAMER_CONCURRENCY`` and ``RUNAI_STREAMER_OBJ_CONCURRENCY`` = readers,
   ``RUNAI_STREAMER_CHUNK_BYTESIZE`` = chunk.
@@ -89,7 +90,9 @@ def load_tensorizer(args: argparse.Namespace) -> dict[str, Any]:
     from tensorizer import TensorDeserializer
 
     def load() -> tuple[int, Any]:
-        tensors = TensorDeserializer(args.source, device="cpu", num_readers=args.readers, verify_hash=False)
+        tensors = TensorDeserializer(
+            args.source, device="cpu", num_readers=args.readers, verify_hash=args.verify
+        )
         return _tensor_bytes(tensors.values()), tensors
 
     return _in_process(load)
@@ -321,6 +324,9 @@ def load_sidecar(args: argparse.Namespace) -> dict[str, Any]:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=30)
         segment.unlink(missing_ok=True)
+        segment.with_name(segment.name + ".lock").unlink(
+            missing_ok=True
+        )  # the writer's lock file, left behind
     started, finished = float(status["started_at"]), float(status["finished_at"])
     return {
         "seconds": finished - started,
@@ -379,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--s3-endpoint", default="", help="an S3 endpoint other than AWS's")
     parser.add_argument("--size", type=int, default=0, help="the object's bytes (curl, mapping)")
     parser.add_argument("--sigv4", default="", help="curl --aws-sigv4 provider, for an S3 origin")
-    parser.add_argument("--verify", action="store_true", help="sidecar: check the file's hashes")
+    parser.add_argument("--verify", action="store_true", help="sidecar, tensorizer: check the file's hashes")
     parser.add_argument(
         "--segment", default=None, help="sidecar, mapping: the segment path (sidecar default: in /dev/shm)"
     )

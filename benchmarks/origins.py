@@ -94,6 +94,22 @@ def _run(*argv: str) -> None:
         raise Unavailable(f"`{' '.join(argv)}` failed: {done.stderr.strip()[:300]}")
 
 
+def _claim_namespace() -> tuple[str, int]:
+    """A network namespace of our own, ``mlbN``, and its number N (1-250), which names its subnet
+    10.231.N.0/30. ``ip netns add`` fails when the name is taken, so two benchmarks running at once (the
+    machine is shared) never take over each other's origin: a fixed name did, one run's cleanup deleting
+    the other's namespace mid-measurement."""
+    for number in range(1, 251):
+        done = subprocess.run(
+            ["ip", "netns", "add", f"mlb{number}"], capture_output=True, text=True, check=False
+        )
+        if done.returncode == 0:
+            return f"mlb{number}", number
+        if "exists" not in done.stderr.lower():
+            raise Unavailable(f"`ip netns add` failed: {done.stderr.strip()[:300]}")
+    raise Unavailable("network namespaces mlb1 to mlb250 are all taken (leftovers: `ip netns del mlbN`)")
+
+
 @contextlib.contextmanager
 def s3_like(
     root: Path,
@@ -102,30 +118,30 @@ def s3_like(
     rate_mb_s: float = RATE_MB_S,
     delay_ms: float = DELAY_MS,
     link_gbit: float = LINK_GBIT,
-    name: str = "mlbench",
     access_log: Path | None = None,
 ) -> Iterator[Origin]:
-    """nginx in namespace ``name`` at 10.231.0.2, behind a veth with ``delay_ms`` each way (so a round trip
-    of twice that) and ``link_gbit`` of bandwidth each way, each response capped at ``rate_mb_s`` MB/s.
-    ``access_log``: where nginx writes a line per request (off by default), to count a load's requests."""
+    """nginx in a network namespace of its own (``mlbN``, at 10.231.N.2), behind a veth with ``delay_ms``
+    each way (so a round trip of twice that) and ``link_gbit`` of bandwidth each way, each response capped
+    at ``rate_mb_s`` MB/s. ``access_log``: where nginx writes a line per request (off by default), to count
+    a load's requests."""
     if os.geteuid() != 0:
         raise Unavailable("a network namespace needs root (run as root, or skip the S3-like origin)")
     for tool in ("ip", "tc", "nginx"):
         if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists():
             raise Unavailable(f"`{tool}` is not installed (iproute2 / nginx-light)")
+    name, number = _claim_namespace()
     host, peer = f"{name}-h", f"{name}-o"
+    ours, theirs = f"10.231.{number}.1", f"10.231.{number}.2"
     state = Path(tempfile.mkdtemp(prefix="modelload-s3like-"))
     nginx: subprocess.Popen[bytes] | None = None
     proxy: subprocess.Popen[bytes] | None = None
-    subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)  # a leftover of a crash
-    subprocess.run(["ip", "link", "del", host], capture_output=True, check=False)
+    subprocess.run(["ip", "link", "del", host], capture_output=True, check=False)  # a leftover of a crash
     try:
-        _run("ip", "netns", "add", name)
         _run("ip", "link", "add", host, "type", "veth", "peer", "name", peer)
         _run("ip", "link", "set", peer, "netns", name)
-        _run("ip", "addr", "add", "10.231.0.1/30", "dev", host)
+        _run("ip", "addr", "add", f"{ours}/30", "dev", host)
         _run("ip", "link", "set", host, "up")
-        _run("ip", "netns", "exec", name, "ip", "addr", "add", "10.231.0.2/30", "dev", peer)
+        _run("ip", "netns", "exec", name, "ip", "addr", "add", f"{theirs}/30", "dev", peer)
         _run("ip", "netns", "exec", name, "ip", "link", "set", peer, "up")
         _run("ip", "netns", "exec", name, "ip", "link", "set", "lo", "up")
         # netem adds the delay on the link itself; a kernel built without it (CONFIG_NET_SCH_NETEM) gets
@@ -150,7 +166,7 @@ def s3_like(
         (state / "nginx.conf").write_text(
             _NGINX.format(
                 state=state,
-                address="10.231.0.2" if netem else "127.0.0.1",
+                address=theirs if netem else "127.0.0.1",
                 port=port if netem else port + 1,
                 root=root.resolve(),
                 bucket=bucket,
@@ -167,13 +183,13 @@ def s3_like(
         if not netem:
             proxy = subprocess.Popen(
                 ["ip", "netns", "exec", name, sys.executable, str(Path(__file__).with_name("delay_proxy.py")),
-                 "10.231.0.2", str(port), "127.0.0.1", str(port + 1), str(2 * delay_ms)],
+                 theirs, str(port), "127.0.0.1", str(port + 1), str(2 * delay_ms)],
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             )  # fmt: skip
-            _wait_port("10.231.0.2", port, proxy)
-        _wait_port("10.231.0.2", port, nginx)
+            _wait_port(theirs, port, proxy)
+        _wait_port(theirs, port, nginx)
         yield Origin(
-            base=f"http://10.231.0.2:{port}",
+            base=f"http://{theirs}:{port}",
             bucket=bucket,
             description=(
                 f"nginx in a network namespace: {rate_mb_s:.0f} MB/s per response (limit_rate), "

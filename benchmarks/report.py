@@ -26,6 +26,7 @@ GIB, MIB = 1 << 30, 1 << 20
 
 ORIGINS = {
     "file": "local file (tmpfs)",
+    "file-verify": "local file (tmpfs), tensorizer file, hashes verified",
     "http": "HTTP, nginx on loopback",
     "s3": "S3, nginx stand-in on loopback",
     "s3like-http": "HTTP, S3-like origin",
@@ -309,7 +310,7 @@ def targets(records: list[dict[str, Any]]) -> str:
     for origin, title in ORIGINS.items():
         cases = grouped.get((origin, None), {})
         sidecar = cases.get("sidecar")
-        if sidecar is None or not sidecar.ok:
+        if sidecar is None or not sidecar.ok or origin == "file-verify":  # its goal: peer_goals.py
             continue
         parts = []
         for contender, goal in (
@@ -326,19 +327,12 @@ def targets(records: list[dict[str, Any]]) -> str:
             )
         lines.append(f"- {title}: sidecar " + "; ".join(parts))
     lines += huge_pages_goals(records)
+    from peer_goals import peer_goals  # it builds on this module's grouping
+
+    lines += peer_goals(records)
     curve = group(records, "readers")
     if curve:
-        link, cap = _link_and_cap()
         points = sorted(curve.items(), key=lambda item: float(item[0][1]))
-        shares = []
-        for (_, x), cases in points:
-            sidecar = cases.get("sidecar")
-            if sidecar is not None and sidecar.ok:
-                shares.append(f"{x}: {sidecar.gib_s / min(link, float(x) * cap):.2f}")
-        lines.append(
-            "- S3-like origin, sidecar / min(link, readers x 90 MB/s) by readers (goal >= 0.9): "
-            + ", ".join(shares)
-        )
         for contender in ORDER:
             xs = [
                 (float(x), cases[contender].gib_s)

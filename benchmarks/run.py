@@ -6,8 +6,10 @@ round to round, so the swings of a shared machine hit all alike. Ratios are take
 
 Sections (``--sections``):
 
-- ``table``: each origin (local file; nginx over loopback as HTTP and as an S3 stand-in; the S3-like origin
-  as HTTP and S3, see ``origins.s3_like``; s3rver, a real S3 server) x each contender that can read it:
+- ``table``: each origin (local file; the same with hashes verified, ``file-verify``: the sidecar and tensorizer
+  both checking the tensorizer file's stored hashes; nginx over loopback as HTTP and as an S3 stand-in; the
+  S3-like origin as HTTP and S3, see ``origins.s3_like``; s3rver, a real S3 server) x each contender that can
+  read it:
   the sidecar, tensorizer (several ``num_readers``, the best is kept), Run:ai Model Streamer, safetensors
   (``load_file`` + copy, ``safe_open``), ``torch.load``, and ``curl`` into tmpfs (the floor of landing bytes in
   new memory). A contender that cannot read an origin gets a line saying why.
@@ -52,6 +54,7 @@ sys.path.insert(0, str(ROOT))
 from harness import make_model, make_safetensors  # noqa: E402
 from hugepages_cases import huge_page_cases, huge_page_rounds, huge_page_volumes  # noqa: E402
 from origins import S3RVER_KEY, S3RVER_SECRET, Origin, Unavailable, s3_like, s3rver, upload  # noqa: E402
+from peer_goals import peer_goals  # noqa: E402
 from scratch import scratch  # noqa: E402
 
 from tests.support.nginx import NginxServer  # noqa: E402
@@ -131,7 +134,8 @@ def run_rounds(
         for case in live[shift:] + live[:shift]:
             result = measure(case, env)
             record = {"section": section, "origin": origin, "label": case.label, "contender": case.contender,
-                      "round": number, "readers": case.readers, "chunk": case.chunk, **tags, **result}  # fmt: skip
+                      "round": number, "readers": case.readers, "chunk": case.chunk,
+                      "load_avg": os.getloadavg()[0], **tags, **result}  # fmt: skip
             recorder.write(record)
             shown = (
                 f"{result['gib_s']:6.2f} GiB/s {result['cpu_s_per_gib']:5.2f} CPU-s/GiB "
@@ -148,7 +152,7 @@ def _tags(tags: dict[str, Any]) -> str:
 
 def table_cases(origin: str, where: Any, models: Models, args: argparse.Namespace) -> list[Case]:
     """The contenders of the main table on one origin."""
-    loopback = origin in ("file", "http", "s3", "s3rver")
+    loopback = origin in ("file", "file-verify", "http", "s3", "s3rver")
     readers = args.readers if loopback else args.remote_readers
     chunk = 32 * MIB if loopback else 16 * MIB
     tz_readers = (1, 4) if loopback else (16, 32)
@@ -159,6 +163,15 @@ def table_cases(origin: str, where: Any, models: Models, args: argparse.Namespac
         kw.setdefault("chunk", chunk)
         cases.append(Case(contender, label, argv, skip=skip, **kw))
 
+    if origin == "file-verify":
+        # Both check every tensor against the hashes the tensorizer file stores (tensorizer: CRC32 and
+        # SHA-256; the sidecar: one of them, its fastest), so the same file is read by both.
+        add("sidecar", "sidecar --verify", ["--source", str(models.path(TZ)), "--verify"])
+        for r in tz_readers:
+            add("tensorizer", f"tensorizer {r}r", ["--source", str(models.path(TZ)), "--verify"], readers=r)
+        add("curl", "curl -> tmpfs",
+            ["--source", f"file://{models.path(TZ)}", "--size", str(models.path(TZ).stat().st_size)])  # fmt: skip
+        return cases
     if origin == "file":
         add("sidecar", "sidecar", ["--source", str(models.path(ST))])
         for r in tz_readers:
@@ -246,7 +259,7 @@ def mem_available() -> int:
 
 @contextlib.contextmanager
 def origin_context(kind: str, models: Models, work: Path) -> Iterator[Served | None]:
-    if kind == "file":
+    if kind in ("file", "file-verify"):
         yield None
     elif kind in ("http", "s3"):
         server = NginxServer(models.folder, bucket="bench", workers=2)
@@ -317,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--curve-runs", type=int, default=1, help="rounds of each curve point")
     parser.add_argument("--readers", type=int, default=8, help="readers on loopback origins")
     parser.add_argument("--remote-readers", type=int, default=16, help="readers on the S3-like origin")
-    parser.add_argument("--origins", default="file,http,s3,s3like-http,s3like-s3,s3rver")
+    parser.add_argument("--origins", default="file,file-verify,http,s3,s3like-http,s3like-s3,s3rver")
     parser.add_argument("--sections", default="table,readers,size,chunk,hugepages")
     parser.add_argument(
         "--curve-size", type=float, default=1.0, help="model size of the readers/chunk curves"
@@ -363,6 +376,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         recorder.close()
     print(f"results: {out} ({(time.monotonic() - started) / 60:.1f} min)")
+    goals = peer_goals([json.loads(line) for line in out.read_text().splitlines() if line.strip()])
+    if goals:
+        print("goals against the peers:", *goals, sep="\n")
     if args.publish:
         publish(out, sections)
         subprocess.run([sys.executable, str(HERE / "report.py")], check=True)

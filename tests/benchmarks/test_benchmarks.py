@@ -96,6 +96,42 @@ def test_ratios_are_taken_within_rounds_and_tensorizer_shows_its_best_variant() 
     assert "Run:ai Model Streamer | — (no HTTP(S) source)" in table
 
 
+def test_the_goals_against_the_peers_are_checked_within_rounds_and_against_the_readers_bound() -> None:
+    import peer_goals
+
+    link, cap = peer_goals.link_and_cap()
+
+    def measured(
+        origin: str, label: str, contender: str, number: int, gib_s: float, **more: Any
+    ) -> dict[str, Any]:
+        return {"section": "table", "origin": origin, "label": label, "contender": contender, "round": number,
+                "gib_s": gib_s, "cpu_s_per_gib": 1.0, "peak_rss": 1, "load_avg": 3.0, **more}  # fmt: skip
+
+    records = [
+        # file-verify: 1.5x tensorizer's best variant in every round (a slow round 1 for everyone).
+        *(measured("file-verify", "sidecar --verify", "sidecar", n, v) for n, v in enumerate((1.5, .8, 1.2))),
+        *(measured("file-verify", "tensorizer 4r", "tensorizer", n, v) for n, v in enumerate((1, .5, .8))),
+        # s3rver: 1.1x, short of 1.2.
+        *(measured("s3rver", "sidecar", "sidecar", n, 1.1) for n in range(3)),
+        *(measured("s3rver", "tensorizer 1r", "tensorizer", n, 1.0) for n in range(3)),
+        # The S3-like origin: 2 readers at 0.95 of 2 x cap, 16 at 0.5 of the link.
+        *({"section": "readers", "origin": "s3like-s3", "label": "sidecar", "contender": "sidecar", "x": x,
+           "round": n, "gib_s": share * bound, "cpu_s_per_gib": 1.0, "peak_rss": 1}
+          for x, share, bound in ((2, 0.95, 2 * cap), (16, 0.5, link)) for n in range(3)),
+    ]  # fmt: skip
+    lines = peer_goals.peer_goals(records)
+    assert lines[0].startswith(
+        "- local file, hashes verified: sidecar / tensorizer (tensorizer 4r) 1.50 (reached"
+    )
+    assert "(load 3.0)" in lines[0]
+    assert lines[1].startswith(
+        "- s3rver: sidecar / tensorizer (tensorizer 1r) 1.10 (NOT reached, goal >= 1.2)"
+    )
+    assert "2 readers (readers curve): sidecar / min(link, readers x 90 MB/s) 0.950 (reached" in lines[2]
+    assert "16 readers (readers curve): sidecar / min(link, readers x 90 MB/s) 0.500 (NOT reached" in lines[3]
+    assert "load not recorded" in lines[3]
+
+
 def _memory_modes(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "benchmarks/memory_modes.py", "--runs", "1", *args]
     return subprocess.run(argv, check=False, capture_output=True, text=True, timeout=timeout, cwd=ROOT)

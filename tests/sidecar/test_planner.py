@@ -89,6 +89,37 @@ def test_a_tensor_larger_than_a_chunk_is_cut_and_its_neighbours_still_share() ->
     assert [c.count for c in plan.chunks] == [2, 1, 1, 1, 1, 1, 3]
 
 
+def test_the_last_readers_chunks_are_cut_in_half_so_the_readers_finish_together() -> None:
+    index = index_of([3000, 5000, 100, 9000, 4096, 7, 200 * KIB] * 40)
+    one = plan_load(index, chunk_size=64 * KIB)
+    four = plan_load(index, chunk_size=64 * KIB, readers=4)
+    for plan in (one, four):
+        check_every_byte_once(plan)
+        check_chunks(plan, 64 * KIB)
+    assert list(four.order) == list(one.order), "the load order stays"
+    total = sum(t.record_length for t in index.tensors)
+    lengths = [c.length for c in four.chunks]
+    tail = 4 * 64 * KIB  # readers x chunk size, here under a fifth of the model
+    assert tail <= total // 5
+    at, cut = 0, 0
+    for length in lengths:  # every chunk wholly in the last `tail` bytes is at most half a chunk
+        if at >= total - tail + 64 * KIB:
+            assert length <= 32 * KIB
+            cut += 1
+        at += length
+    assert cut >= 6
+    assert max(lengths[: -(tail // (32 * KIB))]) > 32 * KIB, "the rest keeps full chunks"
+    assert len(four.chunks) <= len(one.chunks) + tail // (32 * KIB) + 2, "a few more requests only"
+
+
+def test_a_small_model_cuts_at_most_a_fifth_of_its_bytes_finer() -> None:
+    index = index_of([40 * KIB] * 20)  # 800 KiB: 16 readers x 64 KiB would be all of it
+    plan = plan_load(index, chunk_size=64 * KIB, readers=16)
+    check_every_byte_once(plan)
+    fine = [c for c in plan.chunks if c.length <= 32 * KIB]
+    assert 0 < sum(c.length for c in fine) <= 800 * KIB // 5
+
+
 def test_a_tensorizer_header_lands_in_the_lead_and_counts_as_no_data() -> None:
     index = index_of([10, 20 * KIB, 5 * KIB], header=300)
     plan = plan_load(index, chunk_size=16 * KIB)

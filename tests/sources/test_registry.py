@@ -177,3 +177,23 @@ def test_a_store_that_cannot_list_refuses_a_directory_with_a_clear_message() -> 
     assert not is_directory("single://bucket/dir/")
     with pytest.raises(ConfigError, match="cannot be listed"):
         list_directory("single://bucket/dir/", SourceSettings())
+
+
+def _imported_after_prepare(uri: str) -> bool:
+    """Whether botocore is imported once ``prepare_source(uri)`` ran, in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from modelload.sidecar.sources import prepare_source; "
+        f"prepare_source({uri!r}); print('botocore.session' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return done.stdout.strip() == "True"
+
+
+def test_an_s3_source_has_botocore_imported_when_the_sidecar_starts_and_a_file_source_does_not(
+    tmp_path: Path,
+) -> None:
+    assert _imported_after_prepare("s3://bucket/model.safetensors")
+    assert not _imported_after_prepare(str(tmp_path / "model.safetensors"))

@@ -22,7 +22,7 @@ from modelload.loader.errors import ConfigError
 from modelload.sidecar.logs import add_log_format, apply_log_format
 from modelload.sidecar.process import run_sidecar
 from modelload.sidecar.settings import add_arguments, parse_settings
-from modelload.sidecar.sources import check_source_uri
+from modelload.sidecar.sources import check_source_uri, prepare_source
 
 __all__ = ["register"]
 
@@ -68,6 +68,8 @@ def _command(args: argparse.Namespace) -> int:
         settings = parse_settings(args, os.environ)
         # An ftp:// or gs://b source is a bad flag (exit 2), not a load that fails and is served as failed.
         check_source_uri(settings.engine.source)
+        # The source's SDK imported now, as the sidecar's own modules are, not inside the load's first step.
+        prepare_source(settings.engine.source)
         _configure_logging(settings.log_level, verbose=getattr(args, "verbose", 0))
         apply_log_format(args, os.environ)
         return run_sidecar(settings)

@@ -259,6 +259,7 @@ class Engine:
             metadata=metadata,
             span_limit=settings.memory.ring_size or None,  # ring mode: a chunk always fits in the ring
             page_size=page_size,
+            readers=settings.readers,
         )
         return plan_memory(plan, settings.memory)
 

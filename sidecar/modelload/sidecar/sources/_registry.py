@@ -33,6 +33,7 @@ __all__ = [
     "SourceFactory",
     "check_source_uri",
     "open_source",
+    "prepare_source",
     "register_source",
     "register_store",
     "registered_schemes",
@@ -99,6 +100,11 @@ def check_source_uri(uri: str) -> None:
     (``gs://b``, ``hf://org``, a Hub web page): settings call it, so a sidecar given such a source exits with
     a configuration error instead of serving a failed load forever. No I/O."""
     store_for(uri).check(uri)
+
+
+def prepare_source(uri: str) -> None:
+    """Import what reading ``uri`` needs now, as the sidecar starts (:meth:`Store.prepare`). No I/O."""
+    store_for(uri).prepare(uri)
 
 
 def store_for(uri: str) -> Store:

@@ -44,7 +44,7 @@ from ._s3_errors import s3_error
 from ._settings import S3Addressing, S3Settings, SourceSettings
 from ._splice import HAVE_SPLICE
 
-__all__ = ["S3Location", "S3Source", "list_s3_prefix", "open_s3", "plan_s3_location"]
+__all__ = ["S3Location", "S3Source", "import_botocore", "list_s3_prefix", "open_s3", "plan_s3_location"]
 
 _log = logging.getLogger("modelload.sidecar.sources")
 _BUCKET_DNS = re.compile(r"^[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
@@ -56,8 +56,9 @@ _TRANSIENT_CREDENTIAL_ERRORS = frozenset(
 )
 
 
-def _botocore() -> Any:
-    """botocore with the submodules used here, imported on first use: only S3 sources pay for it (~0.2 s)."""
+def import_botocore() -> Any:
+    """botocore with the submodules used here, imported on first use: only S3 sources pay for it (~0.2 s).
+    The sidecar imports it as it starts when its source is on S3 (``S3Store.prepare``)."""
     import botocore.auth
     import botocore.awsrequest
     import botocore.config
@@ -149,7 +150,7 @@ class _Access:
 
 
 def _resolve_access(s3: S3Settings, display: str) -> _Access:
-    botocore = _botocore()
+    botocore = import_botocore()
     try:
         session = botocore.session.Session()
         if s3.credentials is not None:  # explicit keys replace the whole chain, never mix with it
@@ -226,7 +227,7 @@ class S3Source(HttpObject):
         headers = {**headers, "Host": location.origin.netloc}
         if self._unsigned:
             return Target(location.origin, location.path, headers)
-        botocore = _botocore()
+        botocore = import_botocore()
         frozen = self._frozen_credentials()
         request = botocore.awsrequest.AWSRequest(method=method, url=location.url, headers=headers)
         botocore.auth.S3SigV4Auth(frozen, "s3", self._region).add_auth(request)
@@ -234,7 +235,7 @@ class S3Source(HttpObject):
 
     def _frozen_credentials(self) -> Any:
         """This request's credentials: resolved through botocore's chain once, refreshed by botocore."""
-        exceptions = _botocore().exceptions
+        exceptions = import_botocore().exceptions
         access = self._access
         try:
             with access.lock:

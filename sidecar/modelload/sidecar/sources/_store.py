@@ -152,6 +152,11 @@ class Store:
         default the store's own parsing, which :meth:`is_directory` does."""
         self.is_directory(uri)
 
+    def prepare(self, uri: str) -> None:
+        """Import what reading ``uri`` will need (a cloud SDK the store imports on first use), so the sidecar
+        pays for it while it starts, as it pays for its own imports, rather than inside the load. No I/O; an
+        import that fails is left for the load to report. By default nothing."""
+
     def list(self, uri: str, settings: SourceSettings, *, files: Sequence[str] = ()) -> Directory:
         """The files of the directory at ``uri``; ``files`` names them instead of listing, where the store
         allows that (less permission needed, or no listing at all)."""
