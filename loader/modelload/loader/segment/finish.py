@@ -123,21 +123,16 @@ class TensorFinisher:
             np.any((crcs >= 0) & ((headers is not None) | (data_lengths != slot_nbytes)))
         ):
             raise ValueError("CRC-32s given for tensors whose bytes this finish changes")
-        if (
-            self._ring
-        ):  # only a ring reuses pages: elsewhere a slot's bytes past its data are the new file's zeros
+        # Only a ring reuses pages: elsewhere a slot's bytes past its data are the new file's zeros.
+        if self._ring:
             self._zero_tails(picked[slot_nbytes > data_lengths], entries)
-        if (
-            headers is None
-        ):  # nothing to open: every tensor is published as landed, none verified or decrypted
+        if headers is None:  # nothing to open: each is published as landed, none verified or decrypted
             published, verified, decrypted, given = picked, None, None, crcs
-            if check is not None and len(published):
-                check(False)
         else:
             published, verified, decrypted = self._open_records(picked, entries, headers, source)
             given = None
-            if check is not None and len(published):
-                check(all(verified))
+        if check is not None and len(published):
+            check(verified is not None and all(verified))
         self.writer.mark_ready_many(published, crc32=self._crcs(published, given), verified=verified,
                                     decrypted=decrypted)  # fmt: skip
         return published
