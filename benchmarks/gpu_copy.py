@@ -17,7 +17,8 @@ line when it starts and ends, and a table follows at the end:
   copy pinning tensor by tensor, as the first GPU run did;
 - ``overlap``: a sidecar loading the model while this process copies (``state_dict``) in each mode (the ring
   ``--ring-size``), from the segment's first byte to the last tensor on the device, against loading then
-  copying (the sidecar's load alone plus the full-mode copy);
+  copying (the sidecar's load alone, to its end with its proofs, plus ``state_dict(device)`` of the loaded
+  model), every round;
 - ``bitwise``: every device tensor of every case against the file's bytes (compared on the device);
 - ``handoff``: ``modelload keeper`` holds the model on the GPU; a fresh app process maps it
   (``handoff.connect()``) against a fresh app process copying it from the segment (``attach()`` +
@@ -274,7 +275,8 @@ def load_alone(run: Run, round_number: int) -> None:
 
     segment = run.shm / "alone.seg"
     with sidecar(run.source, segment, "full", run.args) as appeared, attach(segment, timeout=60) as model:
-        model.wait(timeout=max(run.guard.left(), 1.0))
+        # to the load's end, its end-of-load proofs included: what state_dict() of the whole model waits for
+        model.wait_complete(timeout=max(run.guard.left(), 1.0))
         run.note("overlap", "load alone (full)", time.monotonic() - appeared, round=round_number)
 
 
@@ -401,7 +403,8 @@ def report(run: Run) -> bool:
     checked = sum(1 for (section, _) in run.figures if section == "bitwise")
     print(f"bitwise: {checked} cases checked against the file: {'all equal' if ok else 'MISMATCH'}")
     load = median(run, "overlap", "load alone (full)")
-    copy = median(run, "copy", "full in-place with pinning") or median(run, "copy", "full host")
+    # the copy an app makes of a loaded segment: state_dict(device), which picks its strategy itself
+    copy = median(run, "copy", "full state_dict") or median(run, "copy", "full host")
     for mode in ("full", "release", "ring"):
         streamed = median(run, "overlap", f"{mode} streamed")
         if streamed and load and copy:
@@ -468,16 +471,18 @@ def schedule(run: Run, round_number: int) -> list[tuple[str, Callable[[], None],
             cases.append((f"ring {strategy} #{r}", lambda s=strategy: loaded_first(run, "ring", s, r), 10))
         if first:
             cases.append((f"ring streamed #{r}", lambda: streamed(run, "ring", r), 10))
-    if not first:
-        return cases
-    if "overlap" in groups:
+    if "overlap" in groups:  # every round: the overlap's line compares medians of these
         cases.append((f"load alone #{r}", lambda: load_alone(run, r), 10))
         for mode in ("full", "release"):
             cases.append((f"{mode} streamed #{r}", lambda m=mode: streamed(run, m, r), 10))
+        if "full" in groups and len(strategies) > 2:  # its baseline's copy: state_dict of the loaded model
+            cases.append((f"full {strategies[2]} #{r}", lambda: full_copies(run, r, strategies[2]), 5))
+    if not first:
+        return cases
     if "handoff" in groups:
         cases.append(("handoff", lambda: handoff(run), 30))
     for strategy in strategies[2:]:
-        if "full" in groups:
+        if "full" in groups and "overlap" not in groups:
             cases.append((f"full {strategy} #{r}", lambda s=strategy: full_copies(run, r, s), 5))
         if "ring" in groups:
             cases.append((f"ring {strategy} #{r}", lambda s=strategy: loaded_first(run, "ring", s, r), 10))

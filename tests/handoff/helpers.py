@@ -34,11 +34,16 @@ def write_segment(
     *,
     mode: MemoryMode = MemoryMode.FULL,
     ready: int | None = None,
+    page_size: int = 4096,
 ) -> SegmentWriter:
-    """A segment of ``tensors``, the first ``ready`` of them published (all, and complete, by default)."""
+    """A segment of ``tensors``, the first ``ready`` of them published (all, and complete, by default);
+    ``page_size``: the volume's (2 MiB on hugetlbfs)."""
     specs = [TensorSpec(name, from_torch(t.dtype), tuple(t.shape)) for name, t in tensors.items()]
     layout = plan_layout(
-        specs, memory_mode=mode, metadata={"source": "file:///model", "format": "safetensors"}
+        specs,
+        memory_mode=mode,
+        page_size=page_size,
+        metadata={"source": "file:///model", "format": "safetensors"},
     )
     writer = SegmentWriter.create(path, layout, heartbeat=False)
     publish(writer, tensors, range(len(tensors) if ready is None else ready))

@@ -52,8 +52,10 @@ class MemfdBlock:
 class HostCopier:
     """The keeper's copier on the host: a plain copy, done at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, pin_in_place: bool) -> None:
         self.copies = 0
+        self.pin_in_place = pin_in_place
+        self.pinned: list[Any] = []
 
     def copy(
         self, host: torch.Tensor, *, into: torch.Tensor, on_done: Callable[[], None] | None = None
@@ -63,6 +65,11 @@ class HostCopier:
         if on_done is not None:
             on_done()
         return into
+
+    def pin(self, region: Any) -> bool:
+        if self.pin_in_place:  # as DeviceCopier: nothing is pinned when copies are staged
+            self.pinned.append(region)
+        return self.pin_in_place
 
     def finish(self) -> None:
         pass
@@ -80,8 +87,9 @@ class MemfdMemory:
         self.blocks.append(block)
         return block
 
-    def copier(self) -> HostCopier:
-        return HostCopier()
+    def copier(self, *, pin_in_place: bool) -> HostCopier:
+        self.last_copier = HostCopier(pin_in_place=pin_in_place)
+        return self.last_copier
 
 
 class MemfdMapper:

@@ -38,7 +38,10 @@ from modelload.loader.segment import MemoryMode
 from modelload.loader.segment.consumers import ConsumerTable
 from tests.handoff.helpers import digest, held, model_tensors, probe, publish, write_segment
 from tests.handoff.memfd import MemfdMapper, MemfdMemory
+from tests.support.hugepages import HUGE_PAGE, hugetlbfs, hugetlbfs_volume
 from tests.support.waiting import wait_for
+
+__all__ = ["hugetlbfs", "hugetlbfs_volume"]  # fixtures, used by name
 
 ROOT = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
@@ -365,3 +368,19 @@ def test_in_memory_mode_release_the_keeper_consumes_every_tensor_it_copied(
         assert marks == [[(1 << len(tensors)) - 1]]
         with connect(sock_dir / "k.sock", timeout=30, mapper=MemfdMapper()) as weights:
             assert all(torch.equal(weights.tensor(n), t) for n, t in tensors.items())
+
+
+def test_the_keeper_stages_copies_from_4_kib_pages_and_pins_a_hugetlbfs_segment_whole(
+    shm_dir: Path, sock_dir: Path, hugetlbfs: Path
+) -> None:
+    """As ``state_dict(device=...)``: pinning 4 KiB pages costs more than the copy (an H200 pinned 4.26 GiB
+    of them at 1.3 GiB/s, and copied through staging buffers at 21 GiB/s), huge pages are pinned once."""
+    tensors = model_tensors()
+    for folder, pins in ((shm_dir, False), (hugetlbfs, True)):
+        write_segment(folder / "m.seg", tensors, page_size=HUGE_PAGE if pins else 4096)
+        with keeper_of(folder / "m.seg", sock_dir / f"k{int(pins)}.sock") as keeper:
+            assert keeper.wait(timeout=30) == "ready"
+            copier = keeper.memory.last_copier
+            assert (copier.pin_in_place, len(copier.pinned)) == (pins, int(pins)), folder
+            with connect(sock_dir / f"k{int(pins)}.sock", timeout=30, mapper=MemfdMapper()) as weights:
+                assert all(torch.equal(weights.tensor(n), t) for n, t in tensors.items())

@@ -103,6 +103,7 @@ def test_a_release_mode_hugetlbfs_segment_marks_each_tensor_consumed_once_copied
         for slot in layout.slots:
             writer.slot(slot.index)[:] = expected_bytes(3, slot.index, slot.nbytes)
             writer.mark_ready(slot.index)
+        writer.mark_complete()  # the whole model is handed over once the load is finished
         on_gpu = model.state_dict(device="cuda")
         for slot in layout.slots:
             assert on_gpu[slot.name].cpu().numpy().tobytes() == expected_bytes(3, slot.index, slot.nbytes)

@@ -29,6 +29,8 @@ from modelload.loader.handoff.protocol import TensorPlace
 if TYPE_CHECKING:
     import torch
 
+    from modelload.loader._api.torch import Region
+
 __all__ = [
     "Block",
     "Copier",
@@ -65,6 +67,9 @@ class Copier(Protocol):
         self, host: torch.Tensor, *, into: torch.Tensor, on_done: Callable[[], None] | None = None
     ) -> torch.Tensor: ...
 
+    def pin(self, region: Region) -> bool:
+        """Pin ``region`` once for every copy from inside it; False where it was refused."""
+
     def finish(self) -> None: ...
 
 
@@ -81,7 +86,8 @@ class Memory(Protocol):
 
     def allocate(self, size: int) -> ExportedBlock: ...
 
-    def copier(self) -> Copier: ...
+    def copier(self, *, pin_in_place: bool) -> Copier:
+        """A copier into the blocks; ``pin_in_place=False`` stages every copy through pinned buffers."""
 
 
 @dataclass(frozen=True)
@@ -198,10 +204,10 @@ class CudaMemory:
         self._handles.append(handle)  # held for the keeper's life: the memory outlives every app's restart
         return block
 
-    def copier(self) -> Copier:
+    def copier(self, *, pin_in_place: bool) -> Copier:
         from modelload.loader._api.torch import DeviceCopier
 
-        return DeviceCopier(self._torch_device)
+        return DeviceCopier(self._torch_device, pin_in_place=pin_in_place)
 
 
 class CudaMapper:

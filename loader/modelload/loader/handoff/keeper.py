@@ -271,7 +271,12 @@ class Keeper:
         log.info("keeper: %d tensors, %d bytes, in %d blocks", len(places), sum(sizes), len(blocks))
         flat = [block.bytes() for block in blocks]
         by_tensor = {p.name: p for p in places}
-        copier = self.memory.copier()
+        # As state_dict copies: pinned in place where pages are few (huge pages) or reused (a ring), once for
+        # the whole region where it can be, else through pinned staging buffers (Model._pins_in_place).
+        copier = self.memory.copier(pin_in_place=model._pins_in_place())
+        region = model._pinnable(list(model.names))
+        if region is not None:
+            copier.pin(region)
         consumed = model.consumed if model.memory_mode != "full" else None
         for name in model.iter_ready():
             host = model.tensor(name, wait=False)
