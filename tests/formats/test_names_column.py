@@ -51,3 +51,24 @@ def test_a_repeated_name_is_found_and_distinct_names_are_not_taken_for_repeats()
     assert not has_repeats(distinct) and not has_repeats(Names(distinct))
     assert has_repeats([*distinct, distinct[123]]) and has_repeats(Names([distinct[-1], *distinct]))
     assert not has_repeats([]) and not has_repeats(Names())
+
+
+def test_the_repeat_check_is_answered_once_per_names_and_right_either_way(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from modelload.loader.formats import _index
+
+    hashed: list[int] = []
+    real = _index.np.fromiter
+
+    def counting(*args: object, **kwargs: object) -> object:
+        hashed.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_index.np, "fromiter", counting)
+    unique, twice = Names(["a", "b", "c"]), Names(["a", "b", "a"])
+    assert [has_repeats(unique), has_repeats(unique), has_repeats(twice), has_repeats(twice)] == [
+        False, False, True, True,
+    ]  # fmt: skip
+    assert len(hashed) == 2
+    assert has_repeats(Names.concat([unique, Names(["a"])])) is True  # a new column is checked anew

@@ -117,10 +117,11 @@ class Names(Sequence[str]):
     Equal to a list or tuple of the same names in the same order.
     """
 
-    __slots__ = ("_bounds", "_text")
+    __slots__ = ("_bounds", "_repeats", "_text")
 
     def __init__(self, names: Iterable[str] = ()) -> None:
         listed = names if isinstance(names, list | tuple) else list(names)
+        self._repeats: bool | None = None  # has_repeats' answer, once asked (the names never change)
         self._text = "".join(listed)
         self._bounds = array.array("q", [0])  # name i is text[bounds[i]:bounds[i + 1]]
         self._bounds.extend(itertools.accumulate(map(len, listed)))
@@ -189,12 +190,16 @@ _NAMES_BATCH = 4096
 
 def has_repeats(names: Sequence[str]) -> bool:
     """Whether a name appears twice in ``names``: their hashes are sorted (an array, not a set of strings
-    each kept), and only equal hashes make the names themselves compared."""
+    each kept), and only equal hashes make the names themselves compared. :class:`Names` keep the answer:
+    the merged index and the segment's layout ask it of the same names."""
+    if isinstance(names, Names) and names._repeats is not None:
+        return names._repeats
     hashes = np.fromiter(map(hash, names), dtype=np.int64, count=len(names))
     hashes.sort()
-    if not (hashes[1:] == hashes[:-1]).any():
-        return False
-    return len(set(names)) != len(names)
+    repeats = bool((hashes[1:] == hashes[:-1]).any()) and len(set(names)) != len(names)
+    if isinstance(names, Names):
+        names._repeats = repeats
+    return repeats
 
 
 def offsets_column(values: Iterable[int] | np.ndarray[Any, Any]) -> Offsets:

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -318,12 +318,35 @@ class Readers:
         )
         if len(done):
             slots = plan.layout.table
-            names = slots.names
+            indices = done.tolist()
             self.observer.tensors_published(
-                indices=done.tolist(),
-                names=[names[t] for t in done.tolist()],
-                nbytes=slots.nbytes[done].tolist(),
+                indices=indices, names=_Picked(slots.names, indices), nbytes=slots.nbytes[done].tolist()
             )
+
+
+class _Picked(Sequence[str]):
+    """The names of tensors ``indices``, each made only if an observer asks for it: the status, the metrics
+    and the notifications count a range's tensors, and 100,000 names made per load for them cost more than
+    the counting."""
+
+    __slots__ = ("_indices", "_names")
+
+    def __init__(self, names: Sequence[str], indices: list[int]) -> None:
+        self._names, self._indices = names, indices
+
+    def __len__(self) -> int:
+        return len(self._indices)
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[str]: ...
+
+    def __getitem__(self, i: int | slice) -> str | list[str]:
+        if isinstance(i, slice):
+            return [self._names[t] for t in self._indices[i]]
+        return self._names[self._indices[i]]
 
 
 def _chunks_of_cut_tensors(plan: LoadPlan) -> dict[int, list[int]]:
