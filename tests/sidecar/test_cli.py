@@ -195,6 +195,21 @@ def test_retries_are_logged_at_most_once_a_second(caplog: pytest.LogCaptureFixtu
     ]
 
 
+def test_a_ranges_tensors_are_logged_one_by_one_at_debug_only(caplog: pytest.LogCaptureFixture) -> None:
+    class Unmade(list):  # names that may not be made: at INFO nothing per tensor is
+        def __iter__(self) -> Any:
+            raise AssertionError("a tensor's name was made for a log line nobody keeps")
+
+    observer = LoggingObserver()
+    caplog.set_level(logging.INFO, logger="modelload")
+    observer.tensors_published(indices=[3, 4], names=Unmade(["a", "b"]), nbytes=[8, 16])
+    assert not [r for r in caplog.records if r.levelno == logging.DEBUG]
+    caplog.set_level(logging.DEBUG, logger="modelload")
+    observer.tensors_published(indices=[3, 4], names=["a", "b"], nbytes=[8, 16])
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert lines == ["tensor 3 ready: a (8 bytes)", "tensor 4 ready: b (16 bytes)"]
+
+
 def test_progress_is_logged_while_the_model_loads(
     run_sidecar: Callable[..., Sidecar], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:

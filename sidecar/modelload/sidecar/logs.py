@@ -13,7 +13,7 @@ import argparse
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from modelload.loader._logjson import LogFormat, parse_log_format, use_log_format
@@ -103,6 +103,13 @@ class LoggingObserver:
 
     def tensor_ready(self, *, index: int, name: str, nbytes: int) -> None:
         self._log.debug("tensor %d ready: %s (%d bytes)", index, name, nbytes)
+
+    def tensors_published(
+        self, *, indices: Sequence[int], names: Sequence[str], nbytes: Sequence[int]
+    ) -> None:
+        if self._log.isEnabledFor(logging.DEBUG):  # else nothing per tensor: a range holds thousands
+            for index, name, size in zip(indices, names, nbytes, strict=True):
+                self.tensor_ready(index=index, name=name, nbytes=size)
 
     def retried(self, *, kind: str, message: str) -> None:
         now = self._clock()

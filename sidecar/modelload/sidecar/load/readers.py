@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, overload
@@ -336,6 +336,9 @@ class _Picked(Sequence[str]):
 
     def __len__(self) -> int:
         return len(self._indices)
+
+    def __iter__(self) -> Iterator[str]:
+        return map(self._names.__getitem__, self._indices)
 
     @overload
     def __getitem__(self, i: int) -> str: ...

@@ -28,6 +28,7 @@ import logging
 import os
 import secrets
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -239,9 +240,16 @@ class Peers:
     # --- observer: what this sidecar holds ---------------------------------------------------------------
 
     def tensor_ready(self, *, index: int, name: str, nbytes: int) -> None:
+        self.tensors_published(indices=[index], names=[name], nbytes=[nbytes])
+
+    def tensors_published(
+        self, *, indices: Sequence[int], names: Sequence[str], nbytes: Sequence[int]
+    ) -> None:
         with self._lock:
-            if index < len(self._ready):
-                self._ready[index] = True
+            ready = self._ready
+            for index in indices:
+                if index < len(ready):
+                    ready[index] = True
         self.fleet.progressed()
 
     def bytes_loaded(self, count: int) -> None:
