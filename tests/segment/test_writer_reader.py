@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -114,11 +113,53 @@ def test_waiting_times_out_naming_the_missing_tensors(shm_dir: Path) -> None:
         writer.mark_ready(0)
         with SegmentReader.open(path) as reader:
             reader.wait([0], timeout=0)
-            started = time.monotonic()
             with pytest.raises(LoadTimeoutError, match="'bias'") as caught:
                 reader.wait(timeout=0.05)
             assert caught.value.pending == ("bias",)
-            assert time.monotonic() - started < 1
+
+
+def test_waiting_for_the_finish_outlasts_the_last_tensor_until_the_load_is_proven(shm_dir: Path) -> None:
+    path = shm_dir / "model.seg"
+    with SegmentWriter.create(path, small_layout(), heartbeat=False) as writer:
+        for index in (0, 1):
+            writer.mark_ready(index)
+        with SegmentReader.open(path) as reader:
+            with pytest.raises(LoadTimeoutError, match="still proving its files"):
+                reader.wait_finished(timeout=0.05)  # every tensor is in, the files are not proven yet
+            finished = threading.Event()
+
+            def wait() -> None:
+                reader.wait_finished(timeout=30)
+                finished.set()
+
+            waiter = threading.Thread(target=wait)
+            waiter.start()
+            assert not finished.wait(0.05)
+            writer.mark_complete()
+            waiter.join(timeout=30)
+            assert finished.is_set() and reader.writer_state == WriterState.COMPLETE
+
+
+def test_waiting_for_the_finish_ends_with_the_writers_reason_when_the_load_fails(shm_dir: Path) -> None:
+    path = shm_dir / "model.seg"
+    reason = "the origin's digest did not match"
+    with (
+        SegmentWriter.create(path, small_layout(), heartbeat=False) as writer,
+        SegmentReader.open(path) as reader,
+    ):
+        failed: list[BaseException] = []
+
+        def wait() -> None:
+            try:
+                reader.wait_finished(timeout=30)
+            except LoadFailedError as exc:
+                failed.append(exc)
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        writer.mark_failed(reason)
+        waiter.join(timeout=30)
+        assert [str(e) for e in failed] == [f"the model load failed ({path}): {reason}"]
 
 
 def test_a_failed_load_wakes_waiters_with_the_writers_reason(shm_dir: Path) -> None:

@@ -85,6 +85,31 @@ _POLL_MIN, _POLL_MAX = 0.0005, 0.02
 _RESCAN = 0.25
 
 
+class _Pacer:
+    """The pauses between two looks at the segment, up to a deadline: the caller's ``waiter`` (a
+    notification subscription) for at most 50 ms, or else a sleep doubling from :data:`_POLL_MIN` to
+    :data:`_POLL_MAX`."""
+
+    __slots__ = ("_deadline", "_pause", "_waiter")
+
+    def __init__(self, timeout: float | None, waiter: Waiter | None) -> None:
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._waiter = waiter
+        self._pause = _POLL_MIN
+
+    def wait(self) -> bool:
+        """Pause once; False, at once, when the deadline has passed (the caller raises its timeout)."""
+        remaining = None if self._deadline is None else self._deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            return False
+        if self._waiter is not None:
+            self._waiter(0.05 if remaining is None else min(0.05, remaining))
+        else:
+            time.sleep(self._pause if remaining is None else min(self._pause, remaining))
+            self._pause = min(self._pause * 2, _POLL_MAX)
+        return True
+
+
 class SegmentReader:
     """A read-only attachment to one segment. Open with :meth:`open`."""
 
@@ -328,8 +353,7 @@ class SegmentReader:
         state table per wake-up, so waiting for 100,000 tensors in batches costs their count, not its
         square. While the writer's count of ready tensors stays the same, the table is looked at again only
         every :data:`_RESCAN` seconds (the count is advisory; the table stays the truth)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        pause = _POLL_MIN
+        pacer = _Pacer(timeout, waiter)
         seen, scanned = -1, 0.0
         while len(pending):
             count, now = self.tensors_ready, time.monotonic()
@@ -344,14 +368,8 @@ class SegmentReader:
                 self._check_states(pending, states)
             else:
                 self.check()
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
+            if not pacer.wait():
                 raise self._timed_out(pending, timeout)
-            if waiter is not None:
-                waiter(0.05 if remaining is None else min(0.05, remaining))
-            else:
-                time.sleep(pause if remaining is None else min(pause, remaining))
-                pause = min(pause * 2, _POLL_MAX)
         return pending, pending
 
     def _check_states(self, pending: npt.NDArray[np.intp], states: npt.NDArray[np.uint32]) -> None:
@@ -390,21 +408,14 @@ class SegmentReader:
         :class:`LoadFailedError` with its reason when it failed or is gone, :class:`LoadTimeoutError` after
         ``timeout`` seconds. Tensors are published as they land, before their file's end-of-load proof; an
         app that takes the whole model waits here so it never runs on weights the load then refuses."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        pause = _POLL_MIN
+        pacer = _Pacer(timeout, waiter)
         while self.writer_state != WriterState.COMPLETE:
             self.check()
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
+            if not pacer.wait():
                 raise LoadTimeoutError(
                     f"every tensor is ready but the load is not finished after {timeout or 0:g} s: the "
                     "sidecar is still proving its files (see its /status)"
                 )
-            if waiter is not None:
-                waiter(0.05 if remaining is None else min(0.05, remaining))
-            else:
-                time.sleep(pause if remaining is None else min(pause, remaining))
-                pause = min(pause * 2, _POLL_MAX)
 
     def released(self, index: int) -> TensorReleasedError:
         """The error for reading tensor ``index`` after the writer gave its pages back."""
