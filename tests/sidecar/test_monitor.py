@@ -101,9 +101,7 @@ def test_a_failed_load_exits_1_with_its_reason(live: Live, capsys: pytest.Captur
 
 def test_an_unreachable_sidecar_exits_3_with_a_clear_message(capsys: pytest.CaptureFixture[str]) -> None:
     url = f"http://127.0.0.1:{free_port()}"
-    started = time.monotonic()
     assert watch(url, interval=0.05, timeout=0.3, out=io.StringIO()) == EXIT_UNREACHABLE
-    assert time.monotonic() - started < 3
     err = capsys.readouterr().err
     assert f"cannot reach the sidecar at {url}" in err
     assert "MODELLOAD_STATUS_URL" in err

@@ -15,7 +15,6 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -268,10 +267,10 @@ def test_sends_never_wait_for_a_subscriber_that_does_not_read(shm_dir: Path) -> 
     with Notifier(endpoint, send_hwm=10) as notifier:
         sub = subscribe(endpoint)
         publish_until_heard(notifier, sub)
-        started = time.monotonic()
-        for i in range(100_000):  # far past every queue on the way: the surplus is dropped
+        # Far past every queue on the way: the surplus is dropped. A send that waited for the subscriber
+        # would hang here until the test's timeout.
+        for i in range(100_000):
             notifier.tensor_ready(index=i, name="t", nbytes=1)
-        assert time.monotonic() - started < 5.0
         sub.close(linger=0)
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from modelload.loader.errors import (
@@ -115,12 +113,34 @@ def test_a_plain_transient_error_without_a_count_retries_from_the_start() -> Non
     assert events[0].landed == 0
 
 
-def test_retry_after_sets_the_minimum_delay() -> None:
+class _ScriptedTime:
+    """The retry module's clock and sleep, moved only by the sleeps it asks for: what it waits and when it
+    gives up follow from its policy alone, whatever the machine's load."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.slept: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+@pytest.fixture
+def scripted_time(monkeypatch: pytest.MonkeyPatch) -> _ScriptedTime:
+    clock = _ScriptedTime()
+    monkeypatch.setattr("modelload.sidecar.sources._retry.time", clock)
+    return clock
+
+
+def test_retry_after_sets_the_minimum_delay(scripted_time: _ScriptedTime) -> None:
     source = MemorySource(DATA, faults=[Interrupt(retry_after=0.2)])
-    started = time.monotonic()
     _, events = _read(source, 0, 10)
     assert events[0].delay == pytest.approx(0.2)
-    assert time.monotonic() - started >= 0.2
+    assert scripted_time.slept == [events[0].delay]  # waited for it, before the second try
 
 
 def test_backoff_grows_and_jitter_only_shortens_it() -> None:
@@ -132,23 +152,21 @@ def test_backoff_grows_and_jitter_only_shortens_it() -> None:
         assert cap * 0.5 <= event.delay <= cap
 
 
-def test_the_deadline_stops_retries_before_a_delay_would_pass_it() -> None:
+def test_the_deadline_stops_retries_before_a_delay_would_pass_it(scripted_time: _ScriptedTime) -> None:
     policy = RetryPolicy(attempts=100, initial_backoff=0.05, max_backoff=0.05, jitter=0.0, deadline=0.12)
     source = MemorySource(DATA, faults=[Interrupt()] * 100)
-    started = time.monotonic()
     with pytest.raises(InterruptedReadError, match="gave up"):
         _read(source, 0, 10, policy)
-    assert time.monotonic() - started < 0.2
-    assert 2 <= len(source.calls) <= 4
+    assert scripted_time.slept == [0.05, 0.05]  # a third 0.05 s would end past 0.12 s
+    assert len(source.calls) == 3
 
 
-def test_a_retry_after_beyond_the_deadline_gives_up_at_once() -> None:
+def test_a_retry_after_beyond_the_deadline_gives_up_at_once(scripted_time: _ScriptedTime) -> None:
     policy = RetryPolicy(attempts=5, initial_backoff=0.001, max_backoff=0.01, deadline=1.0)
     source = MemorySource(DATA, faults=[Interrupt(retry_after=30)])
-    started = time.monotonic()
     with pytest.raises(InterruptedReadError):
         _read(source, 0, 10, policy)
-    assert time.monotonic() - started < 0.5
+    assert scripted_time.slept == [] and len(source.calls) == 1
 
 
 def test_zero_length_ranges_succeed_without_retries() -> None:
