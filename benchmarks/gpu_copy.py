@@ -475,7 +475,7 @@ def schedule(run: Run, round_number: int) -> list[tuple[str, Callable[[], None],
         cases.append((f"load alone #{r}", lambda: load_alone(run, r), 10))
         for mode in ("full", "release"):
             cases.append((f"{mode} streamed #{r}", lambda m=mode: streamed(run, m, r), 10))
-        if "full" in groups and len(strategies) > 2:  # its baseline's copy: state_dict of the loaded model
+        if len(strategies) > 2:  # its baseline's copy: state_dict of the loaded model
             cases.append((f"full {strategies[2]} #{r}", lambda: full_copies(run, r, strategies[2]), 5))
     if not first:
         return cases

@@ -55,7 +55,8 @@ class HostCopier:
     def __init__(self, *, pin_in_place: bool) -> None:
         self.copies = 0
         self.pin_in_place = pin_in_place
-        self.pinned: list[Any] = []
+        self.pinned: list[int] = []
+        self.finished = False
 
     def copy(
         self, host: torch.Tensor, *, into: torch.Tensor, on_done: Callable[[], None] | None = None
@@ -68,11 +69,11 @@ class HostCopier:
 
     def pin(self, region: Any) -> bool:
         if self.pin_in_place:  # as DeviceCopier: nothing is pinned when copies are staged
-            self.pinned.append(region)
+            self.pinned.append(region.ring or region.bytes.numel())  # its length: the mapping may go first
         return self.pin_in_place
 
     def finish(self) -> None:
-        pass
+        self.finished = True
 
 
 class MemfdMemory:

@@ -384,3 +384,15 @@ def test_the_keeper_stages_copies_from_4_kib_pages_and_pins_a_hugetlbfs_segment_
             assert (copier.pin_in_place, len(copier.pinned)) == (pins, int(pins)), folder
             with connect(sock_dir / f"k{int(pins)}.sock", timeout=30, mapper=MemfdMapper()) as weights:
                 assert all(torch.equal(weights.tensor(n), t) for n, t in tensors.items())
+
+
+def test_a_failed_load_gives_back_the_keepers_pin_and_queued_copies(sock_dir: Path, hugetlbfs: Path) -> None:
+    """The keeper goes on answering apps after a failed load: what its copier holds (the whole hugetlbfs
+    segment pinned, the copies queued) must not stay with it."""
+    writer = write_segment(hugetlbfs / "m.seg", model_tensors(), ready=1, page_size=HUGE_PAGE)
+    with keeper_of(hugetlbfs / "m.seg", sock_dir / "k.sock") as keeper:
+        wait_for(lambda: keeper.progress.tensors_ready == 1, timeout=30, what="the first tensor copied")
+        writer.mark_failed("the origin answered 403 Forbidden")
+        assert keeper.wait(timeout=30) == "failed"
+        copier = keeper.memory.last_copier
+        assert len(copier.pinned) == 1 and copier.finished

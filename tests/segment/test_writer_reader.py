@@ -132,7 +132,7 @@ def test_waiting_for_the_finish_outlasts_the_last_tensor_until_the_load_is_prove
                 reader.wait_finished(timeout=30)
                 finished.set()
 
-            waiter = threading.Thread(target=wait)
+            waiter = threading.Thread(target=wait, daemon=True)
             waiter.start()
             assert not finished.wait(0.05)
             writer.mark_complete()
@@ -155,7 +155,7 @@ def test_waiting_for_the_finish_ends_with_the_writers_reason_when_the_load_fails
             except LoadFailedError as exc:
                 failed.append(exc)
 
-        waiter = threading.Thread(target=wait)
+        waiter = threading.Thread(target=wait, daemon=True)
         waiter.start()
         writer.mark_failed(reason)
         waiter.join(timeout=30)

@@ -122,7 +122,7 @@ def test_a_stop_during_connection_retries_is_prompt(
     closed = free_port()  # nothing listens: every connect is refused and retried with backoff
     sidecar = sidecars.start(f"http://127.0.0.1:{closed}/m.safetensors", shm_dir / "model.seg")
     try:
-        # by the fifth retry the next wait is at least 3.2 s (0.2 s doubled, jitter only shortens it)
+        # by the fifth retry the next wait is 1.6-3.2 s (0.2 s doubled four times, then shortened by jitter)
         wait_for(lambda: sidecar.tracker.snapshot().retries >= 5, timeout=30, what="five retries")
     finally:
         status = sidecar.stop()

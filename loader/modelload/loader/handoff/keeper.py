@@ -274,17 +274,25 @@ class Keeper:
         # As state_dict copies: pinned in place where pages are few (huge pages) or reused (a ring), once for
         # the whole region where it can be, else through pinned staging buffers (Model._pins_in_place).
         copier = self.memory.copier(pin_in_place=model._pins_in_place())
-        region = model._pinnable(list(model.names))
-        if region is not None:
-            copier.pin(region)
         consumed = model.consumed if model.memory_mode != "full" else None
-        for name in model.iter_ready():
-            host = model.tensor(name, wait=False)
-            done = None if consumed is None else _marker(consumed, name)
-            copier.copy(host, into=view(flat, by_tensor[name]), on_done=done)
-            with self._changed:
-                self.progress.tensors_ready += 1
-                self.progress.bytes_ready += by_tensor[name].nbytes
+        try:
+            region = model._pinnable(list(model.names))
+            if region is not None:
+                copier.pin(region)
+            for name in model.iter_ready():
+                host = model.tensor(name, wait=False)
+                done = None if consumed is None else _marker(consumed, name)
+                copier.copy(host, into=view(flat, by_tensor[name]), on_done=done)
+                with self._changed:
+                    self.progress.tensors_ready += 1
+                    self.progress.bytes_ready += by_tensor[name].nbytes
+        except BaseException:
+            # A failed load (the sidecar's failure, a timeout, a copy refused) gives back what the copier
+            # holds: the region's pin (a whole hugetlbfs segment, or the ring) and its queued copies, which
+            # would otherwise stay for the keeper's life, since it goes on answering apps with the failure.
+            with contextlib.suppress(Exception):
+                copier.finish()
+            raise
         copier.finish()
         model.wait_complete()  # no app is handed weights whose files then fail the sidecar's proof
         manifest = protocol.Manifest(

@@ -80,7 +80,7 @@ class TensorHasher:
         self._source = source
         self._length = 0
         kinds = {h.kind for h in header.hashes}
-        self._crc: int | None = _crc32(header.hashable) if HASH_CRC32 in kinds else None
+        self._crc: int | None = crc32(header.hashable) if HASH_CRC32 in kinds else None
         self._sha: _Hash | None = hashlib.sha256(header.hashable) if HASH_SHA256 in kinds else None
 
     def update(self, data: Buffer) -> None:
@@ -89,7 +89,7 @@ class TensorHasher:
         if view.ndim != 1 or view.format != "B":
             view = view.cast("B")
         if self._crc is not None:
-            self._crc = _crc32(view, self._crc)
+            self._crc = crc32(view, self._crc)
         if self._sha is not None:
             self._sha.update(view)
         self._length += view.nbytes
@@ -131,7 +131,7 @@ class RunningHashes:
             self.update(part)
 
     def update(self, data: Buffer) -> None:
-        self._crc = _crc32(data, self._crc)
+        self._crc = crc32(data, self._crc)
         self._sha.update(data)
 
     def digests(self) -> tuple[int, bytes]:
