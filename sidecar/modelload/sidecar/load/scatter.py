@@ -75,7 +75,7 @@ class ChunkScatter:
     ``[at, at + len(data))`` into their slots of file ``fd``; pieces ``dst``/``length`` in range order.
 
     Bytes must come in order; bytes it already had (a source that resumed early) are skipped, so each
-    tensor's CRC-32 covers each byte once. :meth:`crcs` after the last byte."""
+    tensor's CRC-32 covers each byte once. :meth:`crc_column` after the last byte."""
 
     __slots__ = ("_crcs", "_done", "_dst", "_ends", "_fd", "_joined", "_starts", "_whole")
 
@@ -121,19 +121,11 @@ class ChunkScatter:
             _write(self._fd, iovs, run_at, expect - run_at)
         self._done = end
 
-    def crcs(self) -> list[int | None]:
-        """Per piece, the CRC-32 of its bytes where the piece is its tensor's whole slot, else None."""
-        self._all_in()
-        return [crc if whole else None for crc, whole in zip(self._crcs, self._whole, strict=True)]
-
     def crc_column(self) -> npt.NDArray[np.int64]:
-        """:meth:`crcs` as a column for publishing: -1 where a piece is not its tensor's whole slot."""
-        self._all_in()
-        return np.where(np.asarray(self._whole, dtype=bool), np.asarray(self._crcs, dtype=np.int64), -1)
-
-    def _all_in(self) -> None:
+        """Per piece, the CRC-32 of its bytes where the piece is its tensor's whole slot, else -1."""
         if self._done < (self._ends[-1] if self._ends else 0):
             raise RuntimeError(f"the range is not all in: {self._done} of {self._ends[-1]} bytes")
+        return np.where(np.asarray(self._whole, dtype=bool), np.asarray(self._crcs, dtype=np.int64), -1)
 
 
 def _write(fd: int, iovs: list[memoryview], offset: int, total: int) -> None:
