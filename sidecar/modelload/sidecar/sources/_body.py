@@ -16,7 +16,7 @@ import http.client
 import io
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ._base import RangeSink, views_after
 from ._low_water import LowWater
@@ -173,19 +173,19 @@ class Body:
             )
 
     def _recv_into(self, view: memoryview) -> int:
-        """``recv_into`` from the socket, through the waits of a raised low-water mark (``_low_water``)."""
-        while True:
-            try:
-                return self._sock.recv_into(view, len(view))
-            except TimeoutError:
-                if self._low is None or not self._low.waited():
-                    raise
+        """``recv_into`` from the socket, through the waits of a raised low-water mark."""
+        return self._through_waits(lambda: self._sock.recv_into(view, len(view)))
 
     def _recvmsg_into(self, views: Sequence[memoryview]) -> int:
         """``recvmsg_into`` (one receive scattered over ``views``), through the same waits."""
+        return self._through_waits(lambda: int(self._sock.recvmsg_into(views)[0]))
+
+    def _through_waits(self, receive: Callable[[], int]) -> int:
+        """``receive()``, again after each wait of a raised low-water mark that ended without bytes
+        (``_low_water``: the socket's timeout then says only that the mark was not reached)."""
         while True:
             try:
-                return int(self._sock.recvmsg_into(views)[0])
+                return receive()
             except TimeoutError:
                 if self._low is None or not self._low.waited():
                     raise
