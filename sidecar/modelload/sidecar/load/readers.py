@@ -32,6 +32,7 @@ from modelload.loader.formats import tensorizer as tz
 from modelload.loader.segment import MemoryMode, SegmentWriter, TensorFinisher, run_in_order
 from modelload.sidecar.load import integrity, proof
 from modelload.sidecar.load.digests import FileDigests
+from modelload.sidecar.load.landed import HOT_PIECE, LandedCrcs
 from modelload.sidecar.load.meter import ChunkMeter
 from modelload.sidecar.load.scatter import Neighbours
 from modelload.sidecar.load.settings import LoadSettings
@@ -49,6 +50,7 @@ from modelload.sidecar.sources import (
     read_range_into_sink,
     read_range_pieces,
     read_range_pieces_into_fd,
+    watch_landing,
 )
 
 __all__ = ["SPLICE_PIECE", "LoadContext", "PeerHook", "Readers"]
@@ -146,6 +148,9 @@ class Readers:
         # A ring's bytes wrap around its end: its small pieces keep the mapping's scattering reads.
         ring = writer.layout.memory_mode == MemoryMode.RING
         self._neighbours = Neighbours(plan) if use_fd and not ring else None
+        # The CRC-32 taken as bytes land is recorded unless a peer's bytes are checked after landing or a
+        # tensorizer record's slot changes when it is finished (see _publish).
+        self._crc_landing = context.peers is None and plan.index.format != "tensorizer"
         if digests is not None and hold:
             self._release(digests.when_proven(self._release))
 
@@ -205,8 +210,7 @@ class Readers:
             last = chunk.first + chunk.count - 1
             end = int(self.plan.pieces.dst[last] + self.plan.pieces.length[last])
             self.writer.reserve_range(chunk.dst_offset, end - chunk.dst_offset)
-        self._land_view(chunk)
-        return None
+        return self._land_view(chunk)
 
     def _land_scattered(self, chunk: Chunk, neighbours: Neighbours) -> npt.NDArray[np.int64]:
         source, context = self.sources[chunk.file], self.context
@@ -266,15 +270,31 @@ class Readers:
         read_range_pieces_into_fd(source, chunk.src_offset, self.writer.fileno(), targets,
                                   policy=context.retry, on_retry=context.on_retry)  # fmt: skip
 
-    def _land_view(self, chunk: Chunk) -> None:
-        source, context = self.sources[chunk.file], self.context
+    def _land_view(self, chunk: Chunk) -> npt.NDArray[np.int64] | None:
+        """Land ``chunk`` through the mapping; where its pieces are big, with each tensor's CRC-32 taken as
+        its bytes land (:mod:`.landed`)."""
+        source, plan = self.sources[chunk.file], self.plan
+        pieces, span = plan.pieces, slice(chunk.first, chunk.first + chunk.count)
         if chunk.count == 1:
-            view = self.writer.region(chunk.dst_offset, chunk.length)
-            read_range(source, chunk.src_offset, view, policy=context.retry, on_retry=context.on_retry)
-            return
-        pieces, span = self.plan.pieces, slice(chunk.first, chunk.first + chunk.count)
-        views = self.writer.regions(pieces.dst[span].tolist(), pieces.length[span].tolist())
-        read_range_pieces(source, chunk.src_offset, views, policy=context.retry, on_retry=context.on_retry)
+            views = [self.writer.region(chunk.dst_offset, chunk.length)]
+        else:
+            views = self.writer.regions(pieces.dst[span].tolist(), pieces.length[span].tolist())
+        held = chunk.file in self._held  # published later, with the CRCs taken then
+        if not self._crc_landing or held or chunk.length < HOT_PIECE * chunk.count:
+            self._read_views(source, chunk, views)
+            return None
+        whole = (plan.chunk_counts[pieces.tensor[span]] == 1) & (pieces.data[span] == pieces.length[span])
+        crcs = LandedCrcs(views, whole.tolist())
+        with watch_landing(crcs):
+            self._read_views(source, chunk, views)
+        return crcs.crc_column()
+
+    def _read_views(self, source: Source, chunk: Chunk, views: list[memoryview]) -> None:
+        policy, on_retry = self.context.retry, self.context.on_retry
+        if len(views) == 1:
+            read_range(source, chunk.src_offset, views[0], policy=policy, on_retry=on_retry)
+        else:
+            read_range_pieces(source, chunk.src_offset, views, policy=policy, on_retry=on_retry)
 
     def _publish(
         self, tensors: npt.NDArray[np.int32], seq: int | None, landed: npt.NDArray[np.int64] | None = None

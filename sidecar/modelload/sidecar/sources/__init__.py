@@ -85,7 +85,7 @@ from ._settings import (
     S3Settings,
     SourceSettings,
 )
-from ._splice import metered
+from ._splice import metered, watch_landing
 from ._store import ListedFile, Opener, Store, join_uri
 from ._url import HttpSource
 from .hub import parse_hub_uri
@@ -174,4 +174,5 @@ __all__ = [
     "stat_with_prefix",
     "store_for",
     "verify_bytes",
+    "watch_landing",
 ]

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 from ._base import RangeSink, views_after
 from ._low_water import LowWater
-from ._splice import HAVE_SPLICE, Progress, RateFloor, splice_socket
+from ._splice import HAVE_SPLICE, Progress, RateFloor, landing_watcher, splice_socket
 
 __all__ = ["Body"]
 
@@ -52,6 +52,7 @@ class Body:
         self._chunked = bool(response.chunked)
         # Long bodies from a plain socket are received in batches (TLS and chunked bodies as they come).
         self._low = None if self._chunked or hasattr(sock, "cipher") else LowWater(sock, stall_timeout)
+        self._watcher = landing_watcher()  # told of each part of the caller's memory filled, in order
 
     def readinto(self, view: memoryview) -> int:
         """Read at least one byte into ``view`` (which must not extend past the body) and return the count."""
@@ -76,7 +77,11 @@ class Body:
         while progress.done < length:
             if low is not None and self._buffer_drained:
                 low.expect(length - progress.done)
-            progress.done += self.readinto(view[progress.done :])
+            done = progress.done
+            got = self.readinto(view[done:])
+            progress.done = done + got
+            if self._watcher is not None:
+                self._watcher(view[done : done + got])
             if self._floor is not None:
                 self._floor.check(progress.done)
 
@@ -99,11 +104,16 @@ class Body:
                 got = self.readinto(rest[at])
             progress.done += got
             left -= got
+            watcher = self._watcher
             while got:  # step past what landed: whole views, then into the one it stopped in
                 size = len(rest[at])
                 if got < size:
+                    if watcher is not None:
+                        watcher(rest[at][:got])
                     rest[at] = rest[at][got:]
                     break
+                if watcher is not None:
+                    watcher(rest[at])
                 got -= size
                 at += 1
             if self._floor is not None:

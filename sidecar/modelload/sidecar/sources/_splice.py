@@ -27,9 +27,11 @@ __all__ = [
     "Progress",
     "RateFloor",
     "SlowTransferError",
+    "landing_watcher",
     "metered",
     "splice_file",
     "splice_socket",
+    "watch_landing",
 ]
 
 HAVE_SPLICE = hasattr(os, "splice") and hasattr(os, "SPLICE_F_MOVE")
@@ -50,6 +52,25 @@ def metered(callback: Callable[[int], None]) -> Iterator[None]:
         yield
     finally:
         _meters.callback = previous
+
+
+@contextlib.contextmanager
+def watch_landing(watcher: Callable[[memoryview], None]) -> Iterator[None]:
+    """Call ``watcher(view)`` with each part of the caller's memory that a transfer on this thread has just
+    filled, in the order the bytes came: the caller takes what it needs of the bytes while they are still in
+    the CPU's caches (a CRC-32), instead of reading them again from memory later. Only transfers that land
+    through a memoryview report (a file descriptor's pages never pass through this process)."""
+    previous = getattr(_meters, "landed", None)
+    _meters.landed = watcher
+    try:
+        yield
+    finally:
+        _meters.landed = previous
+
+
+def landing_watcher() -> Callable[[memoryview], None] | None:
+    """The :func:`watch_landing` watcher of this thread, if any."""
+    return getattr(_meters, "landed", None)
 
 
 class Progress:
