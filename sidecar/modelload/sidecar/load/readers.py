@@ -32,7 +32,7 @@ from modelload.loader.formats import tensorizer as tz
 from modelload.loader.segment import MemoryMode, SegmentWriter, TensorFinisher, run_in_order
 from modelload.sidecar.load import integrity, proof
 from modelload.sidecar.load.digests import FileDigests
-from modelload.sidecar.load.landed import HOT_PIECE, LandedCrcs
+from modelload.sidecar.load.hot_crcs import HOT_PIECE, LandedCrcs
 from modelload.sidecar.load.meter import ChunkMeter
 from modelload.sidecar.load.scatter import Neighbours
 from modelload.sidecar.load.settings import LoadSettings
@@ -272,7 +272,7 @@ class Readers:
 
     def _land_view(self, chunk: Chunk) -> npt.NDArray[np.int64] | None:
         """Land ``chunk`` through the mapping; where its pieces are big, with each tensor's CRC-32 taken as
-        its bytes land (:mod:`.landed`)."""
+        its bytes land (:mod:`.hot_crcs`)."""
         source, plan = self.sources[chunk.file], self.plan
         pieces, span = plan.pieces, slice(chunk.first, chunk.first + chunk.count)
         if chunk.count == 1:
@@ -283,7 +283,11 @@ class Readers:
         if not self._crc_landing or held or chunk.length < HOT_PIECE * chunk.count:
             self._read_views(source, chunk, views)
             return None
+        # A piece's CRC is its slot's only where the piece is all of the tensor: not one cut across chunks.
         whole = (plan.chunk_counts[pieces.tensor[span]] == 1) & (pieces.data[span] == pieces.length[span])
+        if not whole.any():
+            self._read_views(source, chunk, views)
+            return None
         crcs = LandedCrcs(views, whole.tolist())
         with watch_landing(crcs):
             self._read_views(source, chunk, views)
@@ -313,8 +317,11 @@ class Readers:
             # the landing's would be of the bytes before that check.
             crcs = np.array([-1 if c is None else c for c in map(peers.finish, tensors.tolist())], np.int64)
         elif landed is not None:
-            # The landing's CRC is the slot's only where the slot holds exactly the tensor's bytes.
-            whole = plan.layout.table.nbytes[tensors] == table.data_lengths[tensors]
+            # The landing's CRC is the slot's only where the slot holds exactly the tensor's bytes, and all of
+            # them came in this one chunk (the landings give -1 otherwise; checked here again).
+            whole = (plan.layout.table.nbytes[tensors] == table.data_lengths[tensors]) & (
+                plan.chunk_counts[tensors] == 1
+            )
             crcs = np.where(whole, landed, -1)
         headers = None
         if plan.index.format == "tensorizer":  # the record's header landed in the slot's lead

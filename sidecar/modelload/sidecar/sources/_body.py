@@ -91,7 +91,7 @@ class Body:
         socket holds bytes for (a range of a thousand small tensors is not a thousand system calls)."""
         scatter = not self._chunked and not hasattr(self._sock, "cipher")
         rest = views_after(views, progress.done)
-        left, low = sum(map(len, rest)), self._low
+        left, low, watcher = sum(map(len, rest)), self._low, self._watcher
         at = 0  # rest[at] is the first view not yet full
         while at < len(rest):
             if low is not None and self._buffer_drained:
@@ -104,7 +104,6 @@ class Body:
                 got = self.readinto(rest[at])
             progress.done += got
             left -= got
-            watcher = self._watcher
             while got:  # step past what landed: whole views, then into the one it stopped in
                 size = len(rest[at])
                 if got < size:

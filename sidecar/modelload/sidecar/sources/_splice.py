@@ -56,10 +56,12 @@ def metered(callback: Callable[[int], None]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def watch_landing(watcher: Callable[[memoryview], None]) -> Iterator[None]:
-    """Call ``watcher(view)`` with each part of the caller's memory that a transfer on this thread has just
-    filled, in the order the bytes came: the caller takes what it needs of the bytes while they are still in
-    the CPU's caches (a CRC-32), instead of reading them again from memory later. Only transfers that land
-    through a memoryview report (a file descriptor's pages never pass through this process)."""
+    """Call ``watcher(view)`` with each part of the caller's memory that an HTTP body (``_body.Body``, made on
+    this thread inside the block) has just filled, in the order the bytes came: the caller takes what it
+    needs of the bytes while they are still in the CPU's caches (a CRC-32), instead of reading them again
+    from memory later. Other transfers do not report (a file's ``preadv``, bytes spliced or bounced through
+    a buffer), so a watcher must expect to see only part of a range, or none of it. A body takes the watcher
+    when it is made: one handed to another thread would still report here."""
     previous = getattr(_meters, "landed", None)
     _meters.landed = watcher
     try:

@@ -1,4 +1,4 @@
-"""Each tensor's CRC-32 taken as its bytes land through the segment's mapping (``load/landed.py``).
+"""Each tensor's CRC-32 taken as its bytes land through the segment's mapping (``load/hot_crcs.py``).
 
 The watcher is fed the parts of the segment a receive has just filled; it must give a piece's CRC only when
 it saw every byte of the range land once and in order, and nothing otherwise (the finisher then reads the
@@ -21,9 +21,10 @@ from modelload.loader.segment import SegmentReader
 from modelload.loader.segment import finish as finish_module
 from modelload.sidecar.load import LoadSettings
 from modelload.sidecar.load.engine import Engine
-from modelload.sidecar.load.landed import LandedCrcs
+from modelload.sidecar.load.hot_crcs import LandedCrcs
 from modelload.sidecar.progress import LoadTracker
 from modelload.sidecar.sources import HttpSettings, RetryPolicy, SourceSettings
+from modelload.sidecar.sources._http import HttpObject
 from tests.sidecar import models
 from tests.support.fault_proxy import Reset, Stall
 from tests.support.hugepages import hugetlbfs, hugetlbfs_volume
@@ -99,8 +100,11 @@ def test_bytes_out_of_order_again_missing_or_elsewhere_give_no_crc_at_all(fault:
 def test_a_read_only_view_is_never_trusted() -> None:
     memory = bytearray(10_000)
     watcher = LandedCrcs([memoryview(memory)], [True])
-    watcher(memoryview(bytes(memory)))
+    watcher(memoryview(memory).toreadonly())  # the same bytes, at the same address, but read-only
     assert watcher.crc_column().tolist() == [-1]
+    watcher = LandedCrcs([memoryview(memory).toreadonly()], [True])
+    watcher(memoryview(memory))
+    assert watcher.crc_column().tolist() == [-1], "pieces it cannot place are never trusted either"
 
 
 def _tensors(seed: int, count: int, rows: int) -> dict[str, torch.Tensor]:
@@ -168,3 +172,37 @@ def test_a_broken_stream_resumed_at_the_byte_still_records_crcs_taken_as_they_la
     models.assert_segment_matches(shm_dir / "model.seg", tensors)
     assert _assert_crcs_recorded_right(shm_dir / "model.seg") == len(tensors)
     assert sum(counted_crcs) == 0, "the resumed range went on at the byte: its CRCs were taken as it landed"
+
+
+def test_a_tensor_cut_across_chunks_gets_the_crc_of_its_whole_slot_taken_after_it_is_all_in(
+    nginx: Any, shm_dir: Path, counted_crcs: list[int]
+) -> None:
+    tensors = _tensors(43, count=3, rows=256)
+    tensors["big.weight"] = torch.randn(3 << 10, 256, generator=torch.Generator().manual_seed(44))  # 3 MiB
+    url = nginx.put("landed-cut.safetensors", models.safetensors_bytes(tensors))
+    _load(url, shm_dir / "model.seg", chunk_size=1 << 20)
+    models.assert_segment_matches(shm_dir / "model.seg", tensors)
+    assert _assert_crcs_recorded_right(shm_dir / "model.seg") == len(tensors)
+    big = tensors["big.weight"].numel() * 4
+    assert counted_crcs == [big], "only the cut tensor's CRC is read back, over its whole slot, once"
+
+
+def test_a_source_that_goes_back_over_landed_bytes_leaves_the_crcs_to_the_finisher(
+    nginx: Any, nginx_proxy: Any, shm_dir: Path, counted_crcs: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tensors = _tensors(45, count=4, rows=1024)
+    nginx.put("landed-back.safetensors", models.safetensors_bytes(tensors))
+    nginx_proxy.push(PASS, Reset(after=300_000))
+    translate = HttpObject._translate
+
+    def going_back(self: HttpObject, exc: BaseException, *, landed: int = 0, **kwargs: Any) -> Any:
+        # A source that resumes 5,000 bytes before where its bytes stopped (it lands some of them twice).
+        return translate(self, exc, landed=max(landed - 5_000, 0), **kwargs)
+
+    monkeypatch.setattr(HttpObject, "_translate", going_back)
+    _load(nginx_proxy.url("landed-back.safetensors"), shm_dir / "model.seg", readers=1, chunk_size=4 << 20)
+    ranges = nginx_proxy.ranges()
+    assert any(after == (start + 295_000, end) for (start, end), after in itertools.pairwise(ranges)), ranges
+    models.assert_segment_matches(shm_dir / "model.seg", tensors)
+    assert _assert_crcs_recorded_right(shm_dir / "model.seg") == len(tensors)
+    assert sum(counted_crcs) > 0, "the range that went back had its CRCs taken from the segment"

@@ -2,8 +2,7 @@
 
 The segment's state entry records each tensor's CRC-32 (``modelload inspect --verify`` checks it later).
 Taken after a 32 MiB range is all in, with seven other readers landing theirs meanwhile, it reads every byte
-back from memory: on huge pages, where the landing itself costs little, that second pass was about a sixth of
-a load's CPU. Here the source tells (:func:`~modelload.sidecar.sources.watch_landing`) each part of the
+back from memory. Here the source tells (:func:`~modelload.sidecar.sources.watch_landing`) each part of the
 segment a receive has just filled, a few MiB at most, and the CRC is taken while those bytes are still in the
 CPU's caches.
 
