@@ -28,9 +28,10 @@ import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from modelload.loader.errors import ConfigError, DuplicateNameError, FormatError, SourceNotFoundError
+from modelload.loader.formats._fast_json import fast_loads
 from modelload.loader.formats._index import ModelIndex, TensorTable, has_repeats
 
 __all__ = [
@@ -106,10 +107,19 @@ def weight_shards(index_json: bytes, *, where: str) -> tuple[str, ...]:
 
 
 def _joined_shards(index_json: bytes, *, where: str) -> str:
+    if fast_loads is not None:
+        try:
+            return _shards_of(fast_loads(index_json), where=where)
+        except (ValueError, FormatError):  # said from the json module's reading (see _fast_json)
+            pass
     try:
         document = json.loads(index_json)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise FormatError(f"{where} is not valid JSON ({type(exc).__name__})", source=where) from None
+    return _shards_of(document, where=where)
+
+
+def _shards_of(document: Any, *, where: str) -> str:
     weight_map = document.get("weight_map") if isinstance(document, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise FormatError(f"{where} has no weight_map naming the shard of each tensor", source=where)

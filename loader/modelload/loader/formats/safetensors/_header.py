@@ -54,7 +54,13 @@ from modelload.loader.errors import (
     UnsupportedDtypeError,
 )
 from modelload.loader.formats._index import MAX_NDIM, ModelIndex, Names, RangeRead, TensorEntry, TensorTable
-from modelload.loader.formats.safetensors._json import METADATA_KEY, REWRITE, RepeatedKeys, load_header_json
+from modelload.loader.formats.safetensors._json import (
+    FAST_JSON,
+    METADATA_KEY,
+    REWRITE,
+    RepeatedKeys,
+    load_header_json,
+)
 
 __all__ = ["FIRST_READ_LENGTH", "HEADER_SIZE_CAP", "METADATA_KEY", "read_index"]
 
@@ -146,9 +152,17 @@ def parse_header(
     there when an equal one is (a mixture of experts repeats a few shapes over 100,000 tensors, whose
     tuples and dimensions were 8 MiB kept for the whole load), and new ones are added."""
     base = 8 + len(header)
-    top = load_header_json(header, source)
-    metadata = _metadata(top.pop(METADATA_KEY, None), source)
-    found = _entries_at_once(top, base=base, size=size, file=file, shapes=shapes)
+    top = load_header_json(header, source, fast=FAST_JSON)
+    try:
+        metadata = _metadata(top.pop(METADATA_KEY, None), source)
+        found = _entries_at_once(top, base=base, size=size, file=file, shapes=shapes)
+    except HeaderError:
+        if not FAST_JSON:
+            raise
+        found = None
+    if found is None and FAST_JSON:  # said from the json module's reading (see load_header_json)
+        top = load_header_json(header, source)
+        metadata = _metadata(top.pop(METADATA_KEY, None), source)
     if found is not None:
         tensors, buffer_end = found
     else:  # something may be wrong: the rule-by-rule pass says precisely what
