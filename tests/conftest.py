@@ -18,6 +18,14 @@ import pytest
 REQUIRE_SERVERS = os.environ.get("MODELLOAD_REQUIRE_SERVERS") == "1"
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Unmount the volumes a killed run of the suite left mounted (:mod:`tests.support.stale_mounts`): a
+    hugetlbfs volume left behind keeps huge pages this run's huge-page tests need."""
+    from tests.support.stale_mounts import default_root, unmount_stale
+
+    unmount_stale(default_root())
+
+
 def require(condition: bool, reason: str) -> None:
     """Skip the test when ``condition`` is false, or fail it when the run requires every server."""
     if condition:
