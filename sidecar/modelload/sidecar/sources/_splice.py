@@ -46,12 +46,8 @@ _meters = threading.local()
 def metered(callback: Callable[[int], None]) -> Iterator[None]:
     """Call ``callback(count)`` as bytes land through transfers on this thread (every :class:`Progress`
     made inside the block), so a caller can show progress within a long range, not only after it."""
-    previous = getattr(_meters, "callback", None)
-    _meters.callback = callback
-    try:
+    with _set_on_thread("callback", callback):
         yield
-    finally:
-        _meters.callback = previous
 
 
 @contextlib.contextmanager
@@ -62,12 +58,19 @@ def watch_landing(watcher: Callable[[memoryview], None]) -> Iterator[None]:
     from memory later. Other transfers do not report (a file's ``preadv``, bytes spliced or bounced through
     a buffer), so a watcher must expect to see only part of a range, or none of it. A body takes the watcher
     when it is made: one handed to another thread would still report here."""
-    previous = getattr(_meters, "landed", None)
-    _meters.landed = watcher
+    with _set_on_thread("landed", watcher):
+        yield
+
+
+@contextlib.contextmanager
+def _set_on_thread(name: str, value: object) -> Iterator[None]:
+    """``_meters.<name>`` is ``value`` on this thread for the block, then what it was before."""
+    previous = getattr(_meters, name, None)
+    setattr(_meters, name, value)
     try:
         yield
     finally:
-        _meters.landed = previous
+        setattr(_meters, name, previous)
 
 
 def landing_watcher() -> Callable[[memoryview], None] | None:
