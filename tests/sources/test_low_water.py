@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import os
 import socket
 import struct
 import termios
@@ -12,7 +13,16 @@ from collections.abc import Iterator
 
 import pytest
 
-from modelload.sidecar.sources import RetryEvent, Source, open_source, read_range
+from modelload.sidecar.sources import (
+    HttpSettings,
+    RetryEvent,
+    Source,
+    SourceSettings,
+    _splice,
+    open_source,
+    read_range,
+    read_range_into_fd,
+)
 from modelload.sidecar.sources._low_water import BATCH, PROBE, LowWater
 from tests.support.fault_proxy import FaultProxy, Stall, Trickle
 from tests.support.nginx import NginxServer
@@ -32,33 +42,83 @@ def source(nginx: NginxServer, nginx_proxy: FaultProxy) -> Source:
     return src
 
 
-def _read_all(source: Source) -> tuple[bytes, list[RetryEvent]]:
+@pytest.fixture(params=["mapping", "splice"])
+def landing(request: pytest.FixtureRequest) -> str:
+    """Where the body lands: received into memory (a segment's mapping), or spliced into a file."""
+    if request.param == "splice" and not _splice.HAVE_SPLICE:
+        pytest.skip("os.splice is Linux-only")
+    return str(request.param)
+
+
+def _read_all(source: Source, landing: str = "mapping") -> tuple[bytes, list[RetryEvent]]:
     events: list[RetryEvent] = []
-    buf = bytearray(len(DATA))
-    read_range(source, 0, memoryview(buf), policy=FAST_RETRY, on_retry=events.append)
-    return bytes(buf), events
+    if landing == "mapping":
+        buf = bytearray(len(DATA))
+        read_range(source, 0, memoryview(buf), policy=FAST_RETRY, on_retry=events.append)
+        return bytes(buf), events
+    fd = os.memfd_create("low-water")
+    try:
+        os.ftruncate(fd, len(DATA))
+        read_range_into_fd(source, 0, len(DATA), fd, 0, policy=FAST_RETRY, on_retry=events.append)
+        return os.pread(fd, len(DATA), 0), events
+    finally:
+        os.close(fd)
 
 
 def test_a_sender_slower_than_a_batch_per_probe_is_read_as_it_comes_without_a_retry(
-    source: Source, nginx_proxy: FaultProxy
+    source: Source, nginx_proxy: FaultProxy, landing: str
 ) -> None:
     # 100 KB every 0.2 s after the first 100 KB: the 1.1 MB the body still owes (its mark) would come only
     # after four stall timeouts, so a reader waiting for the mark would give the connection up.
     nginx_proxy.push(Trickle(after=100_000, piece=100_000, interval=0.2))
-    data, events = _read_all(source)
+    data, events = _read_all(source, landing)
     assert data == DATA
     assert events == [], "a sender that keeps sending is not a stalled one"
     assert nginx_proxy.ranges()[1:] == [(0, len(DATA) - 1)], "one request after the look-up"
 
 
 def test_a_sender_that_goes_quiet_still_fails_after_the_stall_timeout_and_resumes_at_the_byte(
-    source: Source, nginx_proxy: FaultProxy
+    source: Source, nginx_proxy: FaultProxy, landing: str
 ) -> None:
     nginx_proxy.push(Stall(after=400_000, seconds=STALL * 4))
-    data, events = _read_all(source)
+    data, events = _read_all(source, landing)
     assert data == DATA
     assert [(e.landed, e.resume_at) for e in events] == [(400_000, 400_000)]
     assert nginx_proxy.ranges()[-2:] == [(0, len(DATA) - 1), (400_000, len(DATA) - 1)]
+
+
+def test_a_body_sent_in_small_writes_is_spliced_in_batches_not_per_write(
+    nginx: NginxServer, nginx_proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # s3rver (Node) writes a body 64 KiB at a time. Spliced as it came, each write woke the reader for a
+    # poll, a splice into the pipe and one out of it: 1.26 CPU-s per GiB against 0.87 in batches.
+    if not _splice.HAVE_SPLICE:
+        pytest.skip("os.splice is Linux-only")
+    body = payload(3 * BATCH, seed=12)
+    nginx.put("low-water/pieces.bin", body)
+    settings = SourceSettings(http=HttpSettings(connect_timeout=2.0, stall_timeout=10.0), retry=FAST_RETRY)
+    source = open_source(nginx_proxy.url("low-water/pieces.bin"), settings)
+    source.stat()
+    pieces = len(body) // (64 << 10)
+    nginx_proxy.push(Trickle(piece=64 << 10, interval=0.002))
+    real_splice, from_socket = os.splice, []
+
+    def counting(src: int, dst: int, count: int, *args: object, **kwargs: object) -> int:
+        if kwargs.get("flags") == _splice._SOCKET_FLAGS:
+            from_socket.append(count)
+        return real_splice(src, dst, count, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "splice", counting)
+    fd = os.memfd_create("pieces")
+    try:
+        os.ftruncate(fd, len(body))
+        read_range_into_fd(source, 0, len(body), fd, 0, policy=FAST_RETRY)
+        assert os.pread(fd, len(body), 0) == body
+    finally:
+        os.close(fd)
+    # In batches: a few splices per 4 MiB queued (the pipe takes 1 MiB), each wait ending on a full batch.
+    # As it came: a wait and at least one splice per 64 KiB write (192 here).
+    assert len(from_socket) < pieces // 3, f"{len(from_socket)} splices from the socket for {pieces} writes"
 
 
 def test_the_connection_carries_the_next_request_at_once_after_a_batched_body(nginx: NginxServer) -> None:

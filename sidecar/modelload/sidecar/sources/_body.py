@@ -179,6 +179,7 @@ class Body:
                 stall_timeout=self._stall_timeout,
                 progress=progress,
                 floor=self._floor,
+                batch=self._low,
             )
 
     def _recv_into(self, view: memoryview) -> int:

@@ -19,8 +19,12 @@ import select
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from modelload.loader.segment.volume import full_volume
+
+if TYPE_CHECKING:
+    from ._low_water import LowWater
 
 __all__ = [
     "HAVE_SPLICE",
@@ -198,8 +202,13 @@ def splice_socket(
     stall_timeout: float,
     progress: Progress,
     floor: RateFloor | None = None,
+    batch: LowWater | None = None,
 ) -> None:
     """Move exactly ``count`` bytes from a non-blocking socket into ``dst_fd`` at ``dst_offset``.
+
+    With ``batch`` (the socket's low-water mark), each wait for bytes lasts until a batch is queued rather
+    than until the next packet: a server that writes in small pieces (Node's s3rver writes 64 KiB at a time)
+    would otherwise wake the reader for a splice into the pipe, one out of it and a poll every 64 KiB.
 
     Raises TimeoutError when no byte arrives for ``stall_timeout`` seconds (SlowTransferError when they come
     slower than ``floor``), EOFError when the peer closes early, OSError for socket errors;
@@ -208,14 +217,19 @@ def splice_socket(
     pipe = _pipe()
     poller = select.poll()
     poller.register(sock_fd, select.POLLIN)
-    timeout_ms = max(1, int(stall_timeout * 1000))
+    waiting = False  # whether the last splice found the socket empty
     while count:
         try:
             got = os.splice(sock_fd, pipe.w, min(count, pipe.capacity), flags=_SOCKET_FLAGS)
         except BlockingIOError:
-            if not poller.poll(timeout_ms):
-                raise TimeoutError(f"no bytes for {stall_timeout:g} s") from None
-            continue
+            if batch is not None and not waiting:
+                batch.expect(count)  # sleep until a batch is queued, not until the next packet
+            waiting = True
+            wait = batch.wait_seconds if batch is not None else stall_timeout
+            if poller.poll(max(1, int(wait * 1000))) or (batch is not None and batch.waited()):
+                continue
+            raise TimeoutError(f"no bytes for {stall_timeout:g} s") from None
+        waiting = False
         if got == 0:
             raise EOFError("the server closed the connection before the body was complete")
         _drain(pipe, got, dst_fd, dst_offset, progress)
