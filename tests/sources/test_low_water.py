@@ -9,6 +9,7 @@ import os
 import socket
 import struct
 import termios
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -18,6 +19,7 @@ from modelload.sidecar.sources import (
     RetryEvent,
     Source,
     SourceSettings,
+    _low_water,
     _splice,
     open_source,
     read_range,
@@ -50,17 +52,19 @@ def landing(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-def _read_all(source: Source, landing: str = "mapping") -> tuple[bytes, list[RetryEvent]]:
+def _read_all(
+    source: Source, landing: str = "mapping", size: int = len(DATA)
+) -> tuple[bytes, list[RetryEvent]]:
     events: list[RetryEvent] = []
     if landing == "mapping":
-        buf = bytearray(len(DATA))
+        buf = bytearray(size)
         read_range(source, 0, memoryview(buf), policy=FAST_RETRY, on_retry=events.append)
         return bytes(buf), events
     fd = os.memfd_create("low-water")
     try:
-        os.ftruncate(fd, len(DATA))
-        read_range_into_fd(source, 0, len(DATA), fd, 0, policy=FAST_RETRY, on_retry=events.append)
-        return os.pread(fd, len(DATA), 0), events
+        os.ftruncate(fd, size)
+        read_range_into_fd(source, 0, size, fd, 0, policy=FAST_RETRY, on_retry=events.append)
+        return os.pread(fd, size, 0), events
     finally:
         os.close(fd)
 
@@ -101,6 +105,9 @@ def test_a_body_sent_in_small_writes_is_spliced_in_batches_not_per_write(
     source.stat()
     pieces = len(body) // (64 << 10)
     nginx_proxy.push(Trickle(piece=64 << 10, interval=0.002))
+    # A probe long enough that a loaded machine's proxy still sends each 4 MiB within one (past a probe
+    # with bytes queued below the mark, batching is off for the rest of the body, by design).
+    monkeypatch.setattr(_low_water, "PROBE", 5.0)
     real_splice, from_socket = os.splice, []
 
     def counting(src: int, dst: int, count: int, *args: object, **kwargs: object) -> int:
@@ -195,3 +202,85 @@ def test_bytes_queued_below_the_mark_turn_batching_off_for_the_rest_of_the_body(
         low.expect(8 << 20)
         assert _mark(client) == 1, "a sender slower than a batch per probe gains nothing from batches"
         assert client.recv(2000) == b"x" * 1000
+
+
+class _UrgentServer:
+    """An HTTP/1.1 server on loopback that answers every GET of its one object with the asked range, and
+    sends one byte of each body over 1,000 bytes as TCP urgent data (``MSG_OOB``): no real server does, and
+    a hostile one must not make a body lose that byte nor a splice stop at it for good."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._server.getsockname()[1]}/model.bin"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn, conn.makefile("rb") as requests:
+            while True:
+                line = requests.readline()
+                if not line:
+                    return
+                method, headers = line.split()[0], {}
+                while (header := requests.readline()) not in (b"\r\n", b"\n", b""):
+                    name, _, value = header.decode().partition(":")
+                    headers[name.strip().lower()] = value.strip()
+                start, end = 0, len(self.data) - 1
+                if "range" in headers:
+                    first, _, last = headers["range"].removeprefix("bytes=").partition("-")
+                    start, end = int(first), min(int(last), end)
+                body = self.data[start : end + 1]
+                status = "206 Partial Content" if "range" in headers else "200 OK"
+                head = (
+                    f'HTTP/1.1 {status}\r\nContent-Length: {len(body)}\r\nETag: "v1"\r\n'
+                    f"Content-Range: bytes {start}-{end}/{len(self.data)}\r\nAccept-Ranges: bytes\r\n\r\n"
+                )
+                conn.sendall(head.encode())
+                if method == b"HEAD":
+                    continue
+                if len(body) <= 1000:
+                    conn.sendall(body)
+                    continue
+                middle = len(body) // 2
+                conn.sendall(body[:middle])
+                conn.send(body[middle : middle + 1], socket.MSG_OOB)
+                conn.sendall(body[middle + 1 :])
+
+    def close(self) -> None:
+        self._server.close()
+
+
+@pytest.mark.parametrize("size", [100_000, 3 * BATCH], ids=["short body", "batched body"])
+def test_a_byte_sent_as_urgent_data_lands_in_line_on_either_landing(landing: str, size: int) -> None:
+    # Before: received into memory, the urgent byte was taken out of the stream (every later byte landed one
+    # place early); spliced, the kernel's splice stopped at it and the reader spun at full CPU for good.
+    data = payload(size, seed=13)
+    server = _UrgentServer(data)
+    try:
+        source = open_source(server.url, FAST_SETTINGS)
+        source.stat()
+        outcome: list[object] = []
+
+        def read() -> None:
+            try:
+                outcome.append(_read_all(source, landing, size))
+            except Exception as exc:
+                outcome.append(exc)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(timeout=60)
+        assert not reader.is_alive(), "the read never ended"
+        got, events = outcome[0]  # type: ignore[misc]
+        assert got == data, "the bytes landed as they were sent, the urgent one in its place"
+        assert events == []
+    finally:
+        server.close()

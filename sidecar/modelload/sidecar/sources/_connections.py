@@ -14,7 +14,9 @@ import http.client
 import socket
 import ssl
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ._settings import HttpSettings
 
@@ -139,8 +141,10 @@ class ConnectionPool:
             )
         else:
             conn = http.client.HTTPConnection(origin.host, origin.port, timeout=timeout)
-        if self._settings.addresses is not None:  # every connection's address checked as it connects
-            conn._create_connection = self._settings.addresses.connect  # type: ignore[attr-defined]
+        # Every connection's address is checked as it connects (where a policy is set), and its socket keeps
+        # urgent data in line (_urgent_in_line).
+        connect = self._settings.addresses.connect if self._settings.addresses is not None else None
+        conn._create_connection = _urgent_in_line(connect or socket.create_connection)  # type: ignore[attr-defined]
         with self._lock:
             self._open.add(conn)
         return conn
@@ -169,3 +173,17 @@ def socket_of(conn: http.client.HTTPConnection) -> socket.socket:
     if sock is None:  # pragma: no cover - acquire() always returns a connected connection
         raise ConnectionError("the connection is not open")
     return sock
+
+
+def _urgent_in_line(connect: Callable[..., socket.socket]) -> Callable[..., socket.socket]:
+    """``connect`` whose sockets take TCP urgent data in line (``SO_OOBINLINE``): a server has no business
+    sending any, and one that does must not make a body lose a byte out of band (a receive would skip it
+    and shift every byte after it) nor stop a splice for good (the kernel's splice stops at an urgent byte;
+    ``_splice.splice_socket`` reads past it with a plain read, which in line takes it as a body byte)."""
+
+    def connected(*args: Any, **kwargs: Any) -> socket.socket:
+        sock = connect(*args, **kwargs)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_OOBINLINE, 1)
+        return sock
+
+    return connected

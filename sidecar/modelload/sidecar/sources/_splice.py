@@ -40,6 +40,7 @@ __all__ = [
 
 HAVE_SPLICE = hasattr(os, "splice") and hasattr(os, "SPLICE_F_MOVE")
 _PIPE_SIZE = 1 << 20
+_IN_LINE = 64 << 10  # the most bytes read past a point where splice stops (urgent data)
 _SOCKET_FLAGS = (os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK | os.SPLICE_F_MORE) if HAVE_SPLICE else 0
 
 
@@ -218,18 +219,33 @@ def splice_socket(
     poller = select.poll()
     poller.register(sock_fd, select.POLLIN)
     waiting = False  # whether the last splice found the socket empty
+    readable = False  # whether the last poll found it readable
     while count:
         try:
             got = os.splice(sock_fd, pipe.w, min(count, pipe.capacity), flags=_SOCKET_FLAGS)
         except BlockingIOError:
+            if readable:
+                # Readable, yet nothing to splice: the kernel's splice stops at TCP urgent data and would
+                # find nothing forever. A plain read takes the bytes in line (the connection pool's sockets
+                # set SO_OOBINLINE), and splicing goes on after them.
+                readable = False
+                took = _read_in_line(sock_fd, min(count, _IN_LINE), dst_fd, dst_offset, progress)
+                if took:
+                    count, dst_offset, waiting = count - took, dst_offset + took, False
+                    if floor is not None:
+                        floor.check(progress.done)
+                    continue
             if batch is not None and not waiting:
                 batch.expect(count)  # sleep until a batch is queued, not until the next packet
             waiting = True
             wait = batch.wait_seconds if batch is not None else stall_timeout
-            if poller.poll(max(1, int(wait * 1000))) or (batch is not None and batch.waited()):
+            if poller.poll(max(1, int(wait * 1000))):
+                readable = True
+                continue
+            if batch is not None and batch.waited():
                 continue
             raise TimeoutError(f"no bytes for {stall_timeout:g} s") from None
-        waiting = False
+        waiting = readable = False
         if got == 0:
             raise EOFError("the server closed the connection before the body was complete")
         _drain(pipe, got, dst_fd, dst_offset, progress)
@@ -237,6 +253,29 @@ def splice_socket(
         dst_offset += got
         if floor is not None:
             floor.check(progress.done)
+
+
+def _read_in_line(sock_fd: int, limit: int, dst_fd: int, dst_offset: int, progress: Progress) -> int:
+    """Read up to ``limit`` bytes queued on the socket and write them into ``dst_fd`` at ``dst_offset``;
+    the count (0: nothing queued after all). Raises EOFError when the peer has closed."""
+    try:
+        data = os.read(sock_fd, limit)
+    except BlockingIOError:
+        return 0
+    if not data:
+        raise EOFError("the server closed the connection before the body was complete")
+    view = memoryview(data)
+    while view:
+        try:
+            written = os.pwrite(dst_fd, view, dst_offset)
+        except OSError as exc:
+            full = full_volume(exc, f"no room left to write {len(view)} bytes at offset {dst_offset}")
+            if full is not None:
+                raise full from exc
+            raise
+        view, dst_offset = view[written:], dst_offset + written
+        progress.done += written
+    return len(data)
 
 
 def splice_file(
