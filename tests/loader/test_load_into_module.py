@@ -18,7 +18,6 @@ from modelload.loader.segment import SegmentWriter, TensorSpec, plan_layout
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
-tensorizer = pytest.importorskip("tensorizer")
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -92,6 +91,8 @@ def publish(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
 
 def staged_write_module(net: Any, directory: Path) -> Path:
     """``net`` written by tensorizer's own write_module (parameters and every buffer), then staged."""
+    # Imported here: only the tests that write with tensorizer need it; the GPU image has none.
+    tensorizer = pytest.importorskip("tensorizer")
     source, segment = directory / "model.tensors", directory / "model.seg"
     serializer = tensorizer.TensorSerializer(str(source))
     serializer.write_module(net)
