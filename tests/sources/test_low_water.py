@@ -19,11 +19,13 @@ from modelload.sidecar.sources import (
     RetryEvent,
     Source,
     SourceSettings,
+    _body,
     _low_water,
     _splice,
     open_source,
     read_range,
     read_range_into_fd,
+    read_range_into_sink,
 )
 from modelload.sidecar.sources._low_water import BATCH, PROBE, LowWater
 from tests.support.fault_proxy import FaultProxy, Stall, Trickle
@@ -126,6 +128,39 @@ def test_a_body_sent_in_small_writes_is_spliced_in_batches_not_per_write(
     # In batches: a few splices per 4 MiB queued (the pipe takes 1 MiB), each wait ending on a full batch.
     # As it came: a wait and at least one splice per 64 KiB write (192 here).
     assert len(from_socket) < pieces // 3, f"{len(from_socket)} splices from the socket for {pieces} writes"
+
+
+def test_a_body_handed_to_a_sink_is_received_a_window_at_a_time_not_per_write(
+    nginx: NginxServer, nginx_proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A range of many small tensors goes to a sink (the scatter into their slots) through a 1 MiB window:
+    # received as it came, each 64 KiB write of a server like s3rver was a wake-up and a receive.
+    body = payload(3 * BATCH, seed=14)
+    nginx.put("low-water/sink.bin", body)
+    settings = SourceSettings(http=HttpSettings(connect_timeout=2.0, stall_timeout=10.0), retry=FAST_RETRY)
+    source = open_source(nginx_proxy.url("low-water/sink.bin"), settings)
+    source.stat()
+    writes = len(body) // (64 << 10)
+    nginx_proxy.push(Trickle(piece=64 << 10, interval=0.002))
+    monkeypatch.setattr(_low_water, "PROBE", 5.0)  # as above: a loaded machine's proxy keeps up with it
+    receives: list[int] = []
+    real_receive = _body.Body._recv_into
+
+    def counting(self: _body.Body, view: memoryview) -> int:
+        got = real_receive(self, view)
+        receives.append(got)
+        return got
+
+    monkeypatch.setattr(_body.Body, "_recv_into", counting)
+    landed = bytearray(len(body))
+
+    def sink(data: memoryview, at: int) -> None:
+        landed[at : at + len(data)] = data
+
+    read_range_into_sink(source, 0, len(body), sink, policy=FAST_RETRY)
+    assert landed == body
+    # A window (1 MiB) at a time: a receive or two each. As it came: one a write at least (192 here).
+    assert len(receives) < writes // 3, f"{len(receives)} receives for {writes} writes"
 
 
 def test_the_connection_carries_the_next_request_at_once_after_a_batched_body(nginx: NginxServer) -> None:

@@ -121,12 +121,16 @@ class Body:
     def stream(self, buf: memoryview, count: int, sink: RangeSink, progress: Progress) -> None:
         """Hand ``count`` body bytes to ``sink``, ``buf`` (reused) full at a time; ``progress.done`` counts
         the bytes the sink has had. When the stream breaks, the sink first gets what had come into ``buf``,
-        so a retry resumes at the byte where it broke."""
+        so a retry resumes at the byte where it broke. Like :meth:`fill`, it waits for a batch of the
+        window at a time (the socket's low-water mark), not for every packet."""
+        low = self._low
         while (done := progress.done) < count:
             view = buf[: min(len(buf), count - done)]
             filled = 0
             try:
                 while filled < len(view):
+                    if low is not None and self._buffer_drained:
+                        low.expect(len(view) - filled)
                     filled += self.readinto(view[filled:])
                     if self._floor is not None:
                         self._floor.check(done + filled)
