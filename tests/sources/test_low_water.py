@@ -93,6 +93,23 @@ def test_a_sender_that_goes_quiet_still_fails_after_the_stall_timeout_and_resume
     assert nginx_proxy.ranges()[-2:] == [(0, len(DATA) - 1), (400_000, len(DATA) - 1)]
 
 
+def _sent_in_small_writes(
+    name: str, seed: int, nginx: NginxServer, nginx_proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Source, bytes, int]:
+    """A source whose next body (3 batches) the proxy sends in writes of 64 KiB, as s3rver does; the
+    source, the body, and how many writes it takes."""
+    body = payload(3 * BATCH, seed=seed)
+    nginx.put(f"low-water/{name}", body)
+    settings = SourceSettings(http=HttpSettings(connect_timeout=2.0, stall_timeout=10.0), retry=FAST_RETRY)
+    source = open_source(nginx_proxy.url(f"low-water/{name}"), settings)
+    source.stat()
+    nginx_proxy.push(Trickle(piece=64 << 10, interval=0.002))
+    # A probe long enough that a loaded machine's proxy still sends each 4 MiB within one (past a probe
+    # with bytes queued below the mark, batching is off for the rest of the body, by design).
+    monkeypatch.setattr(_low_water, "PROBE", 5.0)
+    return source, body, len(body) // (64 << 10)
+
+
 def test_a_body_sent_in_small_writes_is_spliced_in_batches_not_per_write(
     nginx: NginxServer, nginx_proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -100,16 +117,7 @@ def test_a_body_sent_in_small_writes_is_spliced_in_batches_not_per_write(
     # poll, a splice into the pipe and one out of it: 1.26 CPU-s per GiB against 0.87 in batches.
     if not _splice.HAVE_SPLICE:
         pytest.skip("os.splice is Linux-only")
-    body = payload(3 * BATCH, seed=12)
-    nginx.put("low-water/pieces.bin", body)
-    settings = SourceSettings(http=HttpSettings(connect_timeout=2.0, stall_timeout=10.0), retry=FAST_RETRY)
-    source = open_source(nginx_proxy.url("low-water/pieces.bin"), settings)
-    source.stat()
-    pieces = len(body) // (64 << 10)
-    nginx_proxy.push(Trickle(piece=64 << 10, interval=0.002))
-    # A probe long enough that a loaded machine's proxy still sends each 4 MiB within one (past a probe
-    # with bytes queued below the mark, batching is off for the rest of the body, by design).
-    monkeypatch.setattr(_low_water, "PROBE", 5.0)
+    source, body, pieces = _sent_in_small_writes("pieces.bin", 12, nginx, nginx_proxy, monkeypatch)
     real_splice, from_socket = os.splice, []
 
     def counting(src: int, dst: int, count: int, *args: object, **kwargs: object) -> int:
@@ -135,14 +143,7 @@ def test_a_body_handed_to_a_sink_is_received_a_window_at_a_time_not_per_write(
 ) -> None:
     # A range of many small tensors goes to a sink (the scatter into their slots) through a 1 MiB window:
     # received as it came, each 64 KiB write of a server like s3rver was a wake-up and a receive.
-    body = payload(3 * BATCH, seed=14)
-    nginx.put("low-water/sink.bin", body)
-    settings = SourceSettings(http=HttpSettings(connect_timeout=2.0, stall_timeout=10.0), retry=FAST_RETRY)
-    source = open_source(nginx_proxy.url("low-water/sink.bin"), settings)
-    source.stat()
-    writes = len(body) // (64 << 10)
-    nginx_proxy.push(Trickle(piece=64 << 10, interval=0.002))
-    monkeypatch.setattr(_low_water, "PROBE", 5.0)  # as above: a loaded machine's proxy keeps up with it
+    source, body, writes = _sent_in_small_writes("sink.bin", 14, nginx, nginx_proxy, monkeypatch)
     receives: list[int] = []
     real_receive = _body.Body._recv_into
 

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import http.client
 import io
-import os
 import socket
 from collections.abc import Callable, Sequence
 
 from ._base import RangeSink, views_after
 from ._low_water import LowWater
-from ._splice import HAVE_SPLICE, Progress, RateFloor, landing_watcher, splice_socket
+from ._splice import HAVE_SPLICE, Progress, RateFloor, landing_watcher, pwrite_all, splice_socket
 
 __all__ = ["Body"]
 
@@ -172,7 +171,7 @@ class Body:
             prefix = self._take_buffered(count - progress.done)
             if not prefix:
                 raise EOFError("the server closed the connection before the body was complete")
-            _pwrite_all(fd, memoryview(prefix), fd_offset + progress.done, progress)
+            pwrite_all(fd, memoryview(prefix), fd_offset + progress.done, progress)
         rest = count - progress.done
         if rest:
             splice_socket(
@@ -225,7 +224,7 @@ class Body:
         scratch = memoryview(bytearray(min(count, _BOUNCE_SIZE)))
         while progress.done < count:
             got = self.readinto(scratch[: min(count - progress.done, len(scratch))])
-            _pwrite_all(fd, scratch[:got], fd_offset + progress.done, progress)
+            pwrite_all(fd, scratch[:got], fd_offset + progress.done, progress)
             if self._floor is not None:
                 self._floor.check(progress.done)
 
@@ -234,11 +233,3 @@ class Body:
         if self._low is not None:
             self._low.reset()
         self._response.close()
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int, progress: Progress) -> None:
-    while data:
-        written = os.pwrite(fd, data, offset)
-        data = data[written:]
-        offset += written
-        progress.done += written

@@ -33,6 +33,7 @@ __all__ = [
     "SlowTransferError",
     "landing_watcher",
     "metered",
+    "pwrite_all",
     "splice_file",
     "splice_socket",
     "watch_landing",
@@ -264,18 +265,18 @@ def _read_in_line(sock_fd: int, limit: int, dst_fd: int, dst_offset: int, progre
         return 0
     if not data:
         raise EOFError("the server closed the connection before the body was complete")
-    view = memoryview(data)
-    while view:
-        try:
-            written = os.pwrite(dst_fd, view, dst_offset)
-        except OSError as exc:
-            full = full_volume(exc, f"no room left to write {len(view)} bytes at offset {dst_offset}")
-            if full is not None:
-                raise full from exc
-            raise
-        view, dst_offset = view[written:], dst_offset + written
-        progress.done += written
+    pwrite_all(dst_fd, memoryview(data), dst_offset, progress)
     return len(data)
+
+
+def pwrite_all(fd: int, data: memoryview, offset: int, progress: Progress) -> None:
+    """Write all of ``data`` into ``fd`` at ``offset``, however many calls it takes; ``progress.done`` counts
+    the bytes written (a full volume is translated where the transfer's error is, as for every write)."""
+    while data:
+        written = os.pwrite(fd, data, offset)
+        data = data[written:]
+        offset += written
+        progress.done += written
 
 
 def splice_file(
