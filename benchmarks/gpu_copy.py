@@ -36,25 +36,26 @@ ceiling; every tensor bitwise equal.
 Without a CUDA device, or with ``--dry``, the CUDA parts are skipped with a line saying so and the rest runs
 on a tiny model (the test suite runs it so the script does not rot).
 
+This script holds the cases and their schedule; ``benchmarks/gpu/`` holds the rest: the model
+(``synthetic.py``), the copies and the run's figures (``copying.py``), the restart (``restart.py``), the
+table and the goal (``summary.py``), the processes it starts (``children.py``) and the time limits
+(``guard.py``).
+
     python benchmarks/gpu_copy.py [--size 4] [--rounds 3] [--out gpu_copy.jsonl] [--budget 300] [--dry]
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import os
 import platform
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,154 +63,17 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "gpu"))  # benchmarks/gpu/: this script's helpers, not a package
-from children import sidecar, spawn, stop, stop_all  # noqa: E402
+from children import sidecar, stop_all  # noqa: E402
+from copying import Device, Refused, Run, copy_model, first_copy, timed  # noqa: E402
 from guard import Guard  # noqa: E402
+from restart import handoff  # noqa: E402
+from summary import report  # noqa: E402
 from synthetic import FileTensors, GiB, make_model, whole_ring  # noqa: E402
 
-GOAL = 0.85
 GROUPS = ("ceiling", "full", "ring", "overlap", "handoff", "release", "pinning")
 
 
-# --- copies -------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Device:
-    """Where copies go: a CUDA device, or the host (``--dry``, or no GPU) where copies are clones."""
-
-    cuda: bool
-    name: str = "cpu"
-
-    def sync(self) -> None:
-        if self.cuda:
-            import torch
-
-            torch.cuda.synchronize()
-
-
-class Refused(RuntimeError):
-    """A strategy the driver refused here: its case gets a record saying so instead of a figure."""
-
-
-def copy_model(model: Any, strategy: str, device: Device) -> tuple[dict[str, Any], dict[str, float]]:
-    """Every tensor of an attached ``model`` on ``device`` with ``strategy``, consumed as it is copied; the
-    results, and for ``in-place`` what its pinning cost: ``pin_s`` and ``unpin_s`` where the mapping (or the
-    ring) was pinned once, before the first copy and unpinned after the last, so that the copy's own time
-    is the rest; ``pinning_s`` in all (each tensor's pins, which overlap the copies, included)."""
-    consume = model.consumed if model.memory_mode != "full" else None
-    if strategy == "state_dict":
-        return dict(model.state_dict(device="cuda" if device.cuda else None)), {}
-    results = {}
-    if not device.cuda:  # the host stand-in: a copy of each tensor's bytes
-        for name in model.iter_ready():
-            results[name] = model.tensor(name, wait=False).clone()
-            if consume is not None:
-                consume(name)
-        return results, {}
-    from modelload.loader._api.torch import DeviceCopier
-
-    copier = DeviceCopier("cuda", pin_in_place=strategy != "staging")
-    region = model._pinnable(list(model.names)) if strategy == "in-place" else None  # as state_dict's
-    if region is not None and not copier.pin(region):
-        copier.finish()
-        raise Refused("pinning the segment's mapping (read-only registration) was refused")
-    pinned = copier.register_seconds
-    for name in model.iter_ready():
-        done = None if consume is None else (lambda n=name: consume(n))
-        results[name] = copier.copy(model.tensor(name, wait=False), on_done=done)
-    device.sync()
-    unpinning = time.perf_counter()
-    copier.finish()
-    phases: dict[str, float] = {}
-    if region is not None:
-        phases = {"pin_s": pinned, "unpin_s": time.perf_counter() - unpinning}
-    if strategy != "staging":
-        phases["pinning_s"] = copier.register_seconds + copier.unregister_seconds
-        if not copier.pins_in_place:
-            raise Refused("pinning a tensor in place (read-only registration) was refused")
-    return results, phases
-
-
-def first_copy(device: Device) -> float | None:
-    """Seconds of a process's first copy through the loader's copier, of 2 MiB pinned in place: the copier's
-    imports, the driver library, torch's pool of side streams, the completion thread. Paid here, once,
-    before any case, so that the first round of the first case measured in place does not carry it: the
-    ceilings' torch copies had paid theirs before they were timed (torch made its CUDA context when the
-    device was named). None without CUDA."""
-    if not device.cuda:
-        return None
-    import torch
-
-    device.sync()
-    started = time.perf_counter()
-    from modelload.loader._api.torch import DeviceCopier
-
-    copier = DeviceCopier("cuda")
-    try:
-        copier.copy(torch.zeros(2 << 20, dtype=torch.uint8))
-    finally:
-        copier.finish()
-    device.sync()
-    return time.perf_counter() - started
-
-
-def timed(fn: Callable[[], Any], device: Device) -> tuple[float, Any]:
-    device.sync()
-    started = time.perf_counter()
-    result = fn()
-    device.sync()
-    return time.perf_counter() - started, result
-
-
-# --- the run ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Run:
-    args: argparse.Namespace
-    device: Device
-    shm: Path
-    source: Path
-    tensors: FileTensors
-    guard: Guard
-    full: Path = Path()
-    ring: int = 0
-    """The ring of the loaded-first ring cases: the whole model (:func:`whole_ring`)."""
-    reference: dict[str, Any] = field(default_factory=dict)
-    figures: dict[tuple[str, str], list[float]] = field(default_factory=dict)
-
-    def emit(self, record: dict[str, Any]) -> None:
-        line = json.dumps(record)
-        if self.args.out:
-            with Path(self.args.out).open("a") as out:
-                out.write(line + "\n")
-        if self.args.verbose:
-            print(line, flush=True)
-
-    def note(self, section: str, case: str, seconds: float, **extra: Any) -> None:
-        gib_s = self.tensors.nbytes / seconds / GiB
-        self.figures.setdefault((section, case), []).append(seconds)
-        self.emit({"section": section, "case": case, "seconds": seconds, "gib_s": gib_s,
-                   "bytes": self.tensors.nbytes, **extra})  # fmt: skip
-
-    def check_bits(self, case: str, results: dict[str, Any]) -> None:
-        """Every tensor of ``results`` against the file's bytes, once per case."""
-        if ("bitwise", case) in self.figures:
-            return
-        import torch
-
-        equal = 0
-        for name, expected in self.reference.items():
-            got = results.get(name)
-            if got is not None and got.dtype == expected.dtype and got.shape == expected.shape:
-                equal += bool(
-                    torch.equal(got.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8))
-                )
-        self.figures[("bitwise", case)] = [float(equal == len(self.reference))]
-        self.emit({"section": "bitwise", "case": case, "tensors": len(self.reference), "equal": equal})
-
-    def strategies(self) -> list[str]:
-        return ["in-place", "staging", "state_dict"] if self.device.cuda else ["host"]
+# --- the cases --------------------------------------------------------------------------------------------
 
 
 def ceilings(run: Run, round_number: int) -> None:
@@ -319,142 +183,7 @@ def streamed(run: Run, mode: str, round_number: int) -> None:
     run.check_bits(f"{mode} streamed", out)
 
 
-# --- the hand-off -----------------------------------------------------------------------------------------
-
-
-def app_main(kind: str, target: str, spawned: float) -> None:
-    """A fresh app process (``--app``): get the weights on the GPU one way, print its timings as JSON."""
-    import torch
-
-    torch.cuda.init()
-    torch.empty(0, device="cuda")
-    imported = time.time()
-    started = time.perf_counter()
-    if kind == "handoff":
-        from modelload.loader.handoff import connect
-
-        weights = connect(target, timeout=120).state_dict()
-    else:
-        from modelload.loader import attach
-
-        weights = attach(target, notify=False).state_dict(device="cuda")
-    torch.cuda.synchronize()
-    inside = time.perf_counter() - started
-    total = sum(int(t.numel() * t.element_size()) for t in weights.values())
-    print(json.dumps({"inside_s": inside, "since_spawn_s": time.time() - spawned,
-                      "import_s": imported - spawned, "bytes": total}), flush=True)  # fmt: skip
-
-
-def fresh_app(kind: str, target: Path) -> dict[str, Any]:
-    argv = [sys.executable, str(Path(__file__).resolve()), "--app", kind, str(target), str(time.time())]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode or not lines:
-        raise RuntimeError(f"the {kind} app failed: {done.stderr[-2000:]}")
-    figures: dict[str, Any] = json.loads(lines[-1])
-    return figures
-
-
-def handoff(run: Run) -> None:
-    if not run.device.cuda:
-        print("handoff: skipped, it needs a CUDA device (the CPU tests drive its protocol with memfds)")
-        run.emit({"section": "handoff", "skipped": "no CUDA device"})
-        return
-    from modelload.loader.handoff import connect, status
-
-    sock = Path(tempfile.mkdtemp(prefix="ml-bench-")) / "keeper.sock"
-    argv = [sys.executable, "-m", "modelload.loader.cli.main", "keeper", "--segment", str(run.full), "--socket",
-            str(sock), "--timeout", "60"]  # fmt: skip
-    log = sock.parent / "keeper.log"
-    with log.open("wb") as err:
-        keeper = spawn(argv, stderr=err)
-    try:
-        while True:
-            with contextlib.suppress(Exception):
-                state = status(sock)
-                if state["state"] in ("ready", "failed"):
-                    break
-            if keeper.poll() is not None:
-                raise RuntimeError(f"the keeper did not get ready: {log.read_text(errors='replace')[-2000:]}")
-            time.sleep(0.05)
-        if state["state"] != "ready":
-            raise RuntimeError(f"the keeper's load failed: {state.get('error')}")
-        run.note("handoff", "keeper load (segment -> GPU)", float(state["seconds"]))
-        with connect(sock, timeout=60) as weights:
-            run.check_bits("handoff mapped", weights.state_dict())
-            run.emit({"section": "handoff", "case": "mapping", "writable": weights.writable})
-        for round_number in range(run.args.rounds):
-            if round_number and run.guard.left() < 60:
-                break
-            for kind, target in (("handoff", sock), ("reload", run.full)):
-                figures = fresh_app(kind, target)
-                run.figures.setdefault(("restart", kind), []).append(figures["since_spawn_s"])
-                run.figures.setdefault(("restart inside", kind), []).append(figures["inside_s"])
-                run.emit({"section": "restart", "case": kind, "round": round_number, **figures})
-    finally:
-        stop(keeper)
-        shutil.rmtree(sock.parent, ignore_errors=True)
-
-
-# --- report -----------------------------------------------------------------------------------------------
-
-
-def median(run: Run, section: str, case: str) -> float | None:
-    values = run.figures.get((section, case))
-    return statistics.median(values) if values else None
-
-
-def report(run: Run) -> bool:
-    nbytes = run.tensors.nbytes
-    pinned = median(run, "ceiling", "torch pin_memory")
-    print(f"\nsegment -> {run.device.name}: {nbytes / GiB:.2f} GiB, {len(run.tensors.entries)} tensors; "
-          f"medians (n: rounds measured); load average {os.getloadavg()[0]:.1f}")  # fmt: skip
-    print(f"{'section':<9} {'case':<38} {'n':>2} {'seconds':>8} {'GiB/s':>7} {'/ pinned':>9}")
-    for (section, case), values in run.figures.items():
-        if section in ("bitwise", "restart", "restart inside"):
-            continue
-        seconds = statistics.median(values)
-        ratio = f"{(pinned / seconds):.2f}x" if pinned and section != "overlap" else ""
-        print(
-            f"{section:<9} {case:<38} {len(values):>2} {seconds:>8.3f} {nbytes / seconds / GiB:>7.2f} {ratio:>9}"
-        )
-    ok = True
-    for (section, case), values in run.figures.items():
-        if section == "bitwise" and not values[0]:
-            print(f"bitwise: {case}: NOT EQUAL to the file")
-            ok = False
-    checked = sum(1 for (section, _) in run.figures if section == "bitwise")
-    print(f"bitwise: {checked} cases checked against the file: {'all equal' if ok else 'MISMATCH'}")
-    load = median(run, "overlap", "load alone (full)")
-    # the copy an app makes of a loaded segment: state_dict(device), which picks its strategy itself
-    copy = median(run, "copy", "full state_dict") or median(run, "copy", "full host")
-    for mode in ("full", "release", "ring"):
-        streamed = median(run, "overlap", f"{mode} streamed")
-        if streamed and load and copy:
-            print(f"overlap {mode}: first byte -> last tensor {streamed:.2f} s against load then copy "
-                  f"{load + copy:.2f} s ({load:.2f} + {copy:.2f}): {streamed / (load + copy):.2f}x")  # fmt: skip
-    for kind in ("handoff", "reload"):
-        total, inside = median(run, "restart", kind), median(run, "restart inside", kind)
-        if total is not None and inside is not None:
-            print(f"app restart, {kind}: {total:.2f} s from process start to weights on the GPU "
-                  f"({inside:.3f} s of it getting the weights)")  # fmt: skip
-    cut = {case: status for case, status in run.guard.outcomes.items() if status != "ok"}
-    if cut:
-        print("cases not measured: " + ", ".join(f"{case} ({status})" for case, status in cut.items()))
-    in_place = median(run, "copy", "full in-place")
-    if in_place and pinned:
-        met = pinned / in_place >= GOAL
-        print(f"goal: pinned in place (full, once pinned) {nbytes / in_place / GiB:.2f} GiB/s >= {GOAL} x pinned "
-              f"ceiling {nbytes / pinned / GiB:.2f} GiB/s: {'yes' if met else 'NO'} ({pinned / in_place:.2f}x)")  # fmt: skip
-        whole = median(run, "copy", "full in-place with pinning")
-        if whole:
-            print(
-                f"       with the pinning (paid once per copy of the segment): {nbytes / whole / GiB:.2f} GiB/s"
-            )
-        ok = ok and met
-    else:
-        print("goal: not measured here: pinned in place (full) >= 0.85 x the pinned ceiling")
-    return ok and not any(status in ("timeout", "error") for status in cut.values())
+# --- the run ----------------------------------------------------------------------------------------------
 
 
 def environment(run: Run) -> dict[str, Any]:
@@ -538,7 +267,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--verbose", action="store_true", help="print every record as it is made")
     parser.add_argument("--stall", help=argparse.SUPPRESS)  # a case label made to hang: the guard's test
-    parser.add_argument("--app", nargs=3, metavar=("KIND", "TARGET", "SPAWNED"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.groups = {g.strip() for g in args.cases.split(",") if g.strip()}
     if args.groups - set(GROUPS):
@@ -552,9 +280,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    if args.app:
-        app_main(args.app[0], args.app[1], float(args.app[2]))
-        return 0
     started = time.monotonic()
     # The GPU check stops a step that runs past its limit with SIGTERM: end through the cleanup below
     # (sidecars, keeper, the model and segments in /dev/shm), keeping the figures already written.
