@@ -9,7 +9,9 @@
 # OUT gets at most eight files: summary.jsonl (one line per step), env.json (the machine), and each step's
 # log (env.log, install.log, tests.log with tests.xml, bench.log with gpu_copy.jsonl, the figures).
 # Variables: GPU_WHEELS (default .gpu-wheels), GPU_CHECK_PYTHON (default python3), GPU_BENCH_SIZE (GiB,
-# default 4), GPU_BENCH_ARGS (more flags for benchmarks/gpu_copy.py), GPU_CHECK_BUDGET (seconds). Exit
+# default 4), GPU_BENCH_ARGS (more flags for benchmarks/gpu_copy.py), GPU_CHECK_BUDGET (seconds),
+# MODELLOAD_COMMIT (what the figures are labelled with; default the wheels' commit, or "a tree changed
+# since" it when the sources differ from those the wheels were built from). Exit
 # status 0 when every step passed.
 set -u
 
@@ -66,8 +68,15 @@ gpu_tests() { # every test module that holds gpu-marked tests, the gpu ones only
 
 export PY WHEELS OUT
 export -f wheels_field install gpu_tests
-COMMIT=$(wheels_field commit)
-export MODELLOAD_COMMIT=${COMMIT:-unknown}
+# What the figures were measured on: the caller's word (MODELLOAD_COMMIT), else the wheels' commit when the
+# tree is what they were built from; a tree changed since is not that commit (the install builds it afresh).
+if [ -z "${MODELLOAD_COMMIT:-}" ]; then
+    MODELLOAD_COMMIT=$(wheels_field commit)
+    if [ -f "$WHEELS/wheels.json" ] && [ "$("$PY" benchmarks/gpu/wheels.py --digest)" != "$(wheels_field source_digest)" ]; then
+        MODELLOAD_COMMIT="a tree changed since ${MODELLOAD_COMMIT:-its wheels}"
+    fi
+fi
+export MODELLOAD_COMMIT=${MODELLOAD_COMMIT:-unknown}
 echo "GPU check of modelload (${MODELLOAD_COMMIT}) into $OUT, ${BUDGET} s in all"
 
 run_step env 30 "$PY" benchmarks/gpu/env.py "$OUT/env.json"
