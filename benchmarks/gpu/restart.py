@@ -24,7 +24,9 @@ __all__ = ["handoff"]
 
 
 def app_main(kind: str, target: str, spawned: float) -> None:
-    """A fresh app process (``--app``): get the weights on the GPU one way, print its timings as JSON."""
+    """A fresh app process (this file run as a script): get the weights on the GPU one way (``kind``
+    ``handoff`` from the keeper's socket ``target``, else ``attach()`` of the segment ``target``), print its
+    timings as JSON."""
     import torch
 
     torch.cuda.init()
