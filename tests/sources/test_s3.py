@@ -299,6 +299,60 @@ def test_opening_with_the_collector_held_off_leaves_no_botocore_session_behind_b
     assert source.location.url == "https://models-bucket.s3.eu-west-3.amazonaws.com/w.bin"
 
 
+def test_an_explicit_endpoint_is_used_as_botocore_would_without_making_a_client(
+    moto_s3: MotoS3Server, uploaded: str, aws_env: Credentials, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A client loads the S3 service model and endpoint rules (about 14 MiB that stay resident, 0.07 CPU-s)
+    # only to give back an endpoint that was given: with one in the settings none is made, and the endpoint
+    # and signing region are the ones botocore's client would have used.
+    from botocore import UNSIGNED
+    from botocore.config import Config
+    from botocore.session import Session
+
+    def resolved(endpoint: str, region: str | None) -> tuple[str, str]:
+        client = Session().create_client(
+            "s3", region_name=region, endpoint_url=endpoint, config=Config(signature_version=UNSIGNED)
+        )
+        return str(client.meta.endpoint_url), str(client.meta.region_name)
+
+    cases = [(moto_s3.endpoint, None), (moto_s3.endpoint + "/", "ap-south-1")]
+    expected = {}
+    for default_region in (None, "eu-west-2"):
+        if default_region is None:
+            monkeypatch.delenv("AWS_DEFAULT_REGION", raising=False)
+        else:
+            monkeypatch.setenv("AWS_DEFAULT_REGION", default_region)
+        for endpoint, region in cases:
+            expected[default_region, endpoint, region] = resolved(endpoint, region)
+
+    def no_client(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a botocore client was made for an explicit endpoint")
+
+    monkeypatch.setattr(Session, "create_client", no_client)
+    for default_region in (None, "eu-west-2"):
+        if default_region is None:
+            monkeypatch.delenv("AWS_DEFAULT_REGION", raising=False)
+        else:
+            monkeypatch.setenv("AWS_DEFAULT_REGION", default_region)
+        for endpoint, region in cases:
+            with open_source(URI, _settings(endpoint, region=region)) as source:
+                assert isinstance(source, S3Source)
+                assert source.region == expected[default_region, endpoint, region][1]
+                assert source.location.url.startswith(
+                    expected[default_region, endpoint, region][0].rstrip("/")
+                )
+                if region is None and default_region is None:  # moto signs with any region: a real read
+                    assert source.read_bytes(0, 10) == DATA[:10]
+
+
+@pytest.mark.parametrize("endpoint", ["http://", "http://a b"])
+def test_an_endpoint_botocore_would_refuse_is_refused_with_its_reason(
+    endpoint: str, aws_env: Credentials
+) -> None:
+    with pytest.raises(ConfigError, match=f"cannot set up S3 access for {URI}: ValueError: Invalid endpoint"):
+        open_source(URI, _settings(endpoint))
+
+
 def test_the_region_setting_is_the_signing_region(
     moto_proxy: FaultProxy, uploaded: str, aws_env: Credentials
 ) -> None:
