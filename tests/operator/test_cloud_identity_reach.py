@@ -1,13 +1,14 @@
-"""Where the operator's index read may send a cloud credential: an attacker's look at the gs:// and az://
-reads the operator makes on a ModelLoad author's behalf.
+"""Where the operator's index read may send a cloud credential: an attacker's look at the s3://, gs:// and
+az:// reads the operator makes on a ModelLoad author's behalf.
 
-The operator serves every namespace, and reads a gs:// or az:// model with a ModelLoad's Secret or, without
-one, with its own workload identity. A ModelLoad's author chooses ``spec.gcs.endpoint`` or
-``spec.azure.endpoint``; if the operator's own token, account-key signature or SAS went there, any author
-could take the operator's cloud identity (good for every bucket it reads, in every namespace) to a server of
-their own. These tests put the author's endpoint in front of the real emulators (a fault proxy that records
-what it is sent) and give the operator a real identity of its own: the GKE metadata server's token, or an
-Azure connection string and SAS token in its environment.
+The operator serves every namespace, and reads an s3://, gs:// or az:// model with a ModelLoad's Secret or,
+without one, with its own identity. A ModelLoad's author chooses ``spec.s3.endpoint``, ``spec.gcs.endpoint``
+or ``spec.azure.endpoint``; if the operator's own AWS session token and signature, Google token, account-key
+signature or SAS went there, any author could take the operator's cloud identity (good for every bucket it
+reads, in every namespace) to a server of their own. These tests put the author's endpoint in front of the
+real servers (a fault proxy that records what it is sent) and give the operator a real identity of its own:
+AWS keys with a session token, the GKE metadata server's token, or an Azure connection string and SAS token
+in its environment.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from tests.operator.conftest import LOOPBACK
 from tests.sidecar import models
 from tests.support.cloud_emulators import Azurite, FakeGcs
 from tests.support.fault_proxy import FaultProxy
-from tests.support.fixtures import azurite, cloud_env, fake_gcs
+from tests.support.fixtures import aws_env, azurite, cloud_env, fake_gcs, moto_s3
+from tests.support.moto_s3 import Credentials, MotoS3Server
 from tests.support.token_endpoints import TokenEndpoints
 
-__all__ = ["azurite", "cloud_env", "fake_gcs"]
+__all__ = ["aws_env", "azurite", "cloud_env", "fake_gcs", "moto_s3"]
 
 LOOPBACK_NETWORKS = parse_networks(
     LOOPBACK
@@ -52,6 +54,22 @@ def metadata_server(cloud_env: None, monkeypatch: pytest.MonkeyPatch) -> Iterato
     monkeypatch.delenv("NO_GCE_CHECK")
     yield server
     server.close()
+
+
+def test_the_operators_own_aws_identity_never_goes_to_a_modelloads_s3_endpoint(
+    moto_s3: MotoS3Server, aws_env: Credentials, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    session_token = "IQoJb3JpZ2luX2VjOPERATOR" + "t" * 40  # as IRSA's web identity leaves in the chain
+    monkeypatch.setenv("AWS_SESSION_TOKEN", session_token)
+    uri = moto_s3.put("reach", "model.safetensors", MODEL, public=True)
+    with FaultProxy(moto_s3.port) as author:
+        spec = parse_spec({"source": uri, "s3": {"endpoint": author.endpoint}})
+        summary = read_summary(spec, credentials=None, networks=LOOPBACK_NETWORKS)
+        sent = [
+            (r.headers.get("authorization"), r.headers.get("x-amz-security-token")) for r in author.requests
+        ]
+    assert summary.format == "safetensors"
+    assert sent and sent == [(None, None)] * len(sent), "unsigned: neither a signature nor the session token"
 
 
 def test_the_operators_own_google_token_never_goes_to_a_modelloads_endpoint(
@@ -119,12 +137,19 @@ def test_the_operators_own_azure_key_or_sas_never_goes_to_a_modelloads_endpoint(
         ("az://acct01/models/m.bin", "https://blob.core.windows.net.evil.example", False),
         ("az://acct01/models/m.bin", "http://acct01.blob.core.windows.net", False),
         ("az://acct01/models/m.bin", "http://127.0.0.1:10000/devstoreaccount1", False),
+        ("s3://bkt/m.bin", None, True),
+        ("s3://bkt/m.bin", "https://s3.eu-west-3.amazonaws.com", True),
+        ("s3://bkt/m.bin", "https://s3-fips.us-gov-west-1.amazonaws.com", True),
+        ("s3://bkt/m.bin", "https://s3.cn-north-1.amazonaws.com.cn", True),
+        ("s3://bkt/m.bin", "http://s3.eu-west-3.amazonaws.com", False),
+        ("s3://bkt/m.bin", "https://s3.amazonaws.com.evil.example", False),
+        ("s3://bkt/m.bin", "https://minio.internal:9000", False),
     ],
 )
 def test_the_operators_own_identity_reaches_only_the_clouds_own_endpoints(
     source: str, endpoint: str | None, reaches: bool
 ) -> None:
-    key = "gcs" if source.startswith("gs") else "azure"
+    key = {"gs": "gcs", "s3": "s3"}.get(source[:2], "azure")
     spec = parse_spec({"source": source, **({key: {"endpoint": endpoint}} if endpoint else {})})
     assert own_identity_reaches(spec) is reaches
 

@@ -20,9 +20,10 @@ ServiceAccount annotated ``azure.workload.identity/client-id`` and the pod label
 
 The operator's own identity (its workload identity, or credentials in its environment) serves every
 namespace, so it goes only to the cloud's own endpoints (:func:`own_identity_reaches`): with a ModelLoad's
-``gcs.endpoint`` or ``azure.endpoint`` elsewhere, and no Secret, the operator reads anonymously, and a
-refusal says to give the read a Secret. Otherwise any ModelLoad's author could take the operator's token,
-account-key signature or SAS token to a server of their own.
+``s3.endpoint``, ``gcs.endpoint`` or ``azure.endpoint`` elsewhere, and no Secret, the operator reads
+anonymously (S3 unsigned), and a refusal says to give the read a Secret. Otherwise any ModelLoad's author
+could take the operator's token, its AWS session token and signature, account-key signature or SAS token to
+a server of their own.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ def scheme_of(source: str) -> str:
     return source.split("://", 1)[0].lower() if "://" in source else "file"
 
 
+AWS_DOMAINS = (".amazonaws.com", ".amazonaws.com.cn")
+"""AWS's S3 hosts: regional, FIPS, dual-stack, access points, and the China regions'."""
 GOOGLE_DOMAINS = (".googleapis.com",)
 """Google's API hosts: storage.googleapis.com, regional and Private Service Connect endpoints
 (``storage-NAME.p.googleapis.com``)."""
@@ -91,8 +94,10 @@ endpoint keeps the account's public name)."""
 
 
 def endpoint_of(spec: ModelLoadSpec) -> str | None:
-    """The gs:// or az:// endpoint a ModelLoad names, or None (the cloud's own)."""
+    """The s3://, gs:// or az:// endpoint a ModelLoad names, or None (the cloud's own)."""
     scheme = scheme_of(spec.source)
+    if scheme == "s3" and spec.s3 is not None:
+        return spec.s3.endpoint or None
     if scheme == "gs" and spec.gcs is not None:
         return spec.gcs.endpoint or None
     if scheme == "az" and spec.azure is not None:
@@ -108,7 +113,10 @@ def own_identity_reaches(spec: ModelLoadSpec) -> bool:
         return True
     parts = urlsplit(endpoint)
     host = (parts.hostname or "").lower().rstrip(".")
-    domains = GOOGLE_DOMAINS if scheme_of(spec.source) == "gs" else AZURE_BLOB_DOMAINS
+    scheme = scheme_of(spec.source)
+    if scheme == "s3":
+        return parts.scheme == "https" and host.endswith(AWS_DOMAINS)
+    domains = GOOGLE_DOMAINS if scheme == "gs" else AZURE_BLOB_DOMAINS
     return parts.scheme == "https" and host.endswith(domains)
 
 

@@ -91,7 +91,7 @@ def read_summary(
         raise SourceUriError(
             f"{spec.source}: the operator reads no local file on a ModelLoad's behalf", setting="spec.source"
         )
-    anonymous = cloud is None and not own_identity_reaches(spec)
+    anonymous = cloud is None and credentials is None and not own_identity_reaches(spec)
     settings = _source_settings(spec, credentials, headers, cloud, access, networks, anonymous=anonymous)
     try:
         model = open_model(spec.source, settings, format=_format_name(spec.format), files=spec.files)
@@ -197,7 +197,9 @@ def _source_settings(
         endpoint_url=s3.endpoint if s3 else None,
         region=s3.region if s3 else None,
         addressing=s3.addressing if s3 else "auto",  # type: ignore[arg-type]
-        unsigned=s3.unsigned if s3 else False,
+        # s3://: the Secret's keys when there are some, else the operator's own identity, which goes to
+        # AWS's endpoints only (unsigned elsewhere: see cloud_sources).
+        unsigned=(s3.unsigned if s3 else False) or (anonymous and credentials is None),
         credentials=credentials,
     )
     # A short retry of the first look-up (a throttled store): the handler's own retry, with kopf's backoff,
