@@ -139,6 +139,51 @@ def test_the_whole_model_is_handed_over_only_once_the_load_is_proven(shm_dir: Pa
                 model.wait_complete()
 
 
+def test_once_the_load_failed_no_tensor_it_published_is_handed_out_any_more(shm_dir: Path) -> None:
+    """Tensors stream before their file's end-of-load proof; once the writer declares the load FAILED (a
+    file that did not match its proof), every way to a tensor refuses, not only the whole model's."""
+    tensors = {"a": torch.ones(4), "b": torch.zeros(4)}
+    path = shm_dir / "model.seg"
+    with _segment(path, tensors) as writer:
+        for i, tensor in enumerate(tensors.values()):
+            _fill(writer, i, tensor)
+        with attach(path, notify=False, timeout=30) as model:
+            assert model.numpy("a").tolist() == [1.0] * 4
+            writer.mark_failed("model.safetensors: its SHA-256 is not the one the origin publishes")
+            calls = {
+                "numpy": lambda: model.numpy("a"),
+                "numpy, no wait": lambda: model.numpy("a", wait=False),
+                "tensor": lambda: model.tensor("b"),
+                "tensor, no wait": lambda: model.tensor("b", wait=False),
+                "state_dict of names": lambda: model.state_dict(names=["a", "b"]),
+                "iter_ready": lambda: list(model.iter_ready()),
+                "wait": model.wait,
+            }
+            for call, made in calls.items():
+                with pytest.raises(LoadFailedError, match="SHA-256"):
+                    made()
+                    pytest.fail(f"{call} handed out a tensor of a failed load")
+
+
+def test_a_segment_overwritten_in_place_under_an_attached_app_is_refused_not_served(shm_dir: Path) -> None:
+    """A new load is a new file (renamed into place); bytes copied over the attached file in place (what
+    ``cp`` does) would be another load's weights under this load's names."""
+    path, other = shm_dir / "model.seg", shm_dir / "other.seg"
+    _publish_all(path, {"w": torch.ones(4)})
+    _publish_all(other, {"w": torch.full((4,), 7.0)})
+    with attach(path, notify=False, timeout=5) as model:
+        assert model.numpy("w").tolist() == [1.0] * 4
+        with path.open("r+b") as into:
+            into.write(other.read_bytes())
+        for made in (
+            lambda: model.numpy("w"),
+            model.state_dict,
+            lambda: model.tensor("w", wait=False),
+        ):
+            with pytest.raises(LoadFailedError, match="another load"):
+                made()
+
+
 def test_a_module_is_filled_once_the_load_completes(shm_dir: Path) -> None:
     state = {"weight": torch.arange(6, dtype=torch.float32).reshape(2, 3), "bias": torch.ones(2)}
     path = shm_dir / "model.seg"

@@ -446,6 +446,8 @@ class Model:
             if self._reader.state(slot.index) == TensorState.RELEASED:
                 raise self._reader.released(slot.index)
             raise LoadTimeoutError(f"tensor {name!r} is not ready yet", pending=(name,))
+        else:
+            self._reader.check_handout()  # (waiting checks it as it finds the tensor ready)
         return slot
 
     def _indices(self, names: Iterable[str] | None, prefix: str | None) -> list[int]:

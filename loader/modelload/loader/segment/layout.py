@@ -79,6 +79,7 @@ ERROR_CAPACITY = 1024
 
 # Field offsets in the header (SPEC.md, "Header").
 _FIXED = struct.Struct("<8sIIQQQIIQQQQQQ32s")  # bytes 0-127, written once
+OFF_LOAD_ID = 80
 OFF_WRITER_STATE = 128
 OFF_WRITER_PID = 132
 OFF_TENSORS_READY = 136

@@ -54,6 +54,7 @@ from modelload.loader.segment.layout import (
     OFF_ERROR_LENGTH,
     OFF_FINISHED_NS,
     OFF_HEARTBEAT_NS,
+    OFF_LOAD_ID,
     OFF_TENSORS_READY,
     OFF_WRITER_PID,
     OFF_WRITER_STATE,
@@ -303,6 +304,21 @@ class SegmentReader:
 
     # --- waiting --------------------------------------------------------------------------------------------
 
+    def check_handout(self) -> None:
+        """Raise before a READY tensor is handed out when its bytes can no longer be trusted: the writer
+        declared the load FAILED (a file that then did not match its proof, or a load given up), or the file
+        now holds another load (its ``load_id`` changed: copied over in place, against SPEC.md's rule that a
+        new load is a new file). Two reads of the shared header: cheap enough for every hand-out. A writer
+        that is merely gone is :meth:`check`'s to report: what it published stays what it published."""
+        if self._u64(OFF_LOAD_ID) != self.header.load_id:
+            raise LoadFailedError(
+                "the segment file now holds another load (its load id changed under this reader: the file"
+                " was overwritten in place); attach again",
+                path=str(self.path),
+            )
+        if self.writer_state == WriterState.FAILED:
+            raise LoadFailedError(self.error or "no reason recorded", path=str(self.path))
+
     def check(self) -> None:
         """Raise :class:`LoadFailedError` when the writer failed, is gone (its lock is free: SPEC.md,
         "Writers and loads"), or stopped beating."""
@@ -363,6 +379,7 @@ class SegmentReader:
                 ready = states == TensorState.READY
                 if ready.any():
                     _memory.acquire_fence()
+                    self.check_handout()
                     return pending[ready], pending[~ready]
                 self.check()
                 self._check_states(pending, states)
