@@ -16,7 +16,7 @@ import torch
 
 from modelload.loader import LoadFailedError, LoadTimeoutError, Model, attach
 from modelload.loader.dtypes import by_name, names
-from modelload.loader.errors import SidecarUnavailableError
+from modelload.loader.errors import ModelClosedError, SidecarUnavailableError
 from modelload.loader.segment import SegmentWriter, TensorSpec, plan_layout
 
 
@@ -182,6 +182,21 @@ def test_a_segment_overwritten_in_place_under_an_attached_app_is_refused_not_ser
         ):
             with pytest.raises(LoadFailedError, match="another load"):
                 made()
+
+
+def test_a_closed_model_says_so_and_one_name_is_one_tensor(shm_dir: Path) -> None:
+    path = shm_dir / "model.seg"
+    _publish_all(path, {"a": torch.ones(2), "b": torch.zeros(2), "ab": torch.full((2,), 5.0)})
+    model = attach(path, notify=False, timeout=5)
+    assert list(model.state_dict(names="ab")) == ["ab"], "a name is not a sequence of names"
+    kept = model.tensor("a")
+    model.close()
+    assert kept.tolist() == [1.0, 1.0], "tensors handed out stay valid"
+    for use in (lambda: model.numpy("a"), lambda: model.tensor("a"), model.progress, lambda: model.complete):
+        with pytest.raises(ModelClosedError, match="closed; attach"):
+            use()
+    assert repr(model).endswith(": closed>")
+    model.close()  # again: nothing
 
 
 def test_a_module_is_filled_once_the_load_completes(shm_dir: Path) -> None:

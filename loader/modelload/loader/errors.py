@@ -35,6 +35,7 @@ you can do about it::
     │   ├── SegmentSpaceError          the volume has no room for the model
     │   ├── TensorReleasedError        the tensor's pages were given back after every consumer copied it
     │   ├── MemoryWaitError            ring mode waited longer than allowed for consumers to free room
+    │   ├── ModelClosedError           the Model was used after close(); attach again
     │   └── LoadFailedError            the writer gave up; ``reason`` says why
     ├── ModuleLoadError                a model's tensors do not fit a torch module: fix module or call
     │   ├── ModuleMismatchError        names or shapes differ, as torch's strict load reports (a RuntimeError)
@@ -91,6 +92,7 @@ __all__ = [
     "LoadTimeoutError",
     "MemoryWaitError",
     "MissingKeyError",
+    "ModelClosedError",
     "ModelloadError",
     "ModuleLoadError",
     "ModuleMismatchError",
@@ -341,6 +343,11 @@ class TensorReleasedError(SegmentError):
 class MemoryWaitError(SegmentError):
     """Ring mode waited longer than its limit for consumers to copy tensors and free room; the message names
     the consumers the load waited for."""
+
+
+class ModelClosedError(SegmentError, ValueError):
+    """A :class:`~modelload.loader.Model` was used after :meth:`~modelload.loader.Model.close`: attach again.
+    Tensors handed out before it was closed stay valid."""
 
 
 class LoadFailedError(SegmentError):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -21,7 +21,7 @@ from modelload.loader._api import modules
 from modelload.loader._api import torch as torch_api
 from modelload.loader._api.notify import Subscriber
 from modelload.loader.dtypes import by_name
-from modelload.loader.errors import LoadTimeoutError, ModuleLoadError
+from modelload.loader.errors import LoadTimeoutError, ModelClosedError, ModuleLoadError
 from modelload.loader.segment import (
     MODEL_DIR_KEY,
     MemoryMode,
@@ -269,7 +269,7 @@ class Model:
         raises :class:`~modelload.loader.errors.LoadFailedError` here rather than leave the app running on
         those weights. ``timeout`` bounds the wait for the tensors and, again, the wait for that end.
         """
-        wanted = list(self.names if names is None else names)
+        wanted = list(self.names if names is None else [names] if isinstance(names, str) else names)
         batches = self._ready_batches(self._indices(wanted, None), timeout)
         if device is None or _is_cpu(device):
             result = dict(self._views(batches))
@@ -472,7 +472,11 @@ class Model:
 
     def close(self) -> None:
         """Detach. Tensors already handed out stay valid (in memory modes release and ring, until they are
-        consumed); they keep their part of the mapping alive. A registered consumer leaves the table."""
+        consumed); they keep their part of the mapping alive. A registered consumer leaves the table. Any
+        use of the model afterwards raises :class:`~modelload.loader.errors.ModelClosedError`; closing
+        again does nothing."""
+        if isinstance(self._reader, _Closed):
+            return
         if self._registration is not None:
             self._registration.leave()
             self._registration = None
@@ -481,6 +485,7 @@ class Model:
             self._subscriber = None
         self._views_of_data = None
         self._reader.close()
+        self._reader = cast(SegmentReader, _Closed(self._reader.path))
 
     def __enter__(self) -> Model:
         return self
@@ -489,8 +494,21 @@ class Model:
         self.close()
 
     def __repr__(self) -> str:
+        if isinstance(self._reader, _Closed):
+            return f"<Model {self.path}: closed>"
         progress = self.progress()
         return f"<Model {self.path}: {len(self)} tensors, {progress.tensors_ready} ready, {progress.state}>"
+
+
+class _Closed:
+    """What a closed :class:`Model` reads through: every attribute but the path is an error saying so (the
+    reader's mappings are gone: an IndexError, or mmap's "closed", from deep inside said nothing)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __getattr__(self, name: str) -> Any:
+        raise ModelClosedError(f"the model of {self.path} was closed; attach() again to read it")
 
 
 def _is_cpu(device: Any) -> bool:
