@@ -199,6 +199,25 @@ def test_a_closed_model_says_so_and_one_name_is_one_tensor(shm_dir: Path) -> Non
     model.close()  # again: nothing
 
 
+def test_a_heartbeat_from_the_future_is_no_live_writer_and_a_timeout_says_how_far_the_load_got(
+    shm_dir: Path,
+) -> None:
+    from modelload.loader.segment.layout import OFF_HEARTBEAT_NS
+
+    path = shm_dir / "model.seg"
+    specs = [TensorSpec(n, by_name("float32"), (2,)) for n in ("a", "b")]
+    with SegmentWriter.create(path, plan_layout(specs), heartbeat=False) as writer:
+        _fill(writer, 0, torch.ones(2))
+        with attach(path, notify=False, timeout=5) as model:
+            with pytest.raises(LoadTimeoutError, match=r"not finished after 0.2 s: 1/2 tensors are ready"):
+                model.wait_complete(timeout=0.2)
+            with path.open("r+b") as header:  # a heartbeat no writer on this clock could have written
+                header.seek(OFF_HEARTBEAT_NS)
+                header.write(((1 << 63) - 1).to_bytes(8, "little"))
+            with pytest.raises(LoadFailedError, match="ahead of this clock"):
+                model.wait(["b"], timeout=5)
+
+
 def test_a_module_is_filled_once_the_load_completes(shm_dir: Path) -> None:
     state = {"weight": torch.arange(6, dtype=torch.float32).reshape(2, 3), "bias": torch.ones(2)}
     path = shm_dir / "model.seg"

@@ -278,3 +278,23 @@ def test_a_consumer_whose_entry_was_taken_over_after_it_expired_marks_nothing_in
         assert not stalled.has(0), "a consumer that lost its entry cannot vouch for a copy any more"
         newcomer.leave()
         stalled.leave()
+
+
+def test_state_dict_on_the_cpu_of_more_than_the_ring_holds_is_refused_before_it_waits(shm_dir: Path) -> None:
+    """Views of every tensor of a model larger than its ring would wait for room that only their own
+    consumption frees: refused at once, saying what to do, where it used to wait without end."""
+    from modelload.loader import attach
+    from modelload.loader.errors import ConfigError
+
+    path = shm_dir / "ring.seg"
+    layout = _layout([10000, 9000, 12000])  # 31,000 bytes through a 16 KiB ring
+    with SegmentWriter.create(path, layout, heartbeat=False) as writer:
+        writer.slot(0)[:] = expected_bytes(7, 0, 10000)
+        writer.mark_ready(0)
+        with attach(path, notify=False, register=False, timeout=5) as model:
+            with pytest.raises(
+                ConfigError, match=r"ring of 16384 bytes.*take 31000.*iter_ready\(\) and consumed"
+            ):
+                model.state_dict()
+            assert bytes(model.numpy("t0")) == expected_bytes(7, 0, 10000)  # what fits is still served
+            assert list(model.state_dict(names=["t0"])) == ["t0"]

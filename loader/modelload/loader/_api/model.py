@@ -21,7 +21,7 @@ from modelload.loader._api import modules
 from modelload.loader._api import torch as torch_api
 from modelload.loader._api.notify import Subscriber
 from modelload.loader.dtypes import by_name
-from modelload.loader.errors import LoadTimeoutError, ModelClosedError, ModuleLoadError
+from modelload.loader.errors import ConfigError, LoadTimeoutError, ModelClosedError, ModuleLoadError
 from modelload.loader.segment import (
     MODEL_DIR_KEY,
     MemoryMode,
@@ -270,15 +270,16 @@ class Model:
         those weights. ``timeout`` bounds the wait for the tensors and, again, the wait for that end.
         """
         wanted = list(self.names if names is None else [names] if isinstance(names, str) else names)
-        batches = self._ready_batches(self._indices(wanted, None), timeout)
+        indices = self._indices(wanted, None)
         if device is None or _is_cpu(device):
-            result = dict(self._views(batches))
+            self._check_ring_holds(indices)
+            result = dict(self._views(self._ready_batches(indices, timeout)))
         else:
             on_done = self.consumed if self._registration is not None else None
             region = self._pinnable(wanted)
             result = dict(
                 torch_api.copy_all(
-                    self._views(batches),
+                    self._views(self._ready_batches(indices, timeout)),
                     device,
                     on_done=on_done,
                     region=region,
@@ -425,6 +426,23 @@ class Model:
         return modules.assign(module, plan, tensors, leftover=leftover)
 
     # --- internals --------------------------------------------------------------------------------------
+
+    def _check_ring_holds(self, indices: list[int]) -> None:
+        """Refuse, before waiting, to hold tensors on the CPU that a ring cannot hold at once: the sidecar
+        reuses the ring's room only as consumers copy tensors out, so views of more than the ring would
+        wait for room this very call holds, without end (or until a timeout that would not say why)."""
+        reader = self._reader
+        if reader.memory_mode != MemoryMode.RING:
+            return
+        wanted = int(reader.nbytes[np.asarray(indices, dtype=np.intp)].sum()) if indices else 0
+        ring = reader.header.ring_size
+        if wanted > ring:
+            raise ConfigError(
+                f"{self.path} is a ring of {ring} bytes (memory mode ring) and these tensors take {wanted}: "
+                "holding them all on the CPU would wait for room only their consumers free. Copy them to a "
+                "device (state_dict(device='cuda')), take them one by one with iter_ready() and consumed(), "
+                "or run the sidecar in memory mode full (ModelLoad spec.memory.mode: full)"
+            )
 
     def _slot(self, name: str) -> Slot:
         try:

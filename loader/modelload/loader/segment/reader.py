@@ -336,6 +336,12 @@ class SegmentReader:
                 )
         if state == WriterState.LOADING and self.stale_after:
             silent = (time.time_ns() - self.heartbeat_ns) / 1e9
+            if silent < -self.stale_after:  # from the future: no live writer on this node's clock wrote it
+                raise LoadFailedError(
+                    f"the writer's last heartbeat is {-silent:.0f} s ahead of this clock; the segment was"
+                    " not written by a live sidecar on this node: check the sidecar's logs and restarts",
+                    path=str(self.path),
+                )
             if silent > self.stale_after:
                 raise LoadFailedError(
                     f"the writer (pid {self.writer_pid}) has not updated the segment for {silent:.0f} s; "
@@ -429,9 +435,14 @@ class SegmentReader:
         while self.writer_state != WriterState.COMPLETE:
             self.check()
             if not pacer.wait():
+                ready, total = self.tensors_ready, len(self.slots)
+                doing = (
+                    "every tensor is ready and the sidecar is still proving its files"
+                    if ready >= total
+                    else f"{ready}/{total} tensors are ready"
+                )
                 raise LoadTimeoutError(
-                    f"every tensor is ready but the load is not finished after {timeout or 0:g} s: the "
-                    "sidecar is still proving its files (see its /status)"
+                    f"the load is not finished after {timeout or 0:g} s: {doing} (see the sidecar's /status)"
                 )
 
     def released(self, index: int) -> TensorReleasedError:
