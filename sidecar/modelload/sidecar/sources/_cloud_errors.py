@@ -32,6 +32,7 @@ _SAS_FIELDS = re.compile(
     r"\b(sig|se|sp|sv|st|skoid|sktid|skt|ske|sks|skv|spr|srt|ss|sr)=[^&\s]*", re.IGNORECASE
 )
 _STORE_TEXT_MAX = 300
+_GCS_REASON = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,31}$")
 
 
 def scrub(text: str) -> str:
@@ -63,7 +64,9 @@ def _gcs_message(body: bytes) -> tuple[str, str]:
     if not isinstance(error, dict):
         return "", ""
     reasons = [e.get("reason", "") for e in error.get("errors", []) if isinstance(e, dict)]
-    return (reasons[0] if reasons else ""), str(error.get("message", ""))
+    reason = reasons[0] if reasons and isinstance(reasons[0], str) else ""
+    # GCS's reasons are words (notFound, forbidden, rateLimitExceeded); anything else is not shown
+    return (reason if _GCS_REASON.match(reason) else ""), str(error.get("message", ""))
 
 
 def gcs_error(

@@ -19,6 +19,8 @@ from urllib.parse import urlsplit
 
 from modelload.loader.errors import ConfigError
 
+from ._responses import redact_uri
+
 __all__ = ["ProxySettings", "proxy_from_environ"]
 
 
@@ -56,7 +58,8 @@ def _address(url: str, *, name: str) -> tuple[str, int]:
     parts = urlsplit(text)
     if parts.scheme != "http" or not parts.hostname:
         raise ConfigError(
-            f"{name}: expected a plain-HTTP proxy URL such as http://dfdaemon.dragonfly:4001, got {url!r}"
+            f"{name}: expected a plain-HTTP proxy URL such as http://dfdaemon.dragonfly:4001,"
+            f" got {redact_uri(url)!r}"
         )
     if parts.username or parts.password:
         raise ConfigError(

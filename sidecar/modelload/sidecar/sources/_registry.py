@@ -22,7 +22,7 @@ from modelload.loader.errors import ConfigError, SourceUriError
 from ._azure import AzureStore, OtherAzureSchemes
 from ._base import Source
 from ._gcs import GcsSpelling, GcsStore
-from ._responses import display_url
+from ._responses import display_url, redact_uri
 from ._settings import SourceSettings
 from ._store import Store
 from ._stores import FactoryStore, FileStore, HttpStore, S3Store
@@ -149,8 +149,9 @@ def _refuse_a_scheme_short_of_its_slashes(uri: str) -> None:
         with _lock:
             known = scheme in _stores and scheme != "file"
         if known:
-            rest = uri[slip.end() :]
+            shown = redact_uri(uri)
+            rest = shown[pattern.match(shown).end() :]  # type: ignore[union-attr]
             raise SourceUriError(
-                f"{uri!r} is not a {scheme}:// URI ({missing.format(scheme=scheme)}): did you mean"
+                f"{shown!r} is not a {scheme}:// URI ({missing.format(scheme=scheme)}): did you mean"
                 f" {scheme}://{rest}?"
             )

@@ -7,6 +7,7 @@ means is in one place and testable without a server.
 from __future__ import annotations
 
 import email.utils
+import http
 import json
 import math
 import re
@@ -28,6 +29,8 @@ __all__ = [
     "RETRYABLE_STATUSES",
     "display_url",
     "error_for_status",
+    "redact_uri",
+    "status_text",
     "json_body",
     "parse_content_range",
     "parse_retry_after",
@@ -52,6 +55,39 @@ def display_url(url: str) -> str:
     netloc = f"{host}:{parts.port}" if parts.port else host
     shown = urlunsplit((parts.scheme, netloc, parts.path, "", ""))
     return f"{shown}?…" if parts.query else shown
+
+
+_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*:?/*)([^/@?#\s]*)@")
+
+
+def redact_uri(text: str) -> str:
+    """A URI as a user wrote it, fit for a message even when it does not parse: a password in its user info
+    shown as ``***`` (``https://alice:***@host/m``), a query string and fragment as ``?…``.
+
+    For configuration values and sources that are refused (a typo, a wrong scheme): the message still shows
+    what was written, less what could be a credential.
+    """
+    text = text.strip()
+    cut = min((i for i in (text.find("?"), text.find("#")) if i >= 0), default=-1)
+    if cut >= 0:
+        text = text[:cut] + "?…"
+    userinfo = _USERINFO.match(text)
+    if userinfo and ":" in userinfo.group(2):
+        user = userinfo.group(2).partition(":")[0]
+        text = f"{userinfo.group(1)}{user}:***@{text[userinfo.end() :]}"
+    return text
+
+
+def status_text(status: int) -> str:
+    """``HTTP 403 Forbidden``: the status code with its standard phrase (none for a code without one).
+
+    The server's own reason phrase is never shown: a server or gateway chooses it, and some echo the
+    request (``403 Denied for Bearer <token>``) into it.
+    """
+    try:
+        return f"HTTP {status} {http.HTTPStatus(status).phrase}"
+    except ValueError:
+        return f"HTTP {status}"
 
 
 def json_body(body: bytes | str) -> object:
@@ -107,8 +143,13 @@ def same_etag(a: str | None, b: str | None) -> bool:
 def error_for_status(
     status: int, reason: str, headers: Mapping[str, str] | Message, *, uri: str, detail: str = ""
 ) -> SourceError:
-    """The error for an HTTP status that is not a successful read, with what to do about it."""
-    what = f"HTTP {status} {reason}".rstrip() + (f" ({detail})" if detail else "")
+    """The error for an HTTP status that is not a successful read, with what to do about it.
+
+    ``reason`` (the server's reason phrase) is not shown: the standard phrase of ``status`` is (see
+    :func:`status_text`).
+    """
+    del reason
+    what = status_text(status) + (f" ({detail})" if detail else "")
     if status in (404, 410):
         return SourceNotFoundError(f"{uri} does not exist ({what}): check the URL", uri=uri)
     if status in (401, 403, 407):

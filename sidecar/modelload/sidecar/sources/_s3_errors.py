@@ -59,10 +59,29 @@ _DENIED_HINTS = {
 }
 
 
+_CODE = re.compile(r"^[A-Za-z][A-Za-z0-9.]{0,63}$")
+_NOT_A_CODE = re.compile(r"[A-Z]{7}|[0-9]{4}")
+"""A run no code has (codes are CamelCase words, acronyms such as SHA256 at most): a token's, not a code's."""
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,63}$")
+"""AWS's request ids are 16 hex digits, MinIO's alike, Ceph's ``tx…-…-zone``: letters, digits and '-'."""
+
+
 def error_code(body: bytes) -> str | None:
-    """The ``<Code>`` of an S3 XML error body, or None."""
+    """The ``<Code>`` of an S3 XML error body, only when it has an error code's shape (letters and digits,
+    as ``NoSuchKey``); else None: a gateway that echoes the request (a session token) into it gets nothing
+    shown."""
     match = re.search(rb"<Code>([^<]{1,128})</Code>", body)
-    return html.unescape(match.group(1).decode("utf-8", "replace")).strip() if match else None
+    if match is None:
+        return None
+    code = html.unescape(match.group(1).decode("utf-8", "replace")).strip()
+    return code if _CODE.match(code) and not _NOT_A_CODE.search(code) else None
+
+
+def _request_id(headers: Mapping[str, str] | Message) -> str | None:
+    """``x-amz-request-id``, only when it has a request id's shape (what else a server puts there is not
+    shown: some echo the request's Authorization)."""
+    value = (headers.get("x-amz-request-id") or "").strip()
+    return value if _REQUEST_ID.match(value) else None
 
 
 def s3_error(
@@ -71,7 +90,7 @@ def s3_error(
     """The error for an S3 response that is not a successful read of ``s3://bucket/key``."""
     uri = f"s3://{bucket}/{key}"
     code = error_code(body)
-    request_id = headers.get("x-amz-request-id")
+    request_id = _request_id(headers)
     tail = (
         f" (HTTP {status}{', ' + code if code else ''}{', request id ' + request_id if request_id else ''})"
     )

@@ -10,11 +10,12 @@ stream broke. Status codes are :mod:`._responses`' part.
 
 from __future__ import annotations
 
+import http.client
 import socket
 import ssl
 from collections.abc import Callable
 
-from modelload.loader.errors import ConfigError, ModelloadError, SegmentSpaceError
+from modelload.loader.errors import ConfigError, ModelloadError, SegmentSpaceError, SourceError
 from modelload.loader.segment.volume import full_volume
 
 from ._base import InterruptedReadError
@@ -47,6 +48,14 @@ def translate_transport_error(
     where = f"after {landed} of {total} bytes" if total else "before the response"
     if isinstance(exc, SegmentSpaceError):
         return exc
+    if isinstance(exc, http.client.InvalidURL):
+        # http.client refuses a request path with a space or a control character before sending it; its
+        # message quotes the path, query (a signature) included, and a retry would fail the same way
+        return SourceError(
+            f"{uri}: a URL of this read (the source's, or one a server redirected to) holds a space or a"
+            " control character, which HTTP does not allow in a request: percent-encode it (%20 for a space)",
+            uri=uri,
+        )
     if isinstance(exc, ssl.SSLCertVerificationError):
         return ConfigError(
             f"{uri}: the server's TLS certificate cannot be verified ({exc.verify_message});"
@@ -83,8 +92,26 @@ def translate_transport_error(
     return InterruptedReadError(f"{uri}: {reason}", uri=uri, landed=landed)
 
 
+_HTTP_PARSING = {
+    http.client.RemoteDisconnected: "the server closed the connection without a response",
+    http.client.BadStatusLine: "the server's status line is malformed",
+    http.client.LineTooLong: "a line of the response is too long",
+    http.client.UnknownProtocol: "the response is not HTTP/1.x",
+    http.client.IncompleteRead: "the body ended early",
+}
+"""What each ``http.client`` parsing error means. Their own text quotes what the server sent (a status line,
+a protocol version), which a hostile server or a gateway can fill with the request's credentials."""
+
+
 def _describe(exc: BaseException) -> str:
+    name = type(exc).__name__
+    if isinstance(exc, http.client.HTTPException | ValueError):
+        # by type only: the text of these quotes the response (or the request's URL)
+        for kind, meaning in _HTTP_PARSING.items():
+            if isinstance(exc, kind):
+                return f"{name}: {meaning}"
+        return name
     if isinstance(exc, OSError) and exc.strerror:
-        return f"{type(exc).__name__}: {exc.strerror}"
+        return f"{name}: {exc.strerror}"
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

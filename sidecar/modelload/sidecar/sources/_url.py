@@ -18,7 +18,7 @@ from modelload.loader.errors import ConfigError, ModelloadError, SourceAccessDen
 
 from ._connections import Origin
 from ._http import HttpObject, Target, _Exchange
-from ._responses import display_url
+from ._responses import display_url, status_text
 from ._settings import HttpSettings, SourceSettings
 from ._splice import HAVE_SPLICE
 
@@ -106,7 +106,7 @@ class HttpSource(HttpObject):
         if status not in (401, 403):
             return super()._error(exchange, body)
         uri = self.display_uri
-        what = f"HTTP {status} {exchange.response.reason}".rstrip()
+        what = status_text(status)
         if exchange.origin != self._origin:
             where = f"{exchange.origin.scheme}://{exchange.origin.netloc}"
             if self._private:

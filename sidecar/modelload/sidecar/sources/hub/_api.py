@@ -31,7 +31,7 @@ from modelload.loader.errors import (
 
 from .._connections import Origin
 from .._published_digest import PublishedDigest
-from .._responses import error_for_status, json_body
+from .._responses import error_for_status, json_body, redact_uri
 from .._service import Explain, fetch_document, origin_of
 from .._settings import HubSettings, SourceSettings
 from .._store import ListedFile
@@ -66,30 +66,31 @@ class HubRef:
 def parse_hub_uri(uri: str) -> HubRef:
     """Parse an ``hf://`` URI. A revision holding ``/`` (``refs/pr/1``) is written percent-encoded."""
     rest = uri[len("hf://") :] if uri.lower().startswith("hf://") else uri
+    shown = redact_uri(uri)  # what messages show: no password or query
     if "?" in rest or "#" in rest:
-        raise SourceUriError(f"an hf:// URI takes no query or fragment: {uri!r}")
+        raise SourceUriError(f"an hf:// URI takes no query or fragment: {shown!r}")
     parts = rest.split("/")
     if len(parts) < 2 or not parts[0] or not parts[1]:
         raise SourceUriError(
             "an hf:// source is hf://ORG/NAME[@REVISION][/PATH] (for example hf://openai-community/gpt2), "
             f"got "
-            f"{uri!r}"
+            f"{shown!r}"
         )
     if parts[0] in ("datasets", "spaces"):
-        raise SourceUriError(f"{uri!r}: only model repositories are loaded, not {parts[0]}")
+        raise SourceUriError(f"{shown!r}: only model repositories are loaded, not {parts[0]}")
     name, at, revision = parts[1].partition("@")
     if not _PART.match(parts[0]) or not _PART.match(name) or name.endswith((".git", ".")):
         raise SourceUriError(
-            f"{uri!r}: a repository is ORG/NAME, each of letters, digits, '-', '_' and '.' (not starting "
+            f"{shown!r}: a repository is ORG/NAME, each of letters, digits, '-', '_' and '.' (not starting "
             "with "
             "one of the last three)"
         )
     revision = unquote(revision) if at else "main"
     if not revision or any(c.isspace() or ord(c) < 32 for c in revision):
-        raise SourceUriError(f"{uri!r}: the revision after '@' is empty or holds a space")
+        raise SourceUriError(f"{shown!r}: the revision after '@' is empty or holds a space")
     path = unquote("/".join(parts[2:]))
     if any(segment in (".", "..") for segment in path.split("/")):
-        raise SourceUriError(f"{uri!r}: a path inside the repository cannot hold '.' or '..'")
+        raise SourceUriError(f"{shown!r}: a path inside the repository cannot hold '.' or '..'")
     return HubRef(f"{parts[0]}/{name}", revision, path)
 
 

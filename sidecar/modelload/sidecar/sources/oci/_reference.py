@@ -14,6 +14,7 @@ from urllib.parse import quote, unquote
 
 from modelload.loader.errors import SourceUriError
 
+from .._responses import redact_uri
 from .._settings import RegistrySettings
 
 __all__ = ["DIGEST", "OciRef", "parse_oci_uri"]
@@ -73,8 +74,9 @@ class OciRef:
 def parse_oci_uri(uri: str) -> OciRef:
     """Parse an ``oci://`` URI (see the module docstring); a SourceUriError says what is wrong."""
     rest = uri[len("oci://") :] if uri.lower().startswith("oci://") else uri
+    shown = redact_uri(uri)  # what messages show: no password or query
     if "?" in rest or "#" in rest:
-        raise SourceUriError(f"an oci:// URI takes no query or fragment: {uri!r}")
+        raise SourceUriError(f"an oci:// URI takes no query or fragment: {shown!r}")
     registry, slash, rest = rest.partition("/")
     if (
         not slash
@@ -83,7 +85,7 @@ def parse_oci_uri(uri: str) -> OciRef:
     ):
         raise SourceUriError(
             f"an oci:// source is oci://REGISTRY/REPOSITORY:TAG or @sha256:DIGEST, with the registry's host "
-            f"first (oci://ghcr.io/org/model:v1, oci://localhost:5000/model:v1), got {uri!r}"
+            f"first (oci://ghcr.io/org/model:v1, oci://localhost:5000/model:v1), got {shown!r}"
         )
     path = ""
     digest = None
@@ -91,7 +93,7 @@ def parse_oci_uri(uri: str) -> OciRef:
         name, _, after = rest.partition("@")
         digest, _, path = after.partition("/")
         if not DIGEST.match(digest):
-            raise SourceUriError(f"{uri!r}: a digest is sha256: and 64 lower-case hex digits")
+            raise SourceUriError(f"{shown!r}: a digest is sha256: and 64 lower-case hex digits")
     else:
         name = rest
     tag = None
@@ -99,14 +101,16 @@ def parse_oci_uri(uri: str) -> OciRef:
     if ":" in last:
         name, _, tag = name.rpartition(":")
         if not _TAG.match(tag):
-            raise SourceUriError(f"{uri!r}: {tag!r} is not a tag (letters, digits, '_', '.' and '-')")
+            raise SourceUriError(f"{shown!r}: {tag!r} is not a tag (letters, digits, '_', '.' and '-')")
     if not name or not all(_COMPONENT.match(part) for part in name.split("/")):
         raise SourceUriError(
-            f"{uri!r}: a repository is lower-case letters and digits, separated by '/', '.', '_' or '-'"
+            f"{shown!r}: a repository is lower-case letters and digits, separated by '/', '.', '_' or '-'"
         )
     path = unquote(path)
     if path and any(segment in ("", ".", "..") for segment in path.rstrip("/").split("/")):
-        raise SourceUriError(f"{uri!r}: a file path inside the artifact cannot hold empty, '.' or '..' parts")
+        raise SourceUriError(
+            f"{shown!r}: a file path inside the artifact cannot hold empty, '.' or '..' parts"
+        )
     if digest is None and tag is None:
         tag = "latest"
     return OciRef(registry.lower(), name, tag, digest, path)
