@@ -40,6 +40,7 @@ from modelload.loader.formats import (
 from modelload.loader.formats._atomic import atomic_file
 from modelload.loader.formats.tensorizer import DecryptionKey
 from modelload.loader.localdir import list_local_directory
+from modelload.loader.segment._regular import NotRegularFileError, open_regular
 from modelload.loader.segment.layout import MAGIC as SEGMENT_MAGIC
 from modelload.loader.segment.volume import FULL
 from modelload.loader.sizes import format_bytes
@@ -181,9 +182,23 @@ def local_path(text: str, *, command: str, remote: str) -> Path:
 
 
 def sniff(path: Path) -> FileKind:
-    """The kind of a local file from its first bytes, whatever its name says."""
+    """The kind of a local file from its first bytes, whatever its name says.
+
+    Only a regular file is read: a FIFO would block the command for ever (its open waits for a writer), and
+    what a device or a pipe gives is not a model file read twice the same way.
+    """
     try:
-        with path.open("rb") as file:
+        fd = open_regular(path, os.O_RDONLY, what="file")
+    except NotRegularFileError as exc:
+        if exc.file_kind == "a directory":
+            raise ConfigError(f"{path} is a directory; name a model file") from None
+        raise ConfigError(
+            f"{path} is {exc.file_kind}, not a regular file; name a model file or a segment"
+        ) from None
+    except OSError as exc:
+        raise translate_os_error(exc, path) from None
+    try:
+        with os.fdopen(fd, "rb") as file:
             head = file.read(_SNIFF_LENGTH)
     except OSError as exc:
         raise translate_os_error(exc, path) from None

@@ -45,6 +45,7 @@ import numpy as np
 import numpy.typing as npt
 
 from modelload.loader.errors import SegmentError, SegmentLayoutError
+from modelload.loader.segment._regular import open_regular
 from modelload.loader.segment.pages import mapped_length, round_up, volume_of
 
 __all__ = [
@@ -164,7 +165,7 @@ class ConsumerTable:
         """Open and check the table of ``segment``; ``write`` for a consumer, read-only for the writer."""
         path = table_path(segment)
         try:
-            fd = os.open(path, (os.O_RDWR if write else os.O_RDONLY) | os.O_CLOEXEC)
+            fd = open_regular(path, os.O_RDWR if write else os.O_RDONLY, what="consumer table")
         except FileNotFoundError:
             raise SegmentLayoutError(
                 f"the segment releases consumed tensors (memory mode release or ring) but its consumer table "
@@ -176,9 +177,20 @@ class ConsumerTable:
                 f"cannot register as a consumer: {path} is not writable by this process (uid {os.getuid()}); "
                 "run the app with write access to the model volume, or attach(register=False) to read only"
             ) from None
+        except OSError as exc:
+            raise SegmentError(
+                f"cannot open the consumer table {path}: {exc.strerror or exc}; mount the model volume"
+                " read-write here, or attach(register=False) to read only"
+            ) from None
         try:
             size = os.fstat(fd).st_size
-            header = os.pread(fd, HEADER_LENGTH, 0)
+            try:
+                header = os.pread(fd, HEADER_LENGTH, 0)
+            except OSError as exc:
+                raise SegmentLayoutError(
+                    f"consumer table {path} cannot be read ({exc.strerror or exc}): it is not the table the"
+                    " modelload sidecar wrote; restart the pod"
+                ) from None
             if len(header) < _HEADER.size or size < HEADER_LENGTH:
                 raise SegmentLayoutError(f"consumer table {path} is truncated")
             magic, version, capacity, table_load, count, length, reserved = _HEADER.unpack_from(header)

@@ -19,9 +19,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import secrets
+import unicodedata
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from modelload.loader.segment._regular import NotRegularFileError, open_regular
 
 if TYPE_CHECKING:
     from modelload.loader.segment.writer import SegmentWriter
@@ -39,6 +43,11 @@ __all__ = [
 
 MAX_REASON_BYTES = 4096
 """A reason is cut to this many bytes; a longer marker file is read only this far."""
+
+_HIDDEN = frozenset({"Cc", "Cf", "Zl", "Zp"})
+"""Unicode categories never shown from a marker: control, format (bidi overrides), line and paragraph
+separators."""
+_SPACES = re.compile(r" {2,}")
 
 
 def marker_path(segment: Path) -> Path:
@@ -70,13 +79,38 @@ def remove_failure(segment: Path) -> None:
 
 
 def read_failure(segment: Path) -> str | None:
-    """The reason in ``segment``'s marker, or None when there is no marker."""
+    """The reason in ``segment``'s marker, or None when there is no marker (or it cannot be read).
+
+    The writer leaves only a regular file here, so anything else at the name (a FIFO, a directory, a device,
+    a symbolic link to any file) is not a reason to read: opening a FIFO would block for ever, and a link to
+    ``/etc/shadow`` or ``/dev/zero`` would put that file's bytes in the app's error and logs. It is reported
+    instead as what it is, a failed load whose reason says the marker is not a regular file and to remove it:
+    a marker is read before the segment (SPEC.md reader rule 6) and a stray regular marker fails the attach
+    too, so this keeps the rule "a clear error, never wrong data" without reading anything but the writer's
+    own kind of file. The text shown has its control characters (terminal escapes, newlines that would forge
+    log lines) replaced by spaces.
+    """
+    target = marker_path(segment)
     try:
-        with marker_path(segment).open("rb") as file:
-            data = file.read(MAX_REASON_BYTES)
+        fd = open_regular(target, os.O_RDONLY, what="failure marker", follow=False)
+    except NotRegularFileError as exc:
+        return str(exc)
     except OSError:
         return None
-    return data.decode("utf-8", "replace").strip() or "no reason given"
+    try:
+        data = os.read(fd, MAX_REASON_BYTES)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return _printable(data.decode("utf-8", "replace")) or "no reason given"
+
+
+def _printable(text: str) -> str:
+    """``text`` with every control or format character (C0, DEL, C1, line separators, bidi overrides) made a
+    space, runs of spaces made one, and stripped."""
+    shown = "".join(" " if unicodedata.category(c) in _HIDDEN else c for c in text)
+    return _SPACES.sub(" ", shown).strip()
 
 
 def leave_failed(

@@ -36,11 +36,13 @@ import numpy.typing as npt
 from modelload.loader.errors import (
     LoadFailedError,
     LoadTimeoutError,
+    SegmentError,
     SegmentLayoutError,
     SidecarUnavailableError,
     TensorReleasedError,
 )
 from modelload.loader.segment import _memory, _ring
+from modelload.loader.segment._regular import open_regular
 from modelload.loader.segment.collector import paused_collector
 from modelload.loader.segment.geometry import Ring
 from modelload.loader.segment.layout import (
@@ -159,21 +161,16 @@ class SegmentReader:
         declares.
         """
         target = Path(path)
-        try:
-            fd = os.open(target, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise SidecarUnavailableError(
-                f"no segment at {target}: is the modelload sidecar running, and is its volume mounted here?"
-            ) from None
+        fd = _open_segment(target)
         try:
             size = os.fstat(fd).st_size
-            header_bytes = os.pread(fd, HEADER_LENGTH, 0)
+            header_bytes = _read(fd, HEADER_LENGTH, 0, target)
             header = parse_header(header_bytes, file_size=size)
             if struct.unpack_from("<I", header_bytes, OFF_WRITER_STATE)[0] == WriterState.CREATING:
                 raise SegmentLayoutError(
                     f"segment {target} was never published (its writer died creating it)"
                 )
-            manifest = os.pread(fd, header.manifest_length, header.manifest_offset)
+            manifest = _read(fd, header.manifest_length, header.manifest_offset, target)
             if len(manifest) != header.manifest_length:
                 raise SegmentLayoutError(f"segment {target} is truncated inside its manifest")
             with paused_collector():
@@ -490,6 +487,34 @@ class SegmentReader:
 
     def __repr__(self) -> str:
         return f"<SegmentReader {self.path} tensors={len(self.slots)} state={self.writer_state.name}>"
+
+
+def _open_segment(target: Path) -> int:
+    """The segment file at ``target``, open read-only: only a regular file, and never blocking (a FIFO there
+    would block the open, and the attach, for ever, whatever its timeout)."""
+    try:
+        return open_regular(target, os.O_RDONLY, what="segment")
+    except FileNotFoundError:
+        raise SidecarUnavailableError(
+            f"no segment at {target}: is the modelload sidecar running, and is its volume mounted here?"
+        ) from None
+    except OSError as exc:
+        raise SegmentError(
+            f"cannot open the segment {target}: {exc.strerror or exc}; give this process read access to the"
+            " model volume (run the app as a user that may read what the sidecar writes)"
+        ) from None
+
+
+def _read(fd: int, length: int, offset: int, target: Path) -> bytes:
+    """``length`` bytes of the segment at ``offset``; a file that cannot be read (a link to a file of
+    /proc, say) is a layout error naming it, not a bare ``OSError``."""
+    try:
+        return os.pread(fd, length, offset)
+    except OSError as exc:
+        raise SegmentLayoutError(
+            f"segment {target} cannot be read ({exc.strerror or exc}): it is not a segment the modelload"
+            " sidecar wrote; remove it, or point the loader at the sidecar's segment"
+        ) from None
 
 
 def _map_data(
