@@ -223,7 +223,7 @@ class ConsumerTable:
         since it knows the geometry (anyone may have scribbled on the header since, or truncated the file,
         and a refusal would let them fail the load), and reads every entry as untrusted."""
         path = table_path(segment)
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = open_regular(path, os.O_RDONLY, what="consumer table")  # a FIFO put there must not block it
         return cls(path, fd, CAPACITY, tensor_count)
 
     def _read(self, offset: int, length: int) -> bytes:
