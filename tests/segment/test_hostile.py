@@ -110,6 +110,11 @@ CASES: dict[str, tuple[Mutation, type[Exception], str]] = {
     "boolean dimension": (tensor(1, shape=[True, True], nbytes=4), SegmentLayoutError, "shape"),
     "65 dimensions": (tensor(1, shape=[1] * 65, nbytes=4), SegmentLayoutError, "at most 64"),
     "lying nbytes": (tensor(0, nbytes=4096), SegmentLayoutError, "does not match bfloat16"),
+    "no element, dimensions past 63 bits": (
+        tensor(0, shape=[1 << 40, 1 << 40, 0], nbytes=0),
+        SegmentLayoutError,
+        "holds no element, but its other dimensions span more than",
+    ),
     "unaligned offset": (tensor(0, offset=12289), SegmentLayoutError, "not a multiple of 4096"),
     "offset before the data": (tensor(0, offset=8192), SegmentLayoutError, "outside the data region"),
     "offset past the end": (tensor(1, offset=20480), SegmentLayoutError, "outside the data region"),

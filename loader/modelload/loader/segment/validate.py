@@ -13,6 +13,7 @@ import json
 import math
 import struct
 import zlib
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -275,11 +276,20 @@ def _parse_slots_at_once(entries: list[Any], header: Header, file_count: int) ->
         if set(map(type, numbers)) != {int} or min(numbers) < 0 or max(numbers) >= file_count:
             return None
         files = list(numbers)
+    empty = np.flatnonzero(nbytes == 0).tolist()  # rare: checked one by one
+    if any(_spanned(shapes[i], itemsizes[i]) > _MAX_FIELD for i in empty):
+        return None
     placed = np.flatnonzero(nbytes)
     order = placed[np.argsort(offset[placed], kind="stable")]
     if (offset[order[:-1]] + nbytes[order[:-1]] > offset[order[1:]]).any():
         return None
     return tuple(map(Slot, range(count), names, found, map(tuple, shapes), offsets, sizes, shas, files))
+
+
+def _spanned(shape: Sequence[int], itemsize: int) -> int:
+    """The bytes ``shape``'s non-zero dimensions span: what numpy and torch must fit in 63 bits to shape even
+    an array of no element (``(2**62, 0)`` of float32 is refused by both)."""
+    return math.prod(d for d in shape if d) * itemsize
 
 
 def _parse_files(files: object) -> tuple[str, ...]:
@@ -331,6 +341,11 @@ def _parse_slot(index: int, entry: object, header: Header, file_count: int) -> S
         raise _fail(f"{label}: unknown dtype {dtype_name!r}") from None
     if dtype.nbytes(shape) != nbytes:
         raise _fail(f"{label}: nbytes {nbytes} does not match {dtype_name} of shape {shape}")
+    if not nbytes and _spanned(shape, dtype.itemsize) > _MAX_FIELD:
+        raise _fail(
+            f"{label}: shape {shape} holds no element, but its other dimensions span more than 2**63 - 1 "
+            "bytes, which no array can be shaped as"
+        )
     if offset % ALIGNMENT:
         raise _fail(f"{label}: offset {offset} is not a multiple of {ALIGNMENT}")
     data_end = header.data_offset + header.data_length
