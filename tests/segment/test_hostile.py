@@ -247,6 +247,19 @@ def test_an_unknown_tensor_state_is_an_error_not_a_ready_tensor(valid: bytes, sh
             reader.wait(timeout=1)
 
 
+def test_a_released_tensor_in_a_segment_that_never_releases_is_a_layout_error(
+    valid: bytes, shm_dir: Path
+) -> None:
+    """Memory mode full never gives pages back: RELEASED there is corruption, not advice to switch to full."""
+    path = shm_dir / "hostile.seg"
+    data = bytearray(valid)
+    struct.pack_into("<I", data, 128, 1)  # back to LOADING, so the reader must consult the table
+    path.write_bytes(bytes(set_state_of_tensor_1(3)(data)))
+    refusal = pytest.raises(SegmentLayoutError, match="RELEASED, a state a segment of memory mode full never")
+    with SegmentReader.open(path) as reader, refusal:
+        reader.wait(timeout=1)
+
+
 def test_an_integer_past_pythons_digit_limit_is_a_layout_error(shm_dir: Path) -> None:
     """json.loads raises a bare ValueError for an integer of more than 4,300 digits: it must not escape."""
     from modelload.loader.dtypes import by_name

@@ -442,9 +442,15 @@ class SegmentReader:
                     f"the load is not finished after {timeout or 0:g} s: {doing} (see the sidecar's /status)"
                 )
 
-    def released(self, index: int) -> TensorReleasedError:
-        """The error for reading tensor ``index`` after the writer gave its pages back."""
+    def released(self, index: int) -> TensorReleasedError | SegmentLayoutError:
+        """The error for reading tensor ``index`` after the writer gave its pages back (a layout error in a
+        segment of memory mode full, which never gives pages back: SPEC.md, "State table")."""
         name = self.slots[index].name
+        if self.memory_mode == MemoryMode.FULL:
+            return SegmentLayoutError(
+                f"tensor {name!r} of {self.path} is marked RELEASED, a state a segment of memory mode full "
+                "never holds: the segment is corrupt or was not written by modelload"
+            )
         mode = self.memory_mode.name.lower()
         return TensorReleasedError(
             f"tensor {name!r} was released: every consumer of {self.path} had copied it, and the sidecar "
