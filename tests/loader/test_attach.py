@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import subprocess
 import sys
 import threading
 import time
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -36,6 +38,15 @@ def _publish_all(path: Path, tensors: dict[str, torch.Tensor]) -> None:
         for i, tensor in enumerate(tensors.values()):
             _fill(writer, i, tensor)
         writer.mark_complete()
+
+
+@contextlib.contextmanager
+def _every_tensor_ready(path: Path, tensors: dict[str, torch.Tensor]) -> Iterator[SegmentWriter]:
+    """A segment whose tensors are all READY while its writer, yielded, has not finished the load."""
+    with _segment(path, tensors) as writer:
+        for i, tensor in enumerate(tensors.values()):
+            _fill(writer, i, tensor)
+        yield writer
 
 
 def _every_dtype() -> dict[str, torch.Tensor]:
@@ -120,49 +131,47 @@ def test_the_whole_model_is_handed_over_only_once_the_load_is_proven(shm_dir: Pa
     """Every tensor READY, the load not finished (its files' end-of-load proofs still run): a tensor or a
     subset streams at once, the whole model waits for the end, and a proof that then fails is an error,
     never weights the sidecar refused."""
-    tensors = {"a": torch.ones(4), "b": torch.zeros(4)}
     path = shm_dir / "model.seg"
-    with _segment(path, tensors) as writer:
-        for i, tensor in enumerate(tensors.values()):
-            _fill(writer, i, tensor)
-        with attach(path, notify=False, timeout=30) as model:
-            assert model.tensor("a").tolist() == [1.0] * 4  # streaming is not held back
-            assert list(model.state_dict(names=["b"])) == ["b"]
-            outcome: list[object] = []
-            taker = threading.Thread(target=lambda: outcome.append(_outcome(model.state_dict)))
-            taker.start()
-            writer.mark_failed("model.safetensors: its SHA-256 is not the one the origin publishes")
-            taker.join(timeout=30)
-            assert not taker.is_alive()
-            assert isinstance(outcome[0], LoadFailedError) and "SHA-256" in str(outcome[0])
-            with pytest.raises(LoadFailedError, match="SHA-256"):
-                model.wait_complete()
+    with (
+        _every_tensor_ready(path, {"a": torch.ones(4), "b": torch.zeros(4)}) as writer,
+        attach(path, notify=False, timeout=30) as model,
+    ):
+        assert model.tensor("a").tolist() == [1.0] * 4  # streaming is not held back
+        assert list(model.state_dict(names=["b"])) == ["b"]
+        outcome: list[object] = []
+        taker = threading.Thread(target=lambda: outcome.append(_outcome(model.state_dict)))
+        taker.start()
+        writer.mark_failed("model.safetensors: its SHA-256 is not the one the origin publishes")
+        taker.join(timeout=30)
+        assert not taker.is_alive()
+        assert isinstance(outcome[0], LoadFailedError) and "SHA-256" in str(outcome[0])
+        with pytest.raises(LoadFailedError, match="SHA-256"):
+            model.wait_complete()
 
 
 def test_once_the_load_failed_no_tensor_it_published_is_handed_out_any_more(shm_dir: Path) -> None:
     """Tensors stream before their file's end-of-load proof; once the writer declares the load FAILED (a
     file that did not match its proof), every way to a tensor refuses, not only the whole model's."""
-    tensors = {"a": torch.ones(4), "b": torch.zeros(4)}
     path = shm_dir / "model.seg"
-    with _segment(path, tensors) as writer:
-        for i, tensor in enumerate(tensors.values()):
-            _fill(writer, i, tensor)
-        with attach(path, notify=False, timeout=30) as model:
-            assert model.numpy("a").tolist() == [1.0] * 4
-            writer.mark_failed("model.safetensors: its SHA-256 is not the one the origin publishes")
-            calls = {
-                "numpy": lambda: model.numpy("a"),
-                "numpy, no wait": lambda: model.numpy("a", wait=False),
-                "tensor": lambda: model.tensor("b"),
-                "tensor, no wait": lambda: model.tensor("b", wait=False),
-                "state_dict of names": lambda: model.state_dict(names=["a", "b"]),
-                "iter_ready": lambda: list(model.iter_ready()),
-                "wait": model.wait,
-            }
-            for call, made in calls.items():
-                with pytest.raises(LoadFailedError, match="SHA-256"):
-                    made()
-                    pytest.fail(f"{call} handed out a tensor of a failed load")
+    with (
+        _every_tensor_ready(path, {"a": torch.ones(4), "b": torch.zeros(4)}) as writer,
+        attach(path, notify=False, timeout=30) as model,
+    ):
+        assert model.numpy("a").tolist() == [1.0] * 4
+        writer.mark_failed("model.safetensors: its SHA-256 is not the one the origin publishes")
+        calls = {
+            "numpy": lambda: model.numpy("a"),
+            "numpy, no wait": lambda: model.numpy("a", wait=False),
+            "tensor": lambda: model.tensor("b"),
+            "tensor, no wait": lambda: model.tensor("b", wait=False),
+            "state_dict of names": lambda: model.state_dict(names=["a", "b"]),
+            "iter_ready": lambda: list(model.iter_ready()),
+            "wait": model.wait,
+        }
+        for call, made in calls.items():
+            with pytest.raises(LoadFailedError, match="SHA-256"):
+                made()
+                pytest.fail(f"{call} handed out a tensor of a failed load")
 
 
 def test_a_segment_overwritten_in_place_under_an_attached_app_is_refused_not_served(shm_dir: Path) -> None:

@@ -315,13 +315,16 @@ def test_an_explicit_endpoint_is_used_as_botocore_would_without_making_a_client(
         )
         return str(client.meta.endpoint_url), str(client.meta.region_name)
 
+    def use_default_region(region: str | None) -> None:
+        if region is None:
+            monkeypatch.delenv("AWS_DEFAULT_REGION", raising=False)
+        else:
+            monkeypatch.setenv("AWS_DEFAULT_REGION", region)
+
     cases = [(moto_s3.endpoint, None), (moto_s3.endpoint + "/", "ap-south-1")]
     expected = {}
     for default_region in (None, "eu-west-2"):
-        if default_region is None:
-            monkeypatch.delenv("AWS_DEFAULT_REGION", raising=False)
-        else:
-            monkeypatch.setenv("AWS_DEFAULT_REGION", default_region)
+        use_default_region(default_region)
         for endpoint, region in cases:
             expected[default_region, endpoint, region] = resolved(endpoint, region)
 
@@ -330,10 +333,7 @@ def test_an_explicit_endpoint_is_used_as_botocore_would_without_making_a_client(
 
     monkeypatch.setattr(Session, "create_client", no_client)
     for default_region in (None, "eu-west-2"):
-        if default_region is None:
-            monkeypatch.delenv("AWS_DEFAULT_REGION", raising=False)
-        else:
-            monkeypatch.setenv("AWS_DEFAULT_REGION", default_region)
+        use_default_region(default_region)
         for endpoint, region in cases:
             with open_source(URI, _settings(endpoint, region=region)) as source:
                 assert isinstance(source, S3Source)
