@@ -178,11 +178,11 @@ def server(tmp_path: Path) -> Iterator[PeerServer]:
 def _stuck_asker(port: int, size: int) -> socket.socket:
     """An asker that requests a large range, reads the head's first bytes and then nothing."""
     path = "/peer/v1/files/0"
-    signed = PeerKey(TOKEN).sign(Request("GET", path, f"bytes=0-{size - 1}"))
+    signed = PeerKey(TOKEN).sign(Request("GET", path, f"127.0.0.1:{port}", f"bytes=0-{size - 1}"))
     sock = socket.create_connection(("127.0.0.1", port))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.sendall(
-        f"GET {path} HTTP/1.1\r\nHost: x\r\nRange: bytes=0-{size - 1}\r\n"
+        f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nRange: bytes=0-{size - 1}\r\n"
         f"Authorization: {signed.authorization}\r\n\r\n".encode()
     )
     assert sock.recv(12).startswith(b"HTTP/1.1 206")
@@ -231,18 +231,19 @@ def test_bad_request_heads_are_refused_in_one_line_each(
 
 def test_a_signed_request_is_good_once_and_only_near_the_servers_clock(server: PeerServer) -> None:
     base = f"http://127.0.0.1:{server.port}"
+    here = f"127.0.0.1:{server.port}"
     key = PeerKey(TOKEN)
-    signed = key.sign(Request("GET", "/peer/v1/manifest"))
+    signed = key.sign(Request("GET", "/peer/v1/manifest", here))
     header = {"Authorization": signed.authorization}
     assert peer_get(base, "/peer/v1/manifest", None, headers=header).status == 200
     again = peer_get(base, "/peer/v1/manifest", None, headers=header)
     assert again.status == 401 and b"already used" in again.body
     import time
 
-    stale = key.sign(Request("GET", "/peer/v1/manifest"), now=time.time() - 300)
+    stale = key.sign(Request("GET", "/peer/v1/manifest", here), now=time.time() - 300)
     old = peer_get(base, "/peer/v1/manifest", None, headers={"Authorization": stale.authorization})
     assert old.status == 401 and b"off this peer's clock" in old.body
-    other = key.sign(Request("GET", "/peer/v1/files/0", "bytes=0-9"))  # signed for another range
+    other = key.sign(Request("GET", "/peer/v1/files/0", here, "bytes=0-9"))  # signed for another range
     moved = peer_get(
         base, "/peer/v1/files/0", None, headers={"Authorization": other.authorization, "Range": "bytes=0-99"}
     )

@@ -26,15 +26,17 @@ TOKEN = "a-peer-token-of-the-model"
 
 def test_a_signature_proves_the_token_for_exactly_the_request_it_signs() -> None:
     key, guard = PeerKey(TOKEN), ReplayGuard()
-    asked = Request("GET", "/peer/v1/files/0", "bytes=0-99", '"v1"')
+    asked = Request("GET", "/peer/v1/files/0", "10.0.0.7:8480", "bytes=0-99", '"v1"')
     signed = key.sign(asked)
     assert TOKEN not in signed.authorization
     assert key.check(signed.authorization, asked, guard) == signed.nonce
     for changed in (
-        Request("GET", "/peer/v1/files/1", "bytes=0-99", '"v1"'),
-        Request("GET", "/peer/v1/files/0", "bytes=0-100", '"v1"'),
-        Request("GET", "/peer/v1/files/0", "bytes=0-99", '"v2"'),
-        Request("HEAD", "/peer/v1/files/0", "bytes=0-99", '"v1"'),
+        Request("GET", "/peer/v1/files/1", "10.0.0.7:8480", "bytes=0-99", '"v1"'),
+        Request("GET", "/peer/v1/files/0", "10.0.0.7:8480", "bytes=0-100", '"v1"'),
+        Request("GET", "/peer/v1/files/0", "10.0.0.7:8480", "bytes=0-99", '"v2"'),
+        Request("HEAD", "/peer/v1/files/0", "10.0.0.7:8480", "bytes=0-99", '"v1"'),
+        Request("GET", "/peer/v1/files/0", "10.0.0.8:8480", "bytes=0-99", '"v1"'),  # another peer
+        Request("GET", "/peer/v1/files/0", "10.0.0.7:8481", "bytes=0-99", '"v1"'),
     ):
         with pytest.raises(PermissionError, match="does not match"):
             PeerKey(TOKEN).check(key.sign(asked).authorization, changed, guard)
@@ -47,7 +49,7 @@ def test_a_signature_proves_the_token_for_exactly_the_request_it_signs() -> None
 
 def test_a_request_is_good_once_and_only_within_the_clock_skew() -> None:
     key, guard = PeerKey(TOKEN), ReplayGuard(skew=30)
-    asked = Request("GET", "/peer/v1/manifest")
+    asked = Request("GET", "/peer/v1/manifest", "10.0.0.7:8480")
     signed = key.sign(asked)
     key.check(signed.authorization, asked, guard)
     with pytest.raises(PermissionError, match="already used"):
@@ -87,7 +89,7 @@ def test_an_answer_proof_binds_the_nonce_the_range_and_the_digest() -> None:
     assert not PeerKey("another").proven(proof, "n1", answer, "ab" * 32)
     assert not key.proven(None, "n1", answer, "ab" * 32)
     # A request's MAC never passes as an answer's: the keys differ.
-    signed = key.sign(Request("GET", "/peer/v1/files/0"), nonce="n1")
+    signed = key.sign(Request("GET", "/peer/v1/files/0", "10.0.0.7:8480"), nonce="n1")
     assert signed.authorization.rsplit("mac=", 1)[1] != proof
     assert parse_digest("sha256=" + "ab" * 32) == "ab" * 32
     assert parse_digest("sha256=AB") is None and parse_digest(None) is None
@@ -192,3 +194,11 @@ def test_a_bitmap_round_trips_and_refuses_the_wrong_length() -> None:
     assert unbitmap(bitmap(flags), 21) == flags
     with pytest.raises(ValueError):
         unbitmap(bitmap(flags), 30)
+
+
+def test_a_request_of_the_earlier_protocol_is_refused_for_its_version_not_its_token() -> None:
+    key, guard = PeerKey(TOKEN), ReplayGuard()
+    asked = Request("GET", "/peer/v1/manifest", "10.0.0.7:8480")
+    earlier = key.sign(asked).authorization.replace("ModelloadPeer2 ", "ModelloadPeer1 ")
+    with pytest.raises(PermissionError, match="earlier version of the peer protocol; this peer speaks Model"):
+        key.check(earlier, asked, guard)

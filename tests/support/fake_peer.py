@@ -6,7 +6,8 @@ read once from the origin), holds the peer token or not, and misbehaves in one o
 ===================  =========================================================================================
 ``wrong_bytes``      lists every tensor with its true CRC-32, serves altered bytes (proving what it sends)
 ``consistent_lie``   no token: lists the CRC-32s of the altered bytes it serves, so its claims agree
-``relay``            no token: passes each request to an honest peer and its answer back, with altered bytes
+``relay``            no token: passes each request on to an honest peer as it came (Host, signature) and the
+                     answer back, with altered bytes; counts the answer bytes it got to read
 ``reset``            cuts every range off half way (a TCP reset)
 ``slow``             sends every range at a trickle (a few KiB/s)
 ``stall``            sends a range's head, then nothing
@@ -98,6 +99,8 @@ class FakePeer:
         self.id = secrets.token_hex(8)
         self.seen: list[dict[str, str]] = []
         self.ranges_asked = 0
+        self.learned = 0
+        """Bytes of the 2xx answers a relay got to read from the peer it passed requests on to."""
         self._stop = threading.Event()
         self._started = time.monotonic()
         self.model = self._learn(origin_url, path)
@@ -286,15 +289,19 @@ class FakePeer:
         return True
 
     def _relay(self, sock: socket.socket, target: str, headers: dict[str, str]) -> bool:
-        """Pass the request on to an honest peer (its signature too) and its answer back, bytes altered."""
+        """Pass the request on to an honest peer as it came (Host and signature too: a relay at the TCP
+        level would) and its answer back, bytes altered."""
         assert self.upstream is not None
-        sent = {k: v for k, v in headers.items() if k in ("authorization", "range", "if-match")}
+        passed = ("host", "authorization", "range", "if-match")
+        sent = {k.title(): v for k, v in headers.items() if k in passed}
         request = urllib.request.Request(self.upstream + target, headers=sent)
         try:
             with urllib.request.urlopen(request, timeout=10) as response:
                 status, body, got = response.status, response.read(), dict(response.headers)
         except urllib.error.HTTPError as exc:
             status, body, got = exc.code, exc.read(), dict(exc.headers)
+        if 200 <= status < 300:
+            self.learned += len(body)
         if target.startswith("/peer/v1/files/") and status == 206:
             self.ranges_asked += 1
             body = _alter(body)

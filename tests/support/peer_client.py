@@ -39,12 +39,14 @@ def peer_get(
     source: str | None = None,
 ) -> PeerAnswer:
     """``GET path`` at the peer ``base`` (``http://host:port``), signed with ``token`` (None: unsigned);
-    ``headers`` are sent too (a Range, or an Authorization of the test's own making)."""
+    ``headers`` are sent too (a Range, a Host, or an Authorization of the test's own making). The request is
+    signed for the Host it is sent with: ``base``'s ``host:port`` unless ``headers`` name another."""
     parts = urlsplit(base)
-    sent = dict(headers or {})
+    sent = {"Host": parts.netloc, **(headers or {})}
     nonce = ""
     if token is not None and "Authorization" not in sent:
-        signed = PeerKey(token).sign(Request("GET", path, sent.get("Range"), sent.get("If-Match")))
+        asked = Request("GET", path, sent["Host"], sent.get("Range"), sent.get("If-Match"))
+        signed = PeerKey(token).sign(asked)
         sent["Authorization"], nonce = signed.authorization, signed.nonce
     bind = (source, 0) if source else None
     host, port = parts.hostname or "", parts.port or 80

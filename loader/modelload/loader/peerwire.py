@@ -5,21 +5,26 @@ Every sidecar of a peered ModelLoad, and the operator that reads their stats, ho
 (the ModelLoad's peer Secret). It never goes on the wire. Two keys are derived from it with HMAC-SHA256, one
 to sign requests and one to prove answers, so a request's MAC can never pass as an answer's::
 
-    ask key    = HMAC-SHA256(token, "modelload-peer-v1 ask")
-    answer key = HMAC-SHA256(token, "modelload-peer-v1 answer")
+    ask key    = HMAC-SHA256(token, "modelload-peer-v2 ask")
+    answer key = HMAC-SHA256(token, "modelload-peer-v2 answer")
 
-**A request** carries ``Authorization: ModelloadPeer1 ts=<Unix ms>,nonce=<32 hex>,mac=<64 hex>``, the MAC
-taken with the ask key over the method, the request target, the ``Range`` and ``If-Match`` headers (empty
-when absent), the timestamp and the nonce, one per line. A server accepts it when the MAC matches (compared
-in constant time), the timestamp is within :data:`MAX_SKEW` of its own clock, and the nonce was not seen
-before in that window (:class:`ReplayGuard`).
+**A request** carries ``Authorization: ModelloadPeer2 ts=<Unix ms>,nonce=<32 hex>,mac=<64 hex>``, the MAC
+taken with the ask key over the method, the request target, the ``Host`` header (the address the asker
+meant to reach), the ``Range`` and ``If-Match`` headers (empty when absent), the timestamp and the nonce, one
+per line. A server accepts it when the MAC matches (compared in constant time), the timestamp is within
+:data:`MAX_SKEW` of its own clock, the nonce was not seen before in that window (:class:`ReplayGuard`), and
+the ``Host`` names the server itself: the address the connection came in on (the peer server checks that,
+:func:`split_authority` here). A request signed for one address is therefore no good at any other: a process
+without the token that got itself asked (a pod that took a departed peer's address, a relay in the middle)
+cannot pass the asker's requests on to a real peer and read the weights from its answers.
 
 **An answer** of 200 or 206 carries ``X-Modelload-Digest: sha256=<hex>``, the SHA-256 of its body, and
 ``X-Modelload-Proof: <hex>``, the MAC taken with the answer key over the asker's nonce, the status, the
 request target, the ``Content-Range`` and ``ETag`` (empty when absent) and that digest. The asker checks
 the proof on the headers (before a byte of the body is used), then the body's digest once it has it all. A
 process without the token can therefore neither answer a fresh nonce nor relay a real peer's answer with
-other bytes: it learns nothing it could reuse (each MAC is of one request) and serves nothing that passes.
+other bytes: it learns nothing it could reuse (each MAC is of one request and one address) and serves nothing
+that passes.
 
 A holder of the token is inside the trust boundary: it can serve wrong bytes with a matching digest, and a
 checksum of its own choosing in its manifest. docs/peers.md says what closes that (digests from the origin).
@@ -34,6 +39,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import hmac
+import ipaddress
 import json
 import re
 import secrets
@@ -57,29 +63,40 @@ __all__ = [
     "digest_header",
     "json_depth",
     "load_json",
+    "normal_address",
     "parse_digest",
+    "split_authority",
 ]
 
-SCHEME = "ModelloadPeer1"
+SCHEME = "ModelloadPeer2"
 """The ``Authorization`` scheme of a signed request."""
 DIGEST_HEADER = "X-Modelload-Digest"
 PROOF_HEADER = "X-Modelload-Proof"
 MAX_SKEW = 30.0
 """Seconds a request's timestamp may differ from the server's clock (pods' clocks are NTP-synced; 30 s
 tolerates a node that drifted), and so how long a server must remember a nonce."""
-_VERSION = b"modelload-peer-v1"
+_VERSION = b"modelload-peer-v2"
+_EARLIER_SCHEMES = ("ModelloadPeer1 ",)
+"""Schemes of earlier protocol versions, refused with a message that names the version, not the token."""
 _AUTHORIZATION = re.compile(
     rf"^{SCHEME} ts=(?P<ts>[0-9]{{1,16}}),nonce=(?P<nonce>[0-9a-f]{{32}}),mac=(?P<mac>[0-9a-f]{{64}})$"
 )
 _DIGEST = re.compile(r"^sha256=([0-9a-f]{64})$")
+_AUTHORITY = re.compile(
+    r"^(?:\[(?P<v6>[0-9A-Fa-f:.]{2,45}(?:%[0-9A-Za-z_.-]{1,32})?)\]|(?P<name>[0-9A-Za-z_.-]{1,253}))"
+    r"(?::(?P<port>[0-9]{1,5}))?$"
+)
+"""A ``Host`` header: a bracketed IPv6 address (a zone allowed) or a name/IPv4 address, then maybe a port."""
 
 
 @dataclass(frozen=True)
 class Request:
-    """What a request's MAC covers."""
+    """What a request's MAC covers. ``authority`` is the ``Host`` header: ``host:port`` of the peer the
+    asker means to reach (``[v6]:port`` for an IPv6 address; no port for 80)."""
 
     method: str
     target: str
+    authority: str
     range: str | None = None
     if_match: str | None = None
 
@@ -130,8 +147,8 @@ class PeerKey:
 
     def _request_mac(self, request: Request, ts: str, nonce: str) -> str:
         text = _lines(
-            _VERSION, b"ask", request.method, request.target, request.range or "", request.if_match or "",
-            ts, nonce,
+            _VERSION, b"ask", request.method, request.target, request.authority, request.range or "",
+            request.if_match or "", ts, nonce,
         )  # fmt: skip
         return hmac.new(self._ask, text, hashlib.sha256).hexdigest()
 
@@ -142,6 +159,11 @@ class PeerKey:
         message never holds a MAC or key."""
         if not authorization:
             raise PermissionError(f"a signed request is needed (Authorization: {SCHEME} ...)")
+        if authorization.lstrip().startswith(_EARLIER_SCHEMES):
+            raise PermissionError(
+                f"the request is signed in an earlier version of the peer protocol; this peer speaks {SCHEME}"
+                " (sidecars of two releases during an upgrade: each loads from the origin meanwhile)"
+            )
         match = _AUTHORIZATION.match(authorization.strip())
         if match is None:
             raise PermissionError(f"the Authorization header is not a {SCHEME} signature")
@@ -166,6 +188,38 @@ class PeerKey:
         if not proof:
             return False
         return hmac.compare_digest(self.prove(nonce, answer, digest), proof.strip())
+
+
+def split_authority(authority: str) -> tuple[str, int] | None:
+    """The host and port of a ``Host`` header (``host``, ``host:port``, ``[v6]`` or ``[v6]:port``; port 80
+    when absent), the host an IP address in its normal form where it is one (an IPv4 address mapped into IPv6
+    as the IPv4 one, a zone dropped), or None for anything malformed.
+
+    >>> split_authority("10.0.0.7:8480"), split_authority("[::ffff:10.0.0.7]:8480"), split_authority("pod-a")
+    (('10.0.0.7', 8480), ('10.0.0.7', 8480), ('pod-a', 80))
+    """
+    match = _AUTHORITY.match(authority)
+    if match is None:
+        return None
+    host, port = match["v6"] or match["name"], int(match["port"] or 80)
+    if not 0 < port < 65536:
+        return None
+    if match["v6"] is not None:
+        address = normal_address(host)
+        return (address, port) if ":" in host and address is not None else None
+    return normal_address(host) or host.lower(), port
+
+
+def normal_address(host: str) -> str | None:
+    """``host`` as :mod:`ipaddress` writes it (an IPv4-mapped IPv6 address as IPv4, without a zone), or
+    None when it is not an IP address."""
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return str(address)
 
 
 def digest_header(digest: str) -> str:

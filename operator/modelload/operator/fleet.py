@@ -99,14 +99,23 @@ def _figures(doc: Any) -> dict[str, int] | None:
 
 async def fetch(session: aiohttp.ClientSession, load: PodLoad, token: str, *, timeout: float) -> PodStats:
     """Ask one pod's sidecar for its stats. Never raises for the pod's faults: they become ``error``."""
-    url = f"http://{load.address}{PEER_STATS_PATH}"
+    address = load.address
+    if not address:
+        return PodStats(load.pod, error="has no pod IP yet")
+    url = f"http://{address}{PEER_STATS_PATH}"
     key = PeerKey(token)
-    signed = key.sign(Request("GET", PEER_STATS_PATH))
-    headers = {"Authorization": signed.authorization}
+    signed = key.sign(Request("GET", PEER_STATS_PATH, address))  # good at this pod's address only
+    headers = {"Host": address, "Authorization": signed.authorization}
     try:
         async with session.get(url, headers=headers, allow_redirects=False) as response:
             if response.status == 401:
-                return PodStats(load.pod, error="refused the peer token (HTTP 401): is the Secret the pod's?")
+                return PodStats(
+                    load.pod,
+                    error="refused the peer token (HTTP 401): is the Secret the pod's, and its sidecar of"
+                    " this release?",
+                )
+            if response.status == 421:
+                return PodStats(load.pod, error=f"is not what answers at {address} (HTTP 421)")
             if response.status != 200:
                 return PodStats(load.pod, error=f"answered HTTP {response.status}")
             if (response.content_length or 0) > MAX_BODY:

@@ -17,10 +17,10 @@ import http.client
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from urllib.parse import urlsplit
 
-from modelload.loader.errors import PeerAnswerError
+from modelload.loader.errors import ModelloadError, PeerAnswerError
 from modelload.loader.peerwire import DIGEST_HEADER, PROOF_HEADER, Answer, PeerKey, Request, parse_digest
 from modelload.sidecar.sources import Exchange, HttpSettings, HttpSource, ObjectInfo, Target
 
@@ -42,10 +42,12 @@ class PeerFile(HttpSource):
 
     def _target(self, method: str, headers: Mapping[str, str]) -> Target:
         target = super()._target(method, headers)
-        asked = Request(method, target.path, headers.get("Range"), headers.get("If-Match"))
+        authority = target.origin.netloc  # sent as the Host header, and signed: good at this address only
+        asked = Request(method, target.path, authority, headers.get("Range"), headers.get("If-Match"))
         signed = self._key.sign(asked)
         self._local.nonce, self._local.path, self._local.digest = signed.nonce, target.path, None
-        return Target(target.origin, target.path, {**target.headers, "Authorization": signed.authorization})
+        sent = {**target.headers, "Host": authority, "Authorization": signed.authorization}
+        return Target(target.origin, target.path, sent)
 
     def _check_answer(self, exchange: Exchange, info: ObjectInfo, offset: int, length: int) -> bool | None:
         whole = super()._check_answer(exchange, info, offset, length)
@@ -59,6 +61,11 @@ class PeerFile(HttpSource):
             raise PeerAnswerError(f"{self.display_uri} answered without proving the peer token")
         self._local.digest = digest
         return whole
+
+    def _error(self, exchange: Exchange, body: bytes) -> ModelloadError:
+        if exchange.status in _REFUSALS:
+            return PeerAnswerError(_REFUSALS[exchange.status](self.display_uri))
+        return super()._error(exchange, body)
 
     def read_into(self, offset: int, buf: memoryview) -> None:
         super().read_into(offset, buf)
@@ -89,6 +96,19 @@ def sha256_range(fd: int, offset: int, length: int) -> str:
     return digest.hexdigest()
 
 
+_REFUSALS: dict[int, Callable[[str], str]] = {
+    401: lambda where: (
+        f"{where} refused this sidecar's signature (HTTP 401): it holds another peer token, or speaks another"
+        " version of the peer protocol"
+    ),
+    421: lambda where: (
+        f"{where} passed the request on (HTTP 421) to a peer that it is not: a relay, or an address"
+        " translation on the way; peers are asked at their own pod addresses"
+    ),
+}
+"""What a peer's refusal of a request says, by status (the range requests' and the documents' alike)."""
+
+
 class NotListening(OSError):
     """Nothing accepts connections at the peer's address (yet): a member that is still starting."""
 
@@ -103,18 +123,18 @@ def get_document(base: str, path: str, key: PeerKey, *, max_bytes: int, timeout:
     parts = urlsplit(base)
     conn = http.client.HTTPConnection(parts.hostname or "", parts.port or 80, timeout=timeout)
     deadline = time.monotonic() + timeout
-    signed = key.sign(Request("GET", path))
+    signed = key.sign(Request("GET", path, parts.netloc))
     try:
         try:
             conn.connect()
         except ConnectionRefusedError as exc:
             raise NotListening(str(exc)) from None
-        conn.request("GET", path, headers={"Authorization": signed.authorization})
+        conn.request("GET", path, headers={"Host": parts.netloc, "Authorization": signed.authorization})
         response = conn.getresponse()
         if 300 <= response.status < 400:
             raise PeerAnswerError(f"{base} redirected {path} (HTTP {response.status}): peers never do")
-        if response.status == 401:
-            raise PeerAnswerError(f"{base} refused this sidecar's signature: it holds another peer token")
+        if response.status in _REFUSALS:
+            raise PeerAnswerError(_REFUSALS[response.status](base))
         if response.status != 200:
             raise OSError(f"{base} answered {path} with HTTP {response.status}")
         declared = response.length

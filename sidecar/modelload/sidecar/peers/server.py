@@ -1,6 +1,7 @@
 """Serving a sidecar's verified bytes to the other sidecars of the same model, on a port of its own.
 
-Endpoints (every request signed with the model's peer token, :mod:`modelload.loader.peerwire`; else 401)::
+Endpoints (every request signed with the model's peer token, :mod:`modelload.loader.peerwire`, else 401; and
+signed for this server's own address, the one the connection came in on, else 421)::
 
     GET /peer/v1/manifest       what this sidecar holds (:mod:`.manifest`)
     GET /peer/v1/files/<i>      a Range of weight file i, as the origin would answer it (206, Content-Range,
@@ -54,6 +55,8 @@ from modelload.loader.peerwire import (
     ReplayGuard,
     Request,
     digest_header,
+    normal_address,
+    split_authority,
 )
 from modelload.loader.wiring import PEER_STATS_PATH
 from modelload.sidecar.peers.client import sha256_range
@@ -74,6 +77,11 @@ _RESET = struct.pack("ii", 1, 0)
 """SO_LINGER on, 0 seconds: close() resets the connection and drops what was not sent."""
 _DIGESTS = 4096
 """Range digests kept (one per chunk a fleet asks for: every asker cuts the same chunks)."""
+_NAMES = 64
+"""Host names whose addresses are kept (a static peer list may name peers rather than give addresses)."""
+_NAME_TTL = 30.0
+"""Seconds a host name's addresses are kept."""
+_RESOLVE_TIMEOUT = 2.0
 
 
 @dataclass(frozen=True)
@@ -153,6 +161,7 @@ class PeerServer:
         self._open: collections.Counter[str] = collections.Counter()
         self._writers: set[asyncio.StreamWriter] = set()
         self._digests: collections.OrderedDict[tuple[int, int, int], str] = collections.OrderedDict()
+        self._names: collections.OrderedDict[str, tuple[float, frozenset[str]]] = collections.OrderedDict()
         self._hasher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="modelload-peer-digest")
         self.dropped: collections.Counter[str] = collections.Counter()
         self.refused = 0
@@ -261,13 +270,21 @@ class PeerServer:
     async def _answer(self, head: _Head, writer: asyncio.StreamWriter) -> bool:
         """Answer one request; False when the connection must close after it."""
         headers = head.headers
-        asked = Request(head.method, head.target, headers.get("range"), headers.get("if-match"))
+        asked = Request(
+            head.method, head.target, headers.get("host", ""), headers.get("range"), headers.get("if-match")
+        )
         try:
             nonce = self._key.check(headers.get("authorization"), asked, self._guard)
         except PermissionError as exc:
             self.refused += 1
             log.debug("peer port: refused a request for %s: %s", head.target, exc)
             await self._reply(writer, 401, {"error": str(exc)})
+            return False
+        misdirected = await self._misdirected(headers.get("host", ""), writer)
+        if misdirected is not None:
+            self.refused += 1
+            log.debug("peer port: refused a request for %s: %s", head.target, misdirected)
+            await self._reply(writer, 421, {"error": misdirected})
             return False
         path = head.target.split("?", 1)[0]
         if head.method != "GET":
@@ -282,6 +299,48 @@ class PeerServer:
         else:
             await self._reply(writer, 404, {"error": f"no such endpoint: {path}"})
         return True
+
+    async def _misdirected(self, authority: str, writer: asyncio.StreamWriter) -> str | None:
+        """Why a request whose signature covers ``authority`` (its Host header) is not for this server, or
+        None when ``authority`` names the address and port the connection came in on.
+
+        Checked only once the signature holds, so only a holder of the token can make this server look a
+        name up. A request signed for another address reached it through something in between: a process
+        the asker took for a peer (say, one that took a departed peer's address) passing the request on to
+        read the answer, or an address translation (a Service's cluster IP). Neither may be served."""
+        local = writer.get_extra_info("sockname")
+        here = normal_address(str(local[0])) if local else None
+        parsed = split_authority(authority)
+        if here is None or parsed is None:
+            return f"the request's Host header {authority!r} does not name an address this peer can check"
+        host, port = parsed
+        if port == local[1] and (host == here or here in await self._addresses_of(host)):
+            return None
+        at = f"[{here}]:{local[1]}" if ":" in here else f"{here}:{local[1]}"
+        return (
+            f"the request was signed for {authority} and came in at {at}: something passed it on (a relay, or"
+            " an address translation such as a Service's cluster IP); ask each peer at its own pod address"
+        )
+
+    async def _addresses_of(self, host: str) -> frozenset[str]:
+        """The IP addresses ``host`` resolves to (none when it does not resolve in time), kept a while."""
+        if normal_address(host) is not None:
+            return frozenset()  # an address is only itself: compared before this is asked
+        now = time.monotonic()
+        kept = self._names.get(host)
+        if kept is not None and kept[0] > now:
+            return kept[1]
+        try:
+            async with asyncio.timeout(_RESOLVE_TIMEOUT):
+                found = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
+            addresses = frozenset(filter(None, (normal_address(str(info[4][0])) for info in found)))
+        except (OSError, TimeoutError, UnicodeError):
+            addresses = frozenset()
+        self._names[host] = (now + _NAME_TTL, addresses)
+        self._names.move_to_end(host)
+        while len(self._names) > _NAMES:
+            self._names.popitem(last=False)
+        return addresses
 
     async def _range(self, file: int, head: _Head, nonce: str, writer: asyncio.StreamWriter) -> bool:
         info = self._state.file_info(file)
@@ -387,7 +446,7 @@ class PeerServer:
 _REASONS = {
     200: "OK", 206: "Partial Content", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
     405: "Method Not Allowed", 412: "Precondition Failed", 416: "Range Not Satisfiable",
-    429: "Too Many Requests",
+    421: "Misdirected Request", 429: "Too Many Requests",
 }  # fmt: skip
 
 
