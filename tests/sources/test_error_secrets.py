@@ -29,6 +29,7 @@ from modelload.sidecar.sources import (
 from modelload.sidecar.sources._cloud_errors import gcs_error
 from modelload.sidecar.sources._responses import error_for_status, redact_uri
 from modelload.sidecar.sources._s3_errors import s3_error
+from modelload.sidecar.sources._settings import S3Credentials, S3Settings
 from modelload.sidecar.sources.hub._api import parse_hub_uri
 from modelload.sidecar.sources.oci._reference import parse_oci_uri
 
@@ -184,6 +185,60 @@ def test_s3_codes_and_request_ids_of_the_documented_shapes_are_shown() -> None:
             400, {"x-amz-request-id": "4442587FB7D0A2F9"}, _s3_body(code), bucket="b", key="k", unsigned=False
         )
         assert f"{code}, request id 4442587FB7D0A2F9" in str(error)
+
+
+ALNUM_SECRET = "wJalrXUtnFEMIK7MDENGbPxRfiCYzEXAMPLEKEYq"
+"""A secret access key without '/' or '+' (about one in four is): letters and digits, so shaped like an S3
+code, and like a request id."""
+
+
+@pytest.mark.parametrize("echoed", [ALNUM_SECRET, ALNUM_SECRET[5:25], "AKIAIOSFODNN7EXAMPLE"])
+def test_an_s3_endpoint_that_echoes_a_credential_as_its_code_and_request_id_gets_neither_shown(
+    raw_server,
+    echoed: str,  # type: ignore[no-untyped-def]
+) -> None:
+    """A real signed read from an S3-compatible endpoint that answers 403 with (a part of) the credentials
+    it was signed with as its ``<Code>`` and ``x-amz-request-id``."""
+
+    def answer(path: str, head: str) -> bytes:
+        body = _s3_body(echoed)
+        return (
+            f"HTTP/1.1 403 Forbidden\r\nx-amz-request-id: {echoed}\r\nContent-Type: application/xml\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode() + body
+
+    server = raw_server(answer)
+    settings = SourceSettings(
+        http=HttpSettings(connect_timeout=2.0, stall_timeout=1.0),
+        retry=FAST_RETRY,
+        s3=S3Settings(
+            endpoint_url=server.base,
+            region="us-east-1",
+            addressing="path",
+            credentials=S3Credentials("AKIAIOSFODNN7EXAMPLE", ALNUM_SECRET),
+        ),
+    )
+    with (
+        pytest.raises(SourceAccessDeniedError) as caught,
+        open_source("s3://bucket/m.safetensors", settings) as source,
+    ):
+        source.stat()
+    text = str(caught.value)
+    assert server.requests, "the request never reached the endpoint"
+    assert echoed not in text and ALNUM_SECRET[:8] not in text
+    assert text.endswith("(HTTP 403)"), text
+
+
+def test_an_s3_code_that_shares_no_run_with_the_credentials_is_still_shown() -> None:
+    secrets = ("AKIAIOSFODNN7EXAMPLE", ALNUM_SECRET)
+    error = s3_error(
+        403, {"x-amz-request-id": "4442587FB7D0A2F9"}, _s3_body("AccessDenied"),
+        bucket="b", key="k", unsigned=False, secrets=secrets,
+    )  # fmt: skip
+    assert "(HTTP 403, AccessDenied, request id 4442587FB7D0A2F9)" in str(error)
+    unknown = s3_error(403, {"x-amz-request-id": "4442587FB7D0A2F9"}, _s3_body("AccessDenied"),
+                       bucket="b", key="k", unsigned=False, secrets=None)  # fmt: skip
+    assert str(unknown).endswith("(HTTP 403)")
 
 
 def test_a_gcs_reason_that_is_not_a_word_is_left_out() -> None:

@@ -293,7 +293,21 @@ class S3Source(HttpObject):
             bucket=self._bucket,
             key=self._key,
             unsigned=self._unsigned,
+            secrets=self._signed_with(),
         )
+
+    def _signed_with(self) -> tuple[str, ...] | None:
+        """The credentials requests are signed with, as botocore last gave them (none before the first
+        signed request, and none for unsigned access): what an error message must not echo. None when
+        they cannot be had now (a refresh that fails): then the message echoes nothing of the answer."""
+        credentials = None if self._unsigned else self._access.credentials
+        if credentials is None:
+            return ()
+        try:
+            frozen = credentials.get_frozen_credentials()
+        except Exception:  # the refresh's own failure is reported by the next request, not here
+            return None
+        return tuple(str(value) for value in (frozen.access_key, frozen.secret_key, frozen.token) if value)
 
     def __repr__(self) -> str:
         return f"S3Source({self.display_uri!r}, endpoint={self._location.origin.netloc!r})"

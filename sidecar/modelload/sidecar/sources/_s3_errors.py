@@ -3,14 +3,16 @@
 S3 answers errors with a small XML document whose ``<Code>`` names the problem (NoSuchKey, AccessDenied,
 SlowDown...). Only the code, the bucket and key and the request id go into our messages: the server's own
 ``<Message>`` and the rest of the document are left out, since S3-compatible servers echo request details
-(the access key id, the string to sign) there.
+(the access key id, the string to sign) there. The code and the request id are shown only when shaped like
+one, and never when they share a run of characters with the credentials the request was signed with: a
+short alphanumeric secret key (about one in four is) echoed there has the shape of both.
 """
 
 from __future__ import annotations
 
 import html
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from email.message import Message
 
 from modelload.loader.errors import (
@@ -66,31 +68,65 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,63}$")
 """AWS's request ids are 16 hex digits, MinIO's alike, Ceph's ``tx…-…-zone``: letters, digits and '-'."""
 
 
-def error_code(body: bytes) -> str | None:
+_ECHO_RUN = 8
+"""Characters in a row that a shown code or request id may not share with a credential."""
+
+
+def error_code(body: bytes, secrets: Collection[str] | None = ()) -> str | None:
     """The ``<Code>`` of an S3 XML error body, only when it has an error code's shape (letters and digits,
-    as ``NoSuchKey``); else None: a gateway that echoes the request (a session token) into it gets nothing
-    shown."""
+    as ``NoSuchKey``) and echoes none of ``secrets`` (None: the secrets are unknown, so nothing is shown);
+    else None: a gateway that echoes the request (a session token) into it gets nothing shown."""
+    if secrets is None:
+        return None
     match = re.search(rb"<Code>([^<]{1,128})</Code>", body)
     if match is None:
         return None
     code = html.unescape(match.group(1).decode("utf-8", "replace")).strip()
-    return code if _CODE.match(code) and not _NOT_A_CODE.search(code) else None
+    if not _CODE.match(code) or _NOT_A_CODE.search(code) or echoes(code, secrets):
+        return None
+    return code
 
 
-def _request_id(headers: Mapping[str, str] | Message) -> str | None:
-    """``x-amz-request-id``, only when it has a request id's shape (what else a server puts there is not
-    shown: some echo the request's Authorization)."""
+def _request_id(headers: Mapping[str, str] | Message, secrets: Collection[str] | None) -> str | None:
+    """``x-amz-request-id``, only when it has a request id's shape and echoes none of ``secrets`` (what else
+    a server puts there is not shown: some echo the request's Authorization)."""
+    if secrets is None:
+        return None
     value = (headers.get("x-amz-request-id") or "").strip()
-    return value if _REQUEST_ID.match(value) else None
+    return value if _REQUEST_ID.match(value) and not echoes(value, secrets) else None
+
+
+def echoes(text: str, secrets: Collection[str]) -> bool:
+    """Whether ``text`` holds :data:`_ECHO_RUN` characters in a row of any of ``secrets`` (or all of a
+    shorter one): a part of a credential shows as much as the whole."""
+    for secret in secrets:
+        if not secret:
+            continue
+        if len(secret) <= _ECHO_RUN:
+            if secret in text:
+                return True
+            continue
+        if any(secret[at : at + _ECHO_RUN] in text for at in range(len(secret) - _ECHO_RUN + 1)):
+            return True
+    return False
 
 
 def s3_error(
-    status: int, headers: Mapping[str, str] | Message, body: bytes, *, bucket: str, key: str, unsigned: bool
+    status: int,
+    headers: Mapping[str, str] | Message,
+    body: bytes,
+    *,
+    bucket: str,
+    key: str,
+    unsigned: bool,
+    secrets: Collection[str] | None = (),
 ) -> ModelloadError:
-    """The error for an S3 response that is not a successful read of ``s3://bucket/key``."""
+    """The error for an S3 response that is not a successful read of ``s3://bucket/key``; ``secrets`` are
+    the credentials the request was signed with, none of which the message may echo (None when they are
+    not known: the message then shows no code or request id)."""
     uri = f"s3://{bucket}/{key}"
-    code = error_code(body)
-    request_id = _request_id(headers)
+    code = error_code(body, secrets)
+    request_id = _request_id(headers, secrets)
     tail = (
         f" (HTTP {status}{', ' + code if code else ''}{', request id ' + request_id if request_id else ''})"
     )
