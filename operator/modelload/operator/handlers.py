@@ -209,6 +209,10 @@ class Handlers:
                     sizing=sizing,
                     networks=self._settings.source_networks,
                 )
+            if spec.peers:  # a refusal (RBAC, a name) is the ModelLoad's condition, as any other failure
+                await ensure_peer_objects(
+                    self._kube, namespace=namespace, body=body, label_value=label_value(body)
+                )
         except Exception as exc:
             failure = classify_failure(exc, retry=retry, policy=self._settings.retry)
             if failure is None:
@@ -226,10 +230,6 @@ class Handlers:
             raise kopf.TemporaryError(
                 f"{failure.reason}: {failure.message}", delay=failure.retry_after
             ) from None
-        if spec.peers:
-            await ensure_peer_objects(
-                self._kube, namespace=namespace, body=body, label_value=label_value(body)
-            )
         new_status = success_status(resolution, generation=generation, conditions=conditions, now=now)
         patch.status.update(new_status)
         if not spec.peers and status.get("fleet") is not None:

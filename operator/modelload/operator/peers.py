@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
+import re
 import secrets
 from collections.abc import Mapping
 from typing import Any
@@ -39,9 +41,25 @@ PEER_PORT_ENV = "MODELLOAD_PEER_PORT"
 """Where a peered sidecar serves, and where :mod:`.fleet` asks it for its stats."""
 
 
+_SERVICE_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+"""A Service's name as the API server requires it: a DNS-1035 label (a letter first, no dots, 63 at most)."""
+_DIGEST_CHARS = 12
+
+
 def peer_names(name: str) -> str:
-    """The Service's and the Secret's name for ModelLoad ``name`` (a DNS label when ``name`` is short)."""
-    return f"{name}-peers"[:63].rstrip("-")
+    """The Service's and the Secret's name for ModelLoad ``name``: ``<name>-peers`` when that is a valid
+    Service name; else (a dot, a leading digit, a long name: all valid ModelLoad names) a Service name made
+    of the name's legal characters and a digest of the whole name, so two ModelLoads never share a Service
+    or a token however long or alike their names are."""
+    plain = f"{name}-peers"
+    if _SERVICE_NAME.match(plain):
+        return plain
+    digest = hashlib.sha256(name.encode()).hexdigest()[:_DIGEST_CHARS]
+    suffix = f"-{digest}-peers"
+    stem = re.sub(r"[^a-z0-9-]+", "-", name.lower())[: 63 - len(suffix) - 3].strip("-")
+    if not stem[:1].isalpha():
+        stem = f"ml-{stem}".rstrip("-")
+    return f"{stem}{suffix}"
 
 
 def _owner(name: str, uid: str) -> list[dict[str, Any]]:

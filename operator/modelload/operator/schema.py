@@ -197,7 +197,8 @@ class ModelLoadSpec:
     peers: bool = prop(
         doc="Let this model's sidecars serve each other: each takes chunks from pods that hold them and "
         "reads the origin only for the rest. The operator creates a headless Service and a token Secret "
-        "named <name>-peers. Encrypted models always read the origin.",
+        "named <name>-peers (with a digest of the name instead, for a name with a dot, a leading digit or "
+        "over 57 characters, which a Service's name cannot be). Encrypted models always read the origin.",
         default=False,
     )
 
