@@ -317,3 +317,17 @@ async def test_a_directory_whose_index_names_a_missing_shard_is_retried_as_not_f
     )
     obj = await failed(kube, "broken-dir", "SourceNotFound")
     assert "model-00002-of-00002.safetensors" in ready_condition(obj)["message"]
+
+
+async def test_a_modelload_whose_name_no_label_can_hold_says_to_set_podlabelvalue(
+    kube, operator, model_url, api
+) -> None:
+    long_name = "llama-3-8b-instruct-" + "q" * 50  # 70 characters: a valid name, too long for a label value
+    await create_modelload(api, long_name, {"source": model_url})
+    obj = await failed(kube, long_name, "BadSpec")
+    message = ready_condition(obj)["message"]
+    assert "spec.podLabelValue" in message and "63" in message
+    assert obj["status"]["phase"] == "Failed"
+
+    await create_modelload(api, long_name[:64], {"source": model_url, "podLabelValue": "llama"})
+    await resolved(kube, long_name[:64])

@@ -38,7 +38,7 @@ from modelload.operator.metrics import METRICS
 from modelload.operator.peers import ensure_peer_objects
 from modelload.operator.pods import PodLoad, aggregate, classify
 from modelload.operator.resolve import classify_failure, failure_status, resolve, success_status
-from modelload.operator.resource import label_value
+from modelload.operator.resource import check_selectable, label_value
 from modelload.operator.scheduling import write_condition
 from modelload.operator.schema import GROUP, MODEL_LABEL, PLURAL, VERSION, parse_spec
 from modelload.operator.settings import OperatorSettings
@@ -200,6 +200,7 @@ class Handlers:
         now = now_rfc3339()
         try:
             spec = parse_spec(body.get("spec"))
+            check_selectable(body)
             sizing = self._settings.sidecar.sizing
             with METRICS.resolving():
                 resolution = await resolve(

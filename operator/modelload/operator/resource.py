@@ -10,10 +10,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from modelload.loader.errors import ModelloadError
-from modelload.operator.schema import ModelLoadSpec, parse_spec
+from modelload.loader.errors import ConfigError, ModelloadError
+from modelload.operator.schema import MODEL_LABEL, ModelLoadSpec, parse_spec
 
-__all__ = ["NotResolvedError", "ResolvedModel", "label_value"]
+__all__ = ["NotResolvedError", "ResolvedModel", "check_selectable", "label_value"]
+
+LABEL_VALUE_MAX = 63
+"""The longest label value Kubernetes accepts; a ModelLoad's name may run to 253 characters."""
 
 
 class NotResolvedError(ModelloadError):
@@ -27,6 +30,20 @@ def label_value(body: Mapping[str, Any]) -> str:
     spec = body.get("spec") or {}
     value = spec.get("podLabelValue") if isinstance(spec, Mapping) else None
     return str(value) if value else str(body["metadata"]["name"])
+
+
+def check_selectable(body: Mapping[str, Any]) -> None:
+    """Raise :class:`ConfigError` for a ModelLoad no pod can ask for: a name longer than a label value
+    can be, without ``spec.podLabelValue``. Its model would be read and shown Ready while every pod that
+    tried to name it would be refused by the API server for its label."""
+    value = label_value(body)
+    if len(value) > LABEL_VALUE_MAX:
+        raise ConfigError(
+            f"the ModelLoad's name is {len(value)} characters, and a pod's label {MODEL_LABEL} holds at "
+            f"most {LABEL_VALUE_MAX}, so no pod could ask for this model: set spec.podLabelValue (the "
+            "value pods will carry), or use a shorter name",
+            setting="spec.podLabelValue",
+        )
 
 
 @dataclass(frozen=True)
