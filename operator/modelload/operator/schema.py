@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from modelload.loader.errors import ConfigError, SourceUriError
 from modelload.loader.sizes import parse_size
@@ -268,6 +269,7 @@ def parse_spec(data: Any) -> ModelLoadSpec:
     if spec.azure is not None and not spec.source.startswith("az://"):
         raise ConfigError("spec.azure: azure options are for az:// sources")
     _check_hub_or_registry(spec)
+    _check_urls(spec)
     memory = spec.memory
     if memory is not None:
         if (memory.mode == "ring") != (memory.ring_size is not None):
@@ -286,6 +288,8 @@ def _check_source_shape(data: Any) -> None:
     source = data.get("source") if isinstance(data, dict) else None
     if not isinstance(source, str) or source.startswith("file://"):
         return
+    if source.startswith(("http://", "https://", "oci://")):
+        _check_url(source, setting="spec.source", error=SourceUriError)
     from modelload.sidecar.sources import store_for
 
     try:
@@ -317,6 +321,28 @@ def _check_hub_or_registry(spec: ModelLoadSpec) -> None:
             parse_oci_uri(spec.source)
     except SourceUriError as exc:
         raise SourceUriError(str(exc), setting="spec.source") from None
+
+
+def _check_urls(spec: ModelLoadSpec) -> None:
+    """The endpoints, as the readers will split them (the source: :func:`_check_source_shape`)."""
+    for section in ("s3", "gcs", "azure", "hub"):
+        endpoint = getattr(getattr(spec, section), "endpoint", None)
+        if endpoint is not None:
+            _check_url(endpoint, setting=f"spec.{section}.endpoint", error=ConfigError)
+
+
+def _check_url(url: str, *, setting: str, error: type[ConfigError]) -> None:
+    """A port that is no port, a broken IPv6 literal, a host name the IDNA codec refuses (an empty label, one
+    over 63 characters) pass the CRD's patterns, and would otherwise raise urllib's or the codec's
+    ValueError in the middle of a read: a traceback, not a condition."""
+    try:
+        parts = urlsplit(url)
+        _ = parts.port
+        host = parts.hostname or ""
+        if host and ":" not in host:  # an IPv6 literal has no labels to encode
+            host.encode("idna")
+    except ValueError as exc:  # UnicodeError, the IDNA codec's, is a ValueError
+        raise error(f"{url!r} is not a usable URL: {exc}", setting=setting) from None
 
 
 def spec_schema() -> dict[str, Any]:
