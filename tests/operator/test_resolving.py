@@ -331,3 +331,24 @@ async def test_a_modelload_whose_name_no_label_can_hold_says_to_set_podlabelvalu
 
     await create_modelload(api, long_name[:64], {"source": model_url, "podLabelValue": "llama"})
     await resolved(kube, long_name[:64])
+
+
+async def test_a_failure_the_operator_does_not_know_is_a_condition_and_a_retry_not_silence(
+    kube, operator, model_url, api, monkeypatch, caplog
+) -> None:
+    from modelload.operator import handlers
+
+    async def broken(**_: Any) -> Any:
+        raise RuntimeError("a bug, with text that may hold anything: s3cr3t")
+
+    monkeypatch.setattr(handlers, "resolve", broken)
+    await create_modelload(api, "tiny", {"source": model_url})
+    obj = await failed(kube, "tiny", "OperatorError")
+    message = ready_condition(obj)["message"]
+    assert obj["status"]["phase"] == "Retrying"
+    assert "RuntimeError" in message and "s3cr3t" not in message
+    await wait_for(lambda: warnings_posted(kube, "OperatorError"), what="an OperatorError Event")
+    assert any(r.exc_info and "tiny" in r.getMessage() for r in caplog.records)  # the traceback is logged
+
+    monkeypatch.undo()  # the bug fixed: the next retry resolves it
+    await resolved(kube, "tiny")

@@ -37,7 +37,13 @@ from modelload.operator.load_reasons import LoadReasons
 from modelload.operator.metrics import METRICS
 from modelload.operator.peers import ensure_peer_objects
 from modelload.operator.pods import PodLoad, aggregate, classify
-from modelload.operator.resolve import classify_failure, failure_status, resolve, success_status
+from modelload.operator.resolve import (
+    OPERATOR_ERROR,
+    classify_failure,
+    failure_status,
+    resolve,
+    success_status,
+)
 from modelload.operator.resource import check_selectable, label_value
 from modelload.operator.scheduling import write_condition
 from modelload.operator.schema import GROUP, MODEL_LABEL, PLURAL, VERSION, parse_spec
@@ -216,8 +222,8 @@ class Handlers:
                 )
         except Exception as exc:
             failure = classify_failure(exc, retry=retry, policy=self._settings.retry)
-            if failure is None:
-                raise
+            if failure.reason == OPERATOR_ERROR:
+                logger.exception("resolving ModelLoad %s/%s failed unexpectedly", namespace, name)
             keep = isinstance(status.get("bytes"), int) and status.get("observedGeneration") == generation
             patch.status.update(
                 failure_status(

@@ -19,6 +19,7 @@ SourceNotFound,
 AccessDenied
 SourceUnreadable    Retrying  retry with backoff, or after the source's Retry-After when longer
 APIUnavailable      Retrying  the same
+OperatorError       Retrying  the same: an error outside the project's tree, a bug (its traceback is logged)
 ==================  ========  =======================================================================
 
 The backoff (:class:`~modelload.operator.settings.RetrySettings`) starts at 5 s and doubles to 2 minutes. It
@@ -316,12 +317,21 @@ _ADVICE = {"BadModel": ". The file is not a readable model: upload it again, or 
 """What a condition's message adds to the error's own, by reason."""
 
 
-def classify_failure(exc: BaseException, *, retry: int, policy: RetrySettings) -> Failure | None:
+OPERATOR_ERROR = "OperatorError"
+"""The reason of a failure no error of the project's tree describes: a bug, retried and said."""
+
+
+def classify_failure(exc: BaseException, *, retry: int, policy: RetrySettings) -> Failure:
     """What a failure of :func:`resolve` means, from the error's own classification (its ``condition`` and
-    ``transient``: :mod:`modelload.loader.errors`); None for an unexpected error (let kopf retry and log
-    it)."""
+    ``transient``: :mod:`modelload.loader.errors`). An unexpected error (a bug: the caller logs its
+    traceback) is retried with backoff as ``OperatorError``, naming only its type, whose text may hold
+    anything; the ModelLoad says why it is not ready rather than keeping its last condition."""
     if not isinstance(exc, ModelloadError):
-        return None
+        message = (
+            f"the operator failed on this ModelLoad ({type(exc).__name__}): a bug; its log has the "
+            "traceback, please report it (retrying)"
+        )
+        return Failure(OPERATOR_ERROR, message, "Retrying", backoff(retry, policy))
     reason = exc.condition
     message = f"{exc}{_ADVICE.get(reason, '')}"
     if exc.transient:
