@@ -163,3 +163,25 @@ def test_a_quantity_too_large_for_any_node_is_a_spec_error_not_an_overflow(spec:
     with pytest.raises(ConfigError, match="above"):
         parsed = parse_spec({"source": "s3://models/llama.tensors", **spec})
         plan_sizing(model_bytes=1 << 30, tensors=10, spec=parsed, defaults=SizingDefaults())
+
+
+SAS_URL = "https://acct.blob.core.windows.net/?sv=2022-11-02&sig=S3CR3T"
+"""The Azure portal's "Blob service SAS URL", pasted as the endpoint."""
+
+
+@pytest.mark.parametrize(
+    ("section", "source", "endpoint"),
+    [
+        ("azure", "az://acct/models/llama/", SAS_URL),
+        ("gcs", "gs://models/llama/", "https://gcs.internal/?access_token=S3CR3T"),
+        ("s3", "s3://models/llama/", "https://minio.internal/?X-Amz-Signature=S3CR3T"),
+    ],
+)
+def test_an_endpoint_carrying_a_query_string_is_refused_without_repeating_it(
+    section: str, source: str, endpoint: str
+) -> None:
+    # An endpoint reaches the sidecar as a plain variable: a signature in it would sit in clear in every pod.
+    spec = {"source": source, section: {"endpoint": endpoint}}
+    with pytest.raises(ConfigError, match=f"^spec.{section}.endpoint: .*query string.*Secret") as refused:
+        parse_spec(spec)
+    assert "S3CR3T" not in str(refused.value)

@@ -324,11 +324,22 @@ def _check_hub_or_registry(spec: ModelLoadSpec) -> None:
 
 
 def _check_urls(spec: ModelLoadSpec) -> None:
-    """The endpoints, as the readers will split them (the source: :func:`_check_source_shape`)."""
+    """The endpoints, as the readers will split them (the source: :func:`_check_source_shape`). An endpoint
+    with a query string (a SAS URL pasted whole, a signature, a token) is refused as a source with one is:
+    the endpoint reaches the sidecar as a plain variable, in clear in every pod's spec."""
     for section in ("s3", "gcs", "azure", "hub"):
         endpoint = getattr(getattr(spec, section), "endpoint", None)
-        if endpoint is not None:
-            _check_url(endpoint, setting=f"spec.{section}.endpoint", error=ConfigError)
+        if endpoint is None:
+            continue
+        setting = f"spec.{section}.endpoint"
+        if "?" in endpoint:
+            raise ConfigError(
+                "carries a query string (a SAS token, a signature or a token?), which would be copied in "
+                "clear into every pod's spec: give the endpoint alone, and its credentials in a Secret "
+                "(spec.credentialsSecretRef, or spec.hub.tokenSecretRef)",
+                setting=setting,
+            )
+        _check_url(endpoint, setting=setting, error=ConfigError)
 
 
 def _check_url(url: str, *, setting: str, error: type[ConfigError]) -> None:
