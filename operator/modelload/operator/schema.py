@@ -353,7 +353,8 @@ def _check_url(url: str, *, setting: str, error: type[ConfigError]) -> None:
         if host and ":" not in host:  # an IPv6 literal has no labels to encode
             host.encode("idna")
     except ValueError as exc:  # UnicodeError, the IDNA codec's, is a ValueError
-        raise error(f"{url!r} is not a usable URL: {exc}", setting=setting) from None
+        shown = url.split("?", 1)[0]  # a query may hold a signature: never repeated
+        raise error(f"{shown!r} is not a usable URL: {exc}", setting=setting) from None
 
 
 def spec_schema() -> dict[str, Any]:
