@@ -6,10 +6,12 @@ only the CA the operator patched into the MutatingWebhookConfiguration.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import copy
 import ssl
 import uuid
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -245,3 +247,57 @@ async def test_a_webhook_that_cannot_decide_refuses_the_pod_with_a_reason(lookup
     assert answer["response"]["status"]["code"] == code
     assert words in answer["response"]["status"]["message"]
     assert "patch" not in answer["response"]
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def silent_api_server() -> Any:
+    """An API server that accepts connections and never answers (a half-open connection, a hung server)."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def hold() -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except TimeoutError:
+                continue
+
+    thread = threading.Thread(target=hold, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    stop.set()
+    thread.join()
+    for conn in held:
+        conn.close()
+    listener.close()
+
+
+async def test_an_api_server_that_never_answers_is_a_refusal_with_a_reason_before_the_api_servers_deadline(
+    silent_api_server: str,
+) -> None:
+    import yaml
+    from kubernetes import client
+
+    from modelload.operator.kube import REQUEST_TIMEOUT, Kube
+    from modelload.operator.settings import InjectedSidecar
+    from modelload.operator.webhook import PodWebhook, kube_lookup
+
+    values = yaml.safe_load((ROOT / "charts" / "modelload" / "values.yaml").read_text())
+    assert values["webhook"]["timeoutSeconds"] > REQUEST_TIMEOUT, "the API server would give up first"
+    kube = Kube(client.Configuration(host=silent_api_server), timeout=0.5)
+    try:
+        webhook = PodWebhook(lookup=kube_lookup(kube), sidecar=InjectedSidecar(), native=True)
+        answer = await asyncio.wait_for(webhook.review(review(pod())), 60)  # hung for good before the fix
+    finally:
+        await kube.close()
+    assert answer["response"]["allowed"] is False
+    assert answer["response"]["status"]["code"] == 503
+    assert "did not answer" in answer["response"]["status"]["message"]
