@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import copy
+import json
 import ssl
 import uuid
 from pathlib import Path
@@ -301,3 +302,33 @@ async def test_an_api_server_that_never_answers_is_a_refusal_with_a_reason_befor
     assert answer["response"]["allowed"] is False
     assert answer["response"]["status"]["code"] == 503
     assert "did not answer" in answer["response"]["status"]["message"]
+
+
+async def test_of_two_modelloads_answering_to_one_label_the_older_serves_and_the_newer_says_so(
+    kube, operator, model_url, nginx, api
+) -> None:
+    from tests.operator.conftest import delete_modelload, model_bytes
+    from tests.operator.test_resolving import failed, ready_condition
+
+    newer_url = str(nginx.put(f"operator/{uuid.uuid4().hex}/v2.safetensors", model_bytes(tensors=2)))
+    await create_modelload(api, "llama", {"source": model_url}, created="2026-11-01T10:00:00Z")
+    await resolved(kube, "llama")
+    spec = {"source": newer_url, "podLabelValue": "llama"}
+    await create_modelload(api, "llama-v2", spec, created="2026-11-02T10:00:00Z")
+    obj = await failed(kube, "llama-v2", "LabelTaken")
+    assert "ModelLoad 'llama'" in ready_condition(obj)["message"]
+    assert "spec.podLabelValue" in ready_condition(obj)["message"]
+
+    def source_of(answer: dict[str, Any]) -> str:
+        ops = json.loads(base64.b64decode(answer["response"]["patch"]))
+        sidecar = next(op["value"][0] for op in ops if op["path"] == "/spec/initContainers")
+        return next(e["value"] for e in sidecar["env"] if e["name"] == "MODELLOAD_SOURCE")
+
+    answer = await admit(operator, operator.ca_pem, review(pod("llama")))
+    assert answer["response"]["allowed"] is True, answer["response"].get("status")
+    assert source_of(answer) == model_url  # the older one's model, as both ModelLoads say
+
+    await delete_modelload(api, "llama")  # the label is free: the newer one is retried and takes it
+    await resolved(kube, "llama-v2")
+    answer = await admit(operator, operator.ca_pem, review(pod("llama")))
+    assert source_of(answer) == newer_url

@@ -37,6 +37,7 @@ from modelload.operator.load_reasons import LoadReasons
 from modelload.operator.metrics import METRICS
 from modelload.operator.peers import ensure_peer_objects
 from modelload.operator.pods import PodLoad, aggregate, classify
+from modelload.operator.polling import answering_entry
 from modelload.operator.resolve import (
     OPERATOR_ERROR,
     classify_failure,
@@ -44,7 +45,12 @@ from modelload.operator.resolve import (
     resolve,
     success_status,
 )
-from modelload.operator.resource import check_selectable, label_value
+from modelload.operator.resource import (
+    check_label_free,
+    check_selectable,
+    label_value,
+    precedence,
+)
 from modelload.operator.scheduling import write_condition
 from modelload.operator.schema import GROUP, MODEL_LABEL, PLURAL, VERSION, parse_spec
 from modelload.operator.settings import OperatorSettings
@@ -152,14 +158,14 @@ class PodAggregator:
 def modelloads_by_label(
     *, namespace: str | None, name: str, body: kopf.Body, status: kopf.Status, **_: Any
 ) -> Any:
-    """Index: the ModelLoad (its model's bytes, whether it has peers, its conditions) that each pod label
-    value in a namespace selects."""
+    """Index: the ModelLoad (its model's bytes, whether it has peers, its conditions, its precedence among
+    ModelLoads of the same label: :func:`.resource.precedence`) that each pod label value in a namespace
+    selects."""
     nbytes = status.get("bytes")
     peers = (body.get("spec") or {}).get("peers") is True
     conditions = [dict(c) for c in status.get("conditions") or ()]
-    return {
-        (namespace, label_value(body)): (name, nbytes if isinstance(nbytes, int) else None, peers, conditions)
-    }
+    entry = (name, nbytes if isinstance(nbytes, int) else None, peers, conditions, precedence(body))
+    return {(namespace, label_value(body)): entry}
 
 
 def pod_loads(*, namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> Any:
@@ -207,6 +213,7 @@ class Handlers:
         try:
             spec = parse_spec(body.get("spec"))
             check_selectable(body)
+            check_label_free(body, await self._kube.list_modelloads(namespace))
             sizing = self._settings.sidecar.sizing
             with METRICS.resolving():
                 resolution = await resolve(
@@ -256,10 +263,10 @@ class Handlers:
         """Fold a pod's change (or deletion) into its ModelLoad's ``status.pods``."""
         namespace = namespace or "default"
         selector = (namespace, str(labels.get(MODEL_LABEL)))
-        owners = list(kwargs["modelloads_by_label"].get(selector, []))
-        if len(owners) != 1:
-            return  # no ModelLoad (the webhook refused such pods), or an ambiguous label: nothing to report
-        name, model_bytes, _, conditions = owners[0]
+        owner = answering_entry(kwargs["modelloads_by_label"].get(selector, []))
+        if owner is None:
+            return  # no ModelLoad (the webhook refused such pods): nothing to report
+        name, model_bytes, _, conditions, _ = owner
         index = kwargs["pod_loads"]
         await self._aggregator.refresh(
             namespace, name, lambda: index.get(selector, []), model_bytes=model_bytes, conditions=conditions

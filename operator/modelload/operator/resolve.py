@@ -303,6 +303,7 @@ _FIX_ELSEWHERE = frozenset(
         "Forbidden",
         "SourceNotFound",
         "AccessDenied",
+        "LabelTaken",
     }
 )
 

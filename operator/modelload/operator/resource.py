@@ -6,14 +6,23 @@ A pod asks for a model by label value; :func:`label_value` says which value a Mo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from modelload.loader.errors import ConfigError, ModelloadError
 from modelload.operator.schema import MODEL_LABEL, ModelLoadSpec, parse_spec
 
-__all__ = ["NotResolvedError", "ResolvedModel", "check_selectable", "label_value"]
+__all__ = [
+    "LabelTakenError",
+    "NotResolvedError",
+    "ResolvedModel",
+    "answering",
+    "check_label_free",
+    "check_selectable",
+    "label_value",
+    "precedence",
+]
 
 LABEL_VALUE_MAX = 63
 """The longest label value Kubernetes accepts; a ModelLoad's name may run to 253 characters."""
@@ -30,6 +39,41 @@ def label_value(body: Mapping[str, Any]) -> str:
     spec = body.get("spec") or {}
     value = spec.get("podLabelValue") if isinstance(spec, Mapping) else None
     return str(value) if value else str(body["metadata"]["name"])
+
+
+class LabelTakenError(ModelloadError):
+    """An older ModelLoad of the namespace answers to the same pod label; the message names it. Retried: the
+    label frees itself when that one goes or changes its ``spec.podLabelValue``."""
+
+    condition = "LabelTaken"
+
+
+def precedence(body: Mapping[str, Any]) -> tuple[str, str]:
+    """Which of several ModelLoads answering to one label value answers: the oldest (its creationTimestamp,
+    RFC 3339 in UTC, orders as text), then the first name. A fixed rule, so the webhook, the resolver and
+    the pods' status agree, and a ModelLoad added by mistake beside one in use takes nothing from it."""
+    meta = body.get("metadata") or {}
+    return str(meta.get("creationTimestamp") or ""), str(meta.get("name") or "")
+
+
+def answering(items: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
+    """The ModelLoad of ``items`` (all answering to one label value, at least one) that answers."""
+    return min(items, key=precedence)
+
+
+def check_label_free(body: Mapping[str, Any], namespace_items: Sequence[Mapping[str, Any]]) -> None:
+    """Raise :class:`LabelTakenError` when an older ModelLoad of ``namespace_items`` answers to ``body``'s
+    label value: pods get that one's model, and this one says so rather than showing Ready."""
+    value = label_value(body)
+    same = [item for item in namespace_items if label_value(item) == value]
+    winner = answering([*same, body])
+    if precedence(winner) != precedence(body):
+        name = (winner.get("metadata") or {}).get("name")
+        raise LabelTakenError(
+            f"ModelLoad {name!r}, older, already answers to pods labelled {MODEL_LABEL}={value}: they get "
+            f"its model, not this one's. Give this one another spec.podLabelValue, or delete {name!r} (this "
+            "one then takes the label)"
+        )
 
 
 def check_selectable(body: Mapping[str, Any]) -> None:
