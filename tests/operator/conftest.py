@@ -254,14 +254,19 @@ def request_bodies(kube: Any) -> str:
     return "\n".join(r.text or r.body.decode("utf-8", "replace") for r in list(kube))
 
 
-async def create_modelload(api: Any, name: str, spec: dict[str, Any], *, created: str | None = None) -> None:
+async def create_modelload(
+    api: Any, name: str, spec: dict[str, Any], *, created: str | None = None, generation: int | None = None
+) -> None:
     """POST a ModelLoad through the API, so watchers see it (writing into KMock's store emits nothing).
-    ``created``: its creationTimestamp, which the API server sets and KMock does not."""
+    ``created`` and ``generation``: its creationTimestamp and generation, which the API server sets and
+    KMock does not."""
     from kubernetes import client
 
     body = modelload(name, spec)
     if created is not None:
         body["metadata"]["creationTimestamp"] = created
+    if generation is not None:
+        body["metadata"]["generation"] = generation
     await asyncio.to_thread(
         client.CustomObjectsApi(api).create_namespaced_custom_object,
         "modelload.dev",

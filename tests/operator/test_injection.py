@@ -361,3 +361,14 @@ def test_a_memory_volume_the_pod_already_names_is_used_not_duplicated() -> None:
     pod["spec"]["volumes"][-1] = {"name": "modelload", "emptyDir": {}}
     with pytest.raises(InjectionError, match="not a memory emptyDir"):
         build_patch(pod=pod, model=model(), sidecar=SIDECAR, native=True)
+
+
+def test_the_pod_is_marked_with_the_generation_of_the_spec_it_was_injected_from() -> None:
+    from dataclasses import replace
+
+    patched = apply(
+        bare_pod(),
+        build_patch(pod=bare_pod(), model=replace(model(), generation=7), sidecar=SIDECAR, native=True),
+    )
+    assert patched["metadata"]["annotations"]["modelload.dev/generation"] == "7"
+    kubernetes_validate.validate(patched, "1.33", strict=True)

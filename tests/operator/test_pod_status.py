@@ -184,3 +184,45 @@ async def test_deleting_a_modelload_is_immediate_and_later_pod_events_are_harmle
     assert errors == []
     history = kube.objects[MODELLOADS, NAMESPACE, "tiny"].history
     assert all(not (v or {}).get("metadata", {}).get("finalizers") for v in history if v is not None)
+
+
+async def test_pods_injected_before_a_spec_change_are_counted_as_outdated(
+    kube, operator, model_url, nginx, api
+) -> None:
+    from kubernetes import client
+
+    from tests.operator.conftest import model_bytes
+
+    await create_modelload(api, "tiny", {"source": model_url}, generation=1)
+    await resolved(kube, "tiny")
+    kubelet = Kubelet(api)
+    for name, generation in (("p1", "1"), ("p2", "1")):
+        pod = injected_pod(name)
+        pod["metadata"]["annotations"] = {"modelload.dev/generation": generation}
+        await kubelet.create(pod)
+    await pods_become(kube, {"injected": 2, "outdated": 0})
+
+    other = str(nginx.put("operator/outdated/other.safetensors", model_bytes(tensors=2)))
+    await asyncio.to_thread(
+        client.CustomObjectsApi(api).patch_namespaced_custom_object,
+        "modelload.dev",
+        "v1alpha1",
+        NAMESPACE,
+        "modelloads",
+        "tiny",
+        {"metadata": {"generation": 2}, "spec": {"source": other}},  # the API server bumps it; KMock not
+        _content_type=MERGE,
+    )
+    await wait_for(
+        lambda: (
+            ((current(kube, MODELLOADS, NAMESPACE, "tiny") or {}).get("status") or {}).get("tensors") == 2
+        ),
+        what="the new source read",
+    )
+    await pods_become(kube, {"injected": 2, "outdated": 2})  # they still load the old source
+    pod = injected_pod("p3")
+    pod["metadata"]["annotations"] = {"modelload.dev/generation": "2"}
+    await kubelet.create(pod)
+    await pods_become(kube, {"injected": 3, "outdated": 2})
+    await kubelet.delete("p1")
+    await pods_become(kube, {"injected": 2, "outdated": 1})

@@ -101,6 +101,7 @@ def pods_body(status: PodsStatus) -> dict[str, Any]:
         "ready": status.ready,
         "failed": status.failed,
         "unschedulable": status.unschedulable,
+        "outdated": status.outdated,
         "lastLoadSeconds": status.last_load_seconds,
         "medianLoadSeconds": status.median_load_seconds,
         "lastThroughputBytesPerSecond": status.last_throughput_bytes_per_second,
@@ -130,13 +131,14 @@ class PodAggregator:
         loads: Callable[[], Iterable[PodLoad]],
         *,
         model_bytes: int | None,
+        generation: int | None = None,
         conditions: Sequence[Mapping[str, Any]] | None = None,
         force: bool = False,
     ) -> None:
         key = (namespace, name)
         async with self._locks[key]:
             items = list(loads())
-            body = pods_body(aggregate(items, model_bytes=model_bytes))
+            body = pods_body(aggregate(items, model_bytes=model_bytes, generation=generation))
             try:
                 flagged = await write_condition(
                     self._kube, namespace, name, [(p.unschedulable, p.huge_pages) for p in items],
@@ -159,12 +161,20 @@ def modelloads_by_label(
     *, namespace: str | None, name: str, body: kopf.Body, status: kopf.Status, **_: Any
 ) -> Any:
     """Index: the ModelLoad (its model's bytes, whether it has peers, its conditions, its precedence among
-    ModelLoads of the same label: :func:`.resource.precedence`) that each pod label value in a namespace
-    selects."""
+    ModelLoads of the same label: :func:`.resource.precedence`, its spec's generation) that each pod
+    label value in a namespace selects."""
     nbytes = status.get("bytes")
     peers = (body.get("spec") or {}).get("peers") is True
     conditions = [dict(c) for c in status.get("conditions") or ()]
-    entry = (name, nbytes if isinstance(nbytes, int) else None, peers, conditions, precedence(body))
+    generation = (body.get("metadata") or {}).get("generation")
+    entry = (
+        name,
+        nbytes if isinstance(nbytes, int) else None,
+        peers,
+        conditions,
+        precedence(body),
+        generation if isinstance(generation, int) else None,
+    )
     return {(namespace, label_value(body)): entry}
 
 
@@ -255,6 +265,7 @@ class Handlers:
             name,
             lambda: index.get(selector, []),
             model_bytes=resolution.summary.bytes if resolution.summary is not None else None,
+            generation=generation,
             conditions=new_status["conditions"],
             force=True,
         )
@@ -266,10 +277,15 @@ class Handlers:
         owner = answering_entry(kwargs["modelloads_by_label"].get(selector, []))
         if owner is None:
             return  # no ModelLoad (the webhook refused such pods): nothing to report
-        name, model_bytes, _, conditions, _ = owner
+        name, model_bytes, _, conditions, _, generation = owner
         index = kwargs["pod_loads"]
         await self._aggregator.refresh(
-            namespace, name, lambda: index.get(selector, []), model_bytes=model_bytes, conditions=conditions
+            namespace,
+            name,
+            lambda: index.get(selector, []),
+            model_bytes=model_bytes,
+            generation=generation,
+            conditions=conditions,
         )
 
 

@@ -52,6 +52,7 @@ from modelload.loader.wiring import (
 from modelload.operator import hubs
 from modelload.operator.cloud_sources import cloud_mounts, cloud_volumes
 from modelload.operator.peers import PEER_DIR, PEER_VOLUME, peer_volume
+from modelload.operator.pods import GENERATION_ANNOTATION
 from modelload.operator.quantity import parse_bytes
 from modelload.operator.resource import ResolvedModel
 from modelload.operator.schema import MODEL_LABEL
@@ -156,7 +157,10 @@ def build_patch(
         container = _sidecar_container(model, sidecar, sizing.resources, native=native, group=group)
         where = ("spec", "initContainers") if native else ("spec", "containers")
         ops += _append(where, spec.get(where[1]), [container])
-        ops += _annotations(pod, {INJECTED_ANNOTATION: model.name, MODE_ANNOTATION: _mode(native)})
+        marks = {INJECTED_ANNOTATION: model.name, MODE_ANNOTATION: _mode(native)}
+        if model.generation is not None:
+            marks[GENERATION_ANNOTATION] = str(model.generation)
+        ops += _annotations(pod, marks)
         if group is not None:
             ops += _supplemental_group(spec, group)
     huge = huge_pages(model.spec)

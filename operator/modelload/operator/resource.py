@@ -101,6 +101,8 @@ class ResolvedModel:
     tensors: int
     segment_bytes: int | None = None
     """The operator's bound on the segment file; None in statuses written before it was reported."""
+    generation: int | None = None
+    """The ModelLoad's ``metadata.generation``: the spec a pod is injected from (its status describes it)."""
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> ResolvedModel:
@@ -131,6 +133,7 @@ class ResolvedModel:
             bytes=nbytes,
             tensors=tensors,
             segment_bytes=segment if isinstance(segment, int) else None,
+            generation=generation if isinstance(generation, int) else None,
         )
 
 

@@ -55,6 +55,13 @@ class PodsStatus:
         default=0,
         minimum=0,
     )
+    outdated: int = prop(
+        doc="Pods injected for an earlier generation of the spec: their sidecar loads what the spec named "
+        "then (its source, its options), not what it names now. Restart them (kubectl rollout restart) to "
+        "get the current model.",
+        default=0,
+        minimum=0,
+    )
     last_load_seconds: float | None = prop(
         doc="Seconds from sidecar start to pod Ready for the most recent pod that got ready.", default=None
     )
