@@ -352,3 +352,35 @@ async def test_a_failure_the_operator_does_not_know_is_a_condition_and_a_retry_n
 
     monkeypatch.undo()  # the bug fixed: the next retry resolves it
     await resolved(kube, "tiny")
+
+
+async def test_a_secret_of_thousands_of_keys_still_gives_a_condition_the_crd_accepts(
+    kube, operator, moto_s3, api
+) -> None:
+    import jsonschema
+
+    from tests.operator.test_crd import openapi_schema
+
+    uri = moto_s3.put(BUCKET, "tiny.safetensors", model_bytes())
+    keys = {f"unrelated-setting-number-{i:05d}": b"x" for i in range(3000)}  # a team's everything-Secret
+    kube.objects["v1/secrets", NAMESPACE, "everything"] = secret("everything", keys)
+    spec = {"source": uri, "credentialsSecretRef": {"name": "everything"}}
+    await create_modelload(api, "crowded", {**spec, "s3": {"endpoint": moto_s3.endpoint}})
+    obj = await failed(kube, "crowded", "SecretKeyMissing")
+    # The API server refuses a status whose condition message passes the CRD's bound: the ModelLoad would
+    # keep no condition at all (KMock does not check it: the test does).
+    jsonschema.validate(obj["status"], openapi_schema()["properties"]["status"])
+    message = ready_condition(obj)["message"]
+    assert "it has: unrelated-setting-number-00000" in message and "more" in message
+
+
+def test_a_condition_message_of_any_length_is_cut_to_what_the_crd_admits() -> None:
+    from modelload.operator.conditions import set_condition
+    from modelload.operator.status import MESSAGE_MAX_LENGTH
+
+    message = "start " + "x" * 50_000 + " end"
+    (condition,) = set_condition(
+        None, type="Ready", status="False", reason="R", message=message, generation=1, now="t"
+    )
+    assert len(condition["message"]) <= MESSAGE_MAX_LENGTH
+    assert condition["message"].startswith("start ") and condition["message"].endswith(" end")

@@ -47,7 +47,7 @@ from modelload.operator.cloud_sources import (
     read_cloud_credentials,
     scheme_of,
 )
-from modelload.operator.conditions import set_condition
+from modelload.operator.conditions import named, set_condition
 from modelload.operator.hubs import HubAccess
 from modelload.operator.injection import source_query_problem
 from modelload.operator.kube import Kube, KubeNotFoundError
@@ -182,8 +182,7 @@ def _key(data: Mapping[str, bytes], secret: str, key: str, purpose: str) -> byte
     if key not in data:
         raise SecretProblemError(
             "SecretKeyMissing",
-            f"the Secret {secret!r} has no key {key!r} ({purpose}); "
-            f"it has: {', '.join(sorted(data)) or 'no keys'}",
+            f"the Secret {secret!r} has no key {key!r} ({purpose}); it has: {named(data)}",
         )
     return data[key]
 
