@@ -144,6 +144,7 @@ def build_patch(
     _check_clashes(spec, containers, targets, huge=huge_pages(model.spec) is not None)
     ops: list[Op] = []
     if not has_sidecar(pod):
+        _check_completes(spec, native=native)
         sizing = plan_sizing(
             model_bytes=model.bytes,
             tensors=model.tensors,
@@ -195,6 +196,19 @@ def _supplemental_group(spec: Mapping[str, Any], group: int) -> list[Op]:
     if existing is not None and group in existing:
         return []
     return _append(("spec", "securityContext", "supplementalGroups"), existing, [group])
+
+
+def _check_completes(spec: Mapping[str, Any], *, native: bool) -> None:
+    """A pod that runs to completion (a Job's) finishes when all its containers have: a regular sidecar,
+    which never exits, would keep it running for good. A native sidecar is stopped with the pod."""
+    policy = spec.get("restartPolicy")
+    if not native and policy in ("Never", "OnFailure"):
+        raise InjectionError(
+            f"the pod has restartPolicy {policy} (a Job's pod runs to completion), and the sidecar would be "
+            "a regular container, which never exits: the pod would never finish. Native sidecars (Kubernetes "
+            "1.29 and later, the chart's sidecar.mode native or auto) stop with the pod; or run the model "
+            "in a Deployment"
+        )
 
 
 def _check_injected_for(pod: Mapping[str, Any], model: ResolvedModel) -> None:
