@@ -332,3 +332,13 @@ async def test_of_two_modelloads_answering_to_one_label_the_older_serves_and_the
     await resolved(kube, "llama-v2")
     answer = await admit(operator, operator.ca_pem, review(pod("llama")))
     assert source_of(answer) == newer_url
+
+
+async def test_a_pod_in_another_namespace_never_gets_a_modelload_of_this_one(
+    kube, operator, ready_model
+) -> None:
+    body = review(pod("tiny"))
+    body["request"]["namespace"] = body["request"]["object"]["metadata"]["namespace"] = "other-team"
+    answer = await admit(operator, operator.ca_pem, body)
+    assert answer["response"]["allowed"] is False and "patch" not in answer["response"]
+    assert "does not exist in namespace 'other-team'" in answer["response"]["status"]["message"]
