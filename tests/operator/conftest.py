@@ -291,3 +291,19 @@ async def delete_modelload(api: Any, name: str) -> None:
         name,
         _preload_content=False,
     )
+
+
+async def patch_modelload(api: Any, name: str, body: dict[str, Any]) -> None:
+    """Merge-patch a ModelLoad through the API, as ``kubectl patch --type merge`` would."""
+    from kubernetes import client
+
+    await asyncio.to_thread(
+        client.CustomObjectsApi(api).patch_namespaced_custom_object,
+        "modelload.dev",
+        "v1alpha1",
+        NAMESPACE,
+        "modelloads",
+        name,
+        body,
+        _content_type="application/merge-patch+json",
+    )

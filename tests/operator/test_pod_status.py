@@ -17,7 +17,9 @@ from tests.operator.conftest import (
     NAMESPACE,
     create_modelload,
     current,
+    delete_modelload,
     handled,
+    patch_modelload,
     resolved,
     seeded,
     wait_for,
@@ -157,19 +159,10 @@ async def test_a_modelload_created_after_its_pods_counts_them_at_once(
 async def test_deleting_a_modelload_is_immediate_and_later_pod_events_are_harmless(
     kube, model, api, caplog
 ) -> None:
-    from kubernetes import client
 
     obj = current(kube, MODELLOADS, NAMESPACE, "tiny")
     assert obj is not None and not obj["metadata"].get("finalizers")  # nothing for kopf to release
-    await asyncio.to_thread(
-        client.CustomObjectsApi(api).delete_namespaced_custom_object,
-        "modelload.dev",
-        "v1alpha1",
-        NAMESPACE,
-        "modelloads",
-        "tiny",
-        _preload_content=False,
-    )
+    await delete_modelload(api, "tiny")
     await wait_for(
         lambda: current(kube, MODELLOADS, NAMESPACE, "tiny") is None, what="the ModelLoad to be gone"
     )
@@ -189,7 +182,6 @@ async def test_deleting_a_modelload_is_immediate_and_later_pod_events_are_harmle
 async def test_pods_injected_before_a_spec_change_are_counted_as_outdated(
     kube, operator, model_url, nginx, api
 ) -> None:
-    from kubernetes import client
 
     from tests.operator.conftest import model_bytes
 
@@ -203,16 +195,8 @@ async def test_pods_injected_before_a_spec_change_are_counted_as_outdated(
     await pods_become(kube, {"injected": 2, "outdated": 0})
 
     other = str(nginx.put("operator/outdated/other.safetensors", model_bytes(tensors=2)))
-    await asyncio.to_thread(
-        client.CustomObjectsApi(api).patch_namespaced_custom_object,
-        "modelload.dev",
-        "v1alpha1",
-        NAMESPACE,
-        "modelloads",
-        "tiny",
-        {"metadata": {"generation": 2}, "spec": {"source": other}},  # the API server bumps it; KMock not
-        _content_type=MERGE,
-    )
+    # the API server bumps the generation itself; KMock does not
+    await patch_modelload(api, "tiny", {"metadata": {"generation": 2}, "spec": {"source": other}})
     await wait_for(
         lambda: (
             ((current(kube, MODELLOADS, NAMESPACE, "tiny") or {}).get("status") or {}).get("tensors") == 2

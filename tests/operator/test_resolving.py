@@ -6,7 +6,6 @@ tests that pass credentials, so a model is only readable with the keys from the 
 
 from __future__ import annotations
 
-import asyncio
 import base64
 from typing import Any
 
@@ -18,6 +17,7 @@ from tests.operator.conftest import (
     create_modelload,
     current,
     model_bytes,
+    patch_modelload,
     posted_events,
     request_bodies,
     resolved,
@@ -212,20 +212,10 @@ async def test_an_unreachable_store_is_retried_and_reported_as_transient(kube, o
 
 
 async def test_a_spec_change_re_reads_the_model(kube, operator, model_url, nginx, api) -> None:
-    from kubernetes import client
 
     await create_modelload(api, "moving", {"source": nginx.url("operator/absent.safetensors")})
     await failed(kube, "moving", "SourceNotFound")
-    await asyncio.to_thread(
-        client.CustomObjectsApi(api).patch_namespaced_custom_object,
-        "modelload.dev",
-        "v1alpha1",
-        NAMESPACE,
-        "modelloads",
-        "moving",
-        {"spec": {"source": model_url}},
-        _content_type="application/merge-patch+json",
-    )
+    await patch_modelload(api, "moving", {"spec": {"source": model_url}})
     obj = await resolved(kube, "moving")
     assert ready_condition(obj)["status"] == "True"
     assert obj["status"]["tensors"] == 4
