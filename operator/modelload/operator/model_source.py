@@ -21,6 +21,7 @@ blocking; the handlers run it in a thread.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -131,10 +132,13 @@ def _small_files_bound(small: dict[str, int]) -> int:
 
 def check_priority(index: ModelIndex, priority: list[str]) -> None:
     """Every priority entry names a tensor or a prefix of one: the sidecar refuses the load otherwise, so a
-    typo is reported on the ModelLoad rather than by every pod's sidecar."""
-    names = [t.name for t in index.tensors]
+    typo is reported on the ModelLoad rather than by every pod's sidecar. A look-up in the sorted names
+    per entry: an entry against every name cost the product of the two (33 CPU-seconds for 4,096 entries
+    and 100,000 tensors, the GIL shared with the webhook)."""
+    names = sorted(index.table.names)  # a name with the prefix, if any, sorts first at or after it
     for i, wanted in enumerate(priority):
-        if not any(name == wanted or name.startswith(wanted) for name in names):
+        at = bisect.bisect_left(names, wanted)
+        if at == len(names) or not names[at].startswith(wanted):
             raise ConfigError(f"spec.priority[{i}]: {wanted!r} matches no tensor name or prefix in the model")
 
 
