@@ -342,3 +342,32 @@ async def test_a_pod_in_another_namespace_never_gets_a_modelload_of_this_one(
     answer = await admit(operator, operator.ca_pem, body)
     assert answer["response"]["allowed"] is False and "patch" not in answer["response"]
     assert "does not exist in namespace 'other-team'" in answer["response"]["status"]["message"]
+
+
+async def test_model_reads_that_hang_do_not_hold_up_the_admission_of_pods_of_ready_models(
+    kube, operator, ready_model, api, monkeypatch
+) -> None:
+    import os
+    import threading
+
+    from modelload.operator import resolve as resolving
+    from tests.operator.conftest import wait_for
+
+    release = threading.Event()
+    hanging: list[str] = []
+
+    def slow_origin(spec: Any, **_: Any) -> Any:  # a tenant's origin that drips its index out
+        hanging.append(spec.source)
+        release.wait(60)
+        raise RuntimeError("released")
+
+    monkeypatch.setattr(resolving, "read_summary", slow_origin)
+    threads = min(32, (os.cpu_count() or 1) + 4)  # asyncio's default executor, which API calls use too
+    try:
+        for i in range(threads + 2):
+            await create_modelload(api, f"slow-{i}", {"source": f"https://slow.example/m{i}.safetensors"})
+        await wait_for(lambda: len(hanging) >= 4, what="the slow reads to start")
+        answer = await admit(operator, operator.ca_pem, review(pod("tiny")))
+    finally:
+        release.set()
+    assert answer["response"]["allowed"] is True, answer["response"].get("status")

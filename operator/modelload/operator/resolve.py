@@ -34,6 +34,8 @@ Messages never carry credentials, tokens, keys or query strings: the sources lay
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -122,7 +124,7 @@ async def resolve(
     await check_decryption_secret(kube, namespace, spec)
     if is_local(spec.source):
         return _local(spec, sizing)
-    summary = await asyncio.to_thread(
+    read = functools.partial(
         read_summary,
         spec,
         credentials=credentials,
@@ -131,6 +133,7 @@ async def resolve(
         access=access,
         networks=networks,
     )
+    summary = await asyncio.get_running_loop().run_in_executor(_source_reads(), read)
     has_key = spec.decryption_key_secret_ref is not None or spec.password_secret_ref is not None
     if summary.encrypted and not has_key:
         raise SecretProblemError(
@@ -152,6 +155,23 @@ async def resolve(
         segment=summary.segment_bytes,
     )
     return Resolution(summary=summary, sizing=planned)
+
+
+SOURCE_READERS = 4
+"""Threads that read models' indices, apart from asyncio's default executor."""
+_READS: list[concurrent.futures.ThreadPoolExecutor] = []
+
+
+def _source_reads() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads that read models' indices. Apart from the default executor, which every API call (the
+    webhook's look-up among them) runs in: a ModelLoad's origin is whoever wrote it, and a few that drip
+    their index out slowly held every thread there, so pods of every namespace were refused for want of
+    a thread to list ModelLoads with."""
+    if not _READS:
+        _READS.append(
+            concurrent.futures.ThreadPoolExecutor(SOURCE_READERS, thread_name_prefix="modelload-source-read")
+        )
+    return _READS[0]
 
 
 def _local(spec: ModelLoadSpec, sizing: SizingDefaults) -> Resolution:
