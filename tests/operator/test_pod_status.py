@@ -210,3 +210,21 @@ async def test_pods_injected_before_a_spec_change_are_counted_as_outdated(
     await pods_become(kube, {"injected": 3, "outdated": 2})
     await kubelet.delete("p1")
     await pods_become(kube, {"injected": 2, "outdated": 1})
+
+
+async def test_a_failed_write_of_the_pods_figures_does_not_fail_the_resolve_that_read_the_model(
+    kube, operator, model_url, api, caplog, monkeypatch
+) -> None:
+    from modelload.operator.handlers import PodAggregator
+    from modelload.operator.kube import KubeUnavailableError
+
+    async def unavailable(*_: Any, **__: Any) -> None:
+        raise KubeUnavailableError("patch ModelLoad serving/tiny status: HTTP 503 Service Unavailable")
+
+    monkeypatch.setattr(PodAggregator, "refresh", unavailable)
+    caplog.set_level(logging.INFO, logger="kopf")
+    await create_modelload(api, "tiny", {"source": model_url})
+    await resolved(kube, "tiny")
+    # the next pod event writes the figures; the model's read stands, and is not done again in a minute
+    await wait_for(lambda: handled(caplog, "resolve", "tiny"), what="the resolve handler to succeed")
+    assert not [r for r in caplog.records if r.levelname == "ERROR" and "resolve" in r.getMessage()]

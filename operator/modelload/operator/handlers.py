@@ -32,7 +32,7 @@ import kopf
 
 from modelload.operator.conditions import now_rfc3339
 from modelload.operator.fleet import FleetPoller
-from modelload.operator.kube import Kube, KubeNotFoundError
+from modelload.operator.kube import Kube, KubeError, KubeNotFoundError
 from modelload.operator.load_reasons import LoadReasons
 from modelload.operator.metrics import METRICS
 from modelload.operator.peers import ensure_peer_objects
@@ -260,15 +260,18 @@ class Handlers:
             patch.status["fleet"] = None  # peers turned off: no fleet figures to keep showing
         kopf.info(body, reason="Resolved", message=new_status["conditions"][-1]["message"])
         selector, index = (namespace, label_value(body)), kwargs["pod_loads"]
-        await self._aggregator.refresh(
-            namespace,
-            name,
-            lambda: index.get(selector, []),
-            model_bytes=resolution.summary.bytes if resolution.summary is not None else None,
-            generation=generation,
-            conditions=new_status["conditions"],
-            force=True,
-        )
+        try:
+            await self._aggregator.refresh(
+                namespace,
+                name,
+                lambda: index.get(selector, []),
+                model_bytes=resolution.summary.bytes if resolution.summary is not None else None,
+                generation=generation,
+                conditions=new_status["conditions"],
+                force=True,
+            )
+        except KubeError as exc:  # the next pod event writes them: the model's read stands, not redone
+            logger.warning("cannot write ModelLoad %s/%s's pod figures yet: %s", namespace, name, exc)
 
     async def pod_changed(self, *, namespace: str | None, labels: Mapping[str, str], **kwargs: Any) -> None:
         """Fold a pod's change (or deletion) into its ModelLoad's ``status.pods``."""
