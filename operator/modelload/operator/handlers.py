@@ -282,14 +282,17 @@ class Handlers:
             return  # no ModelLoad (the webhook refused such pods): nothing to report
         name, model_bytes, _, conditions, _, generation = owner
         index = kwargs["pod_loads"]
-        await self._aggregator.refresh(
-            namespace,
-            name,
-            lambda: index.get(selector, []),
-            model_bytes=model_bytes,
-            generation=generation,
-            conditions=conditions,
-        )
+        try:
+            await self._aggregator.refresh(
+                namespace,
+                name,
+                lambda: index.get(selector, []),
+                model_bytes=model_bytes,
+                generation=generation,
+                conditions=conditions,
+            )
+        except KubeError as exc:  # kopf retries no event handler: the pod's next event, or the resolve's
+            logger.warning("cannot write ModelLoad %s/%s's pod figures: %s", namespace, name, exc)
 
 
 def build_registry(
