@@ -140,3 +140,11 @@ def test_checking_a_long_priority_list_against_many_tensors_costs_no_product_of_
     assert _CountingName.calls < 20 * (count + entries)
     with pytest.raises(ConfigError, match=r"spec.priority\[1\]: 'model.layer.' matches no tensor"):
         check_priority(index, ["model.layers.1.", "model.layer."])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("quantity", "nbytes"),
+    [("1E", 10**18), ("2E", 2 * 10**18), ("1e3", 1000), ("1E3", 1000), ("1Ei", 1 << 60)],
+)
+def test_the_exa_suffix_is_told_from_an_exponent(quantity: str, nbytes: int) -> None:
+    assert parse_bytes(quantity) == nbytes  # "1E" used to raise int()'s ValueError: a traceback, no condition

@@ -55,10 +55,10 @@ def parse_bytes(value: str | int) -> int:
     try:
         if suffix in _BINARY:
             total = amount * _BINARY[suffix]
-        elif suffix[:1] in ("e", "E"):
-            total = amount * (Decimal(10) ** int(suffix[1:]))
-        else:
+        elif suffix in _DECIMAL:  # "E" alone is exa; "E3" an exponent
             total = amount * _DECIMAL[suffix]
+        else:
+            total = amount * (Decimal(10) ** int(suffix[1:]))
     except ArithmeticError:  # decimal's Overflow: an exponent past what any context holds
         raise too_large from None
     if total < 0:
