@@ -374,3 +374,36 @@ def test_a_condition_message_of_any_length_is_cut_to_what_the_crd_admits() -> No
     )
     assert len(condition["message"]) <= MESSAGE_MAX_LENGTH
     assert condition["message"].startswith("start ") and condition["message"].endswith(" end")
+
+
+async def test_a_source_that_never_finishes_its_index_is_a_retrying_condition_and_one_read_not_a_pile(
+    kube, operator, model_url, api, monkeypatch, caplog
+) -> None:
+    import threading
+
+    from modelload.operator import resolve as resolving
+
+    real = resolving.read_summary
+    release = threading.Event()
+    calls: list[str] = []
+
+    def dripping(spec: Any, **kwargs: Any) -> Any:  # an origin that trickles its index out
+        calls.append(spec.source)
+        release.wait(60)
+        return real(spec, **kwargs)
+
+    monkeypatch.setattr(resolving, "read_summary", dripping)
+    monkeypatch.setattr(resolving, "READ_DEADLINE", 0.3, raising=False)
+    await create_modelload(api, "drip", {"source": model_url})
+    obj = await failed(kube, "drip", "SourceUnreadable")
+    assert obj["status"]["phase"] == "Retrying"
+    assert "has not given the model's index" in ready_condition(obj)["message"]
+    await wait_for(lambda: len(warnings_posted(kube, "SourceUnreadable")) >= 1, what="a warning Event")
+
+    def retries() -> int:
+        return sum(1 for r in caplog.records if "Handler 'resolve' failed temporarily" in r.getMessage())
+
+    await wait_for(lambda: retries() >= 3, what="three tries of the resolve")
+    assert len(calls) == 1, "each retry waited on the one read in progress instead of starting another"
+    release.set()
+    await resolved(kube, "drip")  # the try after the read ends takes its result

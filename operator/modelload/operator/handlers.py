@@ -229,6 +229,7 @@ class Handlers:
                 resolution = await resolve(
                     kube=self._kube,
                     namespace=namespace,
+                    name=name,
                     spec=spec,
                     sizing=sizing,
                     networks=self._settings.source_networks,

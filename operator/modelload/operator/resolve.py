@@ -36,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -108,6 +108,7 @@ async def resolve(
     *,
     kube: Kube,
     namespace: str,
+    name: str = "",
     spec: ModelLoadSpec,
     sizing: SizingDefaults,
     networks: Sequence[Network] = (),
@@ -133,7 +134,7 @@ async def resolve(
         access=access,
         networks=networks,
     )
-    summary = await asyncio.get_running_loop().run_in_executor(_source_reads(), read)
+    summary = await _read_index((namespace, name, repr(spec)), read, source=spec.source)
     has_key = spec.decryption_key_secret_ref is not None or spec.password_secret_ref is not None
     if summary.encrypted and not has_key:
         raise SecretProblemError(
@@ -172,6 +173,44 @@ def _source_reads() -> concurrent.futures.ThreadPoolExecutor:
             concurrent.futures.ThreadPoolExecutor(SOURCE_READERS, thread_name_prefix="modelload-source-read")
         )
     return _READS[0]
+
+
+READ_DEADLINE = 120.0
+"""Seconds one try of a resolve waits for the model's index before it says so (``SourceUnreadable``,
+retried). The read goes on in its thread (a thread cannot be stopped): the next try waits for the same
+read rather than starting another, so an origin that trickles its index out holds one reader, not one
+more per retry."""
+_READING: dict[tuple[str, str, str], concurrent.futures.Future[ModelSummary]] = {}
+"""The index reads in progress, by (namespace, name, the spec read): what a retry waits for."""
+
+
+async def _read_index(
+    key: tuple[str, str, str], read: Callable[[], ModelSummary], *, source: str
+) -> ModelSummary:
+    future = _READING.get(key)
+    if future is None:
+        for stale in [k for k in _READING if k[:2] == key[:2]]:
+            del _READING[stale]  # a read of an earlier spec: its result is of no use any more
+        future = _READING[key] = _source_reads().submit(read)
+    try:
+        summary = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), READ_DEADLINE)
+    except asyncio.TimeoutError:
+        if future.running():
+            raise TransientSourceError(
+                f"{source}: the source has not given the model's index in {READ_DEADLINE:g} s (it sends it "
+                "too slowly, or stopped sending); still reading",
+                uri=source,
+            ) from None
+        raise TransientSourceError(
+            f"{source}: the model's index is not read yet: all {SOURCE_READERS} of the operator's index "
+            "readers are busy with other ModelLoads' sources",
+            uri=source,
+        ) from None
+    except BaseException:
+        _READING.pop(key, None)
+        raise
+    _READING.pop(key, None)
+    return summary
 
 
 def _local(spec: ModelLoadSpec, sizing: SizingDefaults) -> Resolution:
