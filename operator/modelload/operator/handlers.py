@@ -223,7 +223,8 @@ class Handlers:
         try:
             spec = parse_spec(body.get("spec"))
             check_selectable(body)
-            check_label_free(body, await self._kube.list_modelloads(namespace))
+            owners = kwargs["modelloads_by_label"].get((namespace, label_value(body)), [])
+            check_label_free(body, [entry[4] for entry in owners])
             sizing = self._settings.sidecar.sizing
             with METRICS.resolving():
                 resolution = await resolve(

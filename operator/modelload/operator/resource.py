@@ -6,7 +6,7 @@ A pod asks for a model by label value; :func:`label_value` says which value a Mo
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,14 +61,15 @@ def answering(items: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
     return min(items, key=precedence)
 
 
-def check_label_free(body: Mapping[str, Any], namespace_items: Sequence[Mapping[str, Any]]) -> None:
-    """Raise :class:`LabelTakenError` when an older ModelLoad of ``namespace_items`` answers to ``body``'s
-    label value: pods get that one's model, and this one says so rather than showing Ready."""
-    value = label_value(body)
-    same = [item for item in namespace_items if label_value(item) == value]
-    winner = answering([*same, body])
-    if precedence(winner) != precedence(body):
-        name = (winner.get("metadata") or {}).get("name")
+def check_label_free(body: Mapping[str, Any], others: Iterable[tuple[str, str]]) -> None:
+    """Raise :class:`LabelTakenError` when an older ModelLoad answers to ``body``'s label value: pods get
+    that one's model, and this one says so rather than showing Ready. ``others``: the :func:`precedence`
+    of every ModelLoad of the namespace answering to that value (the operator's index: no API call, so
+    resolving every ModelLoad at start-up costs no list of the namespace each)."""
+    mine = precedence(body)
+    first = min([*others, mine])
+    if first != mine:
+        name, value = first[1], label_value(body)
         raise LabelTakenError(
             f"ModelLoad {name!r}, older, already answers to pods labelled {MODEL_LABEL}={value}: they get "
             f"its model, not this one's. Give this one another spec.podLabelValue, or delete {name!r} (this "
