@@ -219,7 +219,25 @@ class _Versioned:
     ],
 )
 async def test_the_sidecar_mode_follows_the_setting_or_the_api_servers_version(mode, version, native) -> None:
-    assert await native_sidecars(_Versioned(version), mode) is native  # type: ignore[arg-type]
+    assert await native_sidecars(_Versioned(version), mode, first_delay=0) is native  # type: ignore[arg-type]
+
+
+async def test_a_version_read_that_fails_at_start_up_is_tried_again_before_falling_back_to_regular() -> None:
+    class Blip(_Versioned):
+        """An API server that answers /version after two failures (a restart, a load balancer warming)."""
+
+        failures = 2
+
+        async def server_version(self) -> tuple[int, int]:
+            from modelload.operator.kube import KubeUnavailableError
+
+            if self.failures:
+                self.failures -= 1
+                raise KubeUnavailableError("get /version: HTTP 503")
+            return await super().server_version()
+
+    # A fall-back for the process's life: every pod would get a regular sidecar, and Jobs be refused.
+    assert await native_sidecars(Blip((1, 31)), "auto", first_delay=0) is True  # type: ignore[arg-type]
 
 
 async def _lookup_fails(namespace: str, value: str) -> Any:
