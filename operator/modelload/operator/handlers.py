@@ -40,6 +40,7 @@ from modelload.operator.pods import PodLoad, aggregate, classify
 from modelload.operator.polling import answering_entry
 from modelload.operator.resolve import (
     OPERATOR_ERROR,
+    IndexReads,
     classify_failure,
     failure_status,
     resolve,
@@ -191,6 +192,7 @@ class Handlers:
         self._settings = settings
         self._kube = kube
         self._aggregator = PodAggregator(kube)
+        self.reads = IndexReads()
         self.fleet = FleetPoller(kube, interval=settings.fleet_interval)
         self.reasons = LoadReasons(kube, interval=settings.fleet_interval)
 
@@ -202,6 +204,7 @@ class Handlers:
     async def stop_fleet(self, **_: Any) -> None:
         await self.fleet.stop()
         await self.reasons.stop()
+        self.reads.close()
 
     async def resolve_model(
         self,
@@ -234,6 +237,7 @@ class Handlers:
                     spec=spec,
                     sizing=sizing,
                     networks=self._settings.source_networks,
+                    reads=self.reads,
                 )
             if spec.peers:  # a refusal (RBAC, a name) is the ModelLoad's condition, as any other failure
                 await ensure_peer_objects(

@@ -68,6 +68,7 @@ from modelload.operator.sizing import Sizing, SizingDefaults, plan_sizing
 
 __all__ = [
     "Failure",
+    "IndexReads",
     "Resolution",
     "SecretProblemError",
     "classify_failure",
@@ -112,9 +113,11 @@ async def resolve(
     spec: ModelLoadSpec,
     sizing: SizingDefaults,
     networks: Sequence[Network] = (),
+    reads: IndexReads | None = None,
 ) -> Resolution:
-    """Check the Secrets, read the index (in a thread, from public addresses and ``networks`` only), and
-    size the pods' volume and sidecar. A local (``file://``) model is not read (:func:`_local`)."""
+    """Check the Secrets, read the index (in a thread of ``reads``, or a default one without, from public
+    addresses and ``networks`` only), and size the pods' volume and sidecar. A local (``file://``) model is
+    not read (:func:`_local`)."""
     problem = source_query_problem(spec.source)
     if problem is not None:
         raise SourceUriError(problem, setting="spec.source")
@@ -134,7 +137,10 @@ async def resolve(
         access=access,
         networks=networks,
     )
-    summary = await _read_index((namespace, name, repr(spec)), read, source=spec.source)
+    if reads is None:
+        summary = await asyncio.to_thread(read)
+    else:
+        summary = await reads.read((namespace, name, repr(spec)), read, source=spec.source)
     has_key = spec.decryption_key_secret_ref is not None or spec.password_secret_ref is not None
     if summary.encrypted and not has_key:
         raise SecretProblemError(
@@ -160,57 +166,60 @@ async def resolve(
 
 SOURCE_READERS = 4
 """Threads that read models' indices, apart from asyncio's default executor."""
-_READS: list[concurrent.futures.ThreadPoolExecutor] = []
-
-
-def _source_reads() -> concurrent.futures.ThreadPoolExecutor:
-    """The threads that read models' indices. Apart from the default executor, which every API call (the
-    webhook's look-up among them) runs in: a ModelLoad's origin is whoever wrote it, and a few that drip
-    their index out slowly held every thread there, so pods of every namespace were refused for want of
-    a thread to list ModelLoads with."""
-    if not _READS:
-        _READS.append(
-            concurrent.futures.ThreadPoolExecutor(SOURCE_READERS, thread_name_prefix="modelload-source-read")
-        )
-    return _READS[0]
-
-
 READ_DEADLINE = 120.0
 """Seconds one try of a resolve waits for the model's index before it says so (``SourceUnreadable``,
 retried). The read goes on in its thread (a thread cannot be stopped): the next try waits for the same
 read rather than starting another, so an origin that trickles its index out holds one reader, not one
 more per retry."""
-_READING: dict[tuple[str, str, str], concurrent.futures.Future[ModelSummary]] = {}
-"""The index reads in progress, by (namespace, name, the spec read): what a retry waits for."""
 
 
-async def _read_index(
-    key: tuple[str, str, str], read: Callable[[], ModelSummary], *, source: str
-) -> ModelSummary:
-    future = _READING.get(key)
-    if future is None:
-        for stale in [k for k in _READING if k[:2] == key[:2]]:
-            del _READING[stale]  # a read of an earlier spec: its result is of no use any more
-        future = _READING[key] = _source_reads().submit(read)
-    try:
-        summary = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), READ_DEADLINE)
-    except asyncio.TimeoutError:
-        if future.running():
+class IndexReads:
+    """The operator's index reads: their own threads, and the reads in progress that a retry waits for.
+
+    Apart from the default executor, which every API call (the webhook's look-up among them) runs in: a
+    ModelLoad's origin is whoever wrote it, and a few that drip their index out held every thread there,
+    so pods of every namespace were refused for want of a thread to list ModelLoads with. One per running
+    operator, closed with it (a read still in progress is left to end on its own)."""
+
+    def __init__(self, threads: int = SOURCE_READERS) -> None:
+        self._threads = threads
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            threads, thread_name_prefix="modelload-source-read"
+        )
+        self._reading: dict[tuple[str, str, str], concurrent.futures.Future[ModelSummary]] = {}
+        """By (namespace, name, the spec read)."""
+
+    async def read(
+        self, key: tuple[str, str, str], read: Callable[[], ModelSummary], *, source: str
+    ) -> ModelSummary:
+        future = self._reading.get(key)
+        if future is None:
+            for stale in [k for k in self._reading if k[:2] == key[:2]]:
+                del self._reading[stale]  # a read of an earlier spec: its result is of no use any more
+            future = self._reading[key] = self._pool.submit(read)
+        try:
+            summary = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), READ_DEADLINE)
+        except asyncio.TimeoutError:
+            if future.running():
+                raise TransientSourceError(
+                    f"{source}: the source has not given the model's index in {READ_DEADLINE:g} s (it sends "
+                    "it too slowly, or stopped sending); still reading",
+                    uri=source,
+                ) from None
             raise TransientSourceError(
-                f"{source}: the source has not given the model's index in {READ_DEADLINE:g} s (it sends it "
-                "too slowly, or stopped sending); still reading",
+                f"{source}: the model's index is not read yet: all {self._threads} of the operator's index "
+                "readers are busy with other ModelLoads' sources",
                 uri=source,
             ) from None
-        raise TransientSourceError(
-            f"{source}: the model's index is not read yet: all {SOURCE_READERS} of the operator's index "
-            "readers are busy with other ModelLoads' sources",
-            uri=source,
-        ) from None
-    except BaseException:
-        _READING.pop(key, None)
-        raise
-    _READING.pop(key, None)
-    return summary
+        except BaseException:
+            self._reading.pop(key, None)
+            raise
+        self._reading.pop(key, None)
+        return summary
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._reading.clear()
 
 
 def _local(spec: ModelLoadSpec, sizing: SizingDefaults) -> Resolution:
