@@ -129,6 +129,10 @@ class LoadReasons(IndexPoller):
                 for reason in reasons:
                     await self._tell_pod(selector[0], reason)
                 await self._write(selector, owner[0], owner[3], reasons)
+        # What was told of pods that left is of no use: forgotten, or pod churn would grow it for good.
+        alive = {load.uid for loads in list(pods.values()) for load in loads}
+        for uid in [uid for uid in self._told if uid not in alive]:
+            del self._told[uid]
 
     async def _tell_pod(self, namespace: str, reason: PodReason) -> None:
         said = (reason.phase, reason.error)
