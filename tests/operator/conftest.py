@@ -255,18 +255,23 @@ def request_bodies(kube: Any) -> str:
 
 
 async def create_modelload(
-    api: Any, name: str, spec: dict[str, Any], *, created: str | None = None, generation: int | None = None
+    api: Any,
+    name: str,
+    spec: dict[str, Any],
+    *,
+    created: str | None = None,
+    generation: int | None = None,
+    uid: str | None = None,
 ) -> None:
     """POST a ModelLoad through the API, so watchers see it (writing into KMock's store emits nothing).
-    ``created`` and ``generation``: its creationTimestamp and generation, which the API server sets and
-    KMock does not."""
+    ``created``, ``generation`` and ``uid``: its creationTimestamp, generation and uid, which the API
+    server sets and KMock does not."""
     from kubernetes import client
 
     body = modelload(name, spec)
-    if created is not None:
-        body["metadata"]["creationTimestamp"] = created
-    if generation is not None:
-        body["metadata"]["generation"] = generation
+    for field, value in (("creationTimestamp", created), ("generation", generation), ("uid", uid)):
+        if value is not None:
+            body["metadata"][field] = value
     await asyncio.to_thread(
         client.CustomObjectsApi(api).create_namespaced_custom_object,
         "modelload.dev",

@@ -203,3 +203,28 @@ async def test_a_peers_service_the_api_server_refuses_is_a_condition_not_a_silen
     condition = next(c for c in obj["status"]["conditions"] if c["type"] == "Ready")
     assert "create Service" in condition["message"] and "tiny-peers" in condition["message"]
     assert obj["status"].get("bytes") is None  # pods would mount a token Secret with no Service beside it
+
+
+async def test_a_peers_secret_that_is_not_this_modelloads_is_a_condition_until_it_goes(
+    kube: Any, operator: Any, model_url: str, api: Any
+) -> None:
+    # A ModelLoad deleted and applied again before the garbage collector took its peers' Secret, or a
+    # Secret of the team's own under that name: pods would mount it, and its token (or none) would be theirs.
+    from tests.operator.conftest import secret
+    from tests.operator.test_resolving import failed, ready_condition
+
+    leftover = secret("tiny-peers", {"token": b"the old one"})
+    leftover["metadata"]["ownerReferences"] = [
+        {"apiVersion": "modelload.dev/v1alpha1", "kind": "ModelLoad", "name": "tiny", "uid": "old-uid"}
+    ]
+    kube.objects["v1/secrets", NAMESPACE, "tiny-peers"] = leftover
+    body = {"source": model_url, "peers": True}
+    await create_modelload(api, "tiny", body, uid="new-uid")
+    obj = await failed(kube, "tiny", "PeersSecretTaken")
+    assert "tiny-peers" in ready_condition(obj)["message"]
+    assert obj["status"].get("bytes") is None  # no pod is admitted to mount it
+
+    del kube.objects["v1/secrets", NAMESPACE, "tiny-peers"]  # collected at last
+    await resolved(kube, "tiny")
+    made = current(kube, "v1/secrets", NAMESPACE, "tiny-peers")
+    assert made is not None and made["metadata"]["ownerReferences"][0]["uid"] == "new-uid"

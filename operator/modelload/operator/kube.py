@@ -146,6 +146,14 @@ class Kube:
         data = secret.get("data") or {}
         return {key: base64.b64decode(value) for key, value in data.items()}
 
+    async def secret_owners(self, namespace: str, name: str) -> list[str]:
+        """The uids in a Secret's ownerReferences (its data is not kept)."""
+        secret = await self._call(
+            f"get Secret {namespace}/{name}", self._core.read_namespaced_secret, name, namespace
+        )
+        owners = (secret.get("metadata") or {}).get("ownerReferences") or []
+        return [str(owner.get("uid")) for owner in owners if isinstance(owner, Mapping)]
+
     async def create_secret(self, namespace: str, body: Mapping[str, Any]) -> None:
         what = f"create Secret {namespace}/{body['metadata']['name']}"
         await self._call(what, self._core.create_namespaced_secret, namespace, dict(body))

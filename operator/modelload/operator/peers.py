@@ -19,11 +19,13 @@ import secrets
 from collections.abc import Mapping
 from typing import Any
 
+from modelload.loader.errors import ModelloadError
 from modelload.loader.wiring import PEER_PORT
 from modelload.operator.kube import Kube, KubeConflictError
 from modelload.operator.schema import GROUP, MODEL_LABEL, VERSION
 
 __all__ = [
+    "PeersSecretTakenError",
     "ensure_peer_objects",
     "peer_env",
     "peer_names",
@@ -93,19 +95,41 @@ def token_secret_body(*, name: str, uid: str) -> dict[str, Any]:
     }
 
 
+class PeersSecretTakenError(ModelloadError):
+    """The peers' token Secret exists and is not this ModelLoad's; the message says whose and what to do.
+    Retried: a ModelLoad deleted and created again meets its predecessor's until the collector takes it."""
+
+    condition = "PeersSecretTaken"
+
+
 async def ensure_peer_objects(
     kube: Kube, *, namespace: str, body: Mapping[str, Any], label_value: str
 ) -> None:
     """Create the Service and the Secret when missing; existing ones are kept (a token never rotates under
-    running pods)."""
+    running pods) when they are this ModelLoad's. A Secret of that name that is not (its predecessor's,
+    not collected yet; one of the team's own) is :class:`PeersSecretTakenError`: pods would mount it, and
+    a token that is not the model's, or none."""
     meta = body.get("metadata") or {}
     name, uid = str(meta.get("name")), str(meta.get("uid") or "")
-    for create, obj in (
-        (kube.create_secret, token_secret_body(name=name, uid=uid)),
-        (kube.create_service, service_body(name=name, uid=uid, label_value=label_value)),
-    ):
-        with contextlib.suppress(KubeConflictError):  # made earlier (by this operator, or another replica)
-            await create(namespace, obj)
+    secret = token_secret_body(name=name, uid=uid)
+    try:
+        await kube.create_secret(namespace, secret)
+    except KubeConflictError:  # made earlier (by this operator, or another replica), or not ours
+        owners = await kube.secret_owners(namespace, secret["metadata"]["name"])
+        if uid and uid not in owners:
+            whose = (
+                "owned by another ModelLoad (one deleted and not collected yet, when this one was created "
+                "again)"
+                if owners
+                else "not the operator's (a Secret of the namespace's own)"
+            )
+            raise PeersSecretTakenError(
+                f"the Secret {secret['metadata']['name']!r}, which this model's sidecars would take their "
+                f"peer token from, exists and is {whose}: retrying; if it stays, delete it (or rename this "
+                "ModelLoad)"
+            ) from None
+    with contextlib.suppress(KubeConflictError):
+        await kube.create_service(namespace, service_body(name=name, uid=uid, label_value=label_value))
 
 
 def peer_env(*, name: str, namespace: str) -> list[dict[str, str]]:

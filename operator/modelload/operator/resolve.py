@@ -371,6 +371,7 @@ _FIX_ELSEWHERE = frozenset(
         "SourceNotFound",
         "AccessDenied",
         "LabelTaken",
+        "PeersSecretTaken",
     }
 )
 
