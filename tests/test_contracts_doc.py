@@ -210,8 +210,10 @@ def test_the_paths_and_names_of_the_pod_are_those_of_the_webhook() -> None:
     ):
         value = getattr(injection, constant)
         assert f"`{value}`" in text, f"contracts.md does not give {constant} = {value!r}"
+    from modelload.operator.pods import GENERATION_ANNOTATION
     from modelload.operator.schema import MODEL_LABEL
 
+    assert f"`{GENERATION_ANNOTATION}`" in text, "contracts.md does not give the generation annotation"
     assert f"`{MODEL_LABEL}`" in text, f"contracts.md does not give the pod label {MODEL_LABEL!r}"
 
 

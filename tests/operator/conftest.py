@@ -254,16 +254,61 @@ def request_bodies(kube: Any) -> str:
     return "\n".join(r.text or r.body.decode("utf-8", "replace") for r in list(kube))
 
 
-async def create_modelload(api: Any, name: str, spec: dict[str, Any]) -> None:
-    """POST a ModelLoad through the API, so watchers see it (writing into KMock's store emits nothing)."""
+async def create_modelload(
+    api: Any,
+    name: str,
+    spec: dict[str, Any],
+    *,
+    created: str | None = None,
+    generation: int | None = None,
+    uid: str | None = None,
+) -> None:
+    """POST a ModelLoad through the API, so watchers see it (writing into KMock's store emits nothing).
+    ``created``, ``generation`` and ``uid``: its creationTimestamp, generation and uid, which the API
+    server sets and KMock does not."""
     from kubernetes import client
 
+    body = modelload(name, spec)
+    for field, value in (("creationTimestamp", created), ("generation", generation), ("uid", uid)):
+        if value is not None:
+            body["metadata"][field] = value
     await asyncio.to_thread(
         client.CustomObjectsApi(api).create_namespaced_custom_object,
         "modelload.dev",
         "v1alpha1",
         NAMESPACE,
         "modelloads",
-        modelload(name, spec),
+        body,
         _preload_content=False,
+    )
+
+
+async def delete_modelload(api: Any, name: str) -> None:
+    """DELETE a ModelLoad through the API, as kubectl would."""
+    from kubernetes import client
+
+    await asyncio.to_thread(
+        client.CustomObjectsApi(api).delete_namespaced_custom_object,
+        "modelload.dev",
+        "v1alpha1",
+        NAMESPACE,
+        "modelloads",
+        name,
+        _preload_content=False,
+    )
+
+
+async def patch_modelload(api: Any, name: str, body: dict[str, Any]) -> None:
+    """Merge-patch a ModelLoad through the API, as ``kubectl patch --type merge`` would."""
+    from kubernetes import client
+
+    await asyncio.to_thread(
+        client.CustomObjectsApi(api).patch_namespaced_custom_object,
+        "modelload.dev",
+        "v1alpha1",
+        NAMESPACE,
+        "modelloads",
+        name,
+        body,
+        _content_type="application/merge-patch+json",
     )

@@ -108,6 +108,24 @@ def test_an_override_of_the_huge_pages_must_hold_the_segment_and_keep_request_eq
     assert container(patched, "modelload")["resources"]["limits"]["hugepages-2Mi"] == "8Gi"
 
 
+@pytest.mark.parametrize(
+    ("memory", "override"),
+    [
+        ({"hugePages": "2Mi"}, "hugepages-1Gi"),  # pages of a size the segment is not on
+        (None, "hugepages-2Mi"),  # the segment is on ordinary memory
+    ],
+)
+def test_huge_pages_of_a_size_the_segment_does_not_use_are_refused_not_reserved_for_nothing(
+    memory: dict[str, Any] | None, override: str
+) -> None:
+    spec = {
+        **({"memory": memory} if memory else {}),
+        "sidecar": {"resources": {"limits": {override: "4Gi"}, "requests": {override: "4Gi"}}},
+    }
+    with pytest.raises(ConfigError, match=rf"^spec.sidecar.resources: {override} .*spec.memory.hugePages"):
+        build_patch(pod=bare_pod(), model=model(spec), sidecar=SIDECAR, native=True)
+
+
 def test_a_ring_on_huge_pages_is_sized_from_the_ring_not_the_model() -> None:
     ring = huge("2Mi", mode="ring", ringSize="256Mi")
     spec = parse_spec({"source": "s3://models/x.tensors", **ring})

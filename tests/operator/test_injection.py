@@ -361,3 +361,26 @@ def test_a_memory_volume_the_pod_already_names_is_used_not_duplicated() -> None:
     pod["spec"]["volumes"][-1] = {"name": "modelload", "emptyDir": {}}
     with pytest.raises(InjectionError, match="not a memory emptyDir"):
         build_patch(pod=pod, model=model(), sidecar=SIDECAR, native=True)
+
+
+def test_the_pod_is_marked_with_the_generation_of_the_spec_it_was_injected_from() -> None:
+    from dataclasses import replace
+
+    patched = apply(
+        bare_pod(),
+        build_patch(pod=bare_pod(), model=replace(model(), generation=7), sidecar=SIDECAR, native=True),
+    )
+    assert patched["metadata"]["annotations"]["modelload.dev/generation"] == "7"
+    kubernetes_validate.validate(patched, "1.33", strict=True)
+
+
+@pytest.mark.parametrize("policy", ["Never", "OnFailure"])
+def test_a_pod_that_runs_to_completion_is_refused_a_regular_sidecar_that_would_keep_it_running(
+    policy: str,
+) -> None:
+    job_pod = bare_pod()
+    job_pod["spec"]["restartPolicy"] = policy  # a Job's pod
+    with pytest.raises(InjectionError, match=rf"restartPolicy {policy}.*never exits.*native"):
+        build_patch(pod=job_pod, model=model(), sidecar=SIDECAR, native=False)
+    patched = apply(job_pod, build_patch(pod=job_pod, model=model(), sidecar=SIDECAR, native=True))
+    kubernetes_validate.validate(patched, "1.33", strict=True)  # a native sidecar never blocks completion

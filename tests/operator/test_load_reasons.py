@@ -156,3 +156,14 @@ async def test_the_degraded_condition_keeps_the_conditions_its_stale_view_of_the
     assert [c["type"] for c in conditions] == ["Ready", "PodsScheduled", "Degraded"]
     assert conditions[:2] == written
     assert (conditions[2]["status"], conditions[2]["reason"]) == ("True", "LoadFailed")
+
+
+async def test_what_was_told_of_pods_that_left_is_forgotten_so_pod_churn_grows_no_memory() -> None:
+    from modelload.operator.load_reasons import LoadReasons
+    from modelload.operator.pods import PodLoad
+
+    reasons = LoadReasons(None, interval=60)  # type: ignore[arg-type] # no ModelLoad: no API call
+    reasons._told.update({f"uid-{i}": ("failed", "404 not found") for i in range(1000)})  # pods gone since
+    staying = dataclasses.replace(PodLoad("ready"), uid="uid-7")
+    await reasons.poll({}, {(NAMESPACE, "tiny"): [staying]})
+    assert set(reasons._told) == {"uid-7"}

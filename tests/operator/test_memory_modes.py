@@ -105,3 +105,21 @@ def test_a_spec_writes_every_size_as_ring_size_does_and_the_chunk_size_reads_it(
     jsonschema.validate(
         {**doc, "spec": {"source": SOURCE, "chunkSize": "64MiB"}}, schema
     )  # as it was written
+
+
+async def test_a_ring_smaller_than_the_largest_tensor_is_a_badspec_condition_not_a_load_failed_in_every_pod(
+    kube: Any, operator: Any, api: Any, nginx: Any
+) -> None:
+    from tests.operator.conftest import create_modelload, model_bytes, resolved
+    from tests.operator.test_resolving import failed, ready_condition
+
+    # 4 tensors of 20000 x 16 float32: 1.2 MiB each, more than a 1Mi ring (the sidecar refuses that load)
+    url = str(nginx.put("operator/ring/wide.safetensors", model_bytes(tensors=4, rows=20000)))
+    await create_modelload(api, "narrow", {"source": url, "memory": {"mode": "ring", "ringSize": "1Mi"}})
+    obj = await failed(kube, "narrow", "BadSpec")
+    message = ready_condition(obj)["message"]
+    assert message.startswith("spec.memory.ringSize: 1Mi")
+    assert "'layers.0.weight'" in message and "at least 2Mi" in message
+
+    await create_modelload(api, "wide", {"source": url, "memory": {"mode": "ring", "ringSize": "2Mi"}})
+    await resolved(kube, "wide")

@@ -4,12 +4,14 @@ wires each sidecar to them (DNS name, port, token file): sidecars find each othe
 from __future__ import annotations
 
 import base64
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from modelload.operator.injection import build_patch
+from modelload.operator.peers import peer_names
 from tests.operator.conftest import NAMESPACE, create_modelload, current, resolved, wait_for
 from tests.operator.test_injection import SIDECAR, bare_pod, model
 
@@ -145,3 +147,84 @@ def test_the_fleet_figures_the_operator_writes_validate_against_the_crd() -> Non
     jsonschema.validate({"fleet": body}, status)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"fleet": {**body, "peerBytes": -1}}, status)
+
+
+DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+"""What the API server requires of a Service's name (a DNS-1035 label, at most 63 characters)."""
+
+MODELLOAD_NAMES = [
+    "llama",
+    "llama-3.1-8b",  # a dot: a valid ModelLoad name, never a Service's
+    "3b-chat",  # a leading digit: a Service's name starts with a letter
+    "a" * 58,  # '-peers' takes the name past 63 characters
+    "b" * 63 + ".x",
+    "c" * 253,
+    "m" * 63 + "-one",  # two long names that differ only past the 63rd character
+    "m" * 63 + "-two",
+    "1.2.3",
+]
+
+
+@pytest.mark.parametrize("name", MODELLOAD_NAMES)
+def test_the_peers_service_and_secret_of_any_valid_modelload_name_get_a_name_the_api_server_accepts(
+    name: str,
+) -> None:
+    assert DNS_1035_LABEL.match(peer_names(name)), peer_names(name)
+
+
+def test_distinct_modelloads_never_share_a_peers_service_or_token() -> None:
+    names = {peer_names(n) for n in MODELLOAD_NAMES}
+    assert len(names) == len(MODELLOAD_NAMES)
+    assert peer_names("llama") == "llama-peers"  # a name that fits keeps the plain form
+
+
+async def test_a_peered_modelload_with_a_dotted_name_gets_its_service_and_admits_pods(
+    kube: Any, operator: Any, model_url: str, api: Any
+) -> None:
+    await create_modelload(api, "llama-3.1-8b", {"source": model_url, "peers": True})
+    await resolved(kube, "llama-3.1-8b")
+    service_name = peer_names("llama-3.1-8b")
+    assert DNS_1035_LABEL.match(service_name)
+    service = await wait_for(
+        lambda: current(kube, "v1/services", NAMESPACE, service_name), what="the peers' Service"
+    )
+    assert service["spec"]["selector"] == {"modelload.dev/model": "llama-3.1-8b"}
+    assert current(kube, "v1/secrets", NAMESPACE, service_name) is not None
+
+
+async def test_a_peers_service_the_api_server_refuses_is_a_condition_not_a_silent_retry(
+    kube: Any, operator: Any, model_url: str, api: Any
+) -> None:
+    from tests.operator.test_resolving import failed
+
+    kube[f"post /api/v1/namespaces/{NAMESPACE}/services"] << 403
+    await create_modelload(api, "tiny", {"source": model_url, "peers": True})
+    obj = await failed(kube, "tiny", "Forbidden")
+    condition = next(c for c in obj["status"]["conditions"] if c["type"] == "Ready")
+    assert "create Service" in condition["message"] and "tiny-peers" in condition["message"]
+    assert obj["status"].get("bytes") is None  # pods would mount a token Secret with no Service beside it
+
+
+async def test_a_peers_secret_that_is_not_this_modelloads_is_a_condition_until_it_goes(
+    kube: Any, operator: Any, model_url: str, api: Any
+) -> None:
+    # A ModelLoad deleted and applied again before the garbage collector took its peers' Secret, or a
+    # Secret of the team's own under that name: pods would mount it, and its token (or none) would be theirs.
+    from tests.operator.conftest import secret
+    from tests.operator.test_resolving import failed, ready_condition
+
+    leftover = secret("tiny-peers", {"token": b"the old one"})
+    leftover["metadata"]["ownerReferences"] = [
+        {"apiVersion": "modelload.dev/v1alpha1", "kind": "ModelLoad", "name": "tiny", "uid": "old-uid"}
+    ]
+    kube.objects["v1/secrets", NAMESPACE, "tiny-peers"] = leftover
+    body = {"source": model_url, "peers": True}
+    await create_modelload(api, "tiny", body, uid="new-uid")
+    obj = await failed(kube, "tiny", "PeersSecretTaken")
+    assert "tiny-peers" in ready_condition(obj)["message"]
+    assert obj["status"].get("bytes") is None  # no pod is admitted to mount it
+
+    del kube.objects["v1/secrets", NAMESPACE, "tiny-peers"]  # collected at last
+    await resolved(kube, "tiny")
+    made = current(kube, "v1/secrets", NAMESPACE, "tiny-peers")
+    assert made is not None and made["metadata"]["ownerReferences"][0]["uid"] == "new-uid"

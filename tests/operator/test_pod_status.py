@@ -17,7 +17,9 @@ from tests.operator.conftest import (
     NAMESPACE,
     create_modelload,
     current,
+    delete_modelload,
     handled,
+    patch_modelload,
     resolved,
     seeded,
     wait_for,
@@ -157,19 +159,10 @@ async def test_a_modelload_created_after_its_pods_counts_them_at_once(
 async def test_deleting_a_modelload_is_immediate_and_later_pod_events_are_harmless(
     kube, model, api, caplog
 ) -> None:
-    from kubernetes import client
 
     obj = current(kube, MODELLOADS, NAMESPACE, "tiny")
     assert obj is not None and not obj["metadata"].get("finalizers")  # nothing for kopf to release
-    await asyncio.to_thread(
-        client.CustomObjectsApi(api).delete_namespaced_custom_object,
-        "modelload.dev",
-        "v1alpha1",
-        NAMESPACE,
-        "modelloads",
-        "tiny",
-        _preload_content=False,
-    )
+    await delete_modelload(api, "tiny")
     await wait_for(
         lambda: current(kube, MODELLOADS, NAMESPACE, "tiny") is None, what="the ModelLoad to be gone"
     )
@@ -184,3 +177,57 @@ async def test_deleting_a_modelload_is_immediate_and_later_pod_events_are_harmle
     assert errors == []
     history = kube.objects[MODELLOADS, NAMESPACE, "tiny"].history
     assert all(not (v or {}).get("metadata", {}).get("finalizers") for v in history if v is not None)
+
+
+async def test_pods_injected_before_a_spec_change_are_counted_as_outdated(
+    kube, operator, model_url, nginx, api
+) -> None:
+
+    from tests.operator.conftest import model_bytes
+
+    await create_modelload(api, "tiny", {"source": model_url}, generation=1)
+    await resolved(kube, "tiny")
+    kubelet = Kubelet(api)
+    for name, generation in (("p1", "1"), ("p2", "1")):
+        pod = injected_pod(name)
+        pod["metadata"]["annotations"] = {"modelload.dev/generation": generation}
+        await kubelet.create(pod)
+    await pods_become(kube, {"injected": 2, "outdated": 0})
+
+    other = str(nginx.put("operator/outdated/other.safetensors", model_bytes(tensors=2)))
+    # the API server bumps the generation itself; KMock does not
+    await patch_modelload(api, "tiny", {"metadata": {"generation": 2}, "spec": {"source": other}})
+    await wait_for(
+        lambda: (
+            ((current(kube, MODELLOADS, NAMESPACE, "tiny") or {}).get("status") or {}).get("tensors") == 2
+        ),
+        what="the new source read",
+    )
+    await pods_become(kube, {"injected": 2, "outdated": 2})  # they still load the old source
+    pod = injected_pod("p3")
+    pod["metadata"]["annotations"] = {"modelload.dev/generation": "2"}
+    await kubelet.create(pod)
+    await pods_become(kube, {"injected": 3, "outdated": 2})
+    await kubelet.delete("p1")
+    await pods_become(kube, {"injected": 2, "outdated": 1})
+
+
+async def test_a_failed_write_of_the_pods_figures_fails_neither_the_resolve_nor_the_pod_event_as_a_traceback(
+    kube, operator, model_url, api, caplog, monkeypatch
+) -> None:
+    from modelload.operator.handlers import PodAggregator
+    from modelload.operator.kube import KubeUnavailableError
+
+    async def unavailable(*_: Any, **__: Any) -> None:
+        raise KubeUnavailableError("patch ModelLoad serving/tiny status: HTTP 503 Service Unavailable")
+
+    monkeypatch.setattr(PodAggregator, "refresh", unavailable)
+    caplog.set_level(logging.INFO, logger="kopf")
+    await create_modelload(api, "tiny", {"source": model_url})
+    await resolved(kube, "tiny")
+    # the next pod event writes the figures; the model's read stands, and is not done again in a minute
+    await wait_for(lambda: handled(caplog, "resolve", "tiny"), what="the resolve handler to succeed")
+    await Kubelet(api).create(injected_pod("p1"))  # a pod event's write fails the same way: a warning
+    await wait_for(lambda: handled(caplog, "pod_changed", "p1"), what="the pod event handled")
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+    assert any("cannot write ModelLoad serving/tiny's pod figures" in r.getMessage() for r in caplog.records)

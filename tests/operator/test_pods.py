@@ -103,3 +103,18 @@ def test_the_sum_of_no_pods_is_zeros_without_times() -> None:
         None,
         None,
     )
+
+
+def test_a_pod_injected_for_an_earlier_generation_of_the_spec_counts_as_outdated() -> None:
+    def at(generation: str | None) -> PodLoad:
+        pod = injected_pod(state=RUNNING, ready=False)
+        if generation is not None:
+            pod["metadata"]["annotations"] = {"modelload.dev/generation": generation}
+        load = classify(pod)
+        assert load is not None
+        return load
+
+    loads = [at("1"), at("2"), at("3"), at(None), at("not a number")]
+    assert [load.generation for load in loads] == [1, 2, 3, None, None]
+    assert aggregate(loads, model_bytes=None, generation=3).outdated == 2
+    assert aggregate(loads, model_bytes=None, generation=None).outdated == 0  # nothing to compare with

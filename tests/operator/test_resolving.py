@@ -6,7 +6,6 @@ tests that pass credentials, so a model is only readable with the keys from the 
 
 from __future__ import annotations
 
-import asyncio
 import base64
 from typing import Any
 
@@ -18,6 +17,7 @@ from tests.operator.conftest import (
     create_modelload,
     current,
     model_bytes,
+    patch_modelload,
     posted_events,
     request_bodies,
     resolved,
@@ -212,20 +212,10 @@ async def test_an_unreachable_store_is_retried_and_reported_as_transient(kube, o
 
 
 async def test_a_spec_change_re_reads_the_model(kube, operator, model_url, nginx, api) -> None:
-    from kubernetes import client
 
     await create_modelload(api, "moving", {"source": nginx.url("operator/absent.safetensors")})
     await failed(kube, "moving", "SourceNotFound")
-    await asyncio.to_thread(
-        client.CustomObjectsApi(api).patch_namespaced_custom_object,
-        "modelload.dev",
-        "v1alpha1",
-        NAMESPACE,
-        "modelloads",
-        "moving",
-        {"spec": {"source": model_url}},
-        _content_type="application/merge-patch+json",
-    )
+    await patch_modelload(api, "moving", {"spec": {"source": model_url}})
     obj = await resolved(kube, "moving")
     assert ready_condition(obj)["status"] == "True"
     assert obj["status"]["tensors"] == 4
@@ -317,3 +307,103 @@ async def test_a_directory_whose_index_names_a_missing_shard_is_retried_as_not_f
     )
     obj = await failed(kube, "broken-dir", "SourceNotFound")
     assert "model-00002-of-00002.safetensors" in ready_condition(obj)["message"]
+
+
+async def test_a_modelload_whose_name_no_label_can_hold_says_to_set_podlabelvalue(
+    kube, operator, model_url, api
+) -> None:
+    long_name = "llama-3-8b-instruct-" + "q" * 50  # 70 characters: a valid name, too long for a label value
+    await create_modelload(api, long_name, {"source": model_url})
+    obj = await failed(kube, long_name, "BadSpec")
+    message = ready_condition(obj)["message"]
+    assert "spec.podLabelValue" in message and "63" in message
+    assert obj["status"]["phase"] == "Failed"
+
+    await create_modelload(api, long_name[:64], {"source": model_url, "podLabelValue": "llama"})
+    await resolved(kube, long_name[:64])
+
+
+async def test_a_failure_the_operator_does_not_know_is_a_condition_and_a_retry_not_silence(
+    kube, operator, model_url, api, monkeypatch, caplog
+) -> None:
+    from modelload.operator import handlers
+
+    async def broken(**_: Any) -> Any:
+        raise RuntimeError("a bug, with text that may hold anything: s3cr3t")
+
+    monkeypatch.setattr(handlers, "resolve", broken)
+    await create_modelload(api, "tiny", {"source": model_url})
+    obj = await failed(kube, "tiny", "OperatorError")
+    message = ready_condition(obj)["message"]
+    assert obj["status"]["phase"] == "Retrying"
+    assert "RuntimeError" in message and "s3cr3t" not in message
+    await wait_for(lambda: warnings_posted(kube, "OperatorError"), what="an OperatorError Event")
+    assert any(r.exc_info and "tiny" in r.getMessage() for r in caplog.records)  # the traceback is logged
+
+    monkeypatch.undo()  # the bug fixed: the next retry resolves it
+    await resolved(kube, "tiny")
+
+
+async def test_a_secret_of_thousands_of_keys_still_gives_a_condition_the_crd_accepts(
+    kube, operator, moto_s3, api
+) -> None:
+    import jsonschema
+
+    from tests.operator.test_crd import openapi_schema
+
+    uri = moto_s3.put(BUCKET, "tiny.safetensors", model_bytes())
+    keys = {f"unrelated-setting-number-{i:05d}": b"x" for i in range(3000)}  # a team's everything-Secret
+    kube.objects["v1/secrets", NAMESPACE, "everything"] = secret("everything", keys)
+    spec = {"source": uri, "credentialsSecretRef": {"name": "everything"}}
+    await create_modelload(api, "crowded", {**spec, "s3": {"endpoint": moto_s3.endpoint}})
+    obj = await failed(kube, "crowded", "SecretKeyMissing")
+    # The API server refuses a status whose condition message passes the CRD's bound: the ModelLoad would
+    # keep no condition at all (KMock does not check it: the test does).
+    jsonschema.validate(obj["status"], openapi_schema()["properties"]["status"])
+    message = ready_condition(obj)["message"]
+    assert "it has: unrelated-setting-number-00000" in message and "more" in message
+
+
+def test_a_condition_message_of_any_length_is_cut_to_what_the_crd_admits() -> None:
+    from modelload.operator.conditions import set_condition
+    from modelload.operator.status import MESSAGE_MAX_LENGTH
+
+    message = "start " + "x" * 50_000 + " end"
+    (condition,) = set_condition(
+        None, type="Ready", status="False", reason="R", message=message, generation=1, now="t"
+    )
+    assert len(condition["message"]) <= MESSAGE_MAX_LENGTH
+    assert condition["message"].startswith("start ") and condition["message"].endswith(" end")
+
+
+async def test_a_source_that_never_finishes_its_index_is_a_retrying_condition_and_one_read_not_a_pile(
+    kube, operator, model_url, api, monkeypatch, caplog
+) -> None:
+    import threading
+
+    from modelload.operator import resolve as resolving
+
+    real = resolving.read_summary
+    release = threading.Event()
+    calls: list[str] = []
+
+    def dripping(spec: Any, **kwargs: Any) -> Any:  # an origin that trickles its index out
+        calls.append(spec.source)
+        release.wait(60)
+        return real(spec, **kwargs)
+
+    monkeypatch.setattr(resolving, "read_summary", dripping)
+    monkeypatch.setattr(resolving, "READ_DEADLINE", 0.3, raising=False)
+    await create_modelload(api, "drip", {"source": model_url})
+    obj = await failed(kube, "drip", "SourceUnreadable")
+    assert obj["status"]["phase"] == "Retrying"
+    assert "has not given the model's index" in ready_condition(obj)["message"]
+    await wait_for(lambda: len(warnings_posted(kube, "SourceUnreadable")) >= 1, what="a warning Event")
+
+    def retries() -> int:
+        return sum(1 for r in caplog.records if "Handler 'resolve' failed temporarily" in r.getMessage())
+
+    await wait_for(lambda: retries() >= 3, what="three tries of the resolve")
+    assert len(calls) == 1, "each retry waited on the one read in progress instead of starting another"
+    release.set()
+    await resolved(kube, "drip")  # the try after the read ends takes its result

@@ -124,3 +124,66 @@ def test_specs_the_parser_refuses_fail_the_crd_schema_too(spec: dict[str, Any]) 
         parse_spec(spec)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(spec, crd_schema())
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        ({"source": "https://models.example.com:99999/llama.safetensors"}, "spec.source"),
+        ({"source": "https://models.example.com:https/llama.safetensors"}, "spec.source"),
+        ({"source": "https://[::1/llama.safetensors"}, "spec.source"),
+        ({"source": "https://models.example.com:99999/llama.safetensors?sig=S3CR3T"}, "spec.source"),
+        ({"source": "https://models..example.com/llama.safetensors"}, "spec.source"),
+        ({"source": f"https://{'a' * 64}.example.com/llama.safetensors"}, "spec.source"),
+        ({"source": "oci://ghcr.io:99999/org/llama:v1"}, "spec.source"),
+        ({"source": "s3://models/llama.tensors", "s3": {"endpoint": "http://[minio"}}, "spec.s3.endpoint"),
+        ({"source": "az://acct/models/llama", "azure": {"endpoint": "https://[::1"}}, "spec.azure.endpoint"),
+        ({"source": "hf://org/llama", "hub": {"endpoint": "https://hub.internal:0x50"}}, "spec.hub.endpoint"),
+    ],
+)
+def test_a_url_the_pattern_lets_through_but_no_reader_can_parse_is_refused_naming_the_field(
+    spec: dict[str, Any], field: str
+) -> None:
+    # These used to raise urllib's ValueError or the IDNA codec's UnicodeError in the middle of the read: a
+    # kopf traceback retried every minute, the ModelLoad without a condition, the webhook's answer a 500.
+    with pytest.raises(ConfigError, match=f"^{field}: .*not a usable URL") as refused:
+        parse_spec(spec)
+    assert "S3CR3T" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"memory": {"mode": "ring", "ringSize": "1e99999999"}},
+        {"volumeSizeLimit": "1e999999999"},
+        {"sidecar": {"resources": {"limits": {"memory": "9e99999999"}}}},
+    ],
+)
+def test_a_quantity_too_large_for_any_node_is_a_spec_error_not_an_overflow(spec: dict[str, Any]) -> None:
+    from modelload.operator.sizing import SizingDefaults, plan_sizing
+
+    with pytest.raises(ConfigError, match="above"):
+        parsed = parse_spec({"source": "s3://models/llama.tensors", **spec})
+        plan_sizing(model_bytes=1 << 30, tensors=10, spec=parsed, defaults=SizingDefaults())
+
+
+SAS_URL = "https://acct.blob.core.windows.net/?sv=2022-11-02&sig=S3CR3T"
+"""The Azure portal's "Blob service SAS URL", pasted as the endpoint."""
+
+
+@pytest.mark.parametrize(
+    ("section", "source", "endpoint"),
+    [
+        ("azure", "az://acct/models/llama/", SAS_URL),
+        ("gcs", "gs://models/llama/", "https://gcs.internal/?access_token=S3CR3T"),
+        ("s3", "s3://models/llama/", "https://minio.internal/?X-Amz-Signature=S3CR3T"),
+    ],
+)
+def test_an_endpoint_carrying_a_query_string_is_refused_without_repeating_it(
+    section: str, source: str, endpoint: str
+) -> None:
+    # An endpoint reaches the sidecar as a plain variable: a signature in it would sit in clear in every pod.
+    spec = {"source": source, section: {"endpoint": endpoint}}
+    with pytest.raises(ConfigError, match=f"^spec.{section}.endpoint: .*query string.*Secret") as refused:
+        parse_spec(spec)
+    assert "S3CR3T" not in str(refused.value)

@@ -149,3 +149,88 @@ def test_a_pod_this_webhook_injected_is_still_topped_up_not_refused() -> None:
     proxy = next(c for c in again["spec"]["containers"] if c["name"] == "mesh-proxy")
     assert any(m["name"] == "modelload" for m in proxy["volumeMounts"])
     assert build_patch(pod=again, model=model(), sidecar=SIDECAR, native=True) == []
+
+
+# --- volumes and mounts already named like the injected ones -----------------------------------------------
+
+
+def _encrypted_peered(**spec: Any) -> ResolvedModel:
+    full = {
+        "source": "s3://models/llama.tensors",
+        "decryptionKeySecretRef": {"name": "llama-key"},
+        "peers": True,
+        **spec,
+    }
+    return ResolvedModel(name="llama", namespace="serving", spec=parse_spec(full), bytes=1 << 30, tensors=291)
+
+
+@pytest.mark.parametrize(
+    "volume",
+    [
+        {"name": "modelload-key", "secret": {"secretName": "another-key"}},
+        {"name": "modelload-key", "configMap": {"name": "not-a-key"}},
+        {"name": "modelload-peer-token", "secret": {"secretName": "a-token-of-my-own"}},
+    ],
+)
+def test_a_pod_volume_named_like_a_secret_the_sidecar_mounts_is_refused_not_mounted_instead(
+    volume: dict[str, Any],
+) -> None:
+    original = pod()
+    original["spec"]["volumes"] = [volume]
+    with pytest.raises(InjectionError, match=rf"already has a volume named '{volume['name']}'.*rename"):
+        build_patch(pod=original, model=_encrypted_peered(), sidecar=SIDECAR, native=True)
+
+
+def test_a_pod_that_already_holds_the_very_volumes_the_webhook_adds_is_injected_without_duplicates() -> None:
+    once = jsonpatch.apply_patch(
+        pod(), build_patch(pod=pod(), model=_encrypted_peered(), sidecar=SIDECAR, native=True)
+    )
+    copy_without_sidecar = copy.deepcopy(once)  # a pod spec copied from an injected pod, sidecar taken out
+    copy_without_sidecar["spec"].pop("initContainers")
+    copy_without_sidecar["metadata"].pop("annotations")
+    ops = build_patch(pod=copy_without_sidecar, model=_encrypted_peered(), sidecar=SIDECAR, native=True)
+    again = jsonpatch.apply_patch(copy.deepcopy(copy_without_sidecar), ops)
+    kubernetes_validate.validate(again, "1.31", strict=True)
+    assert [v["name"] for v in again["spec"]["volumes"]] == [v["name"] for v in once["spec"]["volumes"]]
+
+
+def test_a_huge_page_volume_of_another_page_size_than_the_models_is_refused() -> None:
+    original = pod()
+    original["spec"]["volumes"] = [{"name": "modelload-hugepages", "emptyDir": {"medium": "HugePages-1Gi"}}]
+    spec = parse_spec({"source": "s3://models/llama.tensors", "memory": {"hugePages": "2Mi"}})
+    huge = ResolvedModel(name="llama", namespace="serving", spec=spec, bytes=1 << 30, tensors=291)
+    with pytest.raises(InjectionError, match=r"HugePages-1Gi.*HugePages-2Mi"):
+        build_patch(pod=original, model=huge, sidecar=SIDECAR, native=True)
+
+
+def test_a_memory_volume_of_the_pods_own_too_small_for_the_model_is_refused() -> None:
+    original = pod()
+    original["spec"]["volumes"] = [
+        {"name": "modelload", "emptyDir": {"medium": "Memory", "sizeLimit": "64Mi"}}
+    ]
+    with pytest.raises(InjectionError, match=r"sizeLimit 64Mi.*below"):
+        build_patch(pod=original, model=model(), sidecar=SIDECAR, native=True)
+
+
+def test_a_target_mounting_the_model_volume_elsewhere_is_refused_rather_than_left_without_the_segment() -> (
+    None
+):
+    original = pod()
+    original["spec"]["volumes"] = [{"name": "modelload", "emptyDir": {"medium": "Memory"}}]
+    original["spec"]["containers"][0]["volumeMounts"] = [{"name": "modelload", "mountPath": "/models"}]
+    with pytest.raises(InjectionError, match=r"mounts 'modelload' at /models.*/run/modelload"):
+        build_patch(pod=original, model=model(), sidecar=SIDECAR, native=True)
+
+
+# --- a pod already injected, for another model -------------------------------------------------------------
+
+
+def test_a_pod_injected_for_one_model_and_labelled_for_another_is_refused() -> None:
+    copied = patched(pod())  # e.g. kubectl debug --copy-to, or a manifest saved from a running pod
+    copied["metadata"]["labels"]["modelload.dev/model"] = "mistral"
+    mistral = ResolvedModel(
+        name="mistral", namespace="serving", spec=parse_spec({"source": "s3://models/mistral.tensors"}),
+        bytes=1 << 30, tensors=291,
+    )  # fmt: skip
+    with pytest.raises(InjectionError, match=r"injected for ModelLoad 'llama'.*'mistral'"):
+        build_patch(pod=copied, model=mistral, sidecar=SIDECAR, native=True)

@@ -6,10 +6,13 @@ only the CA the operator patched into the MutatingWebhookConfiguration.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import copy
+import json
 import ssl
 import uuid
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -216,7 +219,25 @@ class _Versioned:
     ],
 )
 async def test_the_sidecar_mode_follows_the_setting_or_the_api_servers_version(mode, version, native) -> None:
-    assert await native_sidecars(_Versioned(version), mode) is native  # type: ignore[arg-type]
+    assert await native_sidecars(_Versioned(version), mode, first_delay=0) is native  # type: ignore[arg-type]
+
+
+async def test_a_version_read_that_fails_at_start_up_is_tried_again_before_falling_back_to_regular() -> None:
+    class Blip(_Versioned):
+        """An API server that answers /version after two failures (a restart, a load balancer warming)."""
+
+        failures = 2
+
+        async def server_version(self) -> tuple[int, int]:
+            from modelload.operator.kube import KubeUnavailableError
+
+            if self.failures:
+                self.failures -= 1
+                raise KubeUnavailableError("get /version: HTTP 503")
+            return await super().server_version()
+
+    # A fall-back for the process's life: every pod would get a regular sidecar, and Jobs be refused.
+    assert await native_sidecars(Blip((1, 31)), "auto", first_delay=0) is True  # type: ignore[arg-type]
 
 
 async def _lookup_fails(namespace: str, value: str) -> Any:
@@ -245,3 +266,126 @@ async def test_a_webhook_that_cannot_decide_refuses_the_pod_with_a_reason(lookup
     assert answer["response"]["status"]["code"] == code
     assert words in answer["response"]["status"]["message"]
     assert "patch" not in answer["response"]
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def silent_api_server() -> Any:
+    """An API server that accepts connections and never answers (a half-open connection, a hung server)."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def hold() -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except TimeoutError:
+                continue
+
+    thread = threading.Thread(target=hold, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    stop.set()
+    thread.join()
+    for conn in held:
+        conn.close()
+    listener.close()
+
+
+async def test_an_api_server_that_never_answers_is_a_refusal_with_a_reason_before_the_api_servers_deadline(
+    silent_api_server: str,
+) -> None:
+    import yaml
+    from kubernetes import client
+
+    from modelload.operator.kube import REQUEST_TIMEOUT, Kube
+    from modelload.operator.settings import InjectedSidecar
+    from modelload.operator.webhook import PodWebhook, kube_lookup
+
+    values = yaml.safe_load((ROOT / "charts" / "modelload" / "values.yaml").read_text())
+    assert values["webhook"]["timeoutSeconds"] > REQUEST_TIMEOUT, "the API server would give up first"
+    kube = Kube(client.Configuration(host=silent_api_server), timeout=0.5)
+    try:
+        webhook = PodWebhook(lookup=kube_lookup(kube), sidecar=InjectedSidecar(), native=True)
+        answer = await asyncio.wait_for(webhook.review(review(pod())), 60)  # hung for good before the fix
+    finally:
+        await kube.close()
+    assert answer["response"]["allowed"] is False
+    assert answer["response"]["status"]["code"] == 503
+    assert "did not answer" in answer["response"]["status"]["message"]
+
+
+async def test_of_two_modelloads_answering_to_one_label_the_older_serves_and_the_newer_says_so(
+    kube, operator, model_url, nginx, api
+) -> None:
+    from tests.operator.conftest import delete_modelload, model_bytes
+    from tests.operator.test_resolving import failed, ready_condition
+
+    newer_url = str(nginx.put(f"operator/{uuid.uuid4().hex}/v2.safetensors", model_bytes(tensors=2)))
+    await create_modelload(api, "llama", {"source": model_url}, created="2026-11-01T10:00:00Z")
+    await resolved(kube, "llama")
+    spec = {"source": newer_url, "podLabelValue": "llama"}
+    await create_modelload(api, "llama-v2", spec, created="2026-11-02T10:00:00Z")
+    obj = await failed(kube, "llama-v2", "LabelTaken")
+    assert "ModelLoad 'llama'" in ready_condition(obj)["message"]
+    assert "spec.podLabelValue" in ready_condition(obj)["message"]
+
+    def source_of(answer: dict[str, Any]) -> str:
+        ops = json.loads(base64.b64decode(answer["response"]["patch"]))
+        sidecar = next(op["value"][0] for op in ops if op["path"] == "/spec/initContainers")
+        return next(e["value"] for e in sidecar["env"] if e["name"] == "MODELLOAD_SOURCE")
+
+    answer = await admit(operator, operator.ca_pem, review(pod("llama")))
+    assert answer["response"]["allowed"] is True, answer["response"].get("status")
+    assert source_of(answer) == model_url  # the older one's model, as both ModelLoads say
+
+    await delete_modelload(api, "llama")  # the label is free: the newer one is retried and takes it
+    await resolved(kube, "llama-v2")
+    answer = await admit(operator, operator.ca_pem, review(pod("llama")))
+    assert source_of(answer) == newer_url
+
+
+async def test_a_pod_in_another_namespace_never_gets_a_modelload_of_this_one(
+    kube, operator, ready_model
+) -> None:
+    body = review(pod("tiny"))
+    body["request"]["namespace"] = body["request"]["object"]["metadata"]["namespace"] = "other-team"
+    answer = await admit(operator, operator.ca_pem, body)
+    assert answer["response"]["allowed"] is False and "patch" not in answer["response"]
+    assert "does not exist in namespace 'other-team'" in answer["response"]["status"]["message"]
+
+
+async def test_model_reads_that_hang_do_not_hold_up_the_admission_of_pods_of_ready_models(
+    kube, operator, ready_model, api, monkeypatch
+) -> None:
+    import os
+    import threading
+
+    from modelload.operator import resolve as resolving
+    from tests.operator.conftest import wait_for
+
+    release = threading.Event()
+    hanging: list[str] = []
+
+    def slow_origin(spec: Any, **_: Any) -> Any:  # a tenant's origin that drips its index out
+        hanging.append(spec.source)
+        release.wait(60)
+        raise RuntimeError("released")
+
+    monkeypatch.setattr(resolving, "read_summary", slow_origin)
+    threads = min(32, (os.cpu_count() or 1) + 4)  # asyncio's default executor, which API calls use too
+    try:
+        for i in range(threads + 2):
+            await create_modelload(api, f"slow-{i}", {"source": f"https://slow.example/m{i}.safetensors"})
+        await wait_for(lambda: len(hanging) >= 4, what="the slow reads to start")
+        answer = await admit(operator, operator.ca_pem, review(pod("tiny")))
+    finally:
+        release.set()
+    assert answer["response"]["allowed"] is True, answer["response"].get("status")

@@ -44,15 +44,27 @@ logger = logging.getLogger(__name__)
 NATIVE_SIDECARS_SINCE = (1, 29)
 
 
-async def native_sidecars(kube: Kube, mode: str) -> bool:
-    """Whether to inject a native sidecar, per the setting or the API server's version."""
+VERSION_ATTEMPTS = 5
+
+
+async def native_sidecars(kube: Kube, mode: str, *, first_delay: float = 1.0) -> bool:
+    """Whether to inject a native sidecar, per the setting or the API server's version. The version is
+    asked :data:`VERSION_ATTEMPTS` times (waiting ``first_delay`` seconds, doubling, between them) before
+    falling back to regular containers: the answer holds for the process's life, and one failed call at
+    start-up (an API server restarting) would otherwise give every pod a regular sidecar until the next
+    restart, and refuse every Job's pod."""
     if mode != "auto":
         return mode == "native"
-    try:
-        version = await kube.server_version()
-    except KubeError as exc:
-        logger.warning("cannot read the API server's version (%s): injecting regular containers", exc)
-        return False
+    for attempt in range(VERSION_ATTEMPTS):
+        try:
+            version = await kube.server_version()
+            break
+        except KubeError as exc:
+            if attempt + 1 == VERSION_ATTEMPTS:
+                logger.warning("cannot read the API server's version (%s): injecting regular containers", exc)
+                return False
+            logger.info("cannot read the API server's version yet (%s): asking again", exc)
+            await asyncio.sleep(first_delay * 2**attempt)
     native = version >= NATIVE_SIDECARS_SINCE
     logger.info(
         "API server %d.%d: injecting %s",

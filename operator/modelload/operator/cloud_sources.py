@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
+from modelload.operator.conditions import named
 from modelload.operator.schema import ModelLoadSpec
 from modelload.operator.spec_sections import CredentialsSecretRef
 from modelload.sidecar.sources import AzureCredentials
@@ -149,7 +150,7 @@ def _gcs_key(ref: CredentialsSecretRef, data: Mapping[str, bytes], secret: str) 
         raise CloudSecretError(
             "SecretKeyMissing",
             f"the Secret {secret!r} has no key {key!r} (a gs:// source's service-account key); it has: "
-            f"{', '.join(sorted(data)) or 'no keys'}. Create it with kubectl create secret generic {secret} "
+            f"{named(data)}. Create it with kubectl create secret generic {secret} "
             f"--from-file={key}=KEY.json, set credentialsSecretRef.serviceAccountKeyKey, or drop the Secret "
             "and use GKE Workload Identity",
         )
@@ -175,7 +176,7 @@ def _azure(ref: CredentialsSecretRef, data: Mapping[str, bytes], secret: str) ->
     raise CloudSecretError(
         "SecretKeyMissing",
         f"the Secret {secret!r} has none of the keys {', '.join(repr(k) for k in keys)} (an az:// source's "
-        f"connection string, SAS token or account key); it has: {', '.join(sorted(data)) or 'no keys'}. "
+        f"connection string, SAS token or account key); it has: {named(data)}. "
         "Create one, or drop the Secret and use Entra Workload ID",
     )
 

@@ -13,14 +13,36 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from modelload.operator.kube import Kube, KubeConflictError
+from modelload.operator.status import MESSAGE_MAX_LENGTH
 
-__all__ = ["ATTEMPTS", "Verdict", "now_rfc3339", "set_condition", "write_condition"]
+__all__ = ["ATTEMPTS", "Verdict", "named", "now_rfc3339", "set_condition", "write_condition"]
 
 Verdict = tuple[str, str, str]
 """A condition's ``(status, reason, message)``."""
 
 ATTEMPTS = 3
 """Reads and conditional writes of a condition before giving up until the writer's next look."""
+
+
+NAMED = 20
+"""Names a message lists (a Secret's keys, a Docker config's registries) before it says how many more."""
+
+
+def named(names: Iterable[str], *, none: str = "no keys") -> str:
+    """``a, b, c`` in order, the first :data:`NAMED` of them and how many more: a Secret of thousands of
+    keys must not make a message longer than a condition may be."""
+    ordered = sorted(names)
+    shown = ", ".join(ordered[:NAMED]) or none
+    more = len(ordered) - NAMED
+    return f"{shown} and {more} more" if more > 0 else shown
+
+
+def _bounded(message: str) -> str:
+    """``message`` within the CRD's bound on a condition's message, cut in the middle if it must be."""
+    if len(message) <= MESSAGE_MAX_LENGTH:
+        return message
+    half = (MESSAGE_MAX_LENGTH - 5) // 2
+    return f"{message[:half]} ... {message[-half:]}"
 
 
 def now_rfc3339() -> str:
@@ -69,7 +91,7 @@ def _build(
         "type": type_,
         "status": status,
         "reason": reason,
-        "message": message,
+        "message": _bounded(message),
         "lastTransitionTime": since,
     }
     if generation is not None:

@@ -32,13 +32,26 @@ import kopf
 
 from modelload.operator.conditions import now_rfc3339
 from modelload.operator.fleet import FleetPoller
-from modelload.operator.kube import Kube, KubeNotFoundError
+from modelload.operator.kube import Kube, KubeError, KubeNotFoundError
 from modelload.operator.load_reasons import LoadReasons
 from modelload.operator.metrics import METRICS
 from modelload.operator.peers import ensure_peer_objects
 from modelload.operator.pods import PodLoad, aggregate, classify
-from modelload.operator.resolve import classify_failure, failure_status, resolve, success_status
-from modelload.operator.resource import label_value
+from modelload.operator.polling import answering_entry
+from modelload.operator.resolve import (
+    OPERATOR_ERROR,
+    IndexReads,
+    classify_failure,
+    failure_status,
+    resolve,
+    success_status,
+)
+from modelload.operator.resource import (
+    check_label_free,
+    check_selectable,
+    label_value,
+    precedence,
+)
 from modelload.operator.scheduling import write_condition
 from modelload.operator.schema import GROUP, MODEL_LABEL, PLURAL, VERSION, parse_spec
 from modelload.operator.settings import OperatorSettings
@@ -89,6 +102,7 @@ def pods_body(status: PodsStatus) -> dict[str, Any]:
         "ready": status.ready,
         "failed": status.failed,
         "unschedulable": status.unschedulable,
+        "outdated": status.outdated,
         "lastLoadSeconds": status.last_load_seconds,
         "medianLoadSeconds": status.median_load_seconds,
         "lastThroughputBytesPerSecond": status.last_throughput_bytes_per_second,
@@ -118,13 +132,14 @@ class PodAggregator:
         loads: Callable[[], Iterable[PodLoad]],
         *,
         model_bytes: int | None,
+        generation: int | None = None,
         conditions: Sequence[Mapping[str, Any]] | None = None,
         force: bool = False,
     ) -> None:
         key = (namespace, name)
         async with self._locks[key]:
             items = list(loads())
-            body = pods_body(aggregate(items, model_bytes=model_bytes))
+            body = pods_body(aggregate(items, model_bytes=model_bytes, generation=generation))
             try:
                 flagged = await write_condition(
                     self._kube, namespace, name, [(p.unschedulable, p.huge_pages) for p in items],
@@ -146,14 +161,22 @@ class PodAggregator:
 def modelloads_by_label(
     *, namespace: str | None, name: str, body: kopf.Body, status: kopf.Status, **_: Any
 ) -> Any:
-    """Index: the ModelLoad (its model's bytes, whether it has peers, its conditions) that each pod label
-    value in a namespace selects."""
+    """Index: the ModelLoad (its model's bytes, whether it has peers, its conditions, its precedence among
+    ModelLoads of the same label: :func:`.resource.precedence`, its spec's generation) that each pod
+    label value in a namespace selects."""
     nbytes = status.get("bytes")
     peers = (body.get("spec") or {}).get("peers") is True
     conditions = [dict(c) for c in status.get("conditions") or ()]
-    return {
-        (namespace, label_value(body)): (name, nbytes if isinstance(nbytes, int) else None, peers, conditions)
-    }
+    generation = (body.get("metadata") or {}).get("generation")
+    entry = (
+        name,
+        nbytes if isinstance(nbytes, int) else None,
+        peers,
+        conditions,
+        precedence(body),
+        generation if isinstance(generation, int) else None,
+    )
+    return {(namespace, label_value(body)): entry}
 
 
 def pod_loads(*, namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> Any:
@@ -169,6 +192,7 @@ class Handlers:
         self._settings = settings
         self._kube = kube
         self._aggregator = PodAggregator(kube)
+        self.reads = IndexReads()
         self.fleet = FleetPoller(kube, interval=settings.fleet_interval)
         self.reasons = LoadReasons(kube, interval=settings.fleet_interval)
 
@@ -180,6 +204,7 @@ class Handlers:
     async def stop_fleet(self, **_: Any) -> None:
         await self.fleet.stop()
         await self.reasons.stop()
+        self.reads.close()
 
     async def resolve_model(
         self,
@@ -200,19 +225,28 @@ class Handlers:
         now = now_rfc3339()
         try:
             spec = parse_spec(body.get("spec"))
+            check_selectable(body)
+            owners = kwargs["modelloads_by_label"].get((namespace, label_value(body)), [])
+            check_label_free(body, [entry[4] for entry in owners])
             sizing = self._settings.sidecar.sizing
             with METRICS.resolving():
                 resolution = await resolve(
                     kube=self._kube,
                     namespace=namespace,
+                    name=name,
                     spec=spec,
                     sizing=sizing,
                     networks=self._settings.source_networks,
+                    reads=self.reads,
+                )
+            if spec.peers:  # a refusal (RBAC, a name) is the ModelLoad's condition, as any other failure
+                await ensure_peer_objects(
+                    self._kube, namespace=namespace, body=body, label_value=label_value(body)
                 )
         except Exception as exc:
             failure = classify_failure(exc, retry=retry, policy=self._settings.retry)
-            if failure is None:
-                raise
+            if failure.reason == OPERATOR_ERROR:
+                logger.exception("resolving ModelLoad %s/%s failed unexpectedly", namespace, name)
             keep = isinstance(status.get("bytes"), int) and status.get("observedGeneration") == generation
             patch.status.update(
                 failure_status(
@@ -226,37 +260,45 @@ class Handlers:
             raise kopf.TemporaryError(
                 f"{failure.reason}: {failure.message}", delay=failure.retry_after
             ) from None
-        if spec.peers:
-            await ensure_peer_objects(
-                self._kube, namespace=namespace, body=body, label_value=label_value(body)
-            )
         new_status = success_status(resolution, generation=generation, conditions=conditions, now=now)
         patch.status.update(new_status)
         if not spec.peers and status.get("fleet") is not None:
             patch.status["fleet"] = None  # peers turned off: no fleet figures to keep showing
         kopf.info(body, reason="Resolved", message=new_status["conditions"][-1]["message"])
         selector, index = (namespace, label_value(body)), kwargs["pod_loads"]
-        await self._aggregator.refresh(
-            namespace,
-            name,
-            lambda: index.get(selector, []),
-            model_bytes=resolution.summary.bytes if resolution.summary is not None else None,
-            conditions=new_status["conditions"],
-            force=True,
-        )
+        try:
+            await self._aggregator.refresh(
+                namespace,
+                name,
+                lambda: index.get(selector, []),
+                model_bytes=resolution.summary.bytes if resolution.summary is not None else None,
+                generation=generation,
+                conditions=new_status["conditions"],
+                force=True,
+            )
+        except KubeError as exc:  # the next pod event writes them: the model's read stands, not redone
+            logger.warning("cannot write ModelLoad %s/%s's pod figures yet: %s", namespace, name, exc)
 
     async def pod_changed(self, *, namespace: str | None, labels: Mapping[str, str], **kwargs: Any) -> None:
         """Fold a pod's change (or deletion) into its ModelLoad's ``status.pods``."""
         namespace = namespace or "default"
         selector = (namespace, str(labels.get(MODEL_LABEL)))
-        owners = list(kwargs["modelloads_by_label"].get(selector, []))
-        if len(owners) != 1:
-            return  # no ModelLoad (the webhook refused such pods), or an ambiguous label: nothing to report
-        name, model_bytes, _, conditions = owners[0]
+        owner = answering_entry(kwargs["modelloads_by_label"].get(selector, []))
+        if owner is None:
+            return  # no ModelLoad (the webhook refused such pods): nothing to report
+        name, model_bytes, _, conditions, _, generation = owner
         index = kwargs["pod_loads"]
-        await self._aggregator.refresh(
-            namespace, name, lambda: index.get(selector, []), model_bytes=model_bytes, conditions=conditions
-        )
+        try:
+            await self._aggregator.refresh(
+                namespace,
+                name,
+                lambda: index.get(selector, []),
+                model_bytes=model_bytes,
+                generation=generation,
+                conditions=conditions,
+            )
+        except KubeError as exc:  # kopf retries no event handler: the pod's next event, or the resolve's
+            logger.warning("cannot write ModelLoad %s/%s's pod figures: %s", namespace, name, exc)
 
 
 def build_registry(

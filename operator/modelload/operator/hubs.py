@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from modelload.loader.errors import ConfigError
+from modelload.operator.conditions import named
 from modelload.operator.schema import ModelLoadSpec
 from modelload.sidecar.sources import auths_from_docker_config, parse_oci_uri
 
@@ -64,7 +65,7 @@ def registry_auths(value: bytes, *, where: str, source: str) -> dict[str, dict[s
     auths = auths_from_docker_config(value, where=where)
     registry = parse_oci_uri(source).registry
     if registry not in auths:
-        known = ", ".join(sorted(auths)) or "none"
+        known = named(auths, none="none")
         raise ConfigError(
             f"{where} has no credentials for {registry} (it has: {known}): create it with kubectl create "
             f"secret docker-registry NAME --docker-server={registry} --docker-username=... "

@@ -42,7 +42,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from modelload.loader.errors import ModelloadError
+from modelload.loader.errors import ConfigError, ModelloadError
 from modelload.loader.wiring import (
     HUGE_PAGES_MOUNT_PATH,
     HUGE_PAGES_SEGMENT_PATH,
@@ -52,6 +52,8 @@ from modelload.loader.wiring import (
 from modelload.operator import hubs
 from modelload.operator.cloud_sources import cloud_mounts, cloud_volumes
 from modelload.operator.peers import PEER_DIR, PEER_VOLUME, peer_volume
+from modelload.operator.pods import GENERATION_ANNOTATION
+from modelload.operator.quantity import parse_bytes
 from modelload.operator.resource import ResolvedModel
 from modelload.operator.schema import MODEL_LABEL
 from modelload.operator.settings import InjectedSidecar
@@ -134,13 +136,15 @@ def build_patch(
     :class:`~modelload.loader.errors.ConfigError` when the model's overrides cannot hold it.
     """
     _check_own_name(pod)
+    _check_injected_for(pod, model)
     _check_source(model)
     spec = pod.get("spec") or {}
     containers: list[Mapping[str, Any]] = list(spec.get("containers") or [])
     targets = _target_indices(pod, containers, model)
-    _check_clashes(spec, containers, targets)
+    _check_clashes(spec, containers, targets, huge=huge_pages(model.spec) is not None)
     ops: list[Op] = []
     if not has_sidecar(pod):
+        _check_completes(spec, native=native)
         sizing = plan_sizing(
             model_bytes=model.bytes,
             tensors=model.tensors,
@@ -148,14 +152,16 @@ def build_patch(
             defaults=sidecar.sizing,
             segment=model.segment_bytes,
         )
-        present = {v.get("name") for v in spec.get("volumes") or ()}  # a memory volume the pod already names
-        volumes = [v for v in _volumes(model, sizing) if v["name"] not in present]
+        volumes = _new_volumes(spec, _volumes(model, sizing), sizing)
         ops += _append(("spec", "volumes"), spec.get("volumes"), volumes)
         group = _segment_group(spec, sidecar)
         container = _sidecar_container(model, sidecar, sizing.resources, native=native, group=group)
         where = ("spec", "initContainers") if native else ("spec", "containers")
         ops += _append(where, spec.get(where[1]), [container])
-        ops += _annotations(pod, {INJECTED_ANNOTATION: model.name, MODE_ANNOTATION: _mode(native)})
+        marks = {INJECTED_ANNOTATION: model.name, MODE_ANNOTATION: _mode(native)}
+        if model.generation is not None:
+            marks[GENERATION_ANNOTATION] = str(model.generation)
+        ops += _annotations(pod, marks)
         if group is not None:
             ops += _supplemental_group(spec, group)
     huge = huge_pages(model.spec)
@@ -190,6 +196,78 @@ def _supplemental_group(spec: Mapping[str, Any], group: int) -> list[Op]:
     if existing is not None and group in existing:
         return []
     return _append(("spec", "securityContext", "supplementalGroups"), existing, [group])
+
+
+def _check_completes(spec: Mapping[str, Any], *, native: bool) -> None:
+    """A pod that runs to completion (a Job's) finishes when all its containers have: a regular sidecar,
+    which never exits, would keep it running for good. A native sidecar is stopped with the pod."""
+    policy = spec.get("restartPolicy")
+    if not native and policy in ("Never", "OnFailure"):
+        raise InjectionError(
+            f"the pod has restartPolicy {policy} (a Job's pod runs to completion), and the sidecar would be "
+            "a regular container, which never exits: the pod would never finish. Native sidecars (Kubernetes "
+            "1.29 and later, the chart's sidecar.mode native or auto) stop with the pod; or run the model "
+            "in a Deployment"
+        )
+
+
+def _check_injected_for(pod: Mapping[str, Any], model: ResolvedModel) -> None:
+    """A pod already injected for another ModelLoad (a copy of a running pod, relabelled) keeps that model's
+    sidecar and source: admitting it under this label would count it among this model's pods."""
+    injected = ((pod.get("metadata") or {}).get("annotations") or {}).get(INJECTED_ANNOTATION)
+    if has_sidecar(pod) and injected != model.name:
+        raise InjectionError(
+            f"the pod was injected for ModelLoad {injected!r} (annotation {INJECTED_ANNOTATION}, and its "
+            f"sidecar loads that model) but its label {MODEL_LABEL} asks for ModelLoad {model.name!r}: "
+            f"create it from its controller's template, or without the {SIDECAR_NAME!r} container and the "
+            "modelload.dev/ annotations, so that it is injected for the model it names"
+        )
+
+
+def _new_volumes(
+    spec: Mapping[str, Any], volumes: Sequence[dict[str, Any]], sizing: Sizing
+) -> list[dict[str, Any]]:
+    """The injected volumes the pod lacks. One it already has under the same name is used only when it is
+    what the injection means: the memory volume with room for the model (a pod may size its own), the huge
+    pages of the model's page size, or exactly the Secret volume the webhook adds (a pod copied from an
+    injected one). Another volume under those names would be mounted in the sidecar in place of the
+    ModelLoad's own: another key, token or set of headers."""
+    present = {v.get("name"): v for v in spec.get("volumes") or ()}
+    new = []
+    for volume in volumes:
+        name = volume["name"]
+        own = present.get(name)
+        if own is None:
+            new.append(volume)
+        elif name == VOLUME_NAME:
+            _check_own_memory_volume(own, sizing)
+        elif name == HUGE_PAGES_VOLUME:
+            medium = (own.get("emptyDir") or {}).get("medium")
+            if medium != volume["emptyDir"]["medium"]:
+                raise InjectionError(
+                    f"the pod's volume {name!r} has medium {medium}, and the model's segment takes "
+                    f"{volume['emptyDir']['medium']} (its spec.memory.hugePages): remove that volume, or "
+                    "change its medium"
+                )
+        elif own != volume:
+            raise InjectionError(
+                f"the pod already has a volume named {name!r}, which modelload's sidecar mounts for the "
+                "ModelLoad's own Secret: rename that volume"
+            )
+    return new
+
+
+def _check_own_memory_volume(volume: Mapping[str, Any], sizing: Sizing) -> None:
+    limit = (volume.get("emptyDir") or {}).get("sizeLimit")
+    try:
+        size = None if limit is None else parse_bytes(limit)
+    except ConfigError as exc:
+        raise InjectionError(f"the pod's volume {VOLUME_NAME!r}: sizeLimit {exc}") from None
+    if size is not None and size < sizing.volume_bytes:
+        raise InjectionError(
+            f"the pod's volume {VOLUME_NAME!r} has sizeLimit {limit}, below the {sizing.volume_size_limit} "
+            "the model takes: remove that volume (the webhook adds one of the right size), or enlarge it"
+        )
 
 
 def _check_source(model: ResolvedModel) -> None:
@@ -389,7 +467,7 @@ def _target_indices(
 
 
 def _check_clashes(
-    spec: Mapping[str, Any], containers: Sequence[Mapping[str, Any]], targets: Sequence[int]
+    spec: Mapping[str, Any], containers: Sequence[Mapping[str, Any]], targets: Sequence[int], *, huge: bool
 ) -> None:
     for volume in spec.get("volumes") or ():
         medium = str((volume.get("emptyDir") or {}).get("medium"))
@@ -403,14 +481,22 @@ def _check_clashes(
                 "rename it"
             )
     ours = {MOUNT_PATH: VOLUME_NAME, HUGE_PAGES_MOUNT_PATH: HUGE_PAGES_VOLUME}
+    paths = {name: path for path, name in ours.items() if huge or name == VOLUME_NAME}
     for index in targets:
         container = containers[index]
         for mount in container.get("volumeMounts") or ():
-            path = mount.get("mountPath")
-            if path in ours and mount.get("name") != ours[path]:
+            path, name = mount.get("mountPath"), mount.get("name")
+            if path in ours and name != ours[path]:
                 raise InjectionError(
-                    f"container {container.get('name')!r} already mounts {mount.get('name')!r} at "
+                    f"container {container.get('name')!r} already mounts {name!r} at "
                     f"{path}, where the model's volume goes; move that mount"
+                )
+            if name in paths and path != paths[name]:
+                # The loader's variables point under paths[name]: it would wait for a segment never there.
+                raise InjectionError(
+                    f"container {container.get('name')!r} mounts {name!r} at {path}, and the loader finds "
+                    f"the model at {paths[name]}: remove that mount (the webhook adds it where the loader "
+                    "looks)"
                 )
 
 

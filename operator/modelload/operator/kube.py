@@ -31,6 +31,7 @@ from modelload.loader.errors import ModelloadError
 from modelload.operator.schema import GROUP, PLURAL, VERSION
 
 __all__ = [
+    "REQUEST_TIMEOUT",
     "Kube",
     "KubeConflictError",
     "KubeError",
@@ -40,6 +41,12 @@ __all__ = [
     "KubeUnavailableError",
     "load_configuration",
 ]
+
+REQUEST_TIMEOUT = 8.0
+"""Seconds each of the operator's own calls may take to connect, and then to answer. The webhook's lookup is
+one of them, so it must give up, and refuse the pod with a reason, before the API server's own deadline
+for the webhook (the chart's ``webhook.timeoutSeconds``, 10): a hung server or a half-open connection
+would otherwise hold the call, and the thread it runs in, for good."""
 
 MERGE_PATCH = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
@@ -89,9 +96,10 @@ class Kube:
     that leave optional fields out (as an emulator or an older server may), and the operator wants dicts.
     """
 
-    def __init__(self, configuration: Any) -> None:
+    def __init__(self, configuration: Any, *, timeout: float = REQUEST_TIMEOUT) -> None:
         from kubernetes import client
 
+        self._timeout = timeout
         self._api = client.ApiClient(configuration)
         self._core = client.CoreV1Api(self._api)
         self._custom = client.CustomObjectsApi(self._api)
@@ -104,10 +112,15 @@ class Kube:
     async def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
         from kubernetes.client.exceptions import ApiException
 
+        # The call gives up after the timeout; the thread too, a few urllib3 retries of it later at most.
+        call = asyncio.to_thread(fn, *args, _preload_content=False, _request_timeout=self._timeout, **kwargs)
         try:
-            response = await asyncio.to_thread(fn, *args, _preload_content=False, **kwargs)
+            response = await asyncio.wait_for(call, self._timeout)
         except ApiException as exc:
             raise _translate(what, exc.status, exc.reason) from None
+        except asyncio.TimeoutError:
+            reason = f"the API server did not answer within {self._timeout:g} s"
+            raise KubeUnavailableError(f"{what}: {reason}") from None
         except Exception as exc:
             # urllib3's connection errors (refused, reset, timed out, TLS) are OSError or urllib3's own.
             if isinstance(exc, OSError) or type(exc).__module__.startswith("urllib3"):
@@ -132,6 +145,14 @@ class Kube:
         secret = await self._call(what, self._core.read_namespaced_secret, name, namespace)
         data = secret.get("data") or {}
         return {key: base64.b64decode(value) for key, value in data.items()}
+
+    async def secret_owners(self, namespace: str, name: str) -> list[str]:
+        """The uids in a Secret's ownerReferences (its data is not kept)."""
+        secret = await self._call(
+            f"get Secret {namespace}/{name}", self._core.read_namespaced_secret, name, namespace
+        )
+        owners = (secret.get("metadata") or {}).get("ownerReferences") or []
+        return [str(owner.get("uid")) for owner in owners if isinstance(owner, Mapping)]
 
     async def create_secret(self, namespace: str, body: Mapping[str, Any]) -> None:
         what = f"create Secret {namespace}/{body['metadata']['name']}"

@@ -31,7 +31,7 @@ import aiohttp
 from modelload.operator.conditions import Verdict, now_rfc3339, write_condition
 from modelload.operator.kube import Kube, KubeError, KubeNotFoundError
 from modelload.operator.pods import PodLoad
-from modelload.operator.polling import IndexPoller, Selector
+from modelload.operator.polling import IndexPoller, Selector, answering_entry
 
 __all__ = ["CONDITION", "LoadReasons", "PodReason", "degraded_condition"]
 
@@ -115,20 +115,24 @@ class LoadReasons(IndexPoller):
         """(phase, error) last posted per pod uid."""
 
     async def poll(self, models: Mapping[Selector, Any], pods: Mapping[Selector, Any]) -> None:
-        """One round: every ModelLoad with one owner of its label, its not-ready pods asked concurrently."""
+        """One round: the ModelLoad that answers to each label, its not-ready pods asked concurrently."""
         timeout = aiohttp.ClientTimeout(total=self._timeout)
         connector = aiohttp.TCPConnector(limit=16, force_close=True)
         async with aiohttp.ClientSession(timeout=timeout, connector=connector, trust_env=False) as session:
             for selector, owners in list(models.items()):
-                entries = list(owners)
-                if len(entries) != 1:
-                    continue  # no ModelLoad, or an ambiguous label: nothing to report to
+                owner = answering_entry(owners)
+                if owner is None:
+                    continue  # no ModelLoad: nothing to report to
                 waiting = [p for p in pods.get(selector, []) if p.state == "loading" and p.status_address]
                 answers = await asyncio.gather(*(ask(session, p) for p in waiting))
                 reasons = [r for r in answers if r is not None]
                 for reason in reasons:
                     await self._tell_pod(selector[0], reason)
-                await self._write(selector, entries[0][0], entries[0][3], reasons)
+                await self._write(selector, owner[0], owner[3], reasons)
+        # What was told of pods that left is of no use: forgotten, or pod churn would grow it for good.
+        alive = {load.uid for loads in list(pods.values()) for load in loads}
+        for uid in [uid for uid in self._told if uid not in alive]:
+            del self._told[uid]
 
     async def _tell_pod(self, namespace: str, reason: PodReason) -> None:
         said = (reason.phase, reason.error)

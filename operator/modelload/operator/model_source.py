@@ -21,6 +21,7 @@ blocking; the handlers run it in a thread.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -29,9 +30,11 @@ from modelload.loader.errors import ConfigError, SourceAccessDeniedError, Source
 from modelload.loader.formats import ModelIndex
 from modelload.loader.segment import ALIGNMENT, TensorSpec, plan_layout
 from modelload.loader.segment.layout import align
+from modelload.loader.sizes import format_bytes
 from modelload.operator import hubs
 from modelload.operator.cloud_sources import GcsKey, endpoint_of, own_identity_reaches
 from modelload.operator.hubs import HubAccess
+from modelload.operator.quantity import format_mib, parse_bytes
 from modelload.operator.schema import ModelLoadSpec
 from modelload.sidecar.sources import AzureCredentials, Network, RequestHeaders, S3Credentials, parse_headers
 
@@ -109,6 +112,7 @@ def read_summary(
             uri=exc.uri,
         ) from exc
     check_priority(index, spec.priority)
+    check_ring(index, spec)
     return ModelSummary(
         format=index.format,
         format_version=index.version,
@@ -128,11 +132,32 @@ def _small_files_bound(small: dict[str, int]) -> int:
 
 def check_priority(index: ModelIndex, priority: list[str]) -> None:
     """Every priority entry names a tensor or a prefix of one: the sidecar refuses the load otherwise, so a
-    typo is reported on the ModelLoad rather than by every pod's sidecar."""
-    names = [t.name for t in index.tensors]
+    typo is reported on the ModelLoad rather than by every pod's sidecar. A look-up in the sorted names
+    per entry: an entry against every name cost the product of the two (33 CPU-seconds for 4,096 entries
+    and 100,000 tensors, the GIL shared with the webhook)."""
+    names = sorted(index.table.names)  # a name with the prefix, if any, sorts first at or after it
     for i, wanted in enumerate(priority):
-        if not any(name == wanted or name.startswith(wanted) for name in names):
+        at = bisect.bisect_left(names, wanted)
+        if at == len(names) or not names[at].startswith(wanted):
             raise ConfigError(f"spec.priority[{i}]: {wanted!r} matches no tensor name or prefix in the model")
+
+
+def check_ring(index: ModelIndex, spec: ModelLoadSpec) -> None:
+    """A ring that cannot hold the largest tensor's record (its header and bytes) is refused here: every
+    pod's sidecar would refuse the load after being scheduled, and say it only there."""
+    ring = spec.memory.ring_size if spec.memory is not None else None
+    if ring is None or not index.tensors:
+        return
+    needs = [t.header_length + t.nbytes for t in index.tensors]
+    largest = max(range(len(needs)), key=needs.__getitem__)
+    if needs[largest] > parse_bytes(ring):
+        name = index.tensors[largest].name
+        raise ConfigError(
+            f"{ring} cannot hold the model's largest tensor, {name!r} ({format_bytes(needs[largest])}): "
+            f"set it to at least {format_mib(needs[largest])}, and a few chunks more to keep the readers "
+            "busy while the app copies",
+            setting="spec.memory.ringSize",
+        )
 
 
 def segment_bound(index: ModelIndex, *, source: str) -> int:

@@ -13,15 +13,19 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
+import re
 import secrets
 from collections.abc import Mapping
 from typing import Any
 
+from modelload.loader.errors import ModelloadError
 from modelload.loader.wiring import PEER_PORT
 from modelload.operator.kube import Kube, KubeConflictError
 from modelload.operator.schema import GROUP, MODEL_LABEL, VERSION
 
 __all__ = [
+    "PeersSecretTakenError",
     "ensure_peer_objects",
     "peer_env",
     "peer_names",
@@ -39,9 +43,25 @@ PEER_PORT_ENV = "MODELLOAD_PEER_PORT"
 """Where a peered sidecar serves, and where :mod:`.fleet` asks it for its stats."""
 
 
+_SERVICE_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+"""A Service's name as the API server requires it: a DNS-1035 label (a letter first, no dots, 63 at most)."""
+_DIGEST_CHARS = 12
+
+
 def peer_names(name: str) -> str:
-    """The Service's and the Secret's name for ModelLoad ``name`` (a DNS label when ``name`` is short)."""
-    return f"{name}-peers"[:63].rstrip("-")
+    """The Service's and the Secret's name for ModelLoad ``name``: ``<name>-peers`` when that is a valid
+    Service name; else (a dot, a leading digit, a long name: all valid ModelLoad names) a Service name made
+    of the name's legal characters and a digest of the whole name, so two ModelLoads never share a Service
+    or a token however long or alike their names are."""
+    plain = f"{name}-peers"
+    if _SERVICE_NAME.match(plain):
+        return plain
+    digest = hashlib.sha256(name.encode()).hexdigest()[:_DIGEST_CHARS]
+    suffix = f"-{digest}-peers"
+    stem = re.sub(r"[^a-z0-9-]+", "-", name.lower())[: 63 - len(suffix) - 3].strip("-")
+    if not stem[:1].isalpha():
+        stem = f"ml-{stem}".rstrip("-")
+    return f"{stem}{suffix}"
 
 
 def _owner(name: str, uid: str) -> list[dict[str, Any]]:
@@ -75,19 +95,41 @@ def token_secret_body(*, name: str, uid: str) -> dict[str, Any]:
     }
 
 
+class PeersSecretTakenError(ModelloadError):
+    """The peers' token Secret exists and is not this ModelLoad's; the message says whose and what to do.
+    Retried: a ModelLoad deleted and created again meets its predecessor's until the collector takes it."""
+
+    condition = "PeersSecretTaken"
+
+
 async def ensure_peer_objects(
     kube: Kube, *, namespace: str, body: Mapping[str, Any], label_value: str
 ) -> None:
     """Create the Service and the Secret when missing; existing ones are kept (a token never rotates under
-    running pods)."""
+    running pods) when they are this ModelLoad's. A Secret of that name that is not (its predecessor's,
+    not collected yet; one of the team's own) is :class:`PeersSecretTakenError`: pods would mount it, and
+    a token that is not the model's, or none."""
     meta = body.get("metadata") or {}
     name, uid = str(meta.get("name")), str(meta.get("uid") or "")
-    for create, obj in (
-        (kube.create_secret, token_secret_body(name=name, uid=uid)),
-        (kube.create_service, service_body(name=name, uid=uid, label_value=label_value)),
-    ):
-        with contextlib.suppress(KubeConflictError):  # made earlier (by this operator, or another replica)
-            await create(namespace, obj)
+    secret = token_secret_body(name=name, uid=uid)
+    try:
+        await kube.create_secret(namespace, secret)
+    except KubeConflictError:  # made earlier (by this operator, or another replica), or not ours
+        owners = await kube.secret_owners(namespace, secret["metadata"]["name"])
+        if uid and uid not in owners:
+            whose = (
+                "owned by another ModelLoad (one deleted and not collected yet, when this one was created "
+                "again)"
+                if owners
+                else "not the operator's (a Secret of the namespace's own)"
+            )
+            raise PeersSecretTakenError(
+                f"the Secret {secret['metadata']['name']!r}, which this model's sidecars would take their "
+                f"peer token from, exists and is {whose}: retrying; if it stays, delete it (or rename this "
+                "ModelLoad)"
+            ) from None
+    with contextlib.suppress(KubeConflictError):
+        await kube.create_service(namespace, service_body(name=name, uid=uid, label_value=label_value))
 
 
 def peer_env(*, name: str, namespace: str) -> list[dict[str, str]]:

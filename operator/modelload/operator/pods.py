@@ -27,9 +27,11 @@ from modelload.operator.peers import PEER_DNS_ENV, PEER_PORT_ENV
 from modelload.operator.scheduling import huge_page_request, unschedulable
 from modelload.operator.status import PodsStatus
 
-__all__ = ["PodLoad", "aggregate", "classify"]
+__all__ = ["GENERATION_ANNOTATION", "PodLoad", "aggregate", "classify"]
 
 SIDECAR_NAME = "modelload"
+GENERATION_ANNOTATION = "modelload.dev/generation"
+"""The ModelLoad's generation a pod was injected from (the webhook writes it)."""
 STATUS_PORT_ENV = "MODELLOAD_PORT"
 """The sidecar's status API port variable (its ``--port``), which the webhook sets."""
 FAILED_WAITING_REASONS = frozenset(
@@ -68,6 +70,9 @@ class PodLoad:
     status_address: str | None = field(default=None, compare=False)
     """``host:port`` of the sidecar's status API (the pod's IP and its MODELLOAD_PORT), once the pod has an
     IP: where the operator asks a sidecar that is not ready why (:mod:`modelload.operator.load_reasons`)."""
+    generation: int | None = None
+    """The ModelLoad's generation the pod was injected from (its ``modelload.dev/generation`` annotation);
+    None for a pod injected before the annotation existed."""
     name: str = field(default="", compare=False)
     uid: str = field(default="", compare=False)
     """The pod's name and uid, for Events about it."""
@@ -92,6 +97,7 @@ def classify(pod: Mapping[str, Any]) -> PodLoad | None:
         return None
     load = replace(
         load,
+        generation=_generation(meta),
         name=str(meta.get("name") or ""),
         uid=str(meta.get("uid") or ""),
         status_address=_address(status, env.get(STATUS_PORT_ENV), STATUS_PORT),
@@ -105,6 +111,11 @@ def classify(pod: Mapping[str, Any]) -> PodLoad | None:
     return replace(
         load, peers=True, pod=load.name, address=_address(status, env.get(PEER_PORT_ENV), PEER_PORT)
     )
+
+
+def _generation(meta: Mapping[str, Any]) -> int | None:
+    value = str((meta.get("annotations") or {}).get(GENERATION_ANNOTATION) or "")
+    return int(value) if value.isdigit() else None
 
 
 def _address(status: Mapping[str, Any], port_value: Any, default: int) -> str | None:
@@ -175,8 +186,11 @@ def _seconds_between(start: str | None, end: str | None) -> float | None:
     return round(seconds, 3) if seconds >= 0 else None
 
 
-def aggregate(loads: Iterable[PodLoad], *, model_bytes: int | None) -> PodsStatus:
-    """The ``status.pods`` of a ModelLoad from its pods' loads."""
+def aggregate(
+    loads: Iterable[PodLoad], *, model_bytes: int | None, generation: int | None = None
+) -> PodsStatus:
+    """The ``status.pods`` of a ModelLoad from its pods' loads; ``generation``: its spec's (pods injected
+    from another are outdated)."""
     items = list(loads)
     counts = {state: sum(1 for p in items if p.state == state) for state in ("loading", "ready", "failed")}
     timed = [p for p in items if p.state == "ready" and p.load_seconds is not None and p.ready_at]
@@ -193,6 +207,9 @@ def aggregate(loads: Iterable[PodLoad], *, model_bytes: int | None) -> PodsStatu
         ready=counts["ready"],
         failed=counts["failed"],
         unschedulable=sum(1 for p in items if p.unschedulable is not None),
+        outdated=sum(
+            1 for p in items if None not in (p.generation, generation) and p.generation != generation
+        ),
         last_load_seconds=last_seconds,
         median_load_seconds=median,
         last_throughput_bytes_per_second=throughput,

@@ -11,15 +11,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["IndexPoller", "Selector"]
+__all__ = ["IndexPoller", "Selector", "answering_entry"]
 
 logger = logging.getLogger(__name__)
 
 Selector = tuple[str, str]
 """(namespace, label value): how pods find their ModelLoad."""
+
+
+def answering_entry(owners: Iterable[Any]) -> Any:
+    """Of the ``modelloads_by_label`` entries of one label value, the ModelLoad that answers (the webhook's
+    rule, :func:`.resource.answering`: the oldest, its precedence the entry's fifth item); None if none."""
+    return min(owners, key=lambda entry: entry[4], default=None)
 
 
 class IndexPoller:

@@ -14,7 +14,7 @@ from decimal import Decimal, InvalidOperation
 
 from modelload.loader.errors import ConfigError
 
-__all__ = ["MIB", "format_mib", "parse_bytes"]
+__all__ = ["MAX_BYTES", "MIB", "format_mib", "parse_bytes"]
 
 MIB = 1 << 20
 
@@ -28,6 +28,9 @@ _DECIMAL = {
 }
 _DECIMAL.update({"M": Decimal(10**6), "G": Decimal(10**9), "T": Decimal(10**12), "P": Decimal(10**15)})
 _DECIMAL["E"] = Decimal(10**18)
+MAX_BYTES = (1 << 63) - 1
+"""A quantity's value is a signed 64-bit integer in the API server: a larger one cannot size a pod."""
+MAX_QUANTITY = "8Ei"
 _QUANTITY = re.compile(r"^([+-]?[0-9.]+)(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?[0-9]+)?$")
 
 
@@ -36,6 +39,8 @@ def parse_bytes(value: str | int) -> int:
     if isinstance(value, int) and not isinstance(value, bool):
         if value < 0:
             raise ConfigError(f"a memory quantity cannot be negative: {value}")
+        if value > MAX_BYTES:
+            raise ConfigError(f"{value} is above {MAX_QUANTITY}, the largest quantity Kubernetes holds")
         return value
     text = str(value).strip()
     match = _QUANTITY.match(text)
@@ -46,14 +51,20 @@ def parse_bytes(value: str | int) -> int:
         amount = Decimal(number)
     except InvalidOperation as exc:
         raise ConfigError(f"{text!r} is not a Kubernetes quantity (e.g. 512Mi, 2Gi, 1G)") from exc
-    if suffix in _BINARY:
-        total = amount * _BINARY[suffix]
-    elif suffix[:1] in ("e", "E"):
-        total = amount * (Decimal(10) ** int(suffix[1:]))
-    else:
-        total = amount * _DECIMAL[suffix]
+    too_large = ConfigError(f"{text!r} is above {MAX_QUANTITY}, the largest quantity Kubernetes holds")
+    try:
+        if suffix in _BINARY:
+            total = amount * _BINARY[suffix]
+        elif suffix in _DECIMAL:  # "E" alone is exa; "E3" an exponent
+            total = amount * _DECIMAL[suffix]
+        else:
+            total = amount * (Decimal(10) ** int(suffix[1:]))
+    except ArithmeticError:  # decimal's Overflow: an exponent past what any context holds
+        raise too_large from None
     if total < 0:
         raise ConfigError(f"a memory quantity cannot be negative: {text!r}")
+    if total > MAX_BYTES:
+        raise too_large
     return math.ceil(total)
 
 

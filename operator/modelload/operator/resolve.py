@@ -19,6 +19,7 @@ SourceNotFound,
 AccessDenied
 SourceUnreadable    Retrying  retry with backoff, or after the source's Retry-After when longer
 APIUnavailable      Retrying  the same
+OperatorError       Retrying  the same: an error outside the project's tree, a bug (its traceback is logged)
 ==================  ========  =======================================================================
 
 The backoff (:class:`~modelload.operator.settings.RetrySettings`) starts at 5 s and doubles to 2 minutes. It
@@ -33,7 +34,9 @@ Messages never carry credentials, tokens, keys or query strings: the sources lay
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+import concurrent.futures
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -46,7 +49,7 @@ from modelload.operator.cloud_sources import (
     read_cloud_credentials,
     scheme_of,
 )
-from modelload.operator.conditions import set_condition
+from modelload.operator.conditions import named, set_condition
 from modelload.operator.hubs import HubAccess
 from modelload.operator.injection import source_query_problem
 from modelload.operator.kube import Kube, KubeNotFoundError
@@ -65,6 +68,7 @@ from modelload.operator.sizing import Sizing, SizingDefaults, plan_sizing
 
 __all__ = [
     "Failure",
+    "IndexReads",
     "Resolution",
     "SecretProblemError",
     "classify_failure",
@@ -105,12 +109,15 @@ async def resolve(
     *,
     kube: Kube,
     namespace: str,
+    name: str = "",
     spec: ModelLoadSpec,
     sizing: SizingDefaults,
     networks: Sequence[Network] = (),
+    reads: IndexReads | None = None,
 ) -> Resolution:
-    """Check the Secrets, read the index (in a thread, from public addresses and ``networks`` only), and
-    size the pods' volume and sidecar. A local (``file://``) model is not read (:func:`_local`)."""
+    """Check the Secrets, read the index (in a thread of ``reads``, or a default one without, from public
+    addresses and ``networks`` only), and size the pods' volume and sidecar. A local (``file://``) model is
+    not read (:func:`_local`)."""
     problem = source_query_problem(spec.source)
     if problem is not None:
         raise SourceUriError(problem, setting="spec.source")
@@ -121,7 +128,7 @@ async def resolve(
     await check_decryption_secret(kube, namespace, spec)
     if is_local(spec.source):
         return _local(spec, sizing)
-    summary = await asyncio.to_thread(
+    read = functools.partial(
         read_summary,
         spec,
         credentials=credentials,
@@ -130,6 +137,10 @@ async def resolve(
         access=access,
         networks=networks,
     )
+    if reads is None:
+        summary = await asyncio.to_thread(read)
+    else:
+        summary = await reads.read((namespace, name, repr(spec)), read, source=spec.source)
     has_key = spec.decryption_key_secret_ref is not None or spec.password_secret_ref is not None
     if summary.encrypted and not has_key:
         raise SecretProblemError(
@@ -151,6 +162,64 @@ async def resolve(
         segment=summary.segment_bytes,
     )
     return Resolution(summary=summary, sizing=planned)
+
+
+SOURCE_READERS = 4
+"""Threads that read models' indices, apart from asyncio's default executor."""
+READ_DEADLINE = 120.0
+"""Seconds one try of a resolve waits for the model's index before it says so (``SourceUnreadable``,
+retried). The read goes on in its thread (a thread cannot be stopped): the next try waits for the same
+read rather than starting another, so an origin that trickles its index out holds one reader, not one
+more per retry."""
+
+
+class IndexReads:
+    """The operator's index reads: their own threads, and the reads in progress that a retry waits for.
+
+    Apart from the default executor, which every API call (the webhook's look-up among them) runs in: a
+    ModelLoad's origin is whoever wrote it, and a few that drip their index out held every thread there,
+    so pods of every namespace were refused for want of a thread to list ModelLoads with. One per running
+    operator, closed with it (a read still in progress is left to end on its own)."""
+
+    def __init__(self, threads: int = SOURCE_READERS) -> None:
+        self._threads = threads
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            threads, thread_name_prefix="modelload-source-read"
+        )
+        self._reading: dict[tuple[str, str, str], concurrent.futures.Future[ModelSummary]] = {}
+        """By (namespace, name, the spec read)."""
+
+    async def read(
+        self, key: tuple[str, str, str], read: Callable[[], ModelSummary], *, source: str
+    ) -> ModelSummary:
+        future = self._reading.get(key)
+        if future is None:
+            for stale in [k for k in self._reading if k[:2] == key[:2]]:
+                del self._reading[stale]  # a read of an earlier spec: its result is of no use any more
+            future = self._reading[key] = self._pool.submit(read)
+        try:
+            summary = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), READ_DEADLINE)
+        except asyncio.TimeoutError:
+            if future.running():
+                raise TransientSourceError(
+                    f"{source}: the source has not given the model's index in {READ_DEADLINE:g} s (it sends "
+                    "it too slowly, or stopped sending); still reading",
+                    uri=source,
+                ) from None
+            raise TransientSourceError(
+                f"{source}: the model's index is not read yet: all {self._threads} of the operator's index "
+                "readers are busy with other ModelLoads' sources",
+                uri=source,
+            ) from None
+        except BaseException:
+            self._reading.pop(key, None)
+            raise
+        self._reading.pop(key, None)
+        return summary
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._reading.clear()
 
 
 def _local(spec: ModelLoadSpec, sizing: SizingDefaults) -> Resolution:
@@ -181,8 +250,7 @@ def _key(data: Mapping[str, bytes], secret: str, key: str, purpose: str) -> byte
     if key not in data:
         raise SecretProblemError(
             "SecretKeyMissing",
-            f"the Secret {secret!r} has no key {key!r} ({purpose}); "
-            f"it has: {', '.join(sorted(data)) or 'no keys'}",
+            f"the Secret {secret!r} has no key {key!r} ({purpose}); it has: {named(data)}",
         )
     return data[key]
 
@@ -302,6 +370,8 @@ _FIX_ELSEWHERE = frozenset(
         "Forbidden",
         "SourceNotFound",
         "AccessDenied",
+        "LabelTaken",
+        "PeersSecretTaken",
     }
 )
 
@@ -316,12 +386,21 @@ _ADVICE = {"BadModel": ". The file is not a readable model: upload it again, or 
 """What a condition's message adds to the error's own, by reason."""
 
 
-def classify_failure(exc: BaseException, *, retry: int, policy: RetrySettings) -> Failure | None:
+OPERATOR_ERROR = "OperatorError"
+"""The reason of a failure no error of the project's tree describes: a bug, retried and said."""
+
+
+def classify_failure(exc: BaseException, *, retry: int, policy: RetrySettings) -> Failure:
     """What a failure of :func:`resolve` means, from the error's own classification (its ``condition`` and
-    ``transient``: :mod:`modelload.loader.errors`); None for an unexpected error (let kopf retry and log
-    it)."""
+    ``transient``: :mod:`modelload.loader.errors`). An unexpected error (a bug: the caller logs its
+    traceback) is retried with backoff as ``OperatorError``, naming only its type, whose text may hold
+    anything; the ModelLoad says why it is not ready rather than keeping its last condition."""
     if not isinstance(exc, ModelloadError):
-        return None
+        message = (
+            f"the operator failed on this ModelLoad ({type(exc).__name__}): a bug; its log has the "
+            "traceback, please report it (retrying)"
+        )
+        return Failure(OPERATOR_ERROR, message, "Retrying", backoff(retry, policy))
     reason = exc.condition
     message = f"{exc}{_ADVICE.get(reason, '')}"
     if exc.transient:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from modelload.loader.errors import ConfigError, SourceUriError
 from modelload.loader.sizes import parse_size
@@ -197,7 +198,8 @@ class ModelLoadSpec:
     peers: bool = prop(
         doc="Let this model's sidecars serve each other: each takes chunks from pods that hold them and "
         "reads the origin only for the rest. The operator creates a headless Service and a token Secret "
-        "named <name>-peers. Encrypted models always read the origin.",
+        "named <name>-peers (with a digest of the name instead, for a name with a dot, a leading digit or "
+        "over 57 characters, which a Service's name cannot be). Encrypted models always read the origin.",
         default=False,
     )
 
@@ -267,6 +269,7 @@ def parse_spec(data: Any) -> ModelLoadSpec:
     if spec.azure is not None and not spec.source.startswith("az://"):
         raise ConfigError("spec.azure: azure options are for az:// sources")
     _check_hub_or_registry(spec)
+    _check_urls(spec)
     memory = spec.memory
     if memory is not None:
         if (memory.mode == "ring") != (memory.ring_size is not None):
@@ -285,6 +288,8 @@ def _check_source_shape(data: Any) -> None:
     source = data.get("source") if isinstance(data, dict) else None
     if not isinstance(source, str) or source.startswith("file://"):
         return
+    if source.startswith(("http://", "https://", "oci://")):
+        _check_url(source, setting="spec.source", error=SourceUriError)
     from modelload.sidecar.sources import store_for
 
     try:
@@ -316,6 +321,40 @@ def _check_hub_or_registry(spec: ModelLoadSpec) -> None:
             parse_oci_uri(spec.source)
     except SourceUriError as exc:
         raise SourceUriError(str(exc), setting="spec.source") from None
+
+
+def _check_urls(spec: ModelLoadSpec) -> None:
+    """The endpoints, as the readers will split them (the source: :func:`_check_source_shape`). An endpoint
+    with a query string (a SAS URL pasted whole, a signature, a token) is refused as a source with one is:
+    the endpoint reaches the sidecar as a plain variable, in clear in every pod's spec."""
+    for section in ("s3", "gcs", "azure", "hub"):
+        endpoint = getattr(getattr(spec, section), "endpoint", None)
+        if endpoint is None:
+            continue
+        setting = f"spec.{section}.endpoint"
+        if "?" in endpoint:
+            raise ConfigError(
+                "carries a query string (a SAS token, a signature or a token?), which would be copied in "
+                "clear into every pod's spec: give the endpoint alone, and its credentials in a Secret "
+                "(spec.credentialsSecretRef, or spec.hub.tokenSecretRef)",
+                setting=setting,
+            )
+        _check_url(endpoint, setting=setting, error=ConfigError)
+
+
+def _check_url(url: str, *, setting: str, error: type[ConfigError]) -> None:
+    """A port that is no port, a broken IPv6 literal, a host name the IDNA codec refuses (an empty label, one
+    over 63 characters) pass the CRD's patterns, and would otherwise raise urllib's or the codec's
+    ValueError in the middle of a read: a traceback, not a condition."""
+    try:
+        parts = urlsplit(url)
+        _ = parts.port
+        host = parts.hostname or ""
+        if host and ":" not in host:  # an IPv6 literal has no labels to encode
+            host.encode("idna")
+    except ValueError as exc:  # UnicodeError, the IDNA codec's, is a ValueError
+        shown = url.split("?", 1)[0]  # a query may hold a signature: never repeated
+        raise error(f"{shown!r} is not a usable URL: {exc}", setting=setting) from None
 
 
 def spec_schema() -> dict[str, Any]:

@@ -158,6 +158,7 @@ def plan_sizing(
         requests.update({k: str(v) for k, v in overrides.requests.items()})
         limits.update({k: str(v) for k, v in overrides.limits.items()})
     _check_memory(requests=requests, limits=limits, volume_bytes=rounded_volume)
+    _check_page_sizes(requests, limits, huge)
     if huge is not None:
         _check_huge_pages(requests=requests, limits=limits, huge=huge)
     return Sizing(
@@ -188,6 +189,18 @@ def _huge_pages(
 
 def _round_up(value: int, page: int) -> int:
     return -(-value // page) * page
+
+
+def _check_page_sizes(requests: dict[str, str], limits: dict[str, str], huge: HugePages | None) -> None:
+    """Huge pages of a size the segment is not on would be taken from the node's pool for nothing (and keep
+    the pod off nodes without them): only the sidecar's segment uses huge pages, through its volume."""
+    for resource in sorted({*requests, *limits}):
+        if resource.startswith("hugepages-") and (huge is None or resource != huge.resource):
+            where = f"on {huge.size} pages" if huge is not None else "on ordinary memory"
+            raise ConfigError(
+                f"spec.sidecar.resources: {resource} asks for pages the segment does not use (it is {where}, "
+                "spec.memory.hugePages): remove it, or set spec.memory.hugePages to that size"
+            )
 
 
 def _check_huge_pages(*, requests: dict[str, str], limits: dict[str, str], huge: HugePages) -> None:

@@ -13,7 +13,10 @@ from typing import Any
 
 from modelload.operator._dataschema import openapi, prop
 
-__all__ = ["Condition", "FleetStatus", "ModelLoadStatus", "PodsStatus", "status_schema"]
+__all__ = ["MESSAGE_MAX_LENGTH", "Condition", "FleetStatus", "ModelLoadStatus", "PodsStatus", "status_schema"]
+
+MESSAGE_MAX_LENGTH = 32768
+"""The longest condition message the CRD admits: the API server refuses a status with a longer one whole."""
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,9 @@ class Condition:
     status: str = prop(doc="True, False or Unknown.", enum=("True", "False", "Unknown"))
     reason: str = prop(doc="A CamelCase reason: Resolved, BadSource, SecretNotFound, SourceUnreadable...")
     last_transition_time: str = prop(doc="When the status last changed.", format="date-time")
-    message: str = prop(doc="What happened and what to do, for people.", default="", max_length=32768)
+    message: str = prop(
+        doc="What happened and what to do, for people.", default="", max_length=MESSAGE_MAX_LENGTH
+    )
     observed_generation: int | None = prop(doc="The generation this condition describes.", default=None)
 
 
@@ -52,6 +57,13 @@ class PodsStatus:
     unschedulable: int = prop(
         doc="Pending pods no node can take (for example none with enough free huge pages); the "
         "PodsScheduled condition says why.",
+        default=0,
+        minimum=0,
+    )
+    outdated: int = prop(
+        doc="Pods injected for an earlier generation of the spec: their sidecar loads what the spec named "
+        "then (its source, its options), not what it names now. Restart them (kubectl rollout restart) to "
+        "get the current model.",
         default=0,
         minimum=0,
     )

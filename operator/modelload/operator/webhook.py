@@ -28,7 +28,7 @@ from modelload.loader.errors import ConfigError, ModelloadError
 from modelload.operator.injection import InjectionError, build_patch, has_sidecar, model_label
 from modelload.operator.kube import Kube, KubeError
 from modelload.operator.metrics import METRICS, OperatorMetrics
-from modelload.operator.resource import NotResolvedError, ResolvedModel, label_value
+from modelload.operator.resource import NotResolvedError, ResolvedModel, answering, label_value
 from modelload.operator.schema import MODEL_LABEL
 from modelload.operator.settings import InjectedSidecar
 
@@ -41,7 +41,7 @@ ModelLookup = Callable[[str, str], Awaitable[Mapping[str, Any]]]
 
 
 class ModelNotFoundError(ModelloadError):
-    """No single ModelLoad answers to a pod's label; the message says what to create or fix."""
+    """No ModelLoad answers to a pod's label; the message says what to create or fix."""
 
     kind = "model_not_found"
 
@@ -57,13 +57,7 @@ def kube_lookup(kube: Kube) -> ModelLookup:
                 f"namespace {namespace!r}: create a ModelLoad named {value!r} (or one with "
                 f"spec.podLabelValue {value!r}), or fix the label"
             )
-        if len(items) > 1:
-            names = ", ".join(sorted(str(i["metadata"]["name"]) for i in items))
-            raise ModelNotFoundError(
-                f"the pod's label {MODEL_LABEL}={value} matches several ModelLoads in {namespace!r} "
-                f"({names}); give them distinct spec.podLabelValue"
-            )
-        return items[0]
+        return answering(items)  # of several, the oldest: the others' conditions say LabelTaken
 
     return lookup
 
