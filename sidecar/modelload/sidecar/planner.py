@@ -19,6 +19,7 @@ is a few arrays and a few hundred chunks.
 
 from __future__ import annotations
 
+import bisect
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -157,21 +158,30 @@ def load_order(index: ModelIndex, priority: Sequence[str] = ()) -> tuple[int, ..
 
     ``("model.embed_tokens.", "model.layers.0.")`` loads the embeddings, then layer 0, then the rest in file
     order. A priority entry that matches nothing is an error: it is almost always a typo.
+
+    The names with a prefix are one run of the sorted names, found by bisection: the cost is the sort plus
+    what the entries match, not entries times tensors (4,096 entries against a mixture of experts' 100,000
+    tensors would be 400 million comparisons).
     """
     if not priority:
         return tuple(range(len(index.tensors)))
     names = index.table.names
+    ranked = sorted(range(len(names)), key=names.__getitem__)
+    ordered = [names[i] for i in ranked]
     first: list[int] = []
-    seen: set[int] = set()
+    seen = bytearray(len(names))
     for wanted in priority:
-        matched = [i for i, name in enumerate(names) if name == wanted or name.startswith(wanted)]
-        if not matched:
+        start = bisect.bisect_left(ordered, wanted)
+        end = start
+        while end < len(ordered) and ordered[end].startswith(wanted):
+            end += 1
+        if end == start:
             raise ConfigError(f"priority entry {wanted!r} matches no tensor name or prefix in the model")
-        for i in matched:
-            if i not in seen:
-                seen.add(i)
+        for i in sorted(ranked[start:end]):  # in file order, as the entry's tensors lie
+            if not seen[i]:
+                seen[i] = 1
                 first.append(i)
-    return (*first, *(i for i in range(len(names)) if i not in seen))
+    return (*first, *(i for i in range(len(names)) if not seen[i]))
 
 
 def plan_load(
