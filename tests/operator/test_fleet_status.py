@@ -292,3 +292,31 @@ def test_a_peered_pods_address_is_its_ip_and_its_sidecars_peer_port() -> None:
     plain = injected_pod("p2")
     plain["status"] = {"phase": "Running", "podIP": "10.1.2.4", **sidecar_status(**RUNNING)}
     assert (load := classify(plain)) is not None and load.address is None and not load.serving
+
+
+async def test_of_two_modelloads_of_one_label_the_one_that_answers_pods_is_polled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pods of a label shared by two ModelLoads are the oldest one's (the webhook's rule): its fleet is
+    read, where a shared label used to be skipped as ambiguous."""
+    from modelload.operator.fleet import FleetPoller
+
+    asked: list[str] = []
+
+    async def one(self: FleetPoller, session: Any, selector: Any, name: str, pods: list[Any]) -> None:
+        asked.append(name)
+
+    monkeypatch.setattr(FleetPoller, "_one", one)
+    older = ("first", 1 << 20, True, [], ("2026-01-01T00:00:00Z", "first"), 1)
+    newer = ("second", 1 << 20, False, [], ("2026-02-01T00:00:00Z", "second"), 1)
+    poller = FleetPoller(kube=None, interval=60)  # type: ignore[arg-type]
+    await poller.poll({("ns", "llama"): [newer, older]}, {})
+    assert asked == ["first"]
+    asked.clear()
+    oldest = ("second", None, True, [], ("2025-12-01T00:00:00Z", "second"), 1)
+    await poller.poll({("ns", "llama"): [oldest, older]}, {})
+    assert asked == ["second"], "the older of the two answers, peered or not"
+    asked.clear()
+    unpeered = ("first", None, False, [], ("2026-01-01T00:00:00Z", "first"), 1)
+    await poller.poll({("ns", "llama"): [newer, unpeered]}, {})
+    assert asked == [], "the answering ModelLoad has no peers: nothing to read"

@@ -51,7 +51,7 @@ from modelload.operator.conditions import now_rfc3339
 from modelload.operator.kube import Kube, KubeError, KubeNotFoundError
 from modelload.operator.peers import TOKEN_KEY, peer_names
 from modelload.operator.pods import PodLoad
-from modelload.operator.polling import IndexPoller, Selector
+from modelload.operator.polling import IndexPoller, Selector, answering_entry
 
 __all__ = ["FleetPoller", "PodStats", "fleet_body", "sum_stats"]
 
@@ -176,9 +176,9 @@ class FleetPoller(IndexPoller):
         """One round over every peered ModelLoad (each concurrently)."""
         peered: dict[Selector, str] = {}
         for selector, owners in list(models.items()):
-            entries = list(owners)
-            if len(entries) == 1 and entries[0][2]:  # (name, bytes, peers, ...); an ambiguous label: skip
-                peered[selector] = entries[0][0]
+            owner = answering_entry(owners)  # of several ModelLoads of one label, the one pods get
+            if owner is not None and owner[2]:  # (name, bytes, peers, ...)
+                peered[selector] = owner[0]
         for gone in set(self._written) - set(peered):
             self._written.pop(gone, None)
             self._silent.pop(gone, None)
