@@ -14,6 +14,7 @@ Other spellings the ecosystem uses (``abfs[s]://container@account.dfs.core.windo
 
 from __future__ import annotations
 
+import http.client
 import re
 import xml.etree.ElementTree as ET
 from collections.abc import Mapping, Sequence
@@ -24,6 +25,7 @@ from modelload.loader.errors import ConfigError, ModelloadError, SourceError, So
 
 from ._azure_auth import AzureAuth, resolve_auth
 from ._base import ObjectInfo
+from ._body import read_document
 from ._checksums import StoreChecksum
 from ._cloud_errors import azure_error
 from ._connections import Origin
@@ -170,8 +172,8 @@ class AzureBlobSource(HttpObject):
             query.append(("marker", marker))
         exchange = self._open("GET", {_QUERY: query}, accept=frozenset({200}))  # type: ignore[dict-item]
         try:
-            body = exchange.response.read(_LIST_MAX + 1)
-        except OSError as exc:
+            body = read_document(exchange.response, _LIST_MAX + 1, self.floor())
+        except (OSError, EOFError, http.client.HTTPException) as exc:
             raise self._translate(exc) from exc
         finally:
             self._pool.discard(exchange.origin, exchange.conn)

@@ -26,7 +26,7 @@ from urllib.parse import urljoin
 from modelload.loader.errors import ModelloadError, RangeNotSupportedError, SourceChangedError, SourceError
 
 from ._base import ObjectInfo, RangeSink, SourceBase, byte_view, check_range, window
-from ._body import Body
+from ._body import Body, read_document
 from ._connections import ConnectionPool, Origin, socket_of
 from ._responses import error_for_status, parse_byteranges, parse_content_range, same_etag
 from ._settings import HttpSettings
@@ -163,17 +163,22 @@ class HttpObject(SourceBase):
             return _Exchange(target.origin, conn, sock, response)
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def floor(self) -> RateFloor:
+        """The slowest a body may come (``min_rate`` over ``slow_window``), for one response."""
+        return RateFloor(self._settings.min_rate, self._settings.slow_window)
+
     def _small_body(self, exchange: _Exchange) -> bytes:
-        """Read an error or probe body when it is small, keeping the connection; else drop the connection."""
+        """Read an error or probe body when it is small, keeping the connection; else drop the connection.
+        A body that does not come (it trickles, the connection breaks) is given up: empty."""
         response = exchange.response
+        whole = response.length is not None and response.length <= _ERROR_BODY_MAX
         try:
-            if response.length is not None and response.length <= _ERROR_BODY_MAX:
-                body = response.read()
-                response.close()
-                return body
-            body = response.read(_ERROR_BODY_MAX)
-        except (OSError, http.client.HTTPException):
-            body = b""
+            body = read_document(response, _ERROR_BODY_MAX, self.floor())
+        except (OSError, EOFError, http.client.HTTPException):
+            body, whole = b"", False
+        if whole:
+            response.close()
+            return body
         self._pool.discard(exchange.origin, exchange.conn)
         return body
 
@@ -232,15 +237,14 @@ class HttpObject(SourceBase):
         if first != 0 or last is None or last >= length or exchange.response.length not in (None, last + 1):
             self._small_body(exchange)
             return b""
-        body = b""
         try:
-            body = exchange.response.read(last + 1)
-            if len(body) != last + 1:  # read(n) returns what came before the connection closed: a truncation
-                raise EOFError
+            body = read_document(exchange.response, last + 1, self.floor())
+            if len(body) != last + 1:
+                raise EOFError("the body is shorter than its Content-Range")
             exchange.response.close()
         except (OSError, EOFError, http.client.HTTPException) as exc:
             self._pool.discard(exchange.origin, exchange.conn)
-            raise self._translate(exc, landed=len(body), total=last + 1) from exc
+            raise self._translate(exc, total=last + 1) from exc
         return body
 
     def read_into(self, offset: int, buf: memoryview) -> None:
@@ -306,9 +310,9 @@ class HttpObject(SourceBase):
             self._pool.discard(exchange.origin, exchange.conn)  # the whole object, or far more than asked
             return None
         try:
-            body = exchange.response.read(2 * expected + 256 * len(ranges))
+            body = read_document(exchange.response, 2 * expected + 256 * len(ranges), self.floor())
             exchange.response.close()
-        except (OSError, http.client.HTTPException) as exc:
+        except (OSError, EOFError, http.client.HTTPException) as exc:
             self._pool.discard(exchange.origin, exchange.conn)
             raise self._translate(exc) from exc
         if change is not None:
@@ -334,8 +338,9 @@ class HttpObject(SourceBase):
         reusable = False
         try:
             settings = self._settings
-            floor = RateFloor(settings.min_rate, settings.slow_window)
-            body = Body(exchange.response, exchange.sock, stall_timeout=settings.stall_timeout, floor=floor)
+            body = Body(
+                exchange.response, exchange.sock, stall_timeout=settings.stall_timeout, floor=self.floor()
+            )
             whole = self._check_answer(exchange, info, offset, length)
             if whole is False:
                 body.skip(offset)

@@ -19,6 +19,7 @@ If-Match, resume. ``unsigned`` sends no Authorization header at all (public buck
 from __future__ import annotations
 
 import gc
+import http.client
 import logging
 import re
 import threading
@@ -37,6 +38,7 @@ from modelload.loader.errors import (
 )
 
 from ._base import InterruptedReadError, ObjectInfo
+from ._body import read_document
 from ._checksums import StoreChecksum
 from ._connections import Origin
 from ._http import HttpObject, Target, _Exchange
@@ -369,8 +371,8 @@ class _S3Attributes(S3Source):
         headers = {"x-amz-object-attributes": "ObjectParts", "x-amz-max-parts": "10000"}
         try:
             exchange = self._open("GET", headers, accept=frozenset({200}))
-            body = exchange.response.read(_LIST_PAGE_MAX)
-        except (SourceError, OSError):
+            body = read_document(exchange.response, _LIST_PAGE_MAX, self.floor())
+        except (SourceError, OSError, EOFError, http.client.HTTPException):
             return ()
         finally:
             self.close()
@@ -421,8 +423,8 @@ class _S3Listing(S3Source):
         self._location = S3Location(self._base.origin, f"{self._base.path}?{encoded}", self._base.addressing)
         exchange = self._open("GET", {}, accept=frozenset({200}))
         try:
-            body = exchange.response.read(_LIST_PAGE_MAX + 1)
-        except OSError as exc:
+            body = read_document(exchange.response, _LIST_PAGE_MAX + 1, self.floor())
+        except (OSError, EOFError, http.client.HTTPException) as exc:
             raise self._translate(exc) from exc
         finally:
             self._pool.discard(exchange.origin, exchange.conn)

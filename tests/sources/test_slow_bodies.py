@@ -1,0 +1,177 @@
+"""A server that trickles the body of a small answer does not hold the load: the look-up that brings a
+model's index or a small file, an API answer (the Hub's, a registry's manifest), a GCS metadata document and
+an error page are all bounded by the same rate floor as a range, and end in a transient error that says the
+body came too slowly.
+
+The socket's stall timeout bounds each wait for a byte, not the whole read: before, a server that sent one
+byte every fifth of a second held each of these reads forever (a 512 KiB index at 5 bytes a second is a
+day), and the sidecar's status said only "loading".
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from modelload.loader.errors import TransientSourceError
+from modelload.sidecar.sources import (
+    GcsSettings,
+    HttpSettings,
+    RetryPolicy,
+    SourceSettings,
+    open_source,
+    stat_with_prefix,
+)
+from modelload.sidecar.sources._service import fetch_document
+
+SIZE = 100_000
+SLOW = SourceSettings(
+    http=HttpSettings(connect_timeout=2.0, stall_timeout=2.0, min_rate=64 << 10, slow_window=0.5),
+    retry=RetryPolicy(attempts=2, initial_backoff=0.01, max_backoff=0.05, jitter=0.0, deadline=5.0),
+)
+DEADLINE = 30.0
+"""How long a bounded read may take here: the floor gives up within a second per try; a read that is still
+going after this is held by the trickle."""
+
+
+class Trickler:
+    """Answers every request with ``head`` and then one byte of its body every fifth of a second, until
+    closed: never silent long enough for the stall timeout, never done."""
+
+    def __init__(self, head: Callable[[str], bytes]) -> None:
+        self._head = head
+        self._stop = threading.Event()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.base = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        with client:
+            request = b""
+            while b"\r\n\r\n" not in request:
+                data = client.recv(65536)
+                if not data:
+                    return
+                request += data
+            try:
+                client.sendall(self._head(request.decode("latin-1").split(" ", 2)[1]))
+                while not self._stop.wait(0.2):
+                    client.sendall(b"x")
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._listener.close()
+
+
+@pytest.fixture
+def trickler() -> Iterator[Callable[[Callable[[str], bytes]], Trickler]]:
+    servers: list[Trickler] = []
+
+    def start(head: Callable[[str], bytes]) -> Trickler:
+        servers.append(Trickler(head))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+def _ends(call: Callable[[], object], server: Trickler) -> BaseException:
+    """What ``call`` raises; a failure when it is still going after :data:`DEADLINE` (the server is closed
+    first, so that the held read ends and the source can be closed)."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    thread = threading.Thread(target=run, daemon=True)
+    started = time.monotonic()
+    thread.start()
+    thread.join(DEADLINE)
+    if thread.is_alive():
+        server.close()
+        pytest.fail(f"the read is still held by the trickling body after {time.monotonic() - started:.0f} s")
+    assert outcome and outcome[0] is not None, "a body that never came was taken as whole"
+    return outcome[0]
+
+
+def _partial(path: str) -> bytes:
+    del path
+    return (
+        f"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 0-{SIZE - 1}/{SIZE}\r\n"
+        f'Content-Length: {SIZE}\r\nETag: "v1"\r\n\r\n'
+    ).encode()
+
+
+def _ok_json(path: str) -> bytes:
+    del path
+    return f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {SIZE}\r\n\r\n".encode()
+
+
+def test_a_trickling_index_or_small_file_ends_the_look_up_saying_it_came_too_slowly(trickler) -> None:  # type: ignore[no-untyped-def]
+    server = trickler(_partial)
+    with open_source(f"{server.base}/model.safetensors", SLOW) as source:
+        error = _ends(lambda: stat_with_prefix(source, SIZE, policy=SLOW.retry), server)
+    assert isinstance(error, TransientSourceError)
+    assert "below the minimum" in str(error)
+
+
+def test_a_trickling_api_answer_or_manifest_ends_saying_it_came_too_slowly(trickler) -> None:  # type: ignore[no-untyped-def]
+    server = trickler(_ok_json)
+
+    def fetch() -> object:
+        return fetch_document(
+            f"{server.base}/api/models/org/model/revision/main",
+            display="hf://org/model",
+            what="revision info",
+            http=SLOW.http,
+            retry=SLOW.retry,
+            auth=None,
+            explain=lambda status, reason, headers, body, at: AssertionError(status),
+            limit=16 << 20,
+        )
+
+    error = _ends(fetch, server)
+    assert isinstance(error, TransientSourceError)
+    assert "below the minimum" in str(error)
+
+
+def test_a_trickling_gcs_metadata_document_ends_saying_it_came_too_slowly(trickler) -> None:  # type: ignore[no-untyped-def]
+    server = trickler(_ok_json)
+    settings = SourceSettings(
+        http=SLOW.http, retry=SLOW.retry, gcs=GcsSettings(endpoint_url=server.base, anonymous=True)
+    )
+    with open_source("gs://models/model.safetensors", settings) as source:
+        error = _ends(lambda: stat_with_prefix(source, SIZE, policy=SLOW.retry), server)
+    assert isinstance(error, TransientSourceError)
+    assert "below the minimum" in str(error)
+
+
+def test_a_trickling_error_page_still_ends_in_the_error_its_status_means(trickler) -> None:  # type: ignore[no-untyped-def]
+    def refused(path: str) -> bytes:
+        del path
+        return b"HTTP/1.1 403 Forbidden\r\nContent-Type: text/html\r\nContent-Length: 4000\r\n\r\n"
+
+    server = trickler(refused)
+    with open_source(f"{server.base}/model.safetensors", SLOW) as source:
+        error = _ends(lambda: stat_with_prefix(source, SIZE, policy=SLOW.retry), server)
+    assert "refused access (HTTP 403 Forbidden)" in str(error)
