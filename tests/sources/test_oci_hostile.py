@@ -10,9 +10,11 @@ where it should not go.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import io
 import json
+import socket
 import tarfile
 import threading
 from collections.abc import Iterator
@@ -347,6 +349,54 @@ def test_a_token_answer_nested_past_the_parsers_depth_is_no_usable_token() -> No
     finally:
         registry.close()
         realm.close()
+
+
+@pytest.mark.parametrize("issued", ["t\u00f6ken-\u20ac", "tok\x7fen", "tok\x00en"])
+def test_a_token_outside_visible_ascii_is_no_usable_token_and_is_never_sent(issued: str) -> None:
+    """A token HTTP cannot carry in a header: one outside latin-1 failed the next request with a
+    UnicodeEncodeError holding ``Bearer <token>`` (a traceback, an internal error); a control character went
+    to the registry as it was."""
+    realm = _Recorder(
+        lambda request: (200, [("Content-Type", "application/json")], _document({"token": issued}))
+    )
+    challenge = f'Bearer realm="http://127.0.0.1:{realm.port}/token",service="registry"'
+    registry = _Recorder(lambda request: (401, [("WWW-Authenticate", challenge)], b"{}"))
+    try:
+        host = f"127.0.0.1:{registry.port}"
+        with pytest.raises(SourceError, match=r"answered no usable token"):
+            list_directory(f"oci://{host}/odd/model:v1", _settings(host))
+    finally:
+        registry.close()
+        realm.close()
+    assert [r.get("authorization") for r in registry.requests] == [None]
+
+
+def test_a_token_service_whose_status_line_echoes_the_identity_token_is_named_without_it() -> None:
+    """The refresh grant's failures were told with the exception's own text, which for a malformed status
+    line is the line the service wrote: the identity token it was just sent, into the error and the log."""
+    identity = "refresh-me-EXAMPLE-0123456789"
+    service = socket.create_server(("127.0.0.1", 0))
+
+    def echo() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                client, _ = service.accept()
+                with client:
+                    client.recv(65536)
+                    client.sendall(f"HTTP/1.1 2xx {identity}\r\n\r\n".encode())
+
+    threading.Thread(target=echo, daemon=True).start()
+    challenge = f'Bearer realm="http://127.0.0.1:{service.getsockname()[1]}/token",service="registry"'
+    registry = _Recorder(lambda request: (401, [("WWW-Authenticate", challenge)], b"{}"))
+    try:
+        host = f"127.0.0.1:{registry.port}"
+        with pytest.raises(ModelloadError) as caught:
+            list_directory(f"oci://{host}/m:v1", _settings(host, auths={host: {"identitytoken": identity}}))
+    finally:
+        registry.close()
+        service.close()
+    assert identity not in str(caught.value)
+    assert "status line is malformed" in str(caught.value)
 
 
 def test_an_identity_token_is_exchanged_over_the_same_connections_as_every_request(

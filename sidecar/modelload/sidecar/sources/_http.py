@@ -145,7 +145,7 @@ class HttpObject(SourceBase):
         for attempt in range(2):
             try:
                 conn, reused = self._pool.acquire(target.origin)
-            except (OSError, ssl.SSLError) as exc:
+            except (OSError, ssl.SSLError, UnicodeError) as exc:
                 raise self._translate(exc, connecting=target.origin) from exc
             sock = socket_of(conn)
             try:
@@ -157,7 +157,7 @@ class HttpObject(SourceBase):
                 if reused and attempt == 0:
                     continue
                 raise self._translate(exc) from exc
-            except (OSError, http.client.HTTPException) as exc:
+            except (OSError, http.client.HTTPException, UnicodeError) as exc:
                 self._pool.discard(target.origin, conn)
                 raise self._translate(exc) from exc
             return _Exchange(target.origin, conn, sock, response)
