@@ -32,7 +32,7 @@ from ._connections import Origin
 from ._http import HttpObject, Target, _Exchange
 from ._settings import SourceSettings
 from ._splice import HAVE_SPLICE
-from ._store import Directory, ListedFile, Opener, Store, shared_opener
+from ._store import Directory, ListedFile, Opener, Store, check_listing_size, shared_opener
 
 __all__ = [
     "AzureBlobSource",
@@ -220,6 +220,7 @@ def list_azure_prefix(uri: str, settings: SourceSettings) -> dict[str, ListedFil
         for _ in range(_PAGES_MAX):
             page, marker = lister.list_page(prefix, marker)
             found.update(page)
+            check_listing_size(len(found), uri)
             if marker is None:
                 break
         else:

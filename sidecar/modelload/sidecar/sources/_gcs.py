@@ -47,7 +47,7 @@ from ._http import HttpObject, Target, _Exchange
 from ._responses import display_url, json_body
 from ._settings import GcsSettings, SourceSettings
 from ._splice import HAVE_SPLICE
-from ._store import Directory, ListedFile, Opener, Store, shared_opener
+from ._store import Directory, ListedFile, Opener, Store, check_listing_size, shared_opener
 
 __all__ = ["GcsSource", "GcsSpelling", "GcsStore", "list_gcs_prefix", "open_gcs", "parse_gs_uri"]
 
@@ -364,6 +364,7 @@ def list_gcs_prefix(uri: str, settings: SourceSettings) -> dict[str, ListedFile]
                 listed = _listed(item, prefix, uri=uri)
                 if listed is not None:
                     found[listed[0]] = listed[1]
+            check_listing_size(len(found), uri)
             token = page.get("nextPageToken")
             if not token:
                 break

@@ -45,6 +45,7 @@ from ._http import HttpObject, Target, _Exchange
 from ._s3_errors import s3_error
 from ._settings import S3Addressing, S3Settings, SourceSettings
 from ._splice import HAVE_SPLICE
+from ._store import check_listing_size
 
 __all__ = ["S3Location", "S3Source", "import_botocore", "list_s3_prefix", "open_s3", "plan_s3_location"]
 
@@ -471,6 +472,7 @@ def list_s3_prefix(uri: str, settings: SourceSettings) -> dict[str, int]:
         for _ in range(_LIST_PAGES_MAX):
             page, token = lister.page(token)
             found.update((key[len(prefix) :], size) for key, size in page if key.startswith(prefix))
+            check_listing_size(len(found), uri)
             if token is None:
                 break
         else:

@@ -34,7 +34,7 @@ from .._published_digest import PublishedDigest
 from .._responses import error_for_status, json_body, redact_uri
 from .._service import Explain, fetch_document, origin_of
 from .._settings import HubSettings, SourceSettings
-from .._store import ListedFile
+from .._store import ListedFile, check_listing_size
 
 __all__ = ["HubAccess", "HubClient", "HubRef", "parse_hub_uri"]
 
@@ -249,6 +249,7 @@ class HubClient:
                 name, listed = self._entry(entry, ref, commit, folder)
                 if name is not None and listed is not None:
                     found[name] = listed
+            check_listing_size(len(found), ref.uri)
             following = _NEXT.search(headers.get("Link", "") or "")
             if following is None:
                 return found
