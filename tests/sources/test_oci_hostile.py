@@ -190,6 +190,45 @@ def test_a_tar_layer_with_a_member_past_its_blob_is_refused_when_listed(
         list_directory(registry.uri("hostile/tar", "v1"), _settings(registry.host))
 
 
+CONFIG = b'{"model_type": "toy", "hidden_size": 4096}'
+
+
+def test_a_small_file_inside_a_tar_layer_is_proved_by_its_blobs_digest_before_it_is_written(
+    registry: RegistryServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A config file packed as a tar of its own (as ModelPack tools pack each file) was written into the
+    model directory as it came: its checksum is the blob's, which it does not cover alone, and no weight
+    file shares the blob to have it hashed. A flipped bit on the way (or a storage serving other bytes) went
+    into the app's config unseen."""
+    import oras.client
+
+    from modelload.loader.errors import HashMismatchError
+    from modelload.sidecar.sources import fetch_small_file
+    from tests.support.fault_proxy import FlipBit
+
+    layer = tmp_path / "config.tar"
+    with tarfile.open(layer, "w", format=tarfile.USTAR_FORMAT) as tar:
+        info = tarfile.TarInfo("config.json")
+        info.size = len(CONFIG)
+        tar.addfile(info, io.BytesIO(CONFIG))
+    monkeypatch.chdir(tmp_path)
+    oras.client.OrasClient(hostname=registry.host, insecure=True).push(
+        target=f"{registry.host}/cfg/toy:v1",
+        files=["config.tar:application/vnd.cncf.model.weight.config.v1.tar"],
+    )
+    with FaultProxy(registry.port) as proxy:
+        host = f"127.0.0.1:{proxy.port}"
+        config = _settings(host)
+        directory = list_directory(f"oci://{host}/cfg/toy:v1", config)
+        assert fetch_small_file(directory, "config.json", config) == CONFIG
+        proxy.always(FlipBit(at=7, from_offset=tarfile.BLOCKSIZE), path="/blobs/")  # the file's own read
+        assert fetch_small_file(directory, "config.json", config) == CONFIG, "the bytes proved are written"
+        proxy.clear()
+        proxy.always(FlipBit(at=7), path="/blobs/")  # every read of the blob
+        with pytest.raises(HashMismatchError, match=r"sha256 digest"):
+            fetch_small_file(directory, "config.json", config)
+
+
 # --- the token flow -----------------------------------------------------------------------------------------
 
 
