@@ -200,6 +200,8 @@ class HttpObject(SourceBase):
         # first bytes, which a model's index or a small file needs next.
         exchange = self._open("GET", {"Range": f"bytes=0-{length - 1}"}, accept=frozenset({200, 206, 416}))
         status = exchange.status
+        if status != 416:
+            self._refuse_encoded(exchange)
         etag, last_modified = exchange.header("ETag"), exchange.header("Last-Modified")
         if status == 200:
             size = exchange.response.length
@@ -360,6 +362,7 @@ class HttpObject(SourceBase):
         range, False for a 200 whose first ``offset`` bytes must be skipped (the single-stream fallback).
         """
         uri = self.display_uri
+        self._refuse_encoded(exchange)
         if (info.etag and not exchange.header("ETag")) or (
             not info.etag and info.last_modified and not exchange.header("Last-Modified")
         ):
@@ -399,6 +402,22 @@ class HttpObject(SourceBase):
             self._fallback_warned = True
             _log.warning("%s ignores Range requests: reading from the start of a single stream", uri)
         return False
+
+    def _refuse_encoded(self, exchange: _Exchange) -> None:
+        """Refuse a body sent with a content coding (an object stored gzip-encoded, as web assets often are):
+        its bytes, and any range of them, are the encoded file's, not the file's. The connection is dropped
+        with the unread body."""
+        coding = (exchange.header("Content-Encoding") or "").strip().lower()
+        if not coding or coding == "identity":
+            return
+        self._pool.discard(exchange.origin, exchange.conn)
+        uri = self.display_uri
+        raise SourceError(
+            f"{uri} is served with Content-Encoding {coding!r}: its bytes (and any range of them) are the"
+            " encoded file's, not the file's, so it cannot be loaded as it is; store the file without a"
+            " content encoding (upload it again without --content-encoding)",
+            uri=uri,
+        )
 
     # --- errors ------------------------------------------------------------------------------------------
 
