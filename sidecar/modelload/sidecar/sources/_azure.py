@@ -216,6 +216,7 @@ def list_azure_prefix(uri: str, settings: SourceSettings) -> dict[str, ListedFil
     lister._display_uri = f"az://{account}/{container}/{prefix}"
     found: dict[str, ListedFile] = {}
     marker: str | None = None
+    seen: set[str] = set()
     try:
         for _ in range(_PAGES_MAX):
             page, marker = lister.list_page(prefix, marker)
@@ -223,6 +224,13 @@ def list_azure_prefix(uri: str, settings: SourceSettings) -> dict[str, ListedFil
             check_listing_size(len(found), uri)
             if marker is None:
                 break
+            if marker in seen:
+                raise SourceError(
+                    f"{uri}: the listing's next marker is one already followed (a loop): the endpoint pages"
+                    " wrongly",
+                    uri=uri,
+                )
+            seen.add(marker)
         else:
             raise ConfigError(f"{uri} lists more than {_PAGES_MAX} pages of blobs: is it a model?")
     finally:

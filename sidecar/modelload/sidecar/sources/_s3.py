@@ -468,6 +468,7 @@ def list_s3_prefix(uri: str, settings: SourceSettings) -> dict[str, int]:
     lister = _S3Listing(bucket, prefix, settings)
     found: dict[str, int] = {}
     token: str | None = None
+    seen: set[str] = set()
     try:
         for _ in range(_LIST_PAGES_MAX):
             page, token = lister.page(token)
@@ -475,6 +476,13 @@ def list_s3_prefix(uri: str, settings: SourceSettings) -> dict[str, int]:
             check_listing_size(len(found), uri)
             if token is None:
                 break
+            if token in seen:
+                raise SourceError(
+                    f"{uri}: the listing's continuation token is one already followed (a loop): the endpoint"
+                    " pages wrongly",
+                    uri=uri,
+                )
+            seen.add(token)
         else:
             raise ConfigError(f"{uri} lists more than {_LIST_PAGES_MAX} pages of objects: is it a model?")
     finally:
