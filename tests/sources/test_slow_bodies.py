@@ -11,9 +11,12 @@ day), and the sidecar's status said only "loading".
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -24,9 +27,11 @@ from modelload.sidecar.sources import (
     RetryPolicy,
     SourceSettings,
     open_source,
+    read_range,
     stat_with_prefix,
 )
 from modelload.sidecar.sources._service import fetch_document
+from tests.sources.conftest import payload
 
 SIZE = 100_000
 SLOW = SourceSettings(
@@ -40,13 +45,25 @@ going after this is held by the trickle."""
 
 class Trickler:
     """Answers every request with ``head`` and then one byte of its body every fifth of a second, until
-    closed: never silent long enough for the stall timeout, never done."""
+    closed: never silent long enough for the stall timeout, never done. With ``body``, that body instead,
+    ``piece`` bytes every ``interval`` seconds."""
 
-    def __init__(self, head: Callable[[str], bytes]) -> None:
+    def __init__(
+        self,
+        head: Callable[[str], bytes],
+        body: bytes | None = None,
+        piece: int = 1,
+        interval: float = 0.2,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self._head = head
+        self._tls = tls
+        self._body, self._piece, self._interval = body, piece, interval
+        self.requests = 0
         self._stop = threading.Event()
         self._listener = socket.create_server(("127.0.0.1", 0))
-        self.base = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        scheme = "https" if tls is not None else "http"
+        self.base = f"{scheme}://127.0.0.1:{self._listener.getsockname()[1]}"
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -58,6 +75,12 @@ class Trickler:
             threading.Thread(target=self._serve, args=(client,), daemon=True).start()
 
     def _serve(self, client: socket.socket) -> None:
+        if self._tls is not None:
+            try:
+                client = self._tls.wrap_socket(client, server_side=True)
+            except OSError:
+                client.close()
+                return
         with client:
             request = b""
             while b"\r\n\r\n" not in request:
@@ -65,10 +88,18 @@ class Trickler:
                 if not data:
                     return
                 request += data
+            self.requests += 1
             try:
                 client.sendall(self._head(request.decode("latin-1").split(" ", 2)[1]))
-                while not self._stop.wait(0.2):
-                    client.sendall(b"x")
+                at = 0
+                while not self._stop.wait(self._interval):
+                    if self._body is None:
+                        client.sendall(b"x")
+                        continue
+                    client.sendall(self._body[at : at + self._piece])
+                    at += self._piece
+                    if at >= len(self._body):
+                        return
             except OSError:
                 return
 
@@ -78,11 +109,11 @@ class Trickler:
 
 
 @pytest.fixture
-def trickler() -> Iterator[Callable[[Callable[[str], bytes]], Trickler]]:
+def trickler() -> Iterator[Callable[..., Trickler]]:
     servers: list[Trickler] = []
 
-    def start(head: Callable[[str], bytes]) -> Trickler:
-        servers.append(Trickler(head))
+    def start(head: Callable[[str], bytes], **body: Any) -> Trickler:
+        servers.append(Trickler(head, **body))
         return servers[-1]
 
     yield start
@@ -175,3 +206,53 @@ def test_a_trickling_error_page_still_ends_in_the_error_its_status_means(trickle
     with open_source(f"{server.base}/model.safetensors", SLOW) as source:
         error = _ends(lambda: stat_with_prefix(source, SIZE, policy=SLOW.retry), server)
     assert "refused access (HTTP 403 Forbidden)" in str(error)
+
+
+def _whole(size: int) -> Callable[[str], bytes]:
+    def head(path: str) -> bytes:
+        del path
+        return f'HTTP/1.1 200 OK\r\nContent-Length: {size}\r\nETag: "v1"\r\n\r\n'.encode()
+
+    return head
+
+
+FALLBACK = SourceSettings(
+    http=HttpSettings(
+        connect_timeout=2.0, stall_timeout=2.0, min_rate=64 << 10, slow_window=0.25, range_fallback=True
+    ),
+    retry=SLOW.retry,
+)
+
+
+def test_a_server_that_ignores_range_and_trickles_ends_the_single_stream_read(trickler) -> None:  # type: ignore[no-untyped-def]
+    """The single-stream fallback drops the bytes before the range it wants; that skip had only the stall
+    timeout, so a trickle held it forever."""
+    server = trickler(_whole(SIZE))
+    with open_source(f"{server.base}/model.bin", FALLBACK) as source:
+        error = _ends(
+            lambda: read_range(source, 50_000, memoryview(bytearray(100)), policy=SLOW.retry), server
+        )
+    assert isinstance(error, TransientSourceError)
+    assert "below the minimum" in str(error)
+
+
+def test_a_long_skip_of_the_single_stream_fallback_is_not_taken_for_a_slow_range(trickler, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The rate floor measured the range from the start of the response, skip included: once dropping the
+    bytes before it took longer than a window (over HTTPS, a range a few dozen MiB into the object), the
+    range counted as slow after its first receive, every time: each receive cost a new request and a new
+    skip, and a model of a few GiB never ended."""
+    from tests.conftest import require
+    from tests.support.tls import find_openssl, self_signed_certificate
+
+    require(find_openssl() is not None, "openssl is not installed")
+    cert, key = self_signed_certificate(tmp_path)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    data = payload(3 << 20, seed=4)
+    server = trickler(_whole(len(data)), body=data, piece=64 << 10, interval=0.01, tls=context)
+    settings = SourceSettings(http=replace(FALLBACK.http, ca_bundle=str(cert)), retry=SLOW.retry)
+    with open_source(f"{server.base}/model.bin", settings) as source:
+        buf = bytearray(512 << 10)
+        read_range(source, 2 << 20, memoryview(buf), policy=SLOW.retry)
+    assert bytes(buf) == data[2 << 20 : (2 << 20) + len(buf)]
+    assert server.requests == 2, "the look-up, then the range in one request"

@@ -179,10 +179,18 @@ class Body:
             before += length
 
     def skip(self, count: int) -> None:
-        """Read and drop ``count`` bytes (single-stream fallback for servers that ignore Range)."""
+        """Read and drop ``count`` bytes (single-stream fallback for servers that ignore Range), as slowly as
+        the floor allows; the floor's measure then starts again for the bytes that land, which a long skip
+        must not count as slow (they were not asked for yet)."""
         scratch = memoryview(bytearray(min(count, _BOUNCE_SIZE)))
-        while count:
-            count -= self.readinto(scratch[: min(count, len(scratch))])
+        floor = self._floor
+        skipped = 0
+        while skipped < count:
+            skipped += self.readinto(scratch[: min(count - skipped, len(scratch))])
+            if floor is not None:
+                floor.check(skipped)
+        if floor is not None:
+            floor.restart()
 
     def splice_into(self, fd: int, fd_offset: int, count: int, progress: Progress) -> None:
         """Write ``count`` body bytes into file ``fd`` at ``fd_offset``; ``progress.done`` counts them.
