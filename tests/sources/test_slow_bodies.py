@@ -30,6 +30,7 @@ from modelload.sidecar.sources import (
     read_range,
     stat_with_prefix,
 )
+from modelload.sidecar.sources._proxy import ProxySettings
 from modelload.sidecar.sources._service import fetch_document
 from tests.sources.conftest import payload
 
@@ -256,3 +257,27 @@ def test_a_long_skip_of_the_single_stream_fallback_is_not_taken_for_a_slow_range
         read_range(source, 2 << 20, memoryview(buf), policy=SLOW.retry)
     assert bytes(buf) == data[2 << 20 : (2 << 20) + len(buf)]
     assert server.requests == 2, "the look-up, then the range in one request"
+
+
+def test_a_response_head_that_trickles_ends_saying_it_came_too_slowly(trickler) -> None:  # type: ignore[no-untyped-def]
+    """http.client reads a status line and headers for as long as bytes come (a hundred lines of up to 64 KiB
+    each): a header sent a byte every fifth of a second held the look-up for hours."""
+    server = trickler(lambda path: b"HTTP/1.1 206 Partial Content\r\nX-Slow: ")
+    with open_source(f"{server.base}/model.safetensors", SLOW) as source:
+        error = _ends(lambda: stat_with_prefix(source, SIZE, policy=SLOW.retry), server)
+    assert isinstance(error, TransientSourceError)
+    assert "status line and headers did not come within" in str(error)
+
+
+def test_a_proxy_whose_answer_to_connect_trickles_ends_saying_so(trickler) -> None:  # type: ignore[no-untyped-def]
+    """An HTTPS origin through a proxy: http.client reads the proxy's answer to CONNECT line by line, for as
+    long as bytes come."""
+    server = trickler(lambda path: b"HTTP/1.1 200 Connection established\r\nX-Slow: ")
+    port = int(server.base.rsplit(":", 1)[1])
+    proxied = SourceSettings(
+        http=replace(SLOW.http, proxy=ProxySettings(https=("127.0.0.1", port))), retry=SLOW.retry
+    )
+    with open_source("https://models.example/model.safetensors", proxied) as source:
+        error = _ends(lambda: stat_with_prefix(source, SIZE, policy=SLOW.retry), server)
+    assert isinstance(error, TransientSourceError)
+    assert "proxy's answer" in str(error)

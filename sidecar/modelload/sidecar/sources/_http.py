@@ -28,6 +28,7 @@ from modelload.loader.errors import ModelloadError, RangeNotSupportedError, Sour
 from ._base import ObjectInfo, RangeSink, SourceBase, byte_view, check_range, window
 from ._body import Body, read_document
 from ._connections import ConnectionPool, Origin, socket_of
+from ._deadline import Deadline
 from ._responses import error_for_status, parse_byteranges, parse_content_range, same_etag
 from ._settings import HttpSettings
 from ._splice import Progress, RateFloor
@@ -148,17 +149,22 @@ class HttpObject(SourceBase):
             except (OSError, ssl.SSLError, UnicodeError) as exc:
                 raise self._translate(exc, connecting=target.origin) from exc
             sock = socket_of(conn)
+            settings = self._settings
+            # the head may take the stall timeout to start, then comes at once from a healthy server
+            head = Deadline(sock, settings.stall_timeout + settings.slow_window)
             try:
-                path = self._pool.request_path(target.origin, target.path)
-                conn.request(method, path, headers=dict(target.headers))
-                response = conn.getresponse()
-            except _STALE as exc:
-                self._pool.discard(target.origin, conn)
-                if reused and attempt == 0:
-                    continue
-                raise self._translate(exc) from exc
+                with head:
+                    path = self._pool.request_path(target.origin, target.path)
+                    conn.request(method, path, headers=dict(target.headers))
+                    response = conn.getresponse()
+                if head.fired:  # the headers read were cut short
+                    raise head.error("the response's status line and headers")
             except (OSError, http.client.HTTPException, UnicodeError) as exc:
                 self._pool.discard(target.origin, conn)
+                if head.fired:
+                    raise self._translate(head.error("the response's status line and headers")) from exc
+                if isinstance(exc, _STALE) and reused and attempt == 0:
+                    continue
                 raise self._translate(exc) from exc
             return _Exchange(target.origin, conn, sock, response)
         raise AssertionError("unreachable")  # pragma: no cover

@@ -20,6 +20,7 @@ from modelload.loader.segment.volume import full_volume
 
 from ._base import InterruptedReadError
 from ._connections import Origin
+from ._deadline import DeadlineError
 from ._settings import HttpSettings
 from ._splice import SlowTransferError
 
@@ -83,14 +84,18 @@ def translate_transport_error(
                 f"{uri}: {connecting.netloc} answered in plain HTTP, not TLS: "
                 + plain_http_advice(connecting)
             )
-        if isinstance(exc, socket.gaierror):
+        if isinstance(exc, DeadlineError):
+            reason = f"{connecting.netloc}: {exc}"
+        elif isinstance(exc, socket.gaierror):
             reason = f"cannot resolve {connecting.host}"
         elif isinstance(exc, TimeoutError):
             reason = f"no connection to {connecting.netloc} within {settings.connect_timeout:g} s"
         else:
             reason = f"cannot connect to {connecting.netloc}: {_describe(exc)}"
         return InterruptedReadError(f"{uri}: {reason}", uri=uri)
-    if isinstance(exc, SlowTransferError):
+    if isinstance(exc, DeadlineError):
+        reason = f"{exc}: retrying on another connection"
+    elif isinstance(exc, SlowTransferError):
         reason = f"{exc} {where}: resuming on another connection"
     elif isinstance(exc, TimeoutError):
         reason = f"the stream stalled (no bytes for {settings.stall_timeout:g} s) {where}"
