@@ -133,28 +133,19 @@ def test_a_malformed_status_line_is_named_without_its_text(raw_server) -> None: 
     assert "status line is malformed" in str(caught.value)
 
 
-def test_a_redirect_to_a_path_with_a_space_fails_once_without_its_signature(raw_server) -> None:  # type: ignore[no-untyped-def]
-    def answer(path: str, head: str) -> bytes:
-        return b"HTTP/1.1 302 Found\r\nLocation: /a b?X-Amz-Signature=SECRETSIG\r\nContent-Length: 0\r\n\r\n"
-
-    server = raw_server(answer)
-    with pytest.raises(SourceError) as caught, open_source(f"{server.base}/m.bin", SETTINGS) as source:
-        source.stat()
-    assert not isinstance(caught.value, InterruptedReadError), "a URL HTTP cannot send is not worth a retry"
-    assert server.requests == ["/m.bin"]
-    assert "SECRETSIG" not in str(caught.value)
-    assert "percent-encode" in str(caught.value)
-
-
-def test_a_redirect_outside_ascii_is_a_clear_error_not_a_traceback_and_never_shows_its_signature(
-    raw_server,
-) -> None:  # type: ignore[no-untyped-def]
-    """A Location header is latin-1 to http.client; a path outside ASCII then failed the request with
-    a UnicodeEncodeError whose arguments hold the whole request line, signature included: an internal error
-    and a traceback in the log, for a server's bad redirect."""
+@pytest.mark.parametrize(
+    "location",
+    ["/a b?X-Amz-Signature=SECRETSIG", "/caf\u00e9.bin?X-Amz-Signature=SECRETSIG"],
+    ids=["space", "latin-1"],
+)
+def test_a_redirect_to_a_path_with_a_space_fails_once_without_its_signature(
+    raw_server: Callable[[Callable[[str, str], bytes]], RawServer], location: str
+) -> None:
+    """And a path outside ASCII (a Location header is latin-1 to http.client): it failed the request with a
+    UnicodeEncodeError whose arguments hold the whole request line, signature included, an internal error and
+    a traceback in the log for a server's bad redirect."""
 
     def answer(path: str, head: str) -> bytes:
-        location = "/caf\u00e9.bin?X-Amz-Signature=SECRETSIG"
         return f"HTTP/1.1 302 Found\r\nLocation: {location}\r\nContent-Length: 0\r\n\r\n".encode("latin-1")
 
     server = raw_server(answer)
@@ -163,6 +154,7 @@ def test_a_redirect_outside_ascii_is_a_clear_error_not_a_traceback_and_never_sho
     assert not isinstance(caught.value, InterruptedReadError), "a URL HTTP cannot send is not worth a retry"
     assert server.requests == ["/m.bin"]
     assert "SECRETSIG" not in str(caught.value)
+    assert "percent-encode" in str(caught.value)
 
 
 def test_a_source_with_a_space_names_it_by_its_display_form(raw_server) -> None:  # type: ignore[no-untyped-def]

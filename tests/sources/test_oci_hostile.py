@@ -377,27 +377,21 @@ def test_a_manifest_or_an_error_nested_past_the_parsers_depth_is_an_error_not_a_
             list_directory(f"oci://{host}/deep/model:v1", _settings(host))
 
 
-def test_a_token_answer_nested_past_the_parsers_depth_is_no_usable_token() -> None:
-    realm = _Recorder(lambda request: (200, [("Content-Type", "application/json")], DEEP))
-    challenge = f'Bearer realm="http://127.0.0.1:{realm.port}/token",service="registry"'
-    registry = _Recorder(lambda request: (401, [("WWW-Authenticate", challenge)], b"{}"))
-    try:
-        host = f"127.0.0.1:{registry.port}"
-        with pytest.raises(SourceError, match=r"answered no usable token"):
-            list_directory(f"oci://{host}/deep/model:v1", _settings(host))
-    finally:
-        registry.close()
-        realm.close()
-
-
-@pytest.mark.parametrize("issued", ["t\u00f6ken-\u20ac", "tok\x7fen", "tok\x00en"])
-def test_a_token_outside_visible_ascii_is_no_usable_token_and_is_never_sent(issued: str) -> None:
-    """A token HTTP cannot carry in a header: one outside latin-1 failed the next request with a
-    UnicodeEncodeError holding ``Bearer <token>`` (a traceback, an internal error); a control character went
-    to the registry as it was."""
-    realm = _Recorder(
-        lambda request: (200, [("Content-Type", "application/json")], _document({"token": issued}))
-    )
+@pytest.mark.parametrize(
+    "answer",
+    [
+        DEEP,
+        _document({"token": "t\u00f6ken-\u20ac"}),
+        _document({"token": "tok\x7fen"}),
+        _document({"token": "tok\x00en"}),
+    ],
+    ids=["nested-past-the-parser", "outside-latin-1", "delete", "nul"],
+)
+def test_a_token_answer_that_holds_no_usable_token_is_refused_and_nothing_is_sent(answer: bytes) -> None:
+    """Nested JSON past the parser's depth, or a token HTTP cannot carry in a header: one outside latin-1
+    failed the next request with a UnicodeEncodeError holding ``Bearer <token>`` (a traceback, an internal
+    error); a control character went to the registry as it was."""
+    realm = _Recorder(lambda request: (200, [("Content-Type", "application/json")], answer))
     challenge = f'Bearer realm="http://127.0.0.1:{realm.port}/token",service="registry"'
     registry = _Recorder(lambda request: (401, [("WWW-Authenticate", challenge)], b"{}"))
     try:
