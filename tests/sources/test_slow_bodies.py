@@ -26,6 +26,7 @@ from modelload.sidecar.sources import (
     HttpSettings,
     RetryPolicy,
     SourceSettings,
+    list_directory,
     open_source,
     read_range,
     stat_with_prefix,
@@ -281,3 +282,21 @@ def test_a_proxy_whose_answer_to_connect_trickles_ends_saying_so(trickler) -> No
         error = _ends(lambda: stat_with_prefix(source, SIZE, policy=SLOW.retry), server)
     assert isinstance(error, TransientSourceError)
     assert "proxy's answer" in str(error)
+
+
+def test_a_token_service_whose_answer_trickles_ends_the_identity_token_grant(trickler) -> None:  # type: ignore[no-untyped-def]
+    """A Docker config's identity token is exchanged by a POST of its own, whose answer's head was read for as
+    long as bytes came."""
+    from tests.sources.test_oci_hostile import _Recorder, _settings
+
+    realm = trickler(lambda path: b"HTTP/1.1 200 OK\r\nX-Slow: ")
+    challenge = f'Bearer realm="{realm.base}/token",service="registry"'
+    registry = _Recorder(lambda request: (401, [("WWW-Authenticate", challenge)], b"{}"))
+    try:
+        host = f"127.0.0.1:{registry.port}"
+        config = _settings(host, auths={host: {"identitytoken": "refresh-me-EXAMPLE"}}, slow_window=0.5)
+        error = _ends(lambda: list_directory(f"oci://{host}/m:v1", config), realm)
+    finally:
+        registry.close()
+    assert isinstance(error, TransientSourceError)
+    assert "status line and headers did not come within" in str(error)

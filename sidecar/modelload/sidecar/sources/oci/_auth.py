@@ -30,6 +30,7 @@ from modelload.loader.errors import ConfigError, ModelloadError, SourceAccessDen
 
 from .._body import read_document
 from .._connections import ConnectionPool, Origin
+from .._deadline import Deadline
 from .._responses import error_for_status, json_body
 from .._service import fetch_document, origin_of
 from .._settings import HttpSettings, RetryPolicy
@@ -254,11 +255,15 @@ class RegistryAuth:
         pool = ConnectionPool(self._http)
         try:
             conn, _ = pool.acquire(origin)
-            conn.request(
-                "POST", pool.request_path(origin, path), body=form,
-                headers={"Content-Type": "application/x-www-form-urlencoded"},
-            )  # fmt: skip
-            response = conn.getresponse()
+            head = Deadline(lambda: conn.sock, self._http.stall_timeout + self._http.slow_window)
+            with head:
+                conn.request(
+                    "POST", pool.request_path(origin, path), body=form,
+                    headers={"Content-Type": "application/x-www-form-urlencoded"},
+                )  # fmt: skip
+                response = conn.getresponse()
+            if head.fired:
+                raise head.error("the token service's status line and headers")
             floor = RateFloor(self._http.min_rate, self._http.slow_window)
             body = read_document(response, _TOKEN_LIMIT, floor)
         except (OSError, EOFError, http.client.HTTPException) as exc:
