@@ -596,3 +596,42 @@ def test_hostile_quoting_in_a_challenge_does_not_move_the_realm(challenge: str) 
 
     scheme, params = parse_challenge(challenge)
     assert scheme == "bearer" and params["realm"] == "https://good.example/token"
+
+
+@pytest.mark.parametrize(
+    ("answer", "said"),
+    [
+        (
+            b"SSH-2.0-OpenSSH_9.2p1 Debian-2\r\n",
+            r"status line is malformed\): is 127\.0\.0\.1:\d+ the registry",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 8388608\r\n\r\n"
+            + b" " * (8 << 20),
+            r"answered \w+ with over \d+ bytes",
+        ),
+    ],
+    ids=["another-protocol", "an-endless-answer"],
+)
+def test_a_push_to_something_that_is_no_registry_is_a_clear_error_not_a_traceback(
+    tmp_path: Path, answer: bytes, said: str
+) -> None:
+    """A push to a port that speaks another protocol (SSH speaks first) ended in http.client's BadStatusLine,
+    a traceback quoting the server's line; an answer of any size was read whole into memory."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                client, _ = listener.accept()
+                with client:
+                    client.recv(65536)
+                    client.sendall(answer)
+
+    threading.Thread(target=serve, daemon=True).start()
+    host = f"127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        with pytest.raises(SourceError, match=said):
+            _push_one_file(tmp_path, f"oci://{host}/not/registry:v1", _settings(host))
+    finally:
+        listener.close()
