@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -210,6 +211,18 @@ def test_a_trickling_error_page_still_ends_in_the_error_its_status_means(trickle
     assert "refused access (HTTP 403 Forbidden)" in str(error)
 
 
+def _tls_server(folder: Path) -> tuple[ssl.SSLContext, str]:
+    """A server's TLS context for 127.0.0.1, and the CA bundle that trusts it."""
+    from tests.conftest import require
+    from tests.support.tls import find_openssl, self_signed_certificate
+
+    require(find_openssl() is not None, "openssl is not installed")
+    cert, key = self_signed_certificate(folder)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    return context, str(cert)
+
+
 def _whole(size: int) -> Callable[[str], bytes]:
     def head(path: str) -> bytes:
         del path
@@ -243,16 +256,10 @@ def test_a_long_skip_of_the_single_stream_fallback_is_not_taken_for_a_slow_range
     bytes before it took longer than a window (over HTTPS, a range a few dozen MiB into the object), the
     range counted as slow after its first receive, every time: each receive cost a new request and a new
     skip, and a model of a few GiB never ended."""
-    from tests.conftest import require
-    from tests.support.tls import find_openssl, self_signed_certificate
-
-    require(find_openssl() is not None, "openssl is not installed")
-    cert, key = self_signed_certificate(tmp_path)
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(cert, key)
+    context, ca = _tls_server(tmp_path)
     data = payload(3 << 20, seed=4)
     server = trickler(_whole(len(data)), body=data, piece=64 << 10, interval=0.01, tls=context)
-    settings = SourceSettings(http=replace(FALLBACK.http, ca_bundle=str(cert)), retry=SLOW.retry)
+    settings = SourceSettings(http=replace(FALLBACK.http, ca_bundle=ca), retry=SLOW.retry)
     with open_source(f"{server.base}/model.bin", settings) as source:
         buf = bytearray(512 << 10)
         read_range(source, 2 << 20, memoryview(buf), policy=SLOW.retry)
@@ -260,11 +267,16 @@ def test_a_long_skip_of_the_single_stream_fallback_is_not_taken_for_a_slow_range
     assert server.requests == 2, "the look-up, then the range in one request"
 
 
-def test_a_response_head_that_trickles_ends_saying_it_came_too_slowly(trickler) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("tls", [False, True], ids=["http", "https"])
+def test_a_response_head_that_trickles_ends_saying_it_came_too_slowly(trickler, tmp_path, tls: bool) -> None:  # type: ignore[no-untyped-def]
     """http.client reads a status line and headers for as long as bytes come (a hundred lines of up to 64 KiB
     each): a header sent a byte every fifth of a second held the look-up for hours."""
-    server = trickler(lambda path: b"HTTP/1.1 206 Partial Content\r\nX-Slow: ")
-    with open_source(f"{server.base}/model.safetensors", SLOW) as source:
+    context, settings = None, SLOW
+    if tls:
+        context, ca = _tls_server(tmp_path)
+        settings = SourceSettings(http=replace(SLOW.http, ca_bundle=ca), retry=SLOW.retry)
+    server = trickler(lambda path: b"HTTP/1.1 206 Partial Content\r\nX-Slow: ", tls=context)
+    with open_source(f"{server.base}/model.safetensors", settings) as source:
         error = _ends(lambda: stat_with_prefix(source, SIZE, policy=SLOW.retry), server)
     assert isinstance(error, TransientSourceError)
     assert "status line and headers did not come within" in str(error)
