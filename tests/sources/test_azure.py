@@ -12,6 +12,7 @@ import pytest
 from modelload.loader.errors import (
     SourceAccessDeniedError,
     SourceChangedError,
+    SourceError,
     SourceNotFoundError,
     SourceUriError,
 )
@@ -220,3 +221,28 @@ def test_a_refused_federation_names_the_workload_identity_settings(entra: Any) -
         open_source(uri, given).stat()
     assert "client id 11111111-2222-3333-4444-555555555555" in str(caught.value)
     assert endpoints.federated_token not in str(caught.value)
+
+
+LOOPING_PAGE = (
+    b'<?xml version="1.0" encoding="utf-8"?><EnumerationResults><Blobs><Blob><Name>loop/a.json</Name>'
+    b"<Properties><Content-Length>2</Content-Length></Properties></Blob></Blobs>"
+    b"<NextMarker>m1</NextMarker></EnumerationResults>"
+)
+
+
+def test_a_listing_whose_next_marker_loops_stops_at_the_loop_saying_so(
+    azurite: Azurite, cloud_env: None
+) -> None:
+    """An endpoint answering the same NextMarker again was followed to the page limit (64 requests of up to
+    16 MiB), and the error asked whether the prefix was a model."""
+    from tests.support.fault_proxy import FaultProxy, Respond
+
+    azurite.put(CONTAINER, "loop/a.json", b"{}")
+    sas = azurite.sas(CONTAINER)
+    with FaultProxy(azurite.port) as proxy:
+        endpoint = azurite.endpoint.replace(f":{azurite.port}/", f":{proxy.port}/")
+        given = settings(endpoint_url=endpoint, credentials=AzureCredentials(sas_token=sas))
+        proxy.always(Respond(200, LOOPING_PAGE, (("Content-Type", "application/xml"),)), path="comp=list")
+        with pytest.raises(SourceError, match=r"next marker is one already followed \(a loop\)"):
+            list_directory(f"az://{azurite.account}/{CONTAINER}/loop/", given)
+        assert len([r for r in proxy.requests if "comp=list" in r.path]) == 2

@@ -19,7 +19,7 @@ from modelload.loader.errors import (
     TruncatedError,
 )
 from modelload.sidecar.sources import HttpSettings, HttpSource, SourceSettings, open_source
-from tests.support.fault_proxy import FaultProxy
+from tests.support.fault_proxy import FaultProxy, Respond
 from tests.support.nginx import NginxServer
 
 from .conftest import FAST_SETTINGS, payload
@@ -155,6 +155,19 @@ def test_redirects_are_followed_once_and_remembered(nginx_proxy: FaultProxy, mod
         assert source.read_bytes(200, 100) == DATA[200:300]
     paths = [r.path for r in nginx_proxy.requests]
     assert paths == ["/moved/http/model.bin", "/http/model.bin", "/http/model.bin", "/http/model.bin"]
+
+
+def test_a_redirect_target_that_stops_accepting_is_asked_for_again_from_the_source_url(
+    nginx_proxy: FaultProxy, model_url: str
+) -> None:
+    """A signed redirect URL (a CDN's, a release download's) expires within minutes; the reads that went
+    straight to it then got 403 and the load failed for good, though the source URL gives a fresh one."""
+    with open_source(nginx_proxy.url("moved/http/model.bin"), FAST_SETTINGS) as source:
+        assert source.read_bytes(0, 100) == DATA[:100]
+        nginx_proxy.push(Respond(403), path="/http/model.bin")
+        assert source.read_bytes(200, 100) == DATA[200:300]
+    paths = [r.path for r in nginx_proxy.requests]
+    assert paths[3:] == ["/http/model.bin", "/moved/http/model.bin", "/http/model.bin"]
 
 
 def test_too_many_redirects_fail_with_the_http_status(nginx: NginxServer, model_url: str) -> None:

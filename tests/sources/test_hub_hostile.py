@@ -104,3 +104,22 @@ def test_listed_paths_outside_the_folder_or_the_model_directory_are_never_loaded
             assert sorted(model.small) == ["..json", "config.json"]
         finally:
             model.close()
+
+
+@pytest.mark.parametrize("lfs", [False, True])
+def test_a_listed_size_that_is_no_count_of_bytes_is_refused_not_summed(hub: HubServer, lfs: bool) -> None:
+    """A negative size counted against the small files' 256 MiB limit: a mirror listing one file at -10 GiB
+    had hundreds of others of up to 64 MiB each written into the model directory (a memory volume in a pod)
+    before the lying one was read."""
+    _commit(hub)
+    lying = _entry("zzz.json")
+    if lfs:
+        lying["lfs"] = {"oid": "0" * 64, "size": -(10 << 30)}
+    else:
+        lying["size"] = -(10 << 30)
+    page = [_entry("config.json"), lying]
+    with FaultProxy(hub.port) as proxy:
+        proxy.always(Respond(200, json.dumps(page).encode(), JSON), path="/tree/")
+        with pytest.raises(SourceError, match=r"size in bytes") as caught:
+            list_directory("hf://org/model", _settings(proxy.endpoint))
+    assert "zzz.json" in str(caught.value)

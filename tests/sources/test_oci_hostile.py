@@ -10,9 +10,11 @@ where it should not go.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import io
 import json
+import socket
 import tarfile
 import threading
 from collections.abc import Iterator
@@ -188,6 +190,45 @@ def test_a_tar_layer_with_a_member_past_its_blob_is_refused_when_listed(
         list_directory(registry.uri("hostile/tar", "v1"), _settings(registry.host))
 
 
+CONFIG = b'{"model_type": "toy", "hidden_size": 4096}'
+
+
+def test_a_small_file_inside_a_tar_layer_is_proved_by_its_blobs_digest_before_it_is_written(
+    registry: RegistryServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A config file packed as a tar of its own (as ModelPack tools pack each file) was written into the
+    model directory as it came: its checksum is the blob's, which it does not cover alone, and no weight
+    file shares the blob to have it hashed. A flipped bit on the way (or a storage serving other bytes) went
+    into the app's config unseen."""
+    import oras.client
+
+    from modelload.loader.errors import HashMismatchError
+    from modelload.sidecar.sources import fetch_small_file
+    from tests.support.fault_proxy import FlipBit
+
+    layer = tmp_path / "config.tar"
+    with tarfile.open(layer, "w", format=tarfile.USTAR_FORMAT) as tar:
+        info = tarfile.TarInfo("config.json")
+        info.size = len(CONFIG)
+        tar.addfile(info, io.BytesIO(CONFIG))
+    monkeypatch.chdir(tmp_path)
+    oras.client.OrasClient(hostname=registry.host, insecure=True).push(
+        target=f"{registry.host}/cfg/toy:v1",
+        files=["config.tar:application/vnd.cncf.model.weight.config.v1.tar"],
+    )
+    with FaultProxy(registry.port) as proxy:
+        host = f"127.0.0.1:{proxy.port}"
+        config = _settings(host)
+        directory = list_directory(f"oci://{host}/cfg/toy:v1", config)
+        assert fetch_small_file(directory, "config.json", config) == CONFIG
+        proxy.always(FlipBit(at=7, from_offset=tarfile.BLOCKSIZE), path="/blobs/")  # the file's own read
+        assert fetch_small_file(directory, "config.json", config) == CONFIG, "the bytes proved are written"
+        proxy.clear()
+        proxy.always(FlipBit(at=7), path="/blobs/")  # every read of the blob
+        with pytest.raises(HashMismatchError, match=r"sha256 digest"):
+            fetch_small_file(directory, "config.json", config)
+
+
 # --- the token flow -----------------------------------------------------------------------------------------
 
 
@@ -336,17 +377,59 @@ def test_a_manifest_or_an_error_nested_past_the_parsers_depth_is_an_error_not_a_
             list_directory(f"oci://{host}/deep/model:v1", _settings(host))
 
 
-def test_a_token_answer_nested_past_the_parsers_depth_is_no_usable_token() -> None:
-    realm = _Recorder(lambda request: (200, [("Content-Type", "application/json")], DEEP))
+@pytest.mark.parametrize(
+    "answer",
+    [
+        DEEP,
+        _document({"token": "t\u00f6ken-\u20ac"}),
+        _document({"token": "tok\x7fen"}),
+        _document({"token": "tok\x00en"}),
+    ],
+    ids=["nested-past-the-parser", "outside-latin-1", "delete", "nul"],
+)
+def test_a_token_answer_that_holds_no_usable_token_is_refused_and_nothing_is_sent(answer: bytes) -> None:
+    """Nested JSON past the parser's depth, or a token HTTP cannot carry in a header: one outside latin-1
+    failed the next request with a UnicodeEncodeError holding ``Bearer <token>`` (a traceback, an internal
+    error); a control character went to the registry as it was."""
+    realm = _Recorder(lambda request: (200, [("Content-Type", "application/json")], answer))
     challenge = f'Bearer realm="http://127.0.0.1:{realm.port}/token",service="registry"'
     registry = _Recorder(lambda request: (401, [("WWW-Authenticate", challenge)], b"{}"))
     try:
         host = f"127.0.0.1:{registry.port}"
         with pytest.raises(SourceError, match=r"answered no usable token"):
-            list_directory(f"oci://{host}/deep/model:v1", _settings(host))
+            list_directory(f"oci://{host}/odd/model:v1", _settings(host))
     finally:
         registry.close()
         realm.close()
+    assert [r.get("authorization") for r in registry.requests] == [None]
+
+
+def test_a_token_service_whose_status_line_echoes_the_identity_token_is_named_without_it() -> None:
+    """The refresh grant's failures were told with the exception's own text, which for a malformed status
+    line is the line the service wrote: the identity token it was just sent, into the error and the log."""
+    identity = "refresh-me-EXAMPLE-0123456789"
+    service = socket.create_server(("127.0.0.1", 0))
+
+    def echo() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                client, _ = service.accept()
+                with client:
+                    client.recv(65536)
+                    client.sendall(f"HTTP/1.1 2xx {identity}\r\n\r\n".encode())
+
+    threading.Thread(target=echo, daemon=True).start()
+    challenge = f'Bearer realm="http://127.0.0.1:{service.getsockname()[1]}/token",service="registry"'
+    registry = _Recorder(lambda request: (401, [("WWW-Authenticate", challenge)], b"{}"))
+    try:
+        host = f"127.0.0.1:{registry.port}"
+        with pytest.raises(ModelloadError) as caught:
+            list_directory(f"oci://{host}/m:v1", _settings(host, auths={host: {"identitytoken": identity}}))
+    finally:
+        registry.close()
+        service.close()
+    assert identity not in str(caught.value)
+    assert "status line is malformed" in str(caught.value)
 
 
 def test_an_identity_token_is_exchanged_over_the_same_connections_as_every_request(
@@ -513,3 +596,42 @@ def test_hostile_quoting_in_a_challenge_does_not_move_the_realm(challenge: str) 
 
     scheme, params = parse_challenge(challenge)
     assert scheme == "bearer" and params["realm"] == "https://good.example/token"
+
+
+@pytest.mark.parametrize(
+    ("answer", "said"),
+    [
+        (
+            b"SSH-2.0-OpenSSH_9.2p1 Debian-2\r\n",
+            r"status line is malformed\): is 127\.0\.0\.1:\d+ the registry",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 8388608\r\n\r\n"
+            + b" " * (8 << 20),
+            r"answered \w+ with over \d+ bytes",
+        ),
+    ],
+    ids=["another-protocol", "an-endless-answer"],
+)
+def test_a_push_to_something_that_is_no_registry_is_a_clear_error_not_a_traceback(
+    tmp_path: Path, answer: bytes, said: str
+) -> None:
+    """A push to a port that speaks another protocol (SSH speaks first) ended in http.client's BadStatusLine,
+    a traceback quoting the server's line; an answer of any size was read whole into memory."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                client, _ = listener.accept()
+                with client:
+                    client.recv(65536)
+                    client.sendall(answer)
+
+    threading.Thread(target=serve, daemon=True).start()
+    host = f"127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        with pytest.raises(SourceError, match=said):
+            _push_one_file(tmp_path, f"oci://{host}/not/registry:v1", _settings(host))
+    finally:
+        listener.close()

@@ -16,15 +16,18 @@ from modelload.loader.errors import (
     ConfigError,
     SourceAccessDeniedError,
     SourceChangedError,
+    SourceError,
     SourceNotFoundError,
 )
 from modelload.sidecar.sources import (
     HttpSettings,
+    RetryPolicy,
     S3Credentials,
     S3Settings,
     S3Source,
     SourceSettings,
     open_source,
+    stat_with_prefix,
 )
 from tests.support.fault_proxy import FaultProxy
 from tests.support.moto_s3 import Credentials, MotoS3Server
@@ -86,6 +89,28 @@ def test_an_empty_object_has_size_zero(moto_s3: MotoS3Server, aws_env: Credentia
     uri = moto_s3.put(BUCKET, "empty.bin", b"")
     with open_source(uri, _settings(moto_s3.endpoint)) as source:
         assert source.stat().size == 0
+
+
+def test_an_object_stored_with_a_content_encoding_is_refused_not_loaded_encoded(
+    moto_s3: MotoS3Server, aws_env: Credentials
+) -> None:
+    """S3 serves an object uploaded with ``--content-encoding gzip`` (as web assets often are) as it is
+    stored, saying so: the sidecar took the compressed bytes for the file (a tokenizer.json of gzip, which
+    the app then failed to parse), and the store's checksum, of the stored bytes, agreed."""
+    import gzip
+
+    moto_s3.create_bucket(BUCKET)
+    moto_s3.client().put_object(
+        Bucket=BUCKET,
+        Key="gz/tokenizer.json",
+        Body=gzip.compress(b'{"version": "1.0"}'),
+        ContentEncoding="gzip",
+    )
+    with (
+        pytest.raises(SourceError, match=r"served with Content-Encoding 'gzip'.*without a content encoding"),
+        open_source(f"s3://{BUCKET}/gz/tokenizer.json", _settings(moto_s3.endpoint)) as source,
+    ):
+        stat_with_prefix(source, 1 << 20, policy=RetryPolicy())
 
 
 def test_a_missing_key_names_the_bucket_and_the_key(

@@ -8,6 +8,7 @@ from modelload.loader.errors import (
     RangeNotSupportedError,
     SourceAccessDeniedError,
     SourceChangedError,
+    SourceError,
     SourceNotFoundError,
 )
 from modelload.sidecar.sources import (
@@ -16,6 +17,7 @@ from modelload.sidecar.sources import (
     S3Settings,
     Source,
     SourceSettings,
+    list_directory,
     open_source,
     read_range,
 )
@@ -24,6 +26,7 @@ from tests.support.fault_proxy import (
     IgnoreRange,
     ReplaceObject,
     Reset,
+    Respond,
     Stall,
     Truncate,
     s3_error,
@@ -107,3 +110,26 @@ def test_permanent_faults_fail_fast_without_retries(
     with pytest.raises(error, match=words):
         _read(source)
     assert len(moto_proxy.requests) == before + 1
+
+
+LOOPING_PAGE = (
+    b'<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><Contents><Key>loop/a.json</Key>'
+    b"<Size>2</Size></Contents><IsTruncated>true</IsTruncated>"
+    b"<NextContinuationToken>t1</NextContinuationToken></ListBucketResult>"
+)
+
+
+def test_a_listing_whose_continuation_token_loops_stops_at_the_loop_saying_so(
+    moto_s3: MotoS3Server, moto_proxy: FaultProxy, aws_env: Credentials
+) -> None:
+    """An endpoint answering the same continuation token again was followed to the page limit (64 requests of
+    up to 16 MiB), and the error asked whether the prefix was a model."""
+    moto_s3.put(BUCKET, "loop/a.json", b"{}")
+    settings = SourceSettings(
+        http=HttpSettings(connect_timeout=2, stall_timeout=0.5),
+        s3=S3Settings(endpoint_url=moto_proxy.endpoint),
+    )
+    moto_proxy.always(Respond(200, LOOPING_PAGE, (("Content-Type", "application/xml"),)), path="list-type=2")
+    with pytest.raises(SourceError, match=r"continuation token is one already followed \(a loop\)"):
+        list_directory(f"s3://{BUCKET}/loop/", settings)
+    assert len([r for r in moto_proxy.requests if "list-type=2" in r.path]) == 2

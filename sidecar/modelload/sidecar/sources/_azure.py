@@ -14,6 +14,7 @@ Other spellings the ecosystem uses (``abfs[s]://container@account.dfs.core.windo
 
 from __future__ import annotations
 
+import http.client
 import re
 import xml.etree.ElementTree as ET
 from collections.abc import Mapping, Sequence
@@ -24,13 +25,14 @@ from modelload.loader.errors import ConfigError, ModelloadError, SourceError, So
 
 from ._azure_auth import AzureAuth, resolve_auth
 from ._base import ObjectInfo
+from ._body import read_document
 from ._checksums import StoreChecksum
 from ._cloud_errors import azure_error
 from ._connections import Origin
 from ._http import HttpObject, Target, _Exchange
 from ._settings import SourceSettings
 from ._splice import HAVE_SPLICE
-from ._store import Directory, ListedFile, Opener, Store, shared_opener
+from ._store import Directory, ListedFile, Opener, Store, check_listing_size, shared_opener
 
 __all__ = [
     "AzureBlobSource",
@@ -170,8 +172,8 @@ class AzureBlobSource(HttpObject):
             query.append(("marker", marker))
         exchange = self._open("GET", {_QUERY: query}, accept=frozenset({200}))  # type: ignore[dict-item]
         try:
-            body = exchange.response.read(_LIST_MAX + 1)
-        except OSError as exc:
+            body = read_document(exchange.response, _LIST_MAX + 1, self.floor())
+        except (OSError, EOFError, http.client.HTTPException) as exc:
             raise self._translate(exc) from exc
         finally:
             self._pool.discard(exchange.origin, exchange.conn)
@@ -214,12 +216,21 @@ def list_azure_prefix(uri: str, settings: SourceSettings) -> dict[str, ListedFil
     lister._display_uri = f"az://{account}/{container}/{prefix}"
     found: dict[str, ListedFile] = {}
     marker: str | None = None
+    seen: set[str] = set()
     try:
         for _ in range(_PAGES_MAX):
             page, marker = lister.list_page(prefix, marker)
             found.update(page)
+            check_listing_size(len(found), uri)
             if marker is None:
                 break
+            if marker in seen:
+                raise SourceError(
+                    f"{uri}: the listing's next marker is one already followed (a loop): the endpoint pages"
+                    " wrongly",
+                    uri=uri,
+                )
+            seen.add(marker)
         else:
             raise ConfigError(f"{uri} lists more than {_PAGES_MAX} pages of blobs: is it a model?")
     finally:

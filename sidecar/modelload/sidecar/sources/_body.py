@@ -21,13 +21,39 @@ from ._base import RangeSink, views_after
 from ._low_water import LowWater
 from ._splice import HAVE_SPLICE, Progress, RateFloor, landing_watcher, pwrite_all, splice_socket
 
-__all__ = ["Body"]
+__all__ = ["Body", "read_document"]
 
 # The buffer of the reader http.client parses headers with (socket.makefile("rb") uses this size).
 _READER_BUFFER = io.DEFAULT_BUFFER_SIZE
 _BOUNCE_SIZE = 1 << 20
 _IOV_MAX = 1024
 """The most buffers one ``recvmsg_into`` takes (Linux's IOV_MAX)."""
+_DOCUMENT_STEP = 64 << 10
+
+
+def read_document(response: http.client.HTTPResponse, limit: int, floor: RateFloor | None) -> bytes:
+    """Up to ``limit`` bytes of a small body (a model's index with the look-up, a small file, an API answer,
+    a listing page, an error page): all of it when it is shorter.
+
+    ``HTTPResponse.read`` waits for as long as bytes keep coming: the socket's timeout bounds each wait, not
+    the whole read, so a server that trickles a byte every few seconds would hold it (and the load) forever.
+    Here ``floor`` bounds the whole, as it does a range: a body slower than it raises SlowTransferError,
+    which the caller's retries treat as any stalled transfer. Raises EOFError when the server closes the
+    connection before the Content-Length it announced (``read`` would return the short body as if whole).
+    """
+    parts: list[bytes] = []
+    got = 0
+    while got < limit:
+        data = response.read1(min(limit - got, _DOCUMENT_STEP))
+        if not data:
+            if response.length:  # announced, never sent
+                raise EOFError("the server closed the connection before the body was complete")
+            break
+        parts.append(data)
+        got += len(data)
+        if floor is not None:
+            floor.check(got)
+    return b"".join(parts)
 
 
 class Body:
@@ -153,10 +179,18 @@ class Body:
             before += length
 
     def skip(self, count: int) -> None:
-        """Read and drop ``count`` bytes (single-stream fallback for servers that ignore Range)."""
+        """Read and drop ``count`` bytes (single-stream fallback for servers that ignore Range), as slowly as
+        the floor allows; the floor's measure then starts again for the bytes that land, which a long skip
+        must not count as slow (they were not asked for yet)."""
         scratch = memoryview(bytearray(min(count, _BOUNCE_SIZE)))
-        while count:
-            count -= self.readinto(scratch[: min(count, len(scratch))])
+        floor = self._floor
+        skipped = 0
+        while skipped < count:
+            skipped += self.readinto(scratch[: min(count - skipped, len(scratch))])
+            if floor is not None:
+                floor.check(skipped)
+        if floor is not None:
+            floor.restart()
 
     def splice_into(self, fd: int, fd_offset: int, count: int, progress: Progress) -> None:
         """Write ``count`` body bytes into file ``fd`` at ``fd_offset``; ``progress.done`` counts them.

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ._deadline import Deadline
 from ._settings import HttpSettings
 
 __all__ = ["ConnectionPool", "Origin"]
@@ -101,12 +102,18 @@ class ConnectionPool:
         if conn is None:
             conn = self._new(origin)
             conns[origin] = conn
+        settings = self._settings
+        # A proxy's answer to CONNECT is read line by line, for as long as bytes come: bounded as a whole.
+        handshake = Deadline(lambda: conn.sock, settings.connect_timeout + settings.stall_timeout)
         try:
-            conn.connect()  # raises OSError / ssl.SSLError; the caller translates
-        except BaseException:
+            with handshake:
+                conn.connect()  # raises OSError / ssl.SSLError; the caller translates
+        except BaseException as exc:
             # A failed TLS handshake leaves conn.sock set to the socket it detached: kept, the next request
             # would take it for an open connection and fail with EBADF.
             self.discard(origin, conn)
+            if handshake.fired:
+                raise handshake.error("the proxy's answer to CONNECT") from exc
             raise
         assert conn.sock is not None
         conn.sock.settimeout(self._settings.stall_timeout)

@@ -19,6 +19,7 @@ without credentials.
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import logging
 import os
@@ -38,6 +39,7 @@ from modelload.loader.errors import (
 )
 
 from ._base import InterruptedReadError, ObjectInfo
+from ._body import read_document
 from ._checksums import StoreChecksum
 from ._cloud_errors import gcs_error, scrub
 from ._connections import Origin
@@ -45,7 +47,7 @@ from ._http import HttpObject, Target, _Exchange
 from ._responses import display_url, json_body
 from ._settings import GcsSettings, SourceSettings
 from ._splice import HAVE_SPLICE
-from ._store import Directory, ListedFile, Opener, Store, shared_opener
+from ._store import Directory, ListedFile, Opener, Store, check_listing_size, shared_opener
 
 __all__ = ["GcsSource", "GcsSpelling", "GcsStore", "list_gcs_prefix", "open_gcs", "parse_gs_uri"]
 
@@ -294,8 +296,8 @@ class GcsSource(HttpObject):
         """GET a small JSON document (metadata, a listing page)."""
         exchange = self._open("GET", {_PATH: path}, accept=frozenset({200}))
         try:
-            body = exchange.response.read(_JSON_MAX + 1)
-        except OSError as exc:
+            body = read_document(exchange.response, _JSON_MAX + 1, self.floor())
+        except (OSError, EOFError, http.client.HTTPException) as exc:
             raise self._translate(exc) from exc
         finally:
             self._pool.discard(exchange.origin, exchange.conn)
@@ -362,6 +364,7 @@ def list_gcs_prefix(uri: str, settings: SourceSettings) -> dict[str, ListedFile]
                 listed = _listed(item, prefix, uri=uri)
                 if listed is not None:
                     found[listed[0]] = listed[1]
+            check_listing_size(len(found), uri)
             token = page.get("nextPageToken")
             if not token:
                 break

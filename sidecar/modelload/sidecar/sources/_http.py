@@ -26,8 +26,9 @@ from urllib.parse import urljoin
 from modelload.loader.errors import ModelloadError, RangeNotSupportedError, SourceChangedError, SourceError
 
 from ._base import ObjectInfo, RangeSink, SourceBase, byte_view, check_range, window
-from ._body import Body
+from ._body import Body, read_document
 from ._connections import ConnectionPool, Origin, socket_of
+from ._deadline import Deadline
 from ._responses import error_for_status, parse_byteranges, parse_content_range, same_etag
 from ._settings import HttpSettings
 from ._splice import Progress, RateFloor
@@ -145,35 +146,45 @@ class HttpObject(SourceBase):
         for attempt in range(2):
             try:
                 conn, reused = self._pool.acquire(target.origin)
-            except (OSError, ssl.SSLError) as exc:
+            except (OSError, ssl.SSLError, UnicodeError) as exc:
                 raise self._translate(exc, connecting=target.origin) from exc
             sock = socket_of(conn)
+            settings = self._settings
+            # the head may take the stall timeout to start, then comes at once from a healthy server
+            head = Deadline(sock, settings.stall_timeout + settings.slow_window)
             try:
-                path = self._pool.request_path(target.origin, target.path)
-                conn.request(method, path, headers=dict(target.headers))
-                response = conn.getresponse()
-            except _STALE as exc:
+                with head:
+                    path = self._pool.request_path(target.origin, target.path)
+                    conn.request(method, path, headers=dict(target.headers))
+                    response = conn.getresponse()
+                if head.fired:  # the headers read were cut short
+                    raise head.error("the response's status line and headers")
+            except (OSError, http.client.HTTPException, UnicodeError) as exc:
                 self._pool.discard(target.origin, conn)
-                if reused and attempt == 0:
+                if head.fired:
+                    raise self._translate(head.error("the response's status line and headers")) from exc
+                if isinstance(exc, _STALE) and reused and attempt == 0:
                     continue
-                raise self._translate(exc) from exc
-            except (OSError, http.client.HTTPException) as exc:
-                self._pool.discard(target.origin, conn)
                 raise self._translate(exc) from exc
             return _Exchange(target.origin, conn, sock, response)
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def floor(self) -> RateFloor:
+        """The slowest a body may come (``min_rate`` over ``slow_window``), for one response."""
+        return RateFloor(self._settings.min_rate, self._settings.slow_window)
+
     def _small_body(self, exchange: _Exchange) -> bytes:
-        """Read an error or probe body when it is small, keeping the connection; else drop the connection."""
+        """Read an error or probe body when it is small, keeping the connection; else drop the connection.
+        A body that does not come (it trickles, the connection breaks) is given up: empty."""
         response = exchange.response
+        whole = response.length is not None and response.length <= _ERROR_BODY_MAX
         try:
-            if response.length is not None and response.length <= _ERROR_BODY_MAX:
-                body = response.read()
-                response.close()
-                return body
-            body = response.read(_ERROR_BODY_MAX)
-        except (OSError, http.client.HTTPException):
-            body = b""
+            body = read_document(response, _ERROR_BODY_MAX, self.floor())
+        except (OSError, EOFError, http.client.HTTPException):
+            body, whole = b"", False
+        if whole:
+            response.close()
+            return body
         self._pool.discard(exchange.origin, exchange.conn)
         return body
 
@@ -195,6 +206,8 @@ class HttpObject(SourceBase):
         # first bytes, which a model's index or a small file needs next.
         exchange = self._open("GET", {"Range": f"bytes=0-{length - 1}"}, accept=frozenset({200, 206, 416}))
         status = exchange.status
+        if status != 416:
+            self._refuse_encoded(exchange)
         etag, last_modified = exchange.header("ETag"), exchange.header("Last-Modified")
         if status == 200:
             size = exchange.response.length
@@ -232,15 +245,14 @@ class HttpObject(SourceBase):
         if first != 0 or last is None or last >= length or exchange.response.length not in (None, last + 1):
             self._small_body(exchange)
             return b""
-        body = b""
         try:
-            body = exchange.response.read(last + 1)
-            if len(body) != last + 1:  # read(n) returns what came before the connection closed: a truncation
-                raise EOFError
+            body = read_document(exchange.response, last + 1, self.floor())
+            if len(body) != last + 1:
+                raise EOFError("the body is shorter than its Content-Range")
             exchange.response.close()
         except (OSError, EOFError, http.client.HTTPException) as exc:
             self._pool.discard(exchange.origin, exchange.conn)
-            raise self._translate(exc, landed=len(body), total=last + 1) from exc
+            raise self._translate(exc, total=last + 1) from exc
         return body
 
     def read_into(self, offset: int, buf: memoryview) -> None:
@@ -306,9 +318,9 @@ class HttpObject(SourceBase):
             self._pool.discard(exchange.origin, exchange.conn)  # the whole object, or far more than asked
             return None
         try:
-            body = exchange.response.read(2 * expected + 256 * len(ranges))
+            body = read_document(exchange.response, 2 * expected + 256 * len(ranges), self.floor())
             exchange.response.close()
-        except (OSError, http.client.HTTPException) as exc:
+        except (OSError, EOFError, http.client.HTTPException) as exc:
             self._pool.discard(exchange.origin, exchange.conn)
             raise self._translate(exc) from exc
         if change is not None:
@@ -334,8 +346,9 @@ class HttpObject(SourceBase):
         reusable = False
         try:
             settings = self._settings
-            floor = RateFloor(settings.min_rate, settings.slow_window)
-            body = Body(exchange.response, exchange.sock, stall_timeout=settings.stall_timeout, floor=floor)
+            body = Body(
+                exchange.response, exchange.sock, stall_timeout=settings.stall_timeout, floor=self.floor()
+            )
             whole = self._check_answer(exchange, info, offset, length)
             if whole is False:
                 body.skip(offset)
@@ -355,6 +368,7 @@ class HttpObject(SourceBase):
         range, False for a 200 whose first ``offset`` bytes must be skipped (the single-stream fallback).
         """
         uri = self.display_uri
+        self._refuse_encoded(exchange)
         if (info.etag and not exchange.header("ETag")) or (
             not info.etag and info.last_modified and not exchange.header("Last-Modified")
         ):
@@ -394,6 +408,22 @@ class HttpObject(SourceBase):
             self._fallback_warned = True
             _log.warning("%s ignores Range requests: reading from the start of a single stream", uri)
         return False
+
+    def _refuse_encoded(self, exchange: _Exchange) -> None:
+        """Refuse a body sent with a content coding (an object stored gzip-encoded, as web assets often are):
+        its bytes, and any range of them, are the encoded file's, not the file's. The connection is dropped
+        with the unread body."""
+        coding = (exchange.header("Content-Encoding") or "").strip().lower()
+        if not coding or coding == "identity":
+            return
+        self._pool.discard(exchange.origin, exchange.conn)
+        uri = self.display_uri
+        raise SourceError(
+            f"{uri} is served with Content-Encoding {coding!r}: its bytes (and any range of them) are the"
+            " encoded file's, not the file's, so it cannot be loaded as it is; store the file without a"
+            " content encoding (upload it again without --content-encoding)",
+            uri=uri,
+        )
 
     # --- errors ------------------------------------------------------------------------------------------
 

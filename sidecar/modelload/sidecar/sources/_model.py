@@ -31,7 +31,7 @@ from modelload.loader.formats import (
 
 from ._base import ObjectInfo, Source
 from ._listing import Directory, directory_hint, is_directory, list_directory
-from ._published_digest import checksum_of, verify_bytes
+from ._published_digest import PublishedDigest, checksum_of, verify_bytes
 from ._registry import open_source, store_for
 from ._retry import RetryEvent, read_bytes, stat_with_prefix
 from ._settings import SourceSettings
@@ -269,6 +269,27 @@ def fetch_small_file(
         checksum = checksum_of(source)
         if checksum is not None and checksum.covers_file(len(head)):
             verify_bytes(head, checksum)  # the Hub's git blob id or SHA-256, a registry blob's digest
+        elif checksum is not None:
+            return _proved_in_object(head, checksum, settings, on_retry)
         return head
     finally:
         source.close()
+
+
+def _proved_in_object(
+    head: bytes,
+    checksum: PublishedDigest,
+    settings: SourceSettings,
+    on_retry: Callable[[RetryEvent], None] | None,
+) -> bytes:
+    """A small file that is a window of a larger object (a file of a tar layer), proved by that object's
+    digest: the object is read whole and hashed when it is small itself (a file packed in a tar of its own,
+    as ModelPack tools pack each file: the file and 2 KiB of tar), and the file is taken from the bytes
+    proved. A larger object holds weights too (a KitOps model layer), whose digest, taken over the whole
+    object as the load lands it, proves the object; the file is left to that proof."""
+    whole = checksum.object_source
+    if whole is None or checksum.object_size > SMALL_FILE_LIMIT:
+        return head
+    data = read_bytes(whole, 0, checksum.object_size, policy=settings.retry, on_retry=on_retry)
+    verify_bytes(data, checksum)
+    return data[checksum.offset : checksum.offset + len(head)]

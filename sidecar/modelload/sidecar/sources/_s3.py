@@ -19,6 +19,7 @@ If-Match, resume. ``unsigned`` sends no Authorization header at all (public buck
 from __future__ import annotations
 
 import gc
+import http.client
 import logging
 import re
 import threading
@@ -37,12 +38,14 @@ from modelload.loader.errors import (
 )
 
 from ._base import InterruptedReadError, ObjectInfo
+from ._body import read_document
 from ._checksums import StoreChecksum
 from ._connections import Origin
 from ._http import HttpObject, Target, _Exchange
 from ._s3_errors import s3_error
 from ._settings import S3Addressing, S3Settings, SourceSettings
 from ._splice import HAVE_SPLICE
+from ._store import check_listing_size
 
 __all__ = ["S3Location", "S3Source", "import_botocore", "list_s3_prefix", "open_s3", "plan_s3_location"]
 
@@ -383,8 +386,8 @@ class _S3Attributes(S3Source):
         headers = {"x-amz-object-attributes": "ObjectParts", "x-amz-max-parts": "10000"}
         try:
             exchange = self._open("GET", headers, accept=frozenset({200}))
-            body = exchange.response.read(_LIST_PAGE_MAX)
-        except (SourceError, OSError):
+            body = read_document(exchange.response, _LIST_PAGE_MAX, self.floor())
+        except (SourceError, OSError, EOFError, http.client.HTTPException):
             return ()
         finally:
             self.close()
@@ -435,8 +438,8 @@ class _S3Listing(S3Source):
         self._location = S3Location(self._base.origin, f"{self._base.path}?{encoded}", self._base.addressing)
         exchange = self._open("GET", {}, accept=frozenset({200}))
         try:
-            body = exchange.response.read(_LIST_PAGE_MAX + 1)
-        except OSError as exc:
+            body = read_document(exchange.response, _LIST_PAGE_MAX + 1, self.floor())
+        except (OSError, EOFError, http.client.HTTPException) as exc:
             raise self._translate(exc) from exc
         finally:
             self._pool.discard(exchange.origin, exchange.conn)
@@ -479,12 +482,21 @@ def list_s3_prefix(uri: str, settings: SourceSettings) -> dict[str, int]:
     lister = _S3Listing(bucket, prefix, settings)
     found: dict[str, int] = {}
     token: str | None = None
+    seen: set[str] = set()
     try:
         for _ in range(_LIST_PAGES_MAX):
             page, token = lister.page(token)
             found.update((key[len(prefix) :], size) for key, size in page if key.startswith(prefix))
+            check_listing_size(len(found), uri)
             if token is None:
                 break
+            if token in seen:
+                raise SourceError(
+                    f"{uri}: the listing's continuation token is one already followed (a loop): the endpoint"
+                    " pages wrongly",
+                    uri=uri,
+                )
+            seen.add(token)
         else:
             raise ConfigError(f"{uri} lists more than {_LIST_PAGES_MAX} pages of objects: is it a model?")
     finally:

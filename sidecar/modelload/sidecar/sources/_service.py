@@ -28,6 +28,7 @@ from urllib.parse import urljoin, urlsplit
 from modelload.loader.errors import ConfigError, ModelloadError, SourceChangedError, SourceError
 
 from ._base import ObjectInfo
+from ._body import read_document
 from ._connections import Origin
 from ._http import _REDIRECTS, HttpObject, Target, _Exchange
 from ._published_digest import PublishedDigest
@@ -199,8 +200,8 @@ class ServiceFile(HttpObject):
         """The whole body of a small document (an API answer, a manifest), at most ``limit`` bytes."""
         exchange = self._open("GET", dict(headers or {}), accept=frozenset({200}))
         try:
-            body = exchange.response.read(limit + 1)
-        except (OSError, http.client.HTTPException) as exc:
+            body = read_document(exchange.response, limit + 1, self.floor())
+        except (OSError, EOFError, http.client.HTTPException) as exc:
             raise self._translate(exc) from exc
         finally:
             self._pool.discard(exchange.origin, exchange.conn)

@@ -132,6 +132,10 @@ class RateFloor:
         self._mark_time = time.monotonic()
         self._mark_done = 0
 
+    def restart(self) -> None:
+        """Measure from now, and from a transfer of no bytes yet."""
+        self._mark_time, self._mark_done = time.monotonic(), 0
+
     def check(self, done: int) -> None:
         """Raise :class:`SlowTransferError` when the window that just ended brought too few bytes;
         ``done`` counts the transfer's bytes so far."""

@@ -29,12 +29,38 @@ from ._base import Source
 from ._responses import display_url
 from ._settings import SourceSettings
 
-__all__ = ["Directory", "ListedFile", "Opener", "Store", "join_uri", "shared_opener"]
+__all__ = [
+    "LISTED_FILES_MAX",
+    "Directory",
+    "ListedFile",
+    "Opener",
+    "Store",
+    "check_listing_size",
+    "join_uri",
+    "shared_opener",
+]
 
 S = TypeVar("S", bound=Source)
 
 Opener = Callable[[str], Source]
 """Opens one file of a model by its URI (as :meth:`Directory.file_uri` gives it)."""
+
+LISTED_FILES_MAX = 100_000
+"""The most files a model directory's listing may hold (its top level: deeper files are not listed). A
+checkpoint has hundreds; every listed file costs the sidecar memory (a few hundred bytes with its checksums),
+so a listing that goes on, page after page of distinct files (a bucket's root, or a mirror that lies), is cut
+off here rather than when the process runs out of memory."""
+
+
+def check_listing_size(count: int, uri: str) -> None:
+    """Refuse a listing that already holds more than :data:`LISTED_FILES_MAX` files; called after each
+    page, so no more than one page past the limit is ever held."""
+    if count > LISTED_FILES_MAX:
+        raise ConfigError(
+            f"{display_url(uri)} lists more than {LISTED_FILES_MAX} files at its top level: a model directory"
+            " holds far fewer; name the model's own folder (or, for an origin that should hold only the"
+            " model, check what it serves)"
+        )
 
 
 @dataclass(frozen=True)

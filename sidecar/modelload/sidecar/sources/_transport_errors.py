@@ -20,6 +20,7 @@ from modelload.loader.segment.volume import full_volume
 
 from ._base import InterruptedReadError
 from ._connections import Origin
+from ._deadline import DeadlineError
 from ._settings import HttpSettings
 from ._splice import SlowTransferError
 
@@ -48,12 +49,21 @@ def translate_transport_error(
     where = f"after {landed} of {total} bytes" if total else "before the response"
     if isinstance(exc, SegmentSpaceError):
         return exc
-    if isinstance(exc, http.client.InvalidURL):
-        # http.client refuses a request path with a space or a control character before sending it; its
-        # message quotes the path, query (a signature) included, and a retry would fail the same way
+    if isinstance(exc, http.client.InvalidURL | UnicodeError):
+        # http.client refuses a request path with a space, a control character or a character outside ASCII
+        # (a server's redirect to one) before sending it; its exception quotes the path, query (a signature)
+        # included, or the header value (a token), and a retry would fail the same way
+        if connecting is not None:
+            return SourceError(f"{uri}: {connecting.host!r} is not a host name that can be reached", uri=uri)
+        if isinstance(exc, UnicodeEncodeError) and exc.encoding != "ascii":
+            return SourceError(
+                f"{uri}: a header of this read (a token a service issued) holds a character HTTP cannot send",
+                uri=uri,
+            )
         return SourceError(
-            f"{uri}: a URL of this read (the source's, or one a server redirected to) holds a space or a"
-            " control character, which HTTP does not allow in a request: percent-encode it (%20 for a space)",
+            f"{uri}: a URL of this read (the source's, or one a server redirected to) holds a space, a"
+            " control character or a character outside ASCII, which HTTP does not allow in a request:"
+            " percent-encode it (%20 for a space)",
             uri=uri,
         )
     if isinstance(exc, ssl.SSLCertVerificationError):
@@ -74,14 +84,18 @@ def translate_transport_error(
                 f"{uri}: {connecting.netloc} answered in plain HTTP, not TLS: "
                 + plain_http_advice(connecting)
             )
-        if isinstance(exc, socket.gaierror):
+        if isinstance(exc, DeadlineError):
+            reason = f"{connecting.netloc}: {exc}"
+        elif isinstance(exc, socket.gaierror):
             reason = f"cannot resolve {connecting.host}"
         elif isinstance(exc, TimeoutError):
             reason = f"no connection to {connecting.netloc} within {settings.connect_timeout:g} s"
         else:
             reason = f"cannot connect to {connecting.netloc}: {_describe(exc)}"
         return InterruptedReadError(f"{uri}: {reason}", uri=uri)
-    if isinstance(exc, SlowTransferError):
+    if isinstance(exc, DeadlineError):
+        reason = f"{exc}: retrying on another connection"
+    elif isinstance(exc, SlowTransferError):
         reason = f"{exc} {where}: resuming on another connection"
     elif isinstance(exc, TimeoutError):
         reason = f"the stream stalled (no bytes for {settings.stall_timeout:g} s) {where}"

@@ -51,7 +51,8 @@ class HttpSource(HttpObject):
         self.supports_fd = HAVE_SPLICE and not origin.is_tls
         self._lock = threading.Lock()
         self._origin = origin
-        self._location = (origin, _request_path(url))
+        self._start = (origin, _request_path(url))
+        self._location = self._start
         self._private: dict[str, str] = dict(settings.headers.items()) if settings.headers else {}
         self._from_url = not self._private  # what is sent, if anything, is the URL's user and password
         if parts.username is not None:
@@ -76,6 +77,20 @@ class HttpSource(HttpObject):
         if self._private and origin == self._origin:
             headers = {**headers, **self._private}
         return Target(origin, path, headers)
+
+    def _open(self, method: str, headers: Mapping[str, str], *, accept: frozenset[int]) -> _Exchange:
+        """As every HTTP read, and once more from the source URL itself when a place it redirected to (and
+        that later reads went straight to) refuses access: a signed redirect URL expires (a CDN's, a release
+        download's: minutes), and a long load must not fail for good at the first range after that."""
+        try:
+            return super()._open(method, headers, accept=accept)
+        except SourceAccessDeniedError:
+            with self._lock:
+                moved, self._location = self._location != self._start, self._start
+            if not moved:
+                raise
+            _log.info("%s: the URL it redirected to was refused; asking the source again", self.display_uri)
+            return super()._open(method, headers, accept=accept)
 
     def _redirect(self, location: str) -> bool:
         parts = urlsplit(location)

@@ -19,6 +19,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from email.message import Message
+from typing import TypeGuard
 from urllib.parse import quote, unquote
 
 from modelload.loader.errors import (
@@ -34,7 +35,7 @@ from .._published_digest import PublishedDigest
 from .._responses import error_for_status, json_body, redact_uri
 from .._service import Explain, fetch_document, origin_of
 from .._settings import HubSettings, SourceSettings
-from .._store import ListedFile
+from .._store import ListedFile, check_listing_size
 
 __all__ = ["HubAccess", "HubClient", "HubRef", "parse_hub_uri"]
 
@@ -249,6 +250,7 @@ class HubClient:
                 name, listed = self._entry(entry, ref, commit, folder)
                 if name is not None and listed is not None:
                     found[name] = listed
+            check_listing_size(len(found), ref.uri)
             following = _NEXT.search(headers.get("Link", "") or "")
             if following is None:
                 return found
@@ -270,8 +272,11 @@ class HubClient:
         if not isinstance(entry, dict) or entry.get("type") != "file":
             return None, None
         path, size, oid = entry.get("path"), entry.get("size"), entry.get("oid")
-        if not isinstance(path, str) or not isinstance(size, int):
-            raise SourceError(f"hf://{ref.repo}: a listing entry without a path or size", uri=ref.uri)
+        if not isinstance(path, str) or not _is_count(size):
+            raise SourceError(
+                f"hf://{ref.repo}: a listing entry without a path or a size in bytes: {entry!r:.120}",
+                uri=ref.uri,
+            )
         if folder and not path.startswith(f"{folder}/"):
             return None, None  # not in this folder: a mirror's listing cannot name files elsewhere
         name = path[len(folder) + 1 :] if folder else path
@@ -279,8 +284,13 @@ class HubClient:
             return None, None
         uri = HubRef(ref.repo, commit, path).uri
         lfs = entry.get("lfs")
-        if isinstance(lfs, dict) and isinstance(lfs.get("oid"), str) and isinstance(lfs.get("size"), int):
-            size = lfs["size"]
+        if isinstance(lfs, dict) and isinstance(lfs.get("oid"), str) and "size" in lfs:
+            if not _is_count(lfs["size"]):
+                raise SourceError(
+                    f"hf://{ref.repo}: the LFS size of {path!r} is not a size in bytes: {lfs['size']!r:.40}",
+                    uri=ref.uri,
+                )
+            size = int(lfs["size"])
             checksum = PublishedDigest("sha256", lfs["oid"].lower(), uri, size, where=uri)
         elif isinstance(oid, str):
             checksum = PublishedDigest("git-sha1", oid.lower(), uri, size, where=uri)
@@ -288,3 +298,9 @@ class HubClient:
             checksum = None
         sums = {checksum.algorithm: checksum.expected} if checksum is not None else {}
         return name, ListedFile(size=size, uri=uri, version=commit, checksums=sums)
+
+
+def _is_count(value: object) -> TypeGuard[int]:
+    """Whether a listed size is a count of bytes (a negative one would count against the small files'
+    limit, letting others past it; JSON's true is a Python int too)."""
+    return type(value) is int and value >= 0

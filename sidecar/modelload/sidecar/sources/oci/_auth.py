@@ -28,16 +28,22 @@ from urllib.parse import urlencode, urlsplit
 
 from modelload.loader.errors import ConfigError, ModelloadError, SourceAccessDeniedError, SourceError
 
+from .._body import read_document
 from .._connections import ConnectionPool, Origin
+from .._deadline import Deadline
 from .._responses import error_for_status, json_body
 from .._service import fetch_document, origin_of
 from .._settings import HttpSettings, RetryPolicy
+from .._splice import RateFloor
+from .._transport_errors import translate_transport_error
 from ._reference import OciRef
 
 __all__ = ["RegistryAuth", "auths_from_docker_config", "load_docker_config", "login_advice"]
 
 _PARAM = re.compile(r'([A-Za-z]+)="([^"]*)"')
 _TOKEN_LIMIT = 1 << 20
+_TOKEN = re.compile(r"^[\x21-\x7e]+$")
+"""A token as HTTP can carry it in a header: visible ASCII, no space (a JWT, an opaque base64 string)."""
 
 
 def auths_from_docker_config(data: bytes | str, *, where: str) -> dict[str, dict[str, str]]:
@@ -229,7 +235,7 @@ class RegistryAuth:
         except ValueError:
             answer = None
         token = (answer.get("token") or answer.get("access_token")) if isinstance(answer, dict) else None
-        if not isinstance(token, str) or not token or any(c.isspace() for c in token):
+        if not isinstance(token, str) or not _TOKEN.match(token):
             raise SourceError(f"{where} answered no usable token", uri=self._ref.display)
         return token
 
@@ -249,16 +255,27 @@ class RegistryAuth:
         pool = ConnectionPool(self._http)
         try:
             conn, _ = pool.acquire(origin)
-            conn.request(
-                "POST", pool.request_path(origin, path), body=form,
-                headers={"Content-Type": "application/x-www-form-urlencoded"},
-            )  # fmt: skip
-            response = conn.getresponse()
-            body = response.read(_TOKEN_LIMIT)
-        except (OSError, http.client.HTTPException) as exc:
-            raise SourceError(
-                f"the token service of {self._ref.registry} cannot be reached: {type(exc).__name__}: {exc}",
-                uri=self._ref.display,
+            head = Deadline(lambda: conn.sock, self._http.stall_timeout + self._http.slow_window)
+            with head:
+                conn.request(
+                    "POST", pool.request_path(origin, path), body=form,
+                    headers={"Content-Type": "application/x-www-form-urlencoded"},
+                )  # fmt: skip
+                response = conn.getresponse()
+            if head.fired:
+                raise head.error("the token service's status line and headers")
+            floor = RateFloor(self._http.min_rate, self._http.slow_window)
+            body = read_document(response, _TOKEN_LIMIT, floor)
+        except (OSError, EOFError, http.client.HTTPException) as exc:
+            # by what broke, never its text: a status line or a URL it quotes is the service's to fill
+            raise translate_transport_error(
+                exc,
+                uri=f"the token service of {self._ref.registry}",
+                settings=self._http,
+                plain_http_advice=lambda origin: (
+                    "the registry names its token service with https:// and the service answers in plain"
+                    " HTTP: the registry's token configuration is wrong"
+                ),
             ) from None
         finally:
             pool.close()

@@ -35,12 +35,14 @@ from urllib.parse import urljoin, urlsplit
 
 from modelload.loader.errors import ConfigError, SourceError
 
+from .._body import read_document
 from .._connections import Origin
 from .._service import origin_of
 from .._settings import SourceSettings
-from .._transport_errors import PLAIN_HTTP_REPLIES
+from .._splice import RateFloor
+from .._transport_errors import PLAIN_HTTP_REPLIES, translate_transport_error
 from ._auth import RegistryAuth
-from ._client import explain
+from ._client import MANIFEST_LIMIT, explain
 from ._media import (
     ANNOTATION_FILEPATH,
     ANNOTATION_TITLE,
@@ -62,6 +64,8 @@ WEIGHT_SUFFIXES = (".safetensors", ".tensors", ".gguf", ".bin", ".pt", ".pth")
 LOADED_SUFFIXES = (".safetensors", ".tensors")
 """The weight files a sidecar loads: a push without one would publish an artifact no pod can use."""
 _BLOCK = 1 << 20
+_ANSWER_LIMIT = MANIFEST_LIMIT + (64 << 10)
+"""The most a registry's answer to a push's request holds: a manifest (the spec's limit), or an error."""
 
 
 def layer_media_type(name: str) -> str:
@@ -178,7 +182,8 @@ class _Registry:
                 parts = urlsplit(url)
                 conn.request(method, parts.path + (f"?{parts.query}" if parts.query else ""), body, sent)
                 response = conn.getresponse()
-                data = response.read()
+                floor = RateFloor(self.settings.http.min_rate, self.settings.http.slow_window)
+                data = read_document(response, _ANSWER_LIMIT + 1, floor)
             except ssl.SSLError as exc:
                 if exc.reason not in PLAIN_HTTP_REPLIES:
                     raise SourceError(
@@ -189,13 +194,28 @@ class _Registry:
                     f"{self.ref.display}: {origin.netloc} answered in plain HTTP, not TLS: if the registry "
                     "serves plain HTTP, push with --plain-http"
                 ) from None
-            except OSError as exc:
+            except (OSError, EOFError, http.client.HTTPException) as exc:
+                # by kind, never the text: a malformed status line is quoted in it (a port that speaks
+                # another protocol: SSH answers first), and that is the server's to fill
+                failed = translate_transport_error(
+                    exc,
+                    uri=self.ref.display,
+                    settings=self.settings.http,
+                    plain_http_advice=lambda _: "if the registry serves plain HTTP, push with --plain-http",
+                )
+                reason = str(failed).removeprefix(f"{self.ref.display}: ")
                 raise SourceError(
-                    f"{self.ref.display}: {method} to the registry failed: {type(exc).__name__}: {exc}",
+                    f"{self.ref.display}: {method} to the registry failed ({reason}): is {origin.netloc} the"
+                    " registry, and up?",
                     uri=self.ref.display,
                 ) from None
             finally:
                 conn.close()
+            if len(data) > _ANSWER_LIMIT:
+                raise SourceError(
+                    f"{self.ref.display}: the registry answered {method} with over {_ANSWER_LIMIT} bytes",
+                    uri=self.ref.display,
+                )
             if response.status in accept:
                 return response.status, response.headers, data
             if (
