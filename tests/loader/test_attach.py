@@ -13,12 +13,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import pytest
 import torch
 
 from modelload.loader import LoadFailedError, LoadTimeoutError, Model, attach
 from modelload.loader.dtypes import by_name, names
-from modelload.loader.errors import ModelClosedError, SidecarUnavailableError
+from modelload.loader.errors import ModelClosedError, SegmentLayoutError, SidecarUnavailableError
+from modelload.loader.formats.safetensors import save_file
+from modelload.loader.formats.tensorizer import TensorizerWriter
 from modelload.loader.segment import SegmentWriter, TensorSpec, plan_layout
 
 
@@ -281,6 +284,45 @@ def test_attach_waits_for_a_segment_that_is_still_being_created(shm_dir: Path) -
 def test_attach_gives_up_on_a_segment_that_never_appears(shm_dir: Path) -> None:
     with pytest.raises(SidecarUnavailableError, match="no segment appeared"):
         attach(shm_dir / "never.seg", timeout=0.05)
+
+
+def test_attach_in_a_folder_that_does_not_exist_says_so_at_once_instead_of_waiting_out_its_timeout(
+    shm_dir: Path,
+) -> None:
+    # No sidecar creates the folder (it refuses to start in a missing one), so waiting cannot help. A
+    # timeout far beyond the test's patience: before the fix this waited it out, then blamed the sidecar.
+    missing = shm_dir / "no-such-volume"
+    with pytest.raises(SidecarUnavailableError, match="folder .*no-such-volume does not exist") as raised:
+        attach(missing / "model.seg", timeout=5, notify=False)
+    assert "MODELLOAD_SEGMENT" in str(raised.value) and "mounted" in str(raised.value)
+
+
+@pytest.mark.parametrize("kind", ["tensorizer", "safetensors"])
+def test_attach_to_a_model_file_names_its_format_and_how_to_make_a_segment_of_it(
+    shm_dir: Path, kind: str
+) -> None:
+    path = shm_dir / f"model-{kind}.bin"
+    tensors = {"w": np.arange(2048, dtype=np.float32)}
+    if kind == "safetensors":
+        save_file(tensors, path)
+    else:
+        with path.open("wb") as out:
+            writer = TensorizerWriter(out)
+            writer.write_state_dict(tensors)
+            writer.close()
+    with pytest.raises(SegmentLayoutError) as raised:
+        attach(path, timeout=1, notify=False)
+    message = str(raised.value)
+    assert f"is a {kind} file, not a modelload segment" in message
+    assert "modelload stage" in message and "modelload sidecar" in message
+
+
+def test_attach_to_some_other_file_does_not_show_its_bytes(shm_dir: Path) -> None:
+    path = shm_dir / "token"
+    path.write_bytes(b"hf_SECRETSECRETSECRET" * 300)
+    with pytest.raises(SegmentLayoutError, match="not a modelload segment") as raised:
+        attach(path, timeout=1, notify=False)
+    assert "SECRET" not in str(raised.value) and b"hf_SECR".hex(" ")[:8] not in str(raised.value)
 
 
 def test_state_dict_and_module_loading_assign_without_copying(shm_dir: Path) -> None:

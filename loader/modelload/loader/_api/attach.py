@@ -140,6 +140,7 @@ def _open_when_present(path: Path, timeout: float | None, *, status_url: str | N
         try:
             reader = SegmentReader.open(path)
         except SidecarUnavailableError:
+            _refuse_a_missing_folder(path)
             if status_url is not None and time.monotonic() >= next_status:
                 next_status = time.monotonic() + STATUS_INTERVAL
                 reason = _failure_from_status(status_url)
@@ -159,6 +160,17 @@ def _open_when_present(path: Path, timeout: float | None, *, status_url: str | N
             return reader
         time.sleep(pause)
         pause = min(pause * 2, 0.2)
+
+
+def _refuse_a_missing_folder(path: Path) -> None:
+    """A segment in a folder that does not exist never appears (no sidecar creates the folder: it refuses to
+    start in a missing one), so say so now rather than after the whole timeout."""
+    if not path.parent.is_dir():
+        raise SidecarUnavailableError(
+            f"the segment's folder {path.parent} does not exist, so no sidecar can write {path.name} there: "
+            f"check the path (attach(path), {SEGMENT_ENV}) and that the modelload volume is mounted in this "
+            "container at that path"
+        ) from None
 
 
 def _failure_from_status(url: str) -> str | None:
