@@ -289,10 +289,10 @@ def test_attach_gives_up_on_a_segment_that_never_appears(shm_dir: Path) -> None:
 def test_attach_in_a_folder_that_does_not_exist_says_so_at_once_instead_of_waiting_out_its_timeout(
     shm_dir: Path,
 ) -> None:
-    # No sidecar creates the folder (it refuses to start in a missing one), so waiting cannot help. A
-    # timeout far beyond the test's patience: before the fix this waited it out, then blamed the sidecar.
+    # No sidecar creates the folder (it refuses to start in a missing one), so waiting cannot help; before
+    # the fix this waited out the whole timeout, then blamed the sidecar.
     missing = shm_dir / "no-such-volume"
-    with pytest.raises(SidecarUnavailableError, match="folder .*no-such-volume does not exist") as raised:
+    with pytest.raises(SidecarUnavailableError, match=r"folder .*no-such-volume does not exist") as raised:
         attach(missing / "model.seg", timeout=5, notify=False)
     assert "MODELLOAD_SEGMENT" in str(raised.value) and "mounted" in str(raised.value)
 

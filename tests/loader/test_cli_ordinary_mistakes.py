@@ -132,3 +132,57 @@ def test_stage_onto_huge_pages_the_node_lacks_says_to_set_them_aside_not_to_rais
     # Nothing holding pages stays: only the writers' empty lock file, which outlives writers by design.
     left = {path.name: path.stat().st_size for path in hugetlbfs_without_pages.iterdir()}
     assert left in ({}, {"m.seg.lock": 0}), left
+
+
+@pytest.fixture
+def both_formats(tmp_path: Path) -> Path:
+    """A folder holding a model twice: as safetensors and as the tensorizer file serialize made of it."""
+    folder = tmp_path / "both"
+    folder.mkdir()
+    save_file({"w": np.arange(16, dtype=np.float32)}, folder / "model.safetensors")
+    assert (
+        main(["serialize", "--no-progress", str(folder / "model.safetensors"), str(folder / "m.tensors")])
+        == 0
+    )
+    return folder
+
+
+@pytest.mark.parametrize(("command", "flag"), [("inspect", "--format"), ("serialize", "--from")])
+def test_a_folder_of_both_formats_names_the_flag_the_command_has_and_that_flag_chooses(
+    both_formats: Path, tmp_path: Path, command: str, flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    capsys.readouterr()
+    extra = [tmp_path / "out.safetensors"] if command == "serialize" else []
+    status, err = run(capsys, command, "--no-progress", both_formats, *extra)
+    assert status == 2 and "Traceback" not in err
+    assert f"holds both safetensors and tensorizer weights: choose one with {flag}" in err
+    for chosen in ("tensorizer", "safetensors"):
+        out = tmp_path / f"from-{chosen}.safetensors"
+        extra = [out] if command == "serialize" else []
+        status = main([command, "--no-progress", flag, chosen, str(both_formats), *map(str, extra)])
+        printed = capsys.readouterr()
+        assert status == 0, printed.err
+        if command == "inspect":
+            assert f"format      {chosen}" in printed.out
+        else:
+            assert out.stat().st_size > 0
+
+
+@pytest.mark.parametrize("command", ["inspect", "stage"])
+def test_a_format_the_file_is_not_is_refused_saying_what_it_is_not_that_it_is_corrupt(
+    both_formats: Path, tmp_path: Path, command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    extra = [tmp_path / "m.seg"] if command == "stage" else []
+    status, err = run(capsys, command, "--format", "safetensors", both_formats / "m.tensors", *extra)
+    assert status == 2
+    assert "m.tensors is a tensorizer file, not safetensors: give --format tensorizer" in err
+    assert "corrupt" not in err
+
+
+def test_a_folder_without_the_named_format_says_which_format_it_holds(
+    both_formats: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (both_formats / "m.tensors").unlink()
+    status, err = run(capsys, "stage", "--format", "tensorizer", both_formats, tmp_path / "m.seg")
+    assert status == 2
+    assert "holds no tensorizer weight files, only safetensors ones: set --format to safetensors" in err

@@ -136,8 +136,10 @@ class DirectoryInput:
 
 
 @contextlib.contextmanager
-def _open_directory(src: Path, key: DecryptionKey | None, *, verify: bool) -> Iterator[DirectoryInput]:
-    chosen = local_model_files(src)
+def _open_directory(
+    src: Path, key: DecryptionKey | None, *, verify: bool, source_format: str
+) -> Iterator[DirectoryInput]:
+    chosen = local_model_files(src, format=source_format, flag="--from")
     with open_weight_files(src, chosen.weights, key, verify=verify) as (readers, _):  # names unique
         parts = []
         for name, reader in zip(chosen.weights, readers, strict=True):
@@ -164,8 +166,8 @@ def open_input(
     state_dict_key: str | None,
 ) -> Iterator[FileInput | TorchInput | DirectoryInput]:
     """SRC opened as its format's reader (torch checkpoints mapped by torch), closed after the block."""
-    if src.is_dir() and source_format == "auto":
-        with _open_directory(src, key, verify=verify) as directory:
+    if src.is_dir() and source_format in ("auto", "safetensors", "tensorizer"):
+        with _open_directory(src, key, verify=verify, source_format=source_format) as directory:
             yield directory
         return
     kind = sniff(src) if source_format == "auto" else source_format

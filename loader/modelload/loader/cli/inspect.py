@@ -30,6 +30,7 @@ from modelload.loader.cli._common import (
     decryption_key,
     local_model_files,
     local_path,
+    named_kind,
     sniff,
     translate_os_error,
 )
@@ -103,6 +104,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="read every tensor and check its hashes; exits 1 when one does not match",
     )
+    parser.add_argument(
+        "--format",
+        choices=("auto", "tensorizer", "safetensors"),
+        default="auto",
+        help="which weights of a directory holding both to show; a file's format is checked against it "
+        "(default: detected)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on standard error")
     add_decryption_options(parser)
     parser.set_defaults(func=run)
@@ -119,9 +127,11 @@ def run(args: argparse.Namespace) -> int:
     )
     key = decryption_key(args)
     if path.is_dir():
-        report = _inspect_directory(path, key, verify=args.verify, progress=not args.no_progress)
+        report = _inspect_directory(
+            path, key, verify=args.verify, progress=not args.no_progress, fmt=args.format
+        )
         return _emit(report, args)
-    kind = sniff(path)
+    kind = named_kind(path, args.format)
     if kind == "torch":
         raise ConfigError(
             f"{path} is a torch checkpoint; inspect reads tensorizer and safetensors files and segments: "
@@ -263,10 +273,12 @@ def _verify_report(
 # --- model directories -------------------------------------------------------------------------------------
 
 
-def _inspect_directory(path: Path, key: DecryptionKey | None, *, verify: bool, progress: bool) -> Report:
+def _inspect_directory(
+    path: Path, key: DecryptionKey | None, *, verify: bool, progress: bool, fmt: str
+) -> Report:
     """One report over a directory's weight files, as the one model they make."""
     where = f"{path}/"
-    chosen = local_model_files(path)
+    chosen = local_model_files(path, format=fmt)
     kinds = {name: sniff(path / name) for name in chosen.weights}
     for name, kind in kinds.items():
         if kind not in ("tensorizer", "safetensors"):

@@ -138,11 +138,12 @@ def select_model_files(
     where: str,
     index_json: bytes | None = None,
     format: Literal["auto", "tensorizer", "safetensors"] = "auto",  # noqa: A002 - the CLI\'s word for it
+    choose_with: str = "--format (a ModelLoad's spec.format)",
 ) -> ModelFiles:
     """Sort a directory's top-level file ``names`` into weights, small files and ignored ones.
 
     ``index_json`` is the content of ``model.safetensors.index.json`` when the directory has one. ``where``
-    names the directory in errors.
+    names the directory in errors, ``choose_with`` the setting that picks one format where both are there.
 
     >>> select_model_files(["config.json", "model.safetensors", "README.md"], where="d").weights
     ('model.safetensors',)
@@ -152,11 +153,11 @@ def select_model_files(
         raise ConfigError(f"{where} holds {len(listed)} files, more than {_MAX_FILES}: is it a model?")
     safetensors = [n for n in listed if n.endswith(".safetensors")]
     tensorizer = [n for n in listed if n.endswith(".tensors")]
+    named = format
     if format == "auto":
         if safetensors and tensorizer:
             raise ConfigError(
-                f"{where} holds both safetensors and tensorizer weights: choose one with --format "
-                "(a ModelLoad's spec.format)"
+                f"{where} holds both safetensors and tensorizer weights: choose one with {choose_with}"
             )
         format = "tensorizer" if tensorizer else "safetensors"  # noqa: A001
     if format == "safetensors" and index_json is not None:
@@ -170,6 +171,11 @@ def select_model_files(
             )
     else:
         weights = tuple(safetensors if format == "safetensors" else tensorizer)
+    if not weights and named != "auto" and (safetensors or tensorizer):
+        other = "tensorizer" if tensorizer else "safetensors"
+        raise ConfigError(
+            f"{where} holds no {named} weight files, only {other} ones: set {choose_with} to {other} or auto"
+        )
     if not weights:
         raise ConfigError(
             f"{where} holds no weight files (*.safetensors, or *.tensors for tensorizer): point the source "
