@@ -288,3 +288,19 @@ def test_a_passphrase_in_the_key_file_stops_the_sidecar_at_start(
     err = capsys.readouterr().err
     assert "--key-file/MODELLOAD_KEY_FILE" in err and "exactly 32 bytes" in err
     assert "correct horse" not in err
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize(
+    "source", ["S3://models/llama/", "File:///models/llama/", "HTTPS://host/m.safetensors"]
+)
+def test_a_scheme_in_capitals_is_refused_with_the_uri_in_lower_case_not_read_as_another_uri(
+    source: str, shm_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # before the fix "S3://models/llama/" failed as access denied to "s3://S3://models/llama/", and
+    # "File:///models/llama/" as a missing local file of that name, while HTTPS:// loaded
+    status = main(["sidecar", "--source", source, "--segment", str(shm_dir / "m.seg"), "--port", "0"])
+    err = capsys.readouterr().err
+    scheme, _, rest = source.partition("://")
+    assert status == 2
+    assert f"did you mean {scheme.lower()}://{rest}?" in err and "lower case" in err
