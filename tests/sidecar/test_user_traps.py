@@ -76,6 +76,21 @@ def test_a_missing_segment_folder_is_named_as_such(
 
 
 @pytest.mark.timeout(20)  # before the fix the sidecar served its failure forever
+def test_a_segment_path_that_is_a_folder_exits_at_once_naming_a_file_to_create_in_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # before the fix the load failed with "... is not a file (a directory?); a segment cannot replace it:
+    # remove it" (advice to delete what may be the volume) and the sidecar served that failure forever
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    status = main(["sidecar", "--source", str(tmp_path / "m.bin"), "--segment", str(volume), "--port", "0"])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert f"{volume} is a directory: name the segment file to create in it ({volume}/model.seg" in err
+    assert "remove it" not in err and volume.is_dir()
+
+
+@pytest.mark.timeout(20)  # before the fix the sidecar served its failure forever
 def test_an_unsupported_scheme_exits_at_once_with_a_config_error(
     shm_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

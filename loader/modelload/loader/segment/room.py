@@ -43,9 +43,15 @@ log = logging.getLogger(__name__)
 
 
 def check_folder(segment: Path) -> None:
-    """ConfigError when the segment's folder is missing. Writers never create it: in a pod it is the
-    shared volume's mount point, and a folder made in its place would hold the model in the writer's own
+    """ConfigError when the segment's folder is missing, or the segment path is a folder itself (the
+    volume named instead of a file in it). Writers never create the folder: in a pod it is the shared
+    volume's mount point, and a folder made in its place would hold the model in the writer's own
     filesystem, out of the app's sight (the sidecar and ``modelload stage`` agree on this)."""
+    if segment.is_dir():
+        raise ConfigError(
+            f"{segment} is a directory: name the segment file to create in it ({segment / 'model.seg'}, for "
+            "example) with --segment/MODELLOAD_SEGMENT"
+        )
     folder = segment.absolute().parent
     if not folder.is_dir():
         raise ConfigError(
