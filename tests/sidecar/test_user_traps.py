@@ -190,6 +190,16 @@ def test_the_docs_name_the_metrics_and_labels_the_sidecar_exports() -> None:
     assert families <= {name for name, _ in documented}, "a family the docs do not list"
 
 
+def test_the_docs_status_row_names_every_key_the_sidecar_answers_and_no_other() -> None:
+    answered = set(LoadTracker().snapshot().as_dict())
+    row = next(
+        line for line in (REPO / "docs/sidecar.md").read_text().splitlines() if "`GET /status`" in line
+    )
+    documented = set(re.findall(r"`(\w+)`", row))
+    assert answered - documented == set(), "keys /status answers that the docs do not name"
+    assert documented - answered == set(), "keys the docs name that /status does not answer"
+
+
 def test_the_sidecar_docs_flag_table_names_every_flag_with_its_variable() -> None:
     from modelload.sidecar.logs import add_log_format  # noqa: F401 - --log-format is added beside OPTIONS
     from modelload.sidecar.settings import OPTIONS
@@ -319,3 +329,15 @@ def test_a_scheme_in_capitals_is_refused_with_the_uri_in_lower_case_not_read_as_
     scheme, _, rest = source.partition("://")
     assert status == 2
     assert f"did you mean {scheme.lower()}://{rest}?" in err and "lower case" in err
+
+
+def test_a_local_file_s_proof_in_the_status_names_its_size_and_mtime_not_an_etag(shm_dir: Path) -> None:
+    # before the fix /status said "its version (ETag or generation) pinned on every range" for a local file
+    source = shm_dir / "local.safetensors"
+    source.write_bytes(models.safetensors_bytes(models.state_dict(layers=1, width=16)))
+    tracker = LoadTracker()
+    Engine(
+        LoadSettings(source=str(source), segment=shm_dir / "local.seg"), sources=FAST, observer=tracker
+    ).run()
+    (proof,) = tracker.snapshot().as_dict()["proofs"].values()  # type: ignore[union-attr]
+    assert "size and modification time" in proof["proof"] and "ETag" not in proof["proof"]
