@@ -225,16 +225,22 @@ def _open_torch(path: Path, key: str | None) -> TorchInput:
 
 
 def _torch_load(torch: Any, path: Path) -> Any:
-    def load(mmap: bool) -> Any:
-        return torch.load(path, weights_only=True, map_location="cpu", mmap=mmap)
-
     try:
-        try:
-            return load(mmap=True)
-        except RuntimeError as exc:
-            if "mmap can only be used" not in str(exc):
-                raise
-            return load(mmap=False)  # the legacy (pre-1.6) format cannot be mapped: read it whole
+        with path.open("rb") as file:
+            # torch.load hands a path ending in .safetensors to the safetensors package, whatever the file
+            # holds; this one was told a torch checkpoint by its content, so torch reads it by another name
+            # of the same file (a path still: mmap needs one)
+            target = f"/proc/self/fd/{file.fileno()}" if path.name.endswith(".safetensors") else path
+
+            def load(mmap: bool) -> Any:
+                return torch.load(target, weights_only=True, map_location="cpu", mmap=mmap)
+
+            try:
+                return load(mmap=True)
+            except RuntimeError as exc:
+                if "mmap can only be used" not in str(exc):
+                    raise
+                return load(mmap=False)  # the legacy (pre-1.6) format cannot be mapped: read it whole
     except OSError as exc:
         raise translate_os_error(exc, path) from None
     except pickle.UnpicklingError as exc:
