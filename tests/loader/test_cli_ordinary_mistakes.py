@@ -186,3 +186,21 @@ def test_a_folder_without_the_named_format_says_which_format_it_holds(
     status, err = run(capsys, "stage", "--format", "tensorizer", both_formats, tmp_path / "m.seg")
     assert status == 2
     assert "holds no tensorizer weight files, only safetensors ones: set --format to safetensors" in err
+
+
+@pytest.mark.parametrize("command", ["inspect", "stage"])
+def test_a_folder_of_pickled_weights_names_them_and_how_to_convert_them(
+    tmp_path: Path, command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # before the fix: "holds no weight files (...): point the source at the model's directory", which the
+    # user had done; older Hub models ship pytorch_model.bin only
+    folder = tmp_path / "old-model"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "gpt2"}')
+    (folder / "pytorch_model.bin").write_bytes(b"PK\x03\x04 a zip of pickles")
+    extra = [tmp_path / "m.seg"] if command == "stage" else []
+    status, err = run(capsys, command, folder, *extra)
+    assert status == 2
+    assert "holds no safetensors or tensorizer weights, only pytorch_model.bin" in err
+    assert f"modelload serialize {folder}/pytorch_model.bin {folder}/model.safetensors" in err
+    assert "point the source at the model's directory" not in err
