@@ -3,6 +3,7 @@ segment folder that does not exist, a fallback no flag exposed, no ``--version``
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 from pathlib import Path
@@ -341,3 +342,17 @@ def test_a_local_file_s_proof_in_the_status_names_its_size_and_mtime_not_an_etag
     ).run()
     (proof,) = tracker.snapshot().as_dict()["proofs"].values()  # type: ignore[union-attr]
     assert "size and modification time" in proof["proof"] and "ETag" not in proof["proof"]
+
+
+@pytest.mark.parametrize(
+    ("kind", "said"), [("transient", "(transient)"), ("connection", "(connection; transient)")]
+)
+def test_a_retried_attempt_is_logged_with_its_kind_once(
+    kind: str, said: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # before the fix an attempt that gave up after its retries was logged "failed (transient; transient)"
+    from modelload.sidecar.logs import LoggingObserver
+
+    with caplog.at_level(logging.WARNING, logger="modelload"):
+        LoggingObserver().load_retrying(kind=kind, reason="gave up", attempt=1, delay=5.0)
+    assert f"load attempt 1 failed {said}: gave up" in caplog.text
