@@ -204,3 +204,38 @@ def test_a_folder_of_pickled_weights_names_them_and_how_to_convert_them(
     assert "holds no safetensors or tensorizer weights, only pytorch_model.bin" in err
     assert f"modelload serialize {folder}/pytorch_model.bin {folder}/model.safetensors" in err
     assert "point the source at the model's directory" not in err
+
+
+def test_staging_a_model_folder_into_a_segment_beside_it_leaves_the_folder_as_it_was(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # /data/model -> /data/model.seg: the default model directory (model/ beside the segment) is the source
+    # itself. Before the fix it was replaced whole, deleting every weight file, then stage died with a
+    # FileNotFoundError traceback.
+    source = tmp_path / "model"
+    source.mkdir()
+    save_file({"w": np.arange(16, dtype=np.float32)}, source / "model.safetensors")
+    (source / "config.json").write_text('{"model_type": "llama"}')
+    before = {p.name: p.read_bytes() for p in source.iterdir()}
+    status, err = run(capsys, "stage", "--no-progress", source, tmp_path / "model.seg")
+    assert status == 2 and "Traceback" not in err
+    assert f"the model directory {source} already holds files modelload did not write" in err
+    assert "--model-dir" in err
+    assert {p.name: p.read_bytes() for p in source.iterdir()} == before
+    assert not (tmp_path / "model.seg").exists()
+
+
+def test_a_model_directory_modelload_wrote_is_replaced_by_the_next_stage(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    first, second = tmp_path / "first", tmp_path / "second"
+    for folder, kind in ((first, "llama"), (second, "gpt2")):
+        folder.mkdir()
+        save_file({"w": np.arange(16, dtype=np.float32)}, folder / "model.safetensors")
+        (folder / "config.json").write_text(f'{{"model_type": "{kind}"}}')
+    segments = tmp_path / "segments"
+    segments.mkdir()
+    assert run(capsys, "stage", "--no-progress", first, segments / "a.seg")[0] == 0
+    status, err = run(capsys, "stage", "--no-progress", second, segments / "b.seg")
+    assert status == 0, err
+    assert "gpt2" in (segments / "model" / "config.json").read_text()

@@ -356,3 +356,25 @@ def test_a_retried_attempt_is_logged_with_its_kind_once(
     with caplog.at_level(logging.WARNING, logger="modelload"):
         LoggingObserver().load_retrying(kind=kind, reason="gave up", attempt=1, delay=5.0)
     assert f"load attempt 1 failed {said}: gave up" in caplog.text
+
+
+def test_a_model_dir_naming_a_folder_of_other_files_fails_the_load_and_deletes_nothing(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    # before the fix --model-dir $HOME (or the source folder itself) was replaced whole by the model's
+    # small files: everything in it was deleted, and the load went on
+    source = tmp_path / "llama"
+    source.mkdir()
+    (source / "model.safetensors").write_bytes(
+        models.safetensors_bytes(models.state_dict(layers=1, width=16))
+    )
+    (source / "config.json").write_text("{}")
+    home = tmp_path / "home"
+    (home / "projects").mkdir(parents=True)
+    (home / "notes.txt").write_text("mine")
+    for folder in (home, source):
+        before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+        with pytest.raises(ConfigError, match=f"the model directory {folder} already holds files"):
+            load(f"{source}/", shm_dir / "m.seg", model_dir=folder)
+        assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    assert (home / "notes.txt").read_text() == "mine"
