@@ -378,3 +378,23 @@ def test_a_model_dir_naming_a_folder_of_other_files_fails_the_load_and_deletes_n
             load(f"{source}/", shm_dir / "m.seg", model_dir=folder)
         assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
     assert (home / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.timeout(20)  # before the fix the sidecar went on with its load and served it forever
+@pytest.mark.parametrize("what", ["the model file itself", "another file"])
+def test_a_segment_path_naming_a_file_that_is_no_segment_is_refused_and_the_file_kept(
+    what: str, tmp_path: Path, shm_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # before the fix the sidecar set any file at the segment path aside as "an unreadable segment" and
+    # deleted it: --segment naming the source deleted the model, then failed with "no file at ..."
+    source = tmp_path / "model.safetensors"
+    source.write_bytes(models.safetensors_bytes(models.state_dict(layers=1, width=16)))
+    target = source if what == "the model file itself" else shm_dir / "notes.txt"
+    if target != source:
+        target.write_text("mine")
+    before = target.read_bytes()
+    status = main(["sidecar", "--source", str(source), "--segment", str(target), "--port", "0"])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert f"{target} exists and is not a modelload segment" in err
+    assert target.read_bytes() == before
