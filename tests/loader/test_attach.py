@@ -425,3 +425,14 @@ def test_model_repr_names_the_segment(shm_dir: Path) -> None:
     with attach(path, notify=False) as model:
         assert isinstance(model, Model)
         assert "1 tensors, 1 ready, complete" in repr(model)
+
+
+def test_attach_to_a_folder_asks_for_the_segment_file_in_it_before_saying_to_remove_it(shm_dir: Path) -> None:
+    # before the fix: "the segment ... is a directory, not a regular file: ... something else put it there;
+    # remove it", advice to delete what is the volume when MODELLOAD_SEGMENT names its folder
+    folder = shm_dir / "volume"
+    folder.mkdir()
+    with pytest.raises(SegmentLayoutError) as raised:
+        attach(folder, timeout=1, notify=False)
+    message = str(raised.value)
+    assert f"if it is the folder the segment is in, name the file in it ({folder}/model.seg" in message
