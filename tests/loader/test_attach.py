@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing
 import subprocess
 import sys
@@ -436,3 +437,20 @@ def test_attach_to_a_folder_asks_for_the_segment_file_in_it_before_saying_to_rem
         attach(folder, timeout=1, notify=False)
     message = str(raised.value)
     assert f"if it is the folder the segment is in, name the file in it ({folder}/model.seg" in message
+
+
+def test_a_long_wait_for_a_segment_says_where_it_looks_while_it_waits(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # before the fix a mistyped segment name (models.seg for model.seg) waited out its 600 s in silence
+    import modelload.loader._api.attach as attaching
+
+    monkeypatch.setattr(attaching, "SAY_WAITING_AFTER", 0.05)
+    with caplog.at_level(logging.WARNING, logger="modelload"), pytest.raises(SidecarUnavailableError):
+        attach(shm_dir / "models.seg", timeout=1, notify=False)
+    said = [r.getMessage() for r in caplog.records if "still waiting" in r.getMessage()]
+    assert said, caplog.text
+    assert (
+        f"no segment at {shm_dir / 'models.seg'} yet" in said[0]
+        and "is the modelload sidecar running" in said[0]
+    )
