@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from modelload.loader.cli.main import main
-from modelload.loader.errors import ConfigError, SourceNotFoundError, SourceUriError
+from modelload.loader.errors import ConfigError, ModelloadError, SourceNotFoundError, SourceUriError
 from modelload.sidecar.load import LoadSettings
 from modelload.sidecar.load.engine import Engine
 from modelload.sidecar.metrics import MetricsObserver
@@ -398,3 +398,18 @@ def test_a_segment_path_naming_a_file_that_is_no_segment_is_refused_and_the_file
     assert status == 2
     assert f"{target} exists and is not a modelload segment" in err
     assert target.read_bytes() == before
+
+
+def test_a_proxy_that_is_down_is_named_not_the_origin_behind_it(shm_dir: Path) -> None:
+    # before the fix: "cannot connect to 127.0.0.1:9: ConnectionRefusedError", the origin, although the
+    # connection refused was the one to the proxy (--proxy 127.0.0.1:PORT mistyped, or dfdaemon down)
+    from modelload.sidecar.sources import ProxySettings
+
+    port = free_port()
+    sources = SourceSettings(
+        http=HttpSettings(connect_timeout=2.0, proxy=ProxySettings(http=("127.0.0.1", port), https=None)),
+        retry=FAST.retry,
+    )
+    with pytest.raises(ModelloadError) as raised:
+        load("http://127.0.0.1:9/m.safetensors", shm_dir / "m.seg", sources=sources)
+    assert f"cannot connect to the proxy 127.0.0.1:{port} (for 127.0.0.1:9)" in str(raised.value)

@@ -74,12 +74,15 @@ def translate_transport_error(
                 f"{uri}: {connecting.netloc} answered in plain HTTP, not TLS: "
                 + plain_http_advice(connecting)
             )
+        # Through a proxy the connection that failed is the proxy's: name it, not the origin behind it.
+        via = settings.proxy.for_origin(connecting.scheme, connecting.host) if settings.proxy else None
+        target = f"the proxy {via[0]}:{via[1]} (for {connecting.netloc})" if via else connecting.netloc
         if isinstance(exc, socket.gaierror):
-            reason = f"cannot resolve {connecting.host}"
+            reason = f"cannot resolve {f'the proxy {via[0]}' if via else connecting.host}"
         elif isinstance(exc, TimeoutError):
-            reason = f"no connection to {connecting.netloc} within {settings.connect_timeout:g} s"
+            reason = f"no connection to {target} within {settings.connect_timeout:g} s"
         else:
-            reason = f"cannot connect to {connecting.netloc}: {_describe(exc)}"
+            reason = f"cannot connect to {target}: {_describe(exc)}"
         return InterruptedReadError(f"{uri}: {reason}", uri=uri)
     if isinstance(exc, SlowTransferError):
         reason = f"{exc} {where}: resuming on another connection"
