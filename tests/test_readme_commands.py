@@ -1,4 +1,5 @@
-"""The commands README.md shows for running the parts by hand, outside Kubernetes, run as written.
+"""The commands README.md shows for running the parts by hand, outside Kubernetes, and docs/loader.md's
+command line run as written.
 
 The block is read from README.md, so a changed README is what is run. What a one-machine test cannot keep is
 swapped, and only that: ``/dev/shm/model.seg`` becomes a test folder's segment, ``s3://models/llama/`` is
@@ -28,6 +29,7 @@ from tests.support.processes import stop_process
 __all__ = ["aws_env", "moto_s3"]  # fixtures
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+LOADER_DOC = README.parent / "docs" / "loader.md"
 MODELLOAD = [sys.executable, "-m", "modelload.loader.cli.main"]
 
 
@@ -109,3 +111,25 @@ def test_the_commands_to_run_by_hand_run_as_written(
         if sidecar is not None:
             stop_process(sidecar, timeout=10)
     assert sidecar is not None and sidecar.returncode == 0, "the sidecar did not end its load complete"
+
+
+def test_the_loader_docs_command_line_runs_as_written(tmp_path: Path, shm_dir: Path) -> None:
+    text = LOADER_DOC.read_text()
+    match = re.search(r"<!-- commands: command-line\b[^>]*-->\n```sh\n(.*?)```", text, re.S)
+    assert match is not None, "docs/loader.md has no command-line block"
+    save_file({"w": np.arange(64, dtype=np.float32).reshape(8, 8)}, tmp_path / "model.safetensors")
+    model_folder(tmp_path)
+    expected = {
+        "serialize": "wrote model.tensors (tensorizer): 1 tensors",
+        "inspect": "verify      ok",
+        "stage": "staged ",
+    }
+    for line in filter(str.strip, match.group(1).splitlines()):
+        words = [w.replace("/dev/shm/", f"{shm_dir}/") for w in shlex.split(line, comments=True)]
+        assert words[0] == "modelload", line
+        done = subprocess.run(
+            [*MODELLOAD, *words[1:]], check=False, cwd=tmp_path, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, f"{line}: {done.stderr}"
+        assert expected[words[1]] in done.stdout, f"{line}: {done.stdout}"
+    assert (shm_dir / "llama" / "config.json").is_file()
