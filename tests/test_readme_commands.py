@@ -1,5 +1,5 @@
-"""The commands README.md shows for running the parts by hand, outside Kubernetes, and docs/loader.md's
-command line run as written.
+"""The commands README.md shows for running the parts by hand, outside Kubernetes, its transformers example,
+and docs/loader.md's command line run as written.
 
 The block is read from README.md, so a changed README is what is run. What a one-machine test cannot keep is
 swapped, and only that: ``/dev/shm/model.seg`` becomes a test folder's segment, ``s3://models/llama/`` is
@@ -133,3 +133,46 @@ def test_the_loader_docs_command_line_runs_as_written(tmp_path: Path, shm_dir: P
         assert done.returncode == 0, f"{line}: {done.stderr}"
         assert expected[words[1]] in done.stdout, f"{line}: {done.stdout}"
     assert (shm_dir / "llama" / "config.json").is_file()
+
+
+def test_the_transformers_example_runs_as_written(tmp_path: Path, shm_dir: Path) -> None:
+    text = README.read_text()
+    match = re.search(r"With transformers:\n\n```python\n(.*?)```", text, re.S)
+    assert match is not None, "README.md has no transformers example"
+    folder = tmp_path / "tiny-llama"
+    subprocess.run([sys.executable, "-c", _TINY_LLAMA, str(folder)], check=True, timeout=300)
+    segment = shm_dir / "llama.seg"
+    staged = subprocess.run(
+        [*MODELLOAD, "stage", "--no-progress", str(folder), str(segment)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert staged.returncode == 0, staged.stderr
+    check = "\nprint(type(model).__name__, tokenizer('hello world').input_ids)\n"
+    done = subprocess.run(
+        [sys.executable, "-c", match.group(1) + check],
+        check=False,
+        env={**os.environ, "MODELLOAD_SEGMENT": str(segment)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith("LlamaForCausalLM [1, 2]"), done.stdout
+
+
+_TINY_LLAMA = """
+import sys
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+folder = sys.argv[1]
+config = LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2)
+LlamaForCausalLM(config).save_pretrained(folder, max_shard_size="20KB")
+words = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+words.pre_tokenizer = pre_tokenizers.Whitespace()
+PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(folder)
+"""
