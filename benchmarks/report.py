@@ -10,6 +10,7 @@ at most), which a shared machine's swings affect far less than the figures thems
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -518,8 +519,24 @@ def plots(records: list[dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(HERE))
-    args = argv if argv is not None else sys.argv[1:]
-    path = Path(args[0]) if args else DOCS / "bench-results.jsonl"
+    parser = argparse.ArgumentParser(
+        prog="report.py",
+        description="Write docs/bench-*.png and the generated tables of README.md and docs/benchmarks.md "
+        "from the raw results of benchmarks/run.py.",
+    )
+    parser.add_argument(
+        "results",
+        nargs="?",
+        type=Path,
+        default=DOCS / "bench-results.jsonl",
+        help="the JSON lines file run.py wrote (default docs/bench-results.jsonl)",
+    )
+    path = parser.parse_args(argv).results
+    if not path.is_file():
+        print(
+            f"report.py: no results file at {path}: run benchmarks/run.py (--out FILE) first", file=sys.stderr
+        )
+        return 2
     meta, records = load(path)
     plots(records)
     rewrite(ROOT / "README.md", markdown(meta, records, full=False))

@@ -266,3 +266,16 @@ def test_the_tensor_count_benchmark_measures_each_origin_and_reports_its_goals(t
     assert "goals:" in done.stdout and "CPU/GiB" in done.stdout
     table = report.tensor_count_table(json.loads(out.read_text().splitlines()[0]), records)
     assert "| 300 / 1 | nginx (HTTP) |" in table
+
+
+def test_the_report_command_explains_itself_and_a_missing_results_file_without_a_traceback(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # docs/benchmarks.md shows "report.py RESULTS.jsonl": before the fix --help and a missing file each
+    # ended in a FileNotFoundError traceback (--help was taken for the results file)
+    with pytest.raises(SystemExit) as exit_:
+        report.main(["--help"])
+    assert exit_.value.code == 0 and "benchmarks/run.py" in capsys.readouterr().out
+    assert report.main([str(tmp_path / "RESULTS.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert f"no results file at {tmp_path / 'RESULTS.jsonl'}" in err and "benchmarks/run.py" in err

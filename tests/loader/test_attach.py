@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing
 import subprocess
 import sys
@@ -13,12 +14,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import pytest
 import torch
 
 from modelload.loader import LoadFailedError, LoadTimeoutError, Model, attach
 from modelload.loader.dtypes import by_name, names
-from modelload.loader.errors import ModelClosedError, SidecarUnavailableError
+from modelload.loader.errors import ModelClosedError, SegmentLayoutError, SidecarUnavailableError
+from modelload.loader.formats.safetensors import save_file
+from modelload.loader.formats.tensorizer import TensorizerWriter
 from modelload.loader.segment import SegmentWriter, TensorSpec, plan_layout
 
 
@@ -283,6 +287,45 @@ def test_attach_gives_up_on_a_segment_that_never_appears(shm_dir: Path) -> None:
         attach(shm_dir / "never.seg", timeout=0.05)
 
 
+def test_attach_in_a_folder_that_does_not_exist_says_so_at_once_instead_of_waiting_out_its_timeout(
+    shm_dir: Path,
+) -> None:
+    # No sidecar creates the folder (it refuses to start in a missing one), so waiting cannot help; before
+    # the fix this waited out the whole timeout, then blamed the sidecar.
+    missing = shm_dir / "no-such-volume"
+    with pytest.raises(SidecarUnavailableError, match=r"folder .*no-such-volume does not exist") as raised:
+        attach(missing / "model.seg", timeout=5, notify=False)
+    assert "MODELLOAD_SEGMENT" in str(raised.value) and "mounted" in str(raised.value)
+
+
+@pytest.mark.parametrize("kind", ["tensorizer", "safetensors"])
+def test_attach_to_a_model_file_names_its_format_and_how_to_make_a_segment_of_it(
+    shm_dir: Path, kind: str
+) -> None:
+    path = shm_dir / f"model-{kind}.bin"
+    tensors = {"w": np.arange(2048, dtype=np.float32)}
+    if kind == "safetensors":
+        save_file(tensors, path)
+    else:
+        with path.open("wb") as out:
+            writer = TensorizerWriter(out)
+            writer.write_state_dict(tensors)
+            writer.close()
+    with pytest.raises(SegmentLayoutError) as raised:
+        attach(path, timeout=1, notify=False)
+    message = str(raised.value)
+    assert f"is a {kind} file, not a modelload segment" in message
+    assert "modelload stage" in message and "modelload sidecar" in message
+
+
+def test_attach_to_some_other_file_does_not_show_its_bytes(shm_dir: Path) -> None:
+    path = shm_dir / "token"
+    path.write_bytes(b"hf_SECRETSECRETSECRET" * 300)
+    with pytest.raises(SegmentLayoutError, match="not a modelload segment") as raised:
+        attach(path, timeout=1, notify=False)
+    assert "SECRET" not in str(raised.value) and b"hf_SECR".hex(" ")[:8] not in str(raised.value)
+
+
 def test_state_dict_and_module_loading_assign_without_copying(shm_dir: Path) -> None:
     torch.manual_seed(0)
     reference = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3), torch.nn.Linear(3, 2))
@@ -383,3 +426,31 @@ def test_model_repr_names_the_segment(shm_dir: Path) -> None:
     with attach(path, notify=False) as model:
         assert isinstance(model, Model)
         assert "1 tensors, 1 ready, complete" in repr(model)
+
+
+def test_attach_to_a_folder_asks_for_the_segment_file_in_it_before_saying_to_remove_it(shm_dir: Path) -> None:
+    # before the fix: "the segment ... is a directory, not a regular file: ... something else put it there;
+    # remove it", advice to delete what is the volume when MODELLOAD_SEGMENT names its folder
+    folder = shm_dir / "volume"
+    folder.mkdir()
+    with pytest.raises(SegmentLayoutError) as raised:
+        attach(folder, timeout=1, notify=False)
+    message = str(raised.value)
+    assert f"if it is the folder the segment is in, name the file in it ({folder}/model.seg" in message
+
+
+def test_a_long_wait_for_a_segment_says_where_it_looks_while_it_waits(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # before the fix a mistyped segment name (models.seg for model.seg) waited out its 600 s in silence
+    import modelload.loader._api.attach as attaching
+
+    monkeypatch.setattr(attaching, "SAY_WAITING_AFTER", 0.05)
+    with caplog.at_level(logging.WARNING, logger="modelload"), pytest.raises(SidecarUnavailableError):
+        attach(shm_dir / "models.seg", timeout=1, notify=False)
+    said = [r.getMessage() for r in caplog.records if "still waiting" in r.getMessage()]
+    assert said, caplog.text
+    assert (
+        f"no segment at {shm_dir / 'models.seg'} yet" in said[0]
+        and "is the modelload sidecar running" in said[0]
+    )

@@ -18,6 +18,7 @@ from modelload.loader.cli.main import main
 from modelload.loader.dtypes import by_name
 from modelload.loader.segment import MemoryMode, SegmentWriter, TensorSpec, plan_layout
 from modelload.loader.segment.release import Releaser
+from modelload.loader.sizes import format_bytes
 from tests.formats.tensorizer_support import index_of, sample, torch, tz_write
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -378,6 +379,21 @@ def test_inspect_shows_a_model_directory_as_one_model(tmp_path: Path) -> None:
     assert sum(f["tensor_count"] for f in report["files"]) == len(weights)
     assert "config.json" in report["small_files"] and "README.md" in report["ignored"]
     assert report["verify"]["ok"] and report["verify"]["checked"] == len(weights)
+
+
+def test_verifying_a_model_directory_draws_one_bar_over_the_whole_model(tmp_path: Path, capsys: Any) -> None:
+    # before the fix each shard drew a bar of its own, "100.0% 250.0 KiB/250.0 KiB" once per file
+    from tests.sidecar import models
+    from tests.support import hfdir
+
+    weights = models.state_dict(seed=63, layers=3)
+    source = hfdir.write(tmp_path / "llama", hfdir.files(weights, shards=3))
+    assert main(["inspect", str(source), "--verify"]) == 0
+    drawn = [line for line in capsys.readouterr().err.splitlines() if line.startswith("verify [")]
+    total = format_bytes(sum(t.numel() * t.element_size() for t in weights.values()))
+    assert all(f"/{total} " in line for line in drawn), drawn
+    finished = [line for line in drawn if " in " in line]
+    assert len(finished) == 1 and f"100.0% {total}/{total}" in finished[0], drawn
 
 
 def test_inspect_refuses_overlapping_shards_and_remote_uris(tmp_path: Path, capsys: Any) -> None:

@@ -67,3 +67,16 @@ def test_a_closed_pipe_ends_quietly(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cli, "entry_points", lambda group: [Writes()])
     monkeypatch.setattr(sys, "stderr", open("/dev/null", "w"))  # noqa: SIM115 - main closes it
     assert cli.main(["inspect"]) == 141
+
+
+def test_a_mistyped_option_is_refused_by_its_command_with_the_option_it_resembles(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # before the fix: the top-level usage ("usage: modelload [-h] [-v] [--version] COMMAND ...") and
+    # "modelload: error: unrecognized arguments: --treads 2", as if the command were wrong
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["stage", "model.tensors", "/dev/shm/m.seg", "--treads", "2"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert "usage: modelload stage" in err
+    assert "modelload stage: error: unrecognized arguments: --treads 2 (did you mean --threads?)" in err

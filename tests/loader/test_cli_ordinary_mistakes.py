@@ -132,3 +132,110 @@ def test_stage_onto_huge_pages_the_node_lacks_says_to_set_them_aside_not_to_rais
     # Nothing holding pages stays: only the writers' empty lock file, which outlives writers by design.
     left = {path.name: path.stat().st_size for path in hugetlbfs_without_pages.iterdir()}
     assert left in ({}, {"m.seg.lock": 0}), left
+
+
+@pytest.fixture
+def both_formats(tmp_path: Path) -> Path:
+    """A folder holding a model twice: as safetensors and as the tensorizer file serialize made of it."""
+    folder = tmp_path / "both"
+    folder.mkdir()
+    save_file({"w": np.arange(16, dtype=np.float32)}, folder / "model.safetensors")
+    assert (
+        main(["serialize", "--no-progress", str(folder / "model.safetensors"), str(folder / "m.tensors")])
+        == 0
+    )
+    return folder
+
+
+@pytest.mark.parametrize(("command", "flag"), [("inspect", "--format"), ("serialize", "--from")])
+def test_a_folder_of_both_formats_names_the_flag_the_command_has_and_that_flag_chooses(
+    both_formats: Path, tmp_path: Path, command: str, flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    capsys.readouterr()
+    extra = [tmp_path / "out.safetensors"] if command == "serialize" else []
+    status, err = run(capsys, command, "--no-progress", both_formats, *extra)
+    assert status == 2 and "Traceback" not in err
+    assert f"holds both safetensors and tensorizer weights: choose one with {flag}" in err
+    for chosen in ("tensorizer", "safetensors"):
+        out = tmp_path / f"from-{chosen}.safetensors"
+        extra = [out] if command == "serialize" else []
+        status = main([command, "--no-progress", flag, chosen, str(both_formats), *map(str, extra)])
+        printed = capsys.readouterr()
+        assert status == 0, printed.err
+        if command == "inspect":
+            assert f"format      {chosen}" in printed.out
+        else:
+            assert out.stat().st_size > 0
+
+
+@pytest.mark.parametrize("command", ["inspect", "stage"])
+def test_a_format_the_file_is_not_is_refused_saying_what_it_is_not_that_it_is_corrupt(
+    both_formats: Path, tmp_path: Path, command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    extra = [tmp_path / "m.seg"] if command == "stage" else []
+    status, err = run(capsys, command, "--format", "safetensors", both_formats / "m.tensors", *extra)
+    assert status == 2
+    assert "m.tensors is a tensorizer file, not safetensors: give --format tensorizer" in err
+    assert "corrupt" not in err
+
+
+def test_a_folder_without_the_named_format_says_which_format_it_holds(
+    both_formats: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (both_formats / "m.tensors").unlink()
+    status, err = run(capsys, "stage", "--format", "tensorizer", both_formats, tmp_path / "m.seg")
+    assert status == 2
+    assert "holds no tensorizer weight files, only safetensors ones: set --format to safetensors" in err
+
+
+@pytest.mark.parametrize("command", ["inspect", "stage"])
+def test_a_folder_of_pickled_weights_names_them_and_how_to_convert_them(
+    tmp_path: Path, command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # before the fix: "holds no weight files (...): point the source at the model's directory", which the
+    # user had done; older Hub models ship pytorch_model.bin only
+    folder = tmp_path / "old-model"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "gpt2"}')
+    (folder / "pytorch_model.bin").write_bytes(b"PK\x03\x04 a zip of pickles")
+    extra = [tmp_path / "m.seg"] if command == "stage" else []
+    status, err = run(capsys, command, folder, *extra)
+    assert status == 2
+    assert "holds no safetensors or tensorizer weights, only pytorch_model.bin" in err
+    assert f"modelload serialize {folder}/pytorch_model.bin {folder}/model.safetensors" in err
+    assert "point the source at the model's directory" not in err
+
+
+def test_staging_a_model_folder_into_a_segment_beside_it_leaves_the_folder_as_it_was(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # /data/model -> /data/model.seg: the default model directory (model/ beside the segment) is the source
+    # itself. Before the fix it was replaced whole, deleting every weight file, then stage died with a
+    # FileNotFoundError traceback.
+    source = tmp_path / "model"
+    source.mkdir()
+    save_file({"w": np.arange(16, dtype=np.float32)}, source / "model.safetensors")
+    (source / "config.json").write_text('{"model_type": "llama"}')
+    before = {p.name: p.read_bytes() for p in source.iterdir()}
+    status, err = run(capsys, "stage", "--no-progress", source, tmp_path / "model.seg")
+    assert status == 2 and "Traceback" not in err
+    assert f"the model directory {source} already holds files modelload did not write" in err
+    assert "--model-dir" in err
+    assert {p.name: p.read_bytes() for p in source.iterdir()} == before
+    assert not (tmp_path / "model.seg").exists()
+
+
+def test_a_model_directory_modelload_wrote_is_replaced_by_the_next_stage(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    first, second = tmp_path / "first", tmp_path / "second"
+    for folder, kind in ((first, "llama"), (second, "gpt2")):
+        folder.mkdir()
+        save_file({"w": np.arange(16, dtype=np.float32)}, folder / "model.safetensors")
+        (folder / "config.json").write_text(f'{{"model_type": "{kind}"}}')
+    segments = tmp_path / "segments"
+    segments.mkdir()
+    assert run(capsys, "stage", "--no-progress", first, segments / "a.seg")[0] == 0
+    status, err = run(capsys, "stage", "--no-progress", second, segments / "b.seg")
+    assert status == 0, err
+    assert "gpt2" in (segments / "model" / "config.json").read_text()

@@ -117,6 +117,21 @@ def test_torch_checkpoint_becomes_a_tensorizer_file_the_real_tensorizer_loads(
     assert_same(tz_read(tmp_path / "model.tensors"), flat)
 
 
+def test_a_torch_checkpoint_named_like_a_safetensors_file_is_read_by_its_content_not_its_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # torch.load hands any path ending in .safetensors to the safetensors package: before the fix a
+    # checkpoint saved under that name ended serialize with a traceback ("header too large")
+    state = {"w": sample("float32", (4, 4))}
+    checkpoint = tmp_path / "model.safetensors"
+    torch.save(state, checkpoint)
+
+    code, out, err = cli(capsys, checkpoint, tmp_path / "model.tensors")
+    assert code == 0, err
+    assert "1 tensors" in out
+    assert_same(tz_read(tmp_path / "model.tensors"), state)
+
+
 def test_torch_checkpoint_to_safetensors_keeps_tied_weights_as_copies_and_says_so(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -349,3 +349,22 @@ def test_an_unknown_leftover_choice_is_refused(shm_dir: Path) -> None:
     segment = publish(shm_dir / "m.seg", {"weight": torch.ones(1, 2)})
     with attach(segment, notify=False) as model, pytest.raises(ConfigError, match="leftover='recreate'"):
         model.load_into_module(torch.nn.Linear(2, 1, bias=False), leftover="recreate")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        (torch.nn.Linear, "the class Linear, not a module built from it: build it first"),
+        ({"weight": torch.ones(1, 2)}, "a dict: a state dict is what model.state_dict() returns"),
+        (None, "None"),
+    ],
+)
+def test_something_other_than_a_module_is_refused_saying_what_to_pass(
+    shm_dir: Path, given: Any, said: str
+) -> None:
+    # before the fix: TypeError "Module.named_modules() missing 1 required positional argument: 'self'"
+    # for the class, AttributeError "'dict' object has no attribute 'named_modules'" for a state dict
+    segment = publish(shm_dir / "m.seg", {"weight": torch.ones(1, 2)})
+    with attach(segment, notify=False) as model, pytest.raises(ModuleLoadError) as raised:
+        model.load_into_module(given)
+    assert "load_into_module takes a torch.nn.Module" in str(raised.value) and said in str(raised.value)

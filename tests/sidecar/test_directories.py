@@ -23,6 +23,7 @@ from modelload.loader.errors import (
 )
 from modelload.loader.formats import _directory
 from modelload.loader.segment import SegmentReader
+from modelload.loader.segment.modeldir import MARKER
 from modelload.sidecar.load import LoadSettings
 from modelload.sidecar.load.engine import Engine
 from modelload.sidecar.progress import LoadTracker, Observers
@@ -38,11 +39,12 @@ def tensors(seed: int = 40) -> dict[str, Any]:
 
 
 def assert_model_dir(segment: Path, expected_dir: Path) -> None:
-    """The segment names the model directory, which holds exactly the small files, byte for byte."""
+    """The segment names the model directory, which holds exactly the small files, byte for byte (and the
+    marker that lets the next load replace it)."""
     with attach(segment, notify=False, timeout=30) as model:
         assert model.model_dir == expected_dir
     present = sorted(p.name for p in expected_dir.iterdir())
-    assert present == sorted([*hfdir.SMALL_FILES, "model.safetensors.index.json"])
+    assert present == sorted([*hfdir.SMALL_FILES, "model.safetensors.index.json", MARKER])
     for name, data in hfdir.SMALL_FILES.items():
         assert (expected_dir / name).read_bytes() == data, name
     assert not any(p.name.endswith(".safetensors") for p in expected_dir.iterdir()), (
@@ -155,7 +157,9 @@ def shutil_rm(path: Path) -> None:
 
 def test_a_directory_without_weights_is_a_clear_error(tmp_path: Path, shm_dir: Path) -> None:
     directory = hfdir.write(tmp_path / "empty", {"config.json": b"{}", "pytorch_model.bin": b"x"})
-    with pytest.raises(ConfigError, match=r"holds no weight files \(\*\.safetensors"):
+    with pytest.raises(
+        ConfigError, match=r"holds no safetensors or tensorizer weights, only pytorch_model\.bin"
+    ):
         load(str(directory), shm_dir / "model.seg")
     assert not (shm_dir / "model.seg").exists()
 

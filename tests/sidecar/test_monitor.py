@@ -186,3 +186,13 @@ def test_render_says_a_transient_failure_starts_the_whole_load_again() -> None:
         {"phase": "retrying", "error": "HTTP 503", "attempt": 2, "next_attempt_at": time.time() + 30.4}
     )
     assert line.startswith("retrying: attempt 2 failed (HTTP 503); the whole load again in 3")
+
+
+def test_render_shows_the_retries_of_a_load_still_looking_up_its_model() -> None:
+    # before the fix a sidecar retrying a refused connection showed only "starting: waiting for the
+    # model's index" until its attempt gave up, as if nothing were wrong
+    line = render({"phase": "starting", "retries": 5, "errors": {"connection": 4, "server": 1}})
+    assert line == "starting: waiting for the model's index, 5 retries (connection 4, server 1)"
+    assert (
+        render({"phase": "starting", "retries": 0, "errors": {}}) == "starting: waiting for the model's index"
+    )

@@ -3,6 +3,7 @@ segment folder that does not exist, a fallback no flag exposed, no ``--version``
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from modelload.loader.cli.main import main
-from modelload.loader.errors import ConfigError, SourceNotFoundError, SourceUriError
+from modelload.loader.errors import ConfigError, ModelloadError, SourceNotFoundError, SourceUriError
 from modelload.sidecar.load import LoadSettings
 from modelload.sidecar.load.engine import Engine
 from modelload.sidecar.metrics import MetricsObserver
@@ -73,6 +74,21 @@ def test_a_missing_segment_folder_is_named_as_such(
     assert status == 2
     assert f"the segment's folder {missing.parent} does not exist" in err
     assert "notif" not in err
+
+
+@pytest.mark.timeout(20)  # before the fix the sidecar served its failure forever
+def test_a_segment_path_that_is_a_folder_exits_at_once_naming_a_file_to_create_in_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # before the fix the load failed with "... is not a file (a directory?); a segment cannot replace it:
+    # remove it" (advice to delete what may be the volume) and the sidecar served that failure forever
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    status = main(["sidecar", "--source", str(tmp_path / "m.bin"), "--segment", str(volume), "--port", "0"])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert f"{volume} is a directory: name the segment file to create in it ({volume}/model.seg" in err
+    assert "remove it" not in err and volume.is_dir()
 
 
 @pytest.mark.timeout(20)  # before the fix the sidecar served its failure forever
@@ -173,6 +189,16 @@ def test_the_docs_name_the_metrics_and_labels_the_sidecar_exports() -> None:
         assert ({label} if label else set()) == exported[family], f"{name}: docs say {{{label}}}"
     families = {name.removesuffix("_bucket").removesuffix("_count").removesuffix("_sum") for name in exported}
     assert families <= {name for name, _ in documented}, "a family the docs do not list"
+
+
+def test_the_docs_status_row_names_every_key_the_sidecar_answers_and_no_other() -> None:
+    answered = set(LoadTracker().snapshot().as_dict())
+    row = next(
+        line for line in (REPO / "docs/sidecar.md").read_text().splitlines() if "`GET /status`" in line
+    )
+    documented = set(re.findall(r"`(\w+)`", row))
+    assert answered - documented == set(), "keys /status answers that the docs do not name"
+    assert documented - answered == set(), "keys the docs name that /status does not answer"
 
 
 def test_the_sidecar_docs_flag_table_names_every_flag_with_its_variable() -> None:
@@ -288,3 +314,102 @@ def test_a_passphrase_in_the_key_file_stops_the_sidecar_at_start(
     err = capsys.readouterr().err
     assert "--key-file/MODELLOAD_KEY_FILE" in err and "exactly 32 bytes" in err
     assert "correct horse" not in err
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize(
+    "source", ["S3://models/llama/", "File:///models/llama/", "HTTPS://host/m.safetensors"]
+)
+def test_a_scheme_in_capitals_is_refused_with_the_uri_in_lower_case_not_read_as_another_uri(
+    source: str, shm_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # before the fix "S3://models/llama/" failed as access denied to "s3://S3://models/llama/", and
+    # "File:///models/llama/" as a missing local file of that name, while HTTPS:// loaded
+    status = main(["sidecar", "--source", source, "--segment", str(shm_dir / "m.seg"), "--port", "0"])
+    err = capsys.readouterr().err
+    scheme, _, rest = source.partition("://")
+    assert status == 2
+    assert f"did you mean {scheme.lower()}://{rest}?" in err and "lower case" in err
+
+
+def test_a_local_file_s_proof_in_the_status_names_its_size_and_mtime_not_an_etag(shm_dir: Path) -> None:
+    # before the fix /status said "its version (ETag or generation) pinned on every range" for a local file
+    source = shm_dir / "local.safetensors"
+    source.write_bytes(models.safetensors_bytes(models.state_dict(layers=1, width=16)))
+    tracker = LoadTracker()
+    Engine(
+        LoadSettings(source=str(source), segment=shm_dir / "local.seg"), sources=FAST, observer=tracker
+    ).run()
+    (proof,) = tracker.snapshot().as_dict()["proofs"].values()  # type: ignore[union-attr]
+    assert "size and modification time" in proof["proof"] and "ETag" not in proof["proof"]
+
+
+@pytest.mark.parametrize(
+    ("kind", "said"), [("transient", "(transient)"), ("connection", "(connection; transient)")]
+)
+def test_a_retried_attempt_is_logged_with_its_kind_once(
+    kind: str, said: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # before the fix an attempt that gave up after its retries was logged "failed (transient; transient)"
+    from modelload.sidecar.logs import LoggingObserver
+
+    with caplog.at_level(logging.WARNING, logger="modelload"):
+        LoggingObserver().load_retrying(kind=kind, reason="gave up", attempt=1, delay=5.0)
+    assert f"load attempt 1 failed {said}: gave up" in caplog.text
+
+
+def test_a_model_dir_naming_a_folder_of_other_files_fails_the_load_and_deletes_nothing(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    # before the fix --model-dir $HOME (or the source folder itself) was replaced whole by the model's
+    # small files: everything in it was deleted, and the load went on
+    source = tmp_path / "llama"
+    source.mkdir()
+    (source / "model.safetensors").write_bytes(
+        models.safetensors_bytes(models.state_dict(layers=1, width=16))
+    )
+    (source / "config.json").write_text("{}")
+    home = tmp_path / "home"
+    (home / "projects").mkdir(parents=True)
+    (home / "notes.txt").write_text("mine")
+    for folder in (home, source):
+        before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+        with pytest.raises(ConfigError, match=f"the model directory {folder} already holds files"):
+            load(f"{source}/", shm_dir / "m.seg", model_dir=folder)
+        assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    assert (home / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.timeout(20)  # before the fix the sidecar went on with its load and served it forever
+@pytest.mark.parametrize("what", ["the model file itself", "another file"])
+def test_a_segment_path_naming_a_file_that_is_no_segment_is_refused_and_the_file_kept(
+    what: str, tmp_path: Path, shm_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # before the fix the sidecar set any file at the segment path aside as "an unreadable segment" and
+    # deleted it: --segment naming the source deleted the model, then failed with "no file at ..."
+    source = tmp_path / "model.safetensors"
+    source.write_bytes(models.safetensors_bytes(models.state_dict(layers=1, width=16)))
+    target = source if what == "the model file itself" else shm_dir / "notes.txt"
+    if target != source:
+        target.write_text("mine")
+    before = target.read_bytes()
+    status = main(["sidecar", "--source", str(source), "--segment", str(target), "--port", "0"])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert f"{target} exists and is not a modelload segment" in err
+    assert target.read_bytes() == before
+
+
+def test_a_proxy_that_is_down_is_named_not_the_origin_behind_it(shm_dir: Path) -> None:
+    # before the fix: "cannot connect to 127.0.0.1:9: ConnectionRefusedError", the origin, although the
+    # connection refused was the one to the proxy (--proxy 127.0.0.1:PORT mistyped, or dfdaemon down)
+    from modelload.sidecar.sources import ProxySettings
+
+    port = free_port()
+    sources = SourceSettings(
+        http=HttpSettings(connect_timeout=2.0, proxy=ProxySettings(http=("127.0.0.1", port), https=None)),
+        retry=FAST.retry,
+    )
+    with pytest.raises(ModelloadError) as raised:
+        load("http://127.0.0.1:9/m.safetensors", shm_dir / "m.seg", sources=sources)
+    assert f"cannot connect to the proxy 127.0.0.1:{port} (for 127.0.0.1:9)" in str(raised.value)

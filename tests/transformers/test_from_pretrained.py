@@ -241,6 +241,19 @@ def test_weights_or_placement_given_twice_are_refused(tmp_path: Path, stage_dir:
         from_pretrained(torch.nn.Linear, segment=segment)
 
 
+def test_a_hub_model_id_instead_of_a_class_says_to_pass_the_class(
+    tmp_path: Path, stage_dir: StageDir
+) -> None:
+    # transformers' own from_pretrained takes a model id first: the habit passes one here. Before the fix
+    # the message said only that the id was "neither a transformers model class nor an AutoModel class"
+    segment = stage_dir(save(bert(), transformers.AutoModel, tmp_path / "bert"))
+    with pytest.raises(ConfigError) as raised:
+        from_pretrained("google-bert/bert-base-uncased", segment=segment)  # type: ignore[arg-type]
+    message = str(raised.value)
+    assert "pass the model class (AutoModelForCausalLM, BertModel, ...)" in message
+    assert "config and weights come from the segment" in message
+
+
 def test_a_device_without_accelerate_says_what_to_install(
     tmp_path: Path, stage_dir: StageDir, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -134,7 +134,11 @@ def _model_class(cls: Any, config: Any) -> Any:
     mapping = getattr(cls, "_model_mapping", None)
     if mapping is None:
         if not hasattr(cls, "from_pretrained") or not hasattr(cls, "config_class"):
-            raise ConfigError(f"{cls!r} is neither a transformers model class nor an AutoModel class")
+            raise ConfigError(
+                f"{cls!r} is neither a transformers model class nor an AutoModel class: pass the model class "
+                "(AutoModelForCausalLM, BertModel, ...); its config and weights come from the segment, not a "
+                "model id or path"
+            )
         return cls
     from transformers.models.auto.auto_factory import _get_model_class
 

@@ -45,8 +45,8 @@ wait before a retry is cut short), then the API; a second signal exits at once.
 failures before the manifest: <segment>.failed holds the reason, for apps waiting in attach().
 exit status: 0 after a stop if the load had completed, 1 if it had not (failed or still loading), 2 for a
 bad flag or variable (a source no backend serves or in a shape its store cannot read, a segment folder that
-does not exist), or when the
-API port or the notify endpoint cannot be bound (or another sidecar publishes on it)."""
+does not exist, a segment path that is a folder or a file that is no segment), or when the API port or the
+notify endpoint cannot be bound (or another sidecar publishes on it)."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

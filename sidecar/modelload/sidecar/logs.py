@@ -137,9 +137,9 @@ class LoggingObserver:
 
     def load_retrying(self, *, kind: str, reason: str, attempt: int, delay: float) -> None:
         self._log.warning(
-            "load attempt %d failed (%s; transient): %s; the whole load starts again in %.0f s",
+            "load attempt %d failed (%s): %s; the whole load starts again in %.0f s",
             attempt,
-            kind,
+            kind if kind == "transient" else f"{kind}; transient",
             reason,
             delay,
         )

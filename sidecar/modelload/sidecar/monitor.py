@@ -191,7 +191,10 @@ def render(status: dict[str, Any], *, width: int = 24) -> str:
         attempt = int(_number(status, "attempt") or 1)
         return f"retrying: attempt {attempt} failed ({status.get('error')}); the whole load again{wait}"
     if phase == "starting" or not total:
-        return f"{phase}: waiting for the model's index"
+        errors = status.get("errors")
+        kinds = ", ".join(f"{k} {n}" for k, n in errors.items()) if isinstance(errors, dict) else ""
+        retried = f", {retries}{f' ({kinds})' if kinds else ''}" if _number(status, "retries") else ""
+        return f"{phase}: waiting for the model's index{retried}"
     share = min(done / total, 1.0)
     filled = int(width * share)
     bar = "#" * filled + "." * (width - filled)

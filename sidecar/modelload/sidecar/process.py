@@ -135,12 +135,13 @@ class Sidecar:
         attempts: AttemptPolicy | None = None,
     ) -> None:
         from modelload.loader.segment.lock import WriterLock
-        from modelload.loader.segment.room import check_folder
+        from modelload.loader.segment.room import check_folder, check_not_foreign
         from modelload.sidecar.load.keys import check_key_files
 
         attempts = attempts or AttemptPolicy()
         check_key_files(settings.engine)
         check_folder(settings.engine.segment)
+        check_not_foreign(settings.engine.segment)
         # One writer per segment, before anything else binds: a second sidecar on this segment is refused
         # here, naming the first, rather than by the notify socket it would also share.
         self.lock = WriterLock.acquire(settings.engine.segment, program="modelload sidecar")

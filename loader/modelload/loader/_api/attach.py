@@ -20,6 +20,7 @@ raises at once and a dead sidecar is noticed from its heartbeat, so waiting with
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 import urllib.error
@@ -38,11 +39,17 @@ from modelload.loader.wiring import NOTIFY_ENV, SEGMENT_ENV, STATUS_URL_ENV
 
 __all__ = ["DEFAULT_SEGMENT_TIMEOUT", "AttachSettings", "attach"]
 
+log = logging.getLogger(__name__)
+
 DEFAULT_SEGMENT_TIMEOUT = 600.0
 """Seconds ``attach()`` waits for the segment to appear (``timeout``)."""
 
 STATUS_INTERVAL = 2.0
 """Seconds between looks at the sidecar's ``/status`` while the segment has not appeared."""
+
+SAY_WAITING_AFTER = 10.0
+"""Seconds without a segment before the wait is logged (a warning, then one a minute): a mistyped segment
+name would otherwise wait out the whole timeout in silence."""
 
 STATUS_TIMEOUT = 1.0
 """Seconds one look at ``/status`` may take: the loopback answers in milliseconds or not at all."""
@@ -130,9 +137,11 @@ def attach(
 def _open_when_present(path: Path, timeout: float | None, *, status_url: str | None) -> SegmentReader:
     """The segment at ``path`` once it is there and its load has not failed; the failure marker is read
     first (SPEC.md reader rule 6), so a failed load is reported whatever else the volume holds."""
-    deadline = None if timeout is None else time.monotonic() + timeout
+    started = time.monotonic()
+    deadline = None if timeout is None else started + timeout
     pause = 0.01
-    next_status = time.monotonic()
+    next_status = started
+    next_word = started + SAY_WAITING_AFTER
     while True:
         reason = read_failure(path)
         if reason is not None:
@@ -140,11 +149,15 @@ def _open_when_present(path: Path, timeout: float | None, *, status_url: str | N
         try:
             reader = SegmentReader.open(path)
         except SidecarUnavailableError:
+            _refuse_a_missing_folder(path)
             if status_url is not None and time.monotonic() >= next_status:
                 next_status = time.monotonic() + STATUS_INTERVAL
                 reason = _failure_from_status(status_url)
                 if reason is not None:
                     raise LoadFailedError(reason, path=str(path)) from None
+            if time.monotonic() >= next_word:
+                next_word = time.monotonic() + 60
+                _say_waiting(path, time.monotonic() - started, timeout)
             if deadline is not None and time.monotonic() >= deadline:
                 raise SidecarUnavailableError(
                     f"no segment appeared at {path} within {timeout:g} s: is the modelload sidecar running, "
@@ -159,6 +172,28 @@ def _open_when_present(path: Path, timeout: float | None, *, status_url: str | N
             return reader
         time.sleep(pause)
         pause = min(pause * 2, 0.2)
+
+
+def _say_waiting(path: Path, waited: float, timeout: float | None) -> None:
+    limit = "without a limit" if timeout is None else f"up to {timeout:g} s"
+    log.warning(
+        "modelload: no segment at %s yet after %.0f s, still waiting (%s): is the modelload sidecar running "
+        "with this segment path, and is its volume mounted in this container?",
+        path,
+        waited,
+        limit,
+    )
+
+
+def _refuse_a_missing_folder(path: Path) -> None:
+    """A segment in a folder that does not exist never appears (no sidecar creates the folder: it refuses to
+    start in a missing one), so say so now rather than after the whole timeout."""
+    if not path.parent.is_dir():
+        raise SidecarUnavailableError(
+            f"the segment's folder {path.parent} does not exist, so no sidecar can write {path.name} there: "
+            f"check the path (attach(path), {SEGMENT_ENV}) and that the modelload volume is mounted in this "
+            "container at that path"
+        ) from None
 
 
 def _failure_from_status(url: str) -> str | None:

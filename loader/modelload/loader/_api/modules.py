@@ -61,6 +61,21 @@ class Plan:
     """Tie groups that no file tensor fills and that are on ``meta``."""
 
 
+def _not_a_module(given: object) -> str:
+    """What was passed to ``load_into_module`` instead of a module, and what to pass."""
+    if isinstance(given, type):
+        return (
+            f"the class {given.__name__}, not a module built from it: build it first (with "
+            f"torch.device('meta'): net = {given.__name__}(...)) and pass net"
+        )
+    if isinstance(given, Mapping):
+        return (
+            f"a {type(given).__name__}: a state dict is what model.state_dict() returns; pass the module the "
+            "tensors go into"
+        )
+    return repr(given) if given is None else f"a {type(given).__name__}"
+
+
 def plan(
     module: torch.nn.Module,
     shapes: Mapping[str, tuple[int, ...]],
@@ -70,6 +85,10 @@ def plan(
 ) -> Plan:
     """Match the file's names (with their shapes) to ``module``; raise what ``strict`` and ``leftover``
     refuse."""
+    import torch
+
+    if not isinstance(module, torch.nn.Module):
+        raise ModuleLoadError(f"load_into_module takes a torch.nn.Module, got {_not_a_module(module)}")
     if leftover not in ("raise", "keep") and not callable(leftover):
         raise ConfigError(
             f"leftover={leftover!r}: give 'raise' (the default), 'keep', or a function "

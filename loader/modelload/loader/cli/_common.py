@@ -54,6 +54,7 @@ __all__ = [
     "local_model_files",
     "local_path",
     "modelload_version",
+    "named_kind",
     "open_model_file",
     "open_weight_files",
     "rate",
@@ -152,14 +153,26 @@ def read_password(path: Path | None, env: str | None) -> bytes | None:
 # --- what a file is ----------------------------------------------------------------------------------------
 
 
-def local_model_files(directory: Path, *, format: str = "auto") -> ModelFiles:  # noqa: A002 - the CLI's word
-    """A local model directory's files by role (weights, small files, ignored), by the sidecar's rules."""
+def local_model_files(
+    directory: Path,
+    *,
+    format: str = "auto",  # noqa: A002 - the CLI's word
+    flag: str = "--format",
+) -> ModelFiles:
+    """A local model directory's files by role (weights, small files, ignored), by the sidecar's rules;
+    ``flag`` is the command's option that picks a format where the directory holds both."""
     try:
         names = list(list_local_directory(directory))
         index_json = (directory / SAFETENSORS_INDEX).read_bytes() if SAFETENSORS_INDEX in names else None
     except OSError as exc:
         raise translate_os_error(exc, directory) from None
-    return select_model_files(names, where=f"{directory}/", index_json=index_json, format=format)  # type: ignore[arg-type]
+    return select_model_files(
+        names,
+        where=f"{directory}/",
+        index_json=index_json,
+        format=format,  # type: ignore[arg-type]
+        choose_with=flag,
+    )
 
 
 def local_path(text: str, *, command: str, remote: str) -> Path:
@@ -213,6 +226,24 @@ def sniff(path: Path) -> FileKind:
             f"{exc}; modelload reads tensorizer and safetensors files, torch checkpoints and segments",
             source=str(path),
         ) from None
+
+
+def named_kind(path: Path, named: str, *, flag: str = "--format") -> str:
+    """The kind of a local file, held against the format ``flag`` named (``auto``: whatever it is). A model
+    file of the other format is refused, saying which it is; a torch checkpoint or a segment is returned for
+    the caller to explain, and a file of neither format is left to the named format's reader to describe."""
+    try:
+        kind = sniff(path)
+    except BadMagicError:
+        if named == "auto":
+            raise
+        return named
+    if named != "auto" and kind in ("tensorizer", "safetensors") and kind != named:
+        raise ConfigError(
+            f"{path} is a {kind} file, not {named}: give {flag} {kind}, or leave {flag} out (the format is "
+            "told from the content)"
+        )
+    return kind
 
 
 @contextlib.contextmanager

@@ -136,8 +136,10 @@ class DirectoryInput:
 
 
 @contextlib.contextmanager
-def _open_directory(src: Path, key: DecryptionKey | None, *, verify: bool) -> Iterator[DirectoryInput]:
-    chosen = local_model_files(src)
+def _open_directory(
+    src: Path, key: DecryptionKey | None, *, verify: bool, source_format: str
+) -> Iterator[DirectoryInput]:
+    chosen = local_model_files(src, format=source_format, flag="--from")
     with open_weight_files(src, chosen.weights, key, verify=verify) as (readers, _):  # names unique
         parts = []
         for name, reader in zip(chosen.weights, readers, strict=True):
@@ -164,8 +166,8 @@ def open_input(
     state_dict_key: str | None,
 ) -> Iterator[FileInput | TorchInput | DirectoryInput]:
     """SRC opened as its format's reader (torch checkpoints mapped by torch), closed after the block."""
-    if src.is_dir() and source_format == "auto":
-        with _open_directory(src, key, verify=verify) as directory:
+    if src.is_dir() and source_format in ("auto", "safetensors", "tensorizer"):
+        with _open_directory(src, key, verify=verify, source_format=source_format) as directory:
             yield directory
         return
     kind = sniff(src) if source_format == "auto" else source_format
@@ -223,16 +225,22 @@ def _open_torch(path: Path, key: str | None) -> TorchInput:
 
 
 def _torch_load(torch: Any, path: Path) -> Any:
-    def load(mmap: bool) -> Any:
-        return torch.load(path, weights_only=True, map_location="cpu", mmap=mmap)
-
     try:
-        try:
-            return load(mmap=True)
-        except RuntimeError as exc:
-            if "mmap can only be used" not in str(exc):
-                raise
-            return load(mmap=False)  # the legacy (pre-1.6) format cannot be mapped: read it whole
+        with path.open("rb") as file:
+            # torch.load hands a path ending in .safetensors to the safetensors package, whatever the file
+            # holds; this one was told a torch checkpoint by its content, so torch reads it by another name
+            # of the same file (a path still: mmap needs one)
+            target = f"/proc/self/fd/{file.fileno()}" if path.name.endswith(".safetensors") else path
+
+            def load(mmap: bool) -> Any:
+                return torch.load(target, weights_only=True, map_location="cpu", mmap=mmap)
+
+            try:
+                return load(mmap=True)
+            except RuntimeError as exc:
+                if "mmap can only be used" not in str(exc):
+                    raise
+                return load(mmap=False)  # the legacy (pre-1.6) format cannot be mapped: read it whole
     except OSError as exc:
         raise translate_os_error(exc, path) from None
     except pickle.UnpicklingError as exc:

@@ -18,6 +18,7 @@ human output is rendered from it (:mod:`._inspect_output`), so the two never dis
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import sys
@@ -30,6 +31,7 @@ from modelload.loader.cli._common import (
     decryption_key,
     local_model_files,
     local_path,
+    named_kind,
     sniff,
     translate_os_error,
 )
@@ -103,6 +105,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="read every tensor and check its hashes; exits 1 when one does not match",
     )
+    parser.add_argument(
+        "--format",
+        choices=("auto", "tensorizer", "safetensors"),
+        default="auto",
+        help="which weights of a directory holding both to show; a file's format is checked against it "
+        "(default: detected)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on standard error")
     add_decryption_options(parser)
     parser.set_defaults(func=run)
@@ -119,9 +128,11 @@ def run(args: argparse.Namespace) -> int:
     )
     key = decryption_key(args)
     if path.is_dir():
-        report = _inspect_directory(path, key, verify=args.verify, progress=not args.no_progress)
+        report = _inspect_directory(
+            path, key, verify=args.verify, progress=not args.no_progress, fmt=args.format
+        )
         return _emit(report, args)
-    kind = sniff(path)
+    kind = named_kind(path, args.format)
     if kind == "torch":
         raise ConfigError(
             f"{path} is a torch checkpoint; inspect reads tensorizer and safetensors files and segments: "
@@ -152,7 +163,13 @@ def _emit(report: Report, args: argparse.Namespace) -> int:
 
 
 def _inspect_file(
-    path: Path, kind: str, key: DecryptionKey | None, *, verify: bool, progress: bool
+    path: Path,
+    kind: str,
+    key: DecryptionKey | None,
+    *,
+    verify: bool,
+    progress: bool,
+    bar: ProgressBar | None = None,
 ) -> tuple[Report, ModelIndex]:
     with open_reader(path, "tensorizer" if kind == "tensorizer" else "safetensors", key=key) as reader:
         index = reader.index
@@ -167,7 +184,7 @@ def _inspect_file(
             for row, entry in zip(report["tensors"], index.tensors, strict=True):
                 row.update(kind=entry.kind, data_length=entry.data_length)
         if verify:
-            report["verify"] = _verify_file(reader, index, progress=progress)
+            report["verify"] = _verify_file(reader, index, progress=progress, bar=bar)
     return report, index
 
 
@@ -215,7 +232,10 @@ def _encryption(reader: ModelReader) -> dict[str, Any] | None:
     }
 
 
-def _verify_file(reader: ModelReader, index: ModelIndex, *, progress: bool) -> Report:
+def _verify_file(
+    reader: ModelReader, index: ModelIndex, *, progress: bool, bar: ProgressBar | None = None
+) -> Report:
+    """Check every tensor of one file; ``bar``, a directory's, counts them towards the whole model."""
     # One window for every tensor, whatever they declare: a file may claim terabytes (a meta tensor costs
     # nothing on disk), so memory must follow the window, never a tensor's size.
     scratch = memoryview(bytearray(VERIFY_WINDOW))
@@ -226,7 +246,10 @@ def _verify_file(reader: ModelReader, index: ModelIndex, *, progress: bool) -> R
     failures: list[dict[str, str]] = []
     wrong_key: WrongKeyError | None = None
     started = time.monotonic()
-    with ProgressBar(index.nbytes, "verify", enabled=progress) as bar:
+    counting = (
+        ProgressBar(index.nbytes, "verify", enabled=progress) if bar is None else contextlib.nullcontext(bar)
+    )
+    with counting as shown:
         for entry in index.tensors:
             try:
                 reader.check(entry, scratch=scratch)
@@ -235,7 +258,7 @@ def _verify_file(reader: ModelReader, index: ModelIndex, *, progress: bool) -> R
                 failures.append({"name": entry.name, "error": str(exc), "wrong_key": "yes"})
             except (FormatError, NotEncryptedError) as exc:
                 failures.append({"name": entry.name, "error": str(exc)})
-            bar.update(entry.nbytes)
+            shown.update(entry.nbytes)
     if wrong_key is not None and len(failures) == len(index.tensors):
         raise wrong_key  # no tensor opened: the key is wrong, not every tensor corrupt
     for failure in failures:  # other tensors opened with this key: those that did not are corrupt
@@ -263,10 +286,12 @@ def _verify_report(
 # --- model directories -------------------------------------------------------------------------------------
 
 
-def _inspect_directory(path: Path, key: DecryptionKey | None, *, verify: bool, progress: bool) -> Report:
+def _inspect_directory(
+    path: Path, key: DecryptionKey | None, *, verify: bool, progress: bool, fmt: str
+) -> Report:
     """One report over a directory's weight files, as the one model they make."""
     where = f"{path}/"
-    chosen = local_model_files(path)
+    chosen = local_model_files(path, format=fmt)
     kinds = {name: sniff(path / name) for name in chosen.weights}
     for name, kind in kinds.items():
         if kind not in ("tensorizer", "safetensors"):
@@ -282,8 +307,11 @@ def _inspect_directory(path: Path, key: DecryptionKey | None, *, verify: bool, p
         indexes.append((name, index))
     merge_indexes(indexes, where=where)  # the sidecar's rules: one format, names unique across shards
     if verify:
-        for i, name in enumerate(chosen.weights):
-            reports[i], _ = _inspect_file(path / name, kinds[name], key, verify=True, progress=progress)
+        with ProgressBar(sum(r["total_bytes"] for r in reports), "verify", enabled=progress) as bar:
+            for i, name in enumerate(chosen.weights):
+                reports[i], _ = _inspect_file(
+                    path / name, kinds[name], key, verify=True, progress=progress, bar=bar
+                )
     tensors = [
         {**row, "file": name} for name, r in zip(chosen.weights, reports, strict=True) for row in r["tensors"]
     ]

@@ -10,6 +10,7 @@ status; heavy imports belong inside ``func``.
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import sys
 from collections.abc import Sequence
@@ -66,6 +67,19 @@ def _register_missing(subparsers: argparse._SubParsersAction, name: str, exc: Im
     parser.set_defaults(func=unavailable, unavailable=True)
 
 
+def _refuse_unknown(parser: argparse.ArgumentParser, command: str, unknown: list[str]) -> None:
+    """Exit with the command's own usage (not the top level's, which reads as a wrong command), and the
+    command's option closest to the first unknown one."""
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    sub: argparse.ArgumentParser = subparsers.choices.get(command, parser)
+    message = f"unrecognized arguments: {' '.join(unknown)}"
+    typed = next((word.partition("=")[0] for word in unknown if word.startswith("--")), None)
+    if typed is not None:
+        close = difflib.get_close_matches(typed, sub._option_string_actions, n=1)
+        message += f" (did you mean {close[0]}?)" if close else ""
+    sub.error(message)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status: 2 for a usage error (argparse) or a bad setting (a
     ConfigError: a malformed URI, a missing key file, a flag the registry needs), 1 when a command fails
@@ -76,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(command)
     args, unknown = parser.parse_known_args(arguments)
     if unknown and not getattr(args, "unavailable", False):
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        _refuse_unknown(parser, args.command, unknown)
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -113,7 +113,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         dest="source_format",
         choices=("auto", "safetensors", "torch", "tensorizer"),
         default="auto",
-        help="SRC's format (default: detected from its first bytes)",
+        help="SRC's format (default: detected from its first bytes); for a directory holding both "
+        "safetensors and tensorizer weights, which ones to merge",
     )
     parser.add_argument(
         "--to",

@@ -45,10 +45,10 @@ from modelload.loader.cli._common import (
     local_model_files,
     local_path,
     modelload_version,
+    named_kind,
     open_model_file,
     open_weight_files,
     rate,
-    sniff,
 )
 from modelload.loader.cli.progress import ProgressBar
 from modelload.loader.errors import (
@@ -258,7 +258,7 @@ def _open_model(source: Path, fmt: str, key: DecryptionKey | None, *, verify: bo
 
 
 def _kind(path: Path, fmt: str, key: DecryptionKey | None) -> str:
-    kind = sniff(path) if fmt == "auto" else fmt
+    kind = named_kind(path, fmt)
     if kind not in ("tensorizer", "safetensors"):
         what, hint = {
             "torch": ("a torch checkpoint", "convert it first with modelload serialize"),

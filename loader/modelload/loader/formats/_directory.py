@@ -138,11 +138,12 @@ def select_model_files(
     where: str,
     index_json: bytes | None = None,
     format: Literal["auto", "tensorizer", "safetensors"] = "auto",  # noqa: A002 - the CLI\'s word for it
+    choose_with: str = "--format (a ModelLoad's spec.format)",
 ) -> ModelFiles:
     """Sort a directory's top-level file ``names`` into weights, small files and ignored ones.
 
     ``index_json`` is the content of ``model.safetensors.index.json`` when the directory has one. ``where``
-    names the directory in errors.
+    names the directory in errors, ``choose_with`` the setting that picks one format where both are there.
 
     >>> select_model_files(["config.json", "model.safetensors", "README.md"], where="d").weights
     ('model.safetensors',)
@@ -152,11 +153,11 @@ def select_model_files(
         raise ConfigError(f"{where} holds {len(listed)} files, more than {_MAX_FILES}: is it a model?")
     safetensors = [n for n in listed if n.endswith(".safetensors")]
     tensorizer = [n for n in listed if n.endswith(".tensors")]
+    named = format
     if format == "auto":
         if safetensors and tensorizer:
             raise ConfigError(
-                f"{where} holds both safetensors and tensorizer weights: choose one with --format "
-                "(a ModelLoad's spec.format)"
+                f"{where} holds both safetensors and tensorizer weights: choose one with {choose_with}"
             )
         format = "tensorizer" if tensorizer else "safetensors"  # noqa: A001
     if format == "safetensors" and index_json is not None:
@@ -170,7 +171,13 @@ def select_model_files(
             )
     else:
         weights = tuple(safetensors if format == "safetensors" else tensorizer)
+    if not weights and named != "auto" and (safetensors or tensorizer):
+        other = "tensorizer" if tensorizer else "safetensors"
+        raise ConfigError(
+            f"{where} holds no {named} weight files, only {other} ones: set {choose_with} to {other} or auto"
+        )
     if not weights:
+        _refuse_other_weights(listed, where=where)
         raise ConfigError(
             f"{where} holds no weight files (*.safetensors, or *.tensors for tensorizer): point the source "
             "at the model's directory (for S3 a prefix ending in /), or at one weight file"
@@ -188,6 +195,33 @@ def select_model_files(
     )
     ignored = tuple(n for n in listed if n not in chosen and n not in small)
     return ModelFiles(format=format, weights=weights, small=small, ignored=ignored)
+
+
+PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+"""Torch checkpoints (pickles) by their usual names: ``modelload serialize`` converts them."""
+UNREAD_SUFFIXES = (".gguf", ".h5", ".msgpack", ".onnx", ".ggml")
+"""Weights in formats modelload does not read at all."""
+
+
+def _refuse_other_weights(listed: Sequence[str], *, where: str) -> None:
+    """A folder without safetensors or tensorizer weights that holds weights of another kind: name them and
+    say how to convert them, rather than to point at the model's folder, which the user did."""
+    pickled = [n for n in listed if n.lower().endswith(PICKLED_SUFFIXES)]
+    unread = [n for n in listed if n.lower().endswith(UNREAD_SUFFIXES)]
+    if not pickled and not unread:
+        return
+    held = ", ".join((pickled + unread)[:4]) + (", ..." if len(pickled) + len(unread) > 4 else "")
+    if len(pickled) == 1 and "://" not in where:
+        stem = "model" if pickled[0].startswith("pytorch_model") else pickled[0].rsplit(".", 1)[0]
+        how = f"convert it: modelload serialize {where}{pickled[0]} {where}{stem}.safetensors"
+    elif pickled:
+        how = (
+            "convert them where they are (modelload serialize FILE.bin FILE.safetensors, or transformers' "
+            "save_pretrained(..., safe_serialization=True)) and load the safetensors"
+        )
+    else:
+        how = "modelload reads safetensors and tensorizer weights only: export the model to safetensors"
+    raise ConfigError(f"{where} holds no safetensors or tensorizer weights, only {held}: {how}")
 
 
 def check_small_files(sizes: Mapping[str, int], *, where: str) -> None:

@@ -47,6 +47,14 @@ class NotRegularFileError(SegmentLayoutError):
         self.path = path
         self.file_kind = kind
         """What is there: 'a FIFO (named pipe)', 'a directory', ..."""
+        if what == "segment" and kind == "a directory":  # the volume named instead of the file in it?
+            super().__init__(
+                f"the segment {path} is a directory, not a regular file: if it is the folder the segment is "
+                f"in, name the file in it ({path / 'model.seg'}, for example) with attach(path) or "
+                "MODELLOAD_SEGMENT; the sidecar writes only regular files, so a directory at the segment's "
+                "own name was put there by something else: remove that one"
+            )
+            return
         super().__init__(
             f"the {what} {path} is {kind}, not a regular file: the modelload sidecar writes only regular"
             " files there, so something else put it there; remove it"

@@ -9,6 +9,12 @@ The directory is replaced whole: the files land in a hidden directory beside it,
 place, so a reader never finds a mix of two loads' files. Files are world-readable (0644): they are the
 model's configuration, and the app's container may run as another user.
 
+Only a directory a writer made is replaced (or removed after a failed load): one that holds the hidden
+:data:`MARKER` file, or an empty one. Any other folder is refused, whatever the path was meant to be: the
+model's own source folder (``modelload stage /data/model /data/model.seg`` puts the default model directory,
+``model/`` beside the segment, there), a home directory given as ``--model-dir``. Replacing it would delete
+the user's files.
+
 A segment on hugetlbfs (huge pages) cannot have its model directory beside it: hugetlbfs files are written
 through mappings only, in whole pages, so ``config.json`` could not be written there (and would not read back
 as JSON). The model directory then goes on another volume (``--model-dir``), and one beside it is refused.
@@ -27,7 +33,10 @@ from modelload.loader.errors import ConfigError, SegmentError
 from modelload.loader.segment.pages import volume_of
 from modelload.loader.segment.volume import full_volume
 
-__all__ = ["remove_model_dir", "write_model_dir"]
+__all__ = ["MARKER", "remove_model_dir", "write_model_dir"]
+
+MARKER = ".modelload-model-dir"
+"""The file that marks a model directory a writer made, and may therefore replace whole."""
 
 
 def write_model_dir(
@@ -41,6 +50,7 @@ def write_model_dir(
         raise ConfigError(
             f"the model directory {target} exists and is not a directory: remove it or choose another"
         )
+    _refuse_foreign(target)
     token = f"{target.name}.{secrets.token_hex(4)}"
     staging = target.with_name(f".{token}.new")
     retired = target.with_name(f".{token}.old")
@@ -65,6 +75,7 @@ def write_model_dir(
             max_workers=max(1, min(workers, len(names))), thread_name_prefix="files"
         ) as pool:
             list(pool.map(put, sorted(names)))
+        (staging / MARKER).write_bytes(b"written by modelload: replaced whole by the next load\n")
         if target.exists():
             target.rename(retired)
         staging.rename(target)
@@ -74,6 +85,25 @@ def write_model_dir(
         shutil.rmtree(staging, ignore_errors=True)
         shutil.rmtree(retired, ignore_errors=True)
     return target
+
+
+def _refuse_foreign(target: Path) -> None:
+    """ConfigError unless ``target`` is missing, empty, or a model directory a writer made."""
+    try:
+        names = sorted(entry.name for entry in target.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    except OSError as exc:
+        raise _translate(exc, target) from exc
+    if not names or MARKER in names:
+        return
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    raise ConfigError(
+        f"the model directory {target} already holds files modelload did not write ({shown}), and a model "
+        "directory is replaced whole on every load, which would delete them: name a new or empty folder "
+        "(--model-dir / MODELLOAD_MODEL_DIR; by default model/ beside the segment, so stage a model folder "
+        "into a segment elsewhere than beside it). If an earlier modelload wrote it, remove it first"
+    )
 
 
 def _translate(exc: OSError, target: Path) -> SegmentError:
@@ -91,8 +121,8 @@ def _translate(exc: OSError, target: Path) -> SegmentError:
 
 def remove_model_dir(target: Path) -> None:
     """Remove a model directory a failed load wrote (its small files hold memory on a memory-backed
-    volume). A link at ``target`` is removed, never followed."""
+    volume). A link at ``target`` is removed, never followed; a folder without :data:`MARKER` is left."""
     if target.is_symlink():
         target.unlink()
-    elif target.is_dir():
+    elif (target / MARKER).is_file():
         shutil.rmtree(target, ignore_errors=True)

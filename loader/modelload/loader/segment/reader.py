@@ -38,6 +38,7 @@ from modelload.loader.errors import (
     LoadTimeoutError,
     SegmentError,
     SegmentLayoutError,
+    SegmentVersionError,
     SidecarUnavailableError,
     TensorReleasedError,
 )
@@ -165,7 +166,10 @@ class SegmentReader:
         try:
             size = os.fstat(fd).st_size
             header_bytes = _read(fd, HEADER_LENGTH, 0, target)
-            header = parse_header(header_bytes, file_size=size)
+            try:
+                header = parse_header(header_bytes, file_size=size)
+            except (SegmentLayoutError, SegmentVersionError) as exc:
+                raise type(exc)(f"{target}: {exc}") from None  # which file, for a path that names another
             if struct.unpack_from("<I", header_bytes, OFF_WRITER_STATE)[0] == WriterState.CREATING:
                 raise SegmentLayoutError(
                     f"segment {target} was never published (its writer died creating it)"

@@ -21,6 +21,7 @@ import contextlib
 import errno
 import logging
 import os
+import stat
 import struct
 from pathlib import Path
 
@@ -37,20 +38,48 @@ from modelload.loader.segment.pages import available_bytes, full_volume_advice
 from modelload.loader.segment.previous import supersede
 from modelload.loader.segment.volume import FULL, full_volume, volume_full
 
-__all__ = ["check_folder", "check_space", "check_writable", "make_room", "reserve_pages"]
+__all__ = ["check_folder", "check_not_foreign", "check_space", "check_writable", "make_room", "reserve_pages"]
 
 log = logging.getLogger(__name__)
 
 
 def check_folder(segment: Path) -> None:
-    """ConfigError when the segment's folder is missing. Writers never create it: in a pod it is the
-    shared volume's mount point, and a folder made in its place would hold the model in the writer's own
+    """ConfigError when the segment's folder is missing, or the segment path is a folder itself (the
+    volume named instead of a file in it). Writers never create the folder: in a pod it is the shared
+    volume's mount point, and a folder made in its place would hold the model in the writer's own
     filesystem, out of the app's sight (the sidecar and ``modelload stage`` agree on this)."""
+    if segment.is_dir():
+        raise ConfigError(
+            f"{segment} is a directory: name the segment file to create in it ({segment / 'model.seg'}, for "
+            "example) with --segment/MODELLOAD_SEGMENT"
+        )
     folder = segment.absolute().parent
     if not folder.is_dir():
         raise ConfigError(
             f"the segment's folder {folder} does not exist: create it (mkdir -p {folder}), mount the shared"
             " volume there, or name a segment path in an existing folder (--segment/MODELLOAD_SEGMENT)"
+        )
+
+
+def check_not_foreign(segment: Path) -> None:
+    """ConfigError when a file at the segment's path is no segment (its first bytes are not the magic): the
+    model file itself, or anything else the path was mistyped onto. A starting load sets whatever is there
+    aside and removes it, so it is refused instead (``modelload stage`` asks for ``--force``)."""
+    try:
+        fd = os.open(segment, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO there must not block the start
+    except (FileNotFoundError, IsADirectoryError):
+        return  # nothing there, or check_folder's case
+    except OSError as exc:
+        raise ConfigError(f"cannot read {segment} to check it is a segment: {exc.strerror or exc}") from None
+    try:
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+        head = os.pread(fd, len(MAGIC), 0) if regular else b""
+    finally:
+        os.close(fd)
+    if head != MAGIC:
+        raise ConfigError(
+            f"{segment} exists and is not a modelload segment; a load would replace it: name another segment "
+            "path (--segment/MODELLOAD_SEGMENT), or remove that file yourself"
         )
 
 

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from modelload.loader import dtypes
-from modelload.loader.errors import ModelloadError, SegmentLayoutError, SegmentVersionError
+from modelload.loader.errors import BadMagicError, ModelloadError, SegmentLayoutError, SegmentVersionError
+from modelload.loader.formats import detect_format
 from modelload.loader.segment.layout import (
     _FIXED,
     _MEMORY,
@@ -64,20 +65,36 @@ def _fail(message: str) -> SegmentLayoutError:
     return SegmentLayoutError(f"{message}; the segment is corrupt or was not written by modelload")
 
 
+def _not_a_segment(buf: bytes | memoryview) -> str:
+    """What a file that is no segment is, and what to do. Its bytes are never shown: a path pointed at the
+    wrong file may name anything (a token, a key), and the message reaches logs."""
+    try:
+        kind = detect_format(buf[:32])
+    except BadMagicError:
+        return (
+            f"not a modelload segment: it does not start with {MAGIC.decode()!r}, nor is it a model file; "
+            "check the path (a sidecar or `modelload stage` writes the segment)"
+        )
+    return (
+        f"the file is a {kind} file, not a modelload segment: load it into a segment with `modelload stage "
+        "FILE SEGMENT` (or `modelload sidecar --source FILE --segment SEGMENT`) and attach to that"
+    )
+
+
 def parse_header(buf: bytes | memoryview, *, file_size: int) -> Header:
     """Check the header's write-once bytes and geometry (reader rule 1) and return them.
 
     ``buf`` holds at least the first 4096 bytes. Nothing of the sizes the header declares is allocated.
     """
+    if len(buf) >= len(MAGIC) and bytes(buf[: len(MAGIC)]) != MAGIC:
+        raise SegmentLayoutError(_not_a_segment(buf))  # before the size: a small model file is no segment
     if file_size < HEADER_LENGTH or len(buf) < HEADER_LENGTH:
         raise _fail(f"segment is {file_size} bytes, shorter than its {HEADER_LENGTH}-byte header (truncated)")
     (magic, version, header_length, segment_length, manifest_offset, manifest_length, manifest_crc32,
      alignment, state_offset, tensor_count, data_offset, data_length, load_id, created_ns,
      reserved) = _FIXED.unpack_from(buf, 0)  # fmt: skip
     if magic != MAGIC:
-        raise SegmentLayoutError(
-            f"not a modelload segment: first bytes are {bytes(magic).hex(' ')}, expected {MAGIC.hex(' ')}"
-        )
+        raise SegmentLayoutError(_not_a_segment(buf))
     if version not in LAYOUT_VERSIONS:
         raise SegmentVersionError(
             f"segment layout version {version} is not known to this loader, which reads versions "

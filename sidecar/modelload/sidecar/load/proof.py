@@ -82,6 +82,8 @@ class FileProof:
             )
         if self.method == "samples":
             return "no checksum kept by the store: sampled bytes re-read at the end of the load"
+        if "://" not in self.uri or self.uri.startswith("file://"):
+            return "a local file: its size and modification time checked around every read"
         return "no checksum kept by the store: its version (ETag or generation) pinned on every range"
 
 

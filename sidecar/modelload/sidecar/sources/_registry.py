@@ -122,6 +122,11 @@ def store_for(uri: str) -> Store:
     scheme = match.group(1).lower()
     with _lock:
         store = _stores.get(scheme)
+    if store is not None and match.group(1) != scheme:
+        # Stores parse their own URIs by their lower-case prefix: "S3://b/k" would read as another URI.
+        shown = redact_uri(uri)
+        meant = f"{scheme}://{shown[match.end() :]}"
+        raise SourceUriError(f"{shown!r}: write the URI's scheme in lower case: did you mean {meant}?")
     if store is None:
         known = ", ".join(f"{known}://" for known in registered_schemes())
         raise SourceUriError(

@@ -84,14 +84,17 @@ def translate_transport_error(
                 f"{uri}: {connecting.netloc} answered in plain HTTP, not TLS: "
                 + plain_http_advice(connecting)
             )
+        # Through a proxy the connection that failed is the proxy's: name it, not the origin behind it.
+        via = settings.proxy.for_origin(connecting.scheme, connecting.host) if settings.proxy else None
+        target = f"the proxy {via[0]}:{via[1]} (for {connecting.netloc})" if via else connecting.netloc
         if isinstance(exc, DeadlineError):
-            reason = f"{connecting.netloc}: {exc}"
+            reason = f"{target}: {exc}"
         elif isinstance(exc, socket.gaierror):
-            reason = f"cannot resolve {connecting.host}"
+            reason = f"cannot resolve {f'the proxy {via[0]}' if via else connecting.host}"
         elif isinstance(exc, TimeoutError):
-            reason = f"no connection to {connecting.netloc} within {settings.connect_timeout:g} s"
+            reason = f"no connection to {target} within {settings.connect_timeout:g} s"
         else:
-            reason = f"cannot connect to {connecting.netloc}: {_describe(exc)}"
+            reason = f"cannot connect to {target}: {_describe(exc)}"
         return InterruptedReadError(f"{uri}: {reason}", uri=uri)
     if isinstance(exc, DeadlineError):
         reason = f"{exc}: retrying on another connection"
