@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -15,6 +14,7 @@ from modelload.operator.model_source import check_priority, segment_bound
 from modelload.operator.quantity import format_mib, parse_bytes
 from modelload.operator.schema import parse_spec
 from modelload.operator.sizing import FIXED_HEADROOM, SizingDefaults, plan_sizing
+from tests.support.counting import CountingName
 
 
 @pytest.mark.parametrize(
@@ -104,40 +104,20 @@ def test_a_memory_request_above_the_limit_is_refused() -> None:
         plan_sizing(model_bytes=1 << 30, tensors=10, spec=spec, defaults=SizingDefaults())
 
 
-class _CountingName(str):
-    """A tensor name that counts the comparisons made with it (a cost measure that no clock can flake)."""
-
-    calls = 0
-
-    def __eq__(self, other: object) -> bool:
-        _CountingName.calls += 1
-        return str.__eq__(self, other)
-
-    __hash__ = str.__hash__
-
-    def __lt__(self, other: str) -> bool:
-        _CountingName.calls += 1
-        return str.__lt__(self, other)
-
-    def startswith(self, *args: Any) -> bool:  # type: ignore[override]
-        _CountingName.calls += 1
-        return str.startswith(self, *args)
-
-
 def test_checking_a_long_priority_list_against_many_tensors_costs_no_product_of_the_two() -> None:
     from types import SimpleNamespace
 
     count, entries = 5000, 1000  # the schema allows 4096 entries; MoE models have 100,000 tensors
-    names = [_CountingName(f"model.layers.{i}.mlp.experts.weight") for i in range(count)]
+    names = [CountingName(f"model.layers.{i}.mlp.experts.weight") for i in range(count)]
     index = SimpleNamespace(
         tensors=[SimpleNamespace(name=n) for n in names], table=SimpleNamespace(names=names)
     )
     priority = [f"model.layers.{count - 1 - i}." for i in range(entries)]  # each matches near the end
-    _CountingName.calls = 0
+    CountingName.calls = 0
     check_priority(index, priority)  # type: ignore[arg-type]
     # Each entry against each name made 5,000,000 comparisons (33 CPU-seconds per resolve at 100,000
     # tensors and 4,096 entries, under the GIL the webhook shares); a sorted look-up makes ~100,000.
-    assert _CountingName.calls < 20 * (count + entries)
+    assert CountingName.calls < 20 * (count + entries)
     with pytest.raises(ConfigError, match=r"spec.priority\[1\]: 'model.layer.' matches no tensor"):
         check_priority(index, ["model.layers.1.", "model.layer."])  # type: ignore[arg-type]
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any
 
 import numpy as np
 import pytest
@@ -12,6 +11,7 @@ from modelload.loader.dtypes import by_name
 from modelload.loader.errors import ConfigError
 from modelload.loader.formats import ModelIndex, TensorEntry, merge_indexes
 from modelload.sidecar.planner import LoadPlan, load_order, plan_load
+from tests.support.counting import CountingName
 
 KIB = 1 << 10
 
@@ -167,36 +167,16 @@ def test_a_priority_prefix_takes_its_tensors_in_file_order_and_a_later_entry_onl
         load_order(index, ["t1", "t3x"])
 
 
-class _CountingName(str):
-    """A tensor name that counts the comparisons made with it (a cost that no clock can flake)."""
-
-    calls = 0
-
-    def __eq__(self, other: object) -> bool:
-        _CountingName.calls += 1
-        return str.__eq__(self, other)
-
-    __hash__ = str.__hash__
-
-    def __lt__(self, other: str) -> bool:
-        _CountingName.calls += 1
-        return str.__lt__(self, other)
-
-    def startswith(self, *args: Any) -> bool:  # type: ignore[override]
-        _CountingName.calls += 1
-        return str.startswith(self, *args)
-
-
 def test_a_long_priority_list_against_many_tensors_costs_no_product_of_the_two() -> None:
     count, entries = 5000, 1000  # ModelLoads allow 4,096 entries; mixtures of experts carry 100,000 tensors
-    names = [_CountingName(f"model.layers.{i}.mlp.experts.weight") for i in range(count)]
+    names = [CountingName(f"model.layers.{i}.mlp.experts.weight") for i in range(count)]
     index = SimpleNamespace(tensors=names, table=SimpleNamespace(names=names))
     priority = [f"model.layers.{count - 1 - i}." for i in range(entries)]  # each matches one, near the end
-    _CountingName.calls = 0
+    CountingName.calls = 0
     order = load_order(index, priority)  # type: ignore[arg-type]
     assert order[:entries] == tuple(range(count - 1, count - 1 - entries, -1))
     # Each entry against every name made 5,000,000 comparisons; the sorted names' look-ups about 100,000.
-    assert _CountingName.calls < 20 * (count + entries)
+    assert CountingName.calls < 20 * (count + entries)
 
 
 def test_a_span_limit_keeps_every_chunk_inside_it() -> None:
