@@ -252,6 +252,21 @@ def test_verification_can_be_turned_off(nginx: NginxServer, model_url: str) -> N
         assert source.read_bytes(7, 3) == DATA[7:10]
 
 
+def test_an_https_source_that_redirects_to_plain_http_is_refused_before_a_byte_is_read_in_clear(
+    nginx: NginxServer, model_url: str
+) -> None:
+    """The weights asked for over TLS are never read in clear (where anything on the way could change them),
+    whatever the server redirects to; the http:// URL named as the source is read as asked."""
+    _https(nginx)
+    settings = SourceSettings(http=HttpSettings(ca_bundle=str(nginx.ca_cert)), retry=FAST_SETTINGS.retry)
+    with pytest.raises(
+        SourceError, match=r"redirects to http://127\.0\.0\.1:\d+/http/model\.bin, plain HTTP"
+    ):
+        open_source(nginx.https_url("to-http/http/model.bin"), settings).stat()
+    with open_source(nginx.url("http/model.bin"), settings) as source:
+        assert source.read_bytes(0, 100) == DATA[:100]
+
+
 def test_a_closed_port_is_a_transient_error(nginx: NginxServer) -> None:
     from modelload.sidecar.sources import InterruptedReadError
     from tests.support.ports import free_port

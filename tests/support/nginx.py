@@ -14,7 +14,8 @@ One process listens on two ports:
 - ``norange_port``: the same folder with ``max_ranges 0``: Range headers are ignored (200, whole file), for
   RangeNotSupportedError tests.
 - ``tls_port`` (when started with ``tls=(cert, key)``, see ``tests/support/tls.py``): the folder over
-  HTTPS (``/private/`` included); ``https_url(name)``; trust it with ``ca_bundle=cert``.
+  HTTPS (``/private/`` included; ``/to-http/NAME`` redirects to the plain HTTP server's ``/NAME``);
+  ``https_url(name)``; trust it with ``ca_bundle=cert``.
 
 Started with ``access_log=PATH``, nginx writes a line per request it answered there (off by default): what
 counts the requests of a load at the server.
@@ -98,6 +99,7 @@ _TLS_SERVER = """\
             if ($http_authorization != "Bearer {token}") {{ return 401; }}
             alias {root}/;
         }}
+        location /to-http/ {{ rewrite ^/to-http/(.*)$ http://127.0.0.1:{port}/$1 redirect; }}
     }}
 """
 
@@ -135,8 +137,9 @@ class NginxServer:
             if tls is not None:
                 self.tls_port = free_port()
                 tls_server = _TLS_SERVER.format(
-                    tls_port=self.tls_port, cert=tls[0], key=tls[1], root=self.root.resolve(), token=TOKEN
-                )
+                    tls_port=self.tls_port, cert=tls[0], key=tls[1], root=self.root.resolve(), token=TOKEN,
+                    port=self.port,
+                )  # fmt: skip
             config = self._state / "nginx.conf"
             config.write_text(
                 _CONFIG.format(

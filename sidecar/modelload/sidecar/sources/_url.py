@@ -14,7 +14,13 @@ import threading
 from collections.abc import Mapping
 from urllib.parse import unquote, urlsplit
 
-from modelload.loader.errors import ConfigError, ModelloadError, SourceAccessDeniedError, SourceUriError
+from modelload.loader.errors import (
+    ConfigError,
+    ModelloadError,
+    SourceAccessDeniedError,
+    SourceError,
+    SourceUriError,
+)
 
 from ._connections import Origin
 from ._http import HttpObject, Target, _Exchange
@@ -100,6 +106,13 @@ class HttpSource(HttpObject):
             return False
         with self._lock:
             current, path = self._location
+            if current.scheme == "https" and origin.scheme == "http":
+                raise SourceError(
+                    f"{self.display_uri} redirects to {display_url(location)}, plain HTTP: a file asked for"
+                    " over TLS is not read in clear, where anything on the way could change its bytes; serve"
+                    " it over https, or name the http:// URL as the source if plain HTTP is meant",
+                    uri=self.display_uri,
+                )
             if origin == current and _is_directory_redirect(path, _request_path(location)):
                 raise SourceUriError(
                     f"{self.display_uri} names a directory (the server redirects to {display_url(location)}):"
