@@ -270,9 +270,8 @@ class PeerServer:
     async def _answer(self, head: _Head, writer: asyncio.StreamWriter) -> bool:
         """Answer one request; False when the connection must close after it."""
         headers = head.headers
-        asked = Request(
-            head.method, head.target, headers.get("host", ""), headers.get("range"), headers.get("if-match")
-        )
+        authority = headers.get("host", "")
+        asked = Request(head.method, head.target, authority, headers.get("range"), headers.get("if-match"))
         try:
             nonce = self._key.check(headers.get("authorization"), asked, self._guard)
         except PermissionError as exc:
@@ -280,7 +279,7 @@ class PeerServer:
             log.debug("peer port: refused a request for %s: %s", head.target, exc)
             await self._reply(writer, 401, {"error": str(exc)})
             return False
-        misdirected = await self._misdirected(headers.get("host", ""), writer)
+        misdirected = await self._misdirected(authority, writer)
         if misdirected is not None:
             self.refused += 1
             log.debug("peer port: refused a request for %s: %s", head.target, misdirected)

@@ -82,7 +82,7 @@ def error_code(body: bytes, secrets: Collection[str] | None = ()) -> str | None:
     if match is None:
         return None
     code = html.unescape(match.group(1).decode("utf-8", "replace")).strip()
-    if not _CODE.match(code) or _NOT_A_CODE.search(code) or echoes(code, secrets):
+    if not _CODE.match(code) or _NOT_A_CODE.search(code) or _echoes(code, secrets):
         return None
     return code
 
@@ -93,22 +93,18 @@ def _request_id(headers: Mapping[str, str] | Message, secrets: Collection[str] |
     if secrets is None:
         return None
     value = (headers.get("x-amz-request-id") or "").strip()
-    return value if _REQUEST_ID.match(value) and not echoes(value, secrets) else None
+    return value if _REQUEST_ID.match(value) and not _echoes(value, secrets) else None
 
 
-def echoes(text: str, secrets: Collection[str]) -> bool:
+def _echoes(text: str, secrets: Collection[str]) -> bool:
     """Whether ``text`` holds :data:`_ECHO_RUN` characters in a row of any of ``secrets`` (or all of a
     shorter one): a part of a credential shows as much as the whole."""
-    for secret in secrets:
-        if not secret:
-            continue
-        if len(secret) <= _ECHO_RUN:
-            if secret in text:
-                return True
-            continue
-        if any(secret[at : at + _ECHO_RUN] in text for at in range(len(secret) - _ECHO_RUN + 1)):
-            return True
-    return False
+    return any(
+        secret[at : at + _ECHO_RUN] in text
+        for secret in secrets
+        if secret
+        for at in range(max(len(secret) - _ECHO_RUN, 0) + 1)
+    )
 
 
 def s3_error(
