@@ -135,7 +135,7 @@ def test_rbac_has_no_wildcards_and_only_the_verbs_the_operator_uses(variant: str
         ("modelload.dev", "modelloads/status"): {"get", "patch"},
         ("", "pods"): {"list", "watch"},
         ("", "secrets"): {"get", "patch", "create"},
-        ("", "services"): {"create"},
+        ("", "services"): {"create", "get", "patch"},  # the peers' Service, its selector kept current
         ("", "events"): {"create"},
         ("admissionregistration.k8s.io", "mutatingwebhookconfigurations"): {"get", "patch"},
     }

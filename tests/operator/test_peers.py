@@ -228,3 +228,52 @@ async def test_a_peers_secret_that_is_not_this_modelloads_is_a_condition_until_i
     await resolved(kube, "tiny")
     made = current(kube, "v1/secrets", NAMESPACE, "tiny-peers")
     assert made is not None and made["metadata"]["ownerReferences"][0]["uid"] == "new-uid"
+
+
+async def test_the_peers_service_follows_a_changed_pod_label_value(
+    kube: Any, operator: Any, model_url: str, api: Any
+) -> None:
+    # Pods ask for the model by spec.podLabelValue: a Service still selecting the old value would find none
+    # of them, and every sidecar would load from the origin alone.
+    from tests.operator.conftest import patch_modelload
+
+    await create_modelload(api, "tiny", {"source": model_url, "peers": True, "podLabelValue": "first"})
+    await resolved(kube, "tiny")
+    service = await wait_for(
+        lambda: current(kube, "v1/services", NAMESPACE, "tiny-peers"), what="the peers' Service"
+    )
+    assert service["spec"]["selector"] == {"modelload.dev/model": "first"}
+
+    await patch_modelload(api, "tiny", {"spec": {"podLabelValue": "second"}})
+
+    def selector() -> Any:
+        made = current(kube, "v1/services", NAMESPACE, "tiny-peers")
+        return made is not None and made["spec"]["selector"] == {"modelload.dev/model": "second"}
+
+    await wait_for(selector, what="the Service's selector to follow spec.podLabelValue")
+    kept = current(kube, "v1/services", NAMESPACE, "tiny-peers")
+    assert kept is not None and kept["spec"]["clusterIP"] == "None"  # patched, not replaced
+
+
+async def test_a_peers_service_that_is_not_this_modelloads_is_a_condition_until_it_goes(
+    kube: Any, operator: Any, model_url: str, api: Any
+) -> None:
+    # Its selector is someone else's: the sidecars would ask pods that are not the model's.
+    from tests.operator.test_resolving import failed, ready_condition
+
+    kube.objects["v1/services", NAMESPACE, "tiny-peers"] = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "tiny-peers", "namespace": NAMESPACE},
+        "spec": {"clusterIP": "None", "selector": {"app": "something-else"}},
+    }
+    await create_modelload(api, "tiny", {"source": model_url, "peers": True}, uid="new-uid")
+    obj = await failed(kube, "tiny", "PeersServiceTaken")
+    assert "tiny-peers" in ready_condition(obj)["message"]
+    assert obj["status"].get("bytes") is None
+
+    del kube.objects["v1/services", NAMESPACE, "tiny-peers"]  # the team removed theirs
+    await resolved(kube, "tiny")
+    made = current(kube, "v1/services", NAMESPACE, "tiny-peers")
+    assert made is not None and made["metadata"]["ownerReferences"][0]["uid"] == "new-uid"
+    assert made["spec"]["selector"] == {"modelload.dev/model": "tiny"}

@@ -76,10 +76,14 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get"]
-# Peers (spec.peers): a headless Service and a token Secret per ModelLoad, created once, owned by it.
+# Peers (spec.peers): a headless Service and a token Secret per ModelLoad, created once, owned by it. The
+# Service is read and its selector patched when the ModelLoad's spec.podLabelValue changes.
 - apiGroups: [""]
   resources: ["services", "secrets"]
   verbs: ["create"]
+- apiGroups: [""]
+  resources: ["services"]
+  verbs: ["get", "patch"]
 # Events about ModelLoads (kopf posts core/v1 Events).
 - apiGroups: [""]
   resources: ["events"]

@@ -170,6 +170,16 @@ class Kube:
         what = f"create Service {namespace}/{body['metadata']['name']}"
         await self._call(what, self._core.create_namespaced_service, namespace, dict(body))
 
+    async def read_service(self, namespace: str, name: str) -> dict[str, Any]:
+        what = f"get Service {namespace}/{name}"
+        return await self._call(what, self._core.read_namespaced_service, name, namespace)
+
+    async def patch_service(self, namespace: str, name: str, body: Mapping[str, Any]) -> None:
+        what = f"patch Service {namespace}/{name}"
+        await self._call(
+            what, self._core.patch_namespaced_service, name, namespace, dict(body), _content_type=MERGE_PATCH
+        )
+
     # --- Events --------------------------------------------------------------------------------------------
 
     async def create_event(self, namespace: str, body: Mapping[str, Any]) -> None:

@@ -12,7 +12,6 @@ The webhook wires each sidecar to them (:func:`peer_env`, :func:`peer_volume`).
 from __future__ import annotations
 
 import base64
-import contextlib
 import hashlib
 import re
 import secrets
@@ -26,6 +25,7 @@ from modelload.operator.schema import GROUP, MODEL_LABEL, VERSION
 
 __all__ = [
     "PeersSecretTakenError",
+    "PeersServiceTakenError",
     "ensure_peer_objects",
     "peer_env",
     "peer_names",
@@ -102,6 +102,13 @@ class PeersSecretTakenError(ModelloadError):
     condition = "PeersSecretTaken"
 
 
+class PeersServiceTakenError(ModelloadError):
+    """The peers' Service exists and is not this ModelLoad's: its selector is someone else's, so sidecars
+    would ask pods that are not the model's. Retried, as :class:`PeersSecretTakenError`."""
+
+    condition = "PeersServiceTaken"
+
+
 async def ensure_peer_objects(
     kube: Kube, *, namespace: str, body: Mapping[str, Any], label_value: str
 ) -> None:
@@ -128,8 +135,32 @@ async def ensure_peer_objects(
                 f"peer token from, exists and is {whose}: retrying; if it stays, delete it (or rename this "
                 "ModelLoad)"
             ) from None
-    with contextlib.suppress(KubeConflictError):
-        await kube.create_service(namespace, service_body(name=name, uid=uid, label_value=label_value))
+    await _ensure_service(kube, namespace, service_body(name=name, uid=uid, label_value=label_value), uid=uid)
+
+
+async def _ensure_service(kube: Kube, namespace: str, service: Mapping[str, Any], *, uid: str) -> None:
+    """Create the Service, or bring an existing one of this ModelLoad's to select the pods that ask for the
+    model now: ``spec.podLabelValue`` may have changed since it was made, and a Service still selecting the
+    old value would give the sidecars no peer (or pods that no longer ask for this model)."""
+    name = service["metadata"]["name"]
+    try:
+        await kube.create_service(namespace, service)
+        return
+    except KubeConflictError:  # made earlier (by this operator, or another replica), or not ours
+        pass
+    existing = await kube.read_service(namespace, name)
+    owners = (existing.get("metadata") or {}).get("ownerReferences") or []
+    if uid and uid not in [str(owner.get("uid")) for owner in owners if isinstance(owner, Mapping)]:
+        whose = "owned by another ModelLoad (not collected yet)" if owners else "not the operator's"
+        raise PeersServiceTakenError(
+            f"the Service {name!r}, through which this model's sidecars find each other, exists and is "
+            f"{whose}: retrying; if it stays, delete it (or rename this ModelLoad)"
+        )
+    wanted = service["spec"]["selector"]
+    selector = (existing.get("spec") or {}).get("selector") or {}
+    if selector != wanted:  # a merge patch: keys no longer wanted are removed by a null
+        patch = {**dict.fromkeys(set(selector) - set(wanted)), **wanted}
+        await kube.patch_service(namespace, name, {"spec": {"selector": patch}})
 
 
 def peer_env(*, name: str, namespace: str) -> list[dict[str, str]]:

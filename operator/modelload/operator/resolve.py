@@ -372,6 +372,7 @@ _FIX_ELSEWHERE = frozenset(
         "AccessDenied",
         "LabelTaken",
         "PeersSecretTaken",
+        "PeersServiceTaken",
     }
 )
 
