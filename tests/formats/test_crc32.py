@@ -3,6 +3,7 @@ buffers a mixture of experts is made of (each ``crc32`` call of ISA-L or zlib le
 
 from __future__ import annotations
 
+import itertools
 import zlib
 
 import numpy as np
@@ -44,3 +45,24 @@ def test_small_buffers_go_in_slices_that_keep_the_gil_and_large_ones_in_one_call
     lengths.clear()
     crc32(bytes(1 << 20))
     assert lengths == [1 << 20]
+
+
+@pytest.mark.parametrize(
+    "first, second", [(0, 0), (0, 7), (7, 0), (1, 1), (5120, 3), (100_000, (1 << 20) + 5), (3, 1 << 22)]
+)
+def test_two_crcs_combine_into_the_crc_of_their_buffers_one_after_the_other(first: int, second: int) -> None:
+    rng = np.random.default_rng(first * 7 + second)
+    a = rng.integers(0, 256, first, dtype=np.uint8).tobytes()
+    b = rng.integers(0, 256, second, dtype=np.uint8).tobytes()
+    assert hashes.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+def test_the_pieces_of_a_tensor_combine_in_order_into_its_crc_whatever_their_sizes() -> None:
+    data = np.random.default_rng(9).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
+    cuts = [0, 1, 4096, 1 << 20, (1 << 20) + 3, 3 << 20]
+    whole = zlib.crc32(data[: cuts[1]])
+    for low, high in itertools.pairwise(cuts[1:]):
+        whole = hashes.crc32_combine(whole, zlib.crc32(data[low:high]), high - low)
+    assert whole == zlib.crc32(data)
+    swapped = hashes.crc32_combine(zlib.crc32(data[4096:8192]), zlib.crc32(data[:4096]), 4096)
+    assert swapped != zlib.crc32(data[:8192]), "the order of the pieces counts"

@@ -174,7 +174,7 @@ def test_a_broken_stream_resumed_at_the_byte_still_records_crcs_taken_as_they_la
     assert sum(counted_crcs) == 0, "the resumed range went on at the byte: its CRCs were taken as it landed"
 
 
-def test_a_tensor_cut_across_chunks_gets_the_crc_of_its_whole_slot_taken_after_it_is_all_in(
+def test_a_tensor_cut_across_chunks_gets_the_crc_of_its_pieces_as_they_landed_combined(
     nginx: Any, shm_dir: Path, counted_crcs: list[int]
 ) -> None:
     tensors = _tensors(43, count=3, rows=256)
@@ -183,8 +183,7 @@ def test_a_tensor_cut_across_chunks_gets_the_crc_of_its_whole_slot_taken_after_i
     _load(url, shm_dir / "model.seg", chunk_size=1 << 20)
     models.assert_segment_matches(shm_dir / "model.seg", tensors)
     assert _assert_crcs_recorded_right(shm_dir / "model.seg") == len(tensors)
-    big = tensors["big.weight"].numel() * 4
-    assert counted_crcs == [big], "only the cut tensor's CRC is read back, over its whole slot, once"
+    assert sum(counted_crcs) == 0, "the cut tensor's CRC was made from its pieces', none read back"
 
 
 def test_a_source_that_goes_back_over_landed_bytes_leaves_the_crcs_to_the_finisher(
@@ -206,3 +205,54 @@ def test_a_source_that_goes_back_over_landed_bytes_leaves_the_crcs_to_the_finish
     models.assert_segment_matches(shm_dir / "model.seg", tensors)
     assert _assert_crcs_recorded_right(shm_dir / "model.seg") == len(tensors)
     assert sum(counted_crcs) > 0, "the range that went back had its CRCs taken from the segment"
+
+
+def _counting_splices(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The bytes each splice of a range into the segment's file carried."""
+    from modelload.sidecar.load import readers
+
+    spliced: list[int] = []
+    for name in ("read_range_into_fd", "read_range_pieces_into_fd"):
+        real = getattr(readers, name)
+
+        def counting(source: Any, offset: int, *args: Any, _real: Any = real, **kwargs: Any) -> None:
+            spliced.append(offset)
+            _real(source, offset, *args, **kwargs)
+
+        monkeypatch.setattr(readers, name, counting)
+    return spliced
+
+
+def _with_a_cut_tensor(seed: int) -> dict[str, torch.Tensor]:
+    tensors = _tensors(seed, count=3, rows=256)
+    tensors["big.weight"] = torch.randn(3 << 10, 256, generator=torch.Generator().manual_seed(seed))  # 3 MiB
+    return tensors
+
+
+def test_a_local_file_lands_its_big_tensors_through_a_window_with_every_crc_taken_on_the_way(
+    tmp_path: Path, shm_dir: Path, counted_crcs: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Spliced, each slot would be read back for its CRC-32: a second pass over every byte of the model.
+    spliced = _counting_splices(monkeypatch)
+    tensors = _with_a_cut_tensor(47)
+    path = tmp_path / "local.safetensors"
+    path.write_bytes(models.safetensors_bytes(tensors))
+    _load(path.as_uri(), shm_dir / "model.seg", landing="splice")
+    models.assert_segment_matches(shm_dir / "model.seg", tensors)
+    assert _assert_crcs_recorded_right(shm_dir / "model.seg") == len(tensors)
+    assert spliced == [], "nothing of a local file was spliced"
+    assert sum(counted_crcs) == 0, "no slot was read back for its CRC-32"
+
+
+def test_a_socket_still_splices_its_big_tensors_and_the_slots_give_their_crcs(
+    nginx: Any, shm_dir: Path, counted_crcs: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # From a socket a splice spares the copy into this process, which costs more than reading the slots back.
+    spliced = _counting_splices(monkeypatch)
+    tensors = _with_a_cut_tensor(48)
+    url = nginx.put("spliced-cut.safetensors", models.safetensors_bytes(tensors))
+    _load(url, shm_dir / "model.seg", landing="splice")
+    models.assert_segment_matches(shm_dir / "model.seg", tensors)
+    assert _assert_crcs_recorded_right(shm_dir / "model.seg") == len(tensors)
+    assert len(spliced) >= 3, "the big tensor's three chunks were spliced"
+    assert tensors["big.weight"].numel() * 4 in counted_crcs

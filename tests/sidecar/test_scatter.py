@@ -1,6 +1,6 @@
 """A range of many small tensors lands through the segment's file descriptor with a ``pwritev`` a window:
 each piece at its slot, the padding between neighbouring slots written as zeros in the same call, nothing
-written where another piece might be, and each whole tensor's CRC-32 taken on the way."""
+written where another piece might be, and each piece's CRC-32 taken on the way."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def test_every_piece_lands_at_its_slot_and_the_padding_between_neighbours_is_zer
 
     monkeypatch.setattr(scatter.os, "pwritev", counted)
     at = slots()
-    sink = ChunkScatter(fd, dst=at, length=SIZES, joined=[True] * len(SIZES), whole=[True] * len(SIZES))
+    sink = ChunkScatter(fd, dst=at, length=SIZES, joined=[True] * len(SIZES), hashed=[True] * len(SIZES))
     try:
         feed(sink, data, cuts)
         landed = os.pread(fd, 1 << 17, 0)
@@ -83,8 +83,8 @@ def test_a_gap_that_is_not_known_padding_is_never_written(tmp_path: Path) -> Non
     fd = segment_file(tmp_path / "segment")
     at = slots()
     joined = [True, False, True, True, False, True, True]  # after pieces 1 and 4: another tensor's slot
-    whole = [True, True, False, True, True, True, False]  # pieces 2 and 6: part of a tensor cut across chunks
-    sink = ChunkScatter(fd, dst=at, length=SIZES, joined=joined, whole=whole)
+    hashed = [True, True, False, True, True, True, False]  # pieces 2 and 6: not to be hashed
+    sink = ChunkScatter(fd, dst=at, length=SIZES, joined=joined, hashed=hashed)
     try:
         feed(sink, data, [3000])
         landed = os.pread(fd, 1 << 17, 0)
@@ -97,7 +97,7 @@ def test_a_gap_that_is_not_known_padding_is_never_written(tmp_path: Path) -> Non
         gap = landed[at[i] + SIZES[i] : at[i + 1]]
         assert gap == bytes(len(gap)), f"the padding after piece {i} is zeros"
     crcs = sink.crc_column().tolist()
-    assert crcs[2] == -1 and crcs[6] == -1, "no CRC-32 for part of a tensor"
+    assert crcs[2] == -1 and crcs[6] == -1, "no CRC-32 for a piece not to be hashed"
     assert crcs[3] == zlib.crc32(data[sum(SIZES[:3]) : sum(SIZES[:4])])
 
 
@@ -105,7 +105,7 @@ def test_bytes_sent_again_after_a_resume_are_written_and_hashed_once(tmp_path: P
     data = payload(sum(SIZES), seed=5)
     fd = segment_file(tmp_path / "segment")
     at = slots()
-    sink = ChunkScatter(fd, dst=at, length=SIZES, joined=[True] * len(SIZES), whole=[True] * len(SIZES))
+    sink = ChunkScatter(fd, dst=at, length=SIZES, joined=[True] * len(SIZES), hashed=[True] * len(SIZES))
     try:
         sink(memoryview(data)[:9000], 0)
         sink(memoryview(data)[7000:], 7000)  # a source that resumed early: 2,000 bytes again
@@ -121,7 +121,7 @@ def test_bytes_sent_again_after_a_resume_are_written_and_hashed_once(tmp_path: P
 def test_the_crcs_wait_for_the_whole_range(tmp_path: Path) -> None:
     fd = segment_file(tmp_path / "segment")
     try:
-        sink = ChunkScatter(fd, dst=slots(), length=SIZES, joined=[True] * 7, whole=[True] * 7)
+        sink = ChunkScatter(fd, dst=slots(), length=SIZES, joined=[True] * 7, hashed=[True] * 7)
         sink(memoryview(payload(100, seed=1)), 0)
         with pytest.raises(RuntimeError, match="not all in"):
             sink.crc_column()
@@ -138,7 +138,7 @@ def test_a_full_volume_is_a_segment_space_error(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setattr(scatter.os, "pwritev", full)
     fd = segment_file(tmp_path / "segment")
     try:
-        sink = ChunkScatter(fd, dst=slots(), length=SIZES, joined=[True] * 7, whole=[True] * 7)
+        sink = ChunkScatter(fd, dst=slots(), length=SIZES, joined=[True] * 7, hashed=[True] * 7)
         with pytest.raises(SegmentSpaceError, match="no room left"):
             sink(memoryview(payload(sum(SIZES), seed=1)), 0)
     finally:
@@ -167,7 +167,7 @@ def test_a_short_write_goes_on_from_where_it_stopped(tmp_path: Path, monkeypatch
     fd = segment_file(tmp_path / "segment")
     at = slots()
     try:
-        sink = ChunkScatter(fd, dst=at, length=SIZES, joined=[True] * 7, whole=[True] * 7)
+        sink = ChunkScatter(fd, dst=at, length=SIZES, joined=[True] * 7, hashed=[True] * 7)
         sink(memoryview(data), 0)
         landed = os.pread(fd, 1 << 17, 0)
     finally:

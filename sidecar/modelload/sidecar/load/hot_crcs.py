@@ -40,17 +40,18 @@ def _address(view: memoryview) -> int | None:
 
 class LandedCrcs:
     """A :func:`~modelload.sidecar.sources.watch_landing` watcher over the pieces of one range (``views``, in
-    range order; ``whole`` per piece: the piece is all of its tensor's bytes, so its CRC is the slot's)."""
+    range order; ``hashed`` per piece: the piece is all tensor data, so its CRC is the slot's or a part of it
+    that the readers combine with its other pieces)."""
 
-    __slots__ = ("_at", "_crcs", "_ends", "_piece", "_starts", "_whole")
+    __slots__ = ("_at", "_crcs", "_ends", "_hashed", "_piece", "_starts")
 
-    def __init__(self, views: Sequence[memoryview], whole: Sequence[bool]) -> None:
-        if len(views) != len(whole):
-            raise ValueError(f"{len(views)} views for {len(whole)} pieces")
+    def __init__(self, views: Sequence[memoryview], hashed: Sequence[bool]) -> None:
+        if len(views) != len(hashed):
+            raise ValueError(f"{len(views)} views for {len(hashed)} pieces")
         starts = [_address(view) if len(view) else 0 for view in views]
         self._starts = [start or 0 for start in starts]
         self._ends = [start + len(view) for start, view in zip(self._starts, views, strict=True)]
-        self._whole = list(whole)
+        self._hashed = list(hashed)
         self._crcs = [0] * len(views)
         self._piece: int | None = None  # the piece the next part goes on (len(views): all in); None: broken
         self._at = 0  # the address the next part must start at
@@ -65,7 +66,7 @@ class LandedCrcs:
         if start is None or piece == len(ends) or start != self._at or start + len(part) > ends[piece]:
             self._piece = None  # out of order, or landed again: no CRC at all for this range
             return
-        if self._whole[piece]:
+        if self._hashed[piece]:
             self._crcs[piece] = crc32(part, self._crcs[piece])
         self._at = start + len(part)
         if self._at == self._ends[piece]:
@@ -79,8 +80,8 @@ class LandedCrcs:
         self._at = self._starts[piece] if piece < len(self._ends) else 0
 
     def crc_column(self) -> npt.NDArray[np.int64]:
-        """Per piece, the CRC-32 of its bytes where the piece is its tensor's whole slot and every byte of
-        the range was seen landing once, in order; else -1."""
+        """Per piece, the CRC-32 of its bytes where it was to be taken (``hashed``) and every byte of the
+        range was seen landing once, in order; else -1."""
         seen = self._piece is not None and self._piece == len(self._ends)
-        taken = np.asarray(self._whole, dtype=bool) & seen
+        taken = np.asarray(self._hashed, dtype=bool) & seen
         return np.where(taken, np.asarray(self._crcs, dtype=np.int64), -1)

@@ -3,14 +3,14 @@
 :class:`~modelload.sidecar.load.engine.Engine` plans a load, creates its segment and then hands the rest to
 :class:`Readers`: N threads of the shared pool (:func:`~modelload.loader.segment.run_in_order`) take chunks in
 load order. A chunk is one range of one weight file covering neighbouring tensors; it lands with one request,
-each piece at its tensor's slot. Through the segment's file descriptor, big pieces are spliced (no copy
-through this process) and many small ones go through a reused buffer, a ``pwritev`` a window
-(:mod:`~modelload.sidecar.load.scatter`); through the mapping (huge pages, HTTPS, a ring), scattering reads
-land them (``preadv``, ``recvmsg_into``). The tensors a chunk completes are finished together
-(:class:`TensorFinisher`: decrypted, their hashes checked, a sample of their range re-read when nothing else
-proves their file) and published with one event. A file proven by its store's checksum or by the digest its
-origin publishes holds its tensors back until the whole file is proven (:mod:`modelload.sidecar.load.proof`,
-:mod:`modelload.sidecar.load.digests`).
+each piece at its tensor's slot. Through the segment's file descriptor, big pieces from a socket are spliced
+(no copy through this process), and many small ones, or a local file's, go through a reused buffer, a
+``pwritev`` a window (:mod:`~modelload.sidecar.load.scatter`); through the mapping (huge pages, HTTPS, a
+ring), scattering reads land them (``preadv``, ``recvmsg_into``). The tensors a chunk completes are
+finished together (:class:`TensorFinisher`: decrypted, their hashes checked, a sample of their range re-read
+when nothing else proves their file) and published with one event. A file proven by its store's checksum or
+by the digest its origin publishes holds its tensors back until the whole file is proven
+(:mod:`modelload.sidecar.load.proof`, :mod:`modelload.sidecar.load.digests`).
 
 The engine keeps what outlives the readers: the segment's identity, the writer lock, stop and failure.
 """
@@ -29,6 +29,7 @@ import numpy.typing as npt
 
 from modelload.loader.errors import HashMismatchError
 from modelload.loader.formats import tensorizer as tz
+from modelload.loader.formats.tensorizer.hashes import crc32_combine
 from modelload.loader.segment import MemoryMode, SegmentWriter, TensorFinisher, run_in_order
 from modelload.sidecar.load import integrity, proof
 from modelload.sidecar.load.digests import FileDigests
@@ -151,6 +152,15 @@ class Readers:
         # The CRC-32 taken as bytes land is recorded unless a peer's bytes are checked after landing or a
         # tensorizer record's slot changes when it is finished (see _publish).
         self._crc_landing = context.peers is None and plan.index.format != "tensorizer"
+        # A tensor cut across chunks: each piece's CRC-32 as it landed, combined once the tensor is all in.
+        self._cut = _pieces_of_cut_tensors(plan)
+        self._piece_crcs: dict[int, int] = {}
+        # Where landing a range through a buffer, its CRC-32s taken there, costs less than splicing it and
+        # reading the slots again for their CRC-32s (a local file): big pieces go that way too.
+        windows = self._neighbours is not None and self._crc_landing
+        self._through_window = [
+            windows and getattr(source, "lands_best_through_a_window", False) for source in self.sources
+        ]
         if digests is not None and hold:
             self._release(digests.when_proven(self._release))
 
@@ -180,6 +190,9 @@ class Readers:
         file_done = self.prover.landed(chunk, self.writer.region)
         tensors = self.plan.tensors_of(chunk)
         with self._lock:
+            if crcs is not None and self._cut:
+                for at in np.flatnonzero(self.plan.chunk_counts[tensors] > 1).tolist():
+                    self._piece_crcs[chunk.first + at] = int(crcs[at])
             self._remaining[tensors] -= 1
             finished = self._remaining[tensors] == 0
             complete = tensors[finished]
@@ -187,21 +200,43 @@ class Readers:
             if len(complete) and held is not None:
                 held.append(complete)
         if len(complete) and held is None:
-            self._publish(complete, seq, None if crcs is None else crcs[finished])
+            self._publish(complete, seq, None if crcs is None else self._combined(complete, crcs[finished]))
         if file_done:
             self._prove(chunk.file)
 
+    def _combined(self, tensors: npt.NDArray[np.int32], crcs: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """``crcs`` (per tensor of ``tensors``, the CRC-32 of its piece in the chunk that completed it) with
+        each tensor cut across chunks given the CRC-32 of all its pieces, made from each piece's as it landed,
+        or -1 where a piece's was not taken (the finisher then reads the slot)."""
+        cut = np.flatnonzero(self.plan.chunk_counts[tensors] > 1)
+        if not len(cut):
+            return crcs
+        crcs = crcs.copy()
+        lengths = self.plan.pieces.length
+        with self._lock:
+            for at in cut.tolist():
+                pieces = self._cut.get(int(tensors[at]), [])
+                parts = [self._piece_crcs.pop(piece, -1) for piece in pieces]
+                whole = parts[0] if parts else -1
+                for piece, part in zip(pieces[1:], parts[1:], strict=True):
+                    whole = -1 if whole < 0 or part < 0 else crc32_combine(whole, part, int(lengths[piece]))
+                crcs[at] = whole
+        return crcs
+
     def _land(self, chunk: Chunk) -> npt.NDArray[np.int64] | None:
         """Land ``chunk``; returns, per tensor of the chunk (:meth:`LoadPlan.tensors_of`), the CRC-32 of
-        its bytes where the landing took it on the way (-1 where not), or None where it took none.
+        its piece's bytes where the landing took it on the way (-1 where not), or None where it took none.
 
         Through the file descriptor where the landing goes that way: spliced when the chunk's pieces are big
         (no copy through this process, no page faults in it), through a reused buffer and a ``pwritev`` a
-        window when they are many and small (:mod:`.scatter`; two splices per tensor would cost more).
+        window when they are many and small (:mod:`.scatter`; two splices per tensor would cost more), or
+        when the source is a local file (its ``lands_best_through_a_window``: the CRC-32s taken from the
+        buffer spare a second pass over the slots).
         Through the mapping otherwise: a range of a thousand small tensors lands with a few scattering reads
         (``preadv``, ``recvmsg_into``), in a ring its pages taken first (a full volume is then an error,
         not a SIGBUS)."""
-        if self._use_fd and chunk.length >= SPLICE_PIECE * chunk.count:
+        big = chunk.length >= SPLICE_PIECE * chunk.count
+        if self._use_fd and big and not self._through_window[chunk.file]:
             self._land_fd(chunk)
             return None
         if self._neighbours is not None:
@@ -283,12 +318,12 @@ class Readers:
         if not self._crc_landing or held or chunk.length < HOT_PIECE * chunk.count:
             self._read_views(source, chunk, views)
             return None
-        # A piece's CRC is its slot's only where the piece is all of the tensor: not one cut across chunks.
-        whole = (plan.chunk_counts[pieces.tensor[span]] == 1) & (pieces.data[span] == pieces.length[span])
-        if not whole.any():
+        # A piece's CRC is taken where the piece is all tensor data (a cut tensor's pieces' are combined).
+        hashed = pieces.data[span] == pieces.length[span]
+        if not hashed.any():
             self._read_views(source, chunk, views)
             return None
-        crcs = LandedCrcs(views, whole.tolist())
+        crcs = LandedCrcs(views, hashed.tolist())
         with watch_landing(crcs):
             self._read_views(source, chunk, views)
         return crcs.crc_column()
@@ -317,12 +352,10 @@ class Readers:
             # the landing's would be of the bytes before that check.
             crcs = np.array([-1 if c is None else c for c in map(peers.finish, tensors.tolist())], np.int64)
         elif landed is not None:
-            # The landing's CRC is the slot's only where the slot holds exactly the tensor's bytes, and all of
-            # them came in this one chunk (the landings give -1 otherwise; checked here again).
-            whole = (plan.layout.table.nbytes[tensors] == table.data_lengths[tensors]) & (
-                plan.chunk_counts[tensors] == 1
-            )
-            crcs = np.where(whole, landed, -1)
+            # The landing's CRC is the slot's only where the slot holds exactly the tensor's bytes (the
+            # landings give -1 otherwise; checked here again).
+            exact = plan.layout.table.nbytes[tensors] == table.data_lengths[tensors]
+            crcs = np.where(exact, landed, -1)
         headers = None
         if plan.index.format == "tensorizer":  # the record's header landed in the slot's lead
             headers = [self.writer.region(*plan.record(t).header_span) for t in tensors.tolist()]
@@ -377,6 +410,18 @@ class _Picked(Sequence[str]):
         if isinstance(i, slice):
             return [self._names[t] for t in self._indices[i]]
         return self._names[self._indices[i]]
+
+
+def _pieces_of_cut_tensors(plan: LoadPlan) -> dict[int, list[int]]:
+    """The pieces of each tensor that is cut across several chunks, in file order: its CRC-32 is made from
+    theirs."""
+    pieces = plan.pieces
+    cut = np.flatnonzero(plan.chunk_counts[pieces.tensor] > 1)
+    cut = cut[np.lexsort((pieces.src[cut], pieces.tensor[cut]))]
+    grouped: dict[int, list[int]] = {}
+    for tensor, piece in zip(pieces.tensor[cut].tolist(), cut.tolist(), strict=True):
+        grouped.setdefault(tensor, []).append(piece)
+    return grouped
 
 
 def _chunks_of_cut_tensors(plan: LoadPlan) -> dict[int, list[int]]:

@@ -11,8 +11,9 @@ zeros in the same call, so one call covers the window's whole span of the file. 
 the file's pages itself, allocating them as it goes: no page fault in this process, and a full volume is
 ENOSPC (:class:`~modelload.loader.errors.SegmentSpaceError`), never a SIGBUS.
 
-The CRC-32 of each tensor whose bytes are all in the range is taken from the buffer while it is hot: the
-segment's state entry records it without a second pass over the slot.
+The CRC-32 of each piece that is all tensor data is taken from the buffer while it is hot: the segment's
+state entry records it (combined with the CRC-32s of its other pieces for a tensor cut across ranges, see
+:func:`~modelload.loader.formats.tensorizer.hashes.crc32_combine`) without a second pass over the slot.
 
 Only padding is ever written with zeros: two pieces are written as one run only when they are consecutive
 tensors of the layout (slots are laid out in tensor order, so nothing else lies between them) and their gap
@@ -44,8 +45,8 @@ _IOV_MAX = 1024
 
 class Neighbours:
     """Per piece of a load plan: whether the gap to the next piece may be written as zeros (``joined``) and
-    whether the piece is its tensor's only one, all of it data (``whole``: its CRC-32 is the slot's). Worked
-    out once per load, over the plan's arrays."""
+    whether the piece is all tensor data (``hashed``: its CRC-32 is the slot's, or a part of it). Worked out
+    once per load, over the plan's arrays."""
 
     def __init__(self, plan: LoadPlan) -> None:
         pieces = plan.pieces
@@ -53,9 +54,7 @@ class Neighbours:
         joined = np.zeros(len(pieces), dtype=bool)
         joined[:-1] = (pieces.tensor[1:] == pieces.tensor[:-1] + 1) & (gap >= 0) & (gap <= MAX_GAP)
         self.joined: npt.NDArray[np.bool_] = joined
-        self.whole: npt.NDArray[np.bool_] = (plan.chunk_counts[pieces.tensor] == 1) & (
-            pieces.data == pieces.length
-        )
+        self.hashed: npt.NDArray[np.bool_] = pieces.data == pieces.length
         self._plan = plan
 
     def sink(self, chunk: Chunk, fd: int) -> ChunkScatter:
@@ -66,7 +65,7 @@ class Neighbours:
             dst=pieces.dst[span].tolist(),
             length=pieces.length[span].tolist(),
             joined=self.joined[span].tolist(),
-            whole=self.whole[span].tolist(),
+            hashed=self.hashed[span].tolist(),
         )
 
 
@@ -75,13 +74,14 @@ class ChunkScatter:
     ``[at, at + len(data))`` into their slots of file ``fd``; pieces ``dst``/``length`` in range order.
 
     Bytes must come in order; bytes it already had (a source that resumed early) are skipped, so each
-    tensor's CRC-32 covers each byte once. :meth:`crc_column` after the last byte."""
+    piece's CRC-32 covers each byte once. :meth:`crc_column` after the last byte; ``hashed`` per piece: take
+    its CRC-32."""
 
-    __slots__ = ("_crcs", "_done", "_dst", "_ends", "_fd", "_joined", "_starts", "_whole")
+    __slots__ = ("_crcs", "_done", "_dst", "_ends", "_fd", "_hashed", "_joined", "_starts")
 
-    def __init__(self, fd: int, *, dst: list[int], length: list[int], joined: list[bool], whole: list[bool]):
+    def __init__(self, fd: int, *, dst: list[int], length: list[int], joined: list[bool], hashed: list[bool]):
         self._fd = fd
-        self._dst, self._joined, self._whole = dst, joined, whole
+        self._dst, self._joined, self._hashed = dst, joined, hashed
         self._ends = list(accumulate(length))
         self._starts = [0, *self._ends[:-1]]
         self._crcs = [0] * len(dst)
@@ -93,8 +93,8 @@ class ChunkScatter:
         if at != self._done:
             raise ValueError(f"range bytes from {at} came before bytes {self._done}-{at - 1}")
         end = at + len(data)
-        starts, ends, dst, joined, whole, crcs = (
-            self._starts, self._ends, self._dst, self._joined, self._whole, self._crcs,
+        starts, ends, dst, joined, hashed, crcs = (
+            self._starts, self._ends, self._dst, self._joined, self._hashed, self._crcs,
         )  # fmt: skip
         iovs: list[memoryview] = []
         run_at = expect = 0  # where the run being gathered starts in the file, and where it ends so far
@@ -103,7 +103,7 @@ class ChunkScatter:
             low = max(starts[i], at)
             part = data[low - at : min(ends[i], end) - at]
             file_at = dst[i] + low - starts[i]
-            if whole[i]:
+            if hashed[i]:
                 crcs[i] = crc32(part, crcs[i])
             if iovs:
                 gap = file_at - expect
@@ -122,10 +122,10 @@ class ChunkScatter:
         self._done = end
 
     def crc_column(self) -> npt.NDArray[np.int64]:
-        """Per piece, the CRC-32 of its bytes where the piece is its tensor's whole slot, else -1."""
+        """Per piece, the CRC-32 of its bytes where it was to be taken (``hashed``), else -1."""
         if self._done < (self._ends[-1] if self._ends else 0):
             raise RuntimeError(f"the range is not all in: {self._done} of {self._ends[-1]} bytes")
-        return np.where(np.asarray(self._whole, dtype=bool), np.asarray(self._crcs, dtype=np.int64), -1)
+        return np.where(np.asarray(self._hashed, dtype=bool), np.asarray(self._crcs, dtype=np.int64), -1)
 
 
 def _write(fd: int, iovs: list[memoryview], offset: int, total: int) -> None:

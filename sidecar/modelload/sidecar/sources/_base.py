@@ -185,6 +185,12 @@ class SourceBase:
         """One uncached look-up that may bring the first ``length`` bytes too (None: it does not)."""
         return self._stat(), None
 
+    lands_best_through_a_window: bool = False
+    """Whether a range of big tensors costs less read into a buffer and written with ``pwritev``, each
+    tensor's CRC-32 taken from the buffer, than spliced and then read back from the segment for its CRC-32:
+    so for a local file (measured: 0.72 against 0.90 CPU-s for 1 GiB in 32 MiB tensors), not for a socket,
+    whose splice saves the copy into this process."""
+
     every_read_validated: bool = False
     """Whether every read so far was checked against the validators of the first look-up (a file's size
     and mtime around it, an HTTP response's ETag): then a fresh look-up at the end of a load proves
