@@ -318,12 +318,15 @@ class Readers:
         if not self._crc_landing or held or chunk.length < HOT_PIECE * chunk.count:
             self._read_views(source, chunk, views)
             return None
-        # A piece's CRC is taken where the piece is all tensor data (a cut tensor's pieces' are combined).
-        hashed = pieces.data[span] == pieces.length[span]
-        if not hashed.any():
+        # A piece's CRC is taken as it lands only where the piece is all of its tensor: a cut tensor's slot
+        # is read back once it is all in. A receive brings a TLS record (16 KiB) at most, and a CRC per
+        # record of every piece of a 1 GiB model of 256 MiB tensors over HTTPS cost more than reading the
+        # slots back (2.43 against 2.08 CPU-s, 4 rounds, load 4-9).
+        whole = (plan.chunk_counts[pieces.tensor[span]] == 1) & (pieces.data[span] == pieces.length[span])
+        if not whole.any():
             self._read_views(source, chunk, views)
             return None
-        crcs = LandedCrcs(views, hashed.tolist())
+        crcs = LandedCrcs(views, whole.tolist())
         with watch_landing(crcs):
             self._read_views(source, chunk, views)
         return crcs.crc_column()
