@@ -66,11 +66,24 @@ def test_each_whole_piece_gets_the_crc_of_the_bytes_that_landed_in_it() -> None:
     memory = bytearray(sum(lengths) + 4096 * len(lengths))
     views = _pieces(memory, lengths)
     watcher = LandedCrcs(views, [True, True, True, False])
-    _fill(views, payload, 4096, watcher)
+    _fill(views, payload, 65_536, watcher)
     column = watcher.crc_column().tolist()
     assert column[0] == zlib.crc32(views[0]) and column[2] == zlib.crc32(views[2])
     assert column[1] == zlib.crc32(b""), "an empty piece is whole: its CRC is that of nothing"
     assert column[3] == -1, "a piece that is not its tensor's whole slot gets none"
+
+
+def test_a_range_received_in_small_parts_is_left_to_the_finisher() -> None:
+    # A receive over TLS brings one record (16 KiB at most): a CRC per record costs three times the pass
+    # the finisher makes over the slot once the range is in.
+    memory = bytearray(4 << 20)
+    views = [memoryview(memory)]
+    watcher = LandedCrcs(views, [True])
+    _fill(views, bytes(range(256)) * 4096 * 4, 16_384, watcher)
+    assert watcher.crc_column().tolist() == [-1]
+    watcher = LandedCrcs(views, [True])
+    _fill(views, bytes(range(256)) * 4096 * 4, 262_144, watcher)
+    assert watcher.crc_column().tolist() == [zlib.crc32(memory)], "big receives are hashed as they land"
 
 
 @pytest.mark.parametrize("fault", ["skipped", "again", "short", "elsewhere"])
@@ -157,6 +170,28 @@ def test_a_safetensors_load_through_the_mapping_records_each_crc_as_it_lands(
     models.assert_segment_matches(folder / "model.seg", tensors)
     assert _assert_crcs_recorded_right(folder / "model.seg") == len(tensors)
     assert sum(counted_crcs) == 0, "every CRC was taken as its bytes landed, none read back from the segment"
+
+
+def test_over_https_the_crcs_come_from_the_slots_a_record_at_a_time_being_too_small_to_hash(
+    nginx: Any, shm_dir: Path, counted_crcs: list[int]
+) -> None:
+    if nginx.ca_cert is None:
+        pytest.skip("openssl is not installed: nginx serves no HTTPS")
+    tensors = _tensors(49, count=4, rows=1024)
+    nginx.put("landed-tls.safetensors", models.safetensors_bytes(tensors))
+    sources = SourceSettings(
+        http=HttpSettings(connect_timeout=2.0, stall_timeout=2.0, ca_bundle=str(nginx.ca_cert))
+    )
+    settings = LoadSettings(
+        source=nginx.https_url("landed-tls.safetensors"), segment=shm_dir / "model.seg", readers=3,
+        chunk_size=4 << 20, landing="mapping",
+    )  # fmt: skip
+    tracker = LoadTracker()
+    Engine(settings, sources=sources, observer=tracker).run()
+    assert tracker.snapshot().phase == "complete"
+    models.assert_segment_matches(shm_dir / "model.seg", tensors)
+    assert _assert_crcs_recorded_right(shm_dir / "model.seg") == len(tensors)
+    assert sum(counted_crcs) == sum(t.numel() * 4 for t in tensors.values()), "every slot was read back once"
 
 
 def test_a_broken_stream_resumed_at_the_byte_still_records_crcs_taken_as_they_landed(
