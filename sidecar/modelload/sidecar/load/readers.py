@@ -368,8 +368,11 @@ class Readers:
         def check(verified: bool) -> None:
             if verified or seq is None or (from_peers and all(t in from_peers for t in tensors.tolist())):
                 return
-            spread = [c for t in tensors.tolist() for c in self._spread.get(t, ())]
-            chunks = [plan.chunks[c] for c in sorted({seq, *spread}) if plan.chunks[c].file in self._sampled]
+            if plan.chunks[seq].file not in self._sampled:
+                return  # (a chunk's tensors are all of its file: so are the chunks of any cut among them)
+            cut = tensors[plan.chunk_counts[tensors] > 1].tolist()  # few: the range's first and last at most
+            spread = [c for t in cut for c in self._spread.get(t, ())]
+            chunks = [plan.chunks[c] for c in sorted({seq, *spread})]
             context = self.context
             integrity.check_chunks(
                 self.model, plan, self.writer, chunks, policy=context.retry, on_retry=context.on_retry
