@@ -343,19 +343,19 @@ def _entries_at_once(
     itemsizes = np.fromiter(map(_ITEMSIZE, found), dtype=np.uint64, count=count)
     if (span % itemsizes).any() or (span // itemsizes != elements).any():  # span == elements x itemsize
         return None
-    order = np.lexsort((span, start))  # by (begin, length), ties in the header's order, as sorted() puts them
-    first, last = start[order], stop[order]
-    if first[0] != 0 or (first[1:] != last[:-1]).any():  # a hole or an overlap
-        return None
-    buffer_end = int(last[-1])
+    if start[0] != 0 or (start[1:] != stop[:-1]).any():  # not listed in file order, as most writers list it
+        order = np.lexsort((span, start))  # by (begin, length), ties in the header's order, as sorted() does
+        start, stop, span = start[order], stop[order], span[order]
+        if start[0] != 0 or (start[1:] != stop[:-1]).any():  # a hole or an overlap
+            return None
+        picked = order.tolist()
+        names, found, dims = [list(map(column.__getitem__, picked)) for column in (names, found, dims)]
+    buffer_end = int(stop[-1])
     if size is not None and buffer_end != size - base:  # cut short, or bytes after the last tensor
         return None
     if base + buffer_end > _I64_MAX:  # offsets past any file (the size unknown yet): kept as Python ints
         return None
-    if (order != np.arange(count)).any():  # most writers list the tensors in file order already
-        picked = order.tolist()
-        names, found, dims = [list(map(column.__getitem__, picked)) for column in (names, found, dims)]
-    at = first.astype(np.int64) + base  # one column for both offsets: the record is the data
+    at = start.astype(np.int64) + base  # one column for both offsets: the record is the data
     tuples = list(map(tuple, dims))
     if shapes is not None:
         tuples = list(map(shapes.setdefault, tuples, tuples))
@@ -365,7 +365,7 @@ def _entries_at_once(
         tuples,
         at,
         at,
-        span[order].astype(np.int64),
+        span.astype(np.int64),
         np.full(count, file, dtype=np.int32),
     )
     return tensors, buffer_end
