@@ -243,13 +243,17 @@ def _open_directory(
     where = directory.display
     opener = store_for(directory.uri).opener(settings)
     index_json = None
+    shards = None
     if SAFETENSORS_INDEX in directory.sizes and format != "tensorizer":
         index_json = fetch_small_file(
             directory, SAFETENSORS_INDEX, settings, on_retry=on_retry, opener=opener
         )
         if not directory.listed:
-            directory = directory.with_files(weight_shards(index_json, where=directory.display))
-    chosen = select_model_files(directory.names, where=where, index_json=index_json, format=format)
+            shards = weight_shards(index_json, where=directory.display)
+            directory = directory.with_files(shards)
+    chosen = select_model_files(
+        directory.names, where=where, index_json=index_json, format=format, shards=shards
+    )
     small = {name: directory.sizes[name] for name in chosen.small}
     small_sizes = {name: size for name, size in small.items() if size is not None}
     check_small_files(small_sizes, where=where)
