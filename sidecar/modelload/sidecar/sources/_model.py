@@ -209,8 +209,8 @@ class _Turns:
     """One parser at a time among the threads that read a model's indexes.
 
     The reads must overlap (a remote origin answers each after a round trip), but parsing is Python that
-    holds the GIL: eight threads parsing at once fought for it, and the switches cost a third more CPU than
-    parsing the same headers on one thread. So a thread parses only in its turn, and gives the turn up
+    holds the GIL: eight threads parsing at once fought for it (160 headers of 100,000 tensors cost 0.43 to
+    0.58 CPU-s where one thread took 0.36). So a thread parses only in its turn, and gives the turn up
     while it reads the rest of a long index."""
 
     def __init__(self) -> None:

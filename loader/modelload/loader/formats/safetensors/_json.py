@@ -129,8 +129,9 @@ def kept_every_key(text: bytes, *, tensors: int, metadata: dict[str, str] | None
     and ``data_offsets`` (lists of integers), and ``metadata`` (strings to strings; None: no
     ``__metadata__`` key).
 
-    Such a reading holds 5 strings a tensor (its name, three keys, the dtype) and 1 + 2 a metadata pair. A
-    key the parser dropped left its string in the text besides, so the text holds more strings than that.
+    Such a reading holds 5 strings a tensor (its name, three keys, the dtype), and with metadata 1 for its
+    key and 2 a pair. A key the parser dropped left its string in the text besides, so the text then holds
+    more strings than the reading.
     Without a backslash in the text, every ``"`` delimits a string (a quote inside one is escaped), and one
     count of them proves it. With one, each key's quoted form is counted instead: a repeat, of a tensor or
     inside an object, leaves one occurrence more (``"dtype"`` cannot hide in a name, whose quotes are
