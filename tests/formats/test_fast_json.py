@@ -71,6 +71,11 @@ HOSTILE = {
     "a byte-order mark": b"\xef\xbb\xbf" + _text(GOOD),
     "a tensor named twice": b'{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},'
     + b'"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}',
+    "an unknown field repeated": b'{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16],"n":1,"n":2}}',
+    "a name with an escaped quote, twice": b'{"a\\"":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},'
+    + b'"a\\"":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}',
+    "a name with an escaped quote": b'{"a\\"":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}',
+    "null metadata": b'{"__metadata__":null,"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}',
     "a float where an integer is due": b'{"a":{"dtype":"F32","shape":[4.0],"data_offsets":[0,16]}}',
     "an exponent": b'{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,1.6e1]}}',
     "valid": _text(GOOD),
@@ -100,6 +105,29 @@ def test_a_valid_header_is_parsed_by_orjson(monkeypatch: pytest.MonkeyPatch) -> 
     index = parse_header(_text(GOOD), source="model.safetensors")
     assert list(index.tensors.names) == ["a", "b"]
     assert calls == [len(_text(GOOD))], "the header went through orjson, once"
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["orjson", "json module"])
+@pytest.mark.parametrize(
+    "names", [["a", "b"], ['a "quoted" name', "C:\\dir\\"]], ids=["plain names", "escapes in names"]
+)
+def test_a_valid_header_is_read_without_the_careful_reading(
+    fast: bool, names: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The careful reading (a Python call per object) is for headers with something wrong: a valid one,
+    escapes in its names or not, is proved free of repeats from its text."""
+
+    def careful(*args: Any) -> Any:
+        raise AssertionError("a valid header went through the careful reading")
+
+    document = {name: dict(GOOD["a"], data_offsets=[16 * i, 16 * i + 16]) for i, name in enumerate(names)}
+    header = _text({**document, "__metadata__": {"format": "pt"}})
+    monkeypatch.setattr(_header, "load_header_json", careful)
+    if not fast:
+        monkeypatch.setattr(_header, "FAST_JSON", False)
+    index = parse_header(header, size=8 + len(header) + 16 * len(names), source="model.safetensors")
+    assert list(index.tensors.names) == names
+    assert index.metadata == {"format": "pt"}
 
 
 SEED = harness.safetensors_seed()

@@ -72,3 +72,20 @@ def test_the_repeat_check_is_answered_once_per_names_and_right_either_way(
     ]  # fmt: skip
     assert len(hashed) == 2
     assert has_repeats(Names.concat([unique, Names(["a"])])) is True  # a new column is checked anew
+
+
+def test_joined_names_are_checked_from_the_hashes_their_parts_took_without_making_names_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    unique = [[f"file{k}.{name}" for name in dict.fromkeys(some_names(k, 3000))] for k in range(3)]
+    clash = [unique[0], unique[1], [*unique[2], unique[0][7]]]
+    joined = [Names.concat([Names(part) for part in listed]) for listed in (unique, clash)]
+
+    def made_again(*args: object) -> object:
+        raise AssertionError("a name was made again to be hashed")
+
+    monkeypatch.setattr(Names, "_between", made_again)
+    monkeypatch.setattr(Names, "__getitem__", made_again)
+    assert has_repeats(joined[0]) is False
+    with pytest.raises(AssertionError, match="made again"):
+        has_repeats(joined[1])  # equal hashes: only then are the names themselves compared

@@ -139,6 +139,25 @@ def cases() -> dict[str, Case]:
             errors.HeaderError,
             "repeats the key 'dtype'",
         ),
+        "an unknown field repeated inside an entry": Case(
+            replace('"dtype":"F64"', '"dtype":"F64","note":"x","note":"y"'),
+            errors.HeaderError,
+            "repeats the key 'note'",
+            reference_refuses=False,
+            why_we_differ="the format disallows duplicate keys; the reference skips fields it does not know",
+        ),
+        "a tensor named twice, its name holding an escaped quote": Case(
+            replace('"d":', '"q\\"":{"dtype":"U8","shape":[0],"data_offsets":[48,48]},"q\\"":'),
+            errors.DuplicateNameError,
+            "names 'q\"' twice",
+            reference_refuses=False,
+            why_we_differ="the format disallows duplicate keys; the reference silently keeps the last one",
+        ),
+        "a field repeated inside an entry, beside a name ending in a backslash": Case(
+            replace('"d":', '"q\\\\":{"dtype":"U8","shape":[0],"shape":[0],"data_offsets":[48,48]},"d":'),
+            errors.HeaderError,
+            "repeats the key 'shape'",
+        ),
         "a metadata key repeated": Case(
             replace('"format":"np"', '"format":"np","format":"pt"'),
             errors.HeaderError,
@@ -332,6 +351,16 @@ def test_unknown_fields_in_an_entry_are_ignored_as_the_reference_ignores_them() 
     blob = edit(set_field("a", "comment", "written by hand"))
     assert st.read_index(reader_of(blob)).tensors[0].name == "a"
     assert len(safetensors.deserialize(blob)) == 4
+
+
+def test_names_with_quotes_and_backslashes_read_as_the_reference_reads_them() -> None:
+    # 'b"dtype' shows '"dtype"' in the text ("b\\"dtype"): read carefully, and accepted all the same.
+    names = ['say "hi"', "C:\\dir\\", "\\", 'a "dtype" b', 'b"dtype', "plain"]
+    blob = safetensors.numpy.save({name: np.full(3, i, np.int32) for i, name in enumerate(names)})
+    index = st.read_index(reader_of(blob), size=len(blob))
+    assert sorted(t.name for t in index.tensors) == sorted(names)
+    assert sorted(index.tensors, key=lambda t: t.data_offset) == list(index.tensors)
+    assert {t.name for t in index.tensors} == {name for name, _ in safetensors.deserialize(blob)}
 
 
 def test_trailing_json_whitespace_is_padding() -> None:

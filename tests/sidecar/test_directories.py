@@ -93,14 +93,25 @@ def test_an_s3_prefix_loads_while_an_app_is_attached(moto_s3: Any, aws_env: Any,
         assert model.metadata["source"] == "s3://hub/models/llama/"
 
 
-def test_an_http_directory_is_found_through_its_index(nginx: Any, shm_dir: Path) -> None:
+def test_an_http_directory_is_found_through_its_index(
+    nginx: Any, shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     weights = tensors(42)
     for name, data in hfdir.files(weights, shards=2).items():
         nginx.put(f"hf/qwen/{name}", data)
     target = shm_dir / "elsewhere" / "qwen"
+    parsed: list[str] = []
+    shards_of = _directory._shards_of
+
+    def counted(document: Any, *, where: str) -> str:
+        parsed.append(where)
+        return shards_of(document, where=where)
+
+    monkeypatch.setattr(_directory, "_shards_of", counted)
     load(nginx.url("hf/qwen/"), shm_dir / "model.seg", model_dir=target)
     models.assert_segment_matches(shm_dir / "model.seg", weights)
     assert_model_dir(shm_dir / "model.seg", target)
+    assert parsed == [nginx.url("hf/qwen/")], "the index is parsed once, for the shards and the weights"
 
 
 def test_an_http_directory_without_an_index_takes_an_explicit_file_list(nginx: Any, shm_dir: Path) -> None:

@@ -139,11 +139,14 @@ def select_model_files(
     index_json: bytes | None = None,
     format: Literal["auto", "tensorizer", "safetensors"] = "auto",  # noqa: A002 - the CLI\'s word for it
     choose_with: str = "--format (a ModelLoad's spec.format)",
+    shards: Sequence[str] | None = None,
 ) -> ModelFiles:
     """Sort a directory's top-level file ``names`` into weights, small files and ignored ones.
 
-    ``index_json`` is the content of ``model.safetensors.index.json`` when the directory has one. ``where``
-    names the directory in errors, ``choose_with`` the setting that picks one format where both are there.
+    ``index_json`` is the content of ``model.safetensors.index.json`` when the directory has one, and
+    ``shards`` what :func:`weight_shards` read from it where the caller has already (a directory without a
+    listing is known by them): an index of 100,000 tensors is parsed once. ``where`` names the directory in
+    errors, ``choose_with`` the setting that picks one format where both are there.
 
     >>> select_model_files(["config.json", "model.safetensors", "README.md"], where="d").weights
     ('model.safetensors',)
@@ -161,7 +164,9 @@ def select_model_files(
             )
         format = "tensorizer" if tensorizer else "safetensors"  # noqa: A001
     if format == "safetensors" and index_json is not None:
-        weights = weight_shards(index_json, where=f"{where}{SAFETENSORS_INDEX}")
+        if shards is None:
+            shards = weight_shards(index_json, where=f"{where}{SAFETENSORS_INDEX}")
+        weights = tuple(shards)
         missing = [w for w in weights if w not in listed]
         if missing:
             raise SourceNotFoundError(

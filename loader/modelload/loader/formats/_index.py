@@ -117,7 +117,7 @@ class Names(Sequence[str]):
     Equal to a list or tuple of the same names in the same order.
     """
 
-    __slots__ = ("_bounds", "_repeats", "_text")
+    __slots__ = ("_bounds", "_hashes", "_repeats", "_text")
 
     def __init__(self, names: Iterable[str] = ()) -> None:
         listed = names if isinstance(names, list | tuple) else list(names)
@@ -125,16 +125,25 @@ class Names(Sequence[str]):
         self._text = "".join(listed)
         self._bounds = array.array("q", [0])  # name i is text[bounds[i]:bounds[i + 1]]
         self._bounds.extend(itertools.accumulate(map(len, listed)))
+        # Each name's hash, taken while the strings are here (a parser's dict keys, whose hashes are kept):
+        # has_repeats sorts these rather than make every name again to hash it. Dropped once it answers.
+        self._hashes: np.ndarray[Any, np.dtype[np.int64]] | None = np.fromiter(
+            map(hash, listed), dtype=np.int64, count=len(listed)
+        )
 
     @classmethod
     def concat(cls, parts: Sequence[Names]) -> Names:
         """The names of ``parts`` one after the other."""
         joined = cls()
         joined._text = "".join(part._text for part in parts)
-        shift = 0
-        for part in parts:
-            joined._bounds.extend((np.frombuffer(part._bounds, dtype=np.int64)[1:] + shift).tolist())
-            shift += len(part._text)
+        lengths = np.fromiter(map(len, (part._text for part in parts)), dtype=np.int64, count=len(parts))
+        shifts = (np.cumsum(lengths) - lengths).tolist()  # where each part's text starts in the joined one
+        starts = zip(parts, shifts, strict=True)
+        ends = [np.frombuffer(part._bounds, dtype=np.int64)[1:] + at for part, at in starts]
+        if ends:
+            joined._bounds.frombytes(np.concatenate(ends).tobytes())
+        hashes = [part._hashes for part in parts if part._hashes is not None]
+        joined._hashes = np.concatenate(hashes) if parts and len(hashes) == len(parts) else None
         return joined
 
     @property
@@ -194,11 +203,13 @@ def has_repeats(names: Sequence[str]) -> bool:
     the merged index and the segment's layout ask it of the same names."""
     if isinstance(names, Names) and names._repeats is not None:
         return names._repeats
-    hashes = np.fromiter(map(hash, names), dtype=np.int64, count=len(names))
+    hashes = names._hashes if isinstance(names, Names) else None
+    if hashes is None:
+        hashes = np.fromiter(map(hash, names), dtype=np.int64, count=len(names))
     hashes.sort()
     repeats = bool((hashes[1:] == hashes[:-1]).any()) and len(set(names)) != len(names)
     if isinstance(names, Names):
-        names._repeats = repeats
+        names._repeats, names._hashes = repeats, None
     return repeats
 
 
@@ -273,7 +284,7 @@ class TensorTable(Sequence[TensorEntry]):
         """One table of ``tables`` in order, the tensors of ``tables[i]`` in weight file ``files[i]``."""
 
         def joined(column: str) -> list[Any]:
-            return [value for table in tables for value in getattr(table, column)]
+            return list(itertools.chain.from_iterable(getattr(table, column) for table in tables))
 
         named = [table.names for table in tables if isinstance(table.names, Names)]
         names = Names.concat(named) if tables and len(named) == len(tables) else joined("names")

@@ -59,7 +59,9 @@ from modelload.loader.formats.safetensors._json import (
     METADATA_KEY,
     REWRITE,
     RepeatedKeys,
+    kept_every_key,
     load_header_json,
+    plain_header_json,
 )
 
 __all__ = ["FIRST_READ_LENGTH", "HEADER_SIZE_CAP", "METADATA_KEY", "read_index"]
@@ -152,20 +154,12 @@ def parse_header(
     there when an equal one is (a mixture of experts repeats a few shapes over 100,000 tensors, whose
     tuples and dimensions were 8 MiB kept for the whole load), and new ones are added."""
     base = 8 + len(header)
-    top = load_header_json(header, source, fast=FAST_JSON)
-    try:
-        metadata = _metadata(top.pop(METADATA_KEY, None), source)
-        found = _entries_at_once(top, base=base, size=size, file=file, shapes=shapes)
-    except HeaderError:
-        if not FAST_JSON:
-            raise
-        found = None
-    if found is None and FAST_JSON:  # said from the json module's reading (see load_header_json)
+    found = _read_at_once(header, base=base, size=size, file=file, shapes=shapes)
+    if found is not None:
+        tensors, buffer_end, metadata = found
+    else:  # something may be wrong: the careful reading, rule by rule, says precisely what
         top = load_header_json(header, source)
         metadata = _metadata(top.pop(METADATA_KEY, None), source)
-    if found is not None:
-        tensors, buffer_end = found
-    else:  # something may be wrong: the rule-by-rule pass says precisely what
         entries = sorted(
             (_entry(name, raw, base, source).in_file(file) for name, raw in top.items()),
             key=lambda e: (e.data_offset, e.data_length),
@@ -276,28 +270,50 @@ def _entry(name: str, raw: Any, base: int, source: str | None) -> TensorEntry:
 
 _SUPPORTED = tuple(code for code in (dtypes.by_name(n).safetensors for n in dtypes.names()) if code)
 _BY_CODE = {code: dtypes.from_safetensors(code) for code in _SUPPORTED}
-_KEYS = frozenset({"dtype", "shape", "data_offsets"})
+_DTYPE = operator.itemgetter("dtype")
+_SHAPE = operator.itemgetter("shape")
+_OFFSETS = operator.itemgetter("data_offsets")
 _ITEMSIZE = operator.attrgetter("itemsize")
 _I64_MAX = 2**63 - 1
+
+
+def _read_at_once(
+    header: bytes | memoryview, *, base: int, size: int | None, file: int, shapes: Shapes | None
+) -> tuple[TensorTable, int, dict[str, str]] | None:
+    """The tensors, the data buffer's length and the metadata of a header with nothing wrong, read by
+    C-level passes (a shard of a mixture of experts lists thousands of tensors, and a Python statement per
+    tensor costs microseconds); None when something may be wrong, or the header is of a shape these
+    passes do not read (the caller then reads it carefully, which names what is wrong)."""
+    plain = plain_header_json(header, fast=FAST_JSON)
+    if plain is None:
+        return None
+    top, text = plain
+    named = METADATA_KEY in top
+    try:
+        metadata = _metadata(top.pop(METADATA_KEY, None), None)
+    except HeaderError:
+        return None
+    found = _entries_at_once(top, base=base, size=size, file=file, shapes=shapes)
+    if found is None or not kept_every_key(text, tensors=len(top), metadata=metadata if named else None):
+        return None
+    return (*found, metadata)
 
 
 def _entries_at_once(
     top: dict[str, Any], *, base: int, size: int | None, file: int, shapes: Shapes | None = None
 ) -> tuple[TensorTable, int] | None:
     """Every entry rule and the layout rule of :func:`_entry` and :func:`_check_layout`, checked column by
-    column (C-level maps and numpy, not Python statements per tensor: a shard of a mixture of experts lists
-    thousands of tensors). Returns the tensors in file order, as columns (no object per tensor), and the
-    data buffer's length, or None when a rule may be broken: the caller then checks entry by entry, which
-    names what is wrong."""
+    column (C-level maps and numpy, not Python statements per tensor). Returns the tensors in file order,
+    as columns (no object per tensor), and the data buffer's length, or None when a rule may be broken, or
+    an entry holds more than its three keys."""
     names, raws = list(top), list(top.values())
-    if not names or set(map(type, raws)) != {dict} or set(map(frozenset, raws)) != {_KEYS}:
+    if not names or set(map(type, raws)) != {dict} or set(map(len, raws)) != {3}:
         return None
-    try:
-        found = [_BY_CODE[raw["dtype"]] for raw in raws]
-    except (KeyError, TypeError):  # an unknown dtype, or not a string
+    try:  # three keys each, so these three or a KeyError
+        found = list(map(_BY_CODE.__getitem__, map(_DTYPE, raws)))  # an unknown dtype: KeyError
+        dims, offsets = list(map(_SHAPE, raws)), list(map(_OFFSETS, raws))
+    except (KeyError, TypeError):  # TypeError: a dtype that is no string (a list cannot be looked up)
         return None
-    dims = [raw["shape"] for raw in raws]
-    offsets = [raw["data_offsets"] for raw in raws]
     if set(map(type, dims)) != {list} or set(map(type, offsets)) != {list} or set(map(len, offsets)) != {2}:
         return None
     if max(map(len, dims)) > MAX_NDIM:
@@ -308,39 +324,49 @@ def _entries_at_once(
             joined.encode("utf-8")  # an unpaired surrogate fails here
         except UnicodeEncodeError:
             return None
-    numbers = list(
-        itertools.chain(itertools.chain.from_iterable(dims), itertools.chain.from_iterable(offsets))
-    )
-    if set(map(type, numbers)) != {int} or min(numbers) < 0 or max(numbers) > _U64_MAX:
+    dimensions = list(itertools.chain.from_iterable(dims))
+    ends = list(itertools.chain.from_iterable(offsets))  # begin, end of each tensor
+    if set(map(type, dimensions)) - {int} or set(map(type, ends)) != {int}:  # no float, no bool
         return None
-    begins, ends = [o[0] for o in offsets], [o[1] for o in offsets]
-    lengths = list(map(operator.sub, ends, begins))
-    if min(lengths) < 0 or list(map(operator.mul, map(math.prod, dims), map(_ITEMSIZE, found))) != lengths:
+    if dimensions and (min(dimensions) < 0 or max(dimensions) > _U64_MAX):
         return None
-    start = np.array(begins, dtype=np.uint64)
-    span = np.array(lengths, dtype=np.uint64)
-    order = np.lexsort((span, start))  # by (begin, length), ties in the header's order, as sorted() puts them
-    first, last = start[order], start[order] + span[order]
-    if first[0] != 0 or (first[1:] != last[:-1]).any():  # a hole or an overlap
+    count = len(names)
+    try:  # uint64 takes exactly the integers 0 to 2**64 - 1: anything else is an OverflowError
+        pairs = np.fromiter(ends, dtype=np.uint64, count=2 * count)
+        elements = np.fromiter(map(math.prod, dims), dtype=np.uint64, count=count)
+    except OverflowError:
         return None
-    buffer_end = int(last[-1])
+    start, stop = pairs[0::2], pairs[1::2]
+    if (stop < start).any():
+        return None
+    span = stop - start
+    itemsizes = np.fromiter(map(_ITEMSIZE, found), dtype=np.uint64, count=count)
+    if (span % itemsizes).any() or (span // itemsizes != elements).any():  # span == elements x itemsize
+        return None
+    if start[0] != 0 or (start[1:] != stop[:-1]).any():  # not listed in file order, as most writers list it
+        order = np.lexsort((span, start))  # by (begin, length), ties in the header's order, as sorted() does
+        start, stop, span = start[order], stop[order], span[order]
+        if start[0] != 0 or (start[1:] != stop[:-1]).any():  # a hole or an overlap
+            return None
+        picked = order.tolist()
+        names, found, dims = [list(map(column.__getitem__, picked)) for column in (names, found, dims)]
+    buffer_end = int(stop[-1])
     if size is not None and buffer_end != size - base:  # cut short, or bytes after the last tensor
         return None
     if base + buffer_end > _I64_MAX:  # offsets past any file (the size unknown yet): kept as Python ints
         return None
-    picked = order.tolist()
-    at = first.astype(np.int64) + base  # one column for both offsets: the record is the data
-    tuples = list(map(tuple, map(dims.__getitem__, picked)))
+    at = start.astype(np.int64) + base  # one column for both offsets: the record is the data
+    tuples = list(map(tuple, dims))
     if shapes is not None:
         tuples = list(map(shapes.setdefault, tuples, tuples))
     tensors = TensorTable(
-        Names(list(map(names.__getitem__, picked))),
-        list(map(found.__getitem__, picked)),
+        Names(names),
+        found,
         tuples,
         at,
         at,
-        span[order].astype(np.int64),
-        np.full(len(picked), file, dtype=np.int32),
+        span.astype(np.int64),
+        np.full(count, file, dtype=np.int32),
     )
     return tensors, buffer_end
 

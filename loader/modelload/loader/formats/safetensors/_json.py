@@ -4,23 +4,27 @@ The subset is serde_json's: an object at the top, no ``NaN``/``Infinity``, integ
 ``json.loads`` keeps the last of repeated keys silently, where readers of the format disagree on which one
 wins; a repeat is refused here instead (:class:`~modelload.loader.errors.DuplicateNameError` for a tensor
 named twice). The common header, with no repeat, is parsed without a Python call per object
-(:func:`_load_plain`), which a header of 100,000 tensors notices; with ``orjson`` installed (the sidecar's
-extra) ``fast=True`` parses it in C, a few times faster again (see :func:`load_header_json`).
+(:func:`plain_header_json`, in C with ``orjson``, the sidecar's extra), which a header of 100,000 tensors
+notices, and one count of its quotes proves that the parse dropped no repeated key
+(:func:`kept_every_key`); anything else is read again carefully (:func:`load_header_json`), which says
+what is wrong.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from typing import Any
 
 from modelload.loader.errors import DuplicateNameError, HeaderError
 from modelload.loader.formats._fast_json import fast_loads
 
-__all__ = ["FAST_JSON", "METADATA_KEY", "REWRITE", "RepeatedKeys", "load_header_json"]
+__all__ = [
+    "FAST_JSON", "METADATA_KEY", "REWRITE", "RepeatedKeys", "kept_every_key", "load_header_json",
+    "plain_header_json",
+]  # fmt: skip
 
 FAST_JSON = fast_loads is not None
-"""Whether ``load_header_json(..., fast=True)`` has a faster parser than the json module to use."""
+"""Whether ``plain_header_json(..., fast=True)`` has a faster parser than the json module to use."""
 
 METADATA_KEY = "__metadata__"
 """The header's one key that is not a tensor: the writer's string-to-string metadata."""
@@ -54,10 +58,10 @@ def _no_constant(name: str) -> Any:
     )
 
 
-def load_header_json(header: bytes | memoryview, source: str | None, *, fast: bool = False) -> dict[str, Any]:
-    """The header's top object. ``fast``: parse a header without repeats with orjson where it is installed
-    (:mod:`~modelload.loader.formats._fast_json`): a caller that finds anything wrong in a header parsed so
-    parses it again without ``fast`` before it says what is wrong."""
+def load_header_json(header: bytes | memoryview, source: str | None) -> dict[str, Any]:
+    """The header's top object, read so that every repeated key is seen, or the error that says what is
+    wrong with it. This is the careful reading (a Python call per object); a header with nothing wrong is
+    read by :func:`plain_header_json` instead."""
     if len(header) == 0 or header[0] != 0x7B:
         first = f"0x{header[0]:02x}" if len(header) else "nothing"
         raise HeaderError(
@@ -72,10 +76,7 @@ def load_header_json(header: bytes | memoryview, source: str | None, *, fast: bo
             f"the header is not valid UTF-8 (byte {exc.start}: {exc.reason}); {REWRITE}", source=source
         ) from exc
     try:
-        loads = fast_loads if fast and fast_loads is not None else _plain_loads
-        top = _load_plain(text, loads) or json.loads(
-            text, object_pairs_hook=_object, parse_constant=_no_constant
-        )
+        top = json.loads(text, object_pairs_hook=_object, parse_constant=_no_constant)
     except HeaderError as exc:
         raise HeaderError(str(exc), source=source) from None
     except json.JSONDecodeError as exc:
@@ -101,33 +102,47 @@ def load_header_json(header: bytes | memoryview, source: str | None, *, fast: bo
     return top
 
 
-def _plain_loads(text: str) -> Any:
-    return json.loads(text, parse_constant=_no_constant)
+def plain_header_json(header: bytes | memoryview, *, fast: bool) -> tuple[dict[str, Any], bytes] | None:
+    """The header's top object as a plain parser reads it, in one C-level pass (orjson where ``fast`` and
+    it is installed, else the json module), and the header's bytes; None where that reading finds anything
+    wrong (then :func:`load_header_json` says what).
 
-
-def _load_plain(text: str, loads: Callable[[str], Any] = _plain_loads) -> dict[str, Any] | None:
-    """The header parsed without a Python call per object, when that provably lost no repeated key; None
-    otherwise (the caller then parses with :func:`_object`, which sees every repeat).
-
-    Plain ``json.loads`` keeps the last of repeated keys silently. A header whose tensor objects are exactly
-    ``dtype``, ``shape`` and ``data_offsets`` repeated nothing when each of those quoted words occurs in the
-    text once per tensor (a repeat, of a tensor or inside one, would leave an occurrence more: inside a
-    string a quote is escaped, so ``"dtype"`` cannot hide in a name), and each metadata key once.
-    """
+    A plain parser keeps the last of repeated keys silently, so what it returns is trusted only once
+    :func:`kept_every_key` proves that no key repeated; orjson also reads an integer past 2**64 - 1 as a
+    float, which the caller's checks refuse (integers only) and the careful reading then names."""
+    if len(header) == 0 or header[0] != 0x7B:  # a plain parser would skip leading whitespace
+        return None
+    data = bytes(header)
     try:
-        top = loads(text)
-    except (ValueError, RecursionError, HeaderError):  # the hooked parse raises it again, translated
+        if fast and fast_loads is not None:
+            top = fast_loads(data)
+        else:
+            top = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+    except (ValueError, RecursionError, HeaderError):  # UnicodeDecodeError and JSONDecodeError among them
         return None
-    if not isinstance(top, dict):
-        return None
-    count = len(top) - (METADATA_KEY in top)
-    if any(text.count(key) != count for key in ('"dtype"', '"shape"', '"data_offsets"')):
-        return None
-    if text.count(f'"{METADATA_KEY}"') != (METADATA_KEY in top):
-        return None
-    metadata = top.get(METADATA_KEY)
-    if isinstance(metadata, dict) and any(
-        text.count(json.dumps(key, ensure_ascii=False)) != 1 for key in metadata
-    ):
-        return None
-    return top
+    return (top, data) if isinstance(top, dict) else None
+
+
+def kept_every_key(text: bytes, *, tensors: int, metadata: dict[str, str] | None) -> bool:
+    """Whether the plain reading of the header ``text`` (:func:`plain_header_json`) dropped no repeated key,
+    given what the caller checked it read: ``tensors`` objects of exactly ``dtype`` (a string), ``shape``
+    and ``data_offsets`` (lists of integers), and ``metadata`` (strings to strings; None: no
+    ``__metadata__`` key).
+
+    Such a reading holds 5 strings a tensor (its name, three keys, the dtype), and with metadata 1 for its
+    key and 2 a pair. A key the parser dropped left its string in the text besides, so the text then holds
+    more strings than the reading.
+    Without a backslash in the text, every ``"`` delimits a string (a quote inside one is escaped), and one
+    count of them proves it. With one, each key's quoted form is counted instead: a repeat, of a tensor or
+    inside an object, leaves one occurrence more (``"dtype"`` cannot hide in a name, whose quotes are
+    escaped; a name that shows it anyway only sends the header to the careful reading).
+    """
+    strings = 5 * tensors + (0 if metadata is None else 1 + 2 * len(metadata))
+    if b"\\" not in text:
+        return text.count(b'"') == 2 * strings
+    decoded = text.decode("utf-8")
+    if any(decoded.count(key) != tensors for key in ('"dtype"', '"shape"', '"data_offsets"')):
+        return False
+    if decoded.count(f'"{METADATA_KEY}"') != (metadata is not None):
+        return False
+    return not metadata or all(decoded.count(json.dumps(key, ensure_ascii=False)) == 1 for key in metadata)
