@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import array
 import functools
-import math
-import operator
 import struct
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
@@ -24,6 +22,7 @@ from modelload.loader.dtypes import DType
 from modelload.loader.errors import SegmentLayoutError
 from modelload.loader.formats import has_repeats
 from modelload.loader.segment.geometry import Ring
+from modelload.loader.segment.kinds import Kinds
 from modelload.loader.segment.manifest_bytes import ManifestLength, manifest_pieces
 from modelload.loader.segment.slots import Same, Slot, SlotTable
 
@@ -404,15 +403,21 @@ def plan_layout(
         first = {name: i for i, name in reversed(list(enumerate(specs.names)))}
         twice = next(name for i, name in enumerate(specs.names) if first[name] != i)
         raise SegmentLayoutError(f"tensor name {twice!r} appears twice")
-    nbytes = list(map(operator.mul, map(_ITEMSIZE, specs.dtypes), map(math.prod, specs.shapes)))
-    _check_specs(specs, nbytes, ring_size if memory_mode == MemoryMode.RING else None)
+    kinds = Kinds(specs.dtypes, specs.shapes)
+    _check_specs(specs, kinds, ring_size if memory_mode == MemoryMode.RING else None)
+    sizes = np.asarray(kinds.nbytes, dtype=np.int64)[kinds.of]
+    leads = np.asarray(specs.leads, dtype=np.int64)
+    # Kept for the whole load: one value where every tensor has it (no hash, no file), files as int32.
+    shas = Same(None, count) if specs.sha256.count(None) == count else specs.sha256
+    numbers = array.array("i", cast("Sequence[int]", specs.files)) if files else Same(None, count)
 
     # The manifest holds the slot offsets, which depend on where the data starts, which depends on the
     # manifest's length. The slots keep their distances whatever the start (every start is aligned), so the
     # length is arithmetic over the offsets' digit counts: find the stable start, then encode once.
-    lead = align(specs.leads[0]) if count else 0
-    relative = _relative_offsets(nbytes, specs.leads)
-    manifest = ManifestLength(specs, nbytes, meta, files)
+    lead = align(int(leads[0])) if count else 0
+    relative = _relative_offsets(sizes, leads)
+    columns = (specs.names, specs.dtypes, specs.shapes)
+    manifest = ManifestLength(SlotTable(*columns, relative, sizes, shas, numbers, kinds=kinds), meta, files)
     data_offset = align(
         align(HEADER_LENGTH + 1) + align(STATE_ENTRY_LENGTH * max(count, 1)) + lead, page_size
     )
@@ -426,11 +431,7 @@ def plan_layout(
             break
         data_offset = needed
     placed = relative + (data_offset - lead)
-    sizes = np.asarray(nbytes, dtype=np.int64)
-    # Kept for the whole load: one value where every tensor has it (no hash, no file), files as int32.
-    shas = Same(None, count) if specs.sha256.count(None) == count else specs.sha256
-    numbers = array.array("i", cast("Sequence[int]", specs.files)) if files else Same(None, count)
-    slots = SlotTable(specs.names, specs.dtypes, specs.shapes, placed, sizes, shas, numbers)
+    slots = SlotTable(*columns, placed, sizes, shas, numbers, kinds=kinds)
     ends = placed + sizes
     data_end = align(int(ends.max())) if count else data_offset
     return Layout(
@@ -460,36 +461,34 @@ def _check_files(files: tuple[str, ...], specs: TensorSpecs) -> None:
         raise SegmentLayoutError(f"tensor {specs.names[bad]!r} names a file, but the layout has no files")
 
 
-def _check_specs(specs: TensorSpecs, nbytes: list[int], ring_size: int | None) -> None:
-    """Shapes, leads and (in ring mode) sizes, a column at a time, naming the first tensor that breaks one."""
-    shapes = specs.shapes
-    dims = [d for shape in shapes for d in shape]
-    if (shapes and max(map(len, shapes)) > MAX_NDIM) or (dims and min(dims) < 0):
-        bad = next(i for i, shape in enumerate(shapes) if len(shape) > MAX_NDIM or any(d < 0 for d in shape))
-        raise SegmentLayoutError(f"tensor {specs.names[bad]!r} has an invalid shape {shapes[bad]}")
+def _check_specs(specs: TensorSpecs, kinds: Kinds, ring_size: int | None) -> None:
+    """Shapes, leads and (in ring mode) sizes, naming the first tensor that breaks one: shapes and sizes once
+    per kind of tensor, leads a column at a time."""
+    bad = kinds.first_tensor([len(shape) > MAX_NDIM or any(d < 0 for d in shape) for shape in kinds.shapes])
+    if bad is not None:
+        raise SegmentLayoutError(f"tensor {specs.names[bad]!r} has an invalid shape {specs.shapes[bad]}")
     if specs.leads and min(specs.leads) < 0:
         bad = next(i for i, lead in enumerate(specs.leads) if lead < 0)
         raise SegmentLayoutError(f"tensor {specs.names[bad]!r} asks for a negative lead {specs.leads[bad]}")
-    if ring_size is not None and nbytes and max(nbytes) > ring_size:
-        bad = next(i for i, size in enumerate(nbytes) if size > ring_size)
-        raise SegmentLayoutError(
-            f"tensor {specs.names[bad]!r}: {nbytes[bad]} bytes do not fit in the ring of {ring_size}"
-        )
+    if ring_size is not None:
+        bad = kinds.first_tensor([size > ring_size for size in kinds.nbytes])
+        if bad is not None:
+            raise SegmentLayoutError(
+                f"tensor {specs.names[bad]!r}: {kinds.nbytes[kinds.of[bad]]} bytes do not fit in the ring of"
+                f" {ring_size}"
+            )
 
 
-def _relative_offsets(nbytes: list[int], leads: Sequence[int]) -> np.ndarray[Any, np.dtype[np.int64]]:
+def _relative_offsets(
+    sizes: np.ndarray[Any, np.dtype[np.int64]], room: np.ndarray[Any, np.dtype[np.int64]]
+) -> np.ndarray[Any, np.dtype[np.int64]]:
     """Each slot's offset from the (aligned) start of the first slot's lead: each slot on the first 4096-byte
-    boundary that leaves room for its lead after the slot before it."""
-    if not nbytes:
+    boundary that leaves room for its lead (``room``) after the slot before it."""
+    if not len(sizes):
         return np.zeros(0, dtype=np.int64)
-    sizes = np.asarray(nbytes, dtype=np.int64)
-    room = np.asarray(leads, dtype=np.int64)
     steps = -(-(sizes[:-1] + room[1:]) // ALIGNMENT) * ALIGNMENT
     relative = np.empty(len(sizes), dtype=np.int64)
     relative[0] = align(int(room[0]))
     np.cumsum(steps, out=relative[1:])
     relative[1:] += relative[0]
     return relative
-
-
-_ITEMSIZE = operator.attrgetter("itemsize")
