@@ -173,3 +173,28 @@ def test_a_tensor_larger_than_the_ring_is_named_first_of_those_that_are() -> Non
         SegmentLayoutError, match=r"tensor 'first': 6000 bytes do not fit in the ring of 4096"
     ):
         plan_layout(specs, memory_mode=MemoryMode.RING, ring_size=4096)
+
+
+def test_leads_and_files_given_as_arrays_place_what_the_same_lists_place() -> None:
+    # The sidecar passes its index's own columns; the layout is the one the lists make, rules included.
+    rng = random.Random(9)
+    listed = columns([f"t{i}" for i in range(500)], rng, dtypes=["float16", "int8"], files=3, hashes=False)
+    arrays = TensorSpecs(listed.names, listed.dtypes, listed.shapes, np.asarray(listed.leads, dtype=np.int64),
+                         np.asarray(listed.files, dtype=np.int32), listed.sha256)  # fmt: skip
+    shards = ("a", "b", "c")
+    expected = plan_layout(listed, files=shards)
+    got = plan_layout(arrays, files=shards)
+    assert got.manifest == expected.manifest and got.slots == expected.slots
+    assert (got.data_offset, got.data_length) == (expected.data_offset, expected.data_length)
+    for numbers, message in [
+        (np.where(np.arange(500) == 77, 3, arrays.files), "tensor 't77' names no file of the 3 given"),
+        (np.where(np.arange(500) == 5, -1, arrays.files), "tensor 't5' names no file of the 3 given"),
+        (arrays.files.astype(np.float64), "tensor 't0' names no file of the 3 given"),
+    ]:
+        with pytest.raises(SegmentLayoutError, match=message):
+            plan_layout(TensorSpecs(listed.names, listed.dtypes, listed.shapes, arrays.leads, numbers,
+                                    listed.sha256), files=shards)  # fmt: skip
+    negative = np.where(np.arange(500) == 300, -8, arrays.leads)
+    with pytest.raises(SegmentLayoutError, match="tensor 't300' asks for a negative lead -8"):
+        plan_layout(TensorSpecs(listed.names, listed.dtypes, listed.shapes, negative, arrays.files,
+                                listed.sha256), files=shards)  # fmt: skip

@@ -216,7 +216,9 @@ def plan_load(
         files=index.files,
         page_size=page_size,
     )
-    order = np.asarray(load_order(index, priority), dtype=np.int32)
+    order = np.arange(len(index.tensors), dtype=np.int32)  # file order, unless priorities come first
+    if priority:
+        order = np.asarray(load_order(index, priority), dtype=np.int32)
     span = _UNLIMITED if span_limit is None else span_limit
     tail = readers * chunk_size if readers > 1 else 0
     return _Cutter(index, layout, chunk_size, span, tail).plan(order)
@@ -234,8 +236,8 @@ def _specs(index: ModelIndex) -> TensorSpecs:
         names=table.names,
         dtypes=table.dtypes,
         shapes=table.shapes,
-        leads=table.leads.tolist(),
-        files=table.files.tolist() if index.files else [None] * count,
+        leads=table.leads,
+        files=table.files if index.files else [None] * count,
         sha256=[None] * count,
     )
 

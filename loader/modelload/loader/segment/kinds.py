@@ -36,14 +36,14 @@ class Kinds:
         count = len(shapes)
         if len(dtypes) != count:
             raise ValueError("a tensor's dtype and shape columns must have one length")
-        # Each tensor's kind is first named by the first tensor of its kind: setdefault keeps the first index
-        # it was given for a shape (or a dtype), and answers it for every later tensor of that shape.
+        # Each tensor's kind is first named by the first tensor of its kind (a position), then numbered in the
+        # order the kinds first appear: numpy over the tensors, no sort.
         key = _first_of(shapes, count)
-        if count and dtypes.count(dtypes[0]) != count:  # several dtypes: the pair of the two first tensors
-            key = key * count + _first_of(map(id, dtypes), count)
-        _, firsts, of = np.unique(key, return_index=True, return_inverse=True)
-        self.of: npt.NDArray[np.intp] = of.reshape(-1)
-        first = firsts.tolist()
+        if count and dtypes.count(dtypes[0]) != count:  # several dtypes: the first tensor of the same pair
+            key = _first_of((key * count + _first_of(map(id, dtypes), count)).tolist(), count)
+        starts = key == np.arange(count)
+        first = np.flatnonzero(starts).tolist()
+        self.of: npt.NDArray[np.intp] = (np.cumsum(starts) - 1)[key]
         self.shapes: list[tuple[int, ...]] = [shapes[i] for i in first]
         self.dtypes: list[DType] = [dtypes[i] for i in first]
         self.nbytes: list[int] = list(map(DType.nbytes, self.dtypes, self.shapes))
@@ -66,6 +66,7 @@ class Kinds:
 
 
 def _first_of(keys: Iterable[Hashable], count: int) -> npt.NDArray[np.int64]:
-    """For each of ``count`` keys, the position of the first equal key."""
+    """For each of ``count`` keys, the position of the first equal key (setdefault keeps the first position it
+    was given for a key, and answers it for every later equal one)."""
     first: dict[Hashable, int] = {}
     return np.fromiter(map(first.setdefault, keys, itertools.count()), np.int64, count)

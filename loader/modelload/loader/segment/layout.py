@@ -57,6 +57,8 @@ __all__ = [
     "plan_layout",
 ]
 
+IntColumn = np.ndarray[Any, np.dtype[np.integer[Any]]]
+
 MAGIC = b"MODELSEG"
 LAYOUT_VERSION = 4
 """The newest layout version. A segment of one weight file is written as version 1 (which older loaders
@@ -330,13 +332,16 @@ class Layout:
 @dataclass(frozen=True)
 class TensorSpecs:
     """Tensors to place, as columns (one sequence per :class:`TensorSpec` field, all of one length): what
-    :func:`plan_layout` takes for 100,000 tensors without an object for each."""
+    :func:`plan_layout` takes for 100,000 tensors without an object for each.
+
+    ``leads`` and ``files`` may be integer arrays (a model index's own columns): they are then checked and
+    kept with numpy, not a Python int at a time."""
 
     names: Sequence[str]
     dtypes: Sequence[DType]
     shapes: Sequence[tuple[int, ...]]
-    leads: Sequence[int]
-    files: Sequence[int | None]
+    leads: Sequence[int] | IntColumn
+    files: Sequence[int | None] | IntColumn
     sha256: Sequence[str | None]
 
     @classmethod
@@ -409,7 +414,7 @@ def plan_layout(
     leads = np.asarray(specs.leads, dtype=np.int64)
     # Kept for the whole load: one value where every tensor has it (no hash, no file), files as int32.
     shas = Same(None, count) if specs.sha256.count(None) == count else specs.sha256
-    numbers = array.array("i", cast("Sequence[int]", specs.files)) if files else Same(None, count)
+    numbers = _file_numbers(specs.files) if files else Same(None, count)
 
     # The manifest holds the slot offsets, which depend on where the data starts, which depends on the
     # manifest's length. The slots keep their distances whatever the start (every start is aligned), so the
@@ -453,21 +458,34 @@ def _check_files(files: tuple[str, ...], specs: TensorSpecs) -> None:
         raise SegmentLayoutError(f"a segment's files must be at most {MAX_FILES} distinct non-empty names")
     numbers = specs.files
     if files:
-        if not set(numbers) <= set(range(len(files))) or set(map(type, numbers)) - {int}:
-            bad = next(i for i, f in enumerate(numbers) if type(f) is not int or not 0 <= f < len(files))
+        bad = _outside(numbers, len(files))
+        if bad is not None:
             raise SegmentLayoutError(f"tensor {specs.names[bad]!r} names no file of the {len(files)} given")
     elif any(f is not None for f in numbers):
         bad = next(i for i, f in enumerate(numbers) if f is not None)
         raise SegmentLayoutError(f"tensor {specs.names[bad]!r} names a file, but the layout has no files")
 
 
+def _outside(numbers: Sequence[int | None] | IntColumn, files: int) -> int | None:
+    """The first tensor whose file number is not an int in ``range(files)``, or None."""
+    if isinstance(numbers, np.ndarray):
+        if numbers.dtype.kind in "iu":  # integers (an index's column): all at once
+            outside = np.flatnonzero((numbers < 0) | (numbers >= files))
+            return int(outside[0]) if len(outside) else None
+        numbers = numbers.tolist()
+    if set(numbers) <= set(range(files)) and not set(map(type, numbers)) - {int}:
+        return None
+    return next(i for i, f in enumerate(numbers) if type(f) is not int or not 0 <= f < files)
+
+
 def _check_specs(specs: TensorSpecs, kinds: Kinds, ring_size: int | None) -> None:
     """Shapes, leads and (in ring mode) sizes, naming the first tensor that breaks one: shapes and sizes once
     per kind of tensor, leads a column at a time."""
-    bad = kinds.first_tensor([len(shape) > MAX_NDIM or any(d < 0 for d in shape) for shape in kinds.shapes])
+    bad = kinds.first_tensor([len(shape) > MAX_NDIM or min(shape, default=0) < 0 for shape in kinds.shapes])
     if bad is not None:
         raise SegmentLayoutError(f"tensor {specs.names[bad]!r} has an invalid shape {specs.shapes[bad]}")
-    if specs.leads and min(specs.leads) < 0:
+    leads = specs.leads
+    if len(leads) and (int(leads.min()) if isinstance(leads, np.ndarray) else min(leads)) < 0:
         bad = next(i for i, lead in enumerate(specs.leads) if lead < 0)
         raise SegmentLayoutError(f"tensor {specs.names[bad]!r} asks for a negative lead {specs.leads[bad]}")
     if ring_size is not None:
@@ -477,6 +495,13 @@ def _check_specs(specs: TensorSpecs, kinds: Kinds, ring_size: int | None) -> Non
                 f"tensor {specs.names[bad]!r}: {kinds.nbytes[kinds.of[bad]]} bytes do not fit in the ring of"
                 f" {ring_size}"
             )
+
+
+def _file_numbers(column: Sequence[int | None] | IntColumn) -> array.array[int]:
+    """Each tensor's file number as an int32 (C int) column, which the layout keeps for the whole load."""
+    if isinstance(column, np.ndarray):
+        return array.array("i", column.astype(np.intc).tobytes())
+    return array.array("i", cast("Sequence[int]", column))
 
 
 def _relative_offsets(

@@ -98,7 +98,7 @@ _OPEN = ',{"name":"'
 def _kind_texts(kinds: Kinds) -> tuple[list[str], list[str]]:
     """Each kind's text from the end of the name to the offset, and from the offset to the closing."""
     before = [
-        f'","dtype":"{dtype.name}","shape":[{",".join(str(int(d)) for d in shape)}],"offset":'
+        f'","dtype":"{dtype.name}","shape":[{",".join(map(str, map(int, shape)))}],"offset":'
         for dtype, shape in zip(kinds.dtypes, kinds.shapes, strict=True)
     ]
     return before, [f',"nbytes":{nbytes}' for nbytes in kinds.nbytes]
