@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -208,6 +210,35 @@ def test_cut_per_tensor_and_reordered_plans_land_the_same_bytes() -> None:
         assert (reordered.pieces.chunk[chunk.first : chunk.first + chunk.count] == seq).all()
     with pytest.raises(ValueError, match="same chunks"):
         cut.reordered(cut.chunks[1:])
+
+
+def test_a_reordered_plan_takes_its_own_chunks_only_each_once() -> None:
+    plan = plan_load(index_of([3000, 200 * KIB, 40, 40, 40]), chunk_size=64 * KIB)
+    chunks = list(plan.chunks)
+    twice = [chunks[0], *chunks[:-1]]  # as many chunks, one of them twice, one missing
+    lookalike = [dataclasses.replace(chunks[0]), *chunks[1:]]  # an equal chunk that is not the plan's
+    for wrong in (twice, lookalike, [*chunks, chunks[0]]):
+        with pytest.raises(ValueError, match="same chunks"):
+            plan.reordered(wrong)
+    moved = plan.reordered([*chunks[2:], *chunks[:2]])
+    owners = [moved.chunks[seq] for seq in moved.pieces.chunk.tolist()]
+    assert all(c.first <= i < c.first + c.count for i, c in enumerate(owners)), "each piece names its chunk"
+
+
+def test_each_tensors_chunks_are_those_that_hold_its_pieces_in_their_order() -> None:
+    # A big tensor cut in several chunks, small ones sharing one, empty ones in none: per tensor, what a
+    # piece-by-piece walk finds, in the cut plan too and after a reorder.
+    index = index_of([3000, 300 * KIB, 0, 40, 40, 100 * KIB, 0])
+    plan = plan_load(index, chunk_size=64 * KIB)
+    cut = plan.per_tensor()
+    for each in (plan, cut, cut.reordered(list(reversed(cut.chunks)))):
+        expected: list[list[Any]] = [[] for _ in index.tensors]
+        for tensor, chunk in zip(each.pieces.tensor.tolist(), each.pieces.chunk.tolist(), strict=True):
+            expected[tensor].append(each.chunks[chunk])
+        assert [list(group) for group in each.chunks_by_tensor] == expected
+        assert all(a is b for got, want in zip(each.chunks_by_tensor, expected, strict=True)
+                   for a, b in zip(got, want, strict=True))  # fmt: skip
+    assert [len(group) for group in cut.chunks_by_tensor] == list(plan.chunk_counts)
 
 
 def test_a_plan_of_many_tensors_is_arrays_not_objects() -> None:
