@@ -248,3 +248,20 @@ def test_a_plan_of_many_tensors_is_arrays_not_objects() -> None:
     assert len(plan.chunks) < 200
     for column in (plan.pieces.tensor, plan.pieces.src, plan.pieces.dst, plan.chunk_counts, plan.order):
         assert isinstance(column, np.ndarray)
+
+
+def test_the_record_columns_are_each_tensors_record() -> None:
+    # Tensorizer-like records (a header before each tensor's data), a meta tensor (no data in the file) and
+    # a tensor larger than a chunk: the columns say what record() says of each.
+    entries = [
+        TensorEntry("a", by_name("float32"), (10,), 64, 64 + 120, 40),
+        TensorEntry("meta", by_name("float32"), (300,), 224, 224 + 90, 0),
+        TensorEntry("big", by_name("uint8"), (100 * KIB,), 314, 314 + 200, 100 * KIB),
+    ]
+    index = ModelIndex(format="tensorizer", version=4, tensors=tuple(entries), index_length=64,
+                       data_end=514 + 100 * KIB)  # fmt: skip
+    plan = plan_load(index, chunk_size=32 * KIB)
+    starts, lengths = plan.footprints()
+    records = [plan.record(i) for i in range(len(entries))]
+    assert plan.headers.tolist() == [r.header for r in records] == [120, 90, 200]
+    assert list(zip(starts.tolist(), lengths.tolist(), strict=True)) == [r.footprint for r in records]

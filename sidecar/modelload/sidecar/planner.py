@@ -33,7 +33,7 @@ import numpy.typing as npt
 from modelload.loader.errors import ConfigError
 from modelload.loader.formats import ModelIndex
 from modelload.loader.segment import ALIGNMENT, Layout, TensorSpecs, plan_layout
-from modelload.loader.segment.geometry import Record, place
+from modelload.loader.segment.geometry import Record, footprints, place
 
 __all__ = ["Chunk", "LoadPlan", "Pieces", "load_order", "plan_load"]
 
@@ -118,6 +118,16 @@ class LoadPlan:
     def record(self, tensor: int) -> Record:
         """Where tensor ``tensor``'s record lies in the segment: its header in the lead, then the slot."""
         return place(self.layout.slots[tensor], self.index.tensors[tensor])
+
+    @property
+    def headers(self) -> Ints:
+        """Every tensor's :attr:`Record.header` (by tensor index), as a column: what code that asks it of
+        every tensor reads, rather than a :meth:`record` each."""
+        return np.asarray(self.index.table.leads, dtype=np.int64)
+
+    def footprints(self) -> tuple[Ints, Ints]:
+        """Every tensor's :attr:`Record.footprint` (by tensor index), as columns: starts and lengths."""
+        return footprints(self.layout.table.offsets, self.layout.table.nbytes, self.headers)
 
     def tensors_of(self, chunk: Chunk) -> npt.NDArray[np.int32]:
         """The tensors ``chunk`` lands bytes of, in source order."""
