@@ -49,9 +49,7 @@ class ManifestLength:
     def __init__(self, slots: SlotTable, metadata: Mapping[str, str], files: tuple[str, ...]) -> None:
         count = len(slots)
         before, after = _kind_texts(slots.kinds)
-        per_kind = np.fromiter(map(len, before), np.int64, len(before)) + np.fromiter(
-            map(len, after), np.int64, len(after)
-        )
+        per_kind = np.array([len(b) + len(a) for b, a in zip(before, after, strict=True)], dtype=np.int64)
         self._fixed = (
             len(_HEAD) + len(_tail(metadata, files))
             + count * len(_OPEN) - (1 if count else 0)  # the first opening has no comma
