@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -59,3 +61,20 @@ def write_complete(path: Path, layout: Layout, *, seed: int = 0) -> None:
             writer.slot(slot.index)[:] = expected_bytes(seed, slot.index, slot.nbytes)
             writer.mark_ready(slot.index)
         writer.mark_complete()
+
+
+def json_manifest(layout: Any) -> bytes:
+    """The manifest as every earlier writer encoded it: one json.dumps of the whole document."""
+    tensors = []
+    for s in layout.slots:
+        entry: dict[str, Any] = {"name": s.name, "dtype": s.dtype.name, "shape": list(s.shape),
+                                 "offset": s.offset, "nbytes": s.nbytes}  # fmt: skip
+        if s.sha256 is not None:
+            entry["sha256"] = s.sha256
+        if s.file is not None:
+            entry["file"] = s.file
+        tensors.append(entry)
+    document: dict[str, Any] = {"tensors": tensors, "metadata": dict(layout.metadata)}
+    if layout.files:
+        document["files"] = list(layout.files)
+    return json.dumps(document, separators=(",", ":"), ensure_ascii=False).encode()

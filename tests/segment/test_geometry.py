@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from modelload.loader.dtypes import by_name
@@ -35,6 +36,16 @@ def test_a_range_lands_in_one_piece_of_the_file_or_two_where_the_ring_wraps() ->
     assert ring.taken(DATA - 40, 1040) == SIZE
     with pytest.raises(ValueError, match="1001 bytes do not fit"):
         ring.file_ranges(DATA - 40, 1041)
+
+
+def test_the_ring_bytes_of_columns_of_spans_are_each_spans_own() -> None:
+    ring = Ring(DATA, SIZE)
+    spans = [
+        (offset, length) for offset in range(DATA - 50, DATA + 60, 7) for length in (0, 1, 30, 49, 50, 500)
+    ]
+    offsets = np.array([offset for offset, _ in spans], dtype=np.int64)
+    lengths = np.array([length for _, length in spans], dtype=np.int64)
+    assert ring.taken_each(offsets, lengths).tolist() == [ring.taken(*span) for span in spans]
 
 
 def _entry(record_offset: int, header: int, data: int, shape: tuple[int, ...]) -> TensorEntry:

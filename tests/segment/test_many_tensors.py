@@ -19,6 +19,7 @@ from modelload.loader.errors import SegmentLayoutError
 from modelload.loader.segment import SegmentWriter, TensorSpec, plan_layout
 from modelload.loader.segment.layout import Header, MemoryMode
 from modelload.loader.segment.validate import _parse_slot, _parse_slots_at_once, parse_header
+from tests.segment.helpers import json_manifest
 
 DTYPES = ["float16", "int8", "float64", "bfloat16", "float8_e4m3fn", "bool"]
 
@@ -41,23 +42,6 @@ def random_specs(rng: random.Random, count: int, files: int) -> list[TensorSpec]
             )
         )
     return specs
-
-
-def json_manifest(layout: Any) -> bytes:
-    """The manifest as every earlier writer encoded it: one json.dumps of the whole document."""
-    tensors = []
-    for s in layout.slots:
-        entry: dict[str, Any] = {"name": s.name, "dtype": s.dtype.name, "shape": list(s.shape),
-                                 "offset": s.offset, "nbytes": s.nbytes}  # fmt: skip
-        if s.sha256 is not None:
-            entry["sha256"] = s.sha256
-        if s.file is not None:
-            entry["file"] = s.file
-        tensors.append(entry)
-    document: dict[str, Any] = {"tensors": tensors, "metadata": dict(layout.metadata)}
-    if layout.files:
-        document["files"] = list(layout.files)
-    return json.dumps(document, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 @pytest.mark.parametrize("seed", range(12))

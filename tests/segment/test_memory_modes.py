@@ -7,9 +7,11 @@ region, mapped twice) is in ``test_ring.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import struct
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +32,8 @@ from modelload.loader.segment import consumers as consumers_module
 from modelload.loader.segment import layout as layout_module
 from modelload.loader.segment import validate as validate_module
 from modelload.loader.segment.consumers import ConsumerTable, table_path
-from modelload.loader.segment.release import Releaser
+from modelload.loader.segment.geometry import Record
+from modelload.loader.segment.release import Releaser, page_span
 from tests.segment.helpers import small_layout
 from tests.segment.test_golden import CREATED_NS, GOLDEN_HEADER, GOLDEN_MANIFEST, LOAD_ID
 
@@ -330,3 +333,35 @@ def test_a_late_reader_gets_a_clear_error_and_a_consumer_s_copy_is_whole(shm_dir
     model.close()
     releaser.close()
     writer.close()
+
+
+def test_the_releasers_pages_and_shared_pages_are_each_tensors_record_on_the_volumes_pages(
+    shm_dir: Path,
+) -> None:
+    # Tensors of many sizes and leads (some empty, some sharing pages with both neighbours, some several
+    # pages long; the last ten given no lead), against each tensor's record taken one by one, for 4 KiB pages
+    # and for 64 KiB ones (the releaser reads the page size from the layout).
+    rng = np.random.default_rng(11)
+    sizes = rng.choice([0, 1, 100, 4000, 4096, 9000, 70_000], size=400).tolist()
+    leads = rng.choice([0, 0, 64, 300, 5000], size=400).tolist()
+    specs = [
+        TensorSpec(f"t{i}", by_name("uint8"), (n,), lead=lead)
+        for i, (n, lead) in enumerate(zip(sizes, leads, strict=True))
+    ]
+    layout = plan_layout(specs, memory_mode=MemoryMode.RELEASE)
+    given = [*leads[:390], *[0] * 10]
+    with SegmentWriter.create(shm_dir / "spans.seg", layout, heartbeat=False) as writer:
+        for page in (4096, 65536):
+            releaser = Releaser(
+                writer.fileno(), dataclasses.replace(layout, page_size=page), leads=leads[:390]
+            )
+            spans = [
+                page_span(*Record.in_slot(s, header=given[s.index]).footprint, page) for s in layout.slots
+            ]
+            touches: Counter[int] = Counter()
+            for start, stop in spans:
+                if stop > start:
+                    touches.update({start, stop - 1})
+            assert releaser.spans == spans
+            assert releaser._shared == {p: n for p, n in touches.items() if n > 1} and releaser._shared
+            releaser.close()

@@ -522,3 +522,24 @@ def test_a_volume_too_small_for_a_ring_cut_to_the_model_names_the_ring_it_needs(
     load.finish()
     assert isinstance(load.error, SegmentSpaceError)
     assert str(64 << 20) not in str(load.error), "the error names a ring that is not the one it needs"
+
+
+def test_a_ring_too_small_names_the_first_of_its_largest_tensors_and_the_size_to_set() -> None:
+    # Checked for every tensor at once: of two tensors of the same largest size, the first is named.
+    from modelload.loader.dtypes import by_name
+    from modelload.loader.formats import ModelIndex, TensorEntry
+    from modelload.sidecar.memory.manager import plan_memory
+    from modelload.sidecar.planner import plan_load
+
+    sizes = [(1 << 20), 3 << 20, 2 << 20, 3 << 20]
+    entries, at = [], 64
+    for i, size in enumerate(sizes):
+        entries.append(TensorEntry(f"t{i}", by_name("uint8"), (size,), at, at, size))
+        at += size
+    index = ModelIndex(format="safetensors", version=1, tensors=tuple(entries), index_length=64, data_end=at)
+    plan = plan_load(index, chunk_size=1 << 20, span_limit=2 << 20)
+    with pytest.raises(
+        ConfigError, match=r"tensor 't1' needs 3145728 bytes \(3.0 MiB\) in the ring.*at least 3MiB"
+    ):
+        plan_memory(plan, MemorySettings(mode="ring", ring_size=2 << 20))
+    assert plan_memory(plan, MemorySettings(mode="ring", ring_size=3 << 20)).layout.ring_size == 3 << 20

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -210,6 +212,35 @@ def test_cut_per_tensor_and_reordered_plans_land_the_same_bytes() -> None:
         cut.reordered(cut.chunks[1:])
 
 
+def test_a_reordered_plan_takes_its_own_chunks_only_each_once() -> None:
+    plan = plan_load(index_of([3000, 200 * KIB, 40, 40, 40]), chunk_size=64 * KIB)
+    chunks = list(plan.chunks)
+    twice = [chunks[0], *chunks[:-1]]  # as many chunks, one of them twice, one missing
+    lookalike = [dataclasses.replace(chunks[0]), *chunks[1:]]  # an equal chunk that is not the plan's
+    for wrong in (twice, lookalike, [*chunks, chunks[0]]):
+        with pytest.raises(ValueError, match="same chunks"):
+            plan.reordered(wrong)
+    moved = plan.reordered([*chunks[2:], *chunks[:2]])
+    owners = [moved.chunks[seq] for seq in moved.pieces.chunk.tolist()]
+    assert all(c.first <= i < c.first + c.count for i, c in enumerate(owners)), "each piece names its chunk"
+
+
+def test_each_tensors_chunks_are_those_that_hold_its_pieces_in_their_order() -> None:
+    # A big tensor cut in several chunks, small ones sharing one, empty ones in none: per tensor, what a
+    # piece-by-piece walk finds, in the cut plan too and after a reorder.
+    index = index_of([3000, 300 * KIB, 0, 40, 40, 100 * KIB, 0])
+    plan = plan_load(index, chunk_size=64 * KIB)
+    cut = plan.per_tensor()
+    for each in (plan, cut, cut.reordered(list(reversed(cut.chunks)))):
+        expected: list[list[Any]] = [[] for _ in index.tensors]
+        for tensor, chunk in zip(each.pieces.tensor.tolist(), each.pieces.chunk.tolist(), strict=True):
+            expected[tensor].append(each.chunks[chunk])
+        assert [list(group) for group in each.chunks_by_tensor] == expected
+        assert all(a is b for got, want in zip(each.chunks_by_tensor, expected, strict=True)
+                   for a, b in zip(got, want, strict=True))  # fmt: skip
+    assert [len(group) for group in cut.chunks_by_tensor] == list(plan.chunk_counts)
+
+
 def test_a_plan_of_many_tensors_is_arrays_not_objects() -> None:
     index = index_of([2000 + i % 7 for i in range(20_000)])
     plan = plan_load(index, chunk_size=1 << 20)
@@ -217,3 +248,20 @@ def test_a_plan_of_many_tensors_is_arrays_not_objects() -> None:
     assert len(plan.chunks) < 200
     for column in (plan.pieces.tensor, plan.pieces.src, plan.pieces.dst, plan.chunk_counts, plan.order):
         assert isinstance(column, np.ndarray)
+
+
+def test_the_record_columns_are_each_tensors_record() -> None:
+    # Tensorizer-like records (a header before each tensor's data), a meta tensor (no data in the file) and
+    # a tensor larger than a chunk: the columns say what record() says of each.
+    entries = [
+        TensorEntry("a", by_name("float32"), (10,), 64, 64 + 120, 40),
+        TensorEntry("meta", by_name("float32"), (300,), 224, 224 + 90, 0),
+        TensorEntry("big", by_name("uint8"), (100 * KIB,), 314, 314 + 200, 100 * KIB),
+    ]
+    index = ModelIndex(format="tensorizer", version=4, tensors=tuple(entries), index_length=64,
+                       data_end=514 + 100 * KIB)  # fmt: skip
+    plan = plan_load(index, chunk_size=32 * KIB)
+    starts, lengths = plan.footprints()
+    records = [plan.record(i) for i in range(len(entries))]
+    assert plan.headers.tolist() == [r.header for r in records] == [120, 90, 200]
+    assert list(zip(starts.tolist(), lengths.tolist(), strict=True)) == [r.footprint for r in records]

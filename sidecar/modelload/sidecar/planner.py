@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -31,7 +33,7 @@ import numpy.typing as npt
 from modelload.loader.errors import ConfigError
 from modelload.loader.formats import ModelIndex
 from modelload.loader.segment import ALIGNMENT, Layout, TensorSpecs, plan_layout
-from modelload.loader.segment.geometry import Record, place
+from modelload.loader.segment.geometry import Record, footprints, place
 
 __all__ = ["Chunk", "LoadPlan", "Pieces", "load_order", "plan_load"]
 
@@ -105,27 +107,44 @@ class LoadPlan:
     @functools.cached_property
     def chunks_by_tensor(self) -> tuple[tuple[Chunk, ...], ...]:
         """Each tensor's chunks (by tensor index), in load order: what re-reading or checking one tensor
-        touches."""
-        grouped: list[list[Chunk]] = [[] for _ in self.index.tensors]
-        for tensor, chunk in zip(self.pieces.tensor.tolist(), self.pieces.chunk.tolist(), strict=True):
-            grouped[tensor].append(self.chunks[chunk])
-        return tuple(tuple(group) for group in grouped)
+        touches. The pieces grouped by tensor with a stable sort (each tensor's in their order), not a list
+        appended to per piece: a plan cut per tensor for peers has 100,000 of them."""
+        pieces = self.pieces
+        by_tensor = np.argsort(pieces.tensor, kind="stable")
+        chunks = list(map(self.chunks.__getitem__, pieces.chunk[by_tensor].tolist()))
+        bounds = np.searchsorted(pieces.tensor[by_tensor], np.arange(len(self.index.tensors) + 1)).tolist()
+        return tuple(tuple(chunks[start:end]) for start, end in itertools.pairwise(bounds))
 
     def record(self, tensor: int) -> Record:
         """Where tensor ``tensor``'s record lies in the segment: its header in the lead, then the slot."""
         return place(self.layout.slots[tensor], self.index.tensors[tensor])
+
+    @property
+    def headers(self) -> Ints:
+        """Every tensor's :attr:`Record.header` (by tensor index), as a column: what code that asks it of
+        every tensor reads, rather than a :meth:`record` each."""
+        return np.asarray(self.index.table.leads, dtype=np.int64)
+
+    def footprints(self) -> tuple[Ints, Ints]:
+        """Every tensor's :attr:`Record.footprint` (by tensor index), as columns: starts and lengths."""
+        return footprints(self.layout.table.offsets, self.layout.table.nbytes, self.headers)
 
     def tensors_of(self, chunk: Chunk) -> npt.NDArray[np.int32]:
         """The tensors ``chunk`` lands bytes of, in source order."""
         return self.pieces.tensor[chunk.first : chunk.first + chunk.count]
 
     def reordered(self, chunks: Sequence[Chunk]) -> LoadPlan:
-        """This plan with its chunks (the same ones) loaded in the order of ``chunks``."""
-        if sorted(map(id, chunks)) != sorted(map(id, self.chunks)):
+        """This plan with its chunks (the same ones) loaded in the order of ``chunks``.
+
+        Chunks hold the plan's pieces in runs (``first``, ``count``) that follow each other: ordered by their
+        first piece, the given chunks must be the plan's own, object for object, and each piece's new chunk
+        is its run's place in the new order."""
+        given, own = _by_first(chunks), _by_first(self.chunks)
+        same = map(operator.is_, map(chunks.__getitem__, given), map(self.chunks.__getitem__, own))
+        if len(given) != len(own) or not all(same):
             raise ValueError("a reordered plan must load the same chunks")
-        owner = np.empty(len(self.pieces), dtype=np.int32)
-        for seq, chunk in enumerate(chunks):
-            owner[chunk.first : chunk.first + chunk.count] = seq
+        counts = np.fromiter(map(_COUNT, chunks), np.int64, len(chunks))
+        owner = np.repeat(np.asarray(given, dtype=np.int32), counts[given])
         return replace(self, chunks=tuple(chunks), pieces=replace(self.pieces, chunk=owner))
 
     def per_tensor(self) -> LoadPlan:
@@ -135,19 +154,12 @@ class LoadPlan:
         if all(chunk.count == 1 for chunk in self.chunks):
             return self
         pieces = self.pieces
-        chunks = tuple(
-            Chunk(
-                file=self.chunks[int(pieces.chunk[i])].file,
-                src_offset=int(pieces.src[i]),
-                length=int(pieces.length[i]),
-                data_bytes=int(pieces.data[i]),
-                first=i,
-                count=1,
-                dst_offset=int(pieces.dst[i]),
-                tensor=int(pieces.tensor[i]),
-            )
-            for i in range(len(pieces))
-        )
+        files = np.fromiter((chunk.file for chunk in self.chunks), np.int64, len(self.chunks))[pieces.chunk]
+        # Chunk's fields in order (file, src_offset, length, data_bytes, first, count, dst_offset, tensor),
+        # a column each: a chunk per piece, with no numpy scalar read per field.
+        chunks = tuple(map(Chunk, files.tolist(), pieces.src.tolist(), pieces.length.tolist(),
+                           pieces.data.tolist(), range(len(pieces)), itertools.repeat(1, len(pieces)),
+                           pieces.dst.tolist(), pieces.tensor.tolist()))  # fmt: skip
         cut = replace(pieces, chunk=np.arange(len(pieces), dtype=np.int32))
         counts = np.bincount(cut.tensor, minlength=len(self.index.tensors)).astype(np.int32)
         return replace(self, chunks=chunks, pieces=cut, chunk_counts=counts)
@@ -216,13 +228,22 @@ def plan_load(
         files=index.files,
         page_size=page_size,
     )
-    order = np.asarray(load_order(index, priority), dtype=np.int32)
+    order = np.arange(len(index.tensors), dtype=np.int32)  # file order, unless priorities come first
+    if priority:
+        order = np.asarray(load_order(index, priority), dtype=np.int32)
     span = _UNLIMITED if span_limit is None else span_limit
     tail = readers * chunk_size if readers > 1 else 0
     return _Cutter(index, layout, chunk_size, span, tail).plan(order)
 
 
 _UNLIMITED = 1 << 62
+_COUNT = operator.attrgetter("count")
+
+
+def _by_first(chunks: Sequence[Chunk]) -> list[int]:
+    """The positions of ``chunks`` ordered by their first piece."""
+    firsts = np.fromiter(map(operator.attrgetter("first"), chunks), np.int64, len(chunks))
+    return firsts.argsort(kind="stable").tolist()
 
 
 def _specs(index: ModelIndex) -> TensorSpecs:
@@ -234,8 +255,8 @@ def _specs(index: ModelIndex) -> TensorSpecs:
         names=table.names,
         dtypes=table.dtypes,
         shapes=table.shapes,
-        leads=table.leads.tolist(),
-        files=table.files.tolist() if index.files else [None] * count,
+        leads=table.leads,
+        files=table.files if index.files else [None] * count,
         sha256=[None] * count,
     )
 

@@ -26,14 +26,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+import numpy.typing as npt
+
 if TYPE_CHECKING:  # the layout builds its ring from this module
     from modelload.loader.formats._index import TensorEntry
     from modelload.loader.segment.layout import Slot
 
-__all__ = ["Record", "Ring", "place"]
+__all__ = ["Record", "Ring", "footprints", "place"]
 
 Span = tuple[int, int]
 """``(segment offset, length)``."""
+Ints = npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +97,12 @@ class Record:
         return cls(start=slot.offset - header, header=header, data=data, nbytes=slot.nbytes)
 
 
+def footprints(offsets: Ints, nbytes: Ints, headers: Ints) -> tuple[Ints, Ints]:
+    """:attr:`Record.footprint` of many records at once (starts, lengths), from their slots' offsets and
+    sizes and their headers' bytes: what asking every tensor of a large model costs as numpy."""
+    return offsets - headers, headers + nbytes
+
+
 def place(slot: Slot, entry: TensorEntry) -> Record:
     """Where tensor ``entry``'s record lies, given the slot a plan gave it (its lead holds the header)."""
     return Record.in_slot(slot, header=entry.header_length, data=entry.data_length)
@@ -115,6 +125,11 @@ class Ring:
         """How many ring bytes segment bytes ``[offset, offset + length)`` take: all but those before the
         data region."""
         return max(offset + length - max(offset, self.data_offset), 0)
+
+    def taken_each(self, offsets: Ints, lengths: Ints) -> Ints:
+        """:meth:`taken` of each span of two columns: a model of 100,000 tensors is checked against the
+        ring at once."""
+        return np.maximum(offsets + lengths - np.maximum(offsets, self.data_offset), 0)
 
     def file_ranges(self, offset: int, length: int) -> list[Span]:
         """``(file offset, length)`` of the pieces of the file that hold segment bytes ``[offset, offset +

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import array
 import functools
-import math
-import operator
 import struct
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
@@ -24,6 +22,7 @@ from modelload.loader.dtypes import DType
 from modelload.loader.errors import SegmentLayoutError
 from modelload.loader.formats import has_repeats
 from modelload.loader.segment.geometry import Ring
+from modelload.loader.segment.kinds import Kinds
 from modelload.loader.segment.manifest_bytes import ManifestLength, manifest_pieces
 from modelload.loader.segment.slots import Same, Slot, SlotTable
 
@@ -57,6 +56,8 @@ __all__ = [
     "error_bytes",
     "plan_layout",
 ]
+
+IntColumn = np.ndarray[Any, np.dtype[np.integer[Any]]]
 
 MAGIC = b"MODELSEG"
 LAYOUT_VERSION = 4
@@ -331,13 +332,16 @@ class Layout:
 @dataclass(frozen=True)
 class TensorSpecs:
     """Tensors to place, as columns (one sequence per :class:`TensorSpec` field, all of one length): what
-    :func:`plan_layout` takes for 100,000 tensors without an object for each."""
+    :func:`plan_layout` takes for 100,000 tensors without an object for each.
+
+    ``leads`` and ``files`` may be integer arrays (a model index's own columns): they are then checked and
+    kept with numpy, not a Python int at a time."""
 
     names: Sequence[str]
     dtypes: Sequence[DType]
     shapes: Sequence[tuple[int, ...]]
-    leads: Sequence[int]
-    files: Sequence[int | None]
+    leads: Sequence[int] | IntColumn
+    files: Sequence[int | None] | IntColumn
     sha256: Sequence[str | None]
 
     @classmethod
@@ -404,15 +408,21 @@ def plan_layout(
         first = {name: i for i, name in reversed(list(enumerate(specs.names)))}
         twice = next(name for i, name in enumerate(specs.names) if first[name] != i)
         raise SegmentLayoutError(f"tensor name {twice!r} appears twice")
-    nbytes = list(map(operator.mul, map(_ITEMSIZE, specs.dtypes), map(math.prod, specs.shapes)))
-    _check_specs(specs, nbytes, ring_size if memory_mode == MemoryMode.RING else None)
+    kinds = Kinds(specs.dtypes, specs.shapes)
+    _check_specs(specs, kinds, ring_size if memory_mode == MemoryMode.RING else None)
+    sizes = np.asarray(kinds.nbytes, dtype=np.int64)[kinds.of]
+    leads = np.asarray(specs.leads, dtype=np.int64)
+    # Kept for the whole load: one value where every tensor has it (no hash, no file), files as int32.
+    shas = Same(None, count) if specs.sha256.count(None) == count else specs.sha256
+    numbers = _file_numbers(specs.files) if files else Same(None, count)
 
     # The manifest holds the slot offsets, which depend on where the data starts, which depends on the
     # manifest's length. The slots keep their distances whatever the start (every start is aligned), so the
     # length is arithmetic over the offsets' digit counts: find the stable start, then encode once.
-    lead = align(specs.leads[0]) if count else 0
-    relative = _relative_offsets(nbytes, specs.leads)
-    manifest = ManifestLength(specs, nbytes, meta, files)
+    lead = align(int(leads[0])) if count else 0
+    relative = _relative_offsets(sizes, leads)
+    columns = (specs.names, specs.dtypes, specs.shapes)
+    manifest = ManifestLength(SlotTable(*columns, relative, sizes, shas, numbers, kinds=kinds), meta, files)
     data_offset = align(
         align(HEADER_LENGTH + 1) + align(STATE_ENTRY_LENGTH * max(count, 1)) + lead, page_size
     )
@@ -426,11 +436,7 @@ def plan_layout(
             break
         data_offset = needed
     placed = relative + (data_offset - lead)
-    sizes = np.asarray(nbytes, dtype=np.int64)
-    # Kept for the whole load: one value where every tensor has it (no hash, no file), files as int32.
-    shas = Same(None, count) if specs.sha256.count(None) == count else specs.sha256
-    numbers = array.array("i", cast("Sequence[int]", specs.files)) if files else Same(None, count)
-    slots = SlotTable(specs.names, specs.dtypes, specs.shapes, placed, sizes, shas, numbers)
+    slots = SlotTable(*columns, placed, sizes, shas, numbers, kinds=kinds)
     ends = placed + sizes
     data_end = align(int(ends.max())) if count else data_offset
     return Layout(
@@ -452,44 +458,62 @@ def _check_files(files: tuple[str, ...], specs: TensorSpecs) -> None:
         raise SegmentLayoutError(f"a segment's files must be at most {MAX_FILES} distinct non-empty names")
     numbers = specs.files
     if files:
-        if not set(numbers) <= set(range(len(files))) or set(map(type, numbers)) - {int}:
-            bad = next(i for i, f in enumerate(numbers) if type(f) is not int or not 0 <= f < len(files))
+        bad = _outside(numbers, len(files))
+        if bad is not None:
             raise SegmentLayoutError(f"tensor {specs.names[bad]!r} names no file of the {len(files)} given")
     elif any(f is not None for f in numbers):
         bad = next(i for i, f in enumerate(numbers) if f is not None)
         raise SegmentLayoutError(f"tensor {specs.names[bad]!r} names a file, but the layout has no files")
 
 
-def _check_specs(specs: TensorSpecs, nbytes: list[int], ring_size: int | None) -> None:
-    """Shapes, leads and (in ring mode) sizes, a column at a time, naming the first tensor that breaks one."""
-    shapes = specs.shapes
-    dims = [d for shape in shapes for d in shape]
-    if (shapes and max(map(len, shapes)) > MAX_NDIM) or (dims and min(dims) < 0):
-        bad = next(i for i, shape in enumerate(shapes) if len(shape) > MAX_NDIM or any(d < 0 for d in shape))
-        raise SegmentLayoutError(f"tensor {specs.names[bad]!r} has an invalid shape {shapes[bad]}")
-    if specs.leads and min(specs.leads) < 0:
+def _outside(numbers: Sequence[int | None] | IntColumn, files: int) -> int | None:
+    """The first tensor whose file number is not an int in ``range(files)``, or None."""
+    if isinstance(numbers, np.ndarray):
+        if numbers.dtype.kind in "iu":  # integers (an index's column): all at once
+            outside = np.flatnonzero((numbers < 0) | (numbers >= files))
+            return int(outside[0]) if len(outside) else None
+        numbers = numbers.tolist()
+    if set(numbers) <= set(range(files)) and not set(map(type, numbers)) - {int}:
+        return None
+    return next(i for i, f in enumerate(numbers) if type(f) is not int or not 0 <= f < files)
+
+
+def _check_specs(specs: TensorSpecs, kinds: Kinds, ring_size: int | None) -> None:
+    """Shapes, leads and (in ring mode) sizes, naming the first tensor that breaks one: shapes and sizes once
+    per kind of tensor, leads a column at a time."""
+    bad = kinds.first_tensor([len(shape) > MAX_NDIM or min(shape, default=0) < 0 for shape in kinds.shapes])
+    if bad is not None:
+        raise SegmentLayoutError(f"tensor {specs.names[bad]!r} has an invalid shape {specs.shapes[bad]}")
+    leads = specs.leads
+    if len(leads) and (int(leads.min()) if isinstance(leads, np.ndarray) else min(leads)) < 0:
         bad = next(i for i, lead in enumerate(specs.leads) if lead < 0)
         raise SegmentLayoutError(f"tensor {specs.names[bad]!r} asks for a negative lead {specs.leads[bad]}")
-    if ring_size is not None and nbytes and max(nbytes) > ring_size:
-        bad = next(i for i, size in enumerate(nbytes) if size > ring_size)
-        raise SegmentLayoutError(
-            f"tensor {specs.names[bad]!r}: {nbytes[bad]} bytes do not fit in the ring of {ring_size}"
-        )
+    if ring_size is not None:
+        bad = kinds.first_tensor([size > ring_size for size in kinds.nbytes])
+        if bad is not None:
+            raise SegmentLayoutError(
+                f"tensor {specs.names[bad]!r}: {kinds.nbytes[kinds.of[bad]]} bytes do not fit in the ring of"
+                f" {ring_size}"
+            )
 
 
-def _relative_offsets(nbytes: list[int], leads: Sequence[int]) -> np.ndarray[Any, np.dtype[np.int64]]:
+def _file_numbers(column: Sequence[int | None] | IntColumn) -> array.array[int]:
+    """Each tensor's file number as an int32 (C int) column, which the layout keeps for the whole load."""
+    if isinstance(column, np.ndarray):
+        return array.array("i", column.astype(np.intc).tobytes())
+    return array.array("i", cast("Sequence[int]", column))
+
+
+def _relative_offsets(
+    sizes: np.ndarray[Any, np.dtype[np.int64]], room: np.ndarray[Any, np.dtype[np.int64]]
+) -> np.ndarray[Any, np.dtype[np.int64]]:
     """Each slot's offset from the (aligned) start of the first slot's lead: each slot on the first 4096-byte
-    boundary that leaves room for its lead after the slot before it."""
-    if not nbytes:
+    boundary that leaves room for its lead (``room``) after the slot before it."""
+    if not len(sizes):
         return np.zeros(0, dtype=np.int64)
-    sizes = np.asarray(nbytes, dtype=np.int64)
-    room = np.asarray(leads, dtype=np.int64)
     steps = -(-(sizes[:-1] + room[1:]) // ALIGNMENT) * ALIGNMENT
     relative = np.empty(len(sizes), dtype=np.int64)
     relative[0] = align(int(room[0]))
     np.cumsum(steps, out=relative[1:])
     relative[1:] += relative[0]
     return relative
-
-
-_ITEMSIZE = operator.attrgetter("itemsize")

@@ -26,17 +26,19 @@ import ctypes.util
 import errno
 import mmap
 import os
-from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from modelload.loader.errors import SegmentError
 from modelload.loader.segment import _memory
-from modelload.loader.segment.geometry import Record
+from modelload.loader.segment.geometry import footprints
 from modelload.loader.segment.layout import ALIGNMENT, STATE_ENTRY_LENGTH, Layout, TensorState, align
 
-__all__ = ["Releaser", "page_span", "punch_hole"]
+__all__ = ["Releaser", "page_span", "page_spans", "punch_hole"]
+
+Ints = npt.NDArray[np.int64]
 
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
@@ -65,6 +67,23 @@ def page_span(offset: int, length: int, page: int = ALIGNMENT) -> tuple[int, int
     return offset // page, -(-(offset + length) // page)
 
 
+def page_spans(offsets: Ints, lengths: Ints, page: int = ALIGNMENT) -> tuple[Ints, Ints]:
+    """:func:`page_span` of each span of two columns: the first pages, and the pages past the last."""
+    first = offsets // page
+    return first, np.where(lengths > 0, -(-(offsets + lengths) // page), first)
+
+
+def _shared_pages(first: Ints, stop: Ints) -> dict[int, int]:
+    """The pages that several spans (``first`` to ``stop`` pages) start or end on, with how many do: the
+    pages a span shares with its neighbours are only its first and its last."""
+    touching = stop > first
+    last = stop[touching] - 1
+    starts = first[touching]
+    pages, counts = np.unique(np.concatenate((starts, last[last != starts])), return_counts=True)
+    several = counts > 1
+    return dict(zip(pages[several].tolist(), counts[several].tolist(), strict=True))
+
+
 class Releaser:
     """Marks tensors RELEASED and punches their pages, through its own descriptor and mapping of the state
     table (so it outlives the :class:`SegmentWriter`, which closes when the load ends)."""
@@ -84,17 +103,14 @@ class Releaser:
         self.states = self._u32[
             first : first + len(layout.slots) * (STATE_ENTRY_LENGTH // 4) : STATE_ENTRY_LENGTH // 4
         ]
-        self.spans = [
-            page_span(
-                *Record.in_slot(s, header=leads[s.index] if s.index < len(leads) else 0).footprint, self._page
-            )
-            for s in layout.slots
-        ]
-        touches: Counter[int] = Counter()
-        for start, stop in self.spans:
-            if stop > start:
-                touches.update({start, stop - 1})
-        self._shared = {page: count for page, count in touches.items() if count > 1}
+        # Each tensor's pages, from columns: a model of 100,000 tensors would make a Slot and a Record each.
+        table = layout.table
+        headers = np.zeros(len(table), dtype=np.int64)
+        headers[: min(len(leads), len(table))] = np.asarray(leads[: len(table)], dtype=np.int64)
+        starts, lengths = footprints(table.offsets, table.nbytes, headers)
+        low, high = page_spans(starts, lengths, self._page)
+        self.spans = list(zip(low.tolist(), high.tolist(), strict=True))
+        self._shared = _shared_pages(low, high)
         """Pages that several tensors touch, with how many of them still hold the page."""
 
     def fileno(self) -> int:

@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from modelload.loader.dtypes import DType
+from modelload.loader.segment.kinds import Kinds
 
 __all__ = ["Same", "Slot", "SlotTable"]
 
@@ -33,8 +34,17 @@ class Same(Sequence[T]):
     def __init__(self, value: T, count: int) -> None:
         self._value, self._count = value, count
 
+    @property
+    def value(self) -> T:
+        """The one value of every position."""
+        return self._value
+
     def __len__(self) -> int:
         return self._count
+
+    def count(self, value: object) -> int:
+        """How many positions hold ``value``: all or none, without looking at each."""
+        return self._count if self._count and (value is self._value or value == self._value) else 0
 
     @overload
     def __getitem__(self, i: int) -> T: ...
@@ -73,9 +83,10 @@ class Slot:
 
 class SlotTable(Sequence[Slot]):
     """Every slot of a layout, by tensor index, as columns; ``table[i]`` (and iteration) makes the
-    :class:`Slot`, afresh each time."""
+    :class:`Slot`, afresh each time. :attr:`kinds` groups the tensors by dtype and shape, for what is a fact
+    of those (their manifest text)."""
 
-    __slots__ = ("dtypes", "files", "names", "nbytes", "offsets", "sha256", "shapes")
+    __slots__ = ("_kinds", "dtypes", "files", "names", "nbytes", "offsets", "sha256", "shapes")
 
     def __init__(
         self,
@@ -86,13 +97,26 @@ class SlotTable(Sequence[Slot]):
         nbytes: npt.NDArray[np.int64],
         sha256: Sequence[str | None],
         files: Sequence[int | None],
+        *,
+        kinds: Kinds | None = None,
     ) -> None:
         count = len(names)
         if any(len(column) != count for column in (dtypes, shapes, offsets, nbytes, sha256, files)):
             raise ValueError("a slot table's columns must all have one length")
+        if kinds is not None and len(kinds.of) != count:
+            raise ValueError("a slot table's kinds must be its tensors'")
         self.names, self.dtypes, self.shapes = names, dtypes, shapes
         self.offsets, self.nbytes = offsets, nbytes
         self.sha256, self.files = sha256, files
+        self._kinds = kinds
+
+    @property
+    def kinds(self) -> Kinds:
+        """The tensors grouped by dtype and shape: as the layout that made the table grouped them, or grouped
+        on first use."""
+        if self._kinds is None:
+            self._kinds = Kinds(self.dtypes, self.shapes)
+        return self._kinds
 
     @classmethod
     def of(cls, slots: Sequence[Slot]) -> SlotTable:

@@ -67,10 +67,10 @@ def plan_memory(plan: LoadPlan, settings: MemorySettings) -> LoadPlan:
     ring_size = 0
     if settings.mode == "ring":
         ring = Ring(plan.layout.data_offset, settings.ring_size)
-        needs = [ring.taken(*plan.record(i).footprint) for i in range(len(plan.layout.slots))]
-        largest = max(range(len(needs)), key=needs.__getitem__, default=None)
+        needs = ring.taken_each(*plan.footprints())  # a column: a model may have 100,000 tensors
+        largest = int(needs.argmax()) if len(needs) else None  # the first of the largest
         if largest is not None and needs[largest] > settings.ring_size:
-            need = needs[largest]
+            need = int(needs[largest])
             name = plan.layout.slots[largest].name
             raise ConfigError(
                 f"tensor {name!r} needs {need} bytes ({need / 2**20:.1f} MiB) in the ring, more than the "
@@ -111,7 +111,7 @@ class MemoryManager:
         self._report = report
         layout = plan.layout
         self._table = ConsumerTable.for_writer(writer.path, tensor_count=len(layout.slots))
-        leads = [plan.record(i).header for i in range(len(layout.slots))]
+        leads = plan.headers.tolist()
         self._ring = layout.ring_size if layout.memory_mode == MemoryMode.RING else 0
         self._releaser = Releaser(writer.fileno(), layout, leads=leads, punch=not self._ring)
         self._space = RingSpace(layout.ring or Ring(layout.data_offset, ALIGNMENT))
