@@ -25,7 +25,8 @@ from urllib.parse import urljoin
 
 from modelload.loader.errors import ModelloadError, RangeNotSupportedError, SourceChangedError, SourceError
 
-from ._base import ObjectInfo, RangeSink, SourceBase, byte_view, check_range, window
+from ._base import WINDOW, ObjectInfo, RangeSink, SourceBase, byte_view, check_range
+from ._base import window as thread_window
 from ._body import Body, read_document
 from ._connections import ConnectionPool, Origin, socket_of
 from ._deadline import Deadline
@@ -291,13 +292,13 @@ class HttpObject(SourceBase):
         progress = Progress()
         self._transfer(info, offset, total, progress, lambda body: body.splice_pieces(fd, pieces, progress))
 
-    def read_into_sink(self, offset: int, length: int, sink: RangeSink) -> None:
-        """One ranged GET whose body is handed to ``sink`` a :func:`window` at a time (see
-        :meth:`SourceBase.read_into_sink`)."""
+    def read_into_sink(self, offset: int, length: int, sink: RangeSink, *, window: int = WINDOW) -> None:
+        """One ranged GET whose body is handed to ``sink`` a :func:`window` of ``window`` bytes at a time
+        (see :meth:`SourceBase.read_into_sink`)."""
         info = self._checked_range(offset, length)
         if not length:
             return
-        progress, buf = Progress(), window()
+        progress, buf = Progress(), thread_window(window)
         self._transfer(info, offset, length, progress, lambda body: body.stream(buf, length, sink, progress))
 
     def read_ranges(self, ranges: Sequence[tuple[int, int]]) -> list[bytes] | None:
