@@ -78,12 +78,29 @@ class HttpObject(SourceBase):
     refine how error responses read (:meth:`_error`) and whether redirects are followed
     (:meth:`_redirect`)."""
 
-    def __init__(self, display_uri: str, settings: HttpSettings, *, ca_bundle: str | None = None) -> None:
+    def __init__(
+        self,
+        display_uri: str,
+        settings: HttpSettings,
+        *,
+        ca_bundle: str | None = None,
+        pool: ConnectionPool | None = None,
+    ) -> None:
+        """``pool``: the connections of a sibling source made with the same ``settings`` and ``ca_bundle``
+        (another file of the same model), shared while it is open (see
+        :class:`~._connections.ConnectionPool`)."""
         super().__init__(display_uri)
         self._settings = settings
-        self._pool = ConnectionPool(settings, ca_bundle=ca_bundle)
+        shared = pool.share() if pool is not None else None
+        self._pool = shared if shared is not None else ConnectionPool(settings, ca_bundle=ca_bundle)
+        self._closed = False
         self._fallback_warned = False
         self.every_read_validated = True
+
+    @property
+    def pool(self) -> ConnectionPool:
+        """The connections this source uses (shared with its siblings, see ``pool`` above)."""
+        return self._pool
 
     @property
     def connections_opened(self) -> int:
@@ -144,6 +161,8 @@ class HttpObject(SourceBase):
             raise self._error(exchange, body)
 
     def _send(self, method: str, target: Target) -> _Exchange:
+        if self._closed:  # its pool may live on for the sibling sources sharing it
+            raise RuntimeError("the source is closed")
         for attempt in range(2):
             try:
                 conn, reused = self._pool.acquire(target.origin)
@@ -335,7 +354,9 @@ class HttpObject(SourceBase):
         return [parts[key] for key in wanted]
 
     def close(self) -> None:
-        self._pool.close()
+        if not self._closed:
+            self._closed = True
+            self._pool.close()
 
     # --- one ranged GET ----------------------------------------------------------------------------------
 
