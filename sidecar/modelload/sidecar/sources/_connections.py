@@ -66,8 +66,10 @@ class ConnectionPool:
 
     The sources of one model's files share one pool (:meth:`share`): a reader thread then carries every
     file's requests to an origin on one connection, where a pool per file opened one per file and thread
-    (502 connections for the 666 requests of 160 shards from nginx). Only the transport is shared: each
-    source sends its own headers and credentials to its own origin, and connections are kept per origin.
+    (502 connections for the 666 requests of 160 shards from nginx). Over HTTPS each connection is a TLS
+    handshake, about 1.1 ms of CPU here (160 files from nginx over TLS, two small reads each from 4 threads:
+    0.29 CPU-s with a pool per file, 0.11 shared). Only the transport is shared: each source sends its own
+    headers and credentials to its own origin, and connections are kept per origin.
     """
 
     def __init__(self, settings: HttpSettings, *, ca_bundle: str | None = None) -> None:
