@@ -113,9 +113,11 @@ def test_a_local_directory_of_thousands_of_tensors_loads_byte_exact_with_few_rea
     for method in ("_stat_prefix", "read_into_pieces", "read_into_fd_pieces", "read_into_sink"):
         original = getattr(FileSource, method)
 
-        def counted(self: FileSource, *args: Any, _original: Any = original, _name: str = method) -> Any:
+        def counted(
+            self: FileSource, *args: Any, _original: Any = original, _name: str = method, **kwargs: Any
+        ) -> Any:
             reads.append(_name)
-            return _original(self, *args)
+            return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(FileSource, method, counted)
     load(str(directory), shm_dir / "moe.seg", readers=4)

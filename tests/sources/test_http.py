@@ -18,7 +18,7 @@ from modelload.loader.errors import (
     SourceNotFoundError,
     TruncatedError,
 )
-from modelload.sidecar.sources import HttpSettings, HttpSource, SourceSettings, open_source
+from modelload.sidecar.sources import HttpSettings, HttpSource, SourceSettings, open_source, store_for
 from tests.support.fault_proxy import FaultProxy, Respond
 from tests.support.nginx import NginxServer
 
@@ -278,3 +278,43 @@ def test_a_closed_port_is_a_transient_error(nginx: NginxServer) -> None:
 def test_a_url_without_a_host_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="URL"):
         open_source("http:///model.bin")
+
+
+@pytest.mark.parametrize("store", ["http", "s3"])
+def test_the_files_of_one_model_share_a_connection_per_thread_and_close_it_with_the_last(
+    store: str, nginx: NginxServer, nginx_proxy: FaultProxy
+) -> None:
+    # A directory of 160 shards opened a connection per shard and thread: 502 for 666 requests.
+    names = [f"shared/model-{i}.bin" for i in range(4)]
+    for number, name in enumerate(names):
+        nginx.put(name, payload(5_000, seed=number))
+    settings, uris = FAST_SETTINGS, [nginx_proxy.url(name) for name in names]
+    if store == "s3":
+        pytest.importorskip("botocore")
+        from modelload.sidecar.sources import S3Settings
+
+        s3 = S3Settings(endpoint_url=nginx_proxy.endpoint, addressing="path", unsigned=True)
+        settings = SourceSettings(http=FAST_SETTINGS.http, s3=s3, retry=FAST_SETTINGS.retry)
+        uris = [f"s3://{nginx.bucket}/{name}" for name in names]
+    open_one = store_for(uris[0]).opener(settings)
+    sources = [open_one(uri) for uri in uris]
+    for number, source in enumerate(sources):
+        assert source.read_bytes(10, 100) == payload(5_000, seed=number)[10:110]
+    assert nginx_proxy.connections == 1, "one connection carried every file's requests"
+    *others, last = sources
+    for source in others:
+        source.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            source.read_bytes(0, 1)
+    assert last.read_bytes(0, 5) == payload(5_000, seed=3)[:5], "its siblings' close left it connected"
+    assert nginx_proxy.connections == 1
+    last.close()
+    later = open_one(uris[0])  # after the last close: connections of its own, which the next ones share
+    again = open_one(uris[1])
+    try:
+        assert later.read_bytes(0, 5) == payload(5_000, seed=0)[:5]
+        assert again.read_bytes(0, 5) == payload(5_000, seed=1)[:5]
+        assert nginx_proxy.connections == 2
+    finally:
+        later.close()
+        again.close()

@@ -46,9 +46,10 @@ def source(nginx: NginxServer, nginx_proxy: FaultProxy) -> Source:
     return src
 
 
-@pytest.fixture(params=["mapping", "splice"])
+@pytest.fixture(params=["mapping", "splice", "sink"])
 def landing(request: pytest.FixtureRequest) -> str:
-    """Where the body lands: received into memory (a segment's mapping), or spliced into a file."""
+    """Where the body lands: received into memory (a segment's mapping), spliced into a file, or handed to a
+    sink a window at a time (a chunk of many small tensors, received by way of a pipe)."""
     if request.param == "splice" and not _splice.HAVE_SPLICE:
         pytest.skip("os.splice is Linux-only")
     return str(request.param)
@@ -62,6 +63,14 @@ def _read_all(
         buf = bytearray(size)
         read_range(source, 0, memoryview(buf), policy=FAST_RETRY, on_retry=events.append)
         return bytes(buf), events
+    if landing == "sink":
+        landed = bytearray(size)
+
+        def sink(data: memoryview, at: int) -> None:
+            landed[at : at + len(data)] = data
+
+        read_range_into_sink(source, 0, size, sink, policy=FAST_RETRY, on_retry=events.append)
+        return bytes(landed), events
     fd = os.memfd_create("low-water")
     try:
         os.ftruncate(fd, size)
@@ -145,14 +154,14 @@ def test_a_body_handed_to_a_sink_is_received_a_window_at_a_time_not_per_write(
     # received as it came, each 64 KiB write of a server like s3rver was a wake-up and a receive.
     source, body, writes = _sent_in_small_writes("sink.bin", 14, nginx, nginx_proxy, monkeypatch)
     receives: list[int] = []
-    real_receive = _body.Body._recv_into
+    real_receive = _body.Body._receive_window
 
     def counting(self: _body.Body, view: memoryview) -> int:
         got = real_receive(self, view)
         receives.append(got)
         return got
 
-    monkeypatch.setattr(_body.Body, "_recv_into", counting)
+    monkeypatch.setattr(_body.Body, "_receive_window", counting)
     landed = bytearray(len(body))
 
     def sink(data: memoryview, at: int) -> None:

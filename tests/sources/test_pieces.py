@@ -18,7 +18,9 @@ from modelload.sidecar.sources import (
     read_range_pieces,
     read_range_pieces_into_fd,
     stat_with_prefix,
+    window_size,
 )
+from modelload.sidecar.sources._base import SMALLEST_WINDOW, WINDOW, WINDOWS
 from modelload.sidecar.sources._responses import parse_byteranges
 from tests.support.fault_proxy import FaultProxy, Reset
 from tests.support.memory_source import Interrupt, MemorySource
@@ -154,6 +156,40 @@ def test_a_range_streams_to_a_sink_a_window_at_a_time_from_one_request(
     assert bytes(sink.data) == data[99:]
     assert len(nginx_proxy.requests) - before == 1
     assert sink.calls == 4, "a window at a time"
+
+
+def test_the_windows_of_more_readers_are_smaller_so_that_together_they_hold_no_more() -> None:
+    assert window_size(1) == window_size(8) == WINDOW
+    assert window_size(16) == 512 << 10
+    for readers in (9, 12, 16, 24, 32):
+        size = window_size(readers)
+        assert size % 4096 == 0 and readers * size <= WINDOWS
+    assert window_size(1000) == SMALLEST_WINDOW, "never below a batch of the socket's low-water mark"
+
+
+@pytest.mark.parametrize("origin", ["http", "file"])
+def test_a_range_reaches_a_sink_in_windows_of_the_size_asked_for(
+    origin: str, nginx: NginxServer, tmp_path: Path
+) -> None:
+    size = window_size(32)
+    data = payload(3 * size + 777, seed=12)
+    if origin == "http":
+        nginx.put("pieces/windows.bin", data)
+        source: HttpSource | FileSource = HttpSource(nginx.url("pieces/windows.bin"), FAST_SETTINGS.http)
+    else:
+        (tmp_path / "windows.bin").write_bytes(data)
+        source = FileSource(str(tmp_path / "windows.bin"))
+    sizes: list[int] = []
+
+    def sink(view: memoryview, at: int) -> None:
+        assert view == data[at : at + len(view)]
+        sizes.append(len(view))
+
+    with source:
+        read_range_into_sink(source, 0, len(data), sink, policy=FAST_SETTINGS.retry, window=size)
+        assert sizes == [size, size, size, 777]
+        read_range_into_sink(source, 0, len(data), sink, policy=FAST_SETTINGS.retry)
+        assert sizes[4:] == [len(data)], "the default window is the largest"
 
 
 def test_a_broken_stream_hands_over_what_came_and_resumes_at_the_byte_where_it_broke(

@@ -52,6 +52,7 @@ from modelload.sidecar.sources import (
     read_range_pieces,
     read_range_pieces_into_fd,
     watch_landing,
+    window_size,
 )
 
 __all__ = ["SPLICE_PIECE", "LoadContext", "PeerHook", "Readers"]
@@ -249,9 +250,9 @@ class Readers:
 
     def _land_scattered(self, chunk: Chunk, neighbours: Neighbours) -> npt.NDArray[np.int64]:
         source, context = self.sources[chunk.file], self.context
-        sink = neighbours.sink(chunk, self.writer.fileno())
+        sink, window = neighbours.sink(chunk, self.writer.fileno()), window_size(self.settings.readers)
         read_range_into_sink(source, chunk.src_offset, chunk.length, sink,
-                             policy=context.retry, on_retry=context.on_retry)  # fmt: skip
+                             policy=context.retry, on_retry=context.on_retry, window=window)  # fmt: skip
         return sink.crc_column()
 
     def _prove(self, file: int) -> None:

@@ -29,7 +29,16 @@ from __future__ import annotations
 
 from . import hub, oci
 from ._addresses import AddressPolicy, Network, parse_networks
-from ._base import InterruptedReadError, ObjectInfo, RangeSink, Source, SourceBase, check_range, file_version
+from ._base import (
+    InterruptedReadError,
+    ObjectInfo,
+    RangeSink,
+    Source,
+    SourceBase,
+    check_range,
+    file_version,
+    window_size,
+)
 from ._checksums import (
     COMPOSABLE,
     STREAMED,
@@ -175,4 +184,5 @@ __all__ = [
     "store_for",
     "verify_bytes",
     "watch_landing",
+    "window_size",
 ]

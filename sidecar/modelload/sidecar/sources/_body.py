@@ -19,7 +19,15 @@ from collections.abc import Callable, Sequence
 
 from ._base import RangeSink, views_after
 from ._low_water import LowWater
-from ._splice import HAVE_SPLICE, Progress, RateFloor, landing_watcher, pwrite_all, splice_socket
+from ._splice import (
+    HAVE_SPLICE,
+    Progress,
+    RateFloor,
+    landing_watcher,
+    pwrite_all,
+    receive_spliced,
+    splice_socket,
+)
 
 __all__ = ["Body", "read_document"]
 
@@ -77,6 +85,7 @@ class Body:
         self._chunked = bool(response.chunked)
         # Long bodies from a plain socket are received in batches (TLS and chunked bodies as they come).
         self._low = None if self._chunked or hasattr(sock, "cipher") else LowWater(sock, stall_timeout)
+        self._splice_windows = HAVE_SPLICE and self._low is not None
         self._watcher = landing_watcher()  # told of each part of the caller's memory filled, in order
 
     def readinto(self, view: memoryview) -> int:
@@ -156,7 +165,7 @@ class Body:
                 while filled < len(view):
                     if low is not None and self._buffer_drained:
                         low.expect(len(view) - filled)
-                    filled += self.readinto(view[filled:])
+                    filled += self._receive_window(view[filled:])
                     if self._floor is not None:
                         self._floor.check(done + filled)
             except BaseException:
@@ -222,6 +231,18 @@ class Body:
     def _recv_into(self, view: memoryview) -> int:
         """``recv_into`` from the socket, through the waits of a raised low-water mark."""
         return self._through_waits(lambda: self._sock.recv_into(view, len(view)))
+
+    def _receive_window(self, view: memoryview) -> int:
+        """:meth:`readinto` for a window on its way to a sink: from a plain TCP socket by way of a pipe
+        (:func:`~._splice.receive_spliced`), which costs less than ``recv_into`` for a window's size.
+        (Not for a long range into a mapping: a receive there takes a whole batch at once, a splice
+        at most the pipe's 1 MiB, and it measured 0.16 CPU-s per GiB dearer.)"""
+        if not self._splice_windows or not self._buffer_drained:
+            return self.readinto(view)
+        got = self._through_waits(lambda: receive_spliced(self._sock, view))
+        if got == 0:
+            raise EOFError("the server closed the connection before the body was complete")
+        return got
 
     def _recvmsg_into(self, views: Sequence[memoryview]) -> int:
         """``recvmsg_into`` (one receive scattered over ``views``), through the same waits."""

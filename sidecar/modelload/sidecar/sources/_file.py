@@ -24,7 +24,8 @@ from modelload.loader.errors import (
     SourceUriError,
 )
 
-from ._base import InterruptedReadError, ObjectInfo, RangeSink, SourceBase, byte_view, views_after, window
+from ._base import WINDOW, InterruptedReadError, ObjectInfo, RangeSink, SourceBase, byte_view, views_after
+from ._base import window as thread_window
 from ._settings import SourceSettings
 from ._splice import HAVE_SPLICE, Progress, splice_file
 
@@ -97,13 +98,13 @@ class FileSource(SourceBase):
             progress.done += got
         self._check_unchanged(info)
 
-    def read_into_sink(self, offset: int, length: int, sink: RangeSink) -> None:
-        """``pread`` the range a :func:`window` at a time, each handed to ``sink``, with the file's size and
-        mtime checked before and after (see :meth:`read_into_pieces`). A read that fails hands over what
-        came first, so a retry resumes at the byte where it failed."""
+    def read_into_sink(self, offset: int, length: int, sink: RangeSink, *, window: int = WINDOW) -> None:
+        """``pread`` the range a :func:`window` of ``window`` bytes at a time, each handed to ``sink``, with
+        the file's size and mtime checked before and after (see :meth:`read_into_pieces`). A read that fails
+        hands over what came first, so a retry resumes at the byte where it failed."""
         info = self._checked_range(offset, length)
         self._check_unchanged(info)
-        buf, progress = window(), Progress()
+        buf, progress = thread_window(window), Progress()
         while (done := progress.done) < length:
             view = buf[: min(len(buf), length - done)]
             filled = 0

@@ -25,7 +25,8 @@ from urllib.parse import urljoin
 
 from modelload.loader.errors import ModelloadError, RangeNotSupportedError, SourceChangedError, SourceError
 
-from ._base import ObjectInfo, RangeSink, SourceBase, byte_view, check_range, window
+from ._base import WINDOW, ObjectInfo, RangeSink, SourceBase, byte_view, check_range
+from ._base import window as thread_window
 from ._body import Body, read_document
 from ._connections import ConnectionPool, Origin, socket_of
 from ._deadline import Deadline
@@ -77,12 +78,29 @@ class HttpObject(SourceBase):
     refine how error responses read (:meth:`_error`) and whether redirects are followed
     (:meth:`_redirect`)."""
 
-    def __init__(self, display_uri: str, settings: HttpSettings, *, ca_bundle: str | None = None) -> None:
+    def __init__(
+        self,
+        display_uri: str,
+        settings: HttpSettings,
+        *,
+        ca_bundle: str | None = None,
+        pool: ConnectionPool | None = None,
+    ) -> None:
+        """``pool``: the connections of a sibling source made with the same ``settings`` and ``ca_bundle``
+        (another file of the same model), shared while it is open (see
+        :class:`~._connections.ConnectionPool`)."""
         super().__init__(display_uri)
         self._settings = settings
-        self._pool = ConnectionPool(settings, ca_bundle=ca_bundle)
+        shared = pool.share() if pool is not None else None
+        self._pool = shared if shared is not None else ConnectionPool(settings, ca_bundle=ca_bundle)
+        self._closed = False
         self._fallback_warned = False
         self.every_read_validated = True
+
+    @property
+    def pool(self) -> ConnectionPool:
+        """The connections this source uses (shared with its siblings, see ``pool`` above)."""
+        return self._pool
 
     @property
     def connections_opened(self) -> int:
@@ -143,6 +161,8 @@ class HttpObject(SourceBase):
             raise self._error(exchange, body)
 
     def _send(self, method: str, target: Target) -> _Exchange:
+        if self._closed:  # its pool may live on for the sibling sources sharing it
+            raise RuntimeError("the source is closed")
         for attempt in range(2):
             try:
                 conn, reused = self._pool.acquire(target.origin)
@@ -291,13 +311,13 @@ class HttpObject(SourceBase):
         progress = Progress()
         self._transfer(info, offset, total, progress, lambda body: body.splice_pieces(fd, pieces, progress))
 
-    def read_into_sink(self, offset: int, length: int, sink: RangeSink) -> None:
-        """One ranged GET whose body is handed to ``sink`` a :func:`window` at a time (see
-        :meth:`SourceBase.read_into_sink`)."""
+    def read_into_sink(self, offset: int, length: int, sink: RangeSink, *, window: int = WINDOW) -> None:
+        """One ranged GET whose body is handed to ``sink`` a :func:`window` of ``window`` bytes at a time
+        (see :meth:`SourceBase.read_into_sink`)."""
         info = self._checked_range(offset, length)
         if not length:
             return
-        progress, buf = Progress(), window()
+        progress, buf = Progress(), thread_window(window)
         self._transfer(info, offset, length, progress, lambda body: body.stream(buf, length, sink, progress))
 
     def read_ranges(self, ranges: Sequence[tuple[int, int]]) -> list[bytes] | None:
@@ -334,7 +354,9 @@ class HttpObject(SourceBase):
         return [parts[key] for key in wanted]
 
     def close(self) -> None:
-        self._pool.close()
+        if not self._closed:
+            self._closed = True
+            self._pool.close()
 
     # --- one ranged GET ----------------------------------------------------------------------------------
 

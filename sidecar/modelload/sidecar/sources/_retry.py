@@ -20,7 +20,16 @@ from typing import Any, TypeVar
 
 from modelload.loader.errors import ModelloadError, TransientSourceError
 
-from ._base import InterruptedReadError, ObjectInfo, RangeSink, Source, SourceBase, byte_view, views_after
+from ._base import (
+    WINDOW,
+    InterruptedReadError,
+    ObjectInfo,
+    RangeSink,
+    Source,
+    SourceBase,
+    byte_view,
+    views_after,
+)
 from ._settings import RetryPolicy
 
 __all__ = [
@@ -188,10 +197,11 @@ def read_range_into_sink(
     *,
     policy: RetryPolicy,
     on_retry: RetryCallback | None = None,
+    window: int = WINDOW,
 ) -> None:
     """Like :func:`read_range`, handing the bytes to ``sink`` as they arrive (``sink(data, at)``, ``at``
-    counted from ``offset`` whatever the retries): one request, and a retry resumes at the first byte the
-    sink has not had."""
+    counted from ``offset`` whatever the retries), at most ``window`` bytes at a time (see
+    :func:`~._base.window_size`): one request, and a retry resumes at the first byte the sink has not had."""
     through = getattr(source, "read_into_sink", None)
 
     def step(done: int) -> None:
@@ -199,7 +209,7 @@ def read_range_into_sink(
             sink(data, done + at)
 
         if through is not None:
-            through(offset + done, length - done, shifted)
+            through(offset + done, length - done, shifted, window=window)
         else:  # a source of another shape: one read into a buffer of its own
             SourceBase.read_into_sink(source, offset + done, length - done, shifted)  # type: ignore[arg-type]
 

@@ -40,7 +40,7 @@ from modelload.loader.errors import (
 from ._base import InterruptedReadError, ObjectInfo
 from ._body import read_document
 from ._checksums import StoreChecksum
-from ._connections import Origin
+from ._connections import ConnectionPool, Origin
 from ._http import HttpObject, Target, _Exchange
 from ._s3_errors import s3_error
 from ._settings import S3Addressing, S3Settings, SourceSettings
@@ -211,7 +211,13 @@ class S3Source(HttpObject):
     """Its validator changes with every write: no sampled re-reads are needed (``load/integrity.py``)."""
 
     def __init__(
-        self, bucket: str, key: str, settings: SourceSettings, *, access: _Access | None = None
+        self,
+        bucket: str,
+        key: str,
+        settings: SourceSettings,
+        *,
+        access: _Access | None = None,
+        pool: ConnectionPool | None = None,
     ) -> None:
         display = f"s3://{bucket}/{key}"
         s3 = settings.s3
@@ -224,12 +230,19 @@ class S3Source(HttpObject):
         self._location = plan_s3_location(
             bucket, key, endpoint_url=self._endpoint_url, addressing=s3.addressing
         )
-        super().__init__(display, settings.http, ca_bundle=self._access.ca_bundle)
+        super().__init__(display, settings.http, ca_bundle=self._access.ca_bundle, pool=pool)
         self.supports_fd = HAVE_SPLICE and not self._location.origin.is_tls
 
-    def sibling(self, key: str) -> S3Source:
-        """Another object of the same bucket, sharing this source's endpoint and credentials."""
-        return S3Source(self._bucket, key, self._settings_all, access=self._access)
+    def sibling(self, key: str, *, pool: ConnectionPool | None = None) -> S3Source:
+        """Another object of the same bucket, sharing this source's endpoint and credentials, and its
+        connections (or ``pool``'s, a later sibling's while this one's are closed)."""
+        return S3Source(
+            self._bucket,
+            key,
+            self._settings_all,
+            access=self._access,
+            pool=self._pool if pool is None else pool,
+        )
 
     @property
     def location(self) -> S3Location:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import base64
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from urllib.parse import unquote, urlsplit
 
 from modelload.loader.errors import (
@@ -22,13 +22,13 @@ from modelload.loader.errors import (
     SourceUriError,
 )
 
-from ._connections import Origin
+from ._connections import ConnectionPool, Origin
 from ._http import HttpObject, Target, _Exchange
 from ._responses import display_url, status_text
 from ._settings import HttpSettings, SourceSettings
 from ._splice import HAVE_SPLICE
 
-__all__ = ["HttpSource", "open_http"]
+__all__ = ["HttpSource", "http_opener", "open_http"]
 
 _log = logging.getLogger("modelload.sidecar.sources")
 
@@ -47,13 +47,13 @@ class HttpSource(HttpObject):
     ``max_redirects`` and remembered, so range reads go straight to the final location.
     """
 
-    def __init__(self, url: str, settings: HttpSettings) -> None:
+    def __init__(self, url: str, settings: HttpSettings, *, pool: ConnectionPool | None = None) -> None:
         parts = urlsplit(url)
         try:
             origin = Origin.parse(parts.scheme, parts.hostname, parts.port)
         except ValueError as exc:
             raise ConfigError(f"not a usable HTTP(S) URL: {display_url(url)} ({exc})") from exc
-        super().__init__(display_url(url), settings)
+        super().__init__(display_url(url), settings, pool=pool)
         self.supports_fd = HAVE_SPLICE and not origin.is_tls
         self._lock = threading.Lock()
         self._origin = origin
@@ -181,3 +181,20 @@ def _request_path(url: str) -> str:
 def open_http(uri: str, settings: SourceSettings) -> HttpSource:
     """The registry's factory for ``http://`` and ``https://`` URLs."""
     return HttpSource(uri, settings.http)
+
+
+def http_opener(settings: SourceSettings) -> Callable[[str], HttpSource]:
+    """Opens the files of one model so that they share their connections (a reader thread keeps one per
+    origin, not one per file): each its own URL, headers and credentials, as :class:`HttpSource` gives
+    them. A file opened after all the others were closed (a model's index, read and closed first) starts
+    the connections the next ones share."""
+    current: list[ConnectionPool] = []
+    lock = threading.Lock()
+
+    def open_one(uri: str) -> HttpSource:
+        with lock:
+            source = HttpSource(uri, settings.http, pool=current[0] if current else None)
+            current[:] = [source.pool]
+            return source
+
+    return open_one
