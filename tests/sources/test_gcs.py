@@ -110,6 +110,17 @@ def test_a_missing_bucket_and_a_missing_object_are_named(fake_gcs: Any, cloud_en
         open_source(f"gs://{BUCKET}/nothing.bin", settings(fake_gcs.endpoint, anonymous=True)).stat()
 
 
+def test_a_missing_bucket_listed_at_its_top_level_is_named_once_as_missing(
+    fake_gcs: Any, cloud_env: None
+) -> None:
+    # A bare bucket is a directory: its listing's errors named it gs://bucket// before, and an object '/'.
+    with pytest.raises(SourceNotFoundError) as caught:
+        list_directory("gs://no-such-bucket-here", settings(fake_gcs.endpoint, anonymous=True))
+    assert "gs://no-such-bucket-here/: bucket 'no-such-bucket-here' does not exist" in str(caught.value)
+    assert "gs://no-such-bucket-here//" not in str(caught.value)
+    assert caught.value.uri == "gs://no-such-bucket-here/"
+
+
 @pytest.mark.parametrize(
     "page",
     [

@@ -95,7 +95,7 @@ def gcs_error(
             uri=uri,
         )
     if status == 404:
-        if "bucket" in said.lower():
+        if "bucket" in said.lower() or not name or name.endswith("/"):  # a listing's 404: no such bucket
             text = f"bucket {bucket!r} does not exist: check the bucket name (and the endpoint)"
         else:
             text = f"no object {name!r} in bucket {bucket!r}: check the path"

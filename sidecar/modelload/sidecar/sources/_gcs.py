@@ -235,9 +235,16 @@ class GcsSource(HttpObject):
     """Its validator changes with every write: no sampled re-reads are needed (``load/integrity.py``)."""
 
     def __init__(
-        self, bucket: str, name: str, settings: SourceSettings, *, access: _Access | None = None
+        self,
+        bucket: str,
+        name: str,
+        settings: SourceSettings,
+        *,
+        access: _Access | None = None,
+        listing: bool = False,
     ) -> None:
-        if not name:
+        """``listing``: this source only lists ``name`` (a prefix, empty for the bucket's top level)."""
+        if not name and not listing:
             raise SourceUriError(f"a GCS source is gs://BUCKET/OBJECT, got gs://{bucket}/")
         display = f"gs://{bucket}/{name}"
         self._bucket, self._name = bucket, name
@@ -346,7 +353,7 @@ def list_gcs_prefix(uri: str, settings: SourceSettings) -> dict[str, ListedFile]
     bucket, prefix = parse_gs_uri(uri)
     if prefix and not prefix.endswith("/"):
         prefix += "/"
-    lister = GcsSource(bucket, prefix or "/", settings)
+    lister = GcsSource(bucket, prefix, settings, listing=True)  # named gs://bucket/prefix/ in its errors
     base = f"{lister._access.prefix}/storage/v1/b/{quote(bucket, safe='')}/o"
     found: dict[str, ListedFile] = {}
     token: str | None = None
