@@ -143,6 +143,27 @@ def test_a_tensorizer_directory_loads_its_files_in_name_order(tmp_path: Path, sh
         assert reader.metadata["format"] == "tensorizer"
 
 
+def test_shards_load_in_the_order_of_their_names_not_of_the_index_weight_map(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    # An index lists its tensors by name: "lm_head.weight" (in the last shard) comes first. The first shard
+    # holds the first layers, which a streaming engine asks for first.
+    weights = tensors(45)
+    names = sorted(weights)
+    directory = tmp_path / "sharded"
+    directory.mkdir()
+    parts = {"model-00001-of-00002.safetensors": names[1:], "model-00002-of-00002.safetensors": names[:1]}
+    for shard, held in parts.items():
+        (directory / shard).write_bytes(models.safetensors_bytes({n: weights[n] for n in held}))
+    weight_map = {name: shard for shard, held in parts.items() for name in held}
+    index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}  # the last shard's tensor first
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    load(str(directory), shm_dir / "model.seg", readers=1)
+    models.assert_segment_matches(shm_dir / "model.seg", weights)
+    with SegmentReader.open(shm_dir / "model.seg") as reader:
+        assert reader.files == tuple(parts)
+
+
 def test_a_restarted_sidecar_reuses_a_complete_directory_segment(nginx: Any, shm_dir: Path) -> None:
     weights = tensors(45)
     for name, data in hfdir.files(weights, shards=2).items():

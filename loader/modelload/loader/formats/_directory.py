@@ -83,7 +83,7 @@ class ModelFiles:
 
     format: WeightFormat
     weights: tuple[str, ...]
-    """Weight files, in load order (the index's shard order, else sorted by name)."""
+    """Weight files, in load order: sorted by name (the shards an index names, else the directory's)."""
     small: tuple[str, ...]
     """Files copied into the model directory."""
     ignored: tuple[str, ...]
@@ -97,7 +97,7 @@ def check_file_name(name: str, *, where: str) -> str:
 
 
 def weight_shards(index_json: bytes, *, where: str) -> tuple[str, ...]:
-    """The shard names ``model.safetensors.index.json`` maps tensors to, in order of first appearance.
+    """The shard names ``model.safetensors.index.json`` maps tensors to, sorted (see :func:`_shards_of`).
 
     The names are made afresh once the parsed document is gone: the parser's own strings lie one among
     every few hundred tensors' names, and keeping them kept the memory of the whole document (20 MiB at
@@ -126,7 +126,11 @@ def _shards_of(document: Any, *, where: str) -> str:
     if set(map(type, weight_map.values())) != {str}:
         tensor, shard = next((t, s) for t, s in weight_map.items() if not isinstance(s, str))
         raise FormatError(f"{where} maps tensor {tensor!r} to {shard!r}, not a file name", source=where)
-    shards = tuple(dict.fromkeys(weight_map.values()))  # in order of first appearance, each checked once
+    # By name, each checked once: a writer numbers its shards in the order it wrote the modules
+    # (model-00001-of-00004 holds the embeddings and the first layers), while the weight_map lists tensors
+    # by name ("lm_head.weight" first, then "model.layers.10" before "model.layers.2"), so the order of
+    # first appearance loaded the last shard first.
+    shards = tuple(sorted(set(weight_map.values())))
     for shard in shards:
         check_file_name(shard, where=where)
     return "\0".join(shards)
