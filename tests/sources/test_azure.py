@@ -246,3 +246,23 @@ def test_a_listing_whose_next_marker_loops_stops_at_the_loop_saying_so(
         with pytest.raises(SourceError, match=r"next marker is one already followed \(a loop\)"):
             list_directory(f"az://{azurite.account}/{CONTAINER}/loop/", given)
         assert len([r for r in proxy.requests if "comp=list" in r.path]) == 2
+
+
+def test_the_blobs_of_one_model_share_a_connection_per_thread(azurite: Azurite, cloud_env: None) -> None:
+    # Each shard had a pool of its own: a connection (over TLS, a handshake) per shard and reader thread.
+    from modelload.sidecar.sources import store_for
+
+    uris = [azurite.put(CONTAINER, f"shared/model-{i}.bin", payload(5_000, seed=i)) for i in range(4)]
+    given = settings(
+        endpoint_url=azurite.endpoint, credentials=AzureCredentials(sas_token=azurite.sas(CONTAINER))
+    )
+    open_one = store_for(uris[0]).opener(given)
+    sources = [open_one(uri) for uri in uris]
+    try:
+        for number, source in enumerate(sources):
+            assert source.read_bytes(10, 100) == payload(5_000, seed=number)[10:110]
+        assert len({id(source.pool) for source in sources}) == 1
+        assert sources[0].pool.connections_opened == 1, "one connection carried every blob's requests"
+    finally:
+        for source in sources:
+            source.close()

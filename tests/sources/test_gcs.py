@@ -291,3 +291,33 @@ def test_a_secret_may_hold_a_service_account_key_but_not_a_federation_configurat
     with pytest.raises(ConfigError, match="service-account key"):
         open_source(f"gs://{BUCKET}/x.bin", settings(fake_gcs.endpoint, credentials_json=config))
     assert endpoints.exchanges == []
+
+
+def test_the_objects_of_one_model_share_a_connection_per_thread_and_close_it_with_the_last(
+    fake_gcs: Any, cloud_env: None
+) -> None:
+    # Each shard had a pool of its own: a connection (over TLS, a handshake) per shard and reader thread.
+    from modelload.sidecar.sources import store_for
+
+    uris = [fake_gcs.put(BUCKET, f"shared/model-{i}.bin", payload(5_000, seed=i)) for i in range(4)]
+    open_one = store_for(uris[0]).opener(settings(fake_gcs.endpoint, anonymous=True))
+    sources = [open_one(uri) for uri in uris]
+    for number, source in enumerate(sources):
+        assert source.read_bytes(10, 100) == payload(5_000, seed=number)[10:110]
+    assert len({id(source.pool) for source in sources}) == 1
+    # Each object's metadata answer (JSON) leaves its connection behind; every range took one connection.
+    assert sources[0].pool.connections_opened == len(sources) + 1
+    *others, last = sources
+    for source in others:
+        source.close()
+    assert last.read_bytes(0, 5) == payload(5_000, seed=3)[:5], "its siblings' close left it connected"
+    last.close()
+    later = open_one(uris[0])  # after the last close: connections of its own, which the next one shares
+    again = open_one(uris[1])
+    try:
+        assert later.read_bytes(0, 5) == payload(5_000, seed=0)[:5]
+        assert again.read_bytes(0, 5) == payload(5_000, seed=1)[:5]
+        assert later.pool is again.pool and later.pool is not sources[0].pool
+    finally:
+        later.close()
+        again.close()

@@ -28,7 +28,7 @@ from ._base import ObjectInfo
 from ._body import read_document
 from ._checksums import StoreChecksum
 from ._cloud_errors import azure_error
-from ._connections import Origin
+from ._connections import ConnectionPool, Origin
 from ._http import HttpObject, Target, _Exchange
 from ._settings import SourceSettings
 from ._splice import HAVE_SPLICE
@@ -96,7 +96,9 @@ class AzureBlobSource(HttpObject):
         settings: SourceSettings,
         *,
         auth: AzureAuth | None = None,
+        pool: ConnectionPool | None = None,
     ) -> None:
+        """``pool``: a sibling's connections, to share."""
         display = f"az://{account}/{container}/{blob}"
         if not blob:
             raise SourceUriError(f"an Azure Blob source is {FORM}, got {display}")
@@ -112,13 +114,17 @@ class AzureBlobSource(HttpObject):
         except ValueError as exc:
             raise ConfigError(f"not a usable Azure Blob endpoint: {endpoint!r} ({exc})") from exc
         self._base = parts.path.rstrip("/")
-        super().__init__(display, settings.http)
+        super().__init__(display, settings.http, pool=pool)
         self.supports_fd = HAVE_SPLICE and not self._origin.is_tls
         self._blob_path = f"{self._base}/{quote(container, safe='')}/{quote(blob, safe='/~')}"
 
-    def sibling(self, blob: str) -> AzureBlobSource:
-        """Another blob of the same container, sharing the endpoint and credentials."""
-        return AzureBlobSource(self._account, self._container, blob, self._settings_all, auth=self._auth)
+    def sibling(self, blob: str, *, pool: ConnectionPool | None = None) -> AzureBlobSource:
+        """Another blob of the same container, sharing the endpoint and credentials, and the connections of
+        ``pool`` (a later sibling's, while this one's are closed) or this one's."""
+        shared = self._pool if pool is None else pool
+        return AzureBlobSource(
+            self._account, self._container, blob, self._settings_all, auth=self._auth, pool=shared
+        )
 
     @property
     def identity(self) -> str:
@@ -264,9 +270,10 @@ class AzureStore(Store):
         return Directory(base, base, list_azure_prefix(base, settings))
 
     def opener(self, settings: SourceSettings) -> Opener:
-        """The blobs of one model share one credential (one token for every shard)."""
+        """The blobs of one model share one credential (one token for every shard) and their connections."""
         return shared_opener(
-            lambda uri: open_azure(uri, settings), lambda first, uri: first.sibling(parse_az_uri(uri)[2])
+            lambda uri: open_azure(uri, settings),
+            lambda first, uri, pool: first.sibling(parse_az_uri(uri)[2], pool=pool),
         )
 
 

@@ -42,7 +42,7 @@ from ._base import InterruptedReadError, ObjectInfo
 from ._body import read_document
 from ._checksums import StoreChecksum
 from ._cloud_errors import gcs_error, scrub
-from ._connections import Origin
+from ._connections import ConnectionPool, Origin
 from ._http import HttpObject, Target, _Exchange
 from ._responses import display_url, json_body
 from ._settings import GcsSettings, SourceSettings
@@ -242,23 +242,32 @@ class GcsSource(HttpObject):
         *,
         access: _Access | None = None,
         listing: bool = False,
+        pool: ConnectionPool | None = None,
     ) -> None:
-        """``listing``: this source only lists ``name`` (a prefix, empty for the bucket's top level)."""
+        """``listing``: this source only lists ``name`` (a prefix, empty for the bucket's top level).
+        ``pool``: a sibling's connections, to share."""
         if not name and not listing:
             raise SourceUriError(f"a GCS source is gs://BUCKET/OBJECT, got gs://{bucket}/")
         display = f"gs://{bucket}/{name}"
         self._bucket, self._name = bucket, name
         self._settings_all = settings
         self._access = access if access is not None else resolve_access(settings.gcs, display)
-        super().__init__(display, settings.http)
+        super().__init__(display, settings.http, pool=pool)
         self.supports_fd = HAVE_SPLICE and not self._access.origin.is_tls
         self._object_path = (
             f"{self._access.prefix}/storage/v1/b/{quote(bucket, safe='')}/o/{quote(name, safe='')}"
         )
 
-    def sibling(self, name: str) -> GcsSource:
-        """Another object of the same bucket, sharing the endpoint and credentials."""
-        return GcsSource(self._bucket, name, self._settings_all, access=self._access)
+    def sibling(self, name: str, *, pool: ConnectionPool | None = None) -> GcsSource:
+        """Another object of the same bucket, sharing the endpoint and credentials, and the connections of
+        ``pool`` (a later sibling's, while this one's are closed) or this one's."""
+        return GcsSource(
+            self._bucket,
+            name,
+            self._settings_all,
+            access=self._access,
+            pool=self._pool if pool is None else pool,
+        )
 
     @property
     def identity(self) -> str:
@@ -426,9 +435,11 @@ class GcsStore(Store):
         return Directory(base, base, list_gcs_prefix(base, settings))
 
     def opener(self, settings: SourceSettings) -> Opener:
-        """The objects of one model share one credential set-up (google-auth's ADC look-up and token)."""
+        """The objects of one model share one credential set-up (google-auth's ADC look-up and token) and
+        their connections."""
         return shared_opener(
-            lambda uri: open_gcs(uri, settings), lambda first, uri: first.sibling(parse_gs_uri(uri)[1])
+            lambda uri: open_gcs(uri, settings),
+            lambda first, uri, pool: first.sibling(parse_gs_uri(uri)[1], pool=pool),
         )
 
 

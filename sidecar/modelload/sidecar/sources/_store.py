@@ -20,12 +20,13 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Protocol, TypeVar
 from urllib.parse import quote
 
 from modelload.loader.errors import ConfigError, SourceNotFoundError
 
 from ._base import Source
+from ._connections import ConnectionPool
 from ._responses import display_url
 from ._settings import SourceSettings
 
@@ -41,6 +42,16 @@ __all__ = [
 ]
 
 S = TypeVar("S", bound=Source)
+
+
+class PooledSource(Source, Protocol):
+    """A source whose connections can be shared with its siblings' (an HTTP-based store's)."""
+
+    @property
+    def pool(self) -> ConnectionPool: ...
+
+
+P = TypeVar("P", bound=PooledSource)
 
 Opener = Callable[[str], Source]
 """Opens one file of a model by its URI (as :meth:`Directory.file_uri` gives it)."""
@@ -132,18 +143,26 @@ class Directory:
         return join_uri(self.uri, name)
 
 
-def shared_opener(first: Callable[[str], S], sibling: Callable[[S, str], S]) -> Callable[[str], S]:
-    """An opener whose first file is opened with ``first`` and every later one as ``sibling(first, uri)``:
-    the files of one model share one credential chain and endpoint resolution."""
-    opened: list[S] = []
+def shared_opener(
+    first: Callable[[str], P], sibling: Callable[[P, str, ConnectionPool], P]
+) -> Callable[[str], P]:
+    """An opener whose first file is opened with ``first`` and every later one as ``sibling(first, uri,
+    pool)``: the files of one model share one credential chain and endpoint resolution, and their
+    connections (``pool``: the last opened file's; a reader thread then keeps one connection per origin,
+    not one per file, and over TLS each connection saved is a handshake)."""
+    opened: list[P] = []
+    current: list[ConnectionPool] = []
     lock = threading.Lock()
 
-    def open_one(uri: str) -> S:
+    def open_one(uri: str) -> P:
         with lock:
             if opened:
-                return sibling(opened[0], uri)
-            opened.append(first(uri))
-            return opened[0]
+                source = sibling(opened[0], uri, current[0])
+            else:
+                source = first(uri)
+                opened.append(source)
+            current[:] = [source.pool]
+            return source
 
     return open_one
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,13 +26,12 @@ from modelload.loader.formats import SAFETENSORS_INDEX, WELL_KNOWN_SMALL_FILES
 from modelload.loader.localdir import list_local_directory
 
 from ._base import Source
-from ._connections import ConnectionPool
 from ._file import open_file
 from ._responses import display_url
 from ._retry import stat_source
-from ._s3 import S3Source, import_botocore, list_s3_prefix, open_s3, parse_s3_uri
+from ._s3 import import_botocore, list_s3_prefix, open_s3, parse_s3_uri
 from ._settings import SourceSettings
-from ._store import Directory, Opener, Store, join_uri
+from ._store import Directory, Opener, Store, join_uri, shared_opener
 from ._url import http_opener, open_http
 
 __all__ = ["FactoryStore", "FileStore", "HttpStore", "S3Store", "local_path"]
@@ -193,21 +191,10 @@ class S3Store(Store):
         """The files of one model share one endpoint resolution and credential chain (botocore's session
         set-up costs about 0.1 s a file, which a directory of shards would pay per shard), and their
         connections (see :func:`~._url.http_opener`)."""
-        first: list[S3Source] = []
-        current: list[ConnectionPool] = []
-        lock = threading.Lock()
-
-        def open_one(uri: str) -> Source:
-            with lock:
-                if first:
-                    source = first[0].sibling(parse_s3_uri(uri)[1], pool=current[0])
-                else:
-                    source = open_s3(uri, settings)
-                    first.append(source)
-                current[:] = [source.pool]
-                return source
-
-        return open_one
+        return shared_opener(
+            lambda uri: open_s3(uri, settings),
+            lambda first, uri, pool: first.sibling(parse_s3_uri(uri)[1], pool=pool),
+        )
 
 
 class FactoryStore(Store):
