@@ -118,12 +118,11 @@ class AzureBlobSource(HttpObject):
         self.supports_fd = HAVE_SPLICE and not self._origin.is_tls
         self._blob_path = f"{self._base}/{quote(container, safe='')}/{quote(blob, safe='/~')}"
 
-    def sibling(self, blob: str, *, pool: ConnectionPool | None = None) -> AzureBlobSource:
+    def sibling(self, blob: str, *, pool: ConnectionPool) -> AzureBlobSource:
         """Another blob of the same container, sharing the endpoint and credentials, and the connections of
-        ``pool`` (a later sibling's, while this one's are closed) or this one's."""
-        shared = self._pool if pool is None else pool
+        ``pool`` (see :func:`~._store.shared_opener`)."""
         return AzureBlobSource(
-            self._account, self._container, blob, self._settings_all, auth=self._auth, pool=shared
+            self._account, self._container, blob, self._settings_all, auth=self._auth, pool=pool
         )
 
     @property

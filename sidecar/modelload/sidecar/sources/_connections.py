@@ -5,7 +5,7 @@ body can be read with ``recv_into`` straight into the caller's buffer (or splice
 2.5-3.3 GiB/s here against 0.9 for urllib3-based clients that read into a new bytes object and copy.
 
 One connection per thread keeps the pool lock-free on the hot path and makes the pool exactly as large as the
-reader count; the files of one model share a pool (``_url.http_opener``, ``S3Store.opener``), so that is one
+reader count; the files of one model share a pool (``_store.shared_opener``), so that is one
 connection per thread whatever the shard count. A pool remembers every connection it opened so
 :meth:`ConnectionPool.close` can close them all.
 """

@@ -258,16 +258,10 @@ class GcsSource(HttpObject):
             f"{self._access.prefix}/storage/v1/b/{quote(bucket, safe='')}/o/{quote(name, safe='')}"
         )
 
-    def sibling(self, name: str, *, pool: ConnectionPool | None = None) -> GcsSource:
+    def sibling(self, name: str, *, pool: ConnectionPool) -> GcsSource:
         """Another object of the same bucket, sharing the endpoint and credentials, and the connections of
-        ``pool`` (a later sibling's, while this one's are closed) or this one's."""
-        return GcsSource(
-            self._bucket,
-            name,
-            self._settings_all,
-            access=self._access,
-            pool=self._pool if pool is None else pool,
-        )
+        ``pool`` (see :func:`~._store.shared_opener`)."""
+        return GcsSource(self._bucket, name, self._settings_all, access=self._access, pool=pool)
 
     @property
     def identity(self) -> str:

@@ -233,16 +233,10 @@ class S3Source(HttpObject):
         super().__init__(display, settings.http, ca_bundle=self._access.ca_bundle, pool=pool)
         self.supports_fd = HAVE_SPLICE and not self._location.origin.is_tls
 
-    def sibling(self, key: str, *, pool: ConnectionPool | None = None) -> S3Source:
-        """Another object of the same bucket, sharing this source's endpoint and credentials, and its
-        connections (or ``pool``'s, a later sibling's while this one's are closed)."""
-        return S3Source(
-            self._bucket,
-            key,
-            self._settings_all,
-            access=self._access,
-            pool=self._pool if pool is None else pool,
-        )
+    def sibling(self, key: str, *, pool: ConnectionPool) -> S3Source:
+        """Another object of the same bucket, sharing this source's endpoint and credentials, and the
+        connections of ``pool`` (see :func:`~._store.shared_opener`)."""
+        return S3Source(self._bucket, key, self._settings_all, access=self._access, pool=pool)
 
     @property
     def location(self) -> S3Location:

@@ -149,7 +149,9 @@ def shared_opener(
     """An opener whose first file is opened with ``first`` and every later one as ``sibling(first, uri,
     pool)``: the files of one model share one credential chain and endpoint resolution, and their
     connections (``pool``: the last opened file's; a reader thread then keeps one connection per origin,
-    not one per file, and over TLS each connection saved is a handshake)."""
+    not one per file, and over TLS each connection saved is a handshake). A file opened after all the
+    others were closed (a model's index, read and closed first) starts the pool the next ones share
+    (:meth:`ConnectionPool.share`)."""
     opened: list[P] = []
     current: list[ConnectionPool] = []
     lock = threading.Lock()

@@ -32,7 +32,7 @@ from ._retry import stat_source
 from ._s3 import import_botocore, list_s3_prefix, open_s3, parse_s3_uri
 from ._settings import SourceSettings
 from ._store import Directory, Opener, Store, join_uri, shared_opener
-from ._url import http_opener, open_http
+from ._url import HttpSource, open_http
 
 __all__ = ["FactoryStore", "FileStore", "HttpStore", "S3Store", "local_path"]
 
@@ -107,8 +107,11 @@ class HttpStore(Store):
 
     def opener(self, settings: SourceSettings) -> Opener:
         """The files of one model share their connections (a reader thread keeps one per origin, not one
-        per file)."""
-        return http_opener(settings)
+        per file); each sends its own URL, headers and credentials, as :class:`HttpSource` gives them."""
+        return shared_opener(
+            lambda uri: HttpSource(uri, settings.http),
+            lambda _first, uri, pool: HttpSource(uri, settings.http, pool=pool),
+        )
 
     def is_directory(self, uri: str) -> bool:
         return urlsplit(uri).path.endswith("/")
@@ -190,7 +193,7 @@ class S3Store(Store):
     def opener(self, settings: SourceSettings) -> Opener:
         """The files of one model share one endpoint resolution and credential chain (botocore's session
         set-up costs about 0.1 s a file, which a directory of shards would pay per shard), and their
-        connections (see :func:`~._url.http_opener`)."""
+        connections (see :func:`~._store.shared_opener`)."""
         return shared_opener(
             lambda uri: open_s3(uri, settings),
             lambda first, uri, pool: first.sibling(parse_s3_uri(uri)[1], pool=pool),

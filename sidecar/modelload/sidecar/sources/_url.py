@@ -11,7 +11,7 @@ from __future__ import annotations
 import base64
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from urllib.parse import unquote, urlsplit
 
 from modelload.loader.errors import (
@@ -28,7 +28,7 @@ from ._responses import display_url, status_text
 from ._settings import HttpSettings, SourceSettings
 from ._splice import HAVE_SPLICE
 
-__all__ = ["HttpSource", "http_opener", "open_http"]
+__all__ = ["HttpSource", "open_http"]
 
 _log = logging.getLogger("modelload.sidecar.sources")
 
@@ -181,20 +181,3 @@ def _request_path(url: str) -> str:
 def open_http(uri: str, settings: SourceSettings) -> HttpSource:
     """The registry's factory for ``http://`` and ``https://`` URLs."""
     return HttpSource(uri, settings.http)
-
-
-def http_opener(settings: SourceSettings) -> Callable[[str], HttpSource]:
-    """Opens the files of one model so that they share their connections (a reader thread keeps one per
-    origin, not one per file): each its own URL, headers and credentials, as :class:`HttpSource` gives
-    them. A file opened after all the others were closed (a model's index, read and closed first) starts
-    the connections the next ones share."""
-    current: list[ConnectionPool] = []
-    lock = threading.Lock()
-
-    def open_one(uri: str) -> HttpSource:
-        with lock:
-            source = HttpSource(uri, settings.http, pool=current[0] if current else None)
-            current[:] = [source.pool]
-            return source
-
-    return open_one
