@@ -127,7 +127,6 @@ class Readers:
         self.stop = context.stop
         self._lock = threading.Lock()
         self._remaining = plan.chunk_counts.copy()
-        self._spread = _chunks_of_cut_tensors(plan)
         proofs = proofs or []
         self.prover = proof.Prover(proofs, plan, model.sources, [info.size for info in model.infos])
         self._proofs = proofs
@@ -153,7 +152,8 @@ class Readers:
         # The CRC-32 taken as bytes land is recorded unless a peer's bytes are checked after landing or a
         # tensorizer record's slot changes when it is finished (see _publish).
         self._crc_landing = context.peers is None and plan.index.format != "tensorizer"
-        # A tensor cut across chunks: each piece's CRC-32 as it landed, combined once the tensor is all in.
+        # A tensor cut across chunks: its pieces (publishing it re-checks all their chunks), and each piece's
+        # CRC-32 as it landed, combined once the tensor is all in.
         self._cut = _pieces_of_cut_tensors(plan)
         self._piece_crcs: dict[int, int] = {}
         # Where landing a range through a buffer, its CRC-32s taken there, costs less than splicing it and
@@ -372,7 +372,7 @@ class Readers:
             if plan.chunks[seq].file not in self._sampled:
                 return  # (a chunk's tensors are all of its file: so are the chunks of any cut among them)
             cut = tensors[plan.chunk_counts[tensors] > 1].tolist()  # few: the range's first and last at most
-            spread = [c for t in cut for c in self._spread.get(t, ())]
+            spread = [int(plan.pieces.chunk[piece]) for t in cut for piece in self._cut.get(t, ())]
             chunks = [plan.chunks[c] for c in sorted({seq, *spread})]
             context = self.context
             integrity.check_chunks(
@@ -420,8 +420,8 @@ class _Picked(Sequence[str]):
 
 
 def _pieces_of_cut_tensors(plan: LoadPlan) -> dict[int, list[int]]:
-    """The pieces of each tensor that is cut across several chunks, in file order: its CRC-32 is made from
-    theirs."""
+    """The pieces of each tensor that is cut across several chunks (a tensor larger than a chunk), in file
+    order: its CRC-32 is made from theirs, and publishing it re-checks all their chunks."""
     pieces = plan.pieces
     cut = np.flatnonzero(plan.chunk_counts[pieces.tensor] > 1)
     cut = cut[np.lexsort((pieces.src[cut], pieces.tensor[cut]))]
@@ -429,14 +429,3 @@ def _pieces_of_cut_tensors(plan: LoadPlan) -> dict[int, list[int]]:
     for tensor, piece in zip(pieces.tensor[cut].tolist(), cut.tolist(), strict=True):
         grouped.setdefault(tensor, []).append(piece)
     return grouped
-
-
-def _chunks_of_cut_tensors(plan: LoadPlan) -> dict[int, list[int]]:
-    """The chunks of each tensor that is cut across several (a tensor larger than a chunk), by load order:
-    publishing it re-checks them all."""
-    pieces = plan.pieces
-    cut = np.flatnonzero(plan.chunk_counts[pieces.tensor] > 1)
-    spread: dict[int, list[int]] = {}
-    for tensor, chunk in zip(pieces.tensor[cut].tolist(), pieces.chunk[cut].tolist(), strict=True):
-        spread.setdefault(tensor, []).append(chunk)
-    return spread
