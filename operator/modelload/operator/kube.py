@@ -40,6 +40,7 @@ __all__ = [
     "KubeNotFoundError",
     "KubeUnavailableError",
     "load_configuration",
+    "owner_uids",
 ]
 
 REQUEST_TIMEOUT = 8.0
@@ -87,6 +88,12 @@ def load_configuration() -> Any:
     except config.ConfigException:
         config.load_kube_config(client_configuration=configuration)
     return configuration
+
+
+def owner_uids(obj: Mapping[str, Any]) -> list[str]:
+    """The uids in an object's ``metadata.ownerReferences``."""
+    owners = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return [str(owner.get("uid")) for owner in owners if isinstance(owner, Mapping)]
 
 
 class Kube:
@@ -151,8 +158,7 @@ class Kube:
         secret = await self._call(
             f"get Secret {namespace}/{name}", self._core.read_namespaced_secret, name, namespace
         )
-        owners = (secret.get("metadata") or {}).get("ownerReferences") or []
-        return [str(owner.get("uid")) for owner in owners if isinstance(owner, Mapping)]
+        return owner_uids(secret)
 
     async def create_secret(self, namespace: str, body: Mapping[str, Any]) -> None:
         what = f"create Secret {namespace}/{body['metadata']['name']}"

@@ -20,7 +20,7 @@ from typing import Any
 
 from modelload.loader.errors import ModelloadError
 from modelload.loader.wiring import PEER_PORT
-from modelload.operator.kube import Kube, KubeConflictError
+from modelload.operator.kube import Kube, KubeConflictError, owner_uids
 from modelload.operator.schema import GROUP, MODEL_LABEL, VERSION
 
 __all__ = [
@@ -149,8 +149,8 @@ async def _ensure_service(kube: Kube, namespace: str, service: Mapping[str, Any]
     except KubeConflictError:  # made earlier (by this operator, or another replica), or not ours
         pass
     existing = await kube.read_service(namespace, name)
-    owners = (existing.get("metadata") or {}).get("ownerReferences") or []
-    if uid and uid not in [str(owner.get("uid")) for owner in owners if isinstance(owner, Mapping)]:
+    owners = owner_uids(existing)
+    if uid and uid not in owners:
         whose = "owned by another ModelLoad (not collected yet)" if owners else "not the operator's"
         raise PeersServiceTakenError(
             f"the Service {name!r}, through which this model's sidecars find each other, exists and is "
