@@ -47,8 +47,8 @@ def _address(view: memoryview) -> int | None:
 
 class LandedCrcs:
     """A :func:`~modelload.sidecar.sources.watch_landing` watcher over the pieces of one range (``views``, in
-    range order; ``hashed`` per piece: the piece is all tensor data, so its CRC is the slot's or a part of it
-    that the readers combine with its other pieces)."""
+    range order; ``hashed`` per piece: take its CRC. The readers mark the pieces that are all of their
+    tensor, whose CRC is the slot's)."""
 
     __slots__ = ("_at", "_crcs", "_ends", "_hashed", "_parts", "_piece", "_received", "_starts")
 

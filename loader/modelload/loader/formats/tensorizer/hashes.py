@@ -104,8 +104,7 @@ def _apply(operator: tuple[int, ...], register: int) -> int:
 def _zero_bytes(power: int) -> tuple[int, ...]:
     """The map that appending 2**``power`` zero bytes applies to the register."""
     if power == 0:
-        one_bit = (_REVERSED_POLYNOMIAL, *(1 << bit for bit in range(31)))  # shift right, fold the bit out
-        operator = one_bit
+        operator = (_REVERSED_POLYNOMIAL, *(1 << bit for bit in range(31)))  # one bit: shift right, fold it
         for _ in range(3):  # 1, 2, 4, then 8 bits
             operator = tuple(_apply(operator, image) for image in operator)
         return operator
