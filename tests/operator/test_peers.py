@@ -277,3 +277,50 @@ async def test_a_peers_service_that_is_not_this_modelloads_is_a_condition_until_
     made = current(kube, "v1/services", NAMESPACE, "tiny-peers")
     assert made is not None and made["metadata"]["ownerReferences"][0]["uid"] == "new-uid"
     assert made["spec"]["selector"] == {"modelload.dev/model": "tiny"}
+
+
+class _Racing:
+    """The API server as the operator meets it when a team deletes its Service (or the collector a
+    predecessor's) between the operator's create and its read: the create is refused as existing, the read
+    finds nothing. ``deletions`` such rounds, then the create goes through."""
+
+    def __init__(self, deletions: int) -> None:
+        self.deletions = deletions
+        self.created: list[str] = []
+
+    async def create_secret(self, namespace: str, body: dict[str, Any]) -> None:
+        self.created.append(body["metadata"]["name"])
+
+    async def create_service(self, namespace: str, body: dict[str, Any]) -> None:
+        from modelload.operator.kube import KubeConflictError
+
+        if self.deletions:
+            raise KubeConflictError(f"create Service {namespace}/{body['metadata']['name']}: HTTP 409")
+        self.created.append(body["metadata"]["name"])
+
+    async def read_service(self, namespace: str, name: str) -> dict[str, Any]:
+        from modelload.operator.kube import KubeNotFoundError
+
+        self.deletions -= 1
+        raise KubeNotFoundError(f"get Service {namespace}/{name}: HTTP 404 Not Found")
+
+
+def _peered(name: str = "tiny") -> dict[str, Any]:
+    return {"metadata": {"name": name, "namespace": NAMESPACE, "uid": "uid-1"}}
+
+
+async def test_a_peers_service_deleted_between_the_create_and_the_read_is_created_again() -> None:
+    from modelload.operator.peers import ensure_peer_objects
+
+    kube = _Racing(deletions=1)
+    await ensure_peer_objects(kube, namespace=NAMESPACE, body=_peered(), label_value="tiny")  # type: ignore[arg-type]
+    assert kube.created == ["tiny-peers", "tiny-peers"]  # the Secret, then the Service on the second try
+
+
+async def test_a_peers_service_that_keeps_coming_and_going_is_retried_not_a_permanent_404() -> None:
+    from modelload.operator.kube import KubeUnavailableError
+    from modelload.operator.peers import ensure_peer_objects
+
+    kube = _Racing(deletions=10)
+    with pytest.raises(KubeUnavailableError, match="deleted each time"):
+        await ensure_peer_objects(kube, namespace=NAMESPACE, body=_peered(), label_value="tiny")  # type: ignore[arg-type]

@@ -15,12 +15,18 @@ import base64
 import hashlib
 import re
 import secrets
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 from modelload.loader.errors import ModelloadError
 from modelload.loader.wiring import PEER_PORT
-from modelload.operator.kube import Kube, KubeConflictError, owner_uids
+from modelload.operator.kube import (
+    Kube,
+    KubeConflictError,
+    KubeNotFoundError,
+    KubeUnavailableError,
+    owner_uids,
+)
 from modelload.operator.schema import GROUP, MODEL_LABEL, VERSION
 
 __all__ = [
@@ -33,6 +39,8 @@ __all__ = [
     "service_body",
     "token_secret_body",
 ]
+
+T = TypeVar("T")
 
 PEER_VOLUME = "modelload-peer-token"
 PEER_DIR = "/var/run/secrets/modelload/peer"
@@ -119,23 +127,45 @@ async def ensure_peer_objects(
     meta = body.get("metadata") or {}
     name, uid = str(meta.get("name")), str(meta.get("uid") or "")
     secret = token_secret_body(name=name, uid=uid)
-    try:
-        await kube.create_secret(namespace, secret)
-    except KubeConflictError:  # made earlier (by this operator, or another replica), or not ours
-        owners = await kube.secret_owners(namespace, secret["metadata"]["name"])
-        if uid and uid not in owners:
-            whose = (
-                "owned by another ModelLoad (one deleted and not collected yet, when this one was created "
-                "again)"
-                if owners
-                else "not the operator's (a Secret of the namespace's own)"
-            )
-            raise PeersSecretTakenError(
-                f"the Secret {secret['metadata']['name']!r}, which this model's sidecars would take their "
-                f"peer token from, exists and is {whose}: retrying; if it stays, delete it (or rename this "
-                "ModelLoad)"
-            ) from None
+    owners = await _create_or_read(
+        lambda: kube.create_secret(namespace, secret),
+        lambda: kube.secret_owners(namespace, secret["metadata"]["name"]),
+    )
+    if owners is not None and uid and uid not in owners:
+        whose = (
+            "owned by another ModelLoad (one deleted and not collected yet, when this one was created again)"
+            if owners
+            else "not the operator's (a Secret of the namespace's own)"
+        )
+        raise PeersSecretTakenError(
+            f"the Secret {secret['metadata']['name']!r}, which this model's sidecars would take their "
+            f"peer token from, exists and is {whose}: retrying; if it stays, delete it (or rename this "
+            "ModelLoad)"
+        )
     await _ensure_service(kube, namespace, service_body(name=name, uid=uid, label_value=label_value), uid=uid)
+
+
+_CREATE_TRIES = 3
+
+
+async def _create_or_read(
+    create: Callable[[], Awaitable[None]], read: Callable[[], Awaitable[T]]
+) -> T | None:
+    """Create an object, or read the one already there: None when this call made it. A create refused as
+    existing and a read that then finds nothing means the object was deleted in between (a team removing
+    its own Service, the collector taking a predecessor's): create again rather than fail the handler on a
+    404 that no longer says anything about the object; one that keeps coming and going is retried later."""
+    for _ in range(_CREATE_TRIES):
+        try:
+            await create()
+            return None
+        except KubeConflictError:  # made earlier (by this operator, or another replica), or not ours
+            pass
+        try:
+            return await read()
+        except KubeNotFoundError:
+            continue
+    raise KubeUnavailableError("the object was deleted each time it was found to exist: retrying")
 
 
 async def _ensure_service(kube: Kube, namespace: str, service: Mapping[str, Any], *, uid: str) -> None:
@@ -143,12 +173,11 @@ async def _ensure_service(kube: Kube, namespace: str, service: Mapping[str, Any]
     model now: ``spec.podLabelValue`` may have changed since it was made, and a Service still selecting the
     old value would give the sidecars no peer (or pods that no longer ask for this model)."""
     name = service["metadata"]["name"]
-    try:
-        await kube.create_service(namespace, service)
+    existing = await _create_or_read(
+        lambda: kube.create_service(namespace, service), lambda: kube.read_service(namespace, name)
+    )
+    if existing is None:
         return
-    except KubeConflictError:  # made earlier (by this operator, or another replica), or not ours
-        pass
-    existing = await kube.read_service(namespace, name)
     owners = owner_uids(existing)
     if uid and uid not in owners:
         whose = "owned by another ModelLoad (not collected yet)" if owners else "not the operator's"
@@ -160,7 +189,12 @@ async def _ensure_service(kube: Kube, namespace: str, service: Mapping[str, Any]
     selector = (existing.get("spec") or {}).get("selector") or {}
     if selector != wanted:  # a merge patch: keys no longer wanted are removed by a null
         patch = {**dict.fromkeys(set(selector) - set(wanted)), **wanted}
-        await kube.patch_service(namespace, name, {"spec": {"selector": patch}})
+        try:
+            await kube.patch_service(namespace, name, {"spec": {"selector": patch}})
+        except KubeNotFoundError:  # deleted since the read: the retry creates it
+            raise KubeUnavailableError(
+                f"the Service {name!r} was deleted while being updated: retrying"
+            ) from None
 
 
 def peer_env(*, name: str, namespace: str) -> list[dict[str, str]]:
