@@ -17,7 +17,10 @@ def main() -> None:
         skip_tokenizer_init=True,
         dtype="bfloat16",
         enforce_eager=True,
-        gpu_memory_utilization=0.05,
+        # The KV cache's size, not a fraction of the machine's memory: vLLM's CPU backend takes the fraction
+        # of the NUMA node's memory, less the process's RSS, and the process maps the segment, so on a node of
+        # 12 GiB 5% left a negative cache and the engine refused to start.
+        kv_cache_memory_bytes=256 << 20,
         max_model_len=256,
         seed=0,
     )
