@@ -63,7 +63,7 @@ CASES: dict[str, tuple[Mutation, type[Exception], str]] = {
     "cut inside the data": (lambda d: d[:16384], SegmentLayoutError, "the file is 16384"),
     "longer than declared": (lambda d: d + bytes(4096), SegmentLayoutError, "the file is 24576"),
     "bad magic": (lambda d: b"GGUF" + d[4:], SegmentLayoutError, "not a modelload segment"),
-    "future layout version": (put("<I", 8, 5), SegmentVersionError, "version 5 is not known"),
+    "future layout version": (put("<I", 8, 6), SegmentVersionError, "version 6 is not known"),
     "zero layout version": (put("<I", 8, 0), SegmentVersionError, "install the modelload loader"),
     "wrong header length": (put("<I", 12, 8192), SegmentLayoutError, "header length 8192"),
     "wrong alignment": (put("<I", 44, 512), SegmentLayoutError, "alignment 512"),

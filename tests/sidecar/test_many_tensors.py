@@ -140,9 +140,11 @@ def test_the_shards_of_a_directory_share_one_tuple_per_distinct_shape_and_each_t
     assert len({id(shape) for shape in table.shapes}) == len(set(table.shapes)) < len(table)
 
 
+@pytest.mark.parametrize("slots", ["paged", "packed"])
 @pytest.mark.parametrize("origin", ["file", "nginx"])
 def test_small_tensors_land_through_the_descriptor_a_window_at_a_time_byte_exact(
     origin: str,
+    slots: str,
     weights: dict[str, torch.Tensor],
     content: dict[str, bytes],
     tmp_path: Path,
@@ -152,7 +154,8 @@ def test_small_tensors_land_through_the_descriptor_a_window_at_a_time_byte_exact
 ) -> None:
     """Through the descriptor, a range of many small tensors goes into the segment file with a ``pwritev`` a
     window, never through the mapping: every tensor byte-exact at its slot, with the CRC-32 its state
-    entry records (taken on the way for whole tensors, from the slot for cut ones)."""
+    entry records (taken on the way for whole tensors, from the slot for cut ones); in a segment whose slots
+    are a page each, and in a packed one (layout version 5, slots on 64 bytes)."""
     import zlib
 
     from modelload.loader.segment.reader import SegmentReader
@@ -177,11 +180,14 @@ def test_small_tensors_land_through_the_descriptor_a_window_at_a_time_byte_exact
         for name, data in content.items():
             server.put(f"window/{name}", data)
         source = server.url("window/")
-    load(source, shm_dir / "moe.seg", readers=4, landing="splice")
+    load(source, shm_dir / "moe.seg", readers=4, landing="splice", slots=slots)
     models.assert_segment_matches(shm_dir / "moe.seg", weights)
     reader = SegmentReader.open(shm_dir / "moe.seg")
     try:
         recorded = {slot.name: reader.crc32(slot.index) for slot in reader.slots}
+        assert reader.header.layout_version == (5 if slots == "packed" else 2)
+        assert reader.header.alignment == (64 if slots == "packed" else 4096)
+        assert not any(slot.offset % reader.header.alignment for slot in reader.slots)
     finally:
         reader.close()
     assert recorded == {name: zlib.crc32(models.as_bytes(t)) for name, t in weights.items()}
@@ -211,6 +217,21 @@ def requests_answered(log: Path, since: int, marker: str) -> tuple[list[str], in
         lines = text.read().decode(errors="replace").splitlines()
     lines = lines[: next(i for i, line in enumerate(lines) if marker in line)]
     return lines, sum(1 for line in lines if '" 404 ' in line)
+
+
+def test_a_packed_segment_lands_thousands_of_tensors_through_the_mapping_byte_exact(
+    weights: dict[str, torch.Tensor], content: dict[str, bytes], logged_nginx: Any, shm_dir: Path
+) -> None:
+    # The mapping's scattering reads (huge pages, HTTPS) into slots 64 bytes apart, sharing their pages.
+    from modelload.loader.segment.reader import SegmentReader
+
+    server, _ = logged_nginx
+    for name, data in content.items():
+        server.put(f"mapped/{name}", data)
+    load(server.url("mapped/"), shm_dir / "moe.seg", readers=4, landing="mapping", slots="packed")
+    models.assert_segment_matches(shm_dir / "moe.seg", weights)
+    with SegmentReader.open(shm_dir / "moe.seg") as reader:
+        assert reader.header.layout_version == 5
 
 
 def test_an_http_directory_of_thousands_of_tensors_loads_byte_exact_with_a_bounded_request_count(

@@ -214,6 +214,12 @@ def test_booleans_accept_the_usual_spellings(text: str, expected: bool) -> None:
             {"MODELLOAD_PASSWORD_FILE": "p"},
             r"both a key file \(--key-file/MODELLOAD_KEY_FILE\) and a password file",
         ),
+        ([*SOURCE, "--slots", "tight"], {}, r"--slots: expected one of auto, packed, paged"),
+        (
+            [*SOURCE, "--slots", "packed", "--memory-mode", "ring", "--ring-size", "1GiB"],
+            {},
+            r"--slots packed needs --memory-mode full: memory mode ring",
+        ),
         ([*SOURCE, "--readers"], {}, r"--readers: expected one argument"),
         ([*SOURCE, "--reader", "4", "extra"], {}, r"unknown arguments: --reader 4 extra"),
     ],
@@ -223,6 +229,21 @@ def test_a_bad_value_is_refused_naming_its_flag_or_variable(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         parse_settings(argv, environ=environ)
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "packed"),
+    [
+        (SOURCE, {}, None),  # auto: the layout decides by the padding pages would add
+        ([*SOURCE, "--slots", "packed"], {}, True),
+        (SOURCE, {"MODELLOAD_SLOTS": "paged"}, False),
+        ([*SOURCE, "--memory-mode", "release"], {}, False),  # a tensor's pages go back: never packed
+    ],
+)
+def test_slots_reach_the_layout_as_packed_paged_or_its_choice(
+    argv: list[str], environ: dict[str, str], packed: bool | None
+) -> None:
+    assert parse_settings(argv, environ=environ).engine.packed is packed
 
 
 def test_settings_built_in_code_are_checked_too() -> None:

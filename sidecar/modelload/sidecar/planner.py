@@ -205,13 +205,15 @@ def plan_load(
     span_limit: int | None = None,
     page_size: int = ALIGNMENT,
     readers: int = 1,
+    packed: bool | None = None,
 ) -> LoadPlan:
     """Plan the segment and the range requests for loading ``index``'s model, for a volume of
     ``page_size``-byte pages (``modelload.loader.segment.pages``).
 
     A chunk holds whole tensors that are neighbours in their file and in load order, as long as it stays
     within ``chunk_size`` bytes of the file and, when given, ``span_limit`` bytes of the segment (its slots
-    with their padding: ring mode passes its ring size, so a chunk always fits in the ring).
+    with their padding: ring mode passes its ring size, so a chunk always fits in the ring). ``packed``: the
+    layout's (:func:`~modelload.loader.segment.plan_layout`), None to pack where pages would pad too much.
 
     With ``readers`` > 1, the load's last ``readers`` chunks' worth of bytes (at most a fifth of the model) is
     cut in half-size chunks: otherwise the last wave of full-size ranges keeps a few readers busy while the
@@ -227,6 +229,7 @@ def plan_load(
         metadata={"format": index.format, **(metadata or {})},
         files=index.files,
         page_size=page_size,
+        packed=packed,
     )
     order = np.arange(len(index.tensors), dtype=np.int32)  # file order, unless priorities come first
     if priority:

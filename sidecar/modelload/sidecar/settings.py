@@ -340,6 +340,13 @@ OPTIONS: tuple[Option, ...] = (
         " splice or mapping", parse=parse_word,
     ),
     Option(
+        "engine.slots", "--slots", "MODELLOAD_SLOTS",
+        "where tensor slots start: auto (packed where pages would add over 8 MiB and 1 percent of"
+        " padding), packed (64 bytes; layout version 5) or paged (a page each; versions 1-2, which older"
+        " loaders read)",
+        parse=parse_word,
+    ),
+    Option(
         "engine.memory.mode", "--memory-mode", "MODELLOAD_MEMORY_MODE",
         "full keeps the model; release frees each tensor once every consumer copied it; ring holds at most"
         " --ring-size", parse=parse_word,

@@ -36,6 +36,7 @@ from modelload.loader.segment.layout import (
     MAX_TENSORS,
     OFF_ERROR_LENGTH,
     OFF_WRITER_STATE,
+    PACKED_ALIGNMENT,
     STATE_ENTRY_LENGTH,
     Header,
     MemoryMode,
@@ -50,12 +51,14 @@ _MANIFEST_KEYS = {
     2: frozenset({"tensors", "metadata", "files"}),
     3: frozenset({"tensors", "metadata", "files"}),
     4: frozenset({"tensors", "metadata", "files"}),
+    5: frozenset({"tensors", "metadata", "files"}),
 }
 _TENSOR_KEYS = {
     1: frozenset({"name", "dtype", "shape", "offset", "nbytes", "sha256"}),
     2: frozenset({"name", "dtype", "shape", "offset", "nbytes", "sha256", "file"}),
     3: frozenset({"name", "dtype", "shape", "offset", "nbytes", "sha256", "file"}),
     4: frozenset({"name", "dtype", "shape", "offset", "nbytes", "sha256", "file"}),
+    5: frozenset({"name", "dtype", "shape", "offset", "nbytes", "sha256", "file"}),
 }
 _REQUIRED_KEYS = frozenset({"name", "dtype", "shape", "offset", "nbytes"})
 _HEX = frozenset("0123456789abcdef")
@@ -103,7 +106,12 @@ def parse_header(buf: bytes | memoryview, *, file_size: int) -> Header:
         )
     if header_length != HEADER_LENGTH:
         raise _fail(f"header length {header_length}, expected {HEADER_LENGTH}")
-    if alignment != ALIGNMENT:
+    if version == 5:  # packed: slots on a power of two from 64 bytes to a page
+        if not PACKED_ALIGNMENT <= alignment <= ALIGNMENT or alignment & (alignment - 1):
+            raise _fail(
+                f"alignment {alignment}, expected a power of two from {PACKED_ALIGNMENT} to {ALIGNMENT}"
+            )
+    elif alignment != ALIGNMENT:
         raise _fail(f"alignment {alignment}, expected {ALIGNMENT}")
     if segment_length != file_size:
         raise _fail(f"header says the segment is {segment_length} bytes, the file is {file_size}")
@@ -118,7 +126,7 @@ def parse_header(buf: bytes | memoryview, *, file_size: int) -> Header:
     if data_offset % ALIGNMENT or data_offset < state_offset + STATE_ENTRY_LENGTH * tensor_count:
         raise _fail(f"data offset {data_offset} is unaligned or inside the state table")
     memory_mode, ring_size = _parse_memory(version, reserved)
-    if version >= 4:  # the data region is a ring: the file ends with it, whatever the model's size
+    if version == 4:  # the data region is a ring: the file ends with it, whatever the model's size
         if data_offset + ring_size != segment_length:
             raise _fail(
                 f"a ring segment is its tables and then its ring: {data_offset} + {ring_size} bytes, but the "
@@ -151,13 +159,14 @@ def parse_header(buf: bytes | memoryview, *, file_size: int) -> Header:
         layout_version=version,
         memory_mode=memory_mode,
         ring_size=ring_size,
+        alignment=alignment,
     )
 
 
 def _parse_memory(version: int, reserved: bytes) -> tuple[MemoryMode, int]:
     """Bytes 96-127: reserved (zero) before version 3; memory mode and ring size from version 3 on (version 4
-    is always a ring)."""
-    if version < 3:
+    is always a ring). Version 5 (packed) is memory mode full: reserved, as before version 3."""
+    if version < 3 or version == 5:
         if any(reserved):
             raise _fail("reserved header bytes are not zero")
         return MemoryMode.FULL, 0
@@ -274,7 +283,7 @@ def _parse_slots_at_once(entries: list[Any], header: Header, file_count: int) ->
     if (
         (offset < header.data_offset).any()
         or (nbytes < 0).any()
-        or (offset % ALIGNMENT).any()
+        or (offset % header.alignment).any()
         or (nbytes > data_end - offset).any()
         or (header.ring and (nbytes > header.ring_size).any())
     ):
@@ -363,8 +372,8 @@ def _parse_slot(index: int, entry: object, header: Header, file_count: int) -> S
             f"{label}: shape {shape} holds no element, but its other dimensions span more than 2**63 - 1 "
             "bytes, which no array can be shaped as"
         )
-    if offset % ALIGNMENT:
-        raise _fail(f"{label}: offset {offset} is not a multiple of {ALIGNMENT}")
+    if offset % header.alignment:
+        raise _fail(f"{label}: offset {offset} is not a multiple of {header.alignment}")
     data_end = header.data_offset + header.data_length
     if offset < header.data_offset or offset + nbytes > data_end:
         raise _fail(f"{label}: slot [{offset}, {offset + nbytes}) lies outside the data region")

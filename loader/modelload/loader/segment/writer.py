@@ -185,7 +185,9 @@ class SegmentWriter:
             mm = _map(fd, layout, target)
             writer = cls(target, layout, fd, mm, load_id, volume)
             writer._write_prologue(created_ns)
-            if layout.layout_version >= 3:  # the consumer table first: a version-3 or -4 reader looks for it
+            if (
+                layout.memory_mode != MemoryMode.FULL
+            ):  # the consumer table first: a version-3 or -4 reader looks for it
                 create_table(target, load_id=load_id, tensor_count=len(layout.slots))
             if lock is not None:
                 lock.update(load_id=load_id)

@@ -260,6 +260,7 @@ class Engine:
             span_limit=settings.memory.ring_size or None,  # ring mode: a chunk always fits in the ring
             page_size=page_size,
             readers=settings.readers,
+            packed=settings.packed,
         )
         return plan_memory(plan, settings.memory)
 

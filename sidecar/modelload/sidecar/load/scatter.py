@@ -1,7 +1,8 @@
 """Landing a range of many small tensors through the segment's file descriptor, a few system calls a MiB.
 
 A chunk of neighbouring small tensors (a mixture of experts: thousands of 4-16 KiB tensors a shard) is one
-range of its weight file, but each tensor goes to its own slot, 4096-byte aligned, in the segment. Spliced,
+range of its weight file, but each tensor goes to its own slot in the segment (on a page, or in a packed
+segment the next 64-byte boundary: :data:`~modelload.loader.segment.PACKED_ALIGNMENT`). Spliced,
 that is two system calls per tensor; written through the mapping of a 4 KiB-page volume, it is a page
 fault per page (after ``fallocate`` zeroed each one), which profiles put at a third of such a load's CPU.
 Here the range comes into a reused buffer of the reader thread a window at a time
@@ -37,7 +38,8 @@ __all__ = ["MAX_GAP", "ChunkScatter", "Neighbours"]
 
 MAX_GAP = 64 << 10
 """The most padding between two pieces written as zeros to keep them in one ``pwritev``: a slot's padding
-is under 4096 bytes plus its record header's lead, so in a plan's layout only a foreign piece breaks a run."""
+is under its alignment plus its record header's lead, so in a plan's layout only a foreign piece breaks a
+run."""
 _ZEROS = memoryview(bytes(MAX_GAP))
 _IOV_MAX = 1024
 """The most buffers one ``pwritev`` takes (Linux's IOV_MAX)."""

@@ -14,9 +14,20 @@ from modelload.sidecar.load.landing import LANDINGS, Landing
 from modelload.sidecar.memory.settings import MemorySettings
 from modelload.sidecar.sources import display_url
 
-__all__ = ["DEFAULT_SEGMENT", "MAX_CHUNK", "MAX_READERS", "MIN_CHUNK", "LoadSettings", "ModelFormat"]
+__all__ = [
+    "DEFAULT_SEGMENT",
+    "MAX_CHUNK",
+    "MAX_READERS",
+    "MIN_CHUNK",
+    "SLOTS",
+    "LoadSettings",
+    "ModelFormat",
+    "Slots",
+]
 
 ModelFormat = Literal["auto", "tensorizer", "safetensors"]
+Slots = Literal["auto", "packed", "paged"]
+SLOTS: tuple[str, ...] = get_args(Slots)
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -99,6 +110,20 @@ class LoadSettings:
     memory: MemorySettings = field(default_factory=MemorySettings)
     """Memory modes full, release and ring (``modelload.sidecar.memory``)."""
 
+    slots: Slots = field(default="auto", metadata=rule(OneOf(SLOTS)))
+    """Where the segment's slots start: ``paged`` on a page each (layout versions 1 and 2, which every
+    loader reads), ``packed`` on the next 64 bytes (layout version 5: no page of padding per tensor, for a
+    model of thousands of small tensors; memory mode full only), ``auto`` packed where pages would pad the
+    model's bytes by more than 1% and 8 MiB. Default ``auto``."""
+
+    @property
+    def packed(self) -> bool | None:
+        """:func:`~modelload.loader.segment.plan_layout`'s ``packed`` for :attr:`slots` (never in memory modes
+        release and ring, which the plan's layout takes on after it is made)."""
+        if self.memory.mode != "full":
+            return False
+        return {"packed": True, "paged": False}.get(self.slots)
+
     def __post_init__(self) -> None:
         if not self.source.strip():
             raise ConfigError(
@@ -109,6 +134,11 @@ class LoadSettings:
             raise ConfigError(
                 "both a key file (--key-file/MODELLOAD_KEY_FILE) and a password file"
                 " (--password-file/MODELLOAD_PASSWORD_FILE) are set: give one"
+            )
+        if self.slots == "packed" and self.memory.mode != "full":
+            raise ConfigError(
+                f"--slots packed needs --memory-mode full: memory mode {self.memory.mode} gives each "
+                "tensor's pages back, so each tensor keeps pages of its own"
             )
         if not self.segment.is_absolute():
             object.__setattr__(self, "segment", self.segment.absolute())
