@@ -1,6 +1,7 @@
-"""Packed segments (layout version 5): a model of thousands of small tensors gets slots on 64-byte boundaries
-rather than pages, so its padding costs the writer no extra pages; readers take them as any other segment,
-and refuse a packed segment that breaks the rules of its alignment."""
+"""Packed segments (layout version 5): a model of thousands of small tensors gets each slot right after the
+one before it, on its element size, rather than on a page: no page of padding per tensor, and a weight file's
+neighbouring tensors as contiguous as in the file. Readers take them as any other segment, and refuse a
+packed segment that breaks the rules of its alignment."""
 
 from __future__ import annotations
 
@@ -37,11 +38,10 @@ def _moe(count: int, *, files: int = 1) -> list[TensorSpec]:
 
 def test_thousands_of_small_tensors_are_packed_and_dense_models_are_not() -> None:
     moe = plan_layout(_moe(10_000))
-    assert moe.layout_version == 5 and moe.slot_alignment == PACKED_ALIGNMENT
+    assert moe.layout_version == 5 and moe.slot_alignment == PACKED_ALIGNMENT == 1
     offsets, sizes = moe.table.offsets, moe.table.nbytes
-    assert not (offsets % PACKED_ALIGNMENT).any()
-    gaps = offsets[1:] - (offsets[:-1] + sizes[:-1])
-    assert gaps.min() >= 0 and gaps.max() < PACKED_ALIGNMENT  # in order, never overlapping, no page padding
+    assert offsets[0] % ALIGNMENT == 0 and not (offsets % 2).any()  # float16: on two bytes
+    assert (offsets[1:] == offsets[:-1] + sizes[:-1]).all()  # contiguous, as the file holds them
     paged = plan_layout(_moe(10_000), packed=False)
     assert paged.layout_version == 1 and not (paged.table.offsets % ALIGNMENT).any()
     assert paged.data_length - moe.data_length > PACKING_MIN  # what packing saves: more than 8 MiB of pages
@@ -58,6 +58,21 @@ def test_only_a_full_memory_mode_segment_is_packed() -> None:
     assert plan_layout(_moe(10_000), memory_mode=MemoryMode.RELEASE).layout_version == 3
     with pytest.raises(SegmentLayoutError, match="only a memory mode full segment is packed"):
         plan_layout(_moe(100), memory_mode=MemoryMode.RELEASE, packed=True)
+
+
+def test_a_packed_slot_keeps_its_elements_natural_alignment() -> None:
+    # A tensor of three float16 (6 bytes) before a float64: the float64 moves on to a multiple of 8, and so
+    # on; the rest follow one another.
+    specs = [
+        TensorSpec("a", by_name("float16"), (3,)),
+        TensorSpec("b", by_name("float64"), (2,)),
+        TensorSpec("c", by_name("uint8"), (3,)),
+        TensorSpec("d", by_name("complex128"), (1,)),
+        TensorSpec("e", by_name("float32"), (1,)),
+    ]
+    layout = plan_layout(specs, packed=True)
+    relative = [slot.offset - layout.data_offset for slot in layout.slots]
+    assert relative == [0, 8, 24, 32, 48]
 
 
 def test_tensors_with_leads_keep_room_for_them_when_packed() -> None:
@@ -94,7 +109,11 @@ def packed(shm_dir: Path) -> bytes:
 
 @pytest.mark.parametrize(
     ("alignment", "message"),
-    [(48, "alignment 48, expected a power of two from 64"), (32, "alignment 32"), (8192, "alignment 8192")],
+    [
+        (64, "alignment 64, expected 1 in a version-5"),
+        (4096, "alignment 4096, expected 1"),
+        (0, "alignment 0"),
+    ],
 )
 def test_a_packed_segment_with_an_alignment_out_of_bounds_is_refused(
     packed: bytes, shm_dir: Path, alignment: int, message: str
@@ -107,14 +126,21 @@ def test_a_packed_segment_with_an_alignment_out_of_bounds_is_refused(
         SegmentReader.open(path)
 
 
-def test_a_packed_segment_whose_slots_break_their_alignment_is_refused(packed: bytes, shm_dir: Path) -> None:
-    # Declared 128-byte slots, where the writer placed them on 64: some offset is not a multiple of 128.
-    data = bytearray(packed)
-    struct.pack_into("<I", data, 44, 128)
+def test_a_packed_slot_off_its_elements_alignment_is_refused(packed: bytes, shm_dir: Path) -> None:
+    from tests.segment.test_hostile import tensor
+
+    data = tensor(1, offset=json_offset(packed, 1) + 1)(bytearray(packed))  # a float16 on an odd byte
     path = shm_dir / "hostile.seg"
     path.write_bytes(bytes(data))
-    with pytest.raises(SegmentLayoutError, match="not a multiple of 128"):
+    with pytest.raises(SegmentLayoutError, match=r"offset \d+ is not a multiple of 2"):
         SegmentReader.open(path)
+
+
+def json_offset(segment: bytes, index: int) -> int:
+    import json
+
+    length = struct.unpack_from("<Q", segment, 32)[0]
+    return int(json.loads(segment[4096 : 4096 + length])["tensors"][index]["offset"])
 
 
 def test_a_packed_segment_that_claims_a_memory_mode_is_refused(packed: bytes, shm_dir: Path) -> None:

@@ -155,7 +155,8 @@ def test_small_tensors_land_through_the_descriptor_a_window_at_a_time_byte_exact
     """Through the descriptor, a range of many small tensors goes into the segment file with a ``pwritev`` a
     window, never through the mapping: every tensor byte-exact at its slot, with the CRC-32 its state
     entry records (taken on the way for whole tensors, from the slot for cut ones); in a segment whose slots
-    are a page each, and in a packed one (layout version 5, slots on 64 bytes)."""
+    are a page each, and in a packed one (layout version 5), where neighbours in the file are neighbours in
+    the segment."""
     import zlib
 
     from modelload.loader.segment.reader import SegmentReader
@@ -186,8 +187,8 @@ def test_small_tensors_land_through_the_descriptor_a_window_at_a_time_byte_exact
     try:
         recorded = {slot.name: reader.crc32(slot.index) for slot in reader.slots}
         assert reader.header.layout_version == (5 if slots == "packed" else 2)
-        assert reader.header.alignment == (64 if slots == "packed" else 4096)
-        assert not any(slot.offset % reader.header.alignment for slot in reader.slots)
+        assert reader.header.alignment == (1 if slots == "packed" else 4096)
+        assert not any(slot.offset % max(reader.header.alignment, 2) for slot in reader.slots)  # float16
     finally:
         reader.close()
     assert recorded == {name: zlib.crc32(models.as_bytes(t)) for name, t in weights.items()}

@@ -96,7 +96,9 @@ def test_outputs_are_bitwise_those_of_transformers_loading_the_directory(
 ) -> None:
     from modelload.loader.segment import SegmentReader, layout
 
-    if slots == "packed":  # what a mixture of experts' thousands of small tensors get: slots 64 bytes apart
+    if (
+        slots == "packed"
+    ):  # what a mixture of experts' thousands of small tensors get: slots as the files hold them
         monkeypatch.setattr(layout, "PACKING_MIN", 0)
     make_config, auto = ARCHITECTURES[arch]
     directory = save(make_config(), auto, tmp_path / arch)

@@ -342,8 +342,8 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "engine.slots", "--slots", "MODELLOAD_SLOTS",
         "where tensor slots start: auto (packed where pages would add over 8 MiB and 1 percent of"
-        " padding), packed (64 bytes; layout version 5) or paged (a page each; versions 1-2, which older"
-        " loaders read)",
+        " padding), packed (as the files hold them; layout version 5) or paged (a page each; versions 1-2,"
+        " which older loaders read)",
         parse=parse_word,
     ),
     Option(

@@ -65,8 +65,8 @@ LAYOUT_VERSION = 5
 """The newest layout version. A segment of one weight file is written as version 1 (which older loaders
 read); a segment of several files as version 2, which records each tensor's file; a segment whose pages the
 writer gives back once consumed as version 3 (memory mode release) or 4 (memory mode ring, whose file holds
-only a ring of data that tensors reuse); a segment of many small tensors, its slots packed on
-:data:`PACKED_ALIGNMENT` rather than on pages, as version 5. Older loaders refuse the versions they do not
+only a ring of data that tensors reuse); a segment of many small tensors, its slots packed as
+its weight files hold them rather than on pages, as version 5. Older loaders refuse the versions they do not
 know."""
 LAYOUT_VERSIONS = (1, 2, 3, 4, 5)
 MAX_FILES = 65536
@@ -75,8 +75,10 @@ MODEL_DIR_KEY = "model_dir"
 small files (config, tokenizer) before publishing the segment."""
 HEADER_LENGTH = 4096
 ALIGNMENT = 4096
-PACKED_ALIGNMENT = 64
-"""Where a packed (version 5) segment's slots start: a cache line, more than any dtype's element needs."""
+PACKED_ALIGNMENT = 1
+"""The header's alignment field in a packed (version 5) segment: each slot starts right after the one before
+it (and its lead), on the next multiple of its own element's size, so neighbouring tensors of a weight file
+are as contiguous in the segment as in the file and a range of them lands as one span."""
 PACKING_WASTE = 0.01
 """The share of a model's bytes that page-aligned slots may add as padding before its segment is packed: a
 mixture of experts' 100,000 tensors of 4-16 KiB pad 1 GiB with 0.2 GiB of zeros, each page of which the
@@ -210,8 +212,8 @@ class Header:
     ring_size: int = 0
     """Ring mode (version 4, or 3 from older writers): the bytes of the ring; 0 otherwise."""
     alignment: int = ALIGNMENT
-    """What every slot's offset is a multiple of: :data:`ALIGNMENT`, or in version 5 a smaller power of
-    two (:data:`PACKED_ALIGNMENT`)."""
+    """What every slot's offset is a multiple of: :data:`ALIGNMENT`; in version 5 :data:`PACKED_ALIGNMENT`,
+    each slot then on a multiple of its element size."""
 
     @property
     def ring(self) -> bool:
@@ -266,8 +268,8 @@ class Layout:
     (hugetlbfs takes no other size). Not recorded in the header: readers see it in the offsets and the file's
     size."""
     slot_alignment: int = ALIGNMENT
-    """What every slot's offset is a multiple of: :data:`ALIGNMENT`, or :data:`PACKED_ALIGNMENT` in a
-    packed segment (layout version 5, memory mode full only)."""
+    """The header's alignment: :data:`ALIGNMENT`, every slot on a page; or :data:`PACKED_ALIGNMENT` in a
+    packed segment (layout version 5, memory mode full only), every slot on a multiple of its element size."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.slots, SlotTable):
@@ -413,16 +415,17 @@ def plan_layout(
     >>> huge.slots[0].offset, huge.segment_length
     (2097152, 4194304)
 
-    ``packed`` puts each slot on the first :data:`PACKED_ALIGNMENT` boundary after the one before it rather
-    than on a page (layout version 5, memory mode full only: release and ring give pages back a tensor at a
-    time). None (the default) packs a full-mode segment when page-aligned slots would pad the model's bytes
-    by more than :data:`PACKING_WASTE` (and :data:`PACKING_MIN`): thousands of small tensors, whose padding
-    the writer would otherwise allocate and fill page by page.
+    ``packed`` puts each slot right after the one before it, on the next multiple of its element's size,
+    rather than on a page (layout version 5, memory mode full only: release and ring give pages back a
+    tensor at a time): neighbouring tensors of a weight file are then as contiguous as in the file. None
+    (the default) packs a full-mode segment when page-aligned slots would pad the model's bytes by more than
+    :data:`PACKING_WASTE` (and :data:`PACKING_MIN`): thousands of small tensors, whose padding the writer
+    would otherwise allocate and fill page by page.
 
     >>> small = [TensorSpec(f"w{i}", by_name("float16"), (2048 + i,)) for i in range(3)]
     >>> packed = plan_layout(small, packed=True)
     >>> [slot.offset - packed.data_offset for slot in packed.slots], packed.layout_version
-    ([0, 4096, 8256], 5)
+    ([0, 4096, 8194], 5)
     """
     if (memory_mode == MemoryMode.RING) != (ring_size > 0):
         raise SegmentLayoutError("a ring size is given exactly when the memory mode is ring")
@@ -456,9 +459,9 @@ def plan_layout(
     # The manifest holds the slot offsets, which depend on where the data starts, which depends on the
     # manifest's length. The slots keep their distances whatever the start (every start is aligned), so the
     # length is arithmetic over the offsets' digit counts: find the stable start, then encode once.
-    relative, slot_alignment = _placement(
-        sizes, leads, packed=packed if memory_mode == MemoryMode.FULL else False
-    )
+    items = np.asarray([dtype.itemsize for dtype in kinds.dtypes], dtype=np.int64)[kinds.of]
+    packed = packed if memory_mode == MemoryMode.FULL else False
+    relative, slot_alignment = _placement(sizes, leads, items, packed=packed)
     lead = int(relative[0]) if count else 0
     columns = (specs.names, specs.dtypes, specs.shapes)
     manifest = ManifestLength(SlotTable(*columns, relative, sizes, shas, numbers, kinds=kinds), meta, files)
@@ -547,19 +550,41 @@ def _file_numbers(column: Sequence[int | None] | IntColumn) -> array.array[int]:
 def _placement(
     sizes: np.ndarray[Any, np.dtype[np.int64]],
     leads: np.ndarray[Any, np.dtype[np.int64]],
+    items: np.ndarray[Any, np.dtype[np.int64]],
     *,
     packed: bool | None,
 ) -> tuple[np.ndarray[Any, np.dtype[np.int64]], int]:
-    """The slots' relative offsets and their alignment: on pages, or packed where ``packed`` says so (None:
-    where pages would pad the bytes by more than :data:`PACKING_WASTE` and :data:`PACKING_MIN`)."""
+    """The slots' relative offsets and the header's alignment: on pages, or packed where ``packed`` says so
+    (None: where pages would pad the bytes by more than :data:`PACKING_WASTE` and :data:`PACKING_MIN`)."""
     paged = _relative_offsets(sizes, leads, ALIGNMENT)
     if packed is False or not len(sizes):
         return paged, ALIGNMENT
-    tight = _relative_offsets(sizes, leads, PACKED_ALIGNMENT)
+    tight = _packed_offsets(sizes, leads, items)
     padding = int(paged[-1]) - int(tight[-1])  # the same last slot, placed both ways
     if packed or padding > max(PACKING_WASTE * int(sizes.sum()), PACKING_MIN):
         return tight, PACKED_ALIGNMENT
     return paged, ALIGNMENT
+
+
+def _packed_offsets(
+    sizes: np.ndarray[Any, np.dtype[np.int64]],
+    room: np.ndarray[Any, np.dtype[np.int64]],
+    items: np.ndarray[Any, np.dtype[np.int64]],
+) -> np.ndarray[Any, np.dtype[np.int64]]:
+    """Each slot right after the slot before it and its own lead (``room``), moved on to the next multiple of
+    its element size (``items``) where that end is not one. The first slot starts on a page."""
+    relative = np.empty(len(sizes), dtype=np.int64)
+    relative[0] = align(int(room[0]))
+    np.cumsum(sizes[:-1] + room[1:], out=relative[1:])
+    relative[1:] += relative[0]
+    off = np.flatnonzero(relative % items)
+    if not len(off):  # a weight file's tensors in their natural alignment: the usual case, all at once
+        return relative
+    placed, first = relative.tolist(), int(off[0])  # from the first slot off its alignment, one by one
+    ends, leads, steps = sizes.tolist(), room.tolist(), items.tolist()
+    for i in range(first, len(placed)):
+        placed[i] = align(placed[i - 1] + ends[i - 1] + leads[i], steps[i])
+    return np.asarray(placed, dtype=np.int64)
 
 
 def _relative_offsets(

@@ -106,13 +106,9 @@ def parse_header(buf: bytes | memoryview, *, file_size: int) -> Header:
         )
     if header_length != HEADER_LENGTH:
         raise _fail(f"header length {header_length}, expected {HEADER_LENGTH}")
-    if version == 5:  # packed: slots on a power of two from 64 bytes to a page
-        if not PACKED_ALIGNMENT <= alignment <= ALIGNMENT or alignment & (alignment - 1):
-            raise _fail(
-                f"alignment {alignment}, expected a power of two from {PACKED_ALIGNMENT} to {ALIGNMENT}"
-            )
-    elif alignment != ALIGNMENT:
-        raise _fail(f"alignment {alignment}, expected {ALIGNMENT}")
+    expected = PACKED_ALIGNMENT if version == 5 else ALIGNMENT  # packed: each slot on its element size
+    if alignment != expected:
+        raise _fail(f"alignment {alignment}, expected {expected} in a version-{version} segment")
     if segment_length != file_size:
         raise _fail(f"header says the segment is {segment_length} bytes, the file is {file_size}")
     if manifest_offset != HEADER_LENGTH:
@@ -283,7 +279,9 @@ def _parse_slots_at_once(entries: list[Any], header: Header, file_count: int) ->
     if (
         (offset < header.data_offset).any()
         or (nbytes < 0).any()
-        or (offset % header.alignment).any()
+        or (
+            offset % (np.array(itemsizes, dtype=np.int64) if header.alignment == 1 else header.alignment)
+        ).any()
         or (nbytes > data_end - offset).any()
         or (header.ring and (nbytes > header.ring_size).any())
     ):
@@ -372,8 +370,9 @@ def _parse_slot(index: int, entry: object, header: Header, file_count: int) -> S
             f"{label}: shape {shape} holds no element, but its other dimensions span more than 2**63 - 1 "
             "bytes, which no array can be shaped as"
         )
-    if offset % header.alignment:
-        raise _fail(f"{label}: offset {offset} is not a multiple of {header.alignment}")
+    step = dtype.itemsize if header.alignment == 1 else header.alignment  # packed: its element's size
+    if offset % step:
+        raise _fail(f"{label}: offset {offset} is not a multiple of {step}")
     data_end = header.data_offset + header.data_length
     if offset < header.data_offset or offset + nbytes > data_end:
         raise _fail(f"{label}: slot [{offset}, {offset + nbytes}) lies outside the data region")

@@ -2,9 +2,9 @@
 
 A chunk of neighbouring small tensors (a mixture of experts: thousands of 4-16 KiB tensors a shard) is one
 range of its weight file, but each tensor goes to its own slot in the segment (on a page, or in a packed
-segment the next 64-byte boundary: :data:`~modelload.loader.segment.PACKED_ALIGNMENT`). Spliced,
-that is two system calls per tensor; written through the mapping of a 4 KiB-page volume, it is a page
-fault per page (after ``fallocate`` zeroed each one), which profiles put at a third of such a load's CPU.
+segment right after the one before it, as the file holds them). Spliced, that is two system calls per
+tensor; written through the mapping of a 4 KiB-page volume, it is a page fault per page (after
+``fallocate`` zeroed each one), which profiles put at a third of such a load's CPU.
 Here the range comes into a reused buffer of the reader thread a window at a time
 (:func:`~modelload.sidecar.sources.read_range_into_sink`), and each window goes into the segment file with
 one ``pwritev``: an iovec per piece, at its slot, and the padding between neighbouring slots written as

@@ -112,9 +112,9 @@ class LoadSettings:
 
     slots: Slots = field(default="auto", metadata=rule(OneOf(SLOTS)))
     """Where the segment's slots start: ``paged`` on a page each (layout versions 1 and 2, which every
-    loader reads), ``packed`` on the next 64 bytes (layout version 5: no page of padding per tensor, for a
-    model of thousands of small tensors; memory mode full only), ``auto`` packed where pages would pad the
-    model's bytes by more than 1% and 8 MiB. Default ``auto``."""
+    loader reads), ``packed`` right after one another, each on its element size (layout version 5: no page
+    of padding per tensor, for a model of thousands of small tensors; memory mode full only), ``auto``
+    packed where pages would pad the model's bytes by more than 1% and 8 MiB. Default ``auto``."""
 
     @property
     def packed(self) -> bool | None:
