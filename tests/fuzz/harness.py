@@ -141,11 +141,13 @@ def safetensors_seed() -> bytes:
     return safetensors_format.serialize(_tensors(), metadata={"format": "np", "note": "fuzz seed"})
 
 
-def segment_seed(directory: Path) -> bytes:
+def segment_seed(directory: Path, *, packed: bool = False) -> bytes:
+    """A complete segment of the seed tensors: slots on pages, or ``packed`` (layout version 5)."""
     tensors = _tensors()
     layout = plan_layout(
         [TensorSpec(name, by_name(str(a.dtype)), a.shape) for name, a in tensors.items()],
         metadata={"format": "safetensors"},
+        packed=packed,
     )
     path = directory / "seed.seg"
     with SegmentWriter.create(path, layout, heartbeat=False) as writer:

@@ -36,6 +36,7 @@ with tempfile.TemporaryDirectory(prefix="modelload-fuzz-seeds-") as _made:
         "tensorizer-encrypted": harness.tensorizer_seed(Path(_made), encrypted=True),
         "safetensors": harness.safetensors_seed(),
         "segment": harness.segment_seed(Path(_made)),
+        "segment-packed": harness.segment_seed(Path(_made), packed=True),
     }
 byte_edits = st.lists(harness.edits(), min_size=1, max_size=6)
 
@@ -56,6 +57,7 @@ def test_every_seed_is_read_whole_by_its_target(scratch_dir: Path) -> None:
     harness.read_tensorizer(SEEDS["tensorizer-encrypted"], key=harness.KEY)
     harness.read_safetensors(SEEDS["safetensors"], scratch_dir)
     harness.read_segment(SEEDS["segment"], scratch_dir)
+    harness.read_segment(SEEDS["segment-packed"], scratch_dir)
 
 
 # --- the guard can fail ------------------------------------------------------------------------------------
@@ -101,11 +103,15 @@ def test_safetensors_reader_holds_the_invariant(
 
 
 @FUZZ
-@given(edits=st.lists(harness.edits(), max_size=4), json_edit=st.none() | harness.json_edits())
+@given(
+    edits=st.lists(harness.edits(), max_size=4),
+    json_edit=st.none() | harness.json_edits(),
+    kind=st.sampled_from(["segment", "segment-packed"]),
+)
 def test_segment_reader_holds_the_invariant(
-    scratch_dir: Path, edits: list[harness.Edit], json_edit: harness.JsonEdit | None
+    scratch_dir: Path, edits: list[harness.Edit], json_edit: harness.JsonEdit | None, kind: str
 ) -> None:
-    seed = SEEDS["segment"]
+    seed = SEEDS[kind]
     if json_edit is not None:
         seed = harness.reseal_segment(seed, json_edit)
     blob = harness.mutate(seed, edits)
