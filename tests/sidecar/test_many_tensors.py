@@ -223,7 +223,7 @@ def requests_answered(log: Path, since: int, marker: str) -> tuple[list[str], in
 def test_a_packed_segment_lands_thousands_of_tensors_through_the_mapping_byte_exact(
     weights: dict[str, torch.Tensor], content: dict[str, bytes], logged_nginx: Any, shm_dir: Path
 ) -> None:
-    # The mapping's scattering reads (huge pages, HTTPS) into slots 64 bytes apart, sharing their pages.
+    # The mapping's scattering reads (huge pages, HTTPS) into slots next to one another, sharing pages.
     from modelload.loader.segment.reader import SegmentReader
 
     server, _ = logged_nginx
