@@ -125,7 +125,13 @@ def _everything_the_webhook_sets() -> tuple[dict[str, dict[str, Any]], dict[str,
         },
         {
             "source": "s3://models/m.tensors",
-            "memory": {"mode": "ring", "ringSize": "256Mi", "waitTimeoutSeconds": 60, "hugePages": "2Mi"},
+            "memory": {
+                "mode": "ring",
+                "ringSize": "256Mi",
+                "waitTimeoutSeconds": 60,
+                "hugePages": "2Mi",
+                "slots": "paged",
+            },
         },
         {
             "source": "gs://models/m.tensors",

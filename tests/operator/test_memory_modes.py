@@ -64,12 +64,33 @@ def test_the_sidecar_gets_its_memory_mode_and_full_adds_nothing() -> None:
 
 
 @pytest.mark.parametrize(
+    ("memory", "wanted"),
+    [(None, None), ({"slots": "auto"}, None), ({"slots": "paged"}, "paged"), ({"slots": "packed"}, "packed")],
+)
+def test_the_sidecar_gets_the_slots_a_modelload_asks_for(
+    memory: dict[str, Any] | None, wanted: str | None
+) -> None:
+    # A fleet whose apps pin a loader older than packed segments keeps every tensor on its own page.
+    pod = bare_pod()
+    spec = {"memory": memory} if memory is not None else {}
+    env = env_of(
+        container(
+            apply(pod, build_patch(pod=pod, model=model(spec), sidecar=SIDECAR, native=True)), "modelload"
+        )
+    )
+    assert env.get("MODELLOAD_SLOTS") == wanted
+    assert "MODELLOAD_MEMORY_MODE" not in env  # full, the default, adds nothing
+
+
+@pytest.mark.parametrize(
     ("memory", "message"),
     [
         ({"mode": "ring"}, "set ringSize with mode ring"),
         ({"mode": "release", "ringSize": "1Gi"}, "set ringSize with mode ring"),
         ({"mode": "ring", "ringSize": "512Ki"}, "ringSize: 512Ki is below 1Mi"),
         ({"mode": "small"}, "memory.mode"),
+        ({"mode": "release", "slots": "packed"}, "memory.slots: packed is for mode full; mode release"),
+        ({"slots": "dense"}, "memory.slots"),
     ],
 )
 def test_a_bad_memory_spec_is_refused_naming_the_field(memory: dict[str, Any], message: str) -> None:
@@ -88,6 +109,10 @@ def test_the_crd_schema_carries_the_memory_fields_and_their_rule() -> None:
     spec_schema = schema["properties"]["spec"]
     rules = [rule["rule"] for rule in spec_schema["x-kubernetes-validations"]]
     assert any("self.memory.ringSize" in rule for rule in rules)
+    assert any("self.memory.slots == 'paged'" in rule for rule in rules)
+    jsonschema.validate({**doc, "spec": {"source": SOURCE, "memory": {"slots": "paged"}}}, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({**doc, "spec": {"source": SOURCE, "memory": {"slots": "tight"}}}, schema)
 
 
 def test_a_spec_writes_every_size_as_ring_size_does_and_the_chunk_size_reads_it() -> None:

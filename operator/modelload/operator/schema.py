@@ -237,6 +237,11 @@ SPEC_RULES: tuple[tuple[str, str], ...] = (
         "(has(self.memory.mode) && self.memory.mode == 'ring') == has(self.memory.ringSize)",
         "memory.ringSize is set exactly when memory.mode is ring",
     ),
+    (
+        "!has(self.memory) || !has(self.memory.slots) || !has(self.memory.mode) || "
+        "self.memory.slots == 'auto' || self.memory.slots == 'paged' || self.memory.mode == 'full'",
+        "memory.slots packed is for memory.mode full: release and ring give each tensor's pages back",
+    ),
 )
 MIN_RING = 1 << 20
 
@@ -274,6 +279,10 @@ def parse_spec(data: Any) -> ModelLoadSpec:
     if memory is not None:
         if (memory.mode == "ring") != (memory.ring_size is not None):
             raise ConfigError("spec.memory: set ringSize with mode ring (and only then), e.g. ringSize: 2Gi")
+        if memory.slots == "packed" and memory.mode != "full":
+            raise ConfigError(
+                f"spec.memory.slots: packed is for mode full; mode {memory.mode} gives tensors' pages back"
+            )
         if memory.ring_size is not None and parse_bytes(memory.ring_size) < MIN_RING:
             raise ConfigError(
                 f"spec.memory.ringSize: {memory.ring_size} is below 1Mi; it must hold the largest tensor"

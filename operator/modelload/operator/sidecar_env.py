@@ -56,11 +56,15 @@ def segment_path(spec: ModelLoadSpec) -> str:
 
 
 def _memory_env(spec: ModelLoadSpec) -> list[dict[str, Any]]:
-    """The sidecar's memory mode (spec.memory); nothing for the default, full."""
+    """The sidecar's memory mode and slots (spec.memory); nothing for the defaults, full and auto."""
     memory = spec.memory
-    if memory is None or memory.mode == "full":
+    if memory is None:
         return []
+    slots = [] if memory.slots == "auto" else [{"name": "MODELLOAD_SLOTS", "value": memory.slots}]
+    if memory.mode == "full":
+        return slots
     env = [
+        *slots,
         {"name": "MODELLOAD_MEMORY_MODE", "value": memory.mode},
         {"name": "MODELLOAD_CONSUMERS", "value": str(memory.consumers)},
     ]

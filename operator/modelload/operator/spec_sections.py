@@ -265,3 +265,11 @@ class MemoryOptions:
         default=None,
         enum=("2Mi", "1Gi"),
     )
+    slots: str = prop(
+        doc="Where tensors lie in the segment. auto packs a model of thousands of small tensors (a mixture "
+        "of experts: pages would pad it by more than 1% and 8 MiB), each tensor right after the one before "
+        "it; a loader older than this release cannot read a packed segment. paged keeps every tensor on its "
+        "own page, which every loader reads; packed always packs (mode full only).",
+        default="auto",
+        enum=("auto", "packed", "paged"),
+    )
