@@ -31,10 +31,11 @@ PAGES = 8
 
 class EndlessListing:
     """Answers the Hub's revision and tree API and GCS's objects.list, ``PAGE`` new files a page, for
-    ``PAGES`` pages; counts the pages asked for."""
+    ``PAGES`` pages; counts the distinct pages asked for (a page asked again, a retry after a stall on a
+    busy machine, is one page)."""
 
     def __init__(self) -> None:
-        self.pages = 0
+        self.asked: set[int] = set()
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -49,14 +50,14 @@ class EndlessListing:
                     body: object = {"sha": COMMIT}
                 elif "/tree/" in parts.path:
                     at = int(query.get("cursor", ["0"])[0])
-                    outer.pages += 1
+                    outer.asked.add(at)
                     body = [_hub_entry(at + i) for i in range(PAGE)]
                     if at + PAGE < PAGE * PAGES:
                         base = f"http://127.0.0.1:{outer.port}{parts.path}"
                         headers.append(("Link", f'<{base}?cursor={at + PAGE}>; rel="next"'))
                 else:
                     at = int(query.get("pageToken", ["0"])[0])
-                    outer.pages += 1
+                    outer.asked.add(at)
                     body = {"items": [_gcs_item(at + i) for i in range(PAGE)]}
                     if at + PAGE < PAGE * PAGES:
                         body["nextPageToken"] = str(at + PAGE)
@@ -72,6 +73,10 @@ class EndlessListing:
         self.port = self._server.server_address[1]
         self.endpoint = f"http://127.0.0.1:{self.port}"
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    @property
+    def pages(self) -> int:
+        return len(self.asked)
 
     def close(self) -> None:
         self._server.shutdown()
