@@ -14,7 +14,8 @@ import pytest
 from modelload.loader.dtypes import by_name
 from modelload.loader.errors import SegmentLayoutError
 from modelload.loader.segment import MemoryMode, SegmentReader, TensorSpec, plan_layout
-from modelload.loader.segment.layout import ALIGNMENT, PACKED_ALIGNMENT, PACKING_MIN, TensorSpecs
+from modelload.loader.segment.layout import TensorSpecs
+from modelload.loader.segment.placing import ALIGNMENT, PACKED_ALIGNMENT, PACKING_MIN
 from tests.segment.helpers import expected_bytes, write_complete
 
 MIB = 1 << 20

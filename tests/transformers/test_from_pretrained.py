@@ -94,12 +94,12 @@ def tensors_of(net: Any) -> dict[str, Any]:
 def test_outputs_are_bitwise_those_of_transformers_loading_the_directory(
     arch: str, slots: str, tmp_path: Path, stage_dir: StageDir, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from modelload.loader.segment import SegmentReader, layout
+    from modelload.loader.segment import SegmentReader, placing
 
     if (
         slots == "packed"
     ):  # what a mixture of experts' thousands of small tensors get: slots as the files hold them
-        monkeypatch.setattr(layout, "PACKING_MIN", 0)
+        monkeypatch.setattr(placing, "PACKING_MIN", 0)
     make_config, auto = ARCHITECTURES[arch]
     directory = save(make_config(), auto, tmp_path / arch)
     expected = auto.from_pretrained(directory)

@@ -14,7 +14,7 @@ import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum, IntFlag
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -24,6 +24,7 @@ from modelload.loader.formats import has_repeats
 from modelload.loader.segment.geometry import Ring
 from modelload.loader.segment.kinds import Kinds
 from modelload.loader.segment.manifest_bytes import ManifestLength, manifest_pieces
+from modelload.loader.segment.placing import ALIGNMENT, PACKED_ALIGNMENT, align, place_slots
 from modelload.loader.segment.slots import Same, Slot, SlotTable
 
 __all__ = [
@@ -59,6 +60,7 @@ __all__ = [
 ]
 
 IntColumn = np.ndarray[Any, np.dtype[np.integer[Any]]]
+_Step = TypeVar("_Step", int, np.ndarray[Any, np.dtype[np.int64]])
 
 MAGIC = b"MODELSEG"
 LAYOUT_VERSION = 5
@@ -74,18 +76,6 @@ MODEL_DIR_KEY = "model_dir"
 """The metadata key naming the model directory (an absolute path) the writer filled with the model's
 small files (config, tokenizer) before publishing the segment."""
 HEADER_LENGTH = 4096
-ALIGNMENT = 4096
-PACKED_ALIGNMENT = 1
-"""The header's alignment field in a packed (version 5) segment: each slot starts right after the one before
-it (and its lead), on the next multiple of its own element's size, so neighbouring tensors of a weight file
-are as contiguous in the segment as in the file and a range of them lands as one span."""
-PACKING_WASTE = 0.01
-"""The share of a model's bytes that page-aligned slots may add as padding before its segment is packed: a
-mixture of experts' 100,000 tensors of 4-16 KiB pad 1 GiB with 0.2 GiB of zeros, each page of which the
-writer allocates and fills; a dense model's few hundred big tensors pad it with far less than 1%."""
-PACKING_MIN = 8 << 20
-"""Nor is a segment packed for less padding than this (2048 pages): a small model costs little either way,
-and an unpacked segment (versions 1 and 2) is one that older loaders read too."""
 STATE_ENTRY_LENGTH = 32
 MAX_TENSORS = 1 << 20
 MAX_MANIFEST_LENGTH = 64 << 20
@@ -169,11 +159,6 @@ class TensorFlags(IntFlag):
     CRC32 = 4
 
 
-def align(value: int, to: int = ALIGNMENT) -> int:
-    """The smallest multiple of ``to`` at or above ``value``."""
-    return -(-value // to) * to
-
-
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
     """A tensor to place in a segment: what the writer knows before any byte arrives."""
@@ -219,6 +204,11 @@ class Header:
     def ring(self) -> bool:
         """Whether the data region is a ring (version 4): offsets past it wrap around to its start."""
         return self.layout_version == 4
+
+    def slot_step(self, itemsize: _Step) -> _Step | int:
+        """What the offset of a slot of ``itemsize``-byte elements is a multiple of: the alignment, or in a
+        packed segment (version 5) the element's size (an int, or a column of them)."""
+        return itemsize if self.alignment == PACKED_ALIGNMENT else self.alignment
 
     def pack(self) -> bytes:
         return _FIXED.pack(
@@ -429,8 +419,6 @@ def plan_layout(
     """
     if (memory_mode == MemoryMode.RING) != (ring_size > 0):
         raise SegmentLayoutError("a ring size is given exactly when the memory mode is ring")
-    if packed and memory_mode != MemoryMode.FULL:
-        raise SegmentLayoutError("only a memory mode full segment is packed: release and ring free pages")
     if page_size < ALIGNMENT or page_size % ALIGNMENT:
         raise SegmentLayoutError(f"a page size must be a multiple of {ALIGNMENT}, got {page_size}")
     ring_size = align(ring_size, page_size)
@@ -459,9 +447,9 @@ def plan_layout(
     # The manifest holds the slot offsets, which depend on where the data starts, which depends on the
     # manifest's length. The slots keep their distances whatever the start (every start is aligned), so the
     # length is arithmetic over the offsets' digit counts: find the stable start, then encode once.
-    items = np.asarray([dtype.itemsize for dtype in kinds.dtypes], dtype=np.int64)[kinds.of]
-    packed = packed if memory_mode == MemoryMode.FULL else False
-    relative, slot_alignment = _placement(sizes, leads, items, packed=packed)
+    if packed is None and memory_mode != MemoryMode.FULL:
+        packed = False  # release and ring free a tensor's pages: asked to pack, the Layout refuses
+    relative, slot_alignment = place_slots(sizes, leads, kinds, packed=packed)
     lead = int(relative[0]) if count else 0
     columns = (specs.names, specs.dtypes, specs.shapes)
     manifest = ManifestLength(SlotTable(*columns, relative, sizes, shas, numbers, kinds=kinds), meta, files)
@@ -545,58 +533,3 @@ def _file_numbers(column: Sequence[int | None] | IntColumn) -> array.array[int]:
     if isinstance(column, np.ndarray):
         return array.array("i", column.astype(np.intc).tobytes())
     return array.array("i", cast("Sequence[int]", column))
-
-
-def _placement(
-    sizes: np.ndarray[Any, np.dtype[np.int64]],
-    leads: np.ndarray[Any, np.dtype[np.int64]],
-    items: np.ndarray[Any, np.dtype[np.int64]],
-    *,
-    packed: bool | None,
-) -> tuple[np.ndarray[Any, np.dtype[np.int64]], int]:
-    """The slots' relative offsets and the header's alignment: on pages, or packed where ``packed`` says so
-    (None: where pages would pad the bytes by more than :data:`PACKING_WASTE` and :data:`PACKING_MIN`)."""
-    paged = _relative_offsets(sizes, leads, ALIGNMENT)
-    if packed is False or not len(sizes):
-        return paged, ALIGNMENT
-    tight = _packed_offsets(sizes, leads, items)
-    padding = int(paged[-1]) - int(tight[-1])  # the same last slot, placed both ways
-    if packed or padding > max(PACKING_WASTE * int(sizes.sum()), PACKING_MIN):
-        return tight, PACKED_ALIGNMENT
-    return paged, ALIGNMENT
-
-
-def _packed_offsets(
-    sizes: np.ndarray[Any, np.dtype[np.int64]],
-    room: np.ndarray[Any, np.dtype[np.int64]],
-    items: np.ndarray[Any, np.dtype[np.int64]],
-) -> np.ndarray[Any, np.dtype[np.int64]]:
-    """Each slot right after the slot before it and its own lead (``room``), moved on to the next multiple of
-    its element size (``items``) where that end is not one. The first slot starts on a page."""
-    relative = np.empty(len(sizes), dtype=np.int64)
-    relative[0] = align(int(room[0]))
-    np.cumsum(sizes[:-1] + room[1:], out=relative[1:])
-    relative[1:] += relative[0]
-    off = np.flatnonzero(relative % items)
-    if not len(off):  # a weight file's tensors in their natural alignment: the usual case, all at once
-        return relative
-    placed, first = relative.tolist(), int(off[0])  # from the first slot off its alignment, one by one
-    ends, leads, steps = sizes.tolist(), room.tolist(), items.tolist()
-    for i in range(first, len(placed)):
-        placed[i] = align(placed[i - 1] + ends[i - 1] + leads[i], steps[i])
-    return np.asarray(placed, dtype=np.int64)
-
-
-def _relative_offsets(
-    sizes: np.ndarray[Any, np.dtype[np.int64]], room: np.ndarray[Any, np.dtype[np.int64]], alignment: int
-) -> np.ndarray[Any, np.dtype[np.int64]]:
-    """Each slot's offset from the (aligned) start of the first slot's lead: each slot on the first
-    ``alignment`` boundary that leaves room for its lead (``room``) after the slot before it."""
-    if not len(sizes):
-        return np.zeros(0, dtype=np.int64)
-    steps = -(-(sizes[:-1] + room[1:]) // alignment) * alignment
-    relative = np.empty(len(sizes), dtype=np.int64)
-    relative[0] = align(int(room[0]), alignment)
-    np.cumsum(steps, out=relative[1:])
-    relative[1:] += relative[0]
-    return relative

@@ -279,9 +279,7 @@ def _parse_slots_at_once(entries: list[Any], header: Header, file_count: int) ->
     if (
         (offset < header.data_offset).any()
         or (nbytes < 0).any()
-        or (
-            offset % (np.array(itemsizes, dtype=np.int64) if header.alignment == 1 else header.alignment)
-        ).any()
+        or (offset % header.slot_step(np.array(itemsizes, dtype=np.int64))).any()
         or (nbytes > data_end - offset).any()
         or (header.ring and (nbytes > header.ring_size).any())
     ):
@@ -370,7 +368,7 @@ def _parse_slot(index: int, entry: object, header: Header, file_count: int) -> S
             f"{label}: shape {shape} holds no element, but its other dimensions span more than 2**63 - 1 "
             "bytes, which no array can be shaped as"
         )
-    step = dtype.itemsize if header.alignment == 1 else header.alignment  # packed: its element's size
+    step = header.slot_step(dtype.itemsize)
     if offset % step:
         raise _fail(f"{label}: offset {offset} is not a multiple of {step}")
     data_end = header.data_offset + header.data_length

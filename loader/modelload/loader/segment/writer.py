@@ -185,9 +185,8 @@ class SegmentWriter:
             mm = _map(fd, layout, target)
             writer = cls(target, layout, fd, mm, load_id, volume)
             writer._write_prologue(created_ns)
-            if (
-                layout.memory_mode != MemoryMode.FULL
-            ):  # the consumer table first: a version-3 or -4 reader looks for it
+            # The consumer table first: a version-3 or -4 reader (memory mode release or ring) looks for it.
+            if layout.memory_mode != MemoryMode.FULL:
                 create_table(target, load_id=load_id, tensor_count=len(layout.slots))
             if lock is not None:
                 lock.update(load_id=load_id)
