@@ -178,9 +178,7 @@ def test_small_tensors_land_through_the_descriptor_a_window_at_a_time_byte_exact
         source = str(hfdir.write(tmp_path / "moe", content))
     else:
         server, _ = request.getfixturevalue("logged_nginx")
-        for name, data in content.items():
-            server.put(f"window/{name}", data)
-        source = server.url("window/")
+        source = served(server, "window", content)
     load(source, shm_dir / "moe.seg", readers=4, landing="splice", slots=slots)
     models.assert_segment_matches(shm_dir / "moe.seg", weights)
     reader = SegmentReader.open(shm_dir / "moe.seg")
@@ -210,6 +208,13 @@ def logged_nginx(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Ngi
         server.stop()
 
 
+def served(server: NginxServer, folder: str, content: dict[str, bytes]) -> str:
+    """The URL of ``content`` (a model directory's files) put under ``folder`` of ``server``."""
+    for name, data in content.items():
+        server.put(f"{folder}/{name}", data)
+    return server.url(f"{folder}/")
+
+
 def requests_answered(log: Path, since: int, marker: str) -> tuple[list[str], int]:
     """The log's lines after its first ``since`` bytes and before the line of ``marker``, and how many of
     them answered 404."""
@@ -226,10 +231,13 @@ def test_a_packed_segment_lands_thousands_of_tensors_through_the_mapping_byte_ex
     # The mapping's scattering reads (huge pages, HTTPS) into slots next to one another, sharing pages.
     from modelload.loader.segment.reader import SegmentReader
 
-    server, _ = logged_nginx
-    for name, data in content.items():
-        server.put(f"mapped/{name}", data)
-    load(server.url("mapped/"), shm_dir / "moe.seg", readers=4, landing="mapping", slots="packed")
+    load(
+        served(logged_nginx[0], "mapped", content),
+        shm_dir / "moe.seg",
+        readers=4,
+        landing="mapping",
+        slots="packed",
+    )
     models.assert_segment_matches(shm_dir / "moe.seg", weights)
     with SegmentReader.open(shm_dir / "moe.seg") as reader:
         assert reader.header.layout_version == 5
@@ -239,10 +247,9 @@ def test_an_http_directory_of_thousands_of_tensors_loads_byte_exact_with_a_bound
     weights: dict[str, torch.Tensor], content: dict[str, bytes], logged_nginx: Any, shm_dir: Path
 ) -> None:
     server, log = logged_nginx
-    for name, data in content.items():
-        server.put(f"moe/{name}", data)
+    source = served(server, "moe", content)
     before = log.stat().st_size if log.exists() else 0
-    load(server.url("moe/"), shm_dir / "moe.seg", readers=4)
+    load(source, shm_dir / "moe.seg", readers=4)
     models.assert_segment_matches(shm_dir / "moe.seg", weights)
     # nginx writes a request's log line as its response ends, which may trail the load: one more request,
     # after the load, marks where the load's lines end.
