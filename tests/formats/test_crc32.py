@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from modelload.loader.formats.tensorizer import hashes
-from modelload.loader.formats.tensorizer.hashes import crc32
+from modelload.loader.formats.tensorizer.hashes import crc32, crc32_bytes
 
 SIZES = [0, 1, 5119, 5120, 5121, 8192, 10241, 65536, 65537, 1 << 20]
 
@@ -22,6 +22,25 @@ def test_the_crc_is_zlibs_for_every_size_continued_or_not(size: int) -> None:
         assert crc32(data, start) == zlib.crc32(data, start)
         assert crc32(memoryview(data), start) == zlib.crc32(data, start)
         assert crc32(bytearray(data), start) == zlib.crc32(data, start)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_the_byte_view_crc_is_the_same_crc_in_the_same_slices(
+    size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = np.random.default_rng(size + 1).integers(0, 256, size + 3, dtype=np.uint8).tobytes()
+    view = memoryview(data)[3:]  # a slice of a reader's buffer, not at its start
+    lengths: list[list[int]] = [[], []]
+    for which, function in enumerate((crc32, crc32_bytes)):
+
+        def recorded(part: memoryview, value: int = 0, into: list[int] = lengths[which]) -> int:
+            into.append(memoryview(part).nbytes)
+            return zlib.crc32(part, value)
+
+        monkeypatch.setattr(hashes, "_crc32", recorded)
+        for start in (0, 0xDEADBEEF):
+            assert function(view, start) == zlib.crc32(data[3:], start)
+    assert lengths[0] == lengths[1]
 
 
 def test_a_typed_or_shaped_buffer_is_taken_as_its_bytes() -> None:

@@ -14,6 +14,8 @@ import pytest
 from modelload.loader.errors import SegmentSpaceError
 from modelload.sidecar.load import scatter
 from modelload.sidecar.load.scatter import ChunkScatter
+from modelload.sidecar.planner import plan_load
+from tests.sidecar.test_planner import index_of
 from tests.sources.conftest import payload
 
 SIZES = [4096, 6000, 1, 12_288, 10_000, 4097, 700]
@@ -176,3 +178,70 @@ def test_a_short_write_goes_on_from_where_it_stopped(tmp_path: Path, monkeypatch
     for place, size in zip(at, SIZES, strict=True):
         assert landed[place : place + size] == data[start : start + size]
         start += size
+
+
+@pytest.mark.parametrize("cuts", [[], [1], [4096, 4097, 20_000], list(range(997, sum(SIZES), 997))])
+def test_a_packed_chunk_is_one_write_a_window_whatever_its_tensor_count(
+    cuts: list[int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = payload(sum(SIZES), seed=8)
+    fd = segment_file(tmp_path / "segment")
+    calls: list[tuple[int, int]] = []
+    real = os.pwritev
+
+    def counted(fd: int, iovs: list[memoryview], offset: int) -> int:
+        calls.append((len(iovs), offset))
+        return real(fd, iovs, offset)
+
+    monkeypatch.setattr(scatter.os, "pwritev", counted)
+    base = 8192 + 3  # each slot right after the one before it, as a packed segment lays them out
+    at = [base + sum(SIZES[:i]) for i in range(len(SIZES))]
+    hashed = [True, True, True, False, True, True, True]
+    sink = ChunkScatter(fd, dst=at, length=SIZES, joined=[True] * 7, hashed=hashed, contiguous=True)
+    try:
+        feed(sink, data, cuts)
+        landed = os.pread(fd, 1 << 17, 0)
+    finally:
+        os.close(fd)
+    edges = [0, *cuts]
+    assert calls == [(1, base + edge) for edge in edges], "one buffer a window, at its place"
+    assert landed[base : base + len(data)] == data
+    assert landed[:base] == bytes([FILL]) * base and set(landed[base + len(data) :]) == {FILL}
+    starts = [sum(SIZES[:i]) for i in range(len(SIZES))]
+    wholes = [zlib.crc32(data[s : s + n]) for s, n in zip(starts, SIZES, strict=True)]
+    expected = [crc if h else -1 for crc, h in zip(wholes, hashed, strict=True)]
+    assert sink.crc_column().tolist() == expected
+
+
+def test_a_packed_chunk_resumed_early_is_written_and_hashed_once(tmp_path: Path) -> None:
+    data = payload(sum(SIZES), seed=9)
+    fd = segment_file(tmp_path / "segment")
+    at = [4096 + sum(SIZES[:i]) for i in range(len(SIZES))]
+    sink = ChunkScatter(fd, dst=at, length=SIZES, joined=[True] * 7, hashed=[True] * 7, contiguous=True)
+    try:
+        sink(memoryview(data)[:9000], 0)
+        sink(memoryview(data)[7000:], 7000)
+        landed = os.pread(fd, 1 << 17, 0)
+    finally:
+        os.close(fd)
+    assert landed[4096 : 4096 + len(data)] == data
+    starts = [sum(SIZES[:i]) for i in range(len(SIZES))]
+    wholes = [zlib.crc32(data[s : s + n]) for s, n in zip(starts, SIZES, strict=True)]
+    assert sink.crc_column().tolist() == wholes
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_only_a_packed_plans_chunks_are_written_as_one_buffer(packed: bool) -> None:
+    plan = plan_load(index_of([3000, 5000, 8, 4096, 12_000] * 40), chunk_size=32 << 10, packed=packed)
+    neighbours = scatter.Neighbours(plan)
+    flags = [neighbours.sink(chunk, fd=-1)._contiguous for chunk in plan.chunks]
+    pieces = plan.pieces
+    touching = [
+        all(
+            pieces.dst[i] + pieces.length[i] == pieces.dst[i + 1]
+            for i in range(chunk.first, chunk.first + chunk.count - 1)
+        )
+        for chunk in plan.chunks
+    ]
+    assert len(flags) > 1 and flags == touching
+    assert all(flags) if packed else not all(flags)

@@ -50,6 +50,17 @@ def test_zero_length_reads_at_the_end_succeed_and_past_the_end_fail(model: Path)
             source.read_bytes(len(DATA) - 1, 2)
 
 
+def test_small_reads_are_exact_and_a_short_read_is_never_taken_as_whole(
+    model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with open_source(str(model)) as source:
+        for offset, length in [(0, 8), (0, 512 << 10), (999_000, 1003), (len(DATA), 0)]:
+            assert source.read_bytes(offset, length) == DATA[offset : offset + length]
+        real = os.pread
+        monkeypatch.setattr(os, "pread", lambda fd, n, at: real(fd, max(n // 2, 0), at))  # cut short
+        assert source.read_bytes(100, 70_000) == DATA[100:70_100]
+
+
 def test_eight_threads_read_one_source_concurrently(model: Path) -> None:
     out = bytearray(len(DATA))
     chunk = 40_000

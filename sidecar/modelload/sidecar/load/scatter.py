@@ -30,7 +30,7 @@ from itertools import accumulate
 import numpy as np
 import numpy.typing as npt
 
-from modelload.loader.formats.tensorizer.hashes import crc32
+from modelload.loader.formats.tensorizer.hashes import crc32_bytes
 from modelload.loader.segment.volume import full_volume
 from modelload.sidecar.planner import Chunk, LoadPlan
 
@@ -46,16 +46,21 @@ _IOV_MAX = 1024
 
 
 class Neighbours:
-    """Per piece of a load plan: whether the gap to the next piece may be written as zeros (``joined``) and
+    """Per piece of a load plan: whether the gap to the next piece may be written as zeros (``joined``),
+    whether the next piece starts right where it ends (``touching``: a packed segment's neighbours) and
     whether the piece is all tensor data (``hashed``: its CRC-32 is the slot's, or a part of it). Worked out
     once per load, over the plan's arrays."""
 
     def __init__(self, plan: LoadPlan) -> None:
         pieces = plan.pieces
         gap = pieces.dst[1:] - (pieces.dst[:-1] + pieces.length[:-1])
+        consecutive = pieces.tensor[1:] == pieces.tensor[:-1] + 1
         joined = np.zeros(len(pieces), dtype=bool)
-        joined[:-1] = (pieces.tensor[1:] == pieces.tensor[:-1] + 1) & (gap >= 0) & (gap <= MAX_GAP)
+        joined[:-1] = consecutive & (gap >= 0) & (gap <= MAX_GAP)
+        touching = np.zeros(len(pieces), dtype=bool)
+        touching[:-1] = consecutive & (gap == 0)
         self.joined: npt.NDArray[np.bool_] = joined
+        self.touching: npt.NDArray[np.bool_] = touching
         self.hashed: npt.NDArray[np.bool_] = pieces.data == pieces.length
         self._plan = plan
 
@@ -68,6 +73,7 @@ class Neighbours:
             length=pieces.length[span].tolist(),
             joined=self.joined[span].tolist(),
             hashed=self.hashed[span].tolist(),
+            contiguous=bool(self.touching[chunk.first : chunk.first + chunk.count - 1].all()),
         )
 
 
@@ -77,12 +83,23 @@ class ChunkScatter:
 
     Bytes must come in order; bytes it already had (a source that resumed early) are skipped, so each
     piece's CRC-32 covers each byte once. :meth:`crc_column` after the last byte; ``hashed`` per piece: take
-    its CRC-32."""
+    its CRC-32. ``contiguous``: each piece starts in the file where the one before ends (a packed segment),
+    so a window is one buffer written at one offset, whatever number of tensors it holds."""
 
-    __slots__ = ("_crcs", "_done", "_dst", "_ends", "_fd", "_hashed", "_joined", "_starts")
+    __slots__ = ("_contiguous", "_crcs", "_done", "_dst", "_ends", "_fd", "_hashed", "_joined", "_starts")
 
-    def __init__(self, fd: int, *, dst: list[int], length: list[int], joined: list[bool], hashed: list[bool]):
+    def __init__(
+        self,
+        fd: int,
+        *,
+        dst: list[int],
+        length: list[int],
+        joined: list[bool],
+        hashed: list[bool],
+        contiguous: bool = False,
+    ):
         self._fd = fd
+        self._contiguous = contiguous
         self._dst, self._joined, self._hashed = dst, joined, hashed
         self._ends = list(accumulate(length))
         self._starts = [0, *self._ends[:-1]]
@@ -94,7 +111,15 @@ class ChunkScatter:
             data, at = data[self._done - at :], self._done
         if at != self._done:
             raise ValueError(f"range bytes from {at} came before bytes {self._done}-{at - 1}")
+        if data.ndim != 1 or data.format != "B":
+            data = data.cast("B")
         end = at + len(data)
+        if self._contiguous:
+            self._hash(data, at, end)
+            if data:
+                _write(self._fd, [data], self._dst[0] + at, len(data))
+            self._done = end
+            return
         starts, ends, dst, joined, hashed, crcs = (
             self._starts, self._ends, self._dst, self._joined, self._hashed, self._crcs,
         )  # fmt: skip
@@ -106,7 +131,7 @@ class ChunkScatter:
             part = data[low - at : min(ends[i], end) - at]
             file_at = dst[i] + low - starts[i]
             if hashed[i]:
-                crcs[i] = crc32(part, crcs[i])
+                crcs[i] = crc32_bytes(part, crcs[i])
             if iovs:
                 gap = file_at - expect
                 if gap < 0 or (gap and not joined[i - 1]) or len(iovs) >= _IOV_MAX - 1:
@@ -122,6 +147,15 @@ class ChunkScatter:
         if iovs:
             _write(self._fd, iovs, run_at, expect - run_at)
         self._done = end
+
+    def _hash(self, data: memoryview, at: int, end: int) -> None:
+        """Take the CRC-32 of each hashed piece's part in range bytes ``[at, end)``, held by ``data``."""
+        starts, ends, hashed, crcs = self._starts, self._ends, self._hashed, self._crcs
+        i, count = bisect_right(ends, at), len(ends)
+        while i < count and starts[i] < end:
+            if hashed[i]:
+                crcs[i] = crc32_bytes(data[max(starts[i], at) - at : min(ends[i], end) - at], crcs[i])
+            i += 1
 
     def crc_column(self) -> npt.NDArray[np.int64]:
         """Per piece, the CRC-32 of its bytes where it was to be taken (``hashed``), else -1."""

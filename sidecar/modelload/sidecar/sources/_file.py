@@ -72,6 +72,21 @@ class FileSource(SourceBase):
                 uri=self._path,
             )
 
+    def read_bytes(self, offset: int, length: int) -> bytes:
+        """One ``pread`` into a new ``bytes``, size and mtime checked around it. The default's zeroed buffer
+        and its copy cost three passes and two sets of fresh pages: for the 512 KiB first read of each of
+        a mixture of experts' 160 shards that was 0.15 CPU-s of a 0.4 s index read."""
+        info = self._checked_range(offset, length)
+        self._check_unchanged(info)
+        try:
+            data = os.pread(self._fd, length, offset)
+        except OSError as exc:
+            raise _translate(exc, self._path, "read", landed=0) from exc
+        if len(data) < length:  # only at the end of a regular file: it shrank, said precisely there
+            return super().read_bytes(offset, length)
+        self._check_unchanged(info)
+        return data
+
     def read_into(self, offset: int, buf: memoryview) -> None:
         self.read_into_pieces(offset, [buf])
 

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from typing_extensions import Buffer
 
-__all__ = ["RunningHashes", "TensorHasher", "crc32", "crc32_combine", "fastest_hash", "verify"]
+__all__ = ["RunningHashes", "TensorHasher", "crc32", "crc32_bytes", "crc32_combine", "fastest_hash", "verify"]
 
 _crc32: Callable[..., int]
 try:  # ISA-L computes the same IEEE CRC-32 as zlib, about 7x faster (16 vs 2.2 GiB/s here): verifying a
@@ -64,6 +64,19 @@ def crc32(data: Buffer, value: int = 0) -> int:
             value = _crc32(view[at : at + _GIL_KEPT_UP_TO], value)
         return int(value) & 0xFFFFFFFF
     return int(_crc32(data, value)) & 0xFFFFFFFF
+
+
+def crc32_bytes(view: memoryview, value: int = 0) -> int:
+    """:func:`crc32` of a one-dimensional, contiguous memoryview of bytes (``format`` B), such as a slice of a
+    reader's buffer: the same CRC-32 and the same slices, without :func:`crc32`'s checks of the buffer's
+    shape. Its caller takes one for each of a mixture of experts' 100,000 tensors, where those checks cost
+    more than the CRC itself (1.2 against 0.4 us a 8 KiB tensor here)."""
+    length = len(view)
+    if length <= _GIL_KEPT_UP_TO or length > _SLICED_UP_TO:
+        return _crc32(view, value)
+    for at in range(0, length, _GIL_KEPT_UP_TO):
+        value = _crc32(view[at : at + _GIL_KEPT_UP_TO], value)
+    return value
 
 
 def crc32_combine(first: int, second: int, second_length: int) -> int:
