@@ -91,3 +91,47 @@ def test_the_rest_of_a_long_header_is_read_while_another_shard_holds_the_turn(
     monkeypatch.setattr(_model, "read_bytes", meeting)
     _checked(model_dir, weights)
     assert rests == [_model.PREFIX_LENGTH] * 2, "each shard read the rest of its header once"
+
+
+def test_each_shards_look_up_brings_about_its_header_as_the_index_sizes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model_dir, weights = _directory(tmp_path, shards=12, per_shard=1500)  # headers of about 130 KiB
+    asked: list[int] = []
+    rests: list[int] = []
+    stat_with_prefix: Callable[..., Any] = _model.stat_with_prefix
+    read_bytes: Callable[..., bytes] = _model.read_bytes
+
+    def look_up(source: Any, length: int, **kwargs: Any) -> Any:
+        asked.append(length)
+        return stat_with_prefix(source, length, **kwargs)
+
+    def rest(source: Any, offset: int, length: int, **kwargs: Any) -> bytes:
+        rests.append(offset)
+        return read_bytes(source, offset, length, **kwargs)
+
+    monkeypatch.setattr(_model, "stat_with_prefix", look_up)
+    monkeypatch.setattr(_model, "read_bytes", rest)
+    _checked(model_dir, weights)
+    shards = sorted(model_dir.glob("*.safetensors"))
+    headers = [8 + int.from_bytes(path.read_bytes()[:8], "little") for path in shards]
+    weight_reads = [length for length in asked if length != _model.SMALL_FILE_LIMIT]
+    assert len(weight_reads) == len(shards) and len(set(weight_reads)) == 1
+    assert max(headers) <= weight_reads[0] < _model.PREFIX_LENGTH, (headers, weight_reads[0])
+    assert rests == [], "no header needed a second read"
+
+
+@pytest.mark.parametrize(
+    ("index_length", "shards", "expected"),
+    [
+        (None, 4, _model.PREFIX_LENGTH),  # no index: a single file, or tensorizer
+        (30_000, 4, 64 << 10),  # a dense model's few shards: the safetensors reader's own first read
+        (8_700_000, 160, 124 << 10),  # 100,000 tensors in 160 shards
+        (40_000_000, 10, _model.PREFIX_LENGTH),  # a shard's share past the most asked for at once
+    ],
+)
+def test_the_first_read_is_twice_a_shards_share_of_the_index_within_bounds(
+    index_length: int | None, shards: int, expected: int
+) -> None:
+    index_json = None if index_length is None else bytes(index_length)
+    assert _model.first_read_length(index_json, shards) == expected

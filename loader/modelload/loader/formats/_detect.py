@@ -108,6 +108,7 @@ def read_index(
     size: int | None = None,
     file: int = 0,
     shapes: dict[tuple[int, ...], tuple[int, ...]] | None = None,
+    first_read: int = PREFIX_LENGTH,
 ) -> ModelIndex:
     """Read the index of a model file of either format through ``read(offset, length)``.
 
@@ -116,10 +117,11 @@ def read_index(
     against it, so a truncated file fails here rather than after the load starts. ``file`` is the file's
     number among a model's weight files, recorded in each entry (:attr:`TensorEntry.file`). ``shapes`` is a
     dictionary the files of one model share, so that equal shapes are one tuple (safetensors files).
+    ``first_read``: how many bytes the first read asks for (an index longer than that costs more reads).
     """
     if format not in _FORMATS:
         raise ConfigError(f"unknown model format {format!r}; use one of {', '.join(_FORMATS)}")
-    wanted = PREFIX_LENGTH if size is None else min(PREFIX_LENGTH, size)
+    wanted = first_read if size is None else min(first_read, size)
     prefix = read(0, wanted)
     cached = PrefixedRead(read, prefix, complete=len(prefix) < wanted or len(prefix) == size)
     try:

@@ -30,6 +30,7 @@ from modelload.loader.formats import (
     select_model_files,
     weight_shards,
 )
+from modelload.loader.formats.safetensors import FIRST_READ_LENGTH
 
 from ._base import ObjectInfo, Source
 from ._listing import Directory, directory_hint, is_directory, list_directory
@@ -168,15 +169,17 @@ def _stat_and_index(
     on_retry: Callable[[RetryEvent], None] | None,
     shapes: dict[tuple[int, ...], tuple[int, ...]] | None = None,
     turns: _Turns | None = None,
+    first_read: int = PREFIX_LENGTH,
 ) -> tuple[ObjectInfo, ModelIndex, list[tuple[int, bytes]]]:
     """Weight file ``file``'s size and validators, its index, read from the bytes the same request brought
     (a second read only for an index longer than :data:`PREFIX_LENGTH`), and the index's bytes, kept where
     the source knows a digest of the whole file (``hf://``, ``oci://``): it hashes them, as they are not
     landed (:meth:`OpenedModel.kept_bytes`). ``shapes`` is shared by the files of one model (each distinct
     shape one tuple, see :func:`~modelload.loader.formats.read_index`); so is ``turns``, when the files
-    are read on several threads: they read at once and parse in turn."""
+    are read on several threads: they read at once and parse in turn. ``first_read``: how many bytes the
+    look-up brings (:func:`first_read_length`)."""
     turns = turns or _Turns()
-    info, head = stat_with_prefix(source, PREFIX_LENGTH, policy=settings.retry, on_retry=on_retry)
+    info, head = stat_with_prefix(source, first_read, policy=settings.retry, on_retry=on_retry)
     more: list[tuple[int, bytes]] = []
 
     def read(offset: int, length: int) -> bytes:
@@ -191,7 +194,9 @@ def _stat_and_index(
 
     uri = source.display_uri
     with turns.parsing():
-        index = read_index(read, format=format, source=uri, size=info.size, file=file, shapes=shapes)
+        index = read_index(
+            read, format=format, source=uri, size=info.size, file=file, shapes=shapes, first_read=first_read
+        )
     if index.data_end > info.size:
         raise TruncatedError(
             f"the index needs {index.data_end} bytes and the object has {info.size}: it is truncated",
@@ -203,6 +208,21 @@ def _stat_and_index(
     # kept whole would be 80 MiB held for the whole load).
     kept = [(0, head[: index.index_length])] + [(o, d[: max(index.index_length - o, 0)]) for o, d in more]
     return info, index, [(o, d) for o, d in kept if d]
+
+
+def first_read_length(index_json: bytes | None, shards: int) -> int:
+    """How many bytes each weight file's look-up brings with it, for its index: :data:`PREFIX_LENGTH`, or
+    less for the shards of a safetensors directory whose ``model.safetensors.index.json`` says their
+    headers are short.
+
+    A shard's header lists each of its tensors' names with some 70 bytes of dtype, shape and offsets; the
+    index lists each name with its shard's file name (some 35 bytes), so twice a shard's share of the index
+    holds its header, and a shard with more than that costs one more read. 160 shards of 100,000 tensors
+    read 80 MiB with 512 KiB each, for headers of 70 KiB: 0.1 CPU-s of the load's 1.9 over nginx."""
+    if index_json is None or shards <= 0:
+        return PREFIX_LENGTH
+    share = 2 * len(index_json) // shards + (16 << 10)  # (and room for the header's metadata)
+    return min(PREFIX_LENGTH, max(FIRST_READ_LENGTH, -(-share // 4096) * 4096))
 
 
 class _Turns:
@@ -261,8 +281,10 @@ def _open_directory(
     shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # the shards' tensors share their shapes' tuples
     turns = _Turns()
 
+    first_read = first_read_length(index_json, len(chosen.weights))
+
     def stat(source: Source, file: int) -> tuple[ObjectInfo, ModelIndex, list[tuple[int, bytes]]]:
-        return _stat_and_index(source, file, chosen.format, settings, on_retry, shapes, turns)
+        return _stat_and_index(source, file, chosen.format, settings, on_retry, shapes, turns, first_read)
 
     try:
         for name in chosen.weights:
