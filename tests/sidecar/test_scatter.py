@@ -245,3 +245,30 @@ def test_only_a_packed_plans_chunks_are_written_as_one_buffer(packed: bool) -> N
     ]
     assert len(flags) > 1 and flags == touching
     assert all(flags) if packed else not all(flags)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_any_windows_give_each_piece_its_crc_in_both_paths(seed: int, tmp_path: Path) -> None:
+    import random
+
+    rng = random.Random(seed)
+    sizes = [rng.choice([0, 1, 7, 4096, 5121, 9000, 70_000]) for _ in range(40)]
+    data = payload(sum(sizes), seed=seed)
+    cuts = sorted(rng.sample(range(1, len(data)), 25))
+    starts = list(itertools.accumulate([0, *sizes[:-1]]))
+    hashed = [rng.random() < 0.8 for _ in sizes]
+    expected = [
+        zlib.crc32(data[s : s + n]) if h else -1 for s, n, h in zip(starts, sizes, hashed, strict=True)
+    ]
+    for contiguous in (True, False):
+        fd = segment_file(tmp_path / f"segment-{contiguous}", length=len(data) + 8192)
+        at = [4096 + s for s in starts]
+        try:
+            sink = ChunkScatter(
+                fd, dst=at, length=sizes, joined=[True] * 40, hashed=hashed, contiguous=contiguous
+            )
+            feed(sink, data, cuts)
+            assert os.pread(fd, len(data), 4096) == data
+        finally:
+            os.close(fd)
+        assert sink.crc_column().tolist() == expected, f"contiguous={contiguous}"
