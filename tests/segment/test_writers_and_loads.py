@@ -7,6 +7,7 @@ shared volume may hold (a link, a directory, garbage) and identities a reader mu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -47,6 +48,7 @@ IDENTITY = LoadIdentity(
     memory_mode="ring",
     ring_size=1 << 30,
     key="sha256:" + "ab" * 32,
+    slots="paged",
 )
 GOLDEN_IDENTITY = (
     '{"files":[{"name":"model-00001-of-00002.safetensors","size":4096,'
@@ -54,7 +56,7 @@ GOLDEN_IDENTITY = (
     '{"name":"model-00002-of-00002.safetensors","size":1024,'
     '"version":"\\"6f5902ac237024bdd0c176cb93063dc4-2\\""}],'
     '"format":"auto","key":"sha256:' + "ab" * 32 + '","memory_mode":"ring","ring_size":1073741824,'
-    '"source":"s3://models/llama/"}'
+    '"slots":"paged","source":"s3://models/llama/"}'
 )
 
 
@@ -198,9 +200,21 @@ def test_a_garbled_lock_file_tells_readers_nothing(shm_dir: Path, content: bytes
         GOLDEN_IDENTITY.replace('"ring_size":1073741824', '"ring_size":"1"'),
         GOLDEN_IDENTITY.replace('"files":[', '"files":"ab","x":['),
         GOLDEN_IDENTITY.replace('"key":"sha256', '"key":7,"k":"sha256'),
+        GOLDEN_IDENTITY.replace('"slots":"paged"', '"slots":5'),
         "x" * ((1 << 24) + 1),
     ],
-    ids=["text", "list", "partial", "negative", "bool", "string-ring", "string-files", "number-key", "huge"],
+    ids=[
+        "text",
+        "list",
+        "partial",
+        "negative",
+        "bool",
+        "string-ring",
+        "string-files",
+        "number-key",
+        "number-slots",
+        "huge",
+    ],
 )
 def test_an_identity_a_reader_cannot_read_is_no_identity(recorded: str) -> None:
     assert LoadIdentity.from_metadata({IDENTITY_KEY: recorded}) is None
@@ -218,11 +232,20 @@ def test_a_load_is_the_same_load_only_with_every_file_version_setting_and_key_th
         LoadIdentity(IDENTITY.source, other_version, "auto", "full", 0),
         LoadIdentity(IDENTITY.source, IDENTITY.files, "safetensors", "full", 0),
         LoadIdentity(IDENTITY.source, IDENTITY.files, "auto", "release", 0),
+        LoadIdentity(IDENTITY.source, IDENTITY.files, "auto", "full", 0, slots="packed"),
     ):
         assert not changed.same_load(recorded, key=raw)
     unversioned = (IDENTITY.files[0], FileVersion(IDENTITY.files[1].name, 1024, None))
     blind = LoadIdentity(IDENTITY.source, unversioned)
     assert not blind.same_load(blind, key=None), "a file without a version is never taken for another"
+
+
+def test_an_identity_recorded_before_slots_were_a_setting_reads_as_auto() -> None:
+    older = GOLDEN_IDENTITY.replace('"slots":"paged",', "")
+    assert older != GOLDEN_IDENTITY
+    recorded = LoadIdentity.from_metadata({IDENTITY_KEY: older})
+    assert recorded is not None and recorded.slots == "auto"
+    assert recorded == dataclasses.replace(IDENTITY, slots="auto")
 
 
 def test_a_password_fingerprint_is_salted_and_checks_only_that_password() -> None:

@@ -333,6 +333,26 @@ def test_a_restart_of_the_same_load_reuses_its_segment_but_not_after_the_object_
     models.assert_segment_matches(segment, second)
 
 
+def test_a_restart_asking_for_other_slots_writes_the_segment_again_with_them(
+    nginx: Any, shm_dir: Path
+) -> None:
+    segment = shm_dir / "model.seg"
+    tensors = models.state_dict(seed=74, layers=1)
+    url = nginx.put("endings-slots.safetensors", models.safetensors_bytes(tensors))
+    load(url, segment, slots="packed")
+    inode = segment.stat().st_ino
+    with SegmentReader.open(segment) as reader:
+        assert reader.header.layout_version == 5
+    load(url, segment, slots="paged")  # (an app that pins an older loader, which reads pages only)
+    assert segment.stat().st_ino != inode, "a packed segment is not the paged one asked for"
+    with SegmentReader.open(segment) as reader:
+        assert reader.header.layout_version in (1, 2)
+    models.assert_segment_matches(segment, tensors)
+    inode = segment.stat().st_ino
+    load(url, segment, slots="paged")
+    assert segment.stat().st_ino == inode, "the same slots: reused"
+
+
 def test_a_load_refused_by_a_full_volume_leaves_no_model_directory_behind(
     nginx: Any, tiny_tmpfs: Path
 ) -> None:

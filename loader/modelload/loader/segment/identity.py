@@ -11,6 +11,10 @@ can read what a segment holds. The identity is:
   a plain string the source chooses, or None when the origin gives none (such a load is never reused);
 - ``format``: the format asked for (``auto``, ``tensorizer``, ``safetensors``);
 - ``memory_mode`` and ``ring_size``: what the writer does with consumed pages (layout versions 3 and 4);
+- ``slots``: where the slots were asked to start (``auto``, ``packed``, ``paged``): a segment packed for one
+  load is not what a load asking for pages wants (its apps' loaders may not read layout version 5). An
+  identity an older writer recorded, without it, reads as ``auto``; in memory modes release and ring, which
+  never pack, the sidecar records ``paged``;
 - ``key``: a fingerprint of the decryption key or password (never the key): a load with another key is
   another load, even of the same file, so a wrong key fails instead of reusing what the right one opened.
 
@@ -61,6 +65,7 @@ class LoadIdentity:
     ring_size: int = 0
     key: str | None = None
     """The key's fingerprint (``DecryptionKey.fingerprint``); None when no key was given."""
+    slots: str = "auto"
 
     @property
     def versioned(self) -> bool:
@@ -75,6 +80,7 @@ class LoadIdentity:
             "format": self.format,
             "memory_mode": self.memory_mode,
             "ring_size": self.ring_size,
+            "slots": self.slots,
             "key": self.key,
         }
         return json.dumps(document, separators=(",", ":"), sort_keys=True, ensure_ascii=False)
@@ -99,6 +105,7 @@ class LoadIdentity:
                 format=_text(doc["format"]),
                 memory_mode=_text(doc["memory_mode"]),
                 ring_size=_count(doc["ring_size"]),
+                slots=_text(doc.get("slots", "auto")),
                 key=None if key is None else _text(key),
             )
         except (ValueError, KeyError, TypeError):
@@ -107,17 +114,18 @@ class LoadIdentity:
 
     def same_load(self, other: LoadIdentity, *, key: KeyLike | None) -> bool:
         """Whether ``other`` (a segment's recorded identity) is this load: same source, files, versions,
-        format and memory settings, both versioned, and ``key`` (the key this load would use, or None)
+        format, memory and slot settings, both versioned, and ``key`` (the key this load would use, or None)
         matching the fingerprint ``other`` recorded. This load's own ``key`` field is not compared: a
         password's fingerprint differs at every load (its salt is random)."""
         if not (self.versioned and other.versioned):
             return False
-        same = (self.source, self.files, self.format, self.memory_mode, self.ring_size) == (
+        same = (self.source, self.files, self.format, self.memory_mode, self.ring_size, self.slots) == (
             other.source,
             other.files,
             other.format,
             other.memory_mode,
             other.ring_size,
+            other.slots,
         )
         return same and key_matches(other.key, key)
 

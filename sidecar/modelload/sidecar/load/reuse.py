@@ -3,9 +3,9 @@
 The engine asks two things of an earlier segment (set aside by
 :func:`~modelload.loader.segment.previous.set_aside` as the load starts, so no app attaches it meanwhile):
 is it COMPLETE, and does it record this very load (:class:`~modelload.loader.segment.identity.LoadIdentity`:
-the same source, every weight file at the same version and size, the same format setting, memory mode and
-ring, and a fingerprint of the same key)? Then it is put back and the load is over without reading the
-model again (a restarted sidecar). Anything else is removed before the new load creates its own segment.
+the same source, every weight file at the same version and size, the same format setting, memory mode,
+ring and slots, and a fingerprint of the same key)? Then it is put back and the load is over without reading
+the model again (a restarted sidecar). Anything else is removed before the new load creates its own segment.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ def load_identity(model: OpenedModel, settings: LoadSettings, key: Any) -> LoadI
         format=settings.format,
         memory_mode=memory.mode,
         ring_size=memory.ring_size if memory.mode == "ring" else 0,
+        slots=settings.slots if memory.mode == "full" else "paged",  # (other modes never pack)
         key=key.fingerprint() if key is not None else None,
     )
 
