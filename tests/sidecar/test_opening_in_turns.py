@@ -135,3 +135,20 @@ def test_the_first_read_is_twice_a_shards_share_of_the_index_within_bounds(
 ) -> None:
     index_json = None if index_length is None else bytes(index_length)
     assert _model.first_read_length(index_json, shards) == expected
+
+
+def test_a_shard_whose_header_outgrows_its_first_read_costs_one_more_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model_dir, weights = _directory(tmp_path, shards=6, per_shard=1500)  # headers of about 130 KiB
+    read_bytes: Callable[..., bytes] = _model.read_bytes
+    rests: list[int] = []
+
+    def rest(source: Any, offset: int, length: int, **kwargs: Any) -> bytes:
+        rests.append(offset)
+        return read_bytes(source, offset, length, **kwargs)
+
+    monkeypatch.setattr(_model, "first_read_length", lambda index_json, shards: 64 << 10)
+    monkeypatch.setattr(_model, "read_bytes", rest)
+    _checked(model_dir, weights)
+    assert rests == [64 << 10] * 6, "each shard read the rest of its header once, from where the first ended"

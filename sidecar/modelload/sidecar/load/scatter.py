@@ -107,14 +107,17 @@ class ChunkScatter:
         self._done = 0
 
     def __call__(self, data: memoryview, at: int) -> None:
+        if data.ndim != 1 or data.format != "B":
+            data = data.cast("B")
         if at < self._done:  # the part already written, sent again
             data, at = data[self._done - at :], self._done
         if at != self._done:
             raise ValueError(f"range bytes from {at} came before bytes {self._done}-{at - 1}")
-        if data.ndim != 1 or data.format != "B":
-            data = data.cast("B")
         end = at + len(data)
         if self._contiguous:
+            if self._ends and end > self._ends[-1]:  # never past the chunk's last piece
+                data = data[: max(self._ends[-1] - at, 0)]
+                end = at + len(data)
             self._hash(data, at, end)
             if data:
                 _write(self._fd, [data], self._dst[0] + at, len(data))

@@ -172,7 +172,7 @@ def _stat_and_index(
     first_read: int = PREFIX_LENGTH,
 ) -> tuple[ObjectInfo, ModelIndex, list[tuple[int, bytes]]]:
     """Weight file ``file``'s size and validators, its index, read from the bytes the same request brought
-    (a second read only for an index longer than :data:`PREFIX_LENGTH`), and the index's bytes, kept where
+    (a second read only for an index longer than ``first_read``), and the index's bytes, kept where
     the source knows a digest of the whole file (``hf://``, ``oci://``): it hashes them, as they are not
     landed (:meth:`OpenedModel.kept_bytes`). ``shapes`` is shared by the files of one model (each distinct
     shape one tuple, see :func:`~modelload.loader.formats.read_index`); so is ``turns``, when the files
@@ -281,7 +281,8 @@ def _open_directory(
     shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # the shards' tensors share their shapes' tuples
     turns = _Turns()
 
-    first_read = first_read_length(index_json, len(chosen.weights))
+    safetensors_index = index_json if chosen.format == "safetensors" else None  # (tensorizer files: no)
+    first_read = first_read_length(safetensors_index, len(chosen.weights))
 
     def stat(source: Source, file: int) -> tuple[ObjectInfo, ModelIndex, list[tuple[int, bytes]]]:
         return _stat_and_index(source, file, chosen.format, settings, on_retry, shapes, turns, first_read)
