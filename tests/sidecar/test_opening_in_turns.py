@@ -3,7 +3,9 @@
 A remote origin answers each read after a round trip, so the shards' headers are read on several threads at
 once; parsing them is Python, which on several threads at once only fights for the GIL. These tests pin
 both halves with events, not timings: no two headers are parsed at the same moment, and the second read of
-a header longer than the first read is made while another shard holds the turn.
+a header longer than the first read is made while another shard holds the turn. Local files, which have no
+round trip to overlap, are looked up one after the other on the caller's thread; the tests of the threads
+take them as remote (``remote_files``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from modelload.sidecar.sources import SourceSettings, _model, open_model
+from modelload.sidecar.sources import FileSource, SourceSettings, _model, open_model
 from tests.support import hfdir
 
 _LONG = 6000
@@ -42,6 +44,29 @@ def _checked(model_dir: Path, weights: dict[str, torch.Tensor]) -> None:
         model.close()
 
 
+@pytest.fixture
+def remote_files(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Local files looked up as a remote origin's are, on several threads."""
+    monkeypatch.setattr(FileSource, "local", False)
+
+
+def test_local_shards_are_looked_up_on_the_callers_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model_dir, weights = _directory(tmp_path, shards=6, per_shard=50)
+    threads: set[str] = set()
+    read_index: Callable[..., Any] = _model.read_index
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        threads.add(threading.current_thread().name)
+        return read_index(*args, **kwargs)
+
+    monkeypatch.setattr(_model, "read_index", watched)
+    _checked(model_dir, weights)
+    assert threads == {threading.current_thread().name}
+
+
+@pytest.mark.usefixtures("remote_files")
 def test_no_two_shard_headers_are_parsed_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model_dir, weights = _directory(tmp_path, shards=12, per_shard=200)
     parsing = 0
@@ -73,6 +98,7 @@ def test_no_two_shard_headers_are_parsed_at_once(tmp_path: Path, monkeypatch: py
     assert most == 1, f"{most} headers were parsed at once"
 
 
+@pytest.mark.usefixtures("remote_files")
 def test_the_rest_of_a_long_header_is_read_while_another_shard_holds_the_turn(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

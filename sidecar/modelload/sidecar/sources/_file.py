@@ -41,6 +41,7 @@ class FileSource(SourceBase):
     supports_fd = HAVE_SPLICE
     every_read_validated = True  # size and mtime are compared before and after every read
     lands_best_through_a_window = True  # see SourceBase
+    local = True  # see SourceBase
 
     def __init__(self, path: str) -> None:
         super().__init__(path)

@@ -290,8 +290,12 @@ def _open_directory(
     try:
         for name in chosen.weights:
             sources.append(opener(directory.file_uri(name)))
-        with ThreadPoolExecutor(max_workers=min(_WORKERS, len(sources)), thread_name_prefix="stat") as pool:
-            found = list(pool.map(stat, sources, range(len(sources))))
+        if all(getattr(source, "local", False) for source in sources):  # no round trip to overlap
+            found = [stat(source, file) for file, source in enumerate(sources)]
+        else:
+            workers = min(_WORKERS, len(sources))
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="stat") as pool:
+                found = list(pool.map(stat, sources, range(len(sources))))
     except BaseException:
         for source in sources:
             source.close()
