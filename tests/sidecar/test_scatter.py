@@ -37,6 +37,19 @@ def segment_file(path: Path, length: int = 1 << 17) -> int:
     return fd
 
 
+def pwritev_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Each ``pwritev`` the sink makes from now on, as (its buffer count, its offset)."""
+    calls: list[tuple[int, int]] = []
+    real = os.pwritev
+
+    def counted(fd: int, iovs: list[memoryview], offset: int) -> int:
+        calls.append((len(iovs), offset))
+        return real(fd, iovs, offset)
+
+    monkeypatch.setattr(scatter.os, "pwritev", counted)
+    return calls
+
+
 def feed(sink: ChunkScatter, data: bytes, cuts: list[int]) -> None:
     """Hand ``data`` to ``sink`` in the pieces between ``cuts``, as a source's windows would."""
     edges = [0, *cuts, len(data)]
@@ -50,14 +63,7 @@ def test_every_piece_lands_at_its_slot_and_the_padding_between_neighbours_is_zer
 ) -> None:
     data = payload(sum(SIZES), seed=3)
     fd = segment_file(tmp_path / "segment")
-    calls: list[int] = []
-    real = os.pwritev
-
-    def counted(fd: int, iovs: list[memoryview], offset: int) -> int:
-        calls.append(len(iovs))
-        return real(fd, iovs, offset)
-
-    monkeypatch.setattr(scatter.os, "pwritev", counted)
+    calls = pwritev_calls(monkeypatch)
     at = slots()
     sink = ChunkScatter(fd, dst=at, length=SIZES, joined=[True] * len(SIZES), hashed=[True] * len(SIZES))
     try:
@@ -186,14 +192,7 @@ def test_a_packed_chunk_is_one_write_a_window_whatever_its_tensor_count(
 ) -> None:
     data = payload(sum(SIZES), seed=8)
     fd = segment_file(tmp_path / "segment")
-    calls: list[tuple[int, int]] = []
-    real = os.pwritev
-
-    def counted(fd: int, iovs: list[memoryview], offset: int) -> int:
-        calls.append((len(iovs), offset))
-        return real(fd, iovs, offset)
-
-    monkeypatch.setattr(scatter.os, "pwritev", counted)
+    calls = pwritev_calls(monkeypatch)
     base = 8192 + 3  # each slot right after the one before it, as a packed segment lays them out
     at = [base + sum(SIZES[:i]) for i in range(len(SIZES))]
     hashed = [True, True, True, False, True, True, True]

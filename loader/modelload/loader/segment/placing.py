@@ -56,10 +56,7 @@ def place_slots(sizes: Offsets, leads: Offsets, kinds: Kinds, *, packed: bool | 
 def _packed_offsets(sizes: Offsets, room: Offsets, items: Offsets) -> Offsets:
     """Each slot right after the slot before it and its own lead (``room``), moved on to the next multiple of
     its element size (``items``) where that end is not one. The first slot starts on a page."""
-    relative = np.empty(len(sizes), dtype=np.int64)
-    relative[0] = align(int(room[0]))
-    np.cumsum(sizes[:-1] + room[1:], out=relative[1:])
-    relative[1:] += relative[0]
+    relative = _stepped(align(int(room[0])), sizes[:-1] + room[1:])
     off = np.flatnonzero(relative % items)
     if not len(off):  # a weight file's tensors in their natural alignment: the usual case, all at once
         return relative
@@ -75,9 +72,13 @@ def _paged_offsets(sizes: Offsets, room: Offsets) -> Offsets:
     it."""
     if not len(sizes):
         return np.zeros(0, dtype=np.int64)
-    steps = -(-(sizes[:-1] + room[1:]) // ALIGNMENT) * ALIGNMENT
-    relative = np.empty(len(sizes), dtype=np.int64)
-    relative[0] = align(int(room[0]))
+    return _stepped(align(int(room[0])), -(-(sizes[:-1] + room[1:]) // ALIGNMENT) * ALIGNMENT)
+
+
+def _stepped(first: int, steps: Offsets) -> Offsets:
+    """``first``, then each of ``steps`` further on from the one before."""
+    relative = np.empty(len(steps) + 1, dtype=np.int64)
+    relative[0] = first
     np.cumsum(steps, out=relative[1:])
-    relative[1:] += relative[0]
+    relative[1:] += first
     return relative

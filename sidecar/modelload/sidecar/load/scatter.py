@@ -114,18 +114,16 @@ class ChunkScatter:
         if at != self._done:
             raise ValueError(f"range bytes from {at} came before bytes {self._done}-{at - 1}")
         end = at + len(data)
+        if self._contiguous and self._ends and end > self._ends[-1]:  # never past the chunk's last piece
+            data = data[: max(self._ends[-1] - at, 0)]
+            end = at + len(data)
+        self._hash(data, at, end)
         if self._contiguous:
-            if self._ends and end > self._ends[-1]:  # never past the chunk's last piece
-                data = data[: max(self._ends[-1] - at, 0)]
-                end = at + len(data)
-            self._hash(data, at, end)
             if data:
                 _write(self._fd, [data], self._dst[0] + at, len(data))
             self._done = end
             return
-        starts, ends, dst, joined, hashed, crcs = (
-            self._starts, self._ends, self._dst, self._joined, self._hashed, self._crcs,
-        )  # fmt: skip
+        starts, ends, dst, joined = self._starts, self._ends, self._dst, self._joined
         iovs: list[memoryview] = []
         run_at = expect = 0  # where the run being gathered starts in the file, and where it ends so far
         i = bisect_right(ends, at)
@@ -133,8 +131,6 @@ class ChunkScatter:
             low = max(starts[i], at)
             part = data[low - at : min(ends[i], end) - at]
             file_at = dst[i] + low - starts[i]
-            if hashed[i]:
-                crcs[i] = crc32_bytes(part, crcs[i])
             if iovs:
                 gap = file_at - expect
                 if gap < 0 or (gap and not joined[i - 1]) or len(iovs) >= _IOV_MAX - 1:

@@ -60,9 +60,7 @@ def crc32(data: Buffer, value: int = 0) -> int:
     if _GIL_KEPT_UP_TO < view.nbytes <= _SLICED_UP_TO and view.c_contiguous:
         if view.ndim != 1 or view.itemsize != 1:
             view = view.cast("B")
-        for at in range(0, view.nbytes, _GIL_KEPT_UP_TO):
-            value = _crc32(view[at : at + _GIL_KEPT_UP_TO], value)
-        return int(value) & 0xFFFFFFFF
+        return crc32_bytes(view, value) & 0xFFFFFFFF
     return int(_crc32(data, value)) & 0xFFFFFFFF
 
 
