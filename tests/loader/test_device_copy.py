@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -173,4 +174,47 @@ def test_a_refused_registration_falls_back_to_staging_and_leaves_no_error_for_th
             assert (torch.ones(4, device="cuda") * 2).sum().item() == 8  # no error left for a later kernel
         finally:
             cudart.cudaHostUnregister(host.data_ptr())
+    writer.close()
+
+
+def _packed_segment(path: Path, count: int) -> SegmentWriter:
+    """A complete packed segment (layout version 5) of ``count`` float16 tensors of 4-16 KiB, each slot right
+    after the one before it: a mixture of experts' small tensors share their pages."""
+    rng = np.random.default_rng(3)
+    specs = [
+        TensorSpec(f"experts.{i}.weight", by_name("float16"), (int(n),))
+        for i, n in enumerate(rng.integers(2048, 8193, count))
+    ]
+    layout = plan_layout(specs, packed=True)
+    assert layout.layout_version == 5
+    writer = SegmentWriter.create(path, layout, heartbeat=False)
+    for slot in layout.slots:
+        writer.slot(slot.index)[:] = expected_bytes(11, slot.index, slot.nbytes)
+    writer.mark_ready_many(np.arange(len(layout.slots)))
+    writer.mark_complete()
+    return writer
+
+
+def _same_bits(got: torch.Tensor, index: int) -> bool:
+    want = torch.frombuffer(bytearray(expected_bytes(11, index, got.nbytes)), dtype=torch.uint8)
+    return torch.equal(got.cpu().reshape(-1).view(torch.uint8), want)  # bits: random float16s hold NaNs
+
+
+@pytest.mark.parametrize("way", ["state_dict", "each-tensor", "staging"])
+def test_a_packed_segment_reaches_the_gpu_bit_for_bit_each_way(shm_dir: Path, way: str) -> None:
+    # Packed slots share pages: pinning each tensor on its own registers pages a neighbour's registration
+    # already holds, which the driver refuses; the copier must then stage, leaving no error behind.
+    writer = _packed_segment(shm_dir / "packed.seg", 3000)
+    with attach(shm_dir / "packed.seg", notify=False) as model:
+        if way == "state_dict":
+            results = model.state_dict(device="cuda")
+        else:
+            copier = DeviceCopier("cuda", pin_in_place=way == "each-tensor")
+            results = {name: copier.copy(host) for name, host in model.state_dict().items()}
+            copier.finish()
+        assert (torch.ones(4, device="cuda") * 2).sum().item() == 8  # no error left for a later kernel
+        for index, name in enumerate(model.names):
+            assert results[name].device.type == "cuda", name
+            assert results[name].dtype == torch.float16 and results[name].shape == model.tensor(name).shape
+            assert _same_bits(results[name], index), name
     writer.close()

@@ -344,10 +344,15 @@ def test_loading_on_the_cpu_adds_no_second_copy_of_the_weights(tmp_path: Path, s
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("slots", ["paged", "packed"])
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_a_cuda_device_gets_the_weights_through_pinned_copies(
-    arch: str, tmp_path: Path, stage_dir: StageDir
+    arch: str, slots: str, tmp_path: Path, stage_dir: StageDir, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from modelload.loader.segment import placing
+
+    if slots == "packed":
+        monkeypatch.setattr(placing, "PACKING_MIN", 0)
     make_config, auto = ARCHITECTURES[arch]
     directory = save(make_config(), auto, tmp_path / arch)
     net = from_pretrained(auto, segment=stage_dir(directory), device="cuda")
