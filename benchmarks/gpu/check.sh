@@ -7,9 +7,11 @@
 #   bash benchmarks/gpu/check.sh OUT [WHEELS]          # or: make gpu-check OUT=dir
 #
 # OUT gets at most eight files: summary.jsonl (one line per step), env.json (the machine), and each step's
-# log (env.log, install.log, tests.log with tests.xml, bench.log with gpu_copy.jsonl, the figures).
+# log (env.log, install.log, tests.log with tests.xml, bench.log with gpu_copy.jsonl, the figures: those of
+# benchmarks/gpu_copy.py, then those of benchmarks/gpu_many_tensors.py).
 # Variables: GPU_WHEELS (default .gpu-wheels), GPU_CHECK_PYTHON (default python3), GPU_BENCH_SIZE (GiB,
-# default 4), GPU_BENCH_ARGS (more flags for benchmarks/gpu_copy.py), GPU_CHECK_BUDGET (seconds),
+# default 4), GPU_BENCH_ARGS (more flags for benchmarks/gpu_copy.py), GPU_MANY_BUDGET (seconds kept for
+# benchmarks/gpu_many_tensors.py, default 90), GPU_CHECK_BUDGET (seconds),
 # MODELLOAD_COMMIT (what the figures are labelled with; default the wheels' commit, or "a tree changed
 # since" it when the sources differ from those the wheels were built from). Exit
 # status 0 when every step passed.
@@ -66,8 +68,20 @@ gpu_tests() { # every test module that holds gpu-marked tests, the gpu ones only
     "$PY" -m pytest -m gpu -p no:cacheprovider -q -rs --junitxml="$OUT/tests.xml" "${files[@]}"
 }
 
-export PY WHEELS OUT
-export -f wheels_field install gpu_tests
+benches() { # BUDGET [--dry]: the copy benchmark, then the tensor-count one into the same figures file
+    local rc=0 status
+    # shellcheck disable=SC2086  # GPU_BENCH_ARGS is a list of flags
+    "$PY" benchmarks/gpu_copy.py --size "$SIZE" --out "$OUT/gpu_copy.jsonl" --budget "$1" "${@:2}" \
+        ${GPU_BENCH_ARGS:-} || rc=$?
+    echo
+    "$PY" benchmarks/gpu_many_tensors.py --out "$OUT/gpu_copy.jsonl" --budget "$((MANY_BUDGET / 2))" \
+        "${@:2}" || { status=$?; [ "$rc" = 0 ] && rc=$status; }
+    return "$rc"
+}
+
+MANY_BUDGET=${GPU_MANY_BUDGET:-90}
+export PY WHEELS OUT SIZE MANY_BUDGET
+export -f wheels_field install gpu_tests benches
 # What the figures were measured on: the caller's word (MODELLOAD_COMMIT), else the wheels' commit when the
 # tree is what they were built from; a tree changed since is not that commit (the install builds it afresh).
 if [ -z "${MODELLOAD_COMMIT:-}" ]; then
@@ -85,14 +99,12 @@ if [ "$INSTALLED" = 1 ]; then
     run_step tests 200 bash -c gpu_tests
     bench_limit=$((BUDGET - ($(date +%s) - START) - 10))
     mapfile -t dry < <(bench_dry)
-    # shellcheck disable=SC2086  # GPU_BENCH_ARGS is a list of flags
-    # The benchmark keeps to its budget itself (each case under its own limit, cases the budget has no room
-    # for skipped with a line saying so): the step's limit is only the backstop.
-    run_step bench "$bench_limit" "$PY" benchmarks/gpu_copy.py --size "$SIZE" --out "$OUT/gpu_copy.jsonl" \
-        --budget $((bench_limit - 15)) "${dry[@]}" ${GPU_BENCH_ARGS:-}
+    # The benchmarks keep to their budgets themselves (each case under its own limit, cases the budget has
+    # no room for skipped with a line saying so): the step's limit is only the backstop.
+    run_step bench "$bench_limit" bash -c 'benches "$@"' bench "$((bench_limit - 15 - MANY_BUDGET))" "${dry[@]}"
 else
     record tests skipped 0 0 "the install failed: see install.log"
     record bench skipped 0 0 "the install failed: see install.log"
 fi
 
-finish 12 30
+finish 12 42

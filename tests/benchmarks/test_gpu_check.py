@@ -93,3 +93,15 @@ def test_the_recheck_without_wheels_says_how_to_make_them(tmp_path: Path) -> Non
         ("install", "failed"), ("tests", "skipped"), ("bench", "skipped"),
     ]  # fmt: skip
     assert "make gpu-wheels GPU_PYTHON=X.Y" in (out / "install.log").read_text()
+
+
+def test_the_tensor_count_benchmark_runs_dry_through_the_device_stand_in(tmp_path: Path) -> None:
+    out = tmp_path / "many.jsonl"
+    argv = [sys.executable, "benchmarks/gpu_many_tensors.py", "--dry", "--out", str(out)]
+    done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    cases = {(r["model"], r["way"]) for r in records if r["section"] == "many tensors"}
+    assert cases == {(m, w) for m in ("dense", "moe") for w in ("per tensor", "runs")}
+    assert all(r["bitwise"] for r in records if "bitwise" in r)
+    assert "every device tensor bitwise equal to the segment" in done.stdout

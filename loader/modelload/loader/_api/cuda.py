@@ -47,6 +47,14 @@ class Gpu(Protocol):
     def copy(self, destination: torch.Tensor, source: torch.Tensor) -> None:
         """Queue ``source`` (host) into ``destination`` (device) on the side stream; returns at once."""
 
+    def scratch(self, nbytes: int) -> torch.Tensor:
+        """A flat uint8 device tensor for the side stream's own use: freed once dropped, its memory is reused
+        only by later work of that stream, so dropping it right after queueing copies through it is safe."""
+
+    def copy_many(self, destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+        """Queue device-to-device copies, each source into its destination (same dtype and shape), on the
+        side stream, batched into as few kernels as the device allows; returns at once."""
+
     def record(self) -> Event:
         """An event after everything queued so far."""
 
@@ -84,6 +92,20 @@ class CudaGpu:
     def copy(self, destination: torch.Tensor, source: torch.Tensor) -> None:
         with self._torch.cuda.stream(self._stream):
             destination.copy_(source, non_blocking=True)
+
+    def scratch(self, nbytes: int) -> torch.Tensor:
+        with self._torch.cuda.stream(self._stream):
+            return self._torch.empty(nbytes, dtype=self._torch.uint8, device=self.device)
+
+    def copy_many(self, destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+        torch = self._torch
+        with torch.cuda.stream(self._stream):
+            foreach = getattr(torch, "_foreach_copy_", None)
+            if foreach is not None:  # one launch per chunk of tensors rather than one per tensor
+                foreach(destinations, sources)
+                return
+            for destination, source in zip(destinations, sources, strict=True):
+                destination.copy_(source)
 
     def record(self) -> Event:
         # Blocking: the copier's completion thread waits on these; a spinning wait would take a core.

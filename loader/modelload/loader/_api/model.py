@@ -284,6 +284,7 @@ class Model:
                     on_done=on_done,
                     region=region,
                     pin_in_place=self._pins_in_place(),
+                    data=self._runs_over(),
                 )
             )
             if on_done is None and self._reader.memory_mode != MemoryMode.FULL:
@@ -320,6 +321,15 @@ class Model:
                     for slot in map(slots.__getitem__, batch.tolist())
                 ]
             yield from made
+
+    def _runs_over(self) -> torch.Tensor | None:
+        """The data mapping as flat bytes, over which small neighbouring tensors are copied to a device in
+        runs (:func:`~modelload.loader._api.torch.runs`): in memory mode full, where no landing waits for
+        a copy; elsewhere (a release or a ring gives pages back as each tensor is consumed) None."""
+        data = self._reader.data()
+        if self._reader.memory_mode != MemoryMode.FULL or not len(data):
+            return None
+        return torch_api.as_tensor(data, by_name("uint8"), (len(data),))
 
     def _pins_in_place(self) -> bool:
         """Whether a copy to a GPU pins the segment's own pages, or goes through pinned staging buffers.

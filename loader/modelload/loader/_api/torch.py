@@ -41,6 +41,14 @@ __all__ = ["DeviceCopier", "Region", "Views", "as_tensor"]
 log = logging.getLogger(__name__)
 
 _STAGING_BYTES = 64 << 20
+_RUN_TENSOR = 1 << 20
+"""Tensors smaller than this are copied in runs (:func:`runs`); a larger one costs more than its launch."""
+_RUN_BYTES = 32 << 20
+"""A run spans at most this many bytes (the scratch block it passes through on the device)."""
+_RUN_GAP = 4096
+"""The most bytes between two tensors of one run (padding, copied along): a page, what a paged slot leaves."""
+_RUN_ALIGN = 16
+"""A run's block starts on a multiple of this in the data (of every element size), and is as long."""
 _NOT_WRITABLE = "The given buffer is not writable"
 
 
@@ -200,6 +208,56 @@ class DeviceCopier:
                 self._completions.put(None, None, None, on_done)
         return target
 
+    def copy_run(
+        self,
+        data: torch.Tensor,
+        hosts: list[torch.Tensor],
+        *,
+        on_done: Callable[[], None] | None = None,
+    ) -> list[torch.Tensor]:
+        """Start copying ``hosts``, contiguous tensors lying one after the other in ``data`` (a segment's data
+        mapping as flat bytes), as one span: one host-to-device copy of the bytes from the first to the last
+        into a scratch block, then one batched device copy from the block into each tensor's own new memory.
+        A mixture of experts' 100,000 small tensors then cost a few hundred copies, not 100,000 (each a
+        stream switch, a copy launch and an event). Each result has a storage of its own, as
+        :class:`Views`' host tensors have. ``on_done`` is called once the host bytes of all of them are read.
+        Each host tensor's offset in ``data`` must be a multiple of its element size (:func:`runs` checks).
+        """
+        self._completions.raise_error()
+        base = data.data_ptr()
+        start = (hosts[0].data_ptr() - base) // _RUN_ALIGN * _RUN_ALIGN  # every element size divides it
+        stop = hosts[-1].data_ptr() - base + hosts[-1].nbytes
+        length = stop - start
+        block = self._gpu.scratch(-(-length // _RUN_ALIGN) * _RUN_ALIGN)
+        spans = self._inside_region_at(base + start, length)
+        if spans is not None:
+            region, pieces = spans
+            done = 0
+            for offset, size in pieces:
+                self._gpu.copy(block[done : done + size], region[offset : offset + size])
+                done += size
+        else:  # pinning a span would overlap its neighbours' pages: staged (one memcpy of the whole span)
+            self._copy_staged(data[start:stop], block[:length])
+        # per dtype: a batched copy of one dtype takes the device's fast path, a mixed one falls back to a
+        # copy per tensor
+        batches: dict[torch.dtype, tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] = {}
+        targets = []
+        for host in hosts:
+            batch = batches.get(host.dtype)
+            if batch is None:
+                batch = batches[host.dtype] = (block.view(host.dtype), [], [])
+            of_dtype, into, sources = batch
+            offset = (host.data_ptr() - base - start) // host.element_size()
+            sources.append(of_dtype.as_strided(host.shape, host.stride(), offset))
+            target = self._gpu.empty(host.shape, host.dtype)
+            into.append(target)
+            targets.append(target)
+        for _, into, sources in batches.values():
+            self._gpu.copy_many(into, sources)
+        if on_done is not None:
+            self._completions.put(self._gpu.record(), hosts, None, on_done)
+        return targets
+
     def _target(self, host: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
         if into is None:
             return self._gpu.empty(tuple(host.shape), host.dtype)
@@ -229,10 +287,15 @@ class DeviceCopier:
         self._completions.raise_error()
 
     def _inside_region(self, host: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int]]] | None:
-        if not self._regions or not host.is_contiguous():
+        if not host.is_contiguous():
             return None
+        return self._inside_region_at(host.data_ptr(), host.nbytes)
+
+    def _inside_region_at(
+        self, address: int, nbytes: int
+    ) -> tuple[torch.Tensor, list[tuple[int, int]]] | None:
         for pinned in self._regions:
-            pieces = pinned.pieces(host.data_ptr(), host.nbytes)
+            pieces = pinned.pieces(address, nbytes)
             if pieces is not None:
                 return pinned.region.bytes, pieces
         return None
@@ -396,26 +459,79 @@ def copy_all(
     on_done: Callable[[str], None] | None = None,
     region: Region | None = None,
     pin_in_place: bool = True,
+    data: torch.Tensor | None = None,
 ) -> Iterator[tuple[str, Any]]:
     """Copy each ``(name, host tensor)`` to ``device`` as it comes; yield the device tensors at the end.
 
     ``on_done(name)`` is called for each tensor once its host bytes have been read (see
     :meth:`DeviceCopier.copy`), in the course of the copies rather than at the end. ``region``: the segment's
     mapping, pinned once for all the copies (:meth:`DeviceCopier.pin`). ``pin_in_place=False`` copies
-    through the staging buffers only (``region`` is then not pinned).
+    through the staging buffers only (``region`` is then not pinned). ``data``: the segment's data mapping as
+    flat bytes, when the tensors are its views and nothing waits for them to be consumed (memory mode full):
+    small neighbours are then copied in runs (:func:`runs`, :meth:`DeviceCopier.copy_run`), and each run's
+    ``on_done`` calls come together once the run is read.
     """
     copier = DeviceCopier(device, pin_in_place=pin_in_place)
 
-    def done(name: str) -> Callable[[], None] | None:
-        return None if on_done is None else (lambda: on_done(name))
+    def done(names: list[str]) -> Callable[[], None] | None:
+        if on_done is None:
+            return None
+        callback = on_done
+
+        def each() -> None:
+            for name in names:
+                callback(name)
+
+        return each
 
     try:
         if region is not None:
             copier.pin(region)
-        results = [(name, copier.copy(host, on_done=done(name))) for name, host in items]
+        results: list[tuple[str, torch.Tensor]] = []
+        for run in runs(items, data) if data is not None else ([item] for item in items):
+            names = [name for name, _ in run]
+            if len(run) == 1:
+                results.append((names[0], copier.copy(run[0][1], on_done=done(names))))
+            else:
+                assert data is not None
+                copied = copier.copy_run(data, [host for _, host in run], on_done=done(names))
+                results.extend(zip(names, copied, strict=True))
     except BaseException:
         with suppress(Exception):  # the copies queued are waited for and the pins given back; this error wins
             copier.finish()
         raise
     copier.finish()
     yield from results
+
+
+def runs(
+    items: Iterable[tuple[str, torch.Tensor]], data: torch.Tensor
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """``items`` in the same order, in lists: runs of small tensors that lie one after the other in ``data``
+    (at most :data:`_RUN_GAP` bytes apart, spanning at most :data:`_RUN_BYTES`, each on a multiple of its
+    element size there), and every other tensor alone. A run is yielded once the next tensor does not extend
+    it, so it waits for that tensor: for memory mode full only, where no landing waits for a consumer."""
+    base, length = data.data_ptr(), data.numel()
+    run: list[tuple[str, torch.Tensor]] = []
+    start = stop = 0
+    for name, host in items:
+        offset, nbytes = host.data_ptr() - base, host.nbytes
+        small = (
+            0 < nbytes < _RUN_TENSOR
+            and 0 <= offset <= length - nbytes
+            and offset % host.element_size() == 0
+            and host.is_contiguous()
+        )
+        if run and small and 0 <= offset - stop <= _RUN_GAP and offset + nbytes - start <= _RUN_BYTES:
+            run.append((name, host))
+            stop = offset + nbytes
+            continue
+        if run:
+            yield run
+            run = []
+        if small:
+            run, start, stop = [(name, host)], offset // _RUN_ALIGN * _RUN_ALIGN, offset + nbytes
+        else:
+            yield [(name, host)]
+    if run:
+        yield run
