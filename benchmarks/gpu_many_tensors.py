@@ -2,8 +2,8 @@
 mixture of experts' 100,000 small ones (4-16 KiB, packed), by ``Model.state_dict(device="cuda")``.
 
 Two ways, in the same run, alternating: ``per tensor`` (each tensor its own host-to-device copy, stream switch
-and event: the copies before runs) and ``runs`` (small neighbours copied as one span, then one batched device
-copy into each tensor's own memory: ``DeviceCopier.copy_run``). On two volumes: 4 KiB pages (``/dev/shm``:
+and event: the copies before runs) and ``runs`` (small neighbours copied as one span, then cloned out of it
+on the device in batches, each tensor into memory of its own: ``DeviceCopier.copy_run``). On two volumes: 4 KiB pages (``/dev/shm``:
 copied through pinned staging buffers) and hugetlbfs (2 MiB pages: the mapping pinned whole, read in place),
 where root may mount it. Each case: seconds from the call to the last byte on the device, GiB/s,
 CPU-seconds per GiB of this process, and every device tensor bitwise against the segment's bytes (once per

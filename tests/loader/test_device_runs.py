@@ -1,8 +1,8 @@
-"""Small neighbouring tensors copied to a GPU in runs: one host-to-device copy of the bytes a run spans and
-one batched device copy into each tensor's own memory, instead of a copy, a stream switch and an event per
-tensor. Without a GPU: the stand-in of ``tests/support/fake_gpu.py`` runs each copy as late as it can, so a
-run handed back before its copy ran, or read from the wrong offset, shows here. ``test_device_copy.py`` runs
-a packed segment on a real GPU.
+"""Small neighbouring tensors copied to a GPU in runs: one host-to-device copy of the bytes a run spans, then
+one batched clone of each tensor out of it (as integers: bits stay bits) into memory of its own, instead of
+a copy, a stream switch and an event per tensor. Without a GPU: the stand-in of ``tests/support/fake_gpu.py``
+runs each copy as late as it can, so a run handed back before its copy ran, or read from the wrong offset,
+shows here; the GPU tests at the end run the same on a real device.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def test_a_packed_mixture_of_experts_is_copied_in_a_few_runs_bit_for_bit(
         _check_every_tensor(model, results)
         spanned = len(model._reader.data())
     (gpu,) = gpus
-    assert sum(gpu.batched) == count, "every tensor came through a batched device copy"
+    assert sum(gpu.batched) == count, "every tensor came through a batched clone"
     runs = -(-spanned // torch_api._RUN_BYTES) + 1
     assert len(gpu.batched) <= runs * len(DTYPES), "a batch per dtype of each run"
     host_copies = len(gpu.sources)
@@ -128,7 +128,7 @@ def test_a_run_is_handed_back_only_once_its_copies_have_read_it(
     shm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # on_done may hand the bytes back: scribbling over a run's host bytes from it must not reach the copies,
-    # which the stand-in runs as late as it may (the batched device copies after the host copy of the span).
+    # which the stand-in runs as late as it may (the batched clones after the host copy of the span).
     gpus = fake_gpu.install(monkeypatch)
     path = shm_dir / "moe.seg"
     with _packed(path, 500), attach(path, notify=False, register=False) as model:
@@ -171,13 +171,14 @@ def test_runs_take_small_neighbours_and_leave_the_rest_alone_in_order() -> None:
         ("j", _host(0, 8)),  # behind the run: a new one
     ]
     items += [(f"k{i}", _host(8 * mib + i * mib // 2, mib // 2)) for i in range(70)]  # 35 MiB
+    items.append(("c128", _host(79 * mib, 32, torch.complex128)))  # no integer of its size: alone
     items.append(("other", torch.zeros(8, dtype=torch.uint8)))  # outside the mapping: alone
     grouped = [[name for name, _ in run] for run in runs(items, data)]
     assert [name for run in grouped for name in run] == [name for name, _ in items], "the order is kept"
     assert grouped[:8] == [["a", "b", "c"], ["d"], ["e"], ["f"], ["g"], ["h"], ["i"], ["j"]]
-    spans = grouped[8:-1]
+    spans = grouped[8:-2]
     assert [len(run) for run in spans] == [64, 6], "a run spans at most 32 MiB"
-    assert grouped[-1] == ["other"]
+    assert grouped[-2:] == [["c128"], ["other"]]
 
 
 def test_a_run_in_a_segment_of_one_thousand_tensors_per_copy_stays_a_few_copies(

@@ -7,7 +7,8 @@ It keeps the rules a GPU run showed or the driver documents, and is stricter whe
   (``CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED``); unpinning an address nobody pinned is refused too;
 - a copy must read from inside one registration or one pinned buffer: one that crosses from a registration
   into other memory is refused (seen on an H100); one from memory nobody pinned is a pageable copy, counted;
-- device-to-device copies (``copy_many``) queue behind the host copies, a tensor at a time;
+- a batch of device clones (``clone_many``) runs on the caller's stream once the side stream's copies so far
+  have run, and only on integer views (a float kernel canonicalises NaNs, seen on an H200);
 - copies run in the order they were queued, and as late as they can: only when an event after them is
   waited for, or the stream finishes. A copy reads its source when it runs, so a copier that hands the host
   bytes back (``on_done``) or reuses a staging buffer before its copy ran copies the wrong bytes, and one
@@ -31,8 +32,7 @@ from modelload.loader._api import cuda
 from modelload.loader.errors import DeviceError
 
 PAGE = 4096
-DEVICE = -3
-"""The holder of a device-to-device copy's source: the device's own memory, nothing to pin."""
+INTEGERS = (torch.uint8, torch.int16, torch.int32, torch.int64)
 
 
 class CopyRefused(RuntimeError):
@@ -70,7 +70,7 @@ class FakeGpu:
     """Every copy queued: its source's address and length."""
     queued: deque[tuple[torch.Tensor, torch.Tensor, int]] = field(default_factory=deque)
     batched: list[int] = field(default_factory=list)
-    """Each batch of device-to-device copies queued: how many tensors it held."""
+    """Each batch of device clones: how many tensors it held."""
     ran: int = 0
     made: int = 0
     lock: threading.RLock = field(default_factory=threading.RLock)
@@ -102,13 +102,12 @@ class FakeGpu:
     def scratch(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
 
-    def copy_many(self, destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    def clone_many(self, sources: list[torch.Tensor], scratch: torch.Tensor) -> list[torch.Tensor]:
         with self.lock:
-            self.batched.append(len(destinations))
-            for destination, source in zip(destinations, sources, strict=True):
-                assert destination.shape == source.shape and destination.dtype == source.dtype
-                self.queued.append((destination, source, DEVICE))
-                self.made += 1
+            assert all(source.dtype in INTEGERS for source in sources), "cloned as integers: bits stay bits"
+            self.batched.append(len(sources))
+            self.run_until(self.made)  # the current stream waits for the side stream's copies so far
+            return [source.clone() for source in sources]
 
     def record(self) -> FakeEvent:
         with self.lock:

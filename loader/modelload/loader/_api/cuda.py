@@ -51,9 +51,11 @@ class Gpu(Protocol):
         """A flat uint8 device tensor for the side stream's own use: freed once dropped, its memory is reused
         only by later work of that stream, so dropping it right after queueing copies through it is safe."""
 
-    def copy_many(self, destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-        """Queue device-to-device copies, each source into its destination (same dtype and shape), on the
-        side stream, batched into as few kernels as the device allows; returns at once."""
+    def clone_many(self, sources: list[torch.Tensor], scratch: torch.Tensor) -> list[torch.Tensor]:
+        """A new device tensor for each source (device tensors of one integer dtype, views of ``scratch``):
+        made on the caller's current stream, where the weights will be used, once the side stream's copies
+        queued so far are done, in as few kernels as the device allows; returns at once. ``scratch`` is kept
+        from reuse until that stream has read it."""
 
     def record(self) -> Event:
         """An event after everything queued so far."""
@@ -97,15 +99,14 @@ class CudaGpu:
         with self._torch.cuda.stream(self._stream):
             return self._torch.empty(nbytes, dtype=self._torch.uint8, device=self.device)
 
-    def copy_many(self, destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    def clone_many(self, sources: list[torch.Tensor], scratch: torch.Tensor) -> list[torch.Tensor]:
         torch = self._torch
-        with torch.cuda.stream(self._stream):
-            foreach = getattr(torch, "_foreach_copy_", None)
-            if foreach is not None:  # one launch per chunk of tensors rather than one per tensor
-                foreach(destinations, sources)
-                return
-            for destination, source in zip(destinations, sources, strict=True):
-                destination.copy_(source)
+        current = torch.cuda.current_stream(self.device)
+        current.wait_stream(self._stream)
+        scratch.record_stream(current)  # the side stream reuses it only once the clones have read it
+        # Integers plus zero: one allocation and one multi-tensor kernel per chunk of tensors, the results
+        # allocated on the current stream (a clone per tensor would be a launch per tensor).
+        return list(torch._foreach_add(sources, 0))
 
     def record(self) -> Event:
         # Blocking: the copier's completion thread waits on these; a spinning wait would take a core.

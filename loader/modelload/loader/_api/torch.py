@@ -49,6 +49,13 @@ _RUN_GAP = 4096
 """The most bytes between two tensors of one run (padding, copied along): a page, what a paged slot leaves."""
 _RUN_ALIGN = 16
 """A run's block starts on a multiple of this in the data (of every element size), and is as long."""
+_SAME_SIZE_INTEGER: dict[int, Callable[[Any], torch.dtype]] = {
+    1: lambda torch: torch.uint8,
+    2: lambda torch: torch.int16,
+    4: lambda torch: torch.int32,
+    8: lambda torch: torch.int64,
+}
+"""The integer dtype a run's bytes are cloned as, by element size: copied as integers, bits stay bits."""
 _NOT_WRITABLE = "The given buffer is not writable"
 
 
@@ -217,12 +224,17 @@ class DeviceCopier:
     ) -> list[torch.Tensor]:
         """Start copying ``hosts``, contiguous tensors lying one after the other in ``data`` (a segment's data
         mapping as flat bytes), as one span: one host-to-device copy of the bytes from the first to the last
-        into a scratch block, then one batched device copy from the block into each tensor's own new memory.
-        A mixture of experts' 100,000 small tensors then cost a few hundred copies, not 100,000 (each a
-        stream switch, a copy launch and an event). Each result has a storage of its own, as
-        :class:`Views`' host tensors have. ``on_done`` is called once the host bytes of all of them are read.
-        Each host tensor's offset in ``data`` must be a multiple of its element size (:func:`runs` checks).
+        into a scratch block, then one batched clone of each tensor's bytes out of the block, into memory of
+        its own (:meth:`~.cuda.Gpu.clone_many`). A mixture of experts' 100,000 small tensors then cost a few
+        dozen copies, not 100,000 (each a stream switch, a copy launch and an event). The clones are made on
+        integer views of the bytes, never as floating point (a device kernel that reads a NaN as a float
+        writes back the canonical NaN, not the checkpoint's bits), and each result has a storage of its own,
+        as :class:`Views`' host tensors have. ``on_done`` is called once the host bytes of all of them are
+        read. Each host tensor's offset in ``data`` must be a multiple of its element size, of 1, 2, 4 or 8
+        bytes (:func:`runs` checks).
         """
+        import torch
+
         self._completions.raise_error()
         base = data.data_ptr()
         start = (hosts[0].data_ptr() - base) // _RUN_ALIGN * _RUN_ALIGN  # every element size divides it
@@ -238,24 +250,25 @@ class DeviceCopier:
                 done += size
         else:  # pinning a span would overlap its neighbours' pages: staged (one memcpy of the whole span)
             self._copy_staged(data[start:stop], block[:length])
-        # per dtype: a batched copy of one dtype takes the device's fast path, a mixed one falls back to a
-        # copy per tensor
-        batches: dict[torch.dtype, tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] = {}
-        targets = []
-        for host in hosts:
-            batch = batches.get(host.dtype)
-            if batch is None:
-                batch = batches[host.dtype] = (block.view(host.dtype), [], [])
-            of_dtype, into, sources = batch
-            offset = (host.data_ptr() - base - start) // host.element_size()
-            sources.append(of_dtype.as_strided(host.shape, host.stride(), offset))
-            target = self._gpu.empty(host.shape, host.dtype)
-            into.append(target)
-            targets.append(target)
-        for _, into, sources in batches.values():
-            self._gpu.copy_many(into, sources)
-        if on_done is not None:
+        if on_done is not None:  # the host bytes are read once the copy into the block is done
             self._completions.put(self._gpu.record(), hosts, None, on_done)
+        # One batch per element size: a batch of one dtype takes the device's fast path.
+        shift = base + start
+        batches: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        sizes = []
+        for host in hosts:
+            size = host.element_size()
+            sizes.append(size)
+            batch = batches.get(size)
+            if batch is None:
+                batch = batches[size] = (block.view(_SAME_SIZE_INTEGER[size](torch)), [])
+            of_size, sources = batch
+            sources.append(of_size.as_strided(host.shape, host.stride(), (host.data_ptr() - shift) // size))
+        clones = {size: iter(self._gpu.clone_many(sources, block)) for size, (_, sources) in batches.items()}
+        targets = []
+        for host, size in zip(hosts, sizes, strict=True):
+            clone = next(clones[size])
+            targets.append(clone if clone.dtype == host.dtype else clone.view(host.dtype))
         return targets
 
     def _target(self, host: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
@@ -515,11 +528,12 @@ def runs(
     run: list[tuple[str, torch.Tensor]] = []
     start = stop = 0
     for name, host in items:
-        offset, nbytes = host.data_ptr() - base, host.nbytes
+        offset, nbytes, size = host.data_ptr() - base, host.nbytes, host.element_size()
         small = (
             0 < nbytes < _RUN_TENSOR
             and 0 <= offset <= length - nbytes
-            and offset % host.element_size() == 0
+            and size in _SAME_SIZE_INTEGER
+            and offset % size == 0
             and host.is_contiguous()
         )
         if run and small and 0 <= offset - stop <= _RUN_GAP and offset + nbytes - start <= _RUN_BYTES:
