@@ -18,6 +18,7 @@ themselves are in :mod:`.cuda`.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import queue
 import threading
@@ -249,7 +250,7 @@ class DeviceCopier:
                 self._gpu.copy(block[done : done + size], region[offset : offset + size])
                 done += size
         else:  # pinning a span would overlap its neighbours' pages: staged (one memcpy of the whole span)
-            self._copy_staged(data[start:stop], block[:length])
+            self._copy_staged(data[start:stop], block[:length], one_thread=True)
         if on_done is not None:  # the host bytes are read once the copy into the block is done
             self._completions.put(self._gpu.record(), hosts, None, on_done)
         # One batch per element size: a batch of one dtype takes the device's fast path.
@@ -343,7 +344,11 @@ class DeviceCopier:
             with self._clock:
                 self.unregister_seconds += time.perf_counter() - started
 
-    def _copy_staged(self, host: torch.Tensor, target: torch.Tensor) -> None:
+    def _copy_staged(self, host: torch.Tensor, target: torch.Tensor, *, one_thread: bool = False) -> None:
+        """``host`` into ``target`` through the two pinned staging buffers. ``one_thread``: fill them with a
+        plain memcpy on this thread rather than torch's copy, whose worker threads spin on after each copy:
+        between runs, each followed by thousands of tensors' Python work, they took more CPU than the
+        copies (a 100,000-tensor model on 16 cores: 5.5 CPU-s per GiB for a 1.6 s copy)."""
         if self._staging is None:
             self._staging = [(self._gpu.pinned(_STAGING_BYTES), None) for _ in range(2)]
         source, destination = _as_bytes(host), _as_bytes(target)
@@ -352,7 +357,10 @@ class DeviceCopier:
             buffer, event = self._staging[self._next_stage]
             if event is not None:
                 event.synchronize()  # the buffer's previous copy has left it
-            buffer[: stop - start].copy_(source[start:stop])
+            if one_thread:  # ctypes lets the GIL go for the call
+                ctypes.memmove(buffer.data_ptr(), source.data_ptr() + start, stop - start)
+            else:
+                buffer[: stop - start].copy_(source[start:stop])
             self._gpu.copy(destination[start:stop], buffer[: stop - start])
             self._staging[self._next_stage] = (buffer, self._gpu.record())
             self._next_stage ^= 1
