@@ -99,8 +99,9 @@ if [ "$INSTALLED" = 1 ]; then
     run_step tests 200 bash -c gpu_tests
     bench_limit=$((BUDGET - ($(date +%s) - START) - 10))
     mapfile -t dry < <(bench_dry)
-    # The benchmarks keep to their budgets themselves (each case under its own limit, cases the budget has
-    # no room for skipped with a line saying so): the step's limit is only the backstop.
+    # The benchmarks keep to their budgets themselves (gpu_copy.py: each case under its own limit, cases
+    # its budget has no room for skipped with a line saying so; gpu_many_tensors.py: no round started past
+    # half of GPU_MANY_BUDGET, a round taking less than that): the step's limit is only the backstop.
     run_step bench "$bench_limit" bash -c 'benches "$@"' bench "$((bench_limit - 15 - MANY_BUDGET))" "${dry[@]}"
 else
     record tests skipped 0 0 "the install failed: see install.log"

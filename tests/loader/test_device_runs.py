@@ -7,13 +7,15 @@ shows here; the GPU tests at the end run the same on a real device.
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from modelload.loader import attach
+from modelload.loader import Model, attach
 from modelload.loader._api import torch as torch_api
 from modelload.loader._api.torch import copy_all, runs
 from modelload.loader.dtypes import by_name
@@ -21,26 +23,38 @@ from modelload.loader.segment import MemoryMode, SegmentWriter, TensorSpec, plan
 from tests.segment.helpers import expected_bytes
 from tests.support import fake_gpu
 
-DTYPES = ["float16", "float32", "bfloat16", "int8", "float64", "uint8"]
+DTYPES = [
+    "float16", "float32", "bfloat16", "int8", "float64", "uint8", "bool", "int16", "int32", "int64",
+    "complex64", "float8_e4m3fn", "float8_e5m2",
+]  # fmt: skip
+SIZES = {1, 2, 4, 8}
+"""The element sizes among DTYPES: a run clones one batch per element size."""
 
 
-def _packed(
-    path: Path, count: int, *, mode: MemoryMode = MemoryMode.FULL, packed: bool = True
-) -> SegmentWriter:
-    """A complete segment of ``count`` small tensors of mixed dtypes and ranks, each holding
-    ``expected_bytes(13, index, nbytes)``: packed, each slot on its element size right after the last."""
+def _specs(count: int) -> list[TensorSpec]:
+    """``count`` small tensors of every dtype in turn, of rank 0, 1 or 2 (every seventh a scalar)."""
     rng = np.random.default_rng(5)
     specs = []
     for i in range(count):
         dtype = by_name(DTYPES[i % len(DTYPES)])
-        rows = int(rng.integers(1, 9))
-        specs.append(TensorSpec(f"experts.{i}.w", dtype, (rows, int(rng.integers(1, 700)))))
-    layout = plan_layout(specs, memory_mode=mode, packed=packed)
+        shape: tuple[int, ...] = () if i % 7 == 3 else (int(rng.integers(1, 700)),)
+        if i % 2:
+            shape = (int(rng.integers(1, 9)), *shape)
+        specs.append(TensorSpec(f"experts.{i}.w", dtype, shape))
+    return specs
+
+
+def _segment(path: Path, count: int, *, packed: bool = True, complete: bool = True) -> SegmentWriter:
+    """A full-mode segment of :func:`_specs`, each tensor holding ``expected_bytes(13, index, nbytes)``:
+    packed (each slot on its element size right after the last) or paged; complete, or with nothing landed
+    yet (the caller lands it)."""
+    layout = plan_layout(_specs(count), packed=packed)
     writer = SegmentWriter.create(path, layout, heartbeat=False)
-    for slot in layout.slots:
-        writer.slot(slot.index)[:] = expected_bytes(13, slot.index, slot.nbytes)
-    writer.mark_ready_many(np.arange(len(layout.slots)))
-    writer.mark_complete()
+    if complete:
+        for slot in layout.slots:
+            writer.slot(slot.index)[:] = expected_bytes(13, slot.index, slot.nbytes)
+        writer.mark_ready_many(np.arange(len(layout.slots)))
+        writer.mark_complete()
     return writer
 
 
@@ -48,12 +62,12 @@ def _bits(tensor: torch.Tensor) -> bytes:
     return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def _check_every_tensor(model: object, results: dict[str, torch.Tensor]) -> None:
-    names = model.names  # type: ignore[attr-defined]
+def _check_every_tensor(model: Model, results: dict[str, torch.Tensor]) -> None:
+    names = model.names
     assert sorted(results) == sorted(names)
     storages = set()
     for index, name in enumerate(names):
-        got, host = results[name], model.tensor(name)  # type: ignore[attr-defined]
+        got, host = results[name], model.tensor(name)
         assert got.dtype == host.dtype and got.shape == host.shape, name
         assert _bits(got) == expected_bytes(13, index, host.nbytes), f"{name} holds other bytes"
         assert got.untyped_storage().nbytes() == got.nbytes, f"{name} shares a storage"
@@ -71,15 +85,15 @@ def test_a_packed_mixture_of_experts_is_copied_in_a_few_runs_bit_for_bit(
     gpus = fake_gpu.install(monkeypatch)
     path = shm_dir / "moe.seg"
     count = 3000
-    with _packed(path, count), attach(path, notify=False) as model:
+    with _segment(path, count), attach(path, notify=False) as model:
         assert model._reader.header.layout_version == 5
         results = model.state_dict(device="cuda")
         _check_every_tensor(model, results)
         spanned = len(model._reader.data())
     (gpu,) = gpus
     assert sum(gpu.batched) == count, "every tensor came through a batched clone"
-    runs = -(-spanned // torch_api._RUN_BYTES) + 1
-    assert len(gpu.batched) <= runs * len(DTYPES), "a batch per dtype of each run"
+    most = (-(-spanned // torch_api._RUN_BYTES) + 1) * len(SIZES)
+    assert len(gpu.batched) <= most, "a batch per element size of each run"
     host_copies = len(gpu.sources)
     assert host_copies <= 2 * len(gpu.batched), f"{host_copies} host copies for {count} tensors"
     if in_place:
@@ -93,10 +107,10 @@ def test_a_paged_segment_runs_its_small_tensors_across_their_padding(
 ) -> None:
     gpus = fake_gpu.install(monkeypatch)
     path = shm_dir / "paged.seg"
-    with _packed(path, 600, packed=False), attach(path, notify=False) as model:
+    with _segment(path, 600, packed=False), attach(path, notify=False) as model:
         assert model._reader.header.layout_version != 5
         _check_every_tensor(model, model.state_dict(device="cuda"))
-    assert sum(gpus[0].batched) == 600 and len(gpus[0].batched) <= len(DTYPES)  # one run
+    assert sum(gpus[0].batched) == 600 and len(gpus[0].batched) <= len(SIZES)  # one run
 
 
 @pytest.mark.parametrize("mode", [MemoryMode.RELEASE, MemoryMode.RING])
@@ -131,14 +145,14 @@ def test_a_run_is_handed_back_only_once_its_copies_have_read_it(
     # which the stand-in runs as late as it may (the batched clones after the host copy of the span).
     gpus = fake_gpu.install(monkeypatch)
     path = shm_dir / "moe.seg"
-    with _packed(path, 500), attach(path, notify=False, register=False) as model:
+    with _segment(path, 500), attach(path, notify=False, register=False) as model:
         data = torch_api.as_tensor(model._reader.data(), by_name("uint8"), (len(model._reader.data()),))
         items = list(model.state_dict().items())
         handed_back: list[str] = []
 
         def scribble(name: str) -> None:
             handed_back.append(name)
-            model.tensor(name).view(torch.uint8).fill_(0xAA)  # copy-on-write: this process only
+            model.tensor(name).reshape(-1).view(torch.uint8).fill_(0xAA)  # copy-on-write: this process only
 
         region = torch_api.Region(data)  # read in place: the stand-in reads it only when the copy runs
         results = dict(copy_all(items, "cuda", on_done=scribble, region=region, data=data))
@@ -181,13 +195,13 @@ def test_runs_take_small_neighbours_and_leave_the_rest_alone_in_order() -> None:
     assert grouped[-2:] == [["c128"], ["other"]]
 
 
-def test_a_run_in_a_segment_of_one_thousand_tensors_per_copy_stays_a_few_copies(
+def test_a_thousand_tensors_of_a_larger_segment_cost_a_few_copies_not_a_thousand(
     shm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The cost the runs remove: before them, each tensor was one host copy (and, for a consumer, one event).
     gpus = fake_gpu.install(monkeypatch)
     path = shm_dir / "moe.seg"
-    with _packed(path, 2000), attach(path, notify=False) as model:
+    with _segment(path, 2000), attach(path, notify=False) as model:
         model.state_dict(device="cuda", names=model.names[100:1100])
     assert sum(gpus[0].batched) == 1000
     assert len(gpus[0].sources) <= 2
@@ -201,10 +215,71 @@ def test_runs_of_mixed_dtypes_reach_a_real_gpu_bit_for_bit_each_in_its_own_memor
 ) -> None:
     monkeypatch.setattr(torch_api, "_RUN_BYTES", 1 << 20)  # many runs, each from its own offset
     path = shm_dir / "moe.seg"
-    with _packed(path, 3000, packed=packed), attach(path, notify=False) as model:
+    with _segment(path, 3000, packed=packed), attach(path, notify=False) as model:
         results = model.state_dict(device="cuda")
         assert all(tensor.device.type == "cuda" for tensor in results.values())
         assert (torch.ones(4, device="cuda") * 2).sum().item() == 8  # no error left for a later kernel
         _check_every_tensor(model, {name: tensor.cpu() for name, tensor in results.items()})
         storages = {tensor.untyped_storage().data_ptr() for tensor in results.values()}
         assert len(storages) == len(results), "each device tensor has a storage of its own"
+
+
+def test_a_full_segment_still_landing_streams_its_runs_to_the_device(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A run waits for the tensor after it; in memory mode full no landing waits for a consumer, so the copy
+    # follows the load to its end.
+    monkeypatch.setattr(torch_api, "_RUN_BYTES", 256 << 10)
+    gpus = fake_gpu.install(monkeypatch)
+    path = shm_dir / "moe.seg"
+    writer = _segment(path, 1500, complete=False)
+    slots = writer.layout.slots
+
+    def land() -> None:
+        for first in range(0, len(slots), 100):
+            batch = slots[first : first + 100]
+            for slot in batch:
+                writer.slot(slot.index)[:] = expected_bytes(13, slot.index, slot.nbytes)
+            writer.mark_ready_many([slot.index for slot in batch])
+            time.sleep(0.002)  # a pace, not a wait for anything: the copy must follow whatever the pace
+        writer.mark_complete()
+
+    with attach(path, notify=False, timeout=30) as model:
+        lander = threading.Thread(target=land)
+        lander.start()
+        results = model.state_dict(device="cuda")
+        lander.join()
+        _check_every_tensor(model, results)
+    writer.close()
+    assert sum(gpus[0].batched) > 1000, "copied in runs"
+
+
+def test_an_error_in_a_run_reaches_the_caller_with_every_pin_given_back(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("modelload.loader._api.model.Model._pins_in_place", lambda self: True)
+    monkeypatch.setattr(torch_api, "_RUN_BYTES", 256 << 10)
+    gpus = fake_gpu.install(monkeypatch)
+    clone_many = fake_gpu.FakeGpu.clone_many
+    calls = 0
+
+    def failing(
+        self: fake_gpu.FakeGpu, sources: list[torch.Tensor], scratch: torch.Tensor
+    ) -> list[torch.Tensor]:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("CUDA error: out of memory (the stand-in's)")
+        return clone_many(self, sources, scratch)
+
+    monkeypatch.setattr(fake_gpu.FakeGpu, "clone_many", failing)
+    path = shm_dir / "moe.seg"
+    with (
+        _segment(path, 1500),
+        attach(path, notify=False) as model,
+        pytest.raises(RuntimeError, match="the stand-in's"),
+    ):
+        model.state_dict(device="cuda")
+    (gpu,) = gpus
+    assert gpu.registered and not gpu.pins, "the mapping was pinned, and given back"
+    assert gpu.ran == gpu.made, "the copies queued were waited for"

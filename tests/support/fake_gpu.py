@@ -7,8 +7,8 @@ It keeps the rules a GPU run showed or the driver documents, and is stricter whe
   (``CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED``); unpinning an address nobody pinned is refused too;
 - a copy must read from inside one registration or one pinned buffer: one that crosses from a registration
   into other memory is refused (seen on an H100); one from memory nobody pinned is a pageable copy, counted;
-- a batch of device clones (``clone_many``) runs on the caller's stream once the side stream's copies so far
-  have run, and only on integer views (a float kernel canonicalises NaNs, seen on an H200);
+- a batch of device clones (``clone_many``) is queued behind the copies so far (the caller's stream waits for
+  the side stream), and is made only of integer views (a float kernel canonicalises NaNs, seen on an H200);
 - copies run in the order they were queued, and as late as they can: only when an event after them is
   waited for, or the stream finishes. A copy reads its source when it runs, so a copier that hands the host
   bytes back (``on_done``) or reuses a staging buffer before its copy ran copies the wrong bytes, and one
@@ -33,6 +33,8 @@ from modelload.loader.errors import DeviceError
 
 PAGE = 4096
 INTEGERS = (torch.uint8, torch.int16, torch.int32, torch.int64)
+DEVICE = -3
+"""The holder of a clone's source: the device's own memory, nothing to pin."""
 
 
 class CopyRefused(RuntimeError):
@@ -106,8 +108,11 @@ class FakeGpu:
         with self.lock:
             assert all(source.dtype in INTEGERS for source in sources), "cloned as integers: bits stay bits"
             self.batched.append(len(sources))
-            self.run_until(self.made)  # the current stream waits for the side stream's copies so far
-            return [source.clone() for source in sources]
+            clones = [torch.empty_like(source) for source in sources]
+            for clone, source in zip(clones, sources, strict=True):  # behind the side stream's copies
+                self.queued.append((clone, source, DEVICE))
+                self.made += 1
+            return clones
 
     def record(self) -> FakeEvent:
         with self.lock:

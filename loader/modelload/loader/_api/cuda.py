@@ -12,6 +12,7 @@ refused runtime call stays behind as the thread's last error and fails the next,
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -19,6 +20,9 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["Event", "Gpu", "open_gpu"]
+
+_SCRATCH_BLOCKS = 2
+"""Scratch blocks a copier holds at once: one filling, one being cloned."""
 
 
 class Event(Protocol):
@@ -49,7 +53,8 @@ class Gpu(Protocol):
 
     def scratch(self, nbytes: int) -> torch.Tensor:
         """A flat uint8 device tensor for the side stream's own use: freed once dropped, its memory is reused
-        only by later work of that stream, so dropping it right after queueing copies through it is safe."""
+        only by later work of that stream, so dropping it right after queueing copies through it is safe.
+        Waits while two earlier blocks are still to be read by their clones."""
 
     def clone_many(self, sources: list[torch.Tensor], scratch: torch.Tensor) -> list[torch.Tensor]:
         """A new device tensor for each source (device tensors of one integer dtype, views of ``scratch``):
@@ -61,7 +66,7 @@ class Gpu(Protocol):
         """An event after everything queued so far."""
 
     def finish(self) -> None:
-        """Wait for the side stream, and order the caller's current stream after it."""
+        """Wait for the side stream and for the clones, and order the caller's current stream after them."""
 
     def register(self, address: int, nbytes: int) -> None:
         """Pin host bytes ``[address, address + nbytes)`` read-only; raises ``DeviceError`` when refused."""
@@ -81,6 +86,8 @@ class CudaGpu:
         self.device = torch.device("cuda", index)
         self._stream = torch.cuda.Stream(self.device)
         self._driver: Any = None
+        self._blocks: deque[list[Any]] = deque()
+        """For each scratch block in use, the events after the clones reading it (the caller's stream)."""
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return self._torch.empty(shape, dtype=dtype, device=self.device)
@@ -96,6 +103,12 @@ class CudaGpu:
             destination.copy_(source, non_blocking=True)
 
     def scratch(self, nbytes: int) -> torch.Tensor:
+        # At most two blocks at a time: a caller's stream kept busy by other work would otherwise leave
+        # every run's block allocated until it got to the clones.
+        while len(self._blocks) >= _SCRATCH_BLOCKS:
+            for event in self._blocks.popleft():
+                event.synchronize()
+        self._blocks.append([])
         with self._torch.cuda.stream(self._stream):
             return self._torch.empty(nbytes, dtype=self._torch.uint8, device=self.device)
 
@@ -104,9 +117,14 @@ class CudaGpu:
         current = torch.cuda.current_stream(self.device)
         current.wait_stream(self._stream)
         scratch.record_stream(current)  # the side stream reuses it only once the clones have read it
-        # Integers plus zero: one allocation and one multi-tensor kernel per chunk of tensors, the results
-        # allocated on the current stream (a clone per tensor would be a launch per tensor).
-        return list(torch._foreach_add(sources, 0))
+        # Integers plus zero, out of place: a new tensor per source, allocated on the current stream, filled
+        # by a few multi-tensor kernels (a clone per tensor would be a launch per tensor). _foreach_add is
+        # torch's own (private) batched op; integer addition keeps every bit.
+        clones = list(torch._foreach_add(sources, 0))
+        event = torch.cuda.Event(blocking=True)
+        event.record(current)
+        self._blocks[-1].append(event)
+        return clones
 
     def record(self) -> Event:
         # Blocking: the copier's completion thread waits on these; a spinning wait would take a core.
@@ -116,6 +134,9 @@ class CudaGpu:
 
     def finish(self) -> None:
         self._stream.synchronize()
+        while self._blocks:  # the clones too: every result is on the device once this returns
+            for event in self._blocks.popleft():
+                event.synchronize()
         self._torch.cuda.current_stream(self.device).wait_stream(self._stream)
 
     def register(self, address: int, nbytes: int) -> None:

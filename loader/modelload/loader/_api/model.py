@@ -262,7 +262,9 @@ class Model:
 
         With no ``device`` (or ``"cpu"``) the tensors are zero-copy views of the segment. With a CUDA
         device, each tensor is copied as soon as it is ready, through pinned memory, so the copies overlap
-        the rest of the load, and marked consumed once copied (see :meth:`consumed`).
+        the rest of the load, and marked consumed once copied (see :meth:`consumed`); in memory mode full,
+        small neighbours are copied together in runs (a run waits for the tensor after it), each into
+        device memory of its own.
 
         The whole model (no ``names``) is returned only once the load is finished (:meth:`wait_complete`):
         tensors are published as they land, before their file's end-of-load proof, and a load refused then

@@ -50,12 +50,7 @@ _RUN_GAP = 4096
 """The most bytes between two tensors of one run (padding, copied along): a page, what a paged slot leaves."""
 _RUN_ALIGN = 16
 """A run's block starts on a multiple of this in the data (of every element size), and is as long."""
-_SAME_SIZE_INTEGER: dict[int, Callable[[Any], torch.dtype]] = {
-    1: lambda torch: torch.uint8,
-    2: lambda torch: torch.int16,
-    4: lambda torch: torch.int32,
-    8: lambda torch: torch.int64,
-}
+_SAME_SIZE_INTEGER = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 """The integer dtype a run's bytes are cloned as, by element size: copied as integers, bits stay bits."""
 _NOT_WRITABLE = "The given buffer is not writable"
 
@@ -117,6 +112,9 @@ class DeviceCopier:
     copier's life (:meth:`pin`: a segment's whole data mapping, or its ring), else each tensor's own bytes,
     pinned for its copy; where the driver refuses, through two pinned staging buffers. Pinning costs per
     page, not per call, so a region is pinned once rather than tensor by tensor.
+
+    Small neighbours in a segment's mapping may be copied together (:meth:`copy_run`): one copy of the bytes
+    they span into a scratch block on the device, then a batched clone of each out of it.
 
     Copies are queued on a side stream and never waited for one by one: each one's ``on_done`` is called
     from the copier's completion thread once its copy is done, in the order of the copies, so the caller
@@ -238,7 +236,7 @@ class DeviceCopier:
 
         self._completions.raise_error()
         base = data.data_ptr()
-        start = (hosts[0].data_ptr() - base) // _RUN_ALIGN * _RUN_ALIGN  # every element size divides it
+        start = _run_start(hosts[0].data_ptr() - base)
         stop = hosts[-1].data_ptr() - base + hosts[-1].nbytes
         length = stop - start
         block = self._gpu.scratch(-(-length // _RUN_ALIGN) * _RUN_ALIGN)
@@ -262,9 +260,14 @@ class DeviceCopier:
             sizes.append(size)
             batch = batches.get(size)
             if batch is None:
-                batch = batches[size] = (block.view(_SAME_SIZE_INTEGER[size](torch)), [])
+                if size not in _SAME_SIZE_INTEGER:
+                    raise ConfigError(f"a run holds {size}-byte elements: only 1, 2, 4 or 8 (see runs())")
+                batch = batches[size] = (block.view(getattr(torch, _SAME_SIZE_INTEGER[size])), [])
             of_size, sources = batch
-            sources.append(of_size.as_strided(host.shape, host.stride(), (host.data_ptr() - shift) // size))
+            at, off = divmod(host.data_ptr() - shift, size)
+            if off or not 0 <= at * size <= length - host.nbytes:
+                raise ConfigError("each tensor of a run lies in its span, on a multiple of its element size")
+            sources.append(of_size.as_strided(host.shape, host.stride(), at))
         clones = {size: iter(self._gpu.clone_many(sources, block)) for size, (_, sources) in batches.items()}
         targets = []
         for host, size in zip(hosts, sizes, strict=True):
@@ -552,8 +555,14 @@ def runs(
             yield run
             run = []
         if small:
-            run, start, stop = [(name, host)], offset // _RUN_ALIGN * _RUN_ALIGN, offset + nbytes
+            run, start, stop = [(name, host)], _run_start(offset), offset + nbytes
         else:
             yield [(name, host)]
     if run:
         yield run
+
+
+def _run_start(offset: int) -> int:
+    """Where a run whose first tensor is at ``offset`` in the data starts its span: on a multiple of
+    :data:`_RUN_ALIGN`, so that each element size divides every offset in its block."""
+    return offset // _RUN_ALIGN * _RUN_ALIGN
