@@ -2,7 +2,7 @@
 
 ``Model.state_dict(device="cuda")`` pins the host bytes it reads (a read-only registration) and copies them
 on a side stream. Pinned tensor by tensor, 4 KiB pages cost one registration per page; on hugetlbfs it pins
-the whole mapping once, in whole huge pages (``DeviceCopier``, ``loader/modelload/loader/_api/torch.py``). This measures both on the same tensors in the same run:
+the whole mapping once, in whole huge pages (``DeviceCopier``, ``loader/modelload/loader/_api/gpu_copy.py``). This measures both on the same tensors in the same run:
 seconds from the call to the last byte on the device, GiB/s, and CPU-seconds per GiB of this process.
 
 Needs a CUDA device and root (it mounts hugetlbfs and reserves the pages, ``tests/support/hugepages.py``).

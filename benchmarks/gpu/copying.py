@@ -51,7 +51,7 @@ def copy_model(model: Any, strategy: str, device: Device) -> tuple[dict[str, Any
             if consume is not None:
                 consume(name)
         return results, {}
-    from modelload.loader._api.torch import DeviceCopier
+    from modelload.loader._api.gpu_copy import DeviceCopier
 
     copier = DeviceCopier("cuda", pin_in_place=strategy != "staging")
     region = model._pinnable(list(model.names)) if strategy == "in-place" else None  # as state_dict's
@@ -87,7 +87,7 @@ def first_copy(device: Device) -> float | None:
 
     device.sync()
     started = time.perf_counter()
-    from modelload.loader._api.torch import DeviceCopier
+    from modelload.loader._api.gpu_copy import DeviceCopier
 
     copier = DeviceCopier("cuda")
     try:

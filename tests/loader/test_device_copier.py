@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from modelload.loader import attach
-from modelload.loader._api.torch import DeviceCopier, Region
+from modelload.loader._api.gpu_copy import DeviceCopier, Region
 from modelload.loader.dtypes import by_name
 from modelload.loader.segment import MemoryMode, SegmentReader, SegmentWriter, TensorSpec, plan_layout
 from modelload.sidecar.memory import MemorySettings

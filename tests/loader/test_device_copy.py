@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from modelload.loader import attach
-from modelload.loader._api.torch import DeviceCopier, Region, as_tensor
+from modelload.loader._api.gpu_copy import DeviceCopier, Region
+from modelload.loader._api.torch import as_tensor
 from modelload.loader.dtypes import by_name
 from modelload.loader.errors import ConfigError
 from modelload.loader.segment import MemoryMode, SegmentWriter, TensorSpec, plan_layout

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from modelload.loader import Model, attach
-from modelload.loader._api import torch as torch_api
-from modelload.loader._api.torch import copy_all, runs
+from modelload.loader._api import gpu_copy
+from modelload.loader._api.gpu_copy import Region, copy_all, runs
+from modelload.loader._api.torch import as_tensor
 from modelload.loader.dtypes import by_name
 from modelload.loader.segment import MemoryMode, SegmentWriter, TensorSpec, plan_layout
 from tests.segment.helpers import expected_bytes
@@ -81,7 +82,7 @@ def test_a_packed_mixture_of_experts_is_copied_in_a_few_runs_bit_for_bit(
 ) -> None:
     if in_place:  # as on huge pages: the whole mapping pinned once, each run read from it
         monkeypatch.setattr("modelload.loader._api.model.Model._pins_in_place", lambda self: True)
-    monkeypatch.setattr(torch_api, "_RUN_BYTES", 1 << 20)  # many runs, each on its own offset
+    monkeypatch.setattr(gpu_copy, "_RUN_BYTES", 1 << 20)  # many runs, each on its own offset
     gpus = fake_gpu.install(monkeypatch)
     path = shm_dir / "moe.seg"
     count = 3000
@@ -92,7 +93,7 @@ def test_a_packed_mixture_of_experts_is_copied_in_a_few_runs_bit_for_bit(
         spanned = len(model._reader.data())
     (gpu,) = gpus
     assert sum(gpu.batched) == count, "every tensor came through a batched clone"
-    most = (-(-spanned // torch_api._RUN_BYTES) + 1) * len(SIZES)
+    most = (-(-spanned // gpu_copy._RUN_BYTES) + 1) * len(SIZES)
     assert len(gpu.batched) <= most, "a batch per element size of each run"
     host_copies = len(gpu.sources)
     assert host_copies <= 2 * len(gpu.batched), f"{host_copies} host copies for {count} tensors"
@@ -146,7 +147,7 @@ def test_a_run_is_handed_back_only_once_its_copies_have_read_it(
     gpus = fake_gpu.install(monkeypatch)
     path = shm_dir / "moe.seg"
     with _segment(path, 500), attach(path, notify=False, register=False) as model:
-        data = torch_api.as_tensor(model._reader.data(), by_name("uint8"), (len(model._reader.data()),))
+        data = as_tensor(model._reader.data(), by_name("uint8"), (len(model._reader.data()),))
         items = list(model.state_dict().items())
         handed_back: list[str] = []
 
@@ -154,7 +155,7 @@ def test_a_run_is_handed_back_only_once_its_copies_have_read_it(
             handed_back.append(name)
             model.tensor(name).reshape(-1).view(torch.uint8).fill_(0xAA)  # copy-on-write: this process only
 
-        region = torch_api.Region(data)  # read in place: the stand-in reads it only when the copy runs
+        region = Region(data)  # read in place: the stand-in reads it only when the copy runs
         results = dict(copy_all(items, "cuda", on_done=scribble, region=region, data=data))
         assert sorted(handed_back) == sorted(model.names)
         for index, (name, _) in enumerate(items):
@@ -213,7 +214,7 @@ def test_a_thousand_tensors_of_a_larger_segment_cost_a_few_copies_not_a_thousand
 def test_runs_of_mixed_dtypes_reach_a_real_gpu_bit_for_bit_each_in_its_own_memory(
     shm_dir: Path, monkeypatch: pytest.MonkeyPatch, packed: bool
 ) -> None:
-    monkeypatch.setattr(torch_api, "_RUN_BYTES", 1 << 20)  # many runs, each from its own offset
+    monkeypatch.setattr(gpu_copy, "_RUN_BYTES", 1 << 20)  # many runs, each from its own offset
     path = shm_dir / "moe.seg"
     with _segment(path, 3000, packed=packed), attach(path, notify=False) as model:
         results = model.state_dict(device="cuda")
@@ -229,7 +230,7 @@ def test_a_full_segment_still_landing_streams_its_runs_to_the_device(
 ) -> None:
     # A run waits for the tensor after it; in memory mode full no landing waits for a consumer, so the copy
     # follows the load to its end.
-    monkeypatch.setattr(torch_api, "_RUN_BYTES", 256 << 10)
+    monkeypatch.setattr(gpu_copy, "_RUN_BYTES", 256 << 10)
     gpus = fake_gpu.install(monkeypatch)
     path = shm_dir / "moe.seg"
     writer = _segment(path, 1500, complete=False)
@@ -258,7 +259,7 @@ def test_an_error_in_a_run_reaches_the_caller_with_every_pin_given_back(
     shm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr("modelload.loader._api.model.Model._pins_in_place", lambda self: True)
-    monkeypatch.setattr(torch_api, "_RUN_BYTES", 256 << 10)
+    monkeypatch.setattr(gpu_copy, "_RUN_BYTES", 256 << 10)
     gpus = fake_gpu.install(monkeypatch)
     clone_many = fake_gpu.FakeGpu.clone_many
     calls = 0

@@ -224,7 +224,7 @@ def test_a_gpu_copy_by_a_process_that_did_not_register_is_checked_against_a_rele
     shm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("torch")
-    from modelload.loader._api import torch as torch_api
+    from modelload.loader._api import gpu_copy
 
     path = shm_dir / "ring.seg"
     layout = _layout([10000, 9000])
@@ -235,7 +235,13 @@ def test_a_gpu_copy_by_a_process_that_did_not_register_is_checked_against_a_rele
     releaser = Releaser(writer.fileno(), layout, punch=False)
 
     def racing_copy(
-        items: Any, device: Any, *, on_done: Any = None, region: Any = None, pin_in_place: bool = True
+        items: Any,
+        device: Any,
+        *,
+        on_done: Any = None,
+        region: Any = None,
+        pin_in_place: bool = True,
+        data: Any = None,
     ) -> Any:
         """A device copy that the sidecar overtakes: t0 is released and its bytes reused mid-copy."""
         results = []
@@ -248,7 +254,7 @@ def test_a_gpu_copy_by_a_process_that_did_not_register_is_checked_against_a_rele
                 on_done(name)
         yield from results
 
-    monkeypatch.setattr(torch_api, "copy_all", racing_copy)
+    monkeypatch.setattr(gpu_copy, "copy_all", racing_copy)
     model = attach(path, timeout=5, notify=False, register=False)  # the ring never waits for it
     with pytest.raises(TensorReleasedError, match="'t0'"):
         model.state_dict(device="cuda")  # a torn copy must not come back as the weights

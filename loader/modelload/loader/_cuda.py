@@ -1,6 +1,6 @@
 """The CUDA driver library, ``libcuda.so.1``, through ctypes: the calls torch and its runtime bindings lack.
 
-Two users. The copy to a GPU (``_api/torch.py``) pins host memory where it is (``cuMemHostRegister``,
+Two users. The copy to a GPU (``_api/gpu_copy.py``) pins host memory where it is (``cuMemHostRegister``,
 read-only). Through the driver rather than torch's ``cudaHostRegister`` binding: a refused runtime call also
 stays behind as the thread's "last error", which torch reports at the next kernel launch as if that kernel
 had failed (seen on an H100: ``cudaErrorHostMemoryAlreadyRegistered`` raised by an unrelated ``torch.equal``),

@@ -1,7 +1,7 @@
 """What the copy to a GPU asks of CUDA, in one place: a side stream and its events, device and pinned host
 allocations, and pinning host memory where it is.
 
-:class:`~modelload.loader._api.torch.DeviceCopier` holds the logic (what to pin and when, which copy may go
+:class:`~modelload.loader._api.gpu_copy.DeviceCopier` holds the logic (what to pin and when, which copy may go
 ahead, when a tensor's host bytes are free again); this module is the few calls it makes, so that the same
 logic runs on a stand-in of them on a machine without a GPU (the test suite's, ``tests/support/fake_gpu.py``)
 and is tested there, not only on the rare runs that have a GPU.

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import numpy.typing as npt
 
-from modelload.loader._api import modules
+from modelload.loader._api import gpu_copy, modules
 from modelload.loader._api import torch as torch_api
 from modelload.loader._api.notify import Subscriber
 from modelload.loader.dtypes import by_name
@@ -280,7 +280,7 @@ class Model:
             on_done = self.consumed if self._registration is not None else None
             region = self._pinnable(wanted)
             result = dict(
-                torch_api.copy_all(
+                gpu_copy.copy_all(
                     self._views(self._ready_batches(indices, timeout)),
                     device,
                     on_done=on_done,
@@ -326,7 +326,7 @@ class Model:
 
     def _runs_over(self) -> torch.Tensor | None:
         """The data mapping as flat bytes, over which small neighbouring tensors are copied to a device in
-        runs (:func:`~modelload.loader._api.torch.runs`): in memory mode full, where no landing waits for
+        runs (:func:`~modelload.loader._api.gpu_copy.runs`): in memory mode full, where no landing waits for
         a copy; elsewhere (a release or a ring gives pages back as each tensor is consumed) None."""
         data = self._reader.data()
         if self._reader.memory_mode != MemoryMode.FULL or not len(data):
@@ -344,7 +344,7 @@ class Model:
         """
         return self._reader.volume.huge or self._reader.memory_mode == MemoryMode.RING
 
-    def _pinnable(self, wanted: list[str]) -> torch_api.Region | None:
+    def _pinnable(self, wanted: list[str]) -> gpu_copy.Region | None:
         """What a copy of tensors ``wanted`` to a GPU may pin once rather than tensor by tensor (pinning costs
         per page, and a copy must read from inside one registration):
 
@@ -372,7 +372,7 @@ class Model:
             ):
                 return None
         ring = reader.header.ring_size if mode == MemoryMode.RING else 0
-        return torch_api.Region(torch_api.as_tensor(data, by_name("uint8"), (len(data),)), ring)
+        return gpu_copy.Region(torch_api.as_tensor(data, by_name("uint8"), (len(data),)), ring)
 
     def load_into_module(
         self,

@@ -29,7 +29,7 @@ from modelload.loader.handoff.protocol import TensorPlace
 if TYPE_CHECKING:
     import torch
 
-    from modelload.loader._api.torch import Region
+    from modelload.loader._api.gpu_copy import Region
 
 __all__ = [
     "Block",
@@ -205,7 +205,7 @@ class CudaMemory:
         return block
 
     def copier(self, *, pin_in_place: bool) -> Copier:
-        from modelload.loader._api.torch import DeviceCopier
+        from modelload.loader._api.gpu_copy import DeviceCopier
 
         return DeviceCopier(self._torch_device, pin_in_place=pin_in_place)
 
