@@ -8,7 +8,6 @@ shows here; the GPU tests at the end run the same on a real device.
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +19,7 @@ from modelload.loader._api import gpu_copy
 from modelload.loader._api.gpu_copy import Region, copy_all, runs
 from modelload.loader._api.torch import as_tensor
 from modelload.loader.dtypes import by_name
-from modelload.loader.segment import MemoryMode, SegmentWriter, TensorSpec, plan_layout
+from modelload.loader.segment import MemoryMode, SegmentWriter, Slot, TensorSpec, plan_layout
 from tests.segment.helpers import expected_bytes
 from tests.support import fake_gpu
 
@@ -229,27 +228,42 @@ def test_a_full_segment_still_landing_streams_its_runs_to_the_device(
     shm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A run waits for the tensor after it; in memory mode full no landing waits for a consumer, so the copy
-    # follows the load to its end.
+    # follows the load to its end: the first half lands, runs of it are cloned while the second half is still
+    # to land, then the rest lands.
     monkeypatch.setattr(gpu_copy, "_RUN_BYTES", 256 << 10)
     gpus = fake_gpu.install(monkeypatch)
+    cloned = threading.Event()
+    clone_many = fake_gpu.FakeGpu.clone_many
+
+    def clone_and_tell(
+        self: fake_gpu.FakeGpu, sources: list[torch.Tensor], scratch: torch.Tensor
+    ) -> list[torch.Tensor]:
+        cloned.set()
+        return clone_many(self, sources, scratch)
+
+    monkeypatch.setattr(fake_gpu.FakeGpu, "clone_many", clone_and_tell)
     path = shm_dir / "moe.seg"
     writer = _segment(path, 1500, complete=False)
     slots = writer.layout.slots
+    half = len(slots) // 2
 
-    def land() -> None:
-        for first in range(0, len(slots), 100):
-            batch = slots[first : first + 100]
-            for slot in batch:
-                writer.slot(slot.index)[:] = expected_bytes(13, slot.index, slot.nbytes)
-            writer.mark_ready_many([slot.index for slot in batch])
-            time.sleep(0.002)  # a pace, not a wait for anything: the copy must follow whatever the pace
-        writer.mark_complete()
+    def land(landing: list[Slot]) -> None:
+        for slot in landing:
+            writer.slot(slot.index)[:] = expected_bytes(13, slot.index, slot.nbytes)
+        writer.mark_ready_many([slot.index for slot in landing])
+
+    def load() -> None:
+        land(slots[:half])
+        if cloned.wait(30):  # else the copy never began: the test fails on the flag below
+            land(slots[half:])
+            writer.mark_complete()
 
     with attach(path, notify=False, timeout=30) as model:
-        lander = threading.Thread(target=land)
+        lander = threading.Thread(target=load)
         lander.start()
         results = model.state_dict(device="cuda")
         lander.join()
+        assert cloned.is_set(), "no run was copied while half the model was still to land"
         _check_every_tensor(model, results)
     writer.close()
     assert sum(gpus[0].batched) > 1000, "copied in runs"
