@@ -4,6 +4,8 @@ real fleet; this pins the rule itself, without waiting on a load's pace."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from modelload.loader.peerwire import PeerKey
@@ -19,43 +21,46 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     return now
 
 
-def _fleet() -> tuple[Fleet, list[tuple[str, str]]]:
-    fleet = Fleet(PeerSettings(stall_timeout=2.0, wait_budget=60.0), self_id="me", key=PeerKey("token"))
+@pytest.fixture
+def fleet(clock: list[float]) -> Iterator[tuple[Fleet, list[tuple[str, str]]]]:
+    """A fleet with a 2 s stall timeout on the test's clock, and the peers it drops: ``(url, why)``."""
+    made = Fleet(PeerSettings(stall_timeout=2.0, wait_budget=60.0), self_id="me", key=PeerKey("token"))
     dropped: list[tuple[str, str]] = []
-    fleet.on_exclude = lambda peer, why: dropped.append((peer.url, why))
-    return fleet, dropped
-
-
-def test_a_peer_answering_only_busy_is_dropped_once_that_lasted_the_stall_timeout(clock: list[float]) -> None:
-    fleet, dropped = _fleet()
-    peer = Peer("http://10.0.0.9:8480")
+    made.on_exclude = lambda peer, why: dropped.append((peer.url, why))
     try:
-        fleet.busy(peer)
-        clock[0] += 1.9
-        fleet.busy(peer)
-        assert not dropped and peer.excluded is None, "busy for less than the stall timeout: still asked"
-        clock[0] += 0.2
-        fleet.busy(peer)
-        assert dropped == [(peer.url, "it answered only busy (429) for 2.1 s")]
-        assert peer.excluded is not None
+        yield made, dropped
     finally:
-        fleet.stop()
+        made.stop()
 
 
-def test_a_chunk_served_between_two_busy_answers_starts_the_count_again(clock: list[float]) -> None:
-    fleet, dropped = _fleet()
+def test_a_peer_answering_only_busy_is_dropped_once_that_lasted_the_stall_timeout(
+    fleet: tuple[Fleet, list[tuple[str, str]]], clock: list[float]
+) -> None:
+    peers, dropped = fleet
     peer = Peer("http://10.0.0.9:8480")
-    try:
-        fleet.busy(peer)
-        clock[0] += 1.5
-        fleet.served(peer, 1 << 20)
-        clock[0] += 1.5
-        fleet.busy(peer)
-        clock[0] += 1.5
-        fleet.busy(peer)
-        assert not dropped, "busy for 1.5 s since it last served"
-        clock[0] += 1.0
-        fleet.busy(peer)
-        assert [why for _, why in dropped] == ["it answered only busy (429) for 2.5 s"]
-    finally:
-        fleet.stop()
+    peers.busy(peer)
+    clock[0] += 1.9
+    peers.busy(peer)
+    assert not dropped and peer.excluded is None, "busy for less than the stall timeout: still asked"
+    clock[0] += 0.2
+    peers.busy(peer)
+    assert dropped == [(peer.url, "it answered only busy (429) for 2.1 s")]
+    assert peer.excluded is not None
+
+
+def test_a_chunk_served_between_two_busy_answers_starts_the_count_again(
+    fleet: tuple[Fleet, list[tuple[str, str]]], clock: list[float]
+) -> None:
+    peers, dropped = fleet
+    peer = Peer("http://10.0.0.9:8480")
+    peers.busy(peer)
+    clock[0] += 1.5
+    peers.served(peer, 1 << 20)
+    clock[0] += 1.5
+    peers.busy(peer)
+    clock[0] += 1.5
+    peers.busy(peer)
+    assert not dropped, "busy for 1.5 s since it last served"
+    clock[0] += 1.0
+    peers.busy(peer)
+    assert [why for _, why in dropped] == ["it answered only busy (429) for 2.5 s"]
