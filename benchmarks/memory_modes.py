@@ -19,6 +19,10 @@ volume bytes + sidecar RSS, and the volume's bytes once the consumer is done. Th
 - release: volume under 64 MiB once the consumer is done;
 - ring throughput >= 0.85 x full mode's.
 
+The two memory bounds are properties of the modes: the script exits with status 1 when either is broken.
+The throughput goal is reported, yes or NO, and does not change the exit status: on a shared machine a
+ratio of two timings moves with the neighbours' load.
+
     python benchmarks/memory_modes.py [--size 2] [--ring-size 256MiB] [--runs 3] [--readers 8]
 """
 
@@ -264,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ring throughput / full: {ratio:.2f} (goal >= 0.85): {'yes' if ratio >= 0.85 else 'NO'}")
     print("GPU path (state_dict(device='cuda') per mode, H2D against pinned memory): "
           + (_gpu_note() or "no CUDA device here: skipped"))  # fmt: skip
-    return 0 if ring_peak_ok and release_ok and ratio >= 0.85 else 1
+    return 0 if ring_peak_ok and release_ok else 1
 
 
 def _gpu_note() -> str | None:

@@ -142,9 +142,14 @@ def test_the_memory_modes_benchmark_runs_each_mode_and_checks_its_goals() -> Non
     # make bench runs it on 2 GiB; a quarter of that proves it still drives the sidecar and the loader as
     # they are (a renamed keyword once broke it with nothing to notice).
     done = _memory_modes("--size", "0.25", "--ring-size", "96MiB", timeout=300)
+    # The memory bounds hold whatever the load; the throughput goal's ratio of two timings is reported
+    # (it once said NO on a busy machine) and is not asserted here.
     assert done.returncode == 0, done.stderr[-2000:]
-    for line in ("ring peak", "release volume after the consumer", "ring throughput / full"):
-        assert line in done.stdout, done.stdout
+    lines = done.stdout.splitlines()
+    for start in ("ring peak", "release volume after the consumer"):
+        [line] = [line for line in lines if line.startswith(start)]
+        assert line.endswith(": yes"), done.stdout
+    assert any(line.startswith("ring throughput / full: ") for line in lines), done.stdout
 
 
 def test_the_memory_modes_benchmark_names_a_refused_load_in_one_line() -> None:
