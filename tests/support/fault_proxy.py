@@ -46,11 +46,13 @@ Bodies are buffered whole: use small objects.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import http.client
 import random
 import re
 import socket
 import struct
+import termios
 import threading
 import time
 from collections.abc import Sequence
@@ -413,12 +415,27 @@ class FaultProxy:
             except OSError:
                 return False
             return True
-        time.sleep(0.05)  # let the client take the bytes sent so far before the connection goes
+        _wait_until_taken(client)  # a reset throws away whatever the client's kernel has not taken yet
         if isinstance(fault, Reset):
             client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         else:
             client.shutdown(socket.SHUT_WR)
         return False
+
+
+def _wait_until_taken(client: socket.socket, deadline_s: float = 10.0) -> None:
+    """Wait until the client's kernel has acknowledged every byte sent to it (the send queue, Linux's
+    ``SIOCOUTQ``, is empty), so that a reset loses none of the bytes a fault promises; at most
+    ``deadline_s``. A client that stops reading leaves bytes queued, and the fault goes ahead then."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        try:
+            queued = struct.unpack("i", fcntl.ioctl(client.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+        except OSError:
+            return  # the client is gone: nothing left to wait for
+        if queued == 0:
+            return
+        time.sleep(0.002)
 
 
 _HOP_BY_HOP = frozenset(
