@@ -4,7 +4,8 @@
 #
 #   bash benchmarks/gpu/recheck.sh OUT [WHEELS]
 #
-# Three steps, each under a time limit, within RECHECK_BUDGET seconds (default 65):
+# Three steps, each under a time limit, within RECHECK_BUDGET seconds (default 65; RECHECK_TESTS_LIMIT and
+# RECHECK_CASE_LIMIT move the limits of the tests and of each benchmark case, 30 and 12 s by default):
 #   install  nothing is installed: the wheels are unpacked into a folder on PYTHONPATH (no pip, no
 #            resolver, no project wheel to build), the tree's own sources before them, with a generated
 #            dist-info for modelload's entry points (the CLI's subcommands). Skipped when this Python
@@ -75,14 +76,14 @@ export -f unpack
 echo "GPU recheck of modelload into $OUT, ${BUDGET} s in all"
 
 if run_step install 15 bash -c unpack; then
-    run_step tests 30 "$PY" -m pytest -m gpu -p no:cacheprovider -q -rs --timeout 20 \
+    run_step tests "${RECHECK_TESTS_LIMIT:-30}" "$PY" -m pytest -m gpu -p no:cacheprovider -q -rs --timeout 20 \
         --junitxml="$OUT/tests.xml" tests/loader/test_device_copy.py tests/loader/test_consuming.py \
         tests/loader/test_attach.py tests/loader/test_huge_page_pins.py \
         "tests/handoff/test_cuda_handoff.py::test_the_keeper_consumes_what_it_copied_in_memory_mode_release"
     mapfile -t dry < <(bench_dry)
     left=$((BUDGET - ($(date +%s) - START) - STEP_RESERVE))
     run_step bench "$left" "$PY" benchmarks/gpu_copy.py --size "$SIZE" --rounds 1 \
-        --cases ceiling,full,ring,pinning --budget $((left - 4)) --case-limit 12 \
+        --cases ceiling,full,ring,pinning --budget $((left - 4)) --case-limit "${RECHECK_CASE_LIMIT:-12}" \
         --out "$OUT/gpu_copy.jsonl" "${dry[@]}"
 else
     record tests skipped 0 0 "the install failed: see install.log"
