@@ -17,6 +17,7 @@ from modelload.loader.segment.failure import marker_path, write_failure
 from modelload.sidecar.process import Sidecar, default_engine
 from tests.sidecar.scripted import scripted, tensor_values
 from tests.support.sidecars import Sidecars
+from tests.support.waiting import wait_for
 
 
 @pytest.fixture
@@ -62,7 +63,10 @@ def test_tensor_waits_are_not_bounded_by_the_segment_timeout(
     start_sidecar: Callable[..., Sidecar], shm_dir: Path
 ) -> None:
     gate = threading.Event()
-    start_sidecar("scripted://model", shm_dir / "model.seg", scripted(tensors=3, pause_at=1, gate=gate))
+    script = scripted(tensors=3, pause_at=1, gate=gate)
+    sidecar = start_sidecar("scripted://model", shm_dir / "model.seg", script)
+    # The segment is published before the short segment wait starts: only the tensor wait is at stake.
+    wait_for(lambda: sidecar.tracker.snapshot().tensors_ready >= 1, timeout=30, what="the first tensor ready")
     model = attach(shm_dir / "model.seg", timeout=0.5, notify=False)
     opener = threading.Timer(1.5, gate.set)  # the rest of the load takes longer than the segment wait
     opener.start()

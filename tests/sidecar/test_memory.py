@@ -304,9 +304,10 @@ def test_a_reader_that_died_holding_tensors_stops_counting_when_its_heartbeat_ex
 ) -> None:
     source, tensors = _model(tmp_path, seed=5)
     segment = shm_dir / "dead.seg"
-    # A sub-second expiry, for the test's sake: the live consumer (this process) beats fast enough for it.
+    # A short expiry, for the test's sake: the live consumer (this process) beats 40 times within it, so a
+    # busy machine that holds its heartbeat back for a moment does not take it for dead.
     monkeypatch.setattr(consumers, "HEARTBEAT_INTERVAL", 0.05)
-    load = Load(source, segment, MemorySettings(mode="ring", ring_size=RING, expiry=0.5), readers=2)
+    load = Load(source, segment, MemorySettings(mode="ring", ring_size=RING, expiry=2.0), readers=2)
     context = multiprocessing.get_context("spawn")
     ready = context.Event()
     reader = context.Process(target=_hold_and_die, args=(str(segment), ready))

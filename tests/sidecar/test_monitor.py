@@ -36,10 +36,19 @@ class Live:
         )
 
     def load(
-        self, *, tensors: int = 4, size: int = 1 << 20, pause: float = 0.05, fail_at: int | None = None
+        self,
+        *,
+        tensors: int = 4,
+        size: int = 1 << 20,
+        pause: float = 0.05,
+        fail_at: int | None = None,
+        hold: threading.Event | None = None,
     ) -> None:
+        """``hold``: after the first tensor, wait (30 s at most) until it is set before going on."""
         self.begin(tensors=tensors, size=size)
         for i in range(tensors):
+            if i == 1 and hold is not None:
+                assert hold.wait(30), "the monitor never printed the load in progress"
             time.sleep(pause)
             if i == fail_at:
                 self.observer.load_failed(kind="access_denied", reason="403 Forbidden: check the Secret")
@@ -72,13 +81,29 @@ def test_the_monitor_follows_a_load_to_completion_and_exits_0(live: Live) -> Non
     assert "4/4 tensors, 0 retries" in lines[-1]
 
 
+class _Written(io.StringIO):
+    """Output that tells when something in progress was first written to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.progress = threading.Event()
+
+    def write(self, text: str) -> int:
+        written = super().write(text)
+        if "loading" in text:
+            self.progress.set()
+        return written
+
+
 def test_json_mode_prints_one_status_document_per_poll(live: Live) -> None:
-    out = io.StringIO()
-    in_background(live.load, pause=0.05)
+    out = _Written()
+    # The load stops after its first tensor until the monitor has printed it loading: two documents at
+    # least, whatever the machine's pace.
+    in_background(live.load, pause=0, hold=out.progress)
     assert watch(live.url, interval=0.02, as_json=True, out=out) == 0
     documents = [json.loads(line) for line in out.getvalue().splitlines()]
     assert documents[-1]["state"] == "complete" and documents[-1]["bytes_done"] == 4 << 20
-    assert len(documents) >= 2
+    assert any(0 < d["bytes_done"] < 4 << 20 for d in documents), "the load in progress was printed"
     assert [d["bytes_done"] for d in documents] == sorted(d["bytes_done"] for d in documents)
 
 
@@ -159,14 +184,14 @@ def test_the_command_refuses_a_non_positive_interval(capsys: pytest.CaptureFixtu
     assert "--interval and --timeout must be positive" in capsys.readouterr().err
 
 
-class _Terminal(io.StringIO):
+class _Terminal(_Written):
     def isatty(self) -> bool:
         return True
 
 
 def test_on_a_terminal_the_line_is_redrawn_in_place(live: Live) -> None:
     out = _Terminal()
-    in_background(live.load, pause=0.05)
+    in_background(live.load, pause=0, hold=out.progress)
     assert watch(live.url, interval=0.02, out=out) == 0
     text = out.getvalue()
     assert text.count("\n") == 1 and text.endswith("\n")
