@@ -17,7 +17,7 @@
 #            mount one), and the keeper consuming as it copies; each test under 20 s.
 #   bench    benchmarks/gpu_copy.py on a RECHECK_SIZE GiB model (default 1): the ceilings, full in-place
 #            (the mapping pinned once: pinning and copy apart) and staging, the ring in-place, staging and
-#            streamed, and in-place pinning each tensor, each case under 12 s, one round.
+#            streamed, and in-place pinning each tensor, each case under 12 s by default, one round.
 # OUT gets summary.jsonl, install.log, tests.log, tests.xml, bench.log and gpu_copy.jsonl. Without a CUDA
 # device the tests skip and the benchmark runs dry, so this runs anywhere (the test suite runs it so).
 set -u

@@ -23,6 +23,7 @@ def test_the_first_failure_stops_the_others_and_is_raised_once_they_have_returne
     done: list[int] = []
     lock = threading.Lock()
     stop = threading.Event()  # run_in_order sets it at the first failure
+    never_stopped: list[int] = []
 
     def work(i: int) -> None:
         nonlocal running
@@ -31,8 +32,9 @@ def test_the_first_failure_stops_the_others_and_is_raised_once_they_have_returne
         try:
             if i == 3:
                 raise ValueError("item 3 is bad")
-            if i > 3:  # the items after the bad one are still being worked when it fails
-                assert stop.wait(30), "the failure never stopped the work"
+            if i > 3 and not stop.wait(30):  # the items after the bad one are in hand when it fails
+                never_stopped.append(i)
+                raise RuntimeError(f"item {i}: the failure never stopped the work")
             done.append(i)
         finally:
             with lock:
@@ -41,6 +43,7 @@ def test_the_first_failure_stops_the_others_and_is_raised_once_they_have_returne
     with pytest.raises(ValueError, match="item 3"):
         run_in_order(1000, work, threads=3, stop=stop)
     assert running == 0, "no thread still working when the error is raised"
+    assert not never_stopped, "the failure did not stop the other threads"
     # Items 0-2, and at most the one item each of the two other threads held when item 3 failed.
     assert set(done) >= {0, 1, 2} and len(done) <= 5, done
 

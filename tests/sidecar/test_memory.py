@@ -293,6 +293,7 @@ def test_a_ring_with_no_consumer_attached_says_so_when_it_times_out(tmp_path: Pa
 
 
 def _hold_and_die(segment: str, ready: Any) -> None:
+    consumers.HEARTBEAT_INTERVAL = 0.05  # alive, it beats as often as the test's live consumer
     model = attach(segment, timeout=10, notify=False)
     model.numpy(model.names[0])
     ready.set()

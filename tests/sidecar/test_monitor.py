@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.server
 import io
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -44,11 +45,15 @@ class Live:
         fail_at: int | None = None,
         hold: threading.Event | None = None,
     ) -> None:
-        """``hold``: after the first tensor, wait (30 s at most) until it is set before going on."""
+        """``hold``: after the first tensor, wait (30 s at most) until it is set before going on; a load
+        still held then fails, so that the monitor ends and the test says why."""
         self.begin(tensors=tensors, size=size)
         for i in range(tensors):
-            if i == 1 and hold is not None:
-                assert hold.wait(30), "the monitor never printed the load in progress"
+            if i == 1 and hold is not None and not hold.wait(30):
+                self.observer.load_failed(
+                    kind="stopped", reason="the monitor never printed the load in progress"
+                )
+                return
             time.sleep(pause)
             if i == fail_at:
                 self.observer.load_failed(kind="access_denied", reason="403 Forbidden: check the Secret")
@@ -82,7 +87,8 @@ def test_the_monitor_follows_a_load_to_completion_and_exits_0(live: Live) -> Non
 
 
 class _Written(io.StringIO):
-    """Output that tells when something in progress was first written to it."""
+    """Output that tells when the load was first written to it with one tensor of four in (a status
+    document, or the line drawn on a terminal)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -90,7 +96,7 @@ class _Written(io.StringIO):
 
     def write(self, text: str) -> int:
         written = super().write(text)
-        if "loading" in text:
+        if re.search(r'"tensors_ready": 1[,}]| 1/4 tensors', text):
             self.progress.set()
         return written
 

@@ -429,10 +429,9 @@ def _wait_until_taken(client: socket.socket, deadline_s: float = 10.0) -> None:
     ``deadline_s``. A client that stops reading leaves bytes queued, and the fault goes ahead then."""
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
-        try:
-            queued = struct.unpack("i", fcntl.ioctl(client.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
-        except OSError:
-            return  # the client is gone: nothing left to wait for
+        if client.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+            return  # the client reset the connection: what is queued will never be taken
+        queued = struct.unpack("i", fcntl.ioctl(client.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
         if queued == 0:
             return
         time.sleep(0.002)
