@@ -59,6 +59,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
+from tests.support.waiting import wait_for
+
 __all__ = [
     "Fault",
     "FaultProxy",
@@ -427,14 +429,14 @@ def _wait_until_taken(client: socket.socket, deadline_s: float = 10.0) -> None:
     """Wait until the client's kernel has acknowledged every byte sent to it (the send queue, Linux's
     ``SIOCOUTQ``, is empty), so that a reset loses none of the bytes a fault promises; at most
     ``deadline_s``. A client that stops reading leaves bytes queued, and the fault goes ahead then."""
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
+
+    def taken() -> bool:
         if client.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
-            return  # the client reset the connection: what is queued will never be taken
-        queued = struct.unpack("i", fcntl.ioctl(client.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
-        if queued == 0:
-            return
-        time.sleep(0.002)
+            return True  # the client reset the connection: what is queued will never be taken
+        return struct.unpack("i", fcntl.ioctl(client.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0] == 0
+
+    with contextlib.suppress(AssertionError):  # past the deadline: the fault goes ahead regardless
+        wait_for(taken, timeout=deadline_s, what="the client taking the bytes sent")
 
 
 _HOP_BY_HOP = frozenset(
