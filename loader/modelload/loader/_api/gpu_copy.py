@@ -139,11 +139,7 @@ class DeviceCopier:
             return target
         spans = self._inside_region(host)
         if spans is not None:
-            region, pieces = spans
-            destination, done = _as_bytes(target), 0
-            for offset, length in pieces:  # two where a ring's tensor runs past the ring's end
-                self._gpu.copy(destination[done : done + length], region[offset : offset + length])
-                done += length
+            self._copy_pieces(_as_bytes(target), *spans)
             if on_done is not None:
                 self._completions.put(self._gpu.record(), host, None, on_done)
         elif self._pin_in_place and host.is_contiguous() and self._pin_tensor(host):
@@ -189,11 +185,7 @@ class DeviceCopier:
         block = self._gpu.scratch(-(-length // _RUN_ALIGN) * _RUN_ALIGN)
         spans = self._inside_region_at(base + start, length)
         if spans is not None:
-            region, pieces = spans
-            done = 0
-            for offset, size in pieces:
-                self._gpu.copy(block[done : done + size], region[offset : offset + size])
-                done += size
+            self._copy_pieces(block, *spans)
         else:  # pinning a span would overlap its neighbours' pages: staged (one memcpy of the whole span)
             self._copy_staged(data[start:stop], block[:length], one_thread=True)
         if on_done is not None:  # the host bytes are read once the copy into the block is done
@@ -263,6 +255,16 @@ class DeviceCopier:
             if pieces is not None:
                 return pinned.region.bytes, pieces
         return None
+
+    def _copy_pieces(
+        self, destination: torch.Tensor, region: torch.Tensor, pieces: list[tuple[int, int]]
+    ) -> None:
+        """Queue the copy of ``pieces`` of a pinned ``region`` (:meth:`_inside_region_at`), one after the
+        other, into the start of ``destination``: two pieces where a ring's bytes run past the ring's end."""
+        done = 0
+        for offset, length in pieces:
+            self._gpu.copy(destination[done : done + length], region[offset : offset + length])
+            done += length
 
     def _pin_tensor(self, host: torch.Tensor) -> bool:
         try:
